@@ -1,0 +1,180 @@
+"""A decoder-only transformer as plain single-device PyTorch (Llama-style).
+
+RMSNorm, rotary position embeddings, causal attention through ``scaled_dot_product_attention``,
+SwiGLU MLP, optional grouped-query attention and tied embeddings. No parallelism code: the
+model declares, as data, its repeated block (``GPT.block_cls``) and which linear layers are
+column- or row-parallel (``GPT.tp_plan``); strategies apply themselves from outside.
+
+Weights are initialised inside each module's constructor (never by a pass over the built
+model), so construction under DeepSpeed's ``zero.Init`` or on the meta device stays correct.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    seq_len: int
+    dropout: float = 0.0
+    ffn_dim: int | None = None
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def of(cls, cfg) -> GPTShape:
+        """From a model config node or mapping (extra keys such as ``name`` are ignored)."""
+        return cls(**{f.name: cfg[f.name] for f in fields(cls) if f.name in cfg})
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        return 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Exact parameter count of ``GPT(self)``, without building it."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        mlp = 3 * self.dim * self.hidden
+        block = attn + mlp + 2 * self.dim
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * block + embed + self.dim
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dim % self.n_heads:
+            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            out.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if (self.dim // max(self.n_heads, 1)) % 2:
+            out.append(f"head dim {self.dim}/{self.n_heads} must be even for rotary embeddings")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"model.dropout={self.dropout} must be in [0, 1)")
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_table(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
+    """cos/sin of rotary angles, shape (seq_len, head_dim // 2, 2)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, head_dim) pairs of channels by the table's angles."""
+    x2 = x.float().unflatten(-1, (-1, 2))
+    cos, sin = table[: x.shape[-2], :, 0], table[: x.shape[-2], :, 1]
+    out = torch.stack([x2[..., 0] * cos - x2[..., 1] * sin, x2[..., 0] * sin + x2[..., 1] * cos], -1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = s.n_heads, s.n_kv_heads, s.head_dim
+        self.wq = nn.Linear(s.dim, s.n_heads * s.head_dim, bias=False)
+        self.wk = nn.Linear(s.dim, s.n_kv_heads * s.head_dim, bias=False)
+        self.wv = nn.Linear(s.dim, s.n_kv_heads * s.head_dim, bias=False)
+        self.wo = nn.Linear(s.n_heads * s.head_dim, s.dim, bias=False)
+        self.dropout = s.dropout
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism the projections hold a slice of the heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.w1 = nn.Linear(s.dim, s.hidden, bias=False)  # gate
+        self.w3 = nn.Linear(s.dim, s.hidden, bias=False)  # up
+        self.w2 = nn.Linear(s.hidden, s.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One transformer layer: the unit of FSDP wrapping and activation checkpointing."""
+
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.attn_norm = RMSNorm(s.dim, s.norm_eps)
+        self.attn = Attention(s)
+        self.mlp_norm = RMSNorm(s.dim, s.norm_eps)
+        self.mlp = MLP(s)
+        self.drop = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    block_cls = Block
+    # Megatron-style tensor-parallel plan, relative to each block: column-parallel layers split
+    # their output features, row-parallel layers their input features (then all-reduce).
+    tp_plan = {
+        "attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
+        "mlp.w1": "column", "mlp.w3": "column", "mlp.w2": "row",
+    }
+
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        self.drop = nn.Dropout(shape.dropout)
+        self.layers = nn.ModuleList(Block(shape) for _ in range(shape.n_layers))
+        self.norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(shape.head_dim, shape.seq_len, shape.rope_theta),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.tok_embeddings(tokens))
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
