@@ -1,0 +1,114 @@
+"""Shared test harness: run the real CLI in a subprocess (bounded by a timeout), read what it
+wrote, and compare runs. Hygiene: Hydra's global state and env vars are restored per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GLOO_ABORT = "terminate called without an active exception"
+# Small, fast, deterministic: the tiny model in fp32 with dropout off.
+TINY = ("model=gpt_nano", "model.dropout=0", "trainer.precision=32", "cluster.accelerator=cpu",
+        "callbacks.progress_bar=false", "trainer.warmup_steps=0", "planner.enforce=false")
+
+
+# The equivalence setting: every strategy test compares with one single-process run of this.
+EQUIV = ("trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.lr=1e-3",
+         "trainer.grad_clip=1.0", "trainer.export_params=true")
+
+
+@dataclass
+class Run:
+    proc: subprocess.CompletedProcess
+    out: Path
+
+    @property
+    def log(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    @property
+    def report(self) -> dict:
+        return json.loads((self.out / "report.json").read_text())
+
+    @property
+    def losses(self) -> list[float]:
+        return self.report["losses"]
+
+    def params(self) -> dict:
+        import torch
+
+        return torch.load(self.out / "params.pt", map_location="cpu")
+
+
+def run_cli(script: str, *overrides: str, out: Path, timeout: float = 240, check: bool = True,
+            env: dict[str, str] | None = None) -> Run:
+    """``python <script> overrides... hydra.run.dir=<out>`` in a subprocess, with a hard timeout."""
+    cmd = [sys.executable, str(ROOT / script), *overrides, f"hydra.run.dir={out}"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"timed out after {timeout}s (deadlock?): {' '.join(cmd)}\n"
+                    f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-3000:]!r}")
+    run = Run(proc, out)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{run.log[-6000:]}"
+        # Under Lightning's launcher a rank-1 abort at exit does not change the exit code.
+        assert GLOO_ABORT not in run.log, f"a rank aborted at exit:\n{run.log[-3000:]}"
+    return run
+
+
+@pytest.fixture
+def train(tmp_path):
+    """train(*overrides, name=...) -> Run: a tiny CPU run of train.py in its own directory."""
+    counter = iter(range(1000))
+
+    def _train(*overrides: str, name: str | None = None, check: bool = True, timeout: float = 240,
+               env: dict[str, str] | None = None) -> Run:
+        out = tmp_path / (name or f"run{next(counter)}")
+        return run_cli("train.py", *TINY, *overrides, out=out, check=check, timeout=timeout, env=env)
+
+    return _train
+
+
+@pytest.fixture(scope="session")
+def single_reference(tmp_path_factory) -> Run:
+    """The single-process reference of EQUIV (whole global batch in one micro-batch)."""
+    out = tmp_path_factory.mktemp("reference") / "single"
+    return run_cli("train.py", *TINY, *EQUIV, "strategy=single", "trainer.micro_batch_size=8", out=out)
+
+
+def assert_losses_close(ref: list[float], other: list[float], rtol: float) -> None:
+    assert len(ref) == len(other) > 0, (ref, other)
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref, other))
+    assert worst <= rtol, f"losses differ by {worst:.2e} (relative) > {rtol:g}:\n{ref}\n{other}"
+
+
+def assert_params_close(ref: dict, other: dict, rtol: float) -> None:
+    """Every tensor agrees to ``rtol`` relative to its own largest magnitude."""
+    assert ref.keys() == other.keys(), sorted(set(ref) ^ set(other))
+    for k in ref:
+        a, b = ref[k].float(), other[k].float()
+        assert a.shape == b.shape, (k, a.shape, b.shape)
+        err = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-12)
+        assert err <= rtol, f"parameter {k} differs by {err:.2e} (relative to its max) > {rtol:g}"
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    """Restore env vars and Hydra's global state around every test."""
+    env = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
