@@ -108,6 +108,8 @@ class CallbacksConfig:
     """Lightning's progress bar, with loss and tokens/s."""
     report: bool = True
     """Write report.json at the end of the run."""
+    memory: bool = True
+    """Measure the bytes each rank holds (params, grads, optimizer) into the report."""
 
 
 @dataclass
@@ -124,8 +126,12 @@ class PlannerConfig:
     """table | json."""
     accounting: str = "actual"
     """actual (what the preset allocates) | mixed16 (16 B/param) | mixed20 (20 B/param)."""
-    params: int | None = None
-    """Plan model states of this many parameters, without a model shape (no activations)."""
+    params: float | None = None
+    """Plan model states of this many parameters, without a model shape (no activations);
+    a float so that ``planner.params=1e10`` works."""
+    trainable: float | None = None
+    """Parameters that train (LoRA-style adapters); the rest are frozen and hold no gradient or
+    optimizer state. None: all parameters train."""
     tp: int = 1
     """Tensor-parallel degree for planned-only layouts."""
     pp: int = 1
@@ -136,6 +142,16 @@ class PlannerConfig:
     """Assumed model-FLOPs utilisation for compute time."""
     enforce: bool = True
     """train.py refuses to launch a run predicted not to fit."""
+    activation_checkpointing: bool | None = None
+    """Plan with (true) or without (false) activation checkpointing; None: each preset's own."""
+    sequence_parallel: bool = True
+    """Planned-only TP layouts shard the non-TP activations too (Megatron sequence parallel)."""
+    flash_attention: bool = True
+    """Attention kernels that store no (seq x seq) scores (SDPA flash / memory-efficient)."""
+    host_link_GBps: float = 25.0
+    """Per-device host<->device bandwidth for CPU offload, GB/s (PCIe 4 x16)."""
+    nvme_GBps: float = 3.0
+    """Per-device NVMe bandwidth share for NVMe offload, GB/s."""
 
 
 @dataclass

@@ -87,7 +87,9 @@ class GlobalBatchSampler:
                 yield mine[a * self.micro_batch : (a + 1) * self.micro_batch]
 
     def __len__(self) -> int:
-        return max(self.steps - self.start_step, 0) * self.accumulation
+        # The whole run is one Lightning epoch; a resumed run's restored batch count plus what
+        # this iterator still yields adds up to this length.
+        return self.steps * self.accumulation
 
 
 def build_dataset(data_cfg, shape, seed: int) -> Dataset:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 
+from callbacks.memory import MemoryProfile
 from callbacks.report import RunReport, atomic_torch_save
 from recipes.data import build_dataset
 from recipes.job import Job
 from recipes.module import CausalLM, GlobalBatchData
 
 log = logging.getLogger(__name__)
+
+# GlobalBatchSampler resumes from trainer.global_step by construction (recipes/data.py), so
+# Lightning's "dataloader is not resumable" warning does not apply to our loaders.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
 
 PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
@@ -53,6 +59,8 @@ def build(job: Job, out: Path) -> Built:
     report = None
     if cfg.callbacks.report:
         report = RunReport(out / "report.json", meta=job.meta(), tokens_per_step=job.tokens_per_step)
+        if cfg.callbacks.memory:  # before the report: its on_train_end fills a report section
+            callbacks.append(MemoryProfile(job.strategy, report))
         callbacks.append(report)
     if t.checkpoint_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -67,7 +75,6 @@ def build(job: Job, out: Path) -> Built:
         strategy=strategy,
         precision=PRECISION[job.run.precision],
         max_steps=t.max_steps,
-        max_epochs=1,  # the sampler yields exactly max_steps global batches
         accumulate_grad_batches=job.batch.accumulation,
         gradient_clip_val=t.grad_clip or None,
         use_distributed_sampler=False,  # GlobalBatchSampler already splits the global batch

@@ -98,6 +98,14 @@ class StrategyConfig:
         """Accelerate plugins/kwargs: the seam for the Accelerate backend."""
         raise NotImplementedError(f"strategy family {self.family!r} has no Accelerate builder yet")
 
+    def held_bytes(self, trainer: Any, what: str) -> int:
+        """Bytes of ``what`` (params | grads | optimizer) this rank really holds right now,
+        counted from the live objects (local shards only). Families whose engine keeps state
+        outside ``parameters()``/``optimizer.state`` (DeepSpeed) override this."""
+        from strategies.memory import held_bytes
+
+        return held_bytes(trainer, what)
+
     def full_state_dict(self, trainer: Any) -> dict[str, torch.Tensor]:
         """The model's full (unsharded) parameters, fp32 on CPU, keyed as in the plain model.
         Called on every rank after fit (gathering may be collective)."""

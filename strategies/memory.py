@@ -1,0 +1,49 @@
+"""Count the bytes a rank really holds, from live tensors: local shards of DTensors, FSDP1 flat
+parameters, plain parameters, gradients and optimizer state. Shared storage is counted once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` stored on this rank (a DTensor's local shard, else ``t``)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage counted once, in full)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        t = local(t)
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizers: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for opt in optimizers:
+        for state in getattr(opt, "state", {}).values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:  # step counters are scalars
+                    yield v
+
+
+def held_bytes(trainer: Any, what: str) -> int:
+    """Default count over the wrapped model's parameters and the trainer's optimizers."""
+    model = trainer.strategy.model
+    if what == "params":
+        return tensor_bytes(p for p in model.parameters())
+    if what == "grads":
+        return tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    if what == "optimizer":
+        return tensor_bytes(optimizer_tensors(trainer.optimizers))
+    raise ValueError(f"held_bytes: what={what!r}; allowed params, grads, optimizer")
