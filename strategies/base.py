@@ -98,6 +98,13 @@ class StrategyConfig:
         """Accelerate plugins/kwargs: the seam for the Accelerate backend."""
         raise NotImplementedError(f"strategy family {self.family!r} has no Accelerate builder yet")
 
+    def parallelize(self, model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+        """Applied to the freshly built model inside ``configure_model``, in the fixed order
+        TP -> activation checkpointing -> compile -> FSDP. The default does only checkpointing."""
+        if self.activation_checkpointing:
+            checkpoint_blocks(model)
+        return model
+
     def held_bytes(self, trainer: Any, what: str) -> int:
         """Bytes of ``what`` (params | grads | optimizer) this rank really holds right now,
         counted from the live objects (local shards only). Families whose engine keeps state
@@ -110,7 +117,24 @@ class StrategyConfig:
         """The model's full (unsharded) parameters, fp32 on CPU, keyed as in the plain model.
         Called on every rank after fit (gathering may be collective)."""
         model = trainer.lightning_module.model
-        return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+        return {plain_key(k): v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Recompute each of the model's blocks (``model.block_cls``) in backward (torch's wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, model.block_cls))
+
+
+def plain_key(key: str) -> str:
+    """A state-dict key as the plain model names it (wrappers' prefixes removed)."""
+    return key.replace(CHECKPOINT_PREFIX, "")
 
 
 _FAMILIES: dict[str, type[StrategyConfig]] = {}

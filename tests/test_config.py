@@ -1,0 +1,199 @@
+"""Unit tier: composition of every config option, typed schemas, validation, registries, data order."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+import strategies
+from recipes.config import compose
+from recipes.job import validate
+from strategies import ConfigError
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.unit
+
+CONF = ROOT / "conf"
+GROUPS = ["model", "strategy", "cluster", "backend", "data", "trainer", "callbacks", "logger",
+          "experiment", "paths", "planner"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes(group, option):
+    cfg = compose([f"{group}={option}"])
+    if group == "experiment":  # a `# @package _global_` delta: it changes other groups
+        assert OmegaConf.to_yaml(cfg) != OmegaConf.to_yaml(compose([]))
+        validate(cfg)
+        return
+    assert cfg[group] is not None
+    if group == "strategy":
+        assert cfg.strategy.name == option, "a preset's `name` must be its file name"
+
+
+def test_defaults_compose_and_validate():
+    job = validate(compose([]))
+    assert (job.strategy.name, job.world.size, job.batch.accumulation) == ("single", 1, 2)
+
+
+@pytest.mark.parametrize("override", ["trainer.max_stepz=3", "model.widht=3", "cluster.gpus=2",
+                                      "strategy.bucket_cap=1"])
+def test_unknown_key_fails_at_compose(override):
+    with pytest.raises(Exception, match="not in struct|Could not override|Key .* is not"):
+        compose(["strategy=ddp", override])
+
+
+def test_wrong_type_fails_at_compose():
+    with pytest.raises(Exception, match="max_steps"):
+        compose(["trainer.max_steps=many"])
+
+
+def test_unknown_strategy_lists_available():
+    with pytest.raises(Exception) as e:
+        compose(["strategy=zero7"])
+    for name in ("ddp", "single"):
+        assert name in str(e.value)
+
+
+def test_batch_arithmetic_error_prints_the_arithmetic():
+    cfg = compose(["strategy=ddp", "cluster.devices=2", "cluster.accelerator=cpu",
+                   "trainer.global_batch_size=10", "trainer.micro_batch_size=4"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    msg = str(e.value)
+    assert "trainer.global_batch_size=10" in msg and "= 8" in msg and "10 / 8 = 1.25" in msg
+
+
+def test_every_problem_is_reported_at_once():
+    cfg = compose(["strategy=single", "cluster.devices=2", "trainer.precision=64",
+                   "cluster.accelerator=tpu", "trainer.micro_batch_size=3"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert len(e.value.problems) >= 4, e.value.problems
+
+
+def test_too_many_cpu_processes_is_explained():
+    cfg = compose(["strategy=ddp", "cluster.devices=64", "cluster.accelerator=cpu",
+                   "trainer.global_batch_size=64", "trainer.micro_batch_size=1"])
+    with pytest.raises(ConfigError, match="cluster.devices=64 CPU processes .* cluster.oversubscribe=true"):
+        validate(cfg)
+    cfg.cluster.oversubscribe = True
+    assert validate(cfg).world.size == 64
+
+
+def test_gpu_requested_without_cuda_is_explained():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="cluster.accelerator=gpu but no CUDA device"):
+        validate(compose(["cluster.accelerator=gpu"]))
+
+
+def test_bf16_hook_refused_on_cpu_before_launch():
+    cfg = compose(["strategy=ddp_bf16_compress", "cluster.devices=2", "cluster.accelerator=cpu"])
+    with pytest.raises(ConfigError, match="comm_hook=bf16 needs NCCL"):
+        validate(cfg)
+
+
+# --- the strategy registry: YAML files, family schemas and Lightning agree ---------------------
+
+def test_yaml_presets_and_lightning_registry_agree():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = strategies.names()
+    assert names == sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+    for name in names:
+        assert name in StrategyRegistry, f"{name} not registered in Lightning"
+        assert "stratagem preset" in StrategyRegistry[name]["description"]
+
+
+@pytest.mark.parametrize("name", strategies.names())
+def test_each_preset_resolves_to_its_family(name):
+    cfg = strategies.load(name)
+    assert cfg.name == name
+    assert isinstance(cfg, strategies.families()[cfg.family])
+    raw = yaml.safe_load((CONF / "strategy" / f"{name}.yaml").read_text())
+    assert raw.get("name") == name
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_fp16_compress", "single"])
+def test_lightning_builds_a_preset_by_name(name):
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    assert isinstance(StrategyRegistry.get(name), Strategy)
+
+
+def test_unknown_preset_name_lists_presets():
+    with pytest.raises(KeyError, match="available: .*ddp"):
+        strategies.load("nope")
+
+
+def test_duplicate_family_is_refused():
+    from dataclasses import dataclass
+
+    from strategies.base import StrategyConfig, family
+
+    with pytest.raises(ValueError, match="registered twice"):
+        @family("ddp")
+        @dataclass
+        class Other(StrategyConfig):
+            pass
+
+
+# --- the world / mesh arithmetic -----------------------------------------------------------
+
+def test_mesh_arithmetic_error_prints_it():
+    from strategies import World
+
+    (msg,) = World(nodes=1, devices=6, tp=4).problems()
+    assert "dp(1.5) * tp(4) * pp(1) != world size 6" in msg
+
+
+# --- data order: a function of seed and global batch only -----------------------------------
+
+@pytest.mark.parametrize(("dp", "micro"), [(1, 8), (1, 2), (2, 4), (2, 1), (4, 2), (8, 1)])
+def test_union_of_ranks_is_the_global_batch(dp, micro):
+    from recipes.data import GlobalBatchSampler
+
+    def step_sets(dp, micro, steps=7):
+        per_rank = [list(GlobalBatchSampler(50, global_batch=8, micro_batch=micro, dp_rank=r,
+                                            dp_size=dp, seed=3, steps=steps)) for r in range(dp)]
+        acc = 8 // (micro * dp)
+        return [sorted(i for r in range(dp) for mb in per_rank[r][s * acc:(s + 1) * acc] for i in mb)
+                for s in range(steps)]
+
+    assert step_sets(dp, micro) == step_sets(1, 8)
+
+
+def test_resumed_sampler_continues_the_stream():
+    from recipes.data import GlobalBatchSampler
+
+    kw = dict(global_batch=4, micro_batch=2, dp_rank=0, dp_size=1, seed=0, steps=6)
+    full = list(GlobalBatchSampler(30, **kw))
+    assert list(GlobalBatchSampler(30, start_step=4, **kw)) == full[8:]
+
+
+# --- the model: exact shapes without building real weights ---------------------------------
+
+@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "model").glob("*.yaml"))])
+def test_param_count_matches_a_meta_build(name):
+    import torch
+
+    from recipes.gpt import GPT, GPTShape
+
+    shape = GPTShape.of(OmegaConf.load(CONF / "model" / f"{name}.yaml"))
+    with torch.device("meta"):
+        model = GPT(shape)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_reference_param_counts():
+    from recipes.gpt import GPTShape
+
+    counts = {n: GPTShape.of(OmegaConf.load(CONF / "model" / f"{n}.yaml")).num_params()
+              for n in ("gpt_nano", "gpt_small", "llama_7b", "llama_70b")}
+    assert counts["gpt_nano"] < 1_000_000
+    assert 9e6 < counts["gpt_small"] < 12e6
+    assert round(counts["llama_7b"] / 1e9, 2) == 6.74
+    assert round(counts["llama_70b"] / 1e9, 1) == 69.0
