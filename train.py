@@ -29,14 +29,12 @@ log = logging.getLogger("train")
 
 def plan(job: Job) -> None:
     """Log the planner's one-line prediction; refuse a run predicted not to fit."""
-    try:
-        from strategies import planner
-    except ImportError:  # the planner is optional until it lands
-        return
-    result = planner.preflight(job.cfg)
-    log.info("plan: %s", result.summary())
+    from strategies.planner import preflight
+
+    result = preflight(job.cfg)
+    log.info("%s", result.summary())
     if not result.fits and job.cfg.planner.enforce:
-        raise ConfigError(result.not_fit_message() + " (set planner.enforce=false to launch anyway)")
+        raise ConfigError(result.message() + " (set planner.enforce=false to launch anyway)")
 
 
 def teardown(ok: bool) -> None:

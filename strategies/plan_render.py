@@ -1,0 +1,150 @@
+"""Planner output: the JSON contract (docs/PLANNER.md) and rich tables for people."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from strategies.planner import GB, GiB, Plan, Report, gb
+
+MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total",
+               "host", "nvme")
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no infinity: a time over a zero-bandwidth link is null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def plan_dict(p: Plan) -> dict[str, Any]:
+    c = p.communication
+    return _finite({
+        "strategy": p.strategy,
+        "fits": p.fits,
+        "memory": {k: int(getattr(p.memory, k)) for k in MEMORY_KEYS},
+        "communication": {"bytes_per_step": c.bytes_per_step,
+                          "seconds_per_step": c.seconds_per_step,
+                          "by_collective": {k: asdict(v) for k, v in c.by_collective.items()}},
+        "bubble_fraction": p.bubble_fraction,
+        "step_seconds": p.step_seconds,
+        "compute_seconds": p.compute_seconds,
+        "exposed_seconds": p.exposed_seconds,
+        "device_memory": p.device_bytes,
+        "margin": p.margin,
+        "tp": p.tp, "pp": p.pp, "dp": p.dp, "shard": p.shard,
+        "microbatches": p.microbatches,
+        "activation_checkpointing": p.activation_checkpointing,
+        "activations_full": p.activations_full,
+        "activations_checkpointed": p.activations_checkpointed,
+        "planned_only": p.planned_only,
+        "problems": list(p.problems),
+        "notes": list(p.notes),
+        "hint": p.hint,
+    })
+
+
+def report_dict(r: Report) -> dict[str, Any]:
+    return {"model": r.model, "cluster": r.cluster, "world_size": r.world_size,
+            "accounting": r.accounting, "plans": [plan_dict(p) for p in r.plans],
+            "recommendation": {"strategy": r.recommendation.strategy,
+                               "reason": r.recommendation.reason},
+            "assumptions": list(r.assumptions)}
+
+
+def render(report: Report, fmt: str = "table", detailed: bool = False, file: Any = None) -> None:
+    """Print the report: one JSON object, the ranked table, or one plan's full breakdown."""
+    file = file or sys.stdout
+    if fmt == "json":
+        file.write(json.dumps(report_dict(report), indent=2) + "\n")
+        return
+    if fmt != "table":
+        raise ValueError(f"planner.format={fmt!r} is not one of table, json")
+    from rich.console import Console
+
+    con = Console(file=file, width=140, soft_wrap=False)
+    con.print(f"[bold]{report.model}[/] on [bold]{report.cluster}[/] "
+              f"({report.world_size} devices), accounting {report.accounting}")
+    if detailed:
+        _breakdown(con, report.plans[0])
+    else:
+        _ranked(con, report)
+    con.print("[dim]assumptions:[/]")
+    for a in report.assumptions:
+        con.print(f"[dim]  - {a}[/]")
+
+
+def _secs(x: float) -> str:
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def _ranked(con: Any, r: Report) -> None:
+    from rich.table import Table
+
+    t = Table(title="per device, ranked (GB = 1e9 bytes)", title_justify="left")
+    for col in ("#", "strategy", "fits", "total", "free", "activations", "host/NVMe",
+                "comm/step", "step", "notes"):
+        t.add_column(col, justify="right" if col not in ("strategy", "notes", "fits") else "left")
+    for i, p in enumerate(r.plans, 1):
+        name = p.strategy + (" *" if p.strategy == r.recommendation.strategy else "")
+        fits = "[green]yes[/]" if p.fits and not p.problems else "[red]no[/]"
+        notes = "; ".join([*p.problems, *p.notes])
+        if p.tp > 1 or p.pp > 1:
+            notes = f"tp={p.tp} pp={p.pp} dp={p.dp}; " + notes
+        off = p.memory.host + p.memory.nvme
+        t.add_row(str(i), name, fits, gb(p.memory.total), gb(p.margin) if p.fits else "-",
+                  gb(p.memory.activations), gb(off) if off else "-",
+                  gb(p.communication.bytes_per_step), _secs(p.step_seconds),
+                  notes[:70] + ("..." if len(notes) > 70 else ""))
+    con.print(t)
+    rec = r.recommendation
+    con.print(f"[bold]recommendation:[/] {rec.strategy or 'none'} -- {rec.reason}")
+
+
+def _breakdown(con: Any, p: Plan) -> None:
+    from rich.table import Table
+
+    m = p.memory
+    t = Table(title=f"{p.strategy}: memory per device", title_justify="left")
+    for col in ("category", "GB", "GiB", "where"):
+        t.add_column(col, justify="left" if col in ("category", "where") else "right")
+    ckpt = "checkpointed" if p.activation_checkpointing else "no checkpointing"
+    other = p.activations_full if p.activation_checkpointing else p.activations_checkpointed
+    rows = [("parameters", m.params), ("gradients", m.grads), ("fp32 master", m.master),
+            ("optimizer moments", m.optimizer),
+            (f"activations ({ckpt}; other: {gb(other)})", m.activations),
+            ("buffers (buckets, gathered units)", m.buffers)]
+    for name, v in rows:
+        t.add_row(name, f"{v / GB:,.2f}", f"{v / GiB:,.2f}", "device")
+    t.add_row("[bold]total on device[/]", f"{m.total / GB:,.2f}", f"{m.total / GiB:,.2f}",
+              f"of {gb(p.device_bytes)}")
+    if m.host:
+        t.add_row("offloaded to host", f"{m.host / GB:,.2f}", f"{m.host / GiB:,.2f}", "host")
+    if m.nvme:
+        t.add_row("offloaded to NVMe", f"{m.nvme / GB:,.2f}", f"{m.nvme / GiB:,.2f}", "nvme")
+    con.print(t)
+    c = Table(title="communication per optimizer step, per rank", title_justify="left")
+    for col in ("collective", "group", "ranks", "sent", "time", "overlaps"):
+        c.add_column(col, justify="right" if col in ("ranks", "sent", "time") else "left")
+    for name, x in p.communication.by_collective.items():
+        c.add_row(name + (" (per micro-batch)" if x.per_micro else ""), x.group, str(x.ranks),
+                  gb(x.bytes), _secs(x.seconds), x.overlap)
+    con.print(c)
+    con.print(f"layout: tp={p.tp} pp={p.pp} dp={p.dp} shard group={p.shard}, "
+              f"{p.microbatches} micro-batch(es) per step")
+    con.print(f"compute {_secs(p.compute_seconds)}, exposed communication "
+              f"{_secs(p.exposed_seconds)}, bubble {p.bubble_fraction:.1%}: "
+              f"step ~ {_secs(p.step_seconds)}")
+    for line in [*p.problems, *p.notes]:
+        con.print(f"[yellow]note:[/] {line}")
+    con.print(("[green]" if p.fits else "[red]") + p.message() + "[/]")

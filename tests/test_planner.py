@@ -1,0 +1,315 @@
+"""The planner reproduces the reference documents' worked numbers exactly, and its
+recommendation follows the deep-dive's decision table (docs/PLANNER.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from strategies.base import Layout
+from strategies.planner import (GB, MiB, Candidate, Hardware, Setup, activation_bytes,
+                                all_gather_bytes, boundary_activation_bytes, bubble_fraction,
+                                korthikanti_layer_bytes, layer_activation_bytes, model_states,
+                                plan_candidate, planned_candidates, recommend,
+                                ring_all_reduce_bytes, state_bytes, transfer_seconds)
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+S = "sharded"
+REPLICATED, ZERO1, ZERO2 = Layout(), Layout(optimizer=S), Layout(grads=S, optimizer=S)
+ZERO3 = Layout(params=S, grads=S, optimizer=S)
+MIXED16, MIXED20 = state_bytes("mixed16"), state_bytes("mixed20")
+
+
+def total(params: float, layout: Layout, n: int, sb=MIXED16) -> int:
+    return sum(model_states(params, layout, n, sb).values())
+
+
+def hardware(nodes=1, devices=8, intra=900, inter=50, mem_GB=80) -> Hardware:
+    return Hardware("test", nodes, devices, int(mem_GB * GB), 2000 * GB, 30000 * GB, 989.0,
+                    intra, inter)
+
+
+def params_only(params: float, hw: Hardware, layout: Layout, accounting="mixed16") -> object:
+    """A plan of ``params`` parameters without a model shape (planner.params=...)."""
+    su = Setup(hw, int(params), global_batch=hw.nodes * hw.devices, micro_batch=1, seq_len=2048,
+               accounting=accounting)
+    return plan_candidate(Candidate("x", layout), su)
+
+
+# -------------------------------------------------------- distributed-training-math.txt
+def test_ten_billion_on_eight_workers_mixed16():
+    p = 10e9
+    assert model_states(p, REPLICATED, 8, MIXED16) == {
+        "params": 20 * GB, "grads": 20 * GB, "master": 40 * GB, "optimizer": 80 * GB}
+    assert total(p, REPLICATED, 8) == 160 * GB
+    assert total(p, ZERO1, 8) == 55 * GB
+    assert total(p, ZERO2, 8) == 37.5 * GB
+    assert total(p, ZERO3, 8) == 20 * GB
+    z1 = model_states(p, ZERO1, 8, MIXED16)
+    assert z1["master"] + z1["optimizer"] == 15 * GB  # "optimizer shard 15 GB"
+
+
+@pytest.mark.parametrize("p", [1, 1_000_003, 123_456_789, 7e9, 13e9, 70e9, 175e9])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 64, 512])
+def test_zero_closed_forms(p, n):
+    # lecture notes: 16P, 4P + 12P/Nd, 2P + 14P/Nd, 16P/Nd (shards rounded up: a few bytes)
+    for layout, closed in [(REPLICATED, 16 * p), (ZERO1, 4 * p + 12 * p / n),
+                           (ZERO2, 2 * p + 14 * p / n), (ZERO3, 16 * p / n)]:
+        assert abs(total(p, layout, n) - closed) <= 4
+
+
+def test_twelve_billion_exercise():
+    assert total(12e9, REPLICATED, 8) == 192 * GB
+    assert total(12e9, ZERO3, 8) == 24 * GB
+
+
+def test_seven_billion_both_accountings():
+    assert total(7e9, REPLICATED, 1, MIXED20) == 140 * GB  # deep-dive: ~140 GB
+    assert total(7e9, REPLICATED, 1, MIXED16) == 112 * GB  # math: about 112 GB
+
+
+def test_ring_all_reduce_one_billion_bf16_gradients():
+    x = 1e9 * 2
+    assert ring_all_reduce_bytes(x, 8) == pytest.approx(3.5e9)
+    assert transfer_seconds(ring_all_reduce_bytes(x, 8), 900) == pytest.approx(3.89e-3, rel=1e-3)
+    assert transfer_seconds(ring_all_reduce_bytes(x, 8), 50) == pytest.approx(70e-3)
+    # the same through a DDP plan: one node over NVLink, then 8 nodes over 400 Gb/s
+    intra = params_only(1e9, hardware(devices=8), REPLICATED).communication.by_collective
+    inter = params_only(1e9, hardware(nodes=8, devices=1), REPLICATED).communication.by_collective
+    assert intra["grad_all_reduce"].group == "intra"
+    assert intra["grad_all_reduce"].seconds == pytest.approx(3.89e-3, rel=1e-3)
+    assert inter["grad_all_reduce"].group == "inter"
+    assert inter["grad_all_reduce"].seconds == pytest.approx(70e-3)
+
+
+def test_25_mib_bucket():
+    sent = ring_all_reduce_bytes(25 * MiB, 8)
+    assert transfer_seconds(sent, 900) == pytest.approx(0.051e-3, rel=1e-2)
+    assert transfer_seconds(sent, 50) == pytest.approx(0.92e-3, rel=1e-2)
+
+
+def test_64_mib_of_gradients_exercise():
+    sent = ring_all_reduce_bytes(64 * MiB, 8)
+    assert sent == 117_440_512  # 2 x 7/8 x 64 MiB per rank
+    assert transfer_seconds(sent, 900) == pytest.approx(0.1305e-3, rel=1e-3)
+    assert transfer_seconds(sent, 50) == pytest.approx(2.349e-3, rel=1e-3)
+
+
+def test_pipeline_boundary_activation():
+    assert boundary_activation_bytes(2, 2048, 4096) == 33_554_432 == 32 * MiB
+
+
+def test_bubble():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 8) == 0
+    for p in range(1, 9):
+        for m in (1, 4, 32, 256):
+            assert bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+# -------------------------------------------------------- activations (Korthikanti et al.)
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (8, False), (8, True)])
+def test_activations_reduce_to_korthikanti(t, sp):
+    s, b, h, a = 2048, 4, 12288, 96  # GPT-3 175B
+    assert layer_activation_bytes(s, b, h, a, t=t, sp=sp) == pytest.approx(
+        korthikanti_layer_bytes(s, b, h, a, t=t, sp=sp))
+    assert korthikanti_layer_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+
+
+def test_checkpointing_and_tp_shrink_activations():
+    from strategies.planner import ModelShape
+
+    shape = ModelShape(params=6_738_415_616, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                       ffn=11008, vocab=32000, seq_len=4096, embed_params=32000 * 4096)
+    full = activation_bytes(shape, micro=1)
+    ckpt = activation_bytes(shape, micro=1, ckpt=True)
+    tp8 = activation_bytes(shape, micro=1, tp=8, sp=True)
+    assert ckpt < full / 4 and tp8 < full / 7
+    assert ckpt > 2 * 4096 * 4096 * 32  # at least every block input (2sbhL)
+
+
+# -------------------------------------------------------- communication by layout
+def test_zero3_moves_one_and_a_half_times_ddp():
+    hw = hardware()
+    ddp = params_only(1e9, hw, REPLICATED).communication.bytes_per_step
+    z3 = params_only(1e9, hw, ZERO3).communication.bytes_per_step
+    z2 = params_only(1e9, hw, ZERO2).communication.bytes_per_step
+    assert z3 == pytest.approx(1.5 * ddp, rel=1e-6) and z2 == pytest.approx(ddp, rel=1e-6)
+
+
+def test_hybrid_splits_inside_and_across_nodes():
+    hw = hardware(nodes=4, devices=8)
+    c = params_only(8e9, hw, Layout(params=S, grads=S, optimizer=S, shard_group=8))
+    by = c.communication.by_collective
+    assert {x.group for k, x in by.items() if k.startswith("param")} == {"intra"}
+    assert by["grad_reduce_scatter"].group == "intra"
+    across = by["grad_all_reduce_replicas"]
+    assert across.group == "inter" and across.ranks == 4
+    assert across.bytes == int(ring_all_reduce_bytes(8e9 * 2 / 8, 4))
+    assert c.memory.params == all_gather_bytes(0, 1) + 8e9 * 2 / 8  # sharded over 8, not 32
+
+
+def test_offload_moves_bytes_to_host_and_nvme():
+    hw = hardware()
+    cpu = params_only(8e9, hw, Layout(params=S, grads=S, optimizer=S, params_offload="cpu",
+                                      optimizer_offload="cpu"))
+    assert cpu.memory.params == cpu.memory.optimizer == 0
+    assert cpu.memory.host == 16 * 8e9 / 8 and cpu.memory.nvme == 0
+    nvme = params_only(8e9, hw, Layout(params=S, grads=S, optimizer=S, params_offload="nvme",
+                                       optimizer_offload="nvme"))
+    assert nvme.memory.nvme == 16 * 8e9 / 8 and nvme.memory.host == 0
+    assert nvme.step_seconds > cpu.step_seconds
+
+
+def test_grad_compression_halves_fp32_gradient_traffic():
+    hw = hardware()
+    fp32 = params_only(1e9, hw, REPLICATED, "mixed20").communication.bytes_per_step
+    half = params_only(1e9, hw, Layout(grad_bytes_ratio=0.5), "mixed20")
+    assert half.communication.bytes_per_step == pytest.approx(fp32 / 2)
+
+
+# -------------------------------------------------------- the deep-dive decision table
+# Each row as a concrete scenario (bf16-mixed, seq from the model, micro batch 1); the
+# accepted names are the row's strategy column in preset names.
+_30B = ("model=llama_13b", "model.dim=6656", "model.n_layers=60", "model.n_heads=52",
+        "model.n_kv_heads=52", "model.ffn_dim=17920")  # LLaMA-1 33B shape
+_175B = ("model=llama_70b", "model.dim=12288", "model.n_layers=96", "model.n_heads=96",
+         "model.n_kv_heads=96", "model.ffn_dim=32768", "model.vocab_size=50257",
+         "model.seq_len=2048")  # GPT-3 175B shape with a SwiGLU MLP
+DDP_FAMILY = {"ddp", "ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd"}
+ROWS = {
+    "LoRA <=7B on 8x H100: DDP": (
+        ("model=llama_7b", "cluster=node_8x_h100", "planner.trainable=20000000",
+         "trainer.global_batch_size=64"), DDP_FAMILY),
+    "full fine-tune 7B on 8x H100: FSDP FULL_SHARD or ZeRO-2": (
+        ("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64"),
+        {"fsdp", "fsdp2", "zero2", "fsdp_grad_op"}),
+    "full fine-tune 13B on 8x H100: FSDP FULL_SHARD or ZeRO-2": (
+        ("model=llama_13b", "cluster=node_8x_h100", "trainer.global_batch_size=64"),
+        {"fsdp", "fsdp2", "zero2", "fsdp_grad_op"}),
+    "full fine-tune 30B on 32 GPUs: HYBRID_SHARD or ZeRO-3": (
+        (*_30B, "cluster=slurm_8x8_h100", "cluster.nodes=4", "trainer.global_batch_size=64",
+         "planner.activation_checkpointing=true"), {"fsdp_hybrid", "hsdp2", "zero3"}),
+    "pretrain 70B on 64 GPUs: ZeRO-3/FSDP + TP=8": (
+        ("model=llama_70b", "cluster=slurm_8x8_h100", "trainer.global_batch_size=512",
+         "planner.activation_checkpointing=true"), {"tp"}),
+    "pretrain 175B on 512 GPUs: 3D parallelism": (
+        (*_175B, "cluster=slurm_64x8_a100", "trainer.global_batch_size=1536",
+         "planner.activation_checkpointing=true"), {"3d"}),
+    "single node, model exceeds VRAM: ZeRO-3 + CPU/NVMe offload": (
+        ("model=llama_70b", "cluster=node_8x_a100_80g", "trainer.global_batch_size=8",
+         "planner.activation_checkpointing=true"), {"zero3_offload", "zero_infinity",
+                                                    "fsdp_offload"}),
+}
+COMMON = ("trainer.precision=bf16-mixed", "trainer.micro_batch_size=1", "callbacks=none")
+
+
+def _compose(overrides):
+    from recipes.config import compose
+
+    return compose([*overrides, *COMMON])
+
+
+def _emulated_presets(devices: int) -> list[Candidate]:
+    """The issue's presets as layouts (independent of which YAML files exist yet)."""
+    full = dict(params=S, grads=S, optimizer=S)
+    torch_amp = {"ddp": Layout(), "ddp_bf16_compress": Layout(grad_bytes_ratio=0.5),
+                 "fsdp": Layout(**full),
+                 "fsdp_grad_op": Layout(**full, reshard_after_forward=False),
+                 "fsdp_hybrid": Layout(**full, shard_group=devices),
+                 "fsdp_offload": Layout(**full, params_offload="cpu", optimizer_offload="cpu")}
+    deepspeed = {"zero1": ZERO1, "zero2": ZERO2, "zero3": ZERO3,
+                 "zero2_offload": Layout(grads=S, optimizer=S, optimizer_offload="cpu"),
+                 "zero3_offload": Layout(**full, params_offload="cpu", optimizer_offload="cpu"),
+                 "zero_infinity": Layout(**full, params_offload="nvme", optimizer_offload="nvme")}
+    return ([Candidate(n, lay) for n, lay in torch_amp.items()]
+            + [Candidate(n, lay, master_weights=True) for n, lay in deepspeed.items()])
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_decision_table_on_layouts(row):
+    overrides, accepted = ROWS[row]
+    su = Setup.of(_compose(overrides))
+    cands = _emulated_presets(su.hardware.devices) + planned_candidates(su)
+    rec = recommend([plan_candidate(c, su) for c in cands])
+    assert rec.strategy in accepted, rec.reason
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_decision_table_on_presets(row):
+    """The same rows through the real presets of conf/strategy/ (needs them all)."""
+    from strategies.planner import plan_all
+
+    overrides, accepted = ROWS[row]
+    report = plan_all(_compose(overrides))
+    assert report.recommendation.strategy in accepted, report.recommendation.reason
+
+
+# -------------------------------------------------------- preflight (train.py) and the CLI
+def test_preflight_fits_and_refuses():
+    from strategies.planner import preflight
+
+    ok = preflight(_compose(("model=gpt_small", "strategy=single")))
+    assert ok.fits and ok.summary().startswith("plan: single on local")
+    big = preflight(_compose(("model=llama_7b", "cluster=node_8x_a100_80g", "strategy=ddp",
+                              "trainer.global_batch_size=8")))
+    assert not big.fits
+    msg = big.message()
+    assert msg.startswith("does not fit on node_8x_a100_80g: needs 142.0 GB per device, "
+                          "has 80.0 GB")
+    assert "preset" in msg
+
+
+def _plan_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "plan.py", *args, "callbacks=none"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_json_contract(tmp_path):
+    before = set(ROOT.iterdir())
+    proc = _plan_cli("model=llama_7b", "cluster=node_8x_a100_80g", "planner.format=json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    assert set(out) >= {"model", "cluster", "world_size", "accounting", "plans",
+                        "recommendation"}
+    assert out["model"] == "llama_7b" and out["world_size"] == 8
+    assert set(out["recommendation"]) == {"strategy", "reason"}
+    for p in out["plans"]:
+        assert set(p) >= {"strategy", "fits", "memory", "communication", "bubble_fraction",
+                          "step_seconds"}
+        assert set(p["memory"]) == {"params", "grads", "master", "optimizer", "activations",
+                                    "buffers", "total", "host", "nvme"}
+        assert all(isinstance(v, int) for v in p["memory"].values())
+        assert set(p["communication"]) == {"bytes_per_step", "seconds_per_step", "by_collective"}
+    assert set(ROOT.iterdir()) == before  # no outputs/, .hydra/ or log file
+
+
+def test_cli_params_only_reference_numbers():
+    proc = _plan_cli("planner.params=1e10", "planner.accounting=mixed16", "cluster.devices=8",
+                     "planner.format=json", "strategy=ddp")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)["plans"][0]
+    assert plan["memory"]["total"] == 160 * GB and plan["memory"]["activations"] == 0
+
+
+def test_cli_70b_answers_in_seconds():
+    start = time.monotonic()
+    proc = _plan_cli("model=llama_70b", "cluster=slurm_8x8_h100")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start < 20
+    assert "recommendation:" in proc.stdout and "assumptions:" in proc.stdout
+
+
+def test_cli_not_fit_message():
+    proc = _plan_cli("model=llama_7b", "cluster=node_8x_a100_80g", "strategy=ddp",
+                     "trainer.precision=bf16-mixed", "trainer.micro_batch_size=1",
+                     "trainer.global_batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "does not fit on node_8x_a100_80g: needs 142.0 GB per device, has 80.0 GB" in text
