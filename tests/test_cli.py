@@ -1,0 +1,94 @@
+"""The real CLI in subprocesses: the issue's commands, multirun, experiments, and bad input that
+must fail before any process starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+REPORT_KEYS = {"strategy", "backend", "world_size", "global_batch_size", "micro_batch_size",
+               "accumulation", "losses", "final_loss", "wall_seconds", "tokens_per_second", "config",
+               "memory"}
+
+
+def test_two_process_ddp_writes_the_report(tmp_path):
+    run = run_cli("train.py", "strategy=ddp", "cluster.devices=2", "cluster.accelerator=cpu",
+                  "model=gpt_nano", "trainer.max_steps=5", out=tmp_path / "ddp")
+    r = run.report
+    assert REPORT_KEYS <= r.keys()
+    assert (r["strategy"], r["backend"], r["world_size"]) == ("ddp", "lightning", 2)
+    assert r["global_batch_size"] == r["micro_batch_size"] * 2 * r["accumulation"]
+    assert len(r["losses"]) == 5 and r["final_loss"] == r["losses"][-1]
+    assert r["config"]["strategy"]["name"] == "ddp" and r["tokens_per_second"] > 0
+    assert [m["rank"] for m in r["memory"]["ranks"]] == [0, 1]
+    assert "report" in run.log and str(tmp_path / "ddp" / "report.json") in run.log
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    run = run_cli("train.py", "--cfg", "job", "strategy=ddp", out=tmp_path / "cfg")
+    assert "strategy:" in run.proc.stdout and "family: ddp" in run.proc.stdout
+    assert "bucket_cap_mb: 25" in run.proc.stdout
+    assert not (tmp_path / "cfg" / "report.json").exists()
+
+
+def test_multirun_sweeps_each_job_into_its_own_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    run = run_cli("train.py", "-m", "trainer.lr=1e-3,3e-3", "model=gpt_nano", "trainer.max_steps=2",
+                  "callbacks.progress_bar=false", f"hydra.sweep.dir={sweep}", out=tmp_path / "unused")
+    reports = [json.loads((sweep / str(i) / "report.json").read_text()) for i in (0, 1)]
+    assert [r["config"]["trainer"]["lr"] for r in reports] == [1e-3, 3e-3]
+    assert all(len(r["losses"]) == 2 for r in reports), run.log[-2000:]
+
+
+@pytest.mark.parametrize("name", [p.stem for p in sorted((ROOT / "conf" / "experiment").glob("*.yaml"))])
+def test_experiment_smoke(tmp_path, name):
+    run = run_cli("train.py", f"experiment={name}", "model=gpt_nano", "trainer.max_steps=2",
+                  "callbacks.progress_bar=false", out=tmp_path / name)
+    assert len(run.report["losses"]) == 2
+
+
+def _fails_before_launch(run, *needles: str) -> None:
+    assert run.proc.returncode != 0
+    for needle in needles:
+        assert needle in run.log, f"{needle!r} not in:\n{run.log[-3000:]}"
+    assert "Initializing distributed" not in run.log, "a process group was started"
+    assert not (run.out / "report.json").exists()
+
+
+def test_unknown_strategy_lists_the_presets(tmp_path):
+    run = run_cli("train.py", "strategy=zero7", out=tmp_path / "bad", check=False)
+    _fails_before_launch(run, "zero7", "Available options", "ddp", "single")
+
+
+def test_unknown_model_lists_the_models(tmp_path):
+    run = run_cli("train.py", "model=gpt_huge", out=tmp_path / "bad", check=False)
+    _fails_before_launch(run, "gpt_huge", "gpt_nano", "llama_70b")
+
+
+def test_batch_arithmetic_is_printed(tmp_path):
+    run = run_cli("train.py", "strategy=ddp", "cluster.devices=2", "cluster.accelerator=cpu",
+                  "trainer.global_batch_size=12", "trainer.micro_batch_size=4",
+                  out=tmp_path / "bad", check=False)
+    assert run.proc.returncode == 2
+    _fails_before_launch(run, "trainer.global_batch_size=12", "12 / 8 = 1.5")
+
+
+def test_too_many_processes_is_explained(tmp_path):
+    run = run_cli("train.py", "strategy=ddp", "cluster.devices=64", "cluster.accelerator=cpu",
+                  "trainer.global_batch_size=64", "trainer.micro_batch_size=1",
+                  out=tmp_path / "bad", check=False)
+    assert run.proc.returncode == 2
+    _fails_before_launch(run, "cluster.devices=64", "core(s)", "cluster.oversubscribe=true")
+
+
+def test_a_failed_run_leaves_no_report(tmp_path):
+    run = run_cli("train.py", "model=gpt_nano", "trainer.max_steps=2",
+                  f"trainer.resume_from={tmp_path / 'missing.ckpt'}", out=tmp_path / "fail", check=False)
+    assert run.proc.returncode != 0
+    assert not (tmp_path / "fail" / "report.json").exists()
+    assert not list((tmp_path / "fail").glob(".report.json*")), "a temp file was left behind"
