@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,19 @@ from strategies import ConfigError
 log = logging.getLogger("train")
 
 
-def plan(job: Job) -> None:
+def rank_aware_logging() -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors, prefixed with their rank.
+    (Lightning's launcher starts ranks > 0 as children of this script with LOCAL_RANK set.)"""
+    rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+    if rank == 0:
+        return
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+
+
+def plan(job: Job):
     """Log the planner's one-line prediction; refuse a run predicted not to fit."""
     from strategies.planner import preflight
 
@@ -35,6 +48,7 @@ def plan(job: Job) -> None:
     log.info("%s", result.summary())
     if not result.fits and job.cfg.planner.enforce:
         raise ConfigError(result.message() + " (set planner.enforce=false to launch anyway)")
+    return result
 
 
 def teardown(ok: bool) -> None:
@@ -50,9 +64,10 @@ def teardown(ok: bool) -> None:
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
+    rank_aware_logging()
     try:
         job = validate(cfg)
-        plan(job)
+        predicted = plan(job)
     except ConfigError as e:
         log.error("%s", e)
         sys.exit(2)
@@ -61,7 +76,7 @@ def main(cfg: DictConfig) -> None:
 
     ok = False
     try:
-        built = backend.build(job, out)
+        built = backend.build(job, out, predicted)
         backend.fit(job, built, out)
         ok = True
         if built.trainer.global_rank == 0 and built.report is not None:

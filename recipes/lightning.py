@@ -6,6 +6,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 
@@ -14,6 +15,7 @@ from callbacks.report import RunReport, atomic_torch_save
 from recipes.data import build_dataset
 from recipes.job import Job
 from recipes.module import CausalLM, GlobalBatchData
+from strategies.plan_render import plan_dict
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ def _logger(cfg, out: Path):
     raise ValueError(f"logger.name={cfg.logger.name!r}: allowed csv, wandb")
 
 
-def build(job: Job, out: Path) -> Built:
+def build(job: Job, out: Path, predicted: Any = None) -> Built:
+    """``predicted``: the planner's Plan for this run, reported next to what is measured."""
     cfg, t = job.cfg, job.cfg.trainer
     strategy = job.strategy.lightning(job.world, job.run)
     log.info("strategy: %s -> %s", job.strategy.name, type(strategy).__name__)
@@ -59,8 +62,11 @@ def build(job: Job, out: Path) -> Built:
     report = None
     if cfg.callbacks.report:
         report = RunReport(out / "report.json", meta=job.meta(), tokens_per_step=job.tokens_per_step)
+        plan = plan_dict(predicted) if predicted is not None else None
+        if plan is not None:
+            report.sections["plan"] = {k: plan[k] for k in ("fits", "communication", "step_seconds")}
         if cfg.callbacks.memory:  # before the report: its on_train_end fills a report section
-            callbacks.append(MemoryProfile(job.strategy, report))
+            callbacks.append(MemoryProfile(job.strategy, report, plan and plan["memory"]))
         callbacks.append(report)
     if t.checkpoint_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
