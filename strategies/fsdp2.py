@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import SHARDED, Layout, Run, StrategyConfig, family
+from strategies.base import SHARDED, Layout, Run, StrategyConfig, checkpoint_blocks, family
 from strategies.fsdp import _hybrid_problems, gather_full_state_dict
 from strategies.mesh import World
 
@@ -82,7 +82,7 @@ class FSDP2Config(StrategyConfig):
         low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if self.reduce_fp32 else low)
         if self.activation_checkpointing:
-            _checkpoint_blocks(model)
+            checkpoint_blocks(model)
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         # The root (embeddings, final norm, output) is used last in forward and first in backward:
@@ -105,11 +105,3 @@ class FSDP2Config(StrategyConfig):
         # ModelParallelStrategy's model is the LightningModule; its ``model`` is the GPT.
         return gather_full_state_dict(trainer.strategy.model, prefix="model.")
 
-
-def _checkpoint_blocks(model: Any) -> None:
-    """Wrap each block in torch's (non-reentrant) checkpoint wrapper; its state_dict hook keeps the
-    plain model's parameter names."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block)
