@@ -9,7 +9,7 @@ Lightning asks for it, and heavy libraries (DeepSpeed) are imported only then.
 
 from __future__ import annotations
 
-from strategies import ddp, single  # noqa: F401  (each family registers itself)
+from strategies import ddp, fsdp, fsdp2, single, zero  # noqa: F401  (each family registers itself)
 from strategies.base import Layout, Run, StrategyConfig, as_config, families, family
 from strategies.mesh import Batch, ConfigError, World
 from strategies.presets import load, names
@@ -33,6 +33,12 @@ class _LightningPreset:
         world = World(nodes=int(os.environ.get("NUM_NODES", 1)),
                       devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         run = Run(accelerator="gpu" if torch.cuda.is_available() else "cpu")
+        if type(cfg).parallelize is not StrategyConfig.parallelize:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"strategy={self.name!r} shards the model in the LightningModule's "
+                           f"configure_model: call strategies.load({self.name!r}).parallelize("
+                           "model, self.device_mesh) there, or the model trains unsharded")
         return cfg.lightning(world, run)
 
 

@@ -1,0 +1,433 @@
+"""DeepSpeed ZeRO (stages 1-3, CPU and NVMe offload) through Lightning's DeepSpeedStrategy.
+
+ZeRO-1 shards the optimizer state (fp32 master weights and Adam moments) over the data-parallel
+ranks, ZeRO-2 also the gradients, ZeRO-3 also the parameters (gathered per layer for forward and
+backward). Offload keeps the optimizer state (ZeRO-Offload) or the parameter shards too
+(ZeRO-Infinity) in CPU memory or on NVMe.
+
+The DeepSpeed config is generated from the typed keys below; ``deepspeed_config`` is raw
+DeepSpeed JSON merged over it. Precedence, lowest first:
+
+1. the generated config (typed keys, plus ``train_micro_batch_size_per_gpu`` and
+   ``gradient_clipping`` taken from the trainer config);
+2. ``strategy.deepspeed_config``, deep-merged: nested mappings merge key by key, any other value
+   replaces the generated one. Keys with a typed owner are refused by ``problems()`` instead of
+   silently winning (``gradient_accumulation_steps``, ``train_batch_size``,
+   ``zero_optimization.stage``, ``zero_optimization.offload_*``: set the typed key);
+3. Lightning fills what is still missing: ``gradient_accumulation_steps`` (always, from
+   ``accumulate_grad_batches``, i.e. our global/micro batch arithmetic) and the fp16/bf16
+   sections from ``trainer.precision``.
+
+Running on CPU: DeepSpeed picks its accelerator once, when it is first imported, from
+``DS_ACCELERATOR``. ``_select_accelerator`` (the only place that sets it) does that in the
+builder, before the first ``import deepspeed``, and only for ``cluster.accelerator=cpu``; the CPU
+accelerator then uses gloo (no oneCCL here). Lightning's DeepSpeedStrategy refuses non-CUDA
+accelerators; ``_strategy_class`` builds a subclass that lifts exactly those refusals.
+DeepSpeed itself is imported only inside builders: ``import strategies`` stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from strategies.base import CPU, DEVICE, NVME, SHARDED, Layout, Run, StrategyConfig, family
+from strategies.mesh import World
+
+log = logging.getLogger(__name__)
+
+STAGES = (1, 2, 3)
+OFFLOAD = ("none", "cpu", "nvme")
+_WHERE = {"none": DEVICE, "cpu": CPU, "nvme": NVME}
+# deepspeed_config keys that a typed key (or the batch arithmetic) owns: merging them would
+# create a second way to set one knob, and make layout() lie about what ranks hold.
+_OWNED = {
+    "gradient_accumulation_steps": "set trainer.global_batch_size / trainer.micro_batch_size "
+                                   "(accumulation is derived)",
+    "train_batch_size": "set trainer.global_batch_size",
+    "zero_optimization.stage": "set strategy.stage",
+    "zero_optimization.offload_optimizer": "set strategy.offload_optimizer",
+    "zero_optimization.offload_param": "set strategy.offload_params",
+}
+
+
+@family("deepspeed")
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """DeepSpeed ZeRO data parallelism through Lightning's DeepSpeedStrategy (CPU-capable)."""
+
+    stage: int = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    offload_optimizer: str = "none"
+    """none | cpu | nvme: where optimizer state (fp32 master + moments) and its step live."""
+    offload_params: str = "none"
+    """none | cpu | nvme: where parameter shards live between uses (stage 3 only)."""
+    nvme_path: str | None = None
+    """Directory for NVMe swap files (needed when an offload is nvme; must be writable)."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (DeepSpeed's overlap_comm)."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradients into one contiguous buffer (less fragmentation)."""
+    reduce_bucket_size: int = 200_000_000
+    """Elements reduced per gradient bucket (all stages)."""
+    allgather_bucket_size: int = 200_000_000
+    """Elements all-gathered per bucket after the step (stages 1 and 2)."""
+    prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of parameters fetched ahead of use (stage3_prefetch_bucket_size)."""
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay unsharded (stage3_param_persistence_threshold)."""
+    max_live_parameters: int = 1_000_000_000
+    """Stage 3: most gathered parameter elements held at once (stage3_max_live_parameters)."""
+    max_reuse_distance: int = 1_000_000_000
+    """Stage 3: keep a gathered parameter if reused within this many elements' worth of work."""
+    sub_group_size: int = 1_000_000_000
+    """Elements per optimizer sub-group stepped at once (bounds offload/NVMe buffers)."""
+    pin_memory: bool = False
+    """Page-locked CPU buffers for offload (faster host<->GPU copies; needs CUDA)."""
+    param_buffer_count: int = 5
+    """NVMe parameter offload: swap buffers per rank."""
+    param_buffer_size: int = 100_000_000
+    """NVMe parameter offload: elements per swap buffer (>= the largest parameter)."""
+    optimizer_buffer_count: int = 4
+    """NVMe optimizer offload: swap buffers per rank."""
+    aio_block_size: int = 1_048_576
+    """NVMe async I/O block size in bytes (DeepSpeed aio.block_size)."""
+    aio_queue_depth: int = 8
+    """NVMe async I/O queue depth (DeepSpeed aio.queue_depth)."""
+    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed JSON deep-merged over the generated config (see the module docstring)."""
+
+    # ---------------------------------------------------------------- validation
+    def problems(self, world: World, run: Run) -> list[str]:
+        out: list[str] = []
+        if self.stage not in STAGES:
+            out.append(f"strategy.stage={self.stage!r} is not one of 1, 2, 3: use 1 (optimizer "
+                       "state sharded), 2 (+ gradients) or 3 (+ parameters)")
+        for key in ("offload_optimizer", "offload_params"):
+            value = getattr(self, key)
+            if value not in OFFLOAD:
+                out.append(f"strategy.{key}={value!r} is not one of {', '.join(OFFLOAD)}: "
+                           f"set strategy.{key}=none, cpu or nvme")
+        if self.offload_params != "none" and self.stage != 3:
+            out.append(f"strategy.offload_params={self.offload_params} needs strategy.stage=3 "
+                       f"(got {self.stage}): only ZeRO-3 shards parameters; use strategy=zero3_offload "
+                       "or set strategy.offload_params=none")
+        if self.offload_optimizer == "nvme":
+            # Measured (deepspeed 0.19.8, 2 CPU ranks): with the recipe's torch AdamW the NVMe
+            # optimizer swapper trains silently wrong (losses 5e-4 off from the 2nd step), while
+            # parameters on NVMe are exact. Refuse it rather than train wrongly.
+            out.append("strategy.offload_optimizer=nvme trains incorrectly with the recipe's torch "
+                       "AdamW (DeepSpeed's NVMe optimizer swapper; measured losses off by 5e-4 "
+                       "relative from step 2): set strategy.offload_optimizer=cpu (allowed: none, "
+                       "cpu); parameters may stay on NVMe (strategy.offload_params=nvme)")
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            out += self._nvme_problems()
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
+                    "max_live_parameters", "sub_group_size", "param_buffer_count",
+                    "param_buffer_size", "optimizer_buffer_count", "aio_block_size",
+                    "aio_queue_depth"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                out.append(f"strategy.{key}={value!r}: must be an integer >= 1; "
+                           f"the default is {getattr(type(self)(), key)}")
+        for key in ("param_persistence_threshold", "max_reuse_distance"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 0:
+                out.append(f"strategy.{key}={value!r}: must be an integer >= 0 "
+                           f"(0: shard every parameter)")
+        if self.pin_memory and run.accelerator == "cpu":
+            out.append("strategy.pin_memory=true needs CUDA (page-locked memory for host<->GPU "
+                       "copies): set strategy.pin_memory=false on cluster.accelerator=cpu")
+        if run.precision == "16-mixed" and run.accelerator == "cpu":
+            out.append("trainer.precision=16-mixed with DeepSpeed on CPU: its CPU accelerator has "
+                       "no fp16 loss scaling; use trainer.precision=32 or bf16-mixed, or "
+                       "cluster.accelerator=gpu")
+        if self.activation_checkpointing:
+            out.append("strategy.activation_checkpointing=true is not wired for the deepspeed "
+                       "family yet: set it to false")
+        if world.tp != 1 or world.pp != 1:
+            out.append(f"strategy={self.name} is data parallel only: tp={world.tp}, pp={world.pp} "
+                       "must be 1")
+        for dotted, fix in _OWNED.items():
+            if _has(self.deepspeed_config, dotted):
+                out.append(f"strategy.deepspeed_config.{dotted} is set, but that knob has a typed "
+                           f"owner: remove it from deepspeed_config and {fix}")
+        return out
+
+    def _nvme_problems(self) -> list[str]:
+        where = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
+        why = " and ".join(f"strategy.{k}=nvme" for k in where)
+        if not self.nvme_path:
+            return [f"strategy.nvme_path={self.nvme_path!r} but {why} needs a directory for swap "
+                    "files: set strategy.nvme_path=/path/on/nvme (it must exist and be writable)"]
+        path = Path(self.nvme_path)
+        out = []
+        if not path.is_dir():
+            out.append(f"strategy.nvme_path={self.nvme_path!r} does not exist or is not a "
+                       f"directory ({why}): create it (mkdir -p) or point it at an NVMe mount")
+        elif not os.access(path, os.W_OK | os.X_OK):
+            out.append(f"strategy.nvme_path={self.nvme_path!r} is not writable by this user "
+                       f"({why}): fix its permissions or choose another directory")
+        if not _libaio_available():
+            out.append(f"{why} needs Linux libaio to build DeepSpeed's async_io op, and it is not "
+                       "installed: apt-get install -y libaio-dev, or set the offload to cpu")
+        return out
+
+    # ---------------------------------------------------------------- layout
+    def layout(self, world: World) -> Layout:
+        s = self.stage
+        return Layout(
+            optimizer=SHARDED,
+            grads=SHARDED if s >= 2 else "replicated",
+            params=SHARDED if s >= 3 else "replicated",
+            optimizer_offload=_WHERE.get(self.offload_optimizer, DEVICE),
+            params_offload=_WHERE.get(self.offload_params, DEVICE),
+            reshard_after_forward=s >= 3,
+        )
+
+    # ---------------------------------------------------------------- builders
+    def deepspeed_json(self, run: Run) -> dict[str, Any]:
+        """The DeepSpeed config this preset hands to Lightning: plain dicts, lists and scalars."""
+        zero: dict[str, Any] = {
+            "stage": self.stage,
+            "overlap_comm": self.overlap_comm,
+            "contiguous_gradients": self.contiguous_gradients,
+            "reduce_bucket_size": self.reduce_bucket_size,
+            "sub_group_size": self.sub_group_size,
+        }
+        if self.stage < 3:
+            zero |= {"allgather_partitions": True, "allgather_bucket_size": self.allgather_bucket_size,
+                     "reduce_scatter": True}
+        else:
+            zero |= {"stage3_prefetch_bucket_size": self.prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": self.param_persistence_threshold,
+                     "stage3_max_live_parameters": self.max_live_parameters,
+                     "stage3_max_reuse_distance": self.max_reuse_distance}
+        if self.offload_optimizer != "none":
+            zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": self.pin_memory}
+            if self.offload_optimizer == "nvme":
+                zero["offload_optimizer"] |= {"nvme_path": self.nvme_path,
+                                              "buffer_count": self.optimizer_buffer_count}
+        if self.offload_params != "none":
+            zero["offload_param"] = {"device": self.offload_params, "pin_memory": self.pin_memory}
+            if self.offload_params == "nvme":
+                zero["offload_param"] |= {"nvme_path": self.nvme_path,
+                                          "buffer_count": self.param_buffer_count,
+                                          "buffer_size": self.param_buffer_size}
+        cfg: dict[str, Any] = {
+            "zero_optimization": zero,
+            # The optimizer is the module's torch AdamW (recipes/module.py), not a DeepSpeed one.
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "train_micro_batch_size_per_gpu": run.micro_batch_size,
+            "gradient_clipping": float(run.grad_clip),
+            "steps_per_print": 2**31 - 1,  # our report logs the loss; keep DeepSpeed quiet
+            "wall_clock_breakdown": False,
+        }
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            cfg["aio"] = {"block_size": self.aio_block_size, "queue_depth": self.aio_queue_depth,
+                          "single_submit": False, "overlap_events": True, "thread_count": 1}
+        return _merge(cfg, _plain(self.deepspeed_config))
+
+    def lightning(self, world: World, run: Run) -> Any:
+        _select_accelerator(run)
+        cls = _strategy_class()
+        remote = self.offload_params if self.offload_params != "none" else None
+        return cls(config=self.deepspeed_json(run), remote_device=remote,
+                   process_group_backend="gloo" if run.accelerator == "cpu" else None)
+
+    # ---------------------------------------------------------------- measurement
+    def held_bytes(self, trainer: Any, what: str) -> int:
+        """Bytes this rank holds, counted from DeepSpeed's own objects (see ``_held``)."""
+        return _held(trainer, what)
+
+    def full_state_dict(self, trainer: Any) -> dict[str, Any]:
+        model = trainer.lightning_module.model
+        if self.stage < 3:  # ZeRO-1/2 keep full (updated) parameters in the module
+            return super().full_state_dict(trainer)
+        import deepspeed
+
+        # Collective: every rank gathers; modifier_rank=None means nobody writes back.
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+# -------------------------------------------------------------------- helpers
+def _plain(node: Any) -> Any:
+    """Hydra/OmegaConf containers -> plain dicts/lists (DeepSpeed and Lightning mutate and JSON them)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        return {str(k): _plain(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, anything else in ``over`` replaces ``base``."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def _has(cfg: Any, dotted: str) -> bool:
+    node = _plain(cfg)
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _libaio_available() -> bool:
+    import ctypes.util
+
+    return ctypes.util.find_library("aio") is not None and Path("/usr/include/libaio.h").exists()
+
+
+def _select_accelerator(run: Run) -> None:
+    """The one place DS_ACCELERATOR is set: DeepSpeed reads it once, at its first import."""
+    import sys
+
+    if run.accelerator != "cpu":
+        return
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        name = get_accelerator().device_name()
+        if name != "cpu":
+            raise RuntimeError(f"deepspeed was imported with its {name!r} accelerator before the "
+                               "CPU run set DS_ACCELERATOR=cpu; do not import deepspeed earlier")
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"  # inherited by the ranks Lightning's launcher starts
+
+
+@cache
+def _strategy_class() -> type:
+    """Lightning's DeepSpeedStrategy, minus its three refusals of non-CUDA accelerators.
+
+    On CUDA the subclass behaves exactly like its parent. On CPU it (1) skips the CUDA-only
+    accelerator check in ``setup_environment``, (2) skips the device-index check in
+    ``setup_distributed`` (CPU devices have no index), (3) hands the engine ``device_rank=local
+    rank`` instead of the CPU device's index ``None``. It also passes ``scale_wrt_gas=False`` to
+    the engine's backward: Lightning has already divided the loss by ``accumulate_grad_batches``,
+    and DeepSpeed dividing it again would shrink accumulated gradients by the accumulation.
+    """
+    import argparse
+
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+    from lightning.fabric.utilities.seed import reset_seed
+
+    class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
+        strategy_name = "stratagem_deepspeed"
+
+        @property
+        def _on_cpu(self) -> bool:
+            return isinstance(self.accelerator, CPUAccelerator)
+
+        def setup_environment(self) -> None:
+            if self._on_cpu:  # (1) parent raises for any accelerator that is not CUDA
+                DDPStrategy.setup_environment(self)
+            else:
+                super().setup_environment()
+
+        def setup_distributed(self) -> None:
+            if not self._on_cpu:
+                return super().setup_distributed()
+            reset_seed()  # (2) as the parent, minus _validate_device_index_selection
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            if not self._on_cpu:
+                return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+            import deepspeed
+
+            # (3) the parent passes root_device.index, None on CPU, which the engine rejects
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self.local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+            return engine, ds_optimizer
+
+        def backward(self, closure_loss, optimizer, *args, **kwargs):
+            kwargs.setdefault("scale_wrt_gas", False)  # Lightning already divided by accumulation
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    return CPUCapableDeepSpeedStrategy
+
+
+# Where DeepSpeed 0.19's ZeRO optimizers keep gradients (stage 1/2 and stage 3). The reduction
+# buckets (ipg_buffer, reduce_bucket_size elements) are communication scratch, not counted.
+_GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition",
+               "accumulated_grads_in_cpu", "offload_gradient_dict", "grad_partitions_flat_buffer",
+               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+
+
+def _held(trainer: Any, what: str) -> int:
+    """Count what DeepSpeed really holds on this rank.
+
+    params: the module's parameter storage (ZeRO-3: each parameter's ``ds_tensor`` partition,
+    plus the full data of parameters gathered right now or kept persistent). grads: whatever
+    gradient storage exists (full ``.grad``, the engine's partitioned/averaged gradients and
+    its contiguous gradient buffers). optimizer: the fp32 master partitions (on CPU when
+    offloaded) and the wrapped torch optimizer's state tensors.
+    """
+    from strategies.memory import optimizer_tensors, tensor_bytes
+
+    engine = trainer.strategy.model
+    zero_opt = trainer.strategy.optimizers[0] if trainer.strategy.optimizers else None
+    params = list(engine.module.parameters())
+    if what == "params":
+        tensors = [p.data for p in params if p.data.numel() > 0]
+        tensors += [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
+        return tensor_bytes(tensors)
+    if what == "grads":
+        tensors = [g for p in params for g in (p.grad, getattr(p, "grad_accum", None)) if g is not None]
+        for name in _GRAD_ATTRS:
+            tensors += list(_tensors_in(getattr(zero_opt, name, None)))
+        # offload: the gradient partition is copied into the CPU fp32 master's .grad
+        tensors += [t.grad for t in _fp32_partitions(zero_opt) if t.grad is not None]
+        return tensor_bytes(tensors)
+    if what == "optimizer":
+        tensors = _fp32_partitions(zero_opt)
+        inner = getattr(zero_opt, "optimizer", None)
+        tensors += list(optimizer_tensors([inner] if inner is not None else []))
+        return tensor_bytes(tensors)
+    raise ValueError(f"held_bytes: what={what!r}; allowed params, grads, optimizer")
+
+
+def _fp32_partitions(zero_opt: Any) -> list:
+    """The fp32 master partitions the ZeRO optimizer steps (stage 1/2 and stage 3 names)."""
+    out = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        out += list(_tensors_in(getattr(zero_opt, name, None)))
+    return out
+
+
+def _tensors_in(obj: Any):
+    """Every tensor in a (nested) list/tuple/dict of tensors."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
