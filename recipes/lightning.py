@@ -54,7 +54,7 @@ def build(job: Job, out: Path, predicted: Any = None) -> Built:
     strategy = job.strategy.lightning(job.world, job.run)
     log.info("strategy: %s -> %s", job.strategy.name, type(strategy).__name__)
     module = CausalLM(job.shape, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-                      seed=t.seed, parallelize=getattr(job.strategy, "parallelize", None))
+                      seed=t.seed, parallelize=job.strategy.parallelize, optimizer=job.strategy.optimizer)
     data = GlobalBatchData(build_dataset(cfg.data, job.shape, t.seed), global_batch=job.batch.global_size,
                            micro_batch=job.batch.micro_size, steps=t.max_steps, seed=t.seed,
                            num_workers=cfg.data.num_workers)

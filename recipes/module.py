@@ -15,11 +15,12 @@ class CausalLM(L.LightningModule):
     strategies can build it their way (DeepSpeed's ``zero.Init``, FSDP2's ``fully_shard``)."""
 
     def __init__(self, shape: GPTShape, *, lr: float, weight_decay: float = 0.0,
-                 warmup_steps: int = 0, seed: int = 0, parallelize=None):
+                 warmup_steps: int = 0, seed: int = 0, parallelize=None, optimizer=None):
         super().__init__()
         self.shape, self.lr, self.weight_decay, self.warmup_steps = shape, lr, weight_decay, warmup_steps
         self.seed = seed
         self.parallelize = parallelize  # strategy hook applied to the built model (FSDP2, TP, AC)
+        self.optimizer_factory = optimizer or torch.optim.AdamW  # the strategy's AdamW
         self.model: GPT | None = None
 
     def configure_model(self) -> None:
@@ -39,8 +40,11 @@ class CausalLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=self.weight_decay)
+        # The wrapped model's parameters: FSDP1 with use_orig_params=False registers the root
+        # unit's flat parameter on the wrapper, not on this module.
+        params = self.trainer.model.parameters() if self._trainer is not None else self.parameters()
+        opt = self.optimizer_factory(params, lr=self.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=self.weight_decay)
         warm = max(self.warmup_steps, 0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

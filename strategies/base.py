@@ -49,6 +49,9 @@ class Layout:
     """Communicated gradient bytes relative to the gradient dtype (fp16 hook on fp32: 0.5)."""
     reshard_after_forward: bool = True
     """ZeRO-3/FULL_SHARD free gathered params after forward (False: SHARD_GRAD_OP-like)."""
+    master_weights: bool = False
+    """The engine keeps its own fp32 copy of the parameters for the optimizer (DeepSpeed), sharded
+    like the optimizer state, beside the working parameters (even in fp32 runs)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,13 @@ class StrategyConfig:
         if self.activation_checkpointing:
             checkpoint_blocks(model)
         return model
+
+    def optimizer(self, params: Any, *, lr: float, betas: tuple[float, float], eps: float,
+                  weight_decay: float) -> Any:
+        """The AdamW the run trains with; a family whose engine needs its own AdamW overrides."""
+        import torch
+
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def held_bytes(self, trainer: Any, what: str) -> int:
         """Bytes of ``what`` (params | grads | optimizer) this rank really holds right now,

@@ -21,9 +21,6 @@ from strategies.mesh import World
 
 GB, GiB, MiB = 10**9, 2**30, 2**20
 ACCOUNTINGS = ("actual", "mixed16", "mixed20")
-# Families whose engine keeps a low-precision working copy plus fp32 master weights (ZeRO's
-# 2 + 2 + 4 + 4 + 4 bytes); torch AMP families keep fp32 parameters and no separate master.
-MASTER_WEIGHT_FAMILIES = ("deepspeed",)
 TOLERANCE = 0.05  # steps within 5% of the fastest count as equally fast
 MOVE_UP = 1.2     # a heavier rung of the ladder must be this much faster to be recommended
 RUNGS = ("replicated", "sharded data parallel", "tensor parallel", "pipeline / 3D", "offload")
@@ -63,8 +60,8 @@ def state_bytes(accounting: str = "actual", precision: str = "bf16-mixed", *,
         raise ValueError(f"planner.accounting={accounting!r} is not one of "
                          f"{', '.join(ACCOUNTINGS)}; set planner.accounting=actual")
     p = str(precision)
-    if p.startswith(("32", "64")):
-        return StateBytes(4, 4, 0, 8, gather=4, reduce=4, activation=4)
+    if p.startswith(("32", "64")):  # an engine with master weights copies even fp32 params
+        return StateBytes(4, 4, 4 if master_weights else 0, 8, gather=4, reduce=4, activation=4)
     if p.endswith("-true"):  # everything, Adam moments included, in the 16-bit dtype
         return StateBytes(2, 2, 0, 4, gather=2, reduce=2, activation=2)
     if master_weights:
@@ -269,7 +266,7 @@ def candidate(preset: Any, world: World, run: Any = None) -> Candidate:
     problems = tuple(preset.problems(world, run)) if run is not None else ()
     return Candidate(name=preset.name, layout=preset.layout(world),
                      activation_checkpointing=bool(preset.activation_checkpointing),
-                     master_weights=any(f in preset.family for f in MASTER_WEIGHT_FAMILIES),
+                     master_weights=preset.layout(world).master_weights,
                      bucket_bytes=int(getattr(preset, "bucket_cap_mb", 25)) * MiB,
                      problems=problems, description=f"{preset.family} preset")
 

@@ -187,6 +187,7 @@ class ZeroConfig(StrategyConfig):
             optimizer_offload=_WHERE.get(self.offload_optimizer, DEVICE),
             params_offload=_WHERE.get(self.offload_params, DEVICE),
             reshard_after_forward=s >= 3,
+            master_weights=True,  # measured: fp32 master partition beside the params, even in fp32
         )
 
     # ---------------------------------------------------------------- builders

@@ -26,6 +26,10 @@ def test_two_process_ddp_writes_the_report(tmp_path):
     assert len(r["losses"]) == 5 and r["final_loss"] == r["losses"][-1]
     assert r["config"]["strategy"]["name"] == "ddp" and r["tokens_per_second"] > 0
     assert [m["rank"] for m in r["memory"]["ranks"]] == [0, 1]
+    pred = r["memory"]["predicted"]  # the planner, next to what each rank really held
+    for rank in r["memory"]["ranks"]:
+        assert (rank["params"], rank["grads"], rank["optimizer"]) == \
+            (pred["params"], pred["grads"], pred["master"] + pred["optimizer"])
     assert "report" in run.log and str(tmp_path / "ddp" / "report.json") in run.log
 
 
