@@ -113,6 +113,13 @@ def _libaio() -> bool:
 
 @pytest.mark.skipif(not _libaio(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
 def test_zero_infinity_matches_single_process(train, tmp_path):
+    """Parameters AND optimizer state on NVMe train exactly like the single process, and really
+    live in files: swap files for both, and the rank holds no optimizer state in memory.
+
+    Regression: DeepSpeed reads each swapped gradient straight into its offset in a flat buffer;
+    the output matrix's offset here (after the embedding and the small norm/attention weights) is
+    not block aligned, so that O_DIRECT read failed silently and the step used stale memory
+    (3e-4 relative loss error from step 2). strategies/zero.py ``_align_gradient_swap_in``."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     steps = ("trainer.max_steps=4", "trainer.global_batch_size=8", "trainer.lr=1e-3",
@@ -123,19 +130,49 @@ def test_zero_infinity_matches_single_process(train, tmp_path):
                 "strategy.param_buffer_size=600000", name="infinity", timeout=400)
     assert_losses_close(ref.losses, run.losses, rtol=1e-5)
     assert_params_close(ref.params(), run.params(), rtol=1e-5)
-    # the swap files are real: both embedding partitions of each rank live on "NVMe"
+    files = sorted(str(p.relative_to(nvme)) for p in nvme.rglob("*") if p.is_file())
+
+    # the parameter swap files are real: both embedding partitions of each rank live on "NVMe"
     swapped = [p for p in nvme.rglob("*param.tensor.swp") if p.is_file()]
-    assert len(swapped) == WORLD * 2, sorted(str(p) for p in nvme.rglob("*"))[:20]
+    assert len(swapped) == WORLD * 2, files[:20]
     assert all(p.stat().st_size >= 1 << 20 for p in swapped)
 
+    # the optimizer state too: per rank one sub-group, its fp32 master partition and both Adam
+    # moments in files at least the rank's share of the model (padded to DeepSpeed's alignment)
+    share = sum(t.numel() for t in ref.params().values()) * 4 / WORLD
+    for rank in range(WORLD):
+        folder = nvme / "zero_stage_3" / "optimizer" / f"rank{rank}"
+        masters = [p for p in folder.glob("*.tensor.swp") if "-" not in p.name and "_gradient_" not in p.name]
+        assert len(masters) == 1, files
+        master = masters[0]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state = folder / f"{moment}-{master.name}"
+            assert state.is_file(), files
+            assert state.stat().st_size == master.stat().st_size >= share, (state, share)
+        # gradients >= 1 MiB went through files as well, one of them at a misaligned offset
+        grads = [p.name for p in folder.glob("*_gradient_*.tensor.swp")]
+        offsets = [int(name.split("_gradient_")[1].split("_")[0]) for name in grads]
+        assert len(grads) == 2 and any(o * 4 % 512 for o in offsets), grads
 
-def test_nvme_optimizer_offload_is_refused_with_the_reason(tmp_path):
-    """Measured: DeepSpeed's NVMe optimizer swapper with the recipe's torch AdamW trains
-    silently wrong (5e-4 relative loss error from step 2), so the config refuses it."""
-    msg = _problems("strategy=zero_infinity", f"strategy.nvme_path={tmp_path}",
-                    "strategy.offload_optimizer=nvme")
-    assert "strategy.offload_optimizer=nvme trains incorrectly" in msg
-    assert "set strategy.offload_optimizer=cpu" in msg
+    # ... and out of memory: after a step the rank holds none of it (in CPU memory it would be
+    # 3 x its share: master + exp_avg + exp_avg_sq)
+    for held in run.report["memory"]["ranks"]:
+        assert held["optimizer"] <= 0.01 * 3 * share, held
+
+
+@pytest.mark.skipif(not _libaio(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
+def test_zero_infinity_config_puts_params_and_optimizer_on_nvme(tmp_path):
+    from recipes.config import compose
+    from recipes.job import validate
+
+    cfg = compose(["model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=2",
+                   "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+                   "strategy=zero_infinity", f"strategy.nvme_path={tmp_path}"])
+    job = validate(cfg)  # no problems: optimizer state on NVMe is allowed
+    z = job.strategy.deepspeed_json(job.run)["zero_optimization"]
+    assert z["offload_param"]["device"] == z["offload_optimizer"]["device"] == "nvme"
+    assert z["offload_param"]["nvme_path"] == z["offload_optimizer"]["nvme_path"] == str(tmp_path)
+    assert z["offload_optimizer"]["buffer_count"] == 4
 
 
 # --- GPU-only ---------------------------------------------------------------------------------
@@ -198,6 +235,9 @@ def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
     assert "trainer.precision=16-mixed with DeepSpeed on CPU" in msg
 
     msg = _problems("strategy=zero_infinity")
+    assert ("strategy.nvme_path=None but strategy.offload_optimizer=nvme and "
+            "strategy.offload_params=nvme needs a directory") in msg
+    msg = _problems("strategy=zero_infinity", "strategy.offload_optimizer=cpu")
     assert "strategy.nvme_path=None but strategy.offload_params=nvme needs a directory" in msg
     msg = _problems("strategy=zero_infinity", f"strategy.nvme_path={tmp_path / 'missing'}")
     assert "does not exist or is not a directory" in msg and "mkdir -p" in msg
@@ -219,9 +259,13 @@ def test_bad_zero_config_stops_the_cli_before_launch(train):
 # --- builders, without processes -----------------------------------------------------------------
 
 def test_layouts_are_what_the_presets_say():
+    from functools import partial
+
     import strategies
     from strategies import World
-    from strategies.base import Layout
+    from strategies.base import Layout as _Layout
+
+    Layout = partial(_Layout, master_weights=True)  # ZeRO keeps an fp32 master partition
 
     w = World(devices=2)
     r, s = "replicated", "sharded"
@@ -233,7 +277,7 @@ def test_layouts_are_what_the_presets_say():
     assert strategies.load("zero3_offload").layout(w) == Layout(
         params=s, grads=s, optimizer=s, params_offload="cpu", optimizer_offload="cpu")
     assert strategies.load("zero_infinity").layout(w) == Layout(
-        params=s, grads=s, optimizer=s, params_offload="nvme", optimizer_offload="cpu")
+        params=s, grads=s, optimizer=s, params_offload="nvme", optimizer_offload="nvme")
     assert r == strategies.load("zero1").layout(w).params
 
 
