@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 
 from callbacks.memory import MemoryProfile
+from callbacks.progress import StepProgressBar
 from callbacks.report import RunReport, atomic_torch_save
 from recipes.data import build_dataset
 from recipes.job import Job
@@ -58,7 +59,7 @@ def build(job: Job, out: Path, predicted: Any = None) -> Built:
     data = GlobalBatchData(build_dataset(cfg.data, job.shape, t.seed), global_batch=job.batch.global_size,
                            micro_batch=job.batch.micro_size, steps=t.max_steps, seed=t.seed,
                            num_workers=cfg.data.num_workers)
-    callbacks: list[L.Callback] = []
+    callbacks: list[L.Callback] = [StepProgressBar()] if cfg.callbacks.progress_bar else []
     report = None
     if cfg.callbacks.report:
         report = RunReport(out / "report.json", meta=job.meta(), tokens_per_step=job.tokens_per_step)
