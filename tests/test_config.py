@@ -197,3 +197,9 @@ def test_reference_param_counts():
     assert 9e6 < counts["gpt_small"] < 12e6
     assert round(counts["llama_7b"] / 1e9, 2) == 6.74
     assert round(counts["llama_70b"] / 1e9, 1) == 69.0
+
+
+def test_per_combination_tweak_applies_only_to_its_pair():
+    """conf/strategy_model/<strategy>_<model>.yaml is an optional, interpolated group."""
+    assert compose(["strategy=zero3", "model=gpt_nano"]).strategy.param_persistence_threshold == 0
+    assert compose(["strategy=zero3", "model=gpt_small"]).strategy.param_persistence_threshold == 100_000
