@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ def build(job: Job, out: Path, predicted: Any = None) -> Built:
     strategy = job.strategy.lightning(job.world, job.run)
     log.info("strategy: %s -> %s", job.strategy.name, type(strategy).__name__)
     module = CausalLM(job.shape, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-                      seed=t.seed, parallelize=job.strategy.parallelize, optimizer=job.strategy.optimizer)
+                      seed=t.seed, optimizer=job.strategy.optimizer,
+                      parallelize=functools.partial(job.strategy.parallelize, world=job.world, run=job.run))
     data = GlobalBatchData(build_dataset(cfg.data, job.shape, t.seed), global_batch=job.batch.global_size,
                            micro_batch=job.batch.micro_size, steps=t.max_steps, seed=t.seed,
                            num_workers=cfg.data.num_workers)

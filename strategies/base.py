@@ -101,7 +101,8 @@ class StrategyConfig:
         """Accelerate plugins/kwargs: the seam for the Accelerate backend."""
         raise NotImplementedError(f"strategy family {self.family!r} has no Accelerate builder yet")
 
-    def parallelize(self, model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    def parallelize(self, model: torch.nn.Module, device_mesh: Any, *, world: World | None = None,
+                    run: Run | None = None) -> torch.nn.Module:
         """Applied to the freshly built model inside ``configure_model``, in the fixed order
         TP -> activation checkpointing -> compile -> FSDP. The default does only checkpointing."""
         if self.activation_checkpointing:

@@ -63,21 +63,20 @@ class FSDP2Config(StrategyConfig):
     def lightning(self, world: World, run: Run) -> Any:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        # parallelize runs later, inside configure_model, and needs both (not config fields).
-        self._world, self._run = world, run
         # Every rank is data parallel (HSDP's 2-D mesh is derived in parallelize), so the
         # strategy's data-parallel dimension, and the sampler's, is the whole world.
         return ModelParallelStrategy(data_parallel_size=world.size, tensor_parallel_size=1,
                                      save_distributed_checkpoint=self.distributed_checkpoint)
 
     # ------------------------------------------------------------------ the parallelize seam
-    def parallelize(self, model: Any, device_mesh: Any) -> Any:
-        """Apply FSDP2 to the plain model (called on every rank inside ``configure_model``)."""
+    def parallelize(self, model: Any, device_mesh: Any, *, world: World | None = None,
+                    run: Run | None = None) -> Any:
+        """Apply FSDP2 to the plain model (called on every rank inside ``configure_model``).
+        Without ``world`` (outside train.py) the shard group is ``shard_group_size`` or the mesh."""
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = self._mesh(device_mesh)
-        run = getattr(self, "_run", None)
+        mesh = self._mesh(device_mesh, world)
         precision = run.precision if run is not None else "32"
         low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if self.reduce_fp32 else low)
@@ -90,13 +89,12 @@ class FSDP2Config(StrategyConfig):
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         return model
 
-    def _mesh(self, device_mesh: Any) -> Any:
+    def _mesh(self, device_mesh: Any, world: World | None) -> Any:
         dp = device_mesh["data_parallel"]
         if not self.hybrid:
             return dp
         from torch.distributed.device_mesh import init_device_mesh
 
-        world = getattr(self, "_world", None)
         shard = self.shard_size(world) if world is not None else self.shard_group_size or dp.size()
         return init_device_mesh(dp.device_type, (dp.size() // shard, shard),
                                 mesh_dim_names=("replicate", "shard"))
