@@ -4,42 +4,34 @@
     python plan.py model=llama_7b cluster=node_8x_a100_80g strategy=zero3  # one preset, in full
     python plan.py model=llama_7b cluster=node_8x_a100_80g planner.format=json
 
-Shares conf/ with train.py. It writes nothing to disk: Hydra's output directory, .hydra/ and log
-files are switched off by the overrides in ``_NO_OUTPUT``, added to the command line (each only
-when the user did not set that key). Method and JSON contract: docs/PLANNER.md.
+Takes the same overrides as train.py and composes the same conf/ with Hydra's compose API (a
+query, not a job: one composition, nothing written to disk), then validates what the config
+says (not this machine: plan a GPU cluster from a laptop). It imports neither torch nor an
+engine. Method and JSON contract: docs/PLANNER.md.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
-
-import recipes.config  # noqa: F401  (typed schemas into the ConfigStore)
-import strategies  # noqa: F401  (strategy family schemas)
-
-_NO_OUTPUT = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
-              "hydra/hydra_logging=disabled")
+from recipes import cli
 
 
-@hydra.main(config_path="conf", config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
+def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__ + "\n" + cli.groups_help())
+        return
+    from planner import plan_all
+    from planner.render import render
+    from recipes.config import compose, describe
+    from recipes.job import validate
 
-    from strategies.plan_render import render
-    from strategies.planner import plan_all
-
-    chosen = any(o.split("=")[0].lstrip("+~") == "strategy"
-                 for o in HydraConfig.get().overrides.task)
-    render(plan_all(cfg, chosen=chosen), str(cfg.planner.format), detailed=chosen)
-
-
-def _quiet(argv: list[str]) -> list[str]:
-    given = {a.split("=")[0] for a in argv}
-    return argv + [o for o in _NO_OUTPUT if o.split("=")[0] not in given]
+    argv = cli.normalize(argv)
+    cfg = cli.or_exit(lambda: compose(argv))
+    cli.or_exit(lambda: validate(cfg, launch=False))
+    chosen = any(a.split("=")[0].lstrip("+~") == "strategy" for a in argv)
+    render(plan_all(cfg, describe(cfg.model), chosen=chosen), cfg.planner.format, detailed=chosen)
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = _quiet(sys.argv[1:])
-    main()
+    main(sys.argv[1:])

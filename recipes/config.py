@@ -1,37 +1,91 @@
 """Typed schemas behind ``conf/``: stored in Hydra's ConfigStore so an unknown key or a wrong type
-fails at compose time. Strategy schemas live with their families in ``strategies/``.
+fails at compose time, each field with its allowed values declared (``knob``) so a bad value
+fails validation with one sentence. Strategy schemas live with their families in
+``strategies/``. Torch-free: plan.py and ``train.py --cfg job`` import this and nothing heavy.
+
+Schemas are stored at the ConfigStore's root (``train_schema``, ``logger_schema``; strategy
+families as ``<family>_schema``), not inside the groups, so ``--help`` lists only real options.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from strategies.checks import knob
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+# A backend is a file of conf/backend/ (and a module of backends/): the files are the choices.
+BACKENDS = tuple(sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml")))
+OPTIMIZERS = ("adamw", "sgd")
+
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer's shape (recipes/gpt.py)."""
+    """A decoder-only transformer's shape (recipes/gpt.py builds it). Also the torch-free model
+    description the planner reads: shape fields plus the exact parameter counts below."""
 
     name: str = MISSING
-    dim: int = MISSING
+    dim: int = knob(MISSING, min=1)
     """Hidden size."""
-    n_layers: int = MISSING
-    n_heads: int = MISSING
-    n_kv_heads: int = MISSING
+    n_layers: int = knob(MISSING, min=1)
+    n_heads: int = knob(MISSING, min=1)
+    n_kv_heads: int = knob(MISSING, min=1)
     """Key/value heads; fewer than n_heads is grouped-query attention."""
-    vocab_size: int = MISSING
-    seq_len: int = MISSING
+    vocab_size: int = knob(MISSING, min=1)
+    seq_len: int = knob(MISSING, min=1)
     """Tokens per sample (and the RoPE table length)."""
-    dropout: float = 0.0
-    ffn_dim: int | None = None
+    dropout: float = knob(0.0, min=0.0, below=1.0)
+    ffn_dim: int | None = knob(None, min=1)
     """SwiGLU hidden size; None: 8/3 x dim rounded up to a multiple of 64."""
     tie_embeddings: bool = False
     """Share the input embedding with the output projection."""
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = knob(1e-5, above=0.0)
+    rope_theta: float = knob(10000.0, above=0.0)
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner size."""
+        return self.ffn_dim or 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (attention, SwiGLU MLP, two norms)."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        return attn + 3 * self.dim * self.hidden + 2 * self.dim
+
+    def embedding_params(self) -> int:
+        """Parameters of one vocab x dim matrix (the input embedding; the output head is
+        another unless ``tie_embeddings``)."""
+        return self.vocab_size * self.dim
+
+    def num_params(self) -> int:
+        """Exact parameter count of ``GPT(self)``, without building it."""
+        embeddings = self.embedding_params() * (1 if self.tie_embeddings else 2)
+        return self.n_layers * self.block_params() + embeddings + self.dim
+
+    def problems(self) -> list[str]:
+        """Shape rules that involve more than one field (single fields declare their own)."""
+        out = []
+        if self.dim % self.n_heads:
+            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                       "choose n_heads dividing dim")
+        elif self.head_dim % 2:
+            out.append(f"head dim model.dim / model.n_heads = {self.dim}/{self.n_heads} = "
+                       f"{self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            out.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        return out
 
 
 @dataclass
@@ -39,77 +93,105 @@ class ClusterConfig:
     """Hardware as data: the launcher reads the first three, the planner all of them."""
 
     name: str = "local"
-    nodes: int = 1
-    devices: int = 1
+    nodes: int = knob(1, min=1)
+    devices: int = knob(1, min=1)
     """Processes per node (one per GPU; on CPU, per core at most unless oversubscribe)."""
-    accelerator: str = "auto"
-    """auto | cpu | gpu."""
-    device_memory_GB: float = 0.0
+    accelerator: str = knob("auto", choices=("auto", "cpu", "gpu"))
+    device_memory_GB: float = knob(24.0, above=0.0)
     """Memory per device, GB = 1e9 bytes (for CPU: the host memory shared by its processes)."""
-    peak_tflops: float = 0.0
+    peak_tflops: float = knob(0.2, above=0.0)
     """Dense bf16 peak per device, TFLOP/s."""
-    intra_node_GBps: float = 0.0
-    """Per-device bandwidth to devices on the same node, GB/s."""
-    inter_node_GBps: float = 0.0
-    """Per-device bandwidth to other nodes, GB/s."""
-    host_memory_GB: float = 0.0
-    nvme_GB: float = 0.0
+    intra_node_GBps: float = knob(0.0, min=0.0)
+    """Per-device bandwidth to devices on the same node, GB/s (0: no peers)."""
+    inter_node_GBps: float = knob(0.0, min=0.0)
+    """Per-device bandwidth to other nodes, GB/s (0: one node)."""
+    host_memory_GB: float = knob(0.0, min=0.0)
+    nvme_GB: float = knob(0.0, min=0.0)
     oversubscribe: bool = False
     """Allow more CPU processes than cores (tests of 4-rank meshes on a 2-core machine)."""
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.devices
+
+    def device_bytes(self) -> int:
+        """Memory one process may use: a GPU's own, or a CPU node's share."""
+        shared = self.accelerator != "gpu"
+        return int(self.device_memory_GB * 1e9 / (self.devices if shared else 1))
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 50
+    max_steps: int = knob(50, min=1)
     """Optimizer steps."""
-    global_batch_size: int = 16
+    global_batch_size: int = knob(16, min=1)
     """Samples per optimizer step across all ranks (= micro x dp x accumulation)."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = knob(8, min=1)
     """Samples per forward/backward on one rank."""
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    optimizer: str = knob("adamw", choices=OPTIMIZERS)
+    """adamw (betas 0.9/0.95, eps 1e-8) | sgd (plain; momentum below)."""
+    lr: float = knob(3e-3, above=0.0)
+    momentum: float = knob(0.0, min=0.0, below=1.0)
+    """SGD momentum (0: plain SGD). Ignored by adamw."""
+    weight_decay: float = knob(0.0, min=0.0)
+    warmup_steps: int = knob(0, min=0)
     """Linear learning-rate warm-up, in optimizer steps (then constant)."""
-    precision: str = "32"
-    """32 | bf16-mixed | 16-mixed."""
-    seed: int = 1234
-    grad_clip: float = 0.0
+    precision: str = knob("32", choices=PRECISIONS)
+    seed: int = knob(1234, min=0)
+    grad_clip: float = knob(0.0, min=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
-    log_every: int = 1
+    log_every: int = knob(1, min=1)
     """Log the loss every N optimizer steps."""
     export_params: bool = False
     """Write the final full parameters to params.pt (rank 0), for comparison and export."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints; 0 disables."""
-    resume_from: str | None = None
+    resume_from: str | None = knob(None, exists="any",
+                                   fix="point trainer.resume_from at a checkpoint written by "
+                                       "trainer.checkpoint_every, or null to start fresh")
     """A checkpoint path written by checkpoint_every, to continue training from."""
 
 
 @dataclass
 class DataConfig:
-    name: str = "text"
+    name: str = knob("text", choices=("text", "synthetic"))
     """text (the bundled corpus, byte tokens) | synthetic (random tokens, for benchmarks)."""
-    path: str | None = None
+    path: str | None = knob(None, exists="file",
+                            fix="point data.path at a UTF-8 text file, or data.path=null for the "
+                                "bundled corpus")
     """A UTF-8 text file for name=text; None: the bundled corpus."""
-    num_samples: int = 4096
+    num_samples: int = knob(4096, min=1)
     """Samples in the synthetic dataset."""
-    num_workers: int = 0
+    num_workers: int = knob(0, min=0)
 
 
 @dataclass
 class BackendConfig:
-    name: str = "lightning"
-    """lightning (Lightning Trainer)."""
+    name: str = knob("lightning", choices=BACKENDS)
+    """The engine that runs the loop: a file of conf/backend/ and a module of backends/."""
 
 
 @dataclass
 class CallbacksConfig:
+    """Observers (observers/), the same on every backend."""
+
     progress_bar: bool = True
-    """Lightning's progress bar, with loss and tokens/s."""
+    """A progress bar on rank 0: optimizer steps, loss, tokens/s."""
     report: bool = True
     """Write report.json at the end of the run."""
     memory: bool = True
     """Measure the bytes each rank holds (params, grads, optimizer) into the report."""
+    throughput: bool = True
+    """Step time and tokens/s into the report."""
+
+
+@dataclass
+class LoggerConfig:
+    name: str = knob("csv", choices=("csv", "wandb"))
+    project: str = "stratagem"
+    """wandb: the project."""
+    mode: str = knob("offline", choices=("online", "offline", "disabled"))
+    """wandb: online | offline | disabled."""
 
 
 @dataclass
@@ -122,24 +204,23 @@ class PathsConfig:
 class PlannerConfig:
     """plan.py and the pre-launch check of train.py."""
 
-    format: str = "table"
-    """table | json."""
-    accounting: str = "actual"
+    format: str = knob("table", choices=("table", "json"))
+    accounting: str = knob("actual", choices=("actual", "mixed16", "mixed20"))
     """actual (what the preset allocates) | mixed16 (16 B/param) | mixed20 (20 B/param)."""
-    params: float | None = None
+    params: float | None = knob(None, above=0.0)
     """Plan model states of this many parameters, without a model shape (no activations);
     a float so that ``planner.params=1e10`` works."""
-    trainable: float | None = None
+    trainable: float | None = knob(None, above=0.0)
     """Parameters that train (LoRA-style adapters); the rest are frozen and hold no gradient or
     optimizer state. None: all parameters train."""
-    tp: int = 1
+    tp: int = knob(1, min=1)
     """Tensor-parallel degree for planned-only layouts."""
-    pp: int = 1
+    pp: int = knob(1, min=1)
     """Pipeline-parallel degree for planned-only layouts."""
-    microbatches: int | None = None
+    microbatches: int | None = knob(None, min=1)
     """Pipeline micro-batches per step; None: the accumulation steps (at least pp)."""
-    mfu: float = 0.4
-    """Assumed model-FLOPs utilisation for compute time."""
+    mfu: float = knob(0.4, above=0.0, max=1.0)
+    """Assumed model-FLOPs utilisation for compute time, in (0, 1]."""
     enforce: bool = True
     """train.py refuses to launch a run predicted not to fit."""
     activation_checkpointing: bool | None = None
@@ -148,9 +229,9 @@ class PlannerConfig:
     """Planned-only TP layouts shard the non-TP activations too (Megatron sequence parallel)."""
     flash_attention: bool = True
     """Attention kernels that store no (seq x seq) scores (SDPA flash / memory-efficient)."""
-    host_link_GBps: float = 25.0
+    host_link_GBps: float = knob(25.0, above=0.0)
     """Per-device host<->device bandwidth for CPU offload, GB/s (PCIe 4 x16)."""
-    nvme_GBps: float = 3.0
+    nvme_GBps: float = knob(3.0, above=0.0)
     """Per-device NVMe bandwidth share for NVMe offload, GB/s."""
 
 
@@ -169,17 +250,28 @@ class TrainConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
+# cfg group -> its schema: what validation checks field by field.
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig, "cluster": ClusterConfig, "trainer": TrainerConfig, "data": DataConfig,
+    "backend": BackendConfig, "callbacks": CallbacksConfig, "logger": LoggerConfig,
+    "planner": PlannerConfig,
+}
+
+
 def _store() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for group, node in [("model", ModelConfig), ("cluster", ClusterConfig),
-                        ("trainer", TrainerConfig), ("data", DataConfig),
-                        ("backend", BackendConfig), ("callbacks", CallbacksConfig),
-                        ("paths", PathsConfig), ("planner", PlannerConfig)]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    cs.store(name="logger_schema", node=LoggerConfig)  # logger is opt-in: typed per file
 
 
 _store()
+
+
+def describe(model: Any) -> ModelConfig:
+    """The torch-free description of a composed ``cfg.model`` that the planner reads."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(model) if OmegaConf.is_config(model) else model
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
@@ -187,7 +279,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     import hydra
 
     import strategies  # noqa: F401  (family schemas)
+    from recipes.cli import normalize
     from strategies.presets import hydra_context
 
     with hydra_context():
-        return hydra.compose(config_name="train", overrides=list(overrides))
+        return hydra.compose(config_name="train", overrides=normalize(list(overrides)))

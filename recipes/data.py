@@ -66,6 +66,7 @@ class GlobalBatchSampler:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.steps, self.start_step = steps, start_step
         self.accumulation = global_batch // (micro_batch * dp_size)
+        self.batch_size = micro_batch  # what engines read off a batch sampler (DeepSpeed's micro batch)
         self._perm: tuple[int, torch.Tensor] | None = None
 
     def _sample(self, position: int) -> int:

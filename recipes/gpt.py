@@ -5,69 +5,21 @@ SwiGLU MLP, optional grouped-query attention and tied embeddings. No parallelism
 model declares, as data, its repeated block (``GPT.block_cls``) and which linear layers are
 column- or row-parallel (``GPT.tp_plan``); strategies apply themselves from outside.
 
-Weights are initialised inside each module's constructor (never by a pass over the built
+The shape is ``recipes.config.ModelConfig`` (the same object the planner reads). Weights are
+initialised inside each module's constructor (never by a pass over the built
 model), so construction under DeepSpeed's ``zero.Init`` or on the meta device stays correct.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class GPTShape:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    seq_len: int
-    dropout: float = 0.0
-    ffn_dim: int | None = None
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-
-    @classmethod
-    def of(cls, cfg) -> GPTShape:
-        """From a model config node or mapping (extra keys such as ``name`` are ignored)."""
-        return cls(**{f.name: cfg[f.name] for f in fields(cls) if f.name in cfg})
-
-    @property
-    def hidden(self) -> int:
-        if self.ffn_dim:
-            return self.ffn_dim
-        return 64 * math.ceil(8 * self.dim / 3 / 64)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self) -> int:
-        """Exact parameter count of ``GPT(self)``, without building it."""
-        kv = self.n_kv_heads * self.head_dim
-        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
-        mlp = 3 * self.dim * self.hidden
-        block = attn + mlp + 2 * self.dim
-        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * block + embed + self.dim
-
-    def problems(self) -> list[str]:
-        out = []
-        if self.dim % self.n_heads:
-            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            out.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-        if (self.dim // max(self.n_heads, 1)) % 2:
-            out.append(f"head dim {self.dim}/{self.n_heads} must be even for rotary embeddings")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"model.dropout={self.dropout} must be in [0, 1)")
-        return out
+if TYPE_CHECKING:
+    from recipes.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +49,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, s: GPTShape):
+    def __init__(self, s: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = s.n_heads, s.n_kv_heads, s.head_dim
         self.wq = nn.Linear(s.dim, s.n_heads * s.head_dim, bias=False)
@@ -121,7 +73,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, s: GPTShape):
+    def __init__(self, s: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(s.dim, s.hidden, bias=False)  # gate
         self.w3 = nn.Linear(s.dim, s.hidden, bias=False)  # up
@@ -134,7 +86,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One transformer layer: the unit of FSDP wrapping and activation checkpointing."""
 
-    def __init__(self, s: GPTShape):
+    def __init__(self, s: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(s.dim, s.norm_eps)
         self.attn = Attention(s)
@@ -156,7 +108,7 @@ class GPT(nn.Module):
         "mlp.w1": "column", "mlp.w3": "column", "mlp.w2": "row",
     }
 
-    def __init__(self, shape: GPTShape):
+    def __init__(self, shape: ModelConfig):
         super().__init__()
         self.shape = shape
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
@@ -175,6 +127,3 @@ class GPT(nn.Module):
             h = layer(h, self.rope)
         return self.output(self.norm(h))
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,41 +1,55 @@
 """Validate a composed config into a ``Job``: every problem collected into one ``ConfigError``,
-before any process starts. Downstream code holds the Job's objects, never raw strings."""
+before any process starts. Downstream code holds the Job's typed objects, never raw strings.
+
+Two depths: ``validate(cfg, launch=False)`` checks what the config says (every field's declared
+range, the model's shape) and imports nothing heavy, so plan.py can use it; ``launch=True``
+also checks the run: the mesh and batch arithmetic, the preset on this world, and this machine
+(cores, GPUs), which imports torch.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.gpt import GPT, GPTShape
-from strategies import Batch, ConfigError, Run, StrategyConfig, World, as_config
+from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataConfig, LoggerConfig,
+                            ModelConfig, TrainConfig, TrainerConfig)
+from strategies import Batch, ConfigError, Run, StrategyConfig, World, as_config, checks
 
-ACCELERATORS = ("auto", "cpu", "gpu")
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-BACKENDS = ("lightning",)
-DATASETS = ("text", "synthetic")
+# logger name -> (module it needs, the extra that installs it)
+LOGGER_PACKAGES = {"wandb": ("wandb", "wandb")}
 
 
 @dataclass(frozen=True)
 class Job:
     cfg: DictConfig
-    shape: GPTShape
+    """The composed config, as given (the report stores it resolved)."""
+    model: ModelConfig
+    trainer: TrainerConfig
+    data: DataConfig
+    cluster: ClusterConfig
+    callbacks: CallbacksConfig
+    logger: LoggerConfig | None
     strategy: StrategyConfig
     world: World
     batch: Batch
     run: Run
+    backend: str
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch.global_size * self.shape.seq_len
+        return self.batch.global_size * self.model.seq_len
 
     def meta(self) -> dict[str, Any]:
         """The report's identifying keys."""
         return {
             "strategy": self.strategy.name,
-            "backend": self.cfg.backend.name,
+            "backend": self.backend,
             "world_size": self.world.size,
             "global_batch_size": self.batch.global_size,
             "micro_batch_size": self.batch.micro_size,
@@ -53,9 +67,9 @@ def resolve_accelerator(name: str) -> str:
 
 
 def _device_problems(accelerator: str, world: World, oversubscribe: bool) -> list[str]:
-    import torch
-
     if accelerator == "gpu":
+        import torch
+
         have = torch.cuda.device_count()
         if have == 0:
             return ["cluster.accelerator=gpu but no CUDA device is visible: "
@@ -72,39 +86,93 @@ def _device_problems(accelerator: str, world: World, oversubscribe: bool) -> lis
     return []
 
 
-def validate(cfg: DictConfig) -> Job:
-    """Check everything that can be checked without starting a process; raise one ConfigError."""
-    problems: list[str] = []
-    c, t = cfg.cluster, cfg.trainer
-    shape = GPTShape.of(cfg.model)
-    problems += shape.problems()
-    if c.accelerator not in ACCELERATORS:
-        problems.append(f"cluster.accelerator={c.accelerator!r}: allowed {', '.join(ACCELERATORS)}")
-    if str(t.precision) not in PRECISIONS:
-        problems.append(f"trainer.precision={t.precision!r}: allowed {', '.join(PRECISIONS)}")
-    if cfg.backend.name not in BACKENDS:
-        problems.append(f"backend.name={cfg.backend.name!r}: allowed {', '.join(BACKENDS)}")
-    if cfg.data.name not in DATASETS:
-        problems.append(f"data.name={cfg.data.name!r}: allowed {', '.join(DATASETS)}")
-    if t.max_steps < 1:
-        problems.append(f"trainer.max_steps={t.max_steps}: must be >= 1")
-    if cfg.data.name == "text" and shape.vocab_size < 256:
-        problems.append(f"model.vocab_size={shape.vocab_size}: byte tokens of data=text need >= 256")
+def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Each group as its schema's dataclass, and each group's problems with its declared fields."""
+    objs, problems = {}, {}
+    for group, schema in GROUP_SCHEMAS.items():
+        node = cfg.get(group)
+        if node is None:
+            objs[group] = None
+            continue
+        problems[group] = _unknown_keys(node, schema, group)
+        try:
+            obj = OmegaConf.to_object(node)
+        except Exception as e:  # noqa: BLE001  (a missing mandatory value, say)
+            problems[group].append(f"{group}: {str(e).splitlines()[0]}")
+            continue
+        if not isinstance(obj, schema):
+            obj = schema(**obj)
+        objs[group] = obj
+        problems[group] += checks.problems(obj, group)
+    return objs, problems
 
+
+def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
+    """Keys added with ``+group.key=value``, which the schema does not have."""
+    known = {f.name for f in fields(schema)}
+    return [f"{prefix}.{k}: not a key of {prefix} (known: {', '.join(sorted(known))}); "
+            f"remove +{prefix}.{k}=..." for k in sorted(set(node) - known)]
+
+
+def _logger_problems(logger: LoggerConfig | None) -> list[str]:
+    if logger is None or logger.name not in LOGGER_PACKAGES:
+        return []
+    module, extra = LOGGER_PACKAGES[logger.name]
+    if importlib.util.find_spec(module) is None:
+        return [f"logger={logger.name} needs the {module!r} package, which is not installed: "
+                f"pip install -e '.[{extra}]' (or pip install {module}), or logger=null"]
+    return []
+
+
+def validate(cfg: DictConfig, *, launch: bool = True,
+             extra: Iterable[Callable[[Job], list[str]]] = ()) -> Job:
+    """Check everything that can be checked before a process starts; raise one ConfigError
+    listing every problem. A check that divides by a field runs only when that field is valid
+    (a zero n_heads is reported once, not again as a division by zero).
+    ``extra``: more checks of the built Job (the chosen backend's, from train.py)."""
+    objs, bad = _objects(cfg)
+    unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
+    if unknown:  # ``+key=value`` adds keys the schema does not have
+        bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
+                       f"remove +{k}=..." for k in unknown]
     strategy = as_config(cfg.strategy)
+    bad["strategy"] = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
+                       + checks.problems(strategy, "strategy"))
+    if strategy.family != type(strategy).FAMILY:
+        bad["strategy"].append(f"strategy.family={strategy.family!r}: set by the preset's schema "
+                               f"({type(strategy).FAMILY}), not a knob; remove the override")
+    problems = [p for group in bad.values() for p in group]
+    if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):
+        raise ConfigError(problems)  # a group could not even be read
+    model, t, c = objs["model"], objs["trainer"], objs["cluster"]
+    if not bad["model"]:
+        problems += model.problems()
+        if objs["data"].name == "text" and model.vocab_size < 256:
+            problems.append(f"model.vocab_size={model.vocab_size}: byte tokens of data=text need "
+                            ">= 256; set model.vocab_size=256 or use data=synthetic")
+    problems += _logger_problems(objs["logger"])
     world = World(nodes=c.nodes, devices=c.devices, tp=getattr(strategy, "tp", 1),
                   pp=getattr(strategy, "pp", 1))
-    problems += world.problems()
     batch = Batch(t.global_batch_size, t.micro_batch_size, max(world.dp, 1))
-    problems += batch.problems()
-    accelerator = resolve_accelerator(c.accelerator) if c.accelerator in ACCELERATORS else "cpu"
-    if not world.problems():
-        problems += _device_problems(accelerator, world, c.oversubscribe)
-    run = Run(accelerator=accelerator, precision=str(t.precision), block_cls=GPT.block_cls,
+    world_ok = c.nodes >= 1 and c.devices >= 1 and not world.problems()
+    accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
+    if launch:  # (the planner reports each layout's world and batch arithmetic itself)
+        problems += world.problems() + (batch.problems() if world_ok else [])
+        accelerator = resolve_accelerator(accelerator)
+        if world_ok:
+            problems += _device_problems(accelerator, world, c.oversubscribe)
+    run = Run(accelerator="gpu" if accelerator == "gpu" else "cpu", precision=t.precision,
               micro_batch_size=t.micro_batch_size,
-              accumulation=batch.accumulation if not batch.problems() else 1,
+              accumulation=batch.accumulation if world_ok and not batch.problems() else 1,
               grad_clip=float(t.grad_clip))
-    problems += strategy.problems(world, run)
+    if launch and world_ok:  # (the planner reports each preset's problems itself)
+        problems += strategy.problems(world, run)
+    job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
+              callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, world=world,
+              batch=batch, run=run, backend=objs["backend"].name)
+    if not problems:  # (a backend's checks assume a sound job)
+        for check in extra:
+            problems += check(job)
     if problems:
         raise ConfigError(problems)
-    return Job(cfg=cfg, shape=shape, strategy=strategy, world=world, batch=batch, run=run)
+    return job

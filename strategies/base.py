@@ -1,14 +1,18 @@
 """The plugin contract: a strategy family is a typed config with builders.
 
 A family is a dataclass subclassing ``StrategyConfig`` and decorated with ``@family("name")``.
-It is stored in Hydra's ConfigStore as ``strategy/<name>_schema`` so each preset YAML in
-``conf/strategy/`` starts with ``defaults: [<name>_schema, _self_]`` and a typo in a key fails at
-compose time. The family answers four questions, each in one method:
+Its schema is stored in Hydra's ConfigStore as ``<name>_schema`` (at the root, so ``--help``
+lists only presets), so each preset YAML in ``conf/strategy/`` starts with
+``defaults: [/<name>_schema@_here_, _self_]`` and a typo in a key fails at compose time. Fields
+declare their allowed values with ``knob`` (strategies/checks.py). The family answers, each in
+one method:
 
-- ``problems(world, run)``: every config problem, collected, before any process starts;
-- ``layout(world)``: what each rank holds (the planner and the profile callbacks read it);
-- ``lightning(world, run)``: the Lightning ``Strategy`` object (or a registry name);
-- ``full_state_dict(trainer)``: full, unsharded parameters for export and comparison.
+- ``problems(world, run)``: every problem that involves more than one field, collected;
+- ``layout(world)``: what each rank holds (the planner and the observers read it);
+- ``lightning(run)``: the Lightning ``Strategy``; it learns the world from Lightning at setup,
+  so ``Trainer(strategy="<preset>")`` builds exactly what train.py builds;
+- ``parallelize(module, mesh)``: parallelism applied from outside to the plain model;
+- ``held_bytes(model, optimizers, what)`` and ``full_state_dict(root)``: measurement and export.
 
 The Accelerate builder is a later seam (``accelerate``).
 """
@@ -61,9 +65,7 @@ class Run:
     accelerator: str = "cpu"
     """cpu | gpu, after resolving ``auto``."""
     precision: str = "32"
-    """Lightning precision flag: 32 | bf16-mixed | 16-mixed."""
-    block_cls: type | None = None
-    """The model's repeated block (wrap policies, activation checkpointing)."""
+    """32 | bf16-mixed | 16-mixed."""
     micro_batch_size: int = 1
     accumulation: int = 1
     grad_clip: float = 0.0
@@ -93,59 +95,94 @@ class StrategyConfig:
     def layout(self, world: World) -> Layout:
         return Layout()
 
-    def lightning(self, world: World, run: Run) -> Any:
-        """The Lightning ``Strategy`` (object or registry name) for ``trainer.strategy``."""
+    def lightning(self, run: Run | None = None) -> Any:
+        """The Lightning ``Strategy`` for this preset. It takes the world (nodes, devices), the
+        precision and the model's block class from Lightning and the module at setup, so the
+        same call serves train.py and Lightning's registry. ``run``: when the caller knows it
+        (train.py), for engines that fix their device when first imported (DeepSpeed)."""
         raise NotImplementedError(f"strategy family {self.family!r} has no Lightning builder")
 
     def accelerate(self, world: World, run: Run) -> Any:
         """Accelerate plugins/kwargs: the seam for the Accelerate backend."""
         raise NotImplementedError(f"strategy family {self.family!r} has no Accelerate builder yet")
 
-    def parallelize(self, model: torch.nn.Module, device_mesh: Any, *, world: World | None = None,
-                    run: Run | None = None) -> torch.nn.Module:
-        """Applied to the freshly built model inside ``configure_model``, in the fixed order
-        TP -> activation checkpointing -> compile -> FSDP. The default does only checkpointing."""
+    def parallelize(self, module: torch.nn.Module, mesh: Any = None, *,
+                    precision: str = "32") -> torch.nn.Module:
+        """Apply this preset's parallelism to the plain model inside ``module``, in the fixed
+        order TP -> activation checkpointing -> compile -> FSDP. The default does only
+        checkpointing; engines that wrap the model themselves (DDP, FSDP1, DeepSpeed) wrap after."""
         if self.activation_checkpointing:
-            checkpoint_blocks(model)
-        return model
+            checkpoint_blocks(module)
+        return module
 
-    def optimizer(self, params: Any, *, lr: float, betas: tuple[float, float], eps: float,
-                  weight_decay: float) -> Any:
-        """The AdamW the run trains with; a family whose engine needs its own AdamW overrides."""
-        import torch
-
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-
-    def held_bytes(self, trainer: Any, what: str) -> int:
+    def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
         """Bytes of ``what`` (params | grads | optimizer) this rank really holds right now,
-        counted from the live objects (local shards only). Families whose engine keeps state
-        outside ``parameters()``/``optimizer.state`` (DeepSpeed) override this."""
+        counted from the live objects (local shards only): ``model`` as the engine wrapped it,
+        ``optimizers`` as the engine steps them. Families whose engine keeps state outside
+        ``parameters()``/``optimizer.state`` (DeepSpeed) override this."""
         from strategies.memory import held_bytes
 
-        return held_bytes(trainer, what)
+        return held_bytes(model, optimizers, what)
 
-    def full_state_dict(self, trainer: Any) -> dict[str, torch.Tensor]:
-        """The model's full (unsharded) parameters, fp32 on CPU, keyed as in the plain model.
+    def full_state_dict(self, root: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The model's full (unsharded) parameters, fp32 on CPU, keyed as in the plain model:
+        ``root`` is the module the engine wrapped, ``prefix`` where the plain model sits in it.
         Called on every rank after fit (gathering may be collective)."""
-        model = trainer.lightning_module.model
-        return {plain_key(k): v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+        return plain_state_dict(unwrap(root).state_dict(), prefix)
 
 
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+# Module-path pieces that wrappers insert; the plain model's state_dict has none of them.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def checkpoint_blocks(model: torch.nn.Module) -> None:
-    """Recompute each of the model's blocks (``model.block_cls``) in backward (torch's wrapper)."""
+def find_model(module: torch.nn.Module) -> tuple[torch.nn.Module, type | None]:
+    """The model inside ``module`` that declares its repeated block (``block_cls``, as
+    recipes/gpt.py does), and that class; ``(module, None)`` when nothing declares one (a user's
+    own module): strategies then treat the module as one unit."""
+    for m in module.modules():
+        block = getattr(type(m), "block_cls", None)
+        if isinstance(block, type):
+            return m, block
+    return module, None
+
+
+def checkpoint_blocks(module: torch.nn.Module) -> None:
+    """Recompute each block of the model inside ``module`` in backward (torch's wrapper)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
     )
 
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, model.block_cls))
+    _, block = find_model(module)
+    if block is None:
+        raise ValueError("strategy.activation_checkpointing=true, but the model declares no "
+                         "block_cls to checkpoint: set block_cls on the model class")
+    apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, block))
+
+
+def unwrap(root: Any) -> Any:
+    """The module inside engine wrappers that only hold it (DDP's and DeepSpeed's ``.module``)."""
+    while type(root).__name__ in ("DistributedDataParallel", "DeepSpeedEngine"):
+        root = root.module
+    return root
+
+
+def plain_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Full fp32 CPU copies keyed as the plain model: wrapper pieces and ``prefix`` removed,
+    keys outside ``prefix`` dropped."""
+    out = {}
+    for k, v in state.items():
+        k = plain_key(k)
+        if k.startswith(prefix):
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k[len(prefix):]] = full.detach().float().cpu().clone()
+    return out
 
 
 def plain_key(key: str) -> str:
-    """A state-dict key as the plain model names it (wrappers' prefixes removed)."""
-    return key.replace(CHECKPOINT_PREFIX, "")
+    """A state-dict key as the plain model names it (wrappers' path pieces removed)."""
+    for piece in WRAPPER_PREFIXES:
+        key = key.replace(piece, "")
+    return key
 
 
 _FAMILIES: dict[str, type[StrategyConfig]] = {}
@@ -162,7 +199,7 @@ def family(name: str):
         _FAMILIES[name] = cls
         from hydra.core.config_store import ConfigStore
 
-        ConfigStore.instance().store(group="strategy", name=f"{name}_schema", node=cls(family=name))
+        ConfigStore.instance().store(name=f"{name}_schema", node=cls(family=name))
         return cls
 
     return register

@@ -5,10 +5,12 @@ Gradient compression uses torch's own DDP communication hooks (fp16/bf16 compres
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from strategies.base import Layout, Run, StrategyConfig, family
+from strategies.checks import knob
 from strategies.mesh import World
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -19,13 +21,14 @@ HOOKS = ("none", "fp16", "bf16", "powersgd")
 class DDPConfig(StrategyConfig):
     """torch DistributedDataParallel through Lightning's DDPStrategy."""
 
-    comm_hook: str = "none"
+    comm_hook: str = knob("none", choices=HOOKS)
     """Gradient compression: none | fp16 | bf16 | powersgd (torch DDP communication hooks)."""
-    powersgd_rank: int = 1
+    powersgd_rank: int = knob(1, min=1)
     """PowerSGD matrix approximation rank (higher: more accurate, more traffic)."""
-    powersgd_warmup_steps: int = 10
+    powersgd_warmup_steps: int = knob(10, min=2, fix="torch's PowerSGD with error feedback needs "
+                                      ">= 2: set strategy.powersgd_warmup_steps=2 or more")
     """Optimizer steps of plain all-reduce before PowerSGD starts (torch's start_powerSGD_iter)."""
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: int = knob(25, min=1)
     """Gradient bucket size in MiB: one all-reduce per full bucket, overlapped with backward."""
     static_graph: bool = False
     """Tell DDP the graph is the same every step (enables more overlap, checked by torch)."""
@@ -34,35 +37,20 @@ class DDPConfig(StrategyConfig):
 
     def problems(self, world: World, run: Run) -> list[str]:
         out = []
-        if self.comm_hook not in HOOKS:
-            out.append(f"strategy.comm_hook={self.comm_hook!r} is not one of {', '.join(HOOKS)}")
         if self.comm_hook == "bf16" and run.accelerator == "cpu":
             out.append("strategy.comm_hook=bf16 needs NCCL: gloo (CPU) cannot all-reduce bf16; "
                        "use strategy=ddp_fp16_compress on CPU, or cluster.accelerator=gpu")
-        if self.comm_hook == "powersgd" and self.powersgd_warmup_steps < 2:
-            out.append(f"strategy.powersgd_warmup_steps={self.powersgd_warmup_steps}: torch's "
-                       "PowerSGD with error feedback needs >= 2; set it to 2 or more")
-        if self.powersgd_rank < 1:
-            out.append(f"strategy.powersgd_rank={self.powersgd_rank}: must be >= 1")
-        if self.bucket_cap_mb < 1:
-            out.append(f"strategy.bucket_cap_mb={self.bucket_cap_mb}: must be >= 1")
+        if world.tp * world.pp != 1:
+            out.append(f"strategy={self.name} is data parallel only: tp={world.tp}, pp={world.pp}; "
+                       "use a tensor/pipeline-parallel strategy")
         return out
 
     def layout(self, world: World) -> Layout:
         ratio = {"fp16": 0.5, "bf16": 0.5}.get(self.comm_hook, 1.0)
         return Layout(grad_bytes_ratio=ratio)
 
-    def lightning(self, world: World, run: Run) -> Any:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        hook, state = self._hook()
-        return DDPStrategy(
-            ddp_comm_hook=hook,
-            ddp_comm_state=state,
-            bucket_cap_mb=self.bucket_cap_mb,
-            static_graph=self.static_graph,
-            find_unused_parameters=self.find_unused_parameters,
-        )
+    def lightning(self, run: Run | None = None) -> Any:
+        return _strategy_class()(self)
 
     def _hook(self) -> tuple[Any, Any]:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -79,3 +67,31 @@ class DDPConfig(StrategyConfig):
             )
             return powerSGD_hook.powerSGD_hook, state
         return None, None
+
+
+@functools.cache
+def _strategy_class() -> type:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from strategies.lightning_support import PresetStrategy
+
+    class PresetDDPStrategy(PresetStrategy, DDPStrategy):
+        """Lightning's DDPStrategy with the preset's hook and buckets; the preset's activation
+        checkpointing is applied to the plain model before DDP wraps it."""
+
+        def __init__(self, preset: DDPConfig):
+            hook, state = preset._hook()
+            super().__init__(ddp_comm_hook=hook, ddp_comm_state=state,
+                             bucket_cap_mb=preset.bucket_cap_mb, static_graph=preset.static_graph,
+                             find_unused_parameters=preset.find_unused_parameters)
+            self.preset = preset
+
+        def _setup_model(self, model: Any) -> Any:
+            return super()._setup_model(self.preset.parallelize(model))
+
+        def engine_settings(self) -> dict[str, Any]:
+            return {"ddp_kwargs": dict(self._ddp_kwargs),
+                    "comm_hook": getattr(self._ddp_comm_hook, "__name__", None),
+                    "comm_state": type(self._ddp_comm_state).__name__}
+
+    return PresetDDPStrategy

@@ -2,11 +2,14 @@
 
 Presets: ``fsdp`` (FULL_SHARD), ``fsdp_grad_op`` (SHARD_GRAD_OP), ``fsdp_hybrid`` (HYBRID_SHARD:
 shard inside a group, replicate across groups), ``fsdp_offload`` (CPUOffload; GPU only).
-Each transformer block (``GPT.block_cls``) is its own FSDP unit; the LightningModule is the root
-unit (embeddings, final norm, output). Mixed precision follows ``trainer.precision``.
+Each transformer block (the model's declared ``block_cls``) is its own FSDP unit; the
+LightningModule is the root unit (embeddings, final norm, output). Mixed precision follows
+``trainer.precision``.
 
 Lightning's ``FSDPStrategy`` assumes CUDA in four places; ``CPUCapableFSDPStrategy`` below is the
-one place that works around them (no torch or Lightning globals are patched).
+one place that works around them (no torch or Lightning globals are patched). It also resolves
+what the preset leaves to the run: the hybrid mesh from the world Lightning sets up, and the
+wrap and checkpointing policies from the model's block class.
 """
 
 from __future__ import annotations
@@ -15,14 +18,13 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import CPU, SHARDED, Layout, Run, StrategyConfig, family
+from strategies.base import CPU, SHARDED, Layout, Run, StrategyConfig, family, find_model, plain_state_dict
+from strategies.checks import knob
 from strategies.mesh import World
 
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "none")
 STATE_DICT_TYPES = ("sharded", "full")
-# Module-path pieces that wrappers insert; the plain model's state_dict has none of them.
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 @family("fsdp")
@@ -30,10 +32,12 @@ WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_or
 class FSDPConfig(StrategyConfig):
     """torch FSDP1 (FullyShardedDataParallel) through Lightning's FSDPStrategy."""
 
-    sharding_strategy: str = "FULL_SHARD"
+    sharding_strategy: str = knob("FULL_SHARD", choices=SHARDING,
+                                  fix="set strategy.sharding_strategy to one of FULL_SHARD, "
+                                      "SHARD_GRAD_OP, HYBRID_SHARD (NO_SHARD is strategy=ddp)")
     """FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP (ZeRO-2: params stay gathered from forward to backward)
     | HYBRID_SHARD (FULL_SHARD inside a shard group, replicated across groups)."""
-    shard_group_size: int | None = None
+    shard_group_size: int | None = knob(None, min=1)
     """HYBRID_SHARD only: ranks per shard group (>= 2, divides the world); None: cluster.devices."""
     offload_params: bool = False
     """CPUOffload: parameter shards and gradients live on the host; the optimizer steps there (GPU only)."""
@@ -41,28 +45,19 @@ class FSDPConfig(StrategyConfig):
     """Expose the original parameters (views into the flat parameters) to the optimizer."""
     auto_wrap: bool = True
     """Make each transformer block (the model's block_cls) its own FSDP unit; false: one unit."""
-    backward_prefetch: str = "BACKWARD_PRE"
+    backward_prefetch: str = knob("BACKWARD_PRE", choices=PREFETCH)
     """All-gather the next unit's params during backward: BACKWARD_PRE | BACKWARD_POST | none."""
     forward_prefetch: bool = False
     """Issue the next unit's all-gather before the current forward finishes."""
     limit_all_gathers: bool = True
     """Rate-limit all-gathers so at most two units are unsharded at once (bounds peak memory)."""
-    state_dict_type: str = "sharded"
+    state_dict_type: str = knob("sharded", choices=STATE_DICT_TYPES)
     """Checkpoint format: sharded (a directory, one DCP shard per rank) | full (one file; GPU only)."""
 
     # ------------------------------------------------------------------ validation
     def problems(self, world: World, run: Run) -> list[str]:
         out = []
-        if self.sharding_strategy not in SHARDING:
-            out.append(f"strategy.sharding_strategy={self.sharding_strategy!r} is not one of "
-                       f"{', '.join(SHARDING)} (NO_SHARD is strategy=ddp)")
-        if self.backward_prefetch not in PREFETCH:
-            out.append(f"strategy.backward_prefetch={self.backward_prefetch!r} is not one of "
-                       f"{', '.join(PREFETCH)}")
-        if self.state_dict_type not in STATE_DICT_TYPES:
-            out.append(f"strategy.state_dict_type={self.state_dict_type!r} is not one of "
-                       f"{', '.join(STATE_DICT_TYPES)}")
-        elif self.state_dict_type == "full" and run.accelerator == "cpu":
+        if self.state_dict_type == "full" and run.accelerator == "cpu":
             out.append("strategy.state_dict_type=full: gathering a full FSDP1 state dict crashes rank 0 "
                        "on CPU (gloo); allowed on CPU: sharded. Set strategy.state_dict_type=sharded")
         if self.sharding_strategy == "HYBRID_SHARD":
@@ -106,32 +101,19 @@ class FSDPConfig(StrategyConfig):
             reshard_after_forward=self.sharding_strategy != "SHARD_GRAD_OP",
         )
 
+    def mesh_shape(self, world: World) -> tuple[int, int] | None:
+        """HYBRID_SHARD's (replicate, shard) device mesh on ``world``; None otherwise."""
+        if self.sharding_strategy != "HYBRID_SHARD":
+            return None
+        shard = self.shard_size(world)
+        return (world.size // shard, shard)
+
     # ------------------------------------------------------------------ builders
-    def lightning(self, world: World, run: Run) -> Any:
-        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload
+    def lightning(self, run: Run | None = None) -> Any:
+        return strategy_class()(self)
 
-        kwargs: dict[str, Any] = {}
-        if self.sharding_strategy == "HYBRID_SHARD":
-            shard = self.shard_size(world)
-            kwargs["device_mesh"] = (world.size // shard, shard)  # (replicate, shard)
-        blocks = {run.block_cls} if run.block_cls is not None else None
-        return strategy_class()(
-            sharding_strategy=self.sharding_strategy,
-            cpu_offload=CPUOffload(offload_params=self.offload_params),
-            auto_wrap_policy=blocks if self.auto_wrap else None,
-            activation_checkpointing_policy=blocks if self.activation_checkpointing else None,
-            state_dict_type=self.state_dict_type,
-            use_orig_params=self.use_orig_params,
-            backward_prefetch=(None if self.backward_prefetch == "none"
-                               else BackwardPrefetch[self.backward_prefetch]),
-            forward_prefetch=self.forward_prefetch,
-            limit_all_gathers=self.limit_all_gathers,
-            **kwargs,
-        )
-
-    def full_state_dict(self, trainer: Any) -> dict[str, Any]:
-        # The root FSDP unit wraps the LightningModule, whose ``model`` is the GPT.
-        return gather_full_state_dict(trainer.strategy.model, prefix="model.")
+    def full_state_dict(self, root: Any, prefix: str = "") -> dict[str, Any]:
+        return gather_full_state_dict(root, prefix=prefix)
 
 
 def _hybrid_problems(shard_group_size: int | None, world: World) -> list[str]:
@@ -156,14 +138,12 @@ def gather_full_state_dict(root: Any, prefix: str = "") -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    out = {}
-    for k, v in sd.items():
-        for piece in WRAPPER_PREFIXES:
-            k = k.replace(piece, "")
-        if k.startswith(prefix):
-            full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k[len(prefix):]] = full.detach().float().cpu().clone()
-    return out
+    return plain_state_dict(sd, prefix)
+
+
+# HYBRID_SHARD's device mesh before the world is known: Lightning requires one at construction;
+# ``CPUCapableFSDPStrategy.setup_environment`` replaces it with the real mesh.
+_DEFERRED_MESH = ("replicate", "shard")
 
 
 # ---------------------------------------------------------------------- the CPU workaround
@@ -174,6 +154,8 @@ def strategy_class() -> type:
     from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
     from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
     from lightning.pytorch.strategies import FSDPStrategy
+
+    from strategies.lightning_support import PresetStrategy
 
     class _RootClippingFSDPPrecision(FSDPPrecision):
         """FSDPPrecision that clips by norm through the root FSDP unit (Lightning refuses, as it has
@@ -193,16 +175,38 @@ def strategy_class() -> type:
                 return torch.autocast(device, dtype=dtype)
             return super().forward_context()
 
-    class CPUCapableFSDPStrategy(FSDPStrategy):
-        """Lightning's FSDPStrategy, runnable on CPU (gloo) too. The workarounds, all here:
+    class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
+        """Lightning's FSDPStrategy built from a preset, runnable on CPU (gloo) too.
 
+        The CPU workarounds, all here:
         1. the accelerator connector refuses CPU with ``type(s) is FSDPStrategy``: a subclass passes;
         2. the model is wrapped with ``device_id=root_device`` (Lightning passes ``.index``, None on
            CPU, and FSDP1 then tries CUDA);
-        3. a tuple ``device_mesh`` (replicate, shard) is built on the root device's type (Lightning
+        3. the hybrid (replicate, shard) mesh is built on the root device's type (Lightning
            hard-codes "cuda");
         4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_``.
+        What the preset leaves to the run: the hybrid mesh shape comes from the world Lightning
+        sets up (``setup_environment``), the wrap and checkpointing policies from the model's
+        declared block class (``_setup_model``).
         """
+
+        def __init__(self, preset: FSDPConfig):
+            from torch.distributed.fsdp import BackwardPrefetch, CPUOffload
+
+            hybrid = preset.sharding_strategy == "HYBRID_SHARD"
+            super().__init__(
+                sharding_strategy=preset.sharding_strategy,
+                cpu_offload=CPUOffload(offload_params=preset.offload_params),
+                state_dict_type=preset.state_dict_type,
+                use_orig_params=preset.use_orig_params,
+                backward_prefetch=(None if preset.backward_prefetch == "none"
+                                   else BackwardPrefetch[preset.backward_prefetch]),
+                forward_prefetch=preset.forward_prefetch,
+                limit_all_gathers=preset.limit_all_gathers,
+                # HYBRID_SHARD needs a mesh at construction; its shape needs the world: setup.
+                **({"device_mesh": _DEFERRED_MESH} if hybrid else {}),
+            )
+            self.preset = preset
 
         @property
         def precision_plugin(self) -> FSDPPrecision:
@@ -214,19 +218,35 @@ def strategy_class() -> type:
                 plugin = _RootClippingFSDPPrecision(plugin.precision, scaler=plugin.scaler)
             FSDPStrategy.precision_plugin.fset(self, plugin)
 
+        def engine_settings(self) -> dict[str, Any]:
+            kwargs = {k: repr(v) for k, v in self.kwargs.items() if k != "device_mesh"}
+            return {"sharding_strategy": str(self.sharding_strategy), "kwargs": kwargs,
+                    "cpu_offload": repr(self.cpu_offload), "state_dict_type": self._state_dict_type,
+                    "mesh_shape": self.preset.mesh_shape(self.world())}
+
         def setup_environment(self) -> None:
-            mesh = self.kwargs.pop("device_mesh", None)
+            self.kwargs.pop("device_mesh", None)
             super().setup_environment()
-            if isinstance(mesh, tuple):
+            shape = self.preset.mesh_shape(self.world())
+            if shape is not None:
                 from torch.distributed.device_mesh import init_device_mesh
 
-                mesh = init_device_mesh(self.root_device.type, mesh, mesh_dim_names=("replicate", "shard"))
-            if mesh is not None:
-                self.kwargs["device_mesh"] = mesh
+                self.kwargs["device_mesh"] = init_device_mesh(
+                    self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
 
         def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
             from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+            _, block = find_model(model)
+            policy = ModuleWrapPolicy({block}) if block is not None else None
+            if self.preset.auto_wrap and policy is not None:
+                self.kwargs["auto_wrap_policy"] = policy
+            if self.preset.activation_checkpointing:
+                if policy is None:
+                    raise ValueError("strategy.activation_checkpointing=true, but the model "
+                                     "declares no block_cls to checkpoint")
+                self._activation_checkpointing_kwargs = {"auto_wrap_policy": policy}
             if self.root_device.type != "cpu" or any(
                     isinstance(m, FullyShardedDataParallel) for m in model.modules()):
                 model = super()._setup_model(model)

@@ -2,19 +2,21 @@
 ModelParallelStrategy, which runs on CPU (gloo) unmodified.
 
 Presets: ``fsdp2`` (shard over every rank) and ``hsdp2`` (2-D mesh: replicate x shard).
-Lightning builds the mesh and calls ``CausalLM.configure_model``, which builds the plain GPT and
-hands it to ``FSDP2Config.parallelize`` (this family's seam, torchtitan style: activation
-checkpointing -> ``fully_shard`` per block -> ``fully_shard`` the root). The optimizer is built
-after that (Lightning runs ``configure_optimizers`` in ``strategy.setup``, after
-``configure_model``), so it holds the sharded DTensor parameters.
+Lightning builds the mesh and calls the module's ``configure_model``, which builds the plain
+model; the strategy then applies ``FSDP2Config.parallelize`` to it (torchtitan style: activation
+checkpointing -> ``fully_shard`` per block -> ``fully_shard`` the model), unless the module
+already sharded itself. The optimizer is built after that (Lightning runs
+``configure_optimizers`` in ``strategy.setup``), so it holds the sharded DTensor parameters.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import SHARDED, Layout, Run, StrategyConfig, checkpoint_blocks, family
+from strategies.base import SHARDED, Layout, Run, StrategyConfig, checkpoint_blocks, family, find_model
+from strategies.checks import knob
 from strategies.fsdp import _hybrid_problems, gather_full_state_dict
 from strategies.mesh import World
 
@@ -26,7 +28,7 @@ class FSDP2Config(StrategyConfig):
 
     hybrid: bool = False
     """HSDP: shard inside groups of shard_group_size ranks, replicate across groups (2-D mesh)."""
-    shard_group_size: int | None = None
+    shard_group_size: int | None = knob(None, min=1)
     """hybrid only: ranks per shard group (>= 2, divides the world); None: cluster.devices."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (false: keep them until backward,
@@ -60,46 +62,90 @@ class FSDP2Config(StrategyConfig):
                       shard_group=self.shard_size(world) if self.hybrid else None,
                       reshard_after_forward=self.reshard_after_forward)
 
-    def lightning(self, world: World, run: Run) -> Any:
-        from lightning.pytorch.strategies import ModelParallelStrategy
+    def lightning(self, run: Run | None = None) -> Any:
+        return _strategy_class()(self)
 
-        # Every rank is data parallel (HSDP's 2-D mesh is derived in parallelize), so the
-        # strategy's data-parallel dimension, and the sampler's, is the whole world.
-        return ModelParallelStrategy(data_parallel_size=world.size, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=self.distributed_checkpoint)
+    def mesh_shape(self, world: World) -> tuple[int, ...]:
+        """The data-parallel mesh: (shard,) or, for HSDP, (replicate, shard)."""
+        if not self.hybrid:
+            return (world.size,)
+        shard = self.shard_size(world)
+        return (world.size // shard, shard)
 
     # ------------------------------------------------------------------ the parallelize seam
-    def parallelize(self, model: Any, device_mesh: Any, *, world: World | None = None,
-                    run: Run | None = None) -> Any:
-        """Apply FSDP2 to the plain model (called on every rank inside ``configure_model``).
-        Without ``world`` (outside train.py) the shard group is ``shard_group_size`` or the mesh."""
+    def parallelize(self, module: Any, mesh: Any = None, *, precision: str = "32") -> Any:
+        """Apply FSDP2 to the plain model inside ``module`` (on every rank): checkpointing, then
+        ``fully_shard`` on each block and on the model. ``mesh``: the data-parallel DeviceMesh,
+        1-D, or 2-D (replicate, shard) for HSDP. A module that declares no model (a user's own)
+        is sharded child by child."""
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = self._mesh(device_mesh, world)
-        precision = run.precision if run is not None else "32"
         low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if self.reduce_fp32 else low)
+        model, block = find_model(module)
         if self.activation_checkpointing:
-            checkpoint_blocks(model)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
-        # The root (embeddings, final norm, output) is used last in forward and first in backward:
-        # resharding it after forward would only re-gather it at once.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
-        return model
+            checkpoint_blocks(module)
+        if block is not None:
+            for m in model.modules():
+                if isinstance(m, block):
+                    fully_shard(m, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                                mp_policy=mp)
+        # The model (embeddings, final norm, output) is used last in forward and first in
+        # backward: resharding it after forward would only re-gather it at once.
+        roots = [model] if model is not module else [
+            c for c in module.children() if any(True for _ in c.parameters())]
+        for root in roots:
+            fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        return module
 
-    def _mesh(self, device_mesh: Any, world: World | None) -> Any:
-        dp = device_mesh["data_parallel"]
-        if not self.hybrid:
-            return dp
-        from torch.distributed.device_mesh import init_device_mesh
+    def full_state_dict(self, root: Any, prefix: str = "") -> dict[str, Any]:
+        return gather_full_state_dict(root, prefix=prefix)
 
-        shard = self.shard_size(world) if world is not None else self.shard_group_size or dp.size()
-        return init_device_mesh(dp.device_type, (dp.size() // shard, shard),
-                                mesh_dim_names=("replicate", "shard"))
 
-    def full_state_dict(self, trainer: Any) -> dict[str, Any]:
-        # ModelParallelStrategy's model is the LightningModule; its ``model`` is the GPT.
-        return gather_full_state_dict(trainer.strategy.model, prefix="model.")
+@functools.cache
+def _strategy_class() -> type:
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from strategies.lightning_support import PresetStrategy
+
+    class PresetModelParallelStrategy(PresetStrategy, ModelParallelStrategy):
+        """Lightning's ModelParallelStrategy (runs on CPU unmodified) with every rank data
+        parallel, and the preset's FSDP2 applied after ``configure_model`` when the module did
+        not shard itself."""
+
+        def __init__(self, preset: FSDP2Config):
+            super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                             save_distributed_checkpoint=preset.distributed_checkpoint)
+            self.preset = preset
+
+        def setup_environment(self) -> None:
+            # Lightning's "auto" puts nodes on the data-parallel dimension and devices on the
+            # tensor dimension; every rank is data parallel here (HSDP's 2-D mesh is derived
+            # from this 1-D one in ``dp_mesh``).
+            self._data_parallel_size = self.world().size
+            super().setup_environment()
+
+        def dp_mesh(self) -> Any:
+            dp = self.device_mesh["data_parallel"]
+            shape = self.preset.mesh_shape(self.world())
+            if len(shape) == 1:
+                return dp
+            from torch.distributed.device_mesh import init_device_mesh
+
+            return init_device_mesh(dp.device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+        def setup(self, trainer: Any) -> None:
+            from torch.distributed.tensor import DTensor
+
+            module = self.lightning_module
+            if not any(isinstance(p, DTensor) for p in module.parameters()):
+                self.preset.parallelize(module, self.dp_mesh(), precision=self.run().precision)
+            super().setup(trainer)
+
+        def engine_settings(self) -> dict[str, Any]:
+            return {"tensor_parallel_size": self._tensor_parallel_size,
+                    "save_distributed_checkpoint": self._save_distributed_checkpoint,
+                    "mesh_shape": self.preset.mesh_shape(self.world())}
+
+    return PresetModelParallelStrategy

@@ -37,13 +37,12 @@ def optimizer_tensors(optimizers: Iterable[Any]) -> Iterable[torch.Tensor]:
                     yield v
 
 
-def held_bytes(trainer: Any, what: str) -> int:
-    """Default count over the wrapped model's parameters and the trainer's optimizers."""
-    model = trainer.strategy.model
+def held_bytes(model: Any, optimizers: Iterable[Any], what: str) -> int:
+    """Default count over the wrapped model's parameters and the engine's optimizers."""
     if what == "params":
         return tensor_bytes(p for p in model.parameters())
     if what == "grads":
         return tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
     if what == "optimizer":
-        return tensor_bytes(optimizer_tensors(trainer.optimizers))
+        return tensor_bytes(optimizer_tensors(optimizers))
     raise ValueError(f"held_bytes: what={what!r}; allowed params, grads, optimizer")

@@ -40,11 +40,8 @@ class World:
         return self.size // (self.tp * self.pp)
 
     def problems(self) -> list[str]:
+        """The parallel arithmetic (nodes and devices >= 1 are the cluster fields' own checks)."""
         out = []
-        if self.nodes < 1:
-            out.append(f"cluster.nodes={self.nodes}: must be >= 1")
-        if self.devices < 1:
-            out.append(f"cluster.devices={self.devices}: must be >= 1 (processes per node)")
         if self.tp < 1 or self.pp < 1:
             out.append(f"tp={self.tp}, pp={self.pp}: parallel degrees must be >= 1")
         elif self.size % (self.tp * self.pp):

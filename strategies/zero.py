@@ -8,21 +8,26 @@ backward). Offload keeps the optimizer state (ZeRO-Offload) or the parameter sha
 The DeepSpeed config is generated from the typed keys below; ``deepspeed_config`` is raw
 DeepSpeed JSON merged over it. Precedence, lowest first:
 
-1. the generated config (typed keys, plus ``train_micro_batch_size_per_gpu`` and
-   ``gradient_clipping`` taken from the trainer config);
+1. the generated config (typed keys; for an engine that does not fill them itself, such as
+   Accelerate's plugin or an exported JSON, also ``train_micro_batch_size_per_gpu`` and
+   ``gradient_clipping`` from the trainer config);
 2. ``strategy.deepspeed_config``, deep-merged: nested mappings merge key by key, any other value
    replaces the generated one. Keys with a typed owner are refused by ``problems()`` instead of
    silently winning (``gradient_accumulation_steps``, ``train_batch_size``,
    ``zero_optimization.stage``, ``zero_optimization.offload_*``: set the typed key);
-3. Lightning fills what is still missing: ``gradient_accumulation_steps`` (always, from
-   ``accumulate_grad_batches``, i.e. our global/micro batch arithmetic) and the fp16/bf16
-   sections from ``trainer.precision``.
+3. Lightning fills what is still missing from the Trainer: ``gradient_accumulation_steps``
+   (from ``accumulate_grad_batches``, i.e. our global/micro batch arithmetic),
+   ``train_micro_batch_size_per_gpu`` (the batch sampler's), ``gradient_clipping`` (the
+   Trainer's) and the fp16/bf16 sections from ``trainer.precision`` -- the same whether the
+   strategy came from train.py or from Lightning's registry.
 
 Running on CPU: DeepSpeed picks its accelerator once, when it is first imported, from
-``DS_ACCELERATOR``. ``_select_accelerator`` (the only place that sets it) does that in the
-builder, before the first ``import deepspeed``, and only for ``cluster.accelerator=cpu``; the CPU
-accelerator then uses gloo (no oneCCL here). Lightning's DeepSpeedStrategy refuses non-CUDA
-accelerators; ``_strategy_class`` builds a subclass that lifts exactly those refusals.
+``DS_ACCELERATOR`` (or by detection: CUDA if present, else CPU). ``_select_accelerator`` (the
+only place that sets it) does that in the builder when the run is known (train.py), before the
+first ``import deepspeed``, and only for ``cluster.accelerator=cpu``; the CPU accelerator then
+uses gloo (no oneCCL here). Reached through Lightning's registry, detection applies and setup
+refuses a CPU run on a DeepSpeed that chose CUDA, naming the fix. Lightning's DeepSpeedStrategy
+refuses non-CUDA accelerators; ``_strategy_class`` builds a subclass that lifts exactly those refusals.
 DeepSpeed itself is imported only inside builders: ``import strategies`` stays light.
 """
 
@@ -35,8 +40,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from strategies.base import CPU, DEVICE, NVME, SHARDED, Layout, Run, StrategyConfig, family
-from strategies.mesh import World
+from strategies.base import CPU, DEVICE, NVME, SHARDED, Layout, Run, StrategyConfig, family, unwrap
+from strategies.checks import knob
+from strategies.mesh import ConfigError, World
 
 log = logging.getLogger(__name__)
 
@@ -60,43 +66,45 @@ _OWNED = {
 class ZeroConfig(StrategyConfig):
     """DeepSpeed ZeRO data parallelism through Lightning's DeepSpeedStrategy (CPU-capable)."""
 
-    stage: int = 2
+    stage: int = knob(2, choices=STAGES,
+                      fix="use 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
-    offload_optimizer: str = "none"
+    offload_optimizer: str = knob("none", choices=OFFLOAD)
     """none | cpu | nvme: where optimizer state (fp32 master + moments) and its step live."""
-    offload_params: str = "none"
+    offload_params: str = knob("none", choices=OFFLOAD)
     """none | cpu | nvme: where parameter shards live between uses (stage 3 only)."""
-    nvme_path: str | None = None
+    nvme_path: str | None = knob(None, exists="dir",
+                                 fix="create it (mkdir -p) or point strategy.nvme_path at an NVMe mount")
     """Directory for NVMe swap files (needed when an offload is nvme; must be writable)."""
     overlap_comm: bool = True
     """Overlap gradient reduction with backward (DeepSpeed's overlap_comm)."""
     contiguous_gradients: bool = True
     """Copy reduced gradients into one contiguous buffer (less fragmentation)."""
-    reduce_bucket_size: int = 200_000_000
+    reduce_bucket_size: int = knob(200_000_000, min=1)
     """Elements reduced per gradient bucket (all stages)."""
-    allgather_bucket_size: int = 200_000_000
+    allgather_bucket_size: int = knob(200_000_000, min=1)
     """Elements all-gathered per bucket after the step (stages 1 and 2)."""
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = knob(50_000_000, min=1)
     """Stage 3: elements of parameters fetched ahead of use (stage3_prefetch_bucket_size)."""
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: int = knob(100_000, min=0)
     """Stage 3: parameters with fewer elements stay unsharded (stage3_param_persistence_threshold)."""
-    max_live_parameters: int = 1_000_000_000
+    max_live_parameters: int = knob(1_000_000_000, min=1)
     """Stage 3: most gathered parameter elements held at once (stage3_max_live_parameters)."""
-    max_reuse_distance: int = 1_000_000_000
+    max_reuse_distance: int = knob(1_000_000_000, min=0)
     """Stage 3: keep a gathered parameter if reused within this many elements' worth of work."""
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = knob(1_000_000_000, min=1)
     """Elements per optimizer sub-group stepped at once (bounds offload/NVMe buffers)."""
     pin_memory: bool = False
     """Page-locked CPU buffers for offload (faster host<->GPU copies; needs CUDA)."""
-    param_buffer_count: int = 5
+    param_buffer_count: int = knob(5, min=1)
     """NVMe parameter offload: swap buffers per rank."""
-    param_buffer_size: int = 100_000_000
+    param_buffer_size: int = knob(100_000_000, min=1)
     """NVMe parameter offload: elements per swap buffer (>= the largest parameter)."""
-    optimizer_buffer_count: int = 4
+    optimizer_buffer_count: int = knob(4, min=1)
     """NVMe optimizer offload: swap buffers per rank."""
-    aio_block_size: int = 1_048_576
+    aio_block_size: int = knob(1_048_576, min=1)
     """NVMe async I/O block size in bytes (DeepSpeed aio.block_size)."""
-    aio_queue_depth: int = 8
+    aio_queue_depth: int = knob(8, min=1)
     """NVMe async I/O queue depth (DeepSpeed aio.queue_depth)."""
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed JSON deep-merged over the generated config (see the module docstring)."""
@@ -104,33 +112,12 @@ class ZeroConfig(StrategyConfig):
     # ---------------------------------------------------------------- validation
     def problems(self, world: World, run: Run) -> list[str]:
         out: list[str] = []
-        if self.stage not in STAGES:
-            out.append(f"strategy.stage={self.stage!r} is not one of 1, 2, 3: use 1 (optimizer "
-                       "state sharded), 2 (+ gradients) or 3 (+ parameters)")
-        for key in ("offload_optimizer", "offload_params"):
-            value = getattr(self, key)
-            if value not in OFFLOAD:
-                out.append(f"strategy.{key}={value!r} is not one of {', '.join(OFFLOAD)}: "
-                           f"set strategy.{key}=none, cpu or nvme")
         if self.offload_params != "none" and self.stage != 3:
             out.append(f"strategy.offload_params={self.offload_params} needs strategy.stage=3 "
                        f"(got {self.stage}): only ZeRO-3 shards parameters; use strategy=zero3_offload "
                        "or set strategy.offload_params=none")
         if "nvme" in (self.offload_optimizer, self.offload_params):
             out += self._nvme_problems()
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                    "max_live_parameters", "sub_group_size", "param_buffer_count",
-                    "param_buffer_size", "optimizer_buffer_count", "aio_block_size",
-                    "aio_queue_depth"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                out.append(f"strategy.{key}={value!r}: must be an integer >= 1; "
-                           f"the default is {getattr(type(self)(), key)}")
-        for key in ("param_persistence_threshold", "max_reuse_distance"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 0:
-                out.append(f"strategy.{key}={value!r}: must be an integer >= 0 "
-                           f"(0: shard every parameter)")
         if self.pin_memory and run.accelerator == "cpu":
             out.append("strategy.pin_memory=true needs CUDA (page-locked memory for host<->GPU "
                        "copies): set strategy.pin_memory=false on cluster.accelerator=cpu")
@@ -157,11 +144,8 @@ class ZeroConfig(StrategyConfig):
             return [f"strategy.nvme_path={self.nvme_path!r} but {why} needs a directory for swap "
                     "files: set strategy.nvme_path=/path/on/nvme (it must exist and be writable)"]
         path = Path(self.nvme_path)
-        out = []
-        if not path.is_dir():
-            out.append(f"strategy.nvme_path={self.nvme_path!r} does not exist or is not a "
-                       f"directory ({why}): create it (mkdir -p) or point it at an NVMe mount")
-        elif not os.access(path, os.W_OK | os.X_OK):
+        out = []  # (that the directory exists is the field's own check)
+        if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
             out.append(f"strategy.nvme_path={self.nvme_path!r} is not writable by this user "
                        f"({why}): fix its permissions or choose another directory")
         if not _libaio_available():
@@ -183,8 +167,9 @@ class ZeroConfig(StrategyConfig):
         )
 
     # ---------------------------------------------------------------- builders
-    def deepspeed_json(self, run: Run) -> dict[str, Any]:
-        """The DeepSpeed config this preset hands to Lightning: plain dicts, lists and scalars."""
+    def deepspeed_json(self, run: Run | None = None) -> dict[str, Any]:
+        """The DeepSpeed config of this preset: plain dicts, lists and scalars. With ``run``, also
+        the micro batch and clipping (for engines that do not fill them; Lightning does)."""
         zero: dict[str, Any] = {
             "stage": self.stage,
             "overlap_comm": self.overlap_comm,
@@ -216,37 +201,35 @@ class ZeroConfig(StrategyConfig):
             # The optimizer is the module's torch AdamW (recipes/module.py), not a DeepSpeed one.
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
-            "train_micro_batch_size_per_gpu": run.micro_batch_size,
-            "gradient_clipping": float(run.grad_clip),
             "steps_per_print": 2**31 - 1,  # our report logs the loss; keep DeepSpeed quiet
             "wall_clock_breakdown": False,
         }
+        if run is not None:
+            cfg |= {"train_micro_batch_size_per_gpu": run.micro_batch_size,
+                    "gradient_clipping": float(run.grad_clip)}
         if "nvme" in (self.offload_optimizer, self.offload_params):
             cfg["aio"] = {"block_size": self.aio_block_size, "queue_depth": self.aio_queue_depth,
                           "single_submit": False, "overlap_events": True, "thread_count": 1}
         return _merge(cfg, _plain(self.deepspeed_config))
 
-    def lightning(self, world: World, run: Run) -> Any:
-        _select_accelerator(run)
-        cls = _strategy_class()
-        remote = self.offload_params if self.offload_params != "none" else None
-        return cls(config=self.deepspeed_json(run), remote_device=remote,
-                   process_group_backend="gloo" if run.accelerator == "cpu" else None)
+    def lightning(self, run: Run | None = None) -> Any:
+        if run is not None:
+            _select_accelerator(run)
+        return _strategy_class()(self)
 
     # ---------------------------------------------------------------- measurement
-    def held_bytes(self, trainer: Any, what: str) -> int:
+    def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
         """Bytes this rank holds, counted from DeepSpeed's own objects (see ``_held``)."""
-        return _held(trainer, what)
+        return _held(model, optimizers[0] if optimizers else None, what)
 
-    def full_state_dict(self, trainer: Any) -> dict[str, Any]:
-        model = trainer.lightning_module.model
+    def full_state_dict(self, root: Any, prefix: str = "") -> dict[str, Any]:
         if self.stage < 3:  # ZeRO-1/2 keep full (updated) parameters in the module
-            return super().full_state_dict(trainer)
+            return super().full_state_dict(root, prefix)
         import deepspeed
 
         # Collective: every rank gathers; modifier_rank=None means nobody writes back.
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+        with deepspeed.zero.GatheredParameters(list(unwrap(root).parameters()), modifier_rank=None):
+            return super().full_state_dict(root, prefix)
 
 
 # -------------------------------------------------------------------- helpers
@@ -319,21 +302,38 @@ def _strategy_class() -> type:
     import argparse
 
     from lightning.pytorch.accelerators import CPUAccelerator
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
     from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-    class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
+    from strategies.lightning_support import PresetStrategy
+
+    class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
         strategy_name = "stratagem_deepspeed"
+
+        def __init__(self, preset: ZeroConfig):
+            remote = preset.offload_params if preset.offload_params != "none" else None
+            super().__init__(config=preset.deepspeed_json(), remote_device=remote)
+            self.preset = preset
 
         @property
         def _on_cpu(self) -> bool:
             return isinstance(self.accelerator, CPUAccelerator)
 
+        def engine_settings(self) -> dict[str, Any]:
+            return {"config": self.config, "remote_device": self.remote_device}
+
         def setup_environment(self) -> None:
-            if self._on_cpu:  # (1) parent raises for any accelerator that is not CUDA
-                DDPStrategy.setup_environment(self)
-            else:
-                super().setup_environment()
+            self.check()
+            if not self._on_cpu:
+                return DeepSpeedStrategy.setup_environment(self)
+            from deepspeed.accelerator import get_accelerator
+
+            if get_accelerator().device_name() != "cpu":
+                raise ConfigError(
+                    f"a CPU run with DeepSpeed, but DeepSpeed was imported with its "
+                    f"{get_accelerator().device_name()!r} accelerator: set DS_ACCELERATOR=cpu in "
+                    "the environment before importing it (train.py does this itself)")
+            DDPStrategy.setup_environment(self)  # (1) the parent refuses any non-CUDA accelerator
 
         def setup_distributed(self) -> None:
             if not self._on_cpu:
@@ -433,7 +433,7 @@ _GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition",
                "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
 
 
-def _held(trainer: Any, what: str) -> int:
+def _held(engine: Any, zero_opt: Any, what: str) -> int:
     """Count what DeepSpeed really holds on this rank.
 
     params: the module's parameter storage (ZeRO-3: each parameter's ``ds_tensor`` partition,
@@ -444,8 +444,6 @@ def _held(trainer: Any, what: str) -> int:
     """
     from strategies.memory import optimizer_tensors, tensor_bytes
 
-    engine = trainer.strategy.model
-    zero_opt = trainer.strategy.optimizers[0] if trainer.strategy.optimizers else None
     params = list(engine.module.parameters())
     if what == "params":
         tensors = [p.data for p in params if p.data.numel() > 0]

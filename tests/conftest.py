@@ -22,6 +22,14 @@ TINY = ("model=gpt_nano", "model.dropout=0", "trainer.precision=32", "cluster.ac
 # The equivalence setting: every strategy test compares with one single-process run of this.
 EQUIV = ("trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.lr=1e-3",
          "trainer.grad_clip=1.0", "trainer.export_params=true")
+# ... with each optimizer. AdamW divides a constant gradient scale out of its update, so every
+# equivalence test also runs plain SGD without clipping: its update is lr x gradient, and a
+# gradient-scale error (a missing or doubled 1/accumulation, a sum instead of a mean over ranks)
+# moves the losses by percents (tests/test_equivalence_power.py shows it).
+OPTIMIZERS = {
+    "adamw": (),
+    "sgd": ("trainer.optimizer=sgd", "trainer.lr=0.5", "trainer.grad_clip=0"),
+}
 
 
 @dataclass
@@ -80,10 +88,25 @@ def train(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def single_reference(tmp_path_factory) -> Run:
-    """The single-process reference of EQUIV (whole global batch in one micro-batch)."""
-    out = tmp_path_factory.mktemp("reference") / "single"
-    return run_cli("train.py", *TINY, *EQUIV, "strategy=single", "trainer.micro_batch_size=8", out=out)
+def reference(tmp_path_factory):
+    """reference(optimizer) -> the single-process run of EQUIV with that optimizer (the whole
+    global batch in one micro-batch), run once per session."""
+    done: dict[str, Run] = {}
+
+    def get(optimizer: str = "adamw") -> Run:
+        if optimizer not in done:
+            out = tmp_path_factory.mktemp("reference") / optimizer
+            done[optimizer] = run_cli("train.py", *TINY, *EQUIV, *OPTIMIZERS[optimizer],
+                                      "strategy=single", "trainer.micro_batch_size=8", out=out)
+        return done[optimizer]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def single_reference(reference) -> Run:
+    """The AdamW reference (tests that compare one optimizer only)."""
+    return reference("adamw")
 
 
 def assert_losses_close(ref: list[float], other: list[float], rtol: float) -> None:

@@ -180,18 +180,22 @@ def test_resumed_sampler_continues_the_stream():
 def test_param_count_matches_a_meta_build(name):
     import torch
 
-    from recipes.gpt import GPT, GPTShape
+    from recipes.gpt import GPT
 
-    shape = GPTShape.of(OmegaConf.load(CONF / "model" / f"{name}.yaml"))
+    shape = _model(name)
     with torch.device("meta"):
         model = GPT(shape)
     assert shape.num_params() == sum(p.numel() for p in model.parameters())
 
 
-def test_reference_param_counts():
-    from recipes.gpt import GPTShape
+def _model(name: str):
+    from recipes.config import ModelConfig
 
-    counts = {n: GPTShape.of(OmegaConf.load(CONF / "model" / f"{n}.yaml")).num_params()
+    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+
+
+def test_reference_param_counts():
+    counts = {n: _model(n).num_params()
               for n in ("gpt_nano", "gpt_small", "llama_7b", "llama_70b")}
     assert counts["gpt_nano"] < 1_000_000
     assert 9e6 < counts["gpt_small"] < 12e6

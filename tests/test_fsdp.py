@@ -12,7 +12,8 @@ import torch
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, TINY, Run, assert_losses_close, assert_params_close, run_cli
+from tests.conftest import (EQUIV, OPTIMIZERS, TINY, Run, assert_losses_close, assert_params_close,
+                            run_cli)
 
 # Module-wide bound; the tests that start processes are marked multiprocess one by one so the
 # config-problem tests below stay in the unit tier.
@@ -49,19 +50,22 @@ def runs(tmp_path_factory):
     done: dict[str, Run] = {}
     root = tmp_path_factory.mktemp("fsdp")
 
-    def get(name: str, *extra: str) -> Run:
-        if name not in done:
-            overrides = CASES.get(name, ()) + extra
-            done[name] = run_cli("train.py", *TINY, *EQUIV, *overrides, out=root / name, timeout=300)
-        return done[name]
+    def get(name: str, *extra: str, optimizer: str = "adamw") -> Run:
+        key = f"{name}-{optimizer}"
+        if key not in done:
+            overrides = CASES.get(name, ()) + extra + OPTIMIZERS[optimizer]
+            done[key] = run_cli("train.py", *TINY, *EQUIV, *overrides, out=root / key, timeout=300)
+        return done[key]
 
     return get
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_single_process_and_shards(runs, single_reference, name):
-    run = runs(name)
+def test_matches_single_process_and_shards(runs, reference, name, optimizer):
+    run = runs(name, optimizer=optimizer)
+    single_reference = reference(optimizer)
     r = run.report
     world = 4 if "cluster.devices=4" in CASES[name] else 2
     micro = int(next(o for o in CASES[name] if o.startswith("trainer.micro_batch_size=")).split("=")[1])
@@ -75,8 +79,9 @@ def test_matches_single_process_and_shards(runs, single_reference, name):
     ranks = r["memory"]["ranks"]
     assert len(ranks) == world
     share = TOTAL / SHARD[name]
+    moments = 2 if optimizer == "adamw" else 0  # plain SGD keeps no state
     for rank in ranks:
-        for what, expected in (("params", share), ("grads", share), ("optimizer", 2 * share)):
+        for what, expected in (("params", share), ("grads", share), ("optimizer", moments * share)):
             assert abs(rank[what] - expected) <= PAD * (2 if what == "optimizer" else 1), (name, rank)
     # Every byte is held somewhere: one shard group together holds at least the whole model.
     assert sum(rank["params"] for rank in ranks) >= TOTAL * world // SHARD[name]

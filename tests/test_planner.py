@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from planner import (GB, MiB, Candidate, Setup, activation_bytes, all_gather_bytes,
+                     boundary_activation_bytes, bubble_fraction, korthikanti_layer_bytes,
+                     layer_activation_bytes, model_states, plan_candidate, planned_candidates,
+                     recommend, ring_all_reduce_bytes, state_bytes, transfer_seconds)
+from recipes.config import ClusterConfig, ModelConfig, PlannerConfig, TrainerConfig
 from strategies.base import Layout
-from strategies.planner import (GB, MiB, Candidate, Hardware, Setup, activation_bytes,
-                                all_gather_bytes, boundary_activation_bytes, bubble_fraction,
-                                korthikanti_layer_bytes, layer_activation_bytes, model_states,
-                                plan_candidate, planned_candidates, recommend,
-                                ring_all_reduce_bytes, state_bytes, transfer_seconds)
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +30,22 @@ def total(params: float, layout: Layout, n: int, sb=MIXED16) -> int:
     return sum(model_states(params, layout, n, sb).values())
 
 
-def hardware(nodes=1, devices=8, intra=900, inter=50, mem_GB=80) -> Hardware:
-    return Hardware("test", nodes, devices, int(mem_GB * GB), 2000 * GB, 30000 * GB, 989.0,
-                    intra, inter)
+def hardware(nodes=1, devices=8, intra=900, inter=50, mem_GB=80) -> ClusterConfig:
+    return ClusterConfig(name="test", nodes=nodes, devices=devices, accelerator="gpu",
+                         device_memory_GB=mem_GB, peak_tflops=989.0, intra_node_GBps=intra,
+                         inter_node_GBps=inter, host_memory_GB=2000, nvme_GB=30000)
 
 
-def params_only(params: float, hw: Hardware, layout: Layout, accounting="mixed16") -> object:
+def model(**shape) -> ModelConfig:
+    return ModelConfig(**{"name": "test", **shape})
+
+
+def params_only(params: float, hw: ClusterConfig, layout: Layout, accounting="mixed16") -> object:
     """A plan of ``params`` parameters without a model shape (planner.params=...)."""
-    su = Setup(hw, int(params), global_batch=hw.nodes * hw.devices, micro_batch=1, seq_len=2048,
-               accounting=accounting)
+    su = Setup(hw, TrainerConfig(global_batch_size=hw.nodes * hw.devices, micro_batch_size=1,
+                                 precision="bf16-mixed"),
+               PlannerConfig(params=params, accounting=accounting),
+               model(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=8, seq_len=2048))
     return plan_candidate(Candidate("x", layout), su)
 
 
@@ -123,10 +130,9 @@ def test_activations_reduce_to_korthikanti(t, sp):
 
 
 def test_checkpointing_and_tp_shrink_activations():
-    from strategies.planner import ModelShape
-
-    shape = ModelShape(params=6_738_415_616, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                       ffn=11008, vocab=32000, seq_len=4096, embed_params=32000 * 4096)
+    shape = model(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
+                  vocab_size=32000, seq_len=4096)  # Llama 2 7B
+    assert shape.num_params() == 6_738_415_616
     full = activation_bytes(shape, micro=1)
     ckpt = activation_bytes(shape, micro=1, ckpt=True)
     tp8 = activation_bytes(shape, micro=1, tp=8, sp=True)
@@ -216,6 +222,12 @@ def _compose(overrides):
     return compose([*overrides, *COMMON])
 
 
+def describe(model_cfg):
+    from recipes.config import describe as _describe
+
+    return _describe(model_cfg)
+
+
 def _emulated_presets(devices: int) -> list[Candidate]:
     """The issue's presets as layouts (independent of which YAML files exist yet)."""
     full = dict(params=S, grads=S, optimizer=S)
@@ -235,8 +247,9 @@ def _emulated_presets(devices: int) -> list[Candidate]:
 @pytest.mark.parametrize("row", list(ROWS))
 def test_decision_table_on_layouts(row):
     overrides, accepted = ROWS[row]
-    su = Setup.of(_compose(overrides))
-    cands = _emulated_presets(su.hardware.devices) + planned_candidates(su)
+    cfg = _compose(overrides)
+    su = Setup.of(cfg, describe(cfg.model))
+    cands = _emulated_presets(su.cluster.devices) + planned_candidates(su)
     rec = recommend([plan_candidate(c, su) for c in cands])
     assert rec.strategy in accepted, rec.reason
 
@@ -244,21 +257,24 @@ def test_decision_table_on_layouts(row):
 @pytest.mark.parametrize("row", list(ROWS))
 def test_decision_table_on_presets(row):
     """The same rows through the real presets of conf/strategy/ (needs them all)."""
-    from strategies.planner import plan_all
+    from planner import plan_all
 
     overrides, accepted = ROWS[row]
-    report = plan_all(_compose(overrides))
+    cfg = _compose(overrides)
+    report = plan_all(cfg, describe(cfg.model))
     assert report.recommendation.strategy in accepted, report.recommendation.reason
 
 
 # -------------------------------------------------------- preflight (train.py) and the CLI
 def test_preflight_fits_and_refuses():
-    from strategies.planner import preflight
+    from planner import preflight
 
-    ok = preflight(_compose(("model=gpt_small", "strategy=single")))
+    cfg = _compose(("model=gpt_small", "strategy=single"))
+    ok = preflight(cfg, describe(cfg.model))
     assert ok.fits and ok.summary().startswith("plan: single on local")
-    big = preflight(_compose(("model=llama_7b", "cluster=node_8x_a100_80g", "strategy=ddp",
-                              "trainer.global_batch_size=8")))
+    cfg = _compose(("model=llama_7b", "cluster=node_8x_a100_80g", "strategy=ddp",
+                    "trainer.global_batch_size=8"))
+    big = preflight(cfg, describe(cfg.model))
     assert not big.fits
     msg = big.message()
     assert msg.startswith("does not fit on node_8x_a100_80g: needs 142.0 GB per device, "

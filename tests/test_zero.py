@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import EQUIV, ROOT, assert_losses_close, assert_params_close
+from tests.conftest import EQUIV, OPTIMIZERS, ROOT, assert_losses_close, assert_params_close
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -23,7 +23,8 @@ WORLD = 2
 P = 34976 * 4  # gpt_nano parameters in fp32 (GPTShape.of(cfg).num_params() * 4) = 139904 bytes
 SHARD_ALL = "strategy.param_persistence_threshold=0"
 # preset -> (extra overrides, what one rank holds as a fraction of the full fp32 model size P)
-# optimizer = fp32 master partition + Adam exp_avg + exp_avg_sq: 3 x P/N under every stage.
+# optimizer = fp32 master partition + Adam exp_avg + exp_avg_sq: 3 x P/N under every stage
+# (with plain SGD, the master partition alone: P/N).
 CPU_PRESETS = {
     "zero1": ((), {"params": 1.0, "grads": 0.5, "optimizer": 1.5}),
     "zero2": ((), {"params": 1.0, "grads": 0.5, "optimizer": 1.5}),
@@ -37,17 +38,20 @@ CPU_PRESETS = {
 HELD_RTOL = 0.02
 
 
-def _zero(train, preset: str, *overrides: str, micro: int = 4, name: str | None = None):
+def _zero(train, preset: str, *overrides: str, micro: int = 4, name: str | None = None,
+          optimizer: str = "adamw"):
     extra, _ = CPU_PRESETS.get(preset, ((), None))
-    return train(*EQUIV, f"strategy={preset}", f"cluster.devices={WORLD}",
+    return train(*EQUIV, *OPTIMIZERS[optimizer], f"strategy={preset}", f"cluster.devices={WORLD}",
                  f"trainer.micro_batch_size={micro}", *extra, *overrides, name=name)
 
 
-# --- equivalence + sharding, one run per preset ----------------------------------------------
+# --- equivalence + sharding, one run per preset and optimizer ----------------------------------
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("preset", list(CPU_PRESETS))
-def test_zero_matches_single_process_and_shards(train, single_reference, preset):
-    run = _zero(train, preset)
+def test_zero_matches_single_process_and_shards(train, reference, preset, optimizer):
+    run = _zero(train, preset, optimizer=optimizer)
+    single_reference = reference(optimizer)
     r = run.report
     assert (r["strategy"], r["world_size"], r["accumulation"]) == (preset, WORLD, 1)
     assert_losses_close(single_reference.losses, run.losses, rtol=1e-5)
@@ -55,7 +59,9 @@ def test_zero_matches_single_process_and_shards(train, single_reference, preset)
     assert run.losses[-1] < run.losses[0]
     assert "CPUCapableDeepSpeedStrategy" in run.log
 
-    expected = CPU_PRESETS[preset][1]
+    expected = dict(CPU_PRESETS[preset][1])
+    if optimizer == "sgd":
+        expected["optimizer"] -= 1.0  # no Adam moments: 2 x P/N less
     ranks = r["memory"]["ranks"]
     assert len(ranks) == WORLD
     for held in ranks:
@@ -66,11 +72,14 @@ def test_zero_matches_single_process_and_shards(train, single_reference, preset)
                 f"expected {fraction} x {P} = {want:.0f} B (+-{HELD_RTOL:.0%})")
 
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
-def test_zero_gradient_accumulation_matches_single_process(train, single_reference, preset):
+def test_zero_gradient_accumulation_matches_single_process(train, reference, preset, optimizer):
     """micro 2 x 2 ranks x accumulation 2 = global 8: DeepSpeed's own accumulation, and the loss
-    divided once (Lightning divides by accumulation; the strategy tells the engine not to)."""
-    run = _zero(train, preset, micro=2)
+    divided once (Lightning divides by accumulation; the strategy tells the engine not to) --
+    the double division this once was is what the SGD case would catch."""
+    run = _zero(train, preset, micro=2, optimizer=optimizer)
+    single_reference = reference(optimizer)
     assert (run.report["accumulation"], run.report["micro_batch_size"]) == (2, 2)
     assert_losses_close(single_reference.losses, run.losses, rtol=1e-5)
     assert_params_close(single_reference.params(), run.params(), rtol=1e-5)
@@ -222,8 +231,8 @@ def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
                     "+strategy.deepspeed_config.zero_optimization.stage=1")
     for needle in ("strategy.stage=4 is not one of 1, 2, 3",
                    "strategy.offload_optimizer='disk' is not one of none, cpu, nvme",
-                   "strategy.reduce_bucket_size=0: must be an integer >= 1",
-                   "strategy.allgather_bucket_size=-5: must be an integer >= 1",
+                   "strategy.reduce_bucket_size=0: must be >= 1",
+                   "strategy.allgather_bucket_size=-5: must be >= 1",
                    "strategy.pin_memory=true needs CUDA",
                    "strategy.deepspeed_config.gradient_accumulation_steps is set",
                    "strategy.deepspeed_config.zero_optimization.stage is set"):
@@ -252,7 +261,7 @@ def test_bad_zero_config_stops_the_cli_before_launch(train):
                 "strategy.prefetch_bucket_size=0", check=False)
     assert run.proc.returncode == 2, run.log[-3000:]
     assert "strategy.stage=0 is not one of 1, 2, 3" in run.log
-    assert "strategy.prefetch_bucket_size=0: must be an integer >= 1" in run.log
+    assert "strategy.prefetch_bucket_size=0: must be >= 1" in run.log
     assert "initializing deepspeed distributed" not in run.log
 
 
@@ -328,7 +337,7 @@ assert 'deepspeed' in strategies.families()
 assert 'deepspeed' not in sys.modules, 'import strategies imported deepspeed'
 _select_accelerator(Run(accelerator='gpu'))
 assert 'DS_ACCELERATOR' not in os.environ, 'set for a GPU run'
-strategy = strategies.load('zero3').lightning(World(devices=2), Run(accelerator='cpu'))
+strategy = strategies.load('zero3').lightning(Run(accelerator='cpu'))
 assert os.environ['DS_ACCELERATOR'] == 'cpu'
 from deepspeed.accelerator import get_accelerator
 assert get_accelerator().device_name() == 'cpu', get_accelerator()

@@ -8,7 +8,8 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from strategies.planner import GB, GiB, Plan, Report, gb
+from planner.plan import Plan, Report
+from planner.states import GB, GiB, gb
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total",
                "host", "nvme")

@@ -1,52 +1,52 @@
-"""The Lightning side of the recipe: a causal-LM LightningModule and its data module."""
+"""The recipe as Lightning sees it: a thin LightningModule and DataModule over recipes/.
+
+The module only adapts: the model, loss, optimizer and schedule are recipes/training.py's; the
+strategy applies parallelism to the model after ``configure_model`` builds it (see each
+family's Lightning builder), so nothing here depends on the preset.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from recipes import training
 from recipes.data import GlobalBatchSampler
-from recipes.gpt import GPT, GPTShape
+
+if TYPE_CHECKING:
+    from recipes.config import ModelConfig, TrainerConfig
+
+# Where the plain model sits in this module (state-dict keys start with it).
+MODEL_PREFIX = "model."
 
 
 class CausalLM(L.LightningModule):
-    """Next-token prediction on a ``GPT``; the model is built in ``configure_model`` so sharding
-    strategies can build it their way (DeepSpeed's ``zero.Init``, FSDP2's ``fully_shard``)."""
+    """Next-token prediction. The model is built in ``configure_model`` so sharding strategies
+    can build it their way (DeepSpeed's ``zero.Init``) and shard it before the optimizer."""
 
-    def __init__(self, shape: GPTShape, *, lr: float, weight_decay: float = 0.0,
-                 warmup_steps: int = 0, seed: int = 0, parallelize=None, optimizer=None):
+    def __init__(self, shape: ModelConfig, trainer_cfg: TrainerConfig):
         super().__init__()
-        self.shape, self.lr, self.weight_decay, self.warmup_steps = shape, lr, weight_decay, warmup_steps
-        self.seed = seed
-        self.parallelize = parallelize  # strategy hook applied to the built model (FSDP2, TP, AC)
-        self.optimizer_factory = optimizer or torch.optim.AdamW  # the strategy's AdamW
-        self.model: GPT | None = None
+        self.shape, self.trainer_cfg = shape, trainer_cfg
+        self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        # Same seed on every rank and in the single-process reference: identical initial weights.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            self.model = GPT(self.shape)
-        if self.parallelize is not None:
-            self.model = self.parallelize(self.model, self.device_mesh)
+        if self.model is None:
+            self.model = training.build_model(self.shape, self.trainer_cfg.seed)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        loss = self.model.loss(tokens, targets)
-        self.log("loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False, batch_size=len(tokens))
+        loss = training.loss(self.model, batch)
+        self.log("loss", loss.detach(), on_step=True, on_epoch=False, batch_size=len(batch[0]))
         return loss
 
     def configure_optimizers(self):
         # The wrapped model's parameters: FSDP1 with use_orig_params=False registers the root
         # unit's flat parameter on the wrapper, not on this module.
         params = self.trainer.model.parameters() if self._trainer is not None else self.parameters()
-        opt = self.optimizer_factory(params, lr=self.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=self.weight_decay)
-        warm = max(self.warmup_steps, 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
+        opt = training.build_optimizer(params, self.trainer_cfg)
+        sched = training.build_scheduler(opt, self.trainer_cfg)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

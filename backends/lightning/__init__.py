@@ -1,0 +1,116 @@
+"""The Lightning backend: a validated ``Job`` -> a Trainer, the recipe's module and data, the
+observers behind one callback; Lightning launches the ranks and runs the loop.
+
+Lightning's launcher re-runs train.py for each rank > 0 (into the same Hydra run directory), so
+every rank composes, validates and builds the same objects before ``fit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+
+from backends import Outcome
+from backends.lightning.bridge import ObserverBridge
+from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
+from observers.files import atomic_torch_save
+from recipes.data import build_dataset
+
+if TYPE_CHECKING:
+    from observers import Observers
+    from recipes.job import Job
+
+log = logging.getLogger(__name__)
+
+# GlobalBatchSampler resumes from trainer.global_step by construction (recipes/data.py), so
+# Lightning's "dataloader is not resumable" warning does not apply to our loaders.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+
+PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+
+
+@dataclass
+class Built:
+    job: Job
+    out: Path
+    trainer: L.Trainer
+    module: CausalLM
+    data: GlobalBatchData
+    bridge: ObserverBridge
+
+
+def problems(job: Job) -> list[str]:
+    return []  # every preset has a Lightning builder
+
+
+def _logger(job: Job, out: Path) -> Any:
+    if job.logger is None:
+        return False
+    if job.logger.name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(out), name="csv")
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(project=job.logger.project, mode=job.logger.mode, save_dir=str(out))
+
+
+def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
+    """The Trainer of the job (no process is started until ``fit``)."""
+    t = job.trainer
+    strategy = job.strategy.lightning(job.run)
+    if t.checkpoint_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks = [*callbacks, ModelCheckpoint(
+            dirpath=out / "checkpoints", filename="step{step}", every_n_train_steps=t.checkpoint_every,
+            save_top_k=-1, auto_insert_metric_name=False)]
+    return L.Trainer(
+        accelerator=job.run.accelerator,
+        devices=job.world.devices,
+        num_nodes=job.world.nodes,
+        strategy=strategy,
+        precision=PRECISION[job.run.precision],
+        max_steps=t.max_steps,
+        accumulate_grad_batches=job.batch.accumulation,
+        gradient_clip_val=t.grad_clip or None,
+        use_distributed_sampler=False,  # GlobalBatchSampler already splits the global batch
+        logger=_logger(job, out),
+        callbacks=callbacks,
+        enable_checkpointing=bool(t.checkpoint_every),
+        enable_progress_bar=False,  # the progress bar is an observer, the same on every backend
+        enable_model_summary=False,
+        log_every_n_steps=t.log_every,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(out),
+    )
+
+
+def build(job: Job, out: Path, observers: Observers) -> Built:
+    t = job.trainer
+    bridge = ObserverBridge(observers)
+    trainer = trainer_for(job, out, [bridge])
+    log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
+    module = CausalLM(job.model, t)
+    data = GlobalBatchData(build_dataset(job.data, job.model, t.seed), global_batch=job.batch.global_size,
+                           micro_batch=job.batch.micro_size, steps=t.max_steps, seed=t.seed,
+                           num_workers=job.data.num_workers)
+    log.info("trainer: %d node(s) x %d %s process(es), accumulation %d",
+             job.world.nodes, job.world.devices, job.run.accelerator, job.batch.accumulation)
+    return Built(job, out, trainer, module, data, bridge)
+
+
+def fit(built: Built) -> Outcome:
+    job, trainer = built.job, built.trainer
+    trainer.fit(built.module, datamodule=built.data, ckpt_path=job.trainer.resume_from)
+    if job.trainer.export_params:
+        params = job.strategy.full_state_dict(trainer.strategy.model, prefix=MODEL_PREFIX)
+        if trainer.global_rank == 0:
+            atomic_torch_save(params, built.out / "params.pt")
+    return Outcome(rank=trainer.global_rank, report=built.bridge.report)

@@ -1,0 +1,75 @@
+"""One thin Lightning ``Callback`` that feeds the engine-neutral observers.
+
+Lightning calls back per micro-batch; observers think in optimizer steps. The bridge starts a
+step at its first micro-batch, and ends it when ``trainer.global_step`` advances, handing the
+observers the global-batch loss: the mean of this rank's micro-batch losses, reduced over the
+ranks by the strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from observers import Observers
+
+
+class LightningEngine:
+    """The ``observers.Engine`` view of a Trainer."""
+
+    def __init__(self, trainer: L.Trainer):
+        self.trainer = trainer
+
+    @property
+    def rank(self) -> int:
+        return self.trainer.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size
+
+    @property
+    def model(self) -> Any:
+        return self.trainer.strategy.model
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return list(self.trainer.strategy.optimizers)
+
+
+class ObserverBridge(L.Callback):
+    def __init__(self, observers: Observers):
+        self.observers = observers
+        self.report: dict[str, Any] = {}
+        self._micro: list[torch.Tensor] = []
+        self._step = 0
+        self._in_step = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step
+        self.observers.train_start(LightningEngine(trainer), self._step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._in_step:
+            self._in_step = True
+            self.observers.step_start(LightningEngine(trainer), self._step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.observers.before_optimizer_step(LightningEngine(trainer), self._step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        # Lightning hands back loss / accumulate_grad_batches; undo it to get the micro-batch mean.
+        self._micro.append(loss.detach().float() * trainer.accumulate_grad_batches)
+        if trainer.global_step == self._step:
+            return  # still accumulating
+        local = torch.stack(self._micro).mean()
+        self._micro.clear()
+        self._step, self._in_step = trainer.global_step, False
+        loss = float(trainer.strategy.reduce(local, reduce_op="mean"))
+        self.observers.step_end(LightningEngine(trainer), self._step, loss)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.report = self.observers.train_end(LightningEngine(trainer))

@@ -1,0 +1,39 @@
+"""Atomic writes: a temp file in the same directory, then a rename, so a reader (or a resumed
+run) never sees half a file and a failed run leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _atomic(path: str | Path, write: Callable[[str], None]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic(path, write)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    import torch
+
+    _atomic(path, lambda tmp: torch.save(obj, tmp))

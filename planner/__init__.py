@@ -1,0 +1,109 @@
+"""The planner: will it fit, what will it cost, which strategy -- before any device is touched.
+
+Two entry points: ``plan_all(cfg, model)`` plans every preset of ``conf/strategy/`` plus the
+planned-only TP / PP / 3D layouts and recommends one; ``preflight(cfg, model)`` plans the
+composed run's own preset for train.py. ``model`` is the model recipe's torch-free description
+(``recipes.describe(cfg.model)``). Both return plain dataclasses; ``planner.render`` turns them
+into a table or JSON. By concern: inputs, states (model states), activations, communication,
+plan (one layout: memory and time), recommend (candidates and the ladder), render.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.activations import (activation_bytes, boundary_activation_bytes, korthikanti_layer_bytes,
+                                 layer_activation_bytes)
+from planner.communication import (Collective, Communication, all_gather_bytes, reduce_scatter_bytes,
+                                   ring_all_reduce_bytes, transfer_seconds)
+from planner.inputs import Candidate, ModelDescription, Setup, candidate
+from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
+from planner.recommend import planned_candidates, rank, recommend
+from planner.render import plan_dict, report_dict
+from planner.states import ACCOUNTINGS, GB, GiB, MiB, StateBytes, gb, model_states, state_bytes
+from strategies.base import Run, as_config
+from strategies.mesh import World
+from strategies.presets import load, names
+
+
+def _run(su: Setup) -> Run:
+    return Run(accelerator="gpu" if su.cluster.accelerator == "gpu" else "cpu",
+               precision=su.trainer.precision, micro_batch_size=su.trainer.micro_batch_size)
+
+
+def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Report:
+    """Plan every preset (the composed ``cfg.strategy`` with its overrides in place of its own
+    file) and the planned-only layouts; ``chosen``: only the composed preset. ``model``: the
+    model recipe's description of ``cfg.model`` (``recipes.describe``)."""
+    su = Setup.of(cfg, model)
+    world, run = su.world, _run(su)
+    own = as_config(cfg.strategy)
+    presets = [own] if chosen else [own if n == own.name else load(n) for n in names()]
+    cands = [candidate(p, world, run) for p in presets]
+    if not chosen:
+        cands += planned_candidates(su, su.options.tp, su.options.pp)
+    plans = [plan_candidate(c, su) for c in cands]
+    rec = recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
+    for p in plans:
+        if not p.fits:
+            p.hint = _hint(plans if not chosen else _others(su, world, run, p))
+    name = f"{su.params:,} parameters" if su.shape is None else str(cfg.model.name)
+    return Report(model=name, cluster=su.cluster.name, world_size=world.size,
+                  accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
+                  assumptions=assumptions(su))
+
+
+def _others(su: Setup, world: World, run: Run, skip: Plan) -> list[Plan]:
+    return [plan_candidate(candidate(load(n), world, run), su) for n in names()
+            if n != skip.strategy]
+
+
+def _hint(plans: list[Plan]) -> str:
+    rec = recommend([p for p in plans if p.runnable])
+    if rec.strategy:
+        return f"cheapest preset that fits: {rec.strategy} (strategy={rec.strategy})"
+    planned = recommend([p for p in plans if p.planned_only])
+    if planned.strategy:
+        return f"no preset fits; the planned-only layout {planned.strategy} would"
+    return "no preset fits: use more devices, a smaller micro batch or activation checkpointing"
+
+
+def preflight(cfg: Any, model: ModelDescription) -> Plan:
+    """The plan of the composed run's own preset, for train.py (``.fits``, ``.summary()``,
+    ``.message()``); the cheapest fitting preset is searched only when it does not fit."""
+    return plan_all(cfg, model, chosen=True).plans[0]
+
+
+def assumptions(su: Setup) -> list[str]:
+    acc = {"mixed16": "mixed16: 2 bf16 param + 2 bf16 grad + 4 fp32 master + 8 Adam = 16 B/param",
+           "mixed20": "mixed20: 2 bf16 param + 2 bf16 + 4 fp32 grad + 4 fp32 master + 8 Adam = 20 B/param",
+           "actual": f"actual: what precision={su.trainer.precision} allocates (AdamW; torch AMP keeps "
+                     "fp32 params, DeepSpeed bf16 params + fp32 master)"}[su.options.accounting]
+    out = [f"GB = 1e9 bytes, GiB = 2^30; memory is per device; accounting {acc}",
+           f"compute = 6 x params x tokens / (devices x peak x MFU {su.options.mfu:g}); activation "
+           "checkpointing adds one forward (8 x params x tokens)",
+           "bandwidth-only collective times (ring: 2(N-1)/N x bytes per rank for all-reduce, "
+           "(N-1)/N for all-gather / reduce-scatter); groups spanning nodes run at "
+           "inter_node_GBps; no latency terms",
+           "overlap: gradient all-reduce / reduce-scatter hide under backward, ZeRO-3/FSDP "
+           "gathers under forward/backward (prefetch); ZeRO-1/2 post-step all-gather, TP "
+           "all-reduces, pipeline sends and offload copies are exposed"]
+    if su.shape is None:
+        out.append("planner.params: model states only (no activations, buffers, TP/PP traffic)")
+    else:
+        attn = ("flash attention (no s x s scores)" if su.options.flash_attention
+                else "materialised attention scores")
+        out.append(f"activations: Korthikanti et al. 2022 per layer, SwiGLU/GQA terms, {attn}, "
+                   f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; fp32 logits for the loss")
+    out.append("planned-only TP / PP / 3D layouts use ZeRO-1 over data parallel; bubble "
+               "(P-1)/(m+P-1), 1F1B keeps min(P, m) micro-batches in flight on stage 0")
+    return out
+
+
+__all__ = ["ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Communication", "Memory",
+           "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
+           "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
+           "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",
+           "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
+           "reduce_scatter_bytes", "report_dict", "ring_all_reduce_bytes", "state_bytes",
+           "transfer_seconds"]

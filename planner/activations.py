@@ -1,0 +1,73 @@
+"""Activations per device (Korthikanti et al. 2022, generalised to our model's shapes) and the
+transient buffers beside the model states. Closed forms; docs/PLANNER.md."""
+
+from __future__ import annotations
+
+import math
+
+from planner.inputs import Candidate, ModelDescription, unit_params
+from planner.states import StateBytes
+from strategies.base import DEVICE, SHARDED
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
+    """Korthikanti et al. 2022, eq. 1-3: one GPT layer's 16-bit activations (4h MLP, dropout)."""
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, *, ffn: int | None = None,
+                           kv: int | None = None, t: int = 1, sp: bool = False,
+                           dropout: bool = True, flash: bool = False, mlp_tensors: int = 2,
+                           elem: float = 2) -> float:
+    """Korthikanti's per-layer count, term by term, generalised to GQA (``kv`` < h), SwiGLU
+    (``mlp_tensors=4``: gate, up, silu, product), no dropout, flash attention and element size.
+    With the defaults it equals ``korthikanti_layer_bytes``."""
+    ffn, kv = ffn or 4 * h, kv or h
+    mask = 1 if dropout else 0                   # one byte per element
+    # kept whole on every TP rank unless sequence parallel: 2 norm inputs, attention and MLP
+    # inputs (4 elements) plus 2 dropout masks -- Korthikanti's "10"
+    replicated = 4 * elem + 2 * mask
+    # split over TP ranks: Q, K, V, projection input; the MLP's inner tensors -- his "24"
+    split = (2 + 2 * kv / h) * elem + mlp_tensors * ffn / h * elem
+    scores = 0.0 if flash else a * s / h * ((1 + mask) * elem + mask)  # softmax (+dropout) "5as/h"
+    per_sbh = replicated / (t if sp else 1) + (split + scores) / t
+    return s * b * h * per_sbh
+
+
+def boundary_activation_bytes(micro: int, seq: int, hidden: int, elem: float = 2) -> int:
+    """One pipeline-stage boundary activation: micro x seq x hidden x bytes per element."""
+    return int(micro * seq * hidden * elem)
+
+
+def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: int = 1,
+                     inflight: int = 1, sp: bool = False, ckpt: bool = False,
+                     flash: bool = True, elem: float = 2) -> int:
+    """Activations of the busiest device for one micro-batch (``inflight`` under 1F1B)."""
+    s, b, h = shape.seq_len, micro, shape.dim
+    layer = layer_activation_bytes(s, b, h, shape.n_heads, ffn=shape.hidden,
+                                   kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
+                                   dropout=shape.dropout > 0, flash=flash, mlp_tensors=4, elem=elem)
+    block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
+    layers = math.ceil(shape.n_layers / pp)
+    kept = (block_input if ckpt else layer) * layers
+    recompute = layer if ckpt else 0.0                   # one block re-run in backward
+    head = 4 * s * b * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
+    first, last = kept * inflight + recompute, kept + recompute + head
+    return int(max(first, last))
+
+
+def buffer_bytes(c: Candidate, shape: ModelDescription, sb: StateBytes, params: float, dp: int,
+                 mp: int) -> int:
+    """Transients beside the states: gradient buckets, gathered units, autocast weight copies."""
+    lay, out = c.layout, 0.0
+    if dp > 1 or lay.optimizer_offload != DEVICE:
+        out += 2 * c.bucket_bytes  # one bucket filling, one in flight
+    if lay.params == SHARDED:
+        unit = unit_params(shape) / mp
+        gathered = 2 * unit if lay.reshard_after_forward else params  # current + prefetched
+        out += gathered * sb.gather + unit * sb.reduce  # + one unit's unsharded gradient
+    elif sb.params > sb.gather:
+        out += params * sb.gather  # autocast's bf16 weight copies, saved for backward
+    return int(out)

@@ -1,0 +1,133 @@
+"""Communication per optimizer step: ring collective volumes (Patarasuk & Yuan 2009), which
+collectives each layout issues, over which link, and how much of their time compute hides.
+Closed forms; docs/PLANNER.md."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.activations import boundary_activation_bytes
+from planner.inputs import Candidate, Setup
+from planner.states import GB, StateBytes
+from strategies.base import CPU, DEVICE, SHARDED
+
+
+def ring_all_reduce_bytes(x: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of an ``x``-byte tensor: 2(N-1)/N x."""
+    return 2 * (n - 1) / n * x if n > 1 else 0.0
+
+
+def all_gather_bytes(x: float, n: int) -> float:
+    """Bytes each rank sends to gather an ``x``-byte tensor (also reduce-scatter): (N-1)/N x."""
+    return (n - 1) / n * x if n > 1 else 0.0
+
+
+reduce_scatter_bytes = all_gather_bytes
+
+
+def transfer_seconds(nbytes: float, GBps: float) -> float:
+    """Bandwidth-only time: bytes / (GB/s x 1e9)."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (GBps * GB) if GBps > 0 else math.inf
+
+
+@dataclass
+class Collective:
+    op: str
+    """all_reduce | all_gather | reduce_scatter | send_recv | copy."""
+    group: str
+    """intra | inter (node), host (PCIe) or nvme."""
+    ranks: int
+    bytes: int
+    """Sent per rank per optimizer step."""
+    seconds: float
+    overlap: str
+    """forward | backward (hidden under that compute while it lasts) | none (exposed)."""
+    per_micro: bool = False
+
+
+@dataclass
+class Communication:
+    bytes_per_step: int = 0
+    seconds_per_step: float = 0.0
+    by_collective: dict[str, Collective] = field(default_factory=dict)
+
+
+def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, trainable: float,
+                  dp: int, shard: int, m: int, ckpt: bool) -> Communication:
+    """Bytes each rank sends per optimizer step, by collective, and their bandwidth-only time."""
+    devices, lay, shape = su.cluster.devices, c.layout, su.shape
+    out = Communication()
+
+    def add(name: str, op: str, ranks: int, stride: int, full: float, overlap: str,
+            per_micro: bool = False, link: str | None = None) -> None:
+        if ranks <= 1 and op != "copy" or full <= 0:
+            return
+        per_rank = {"all_reduce": ring_all_reduce_bytes(full, ranks),
+                    "all_gather": all_gather_bytes(full, ranks),
+                    "reduce_scatter": reduce_scatter_bytes(full, ranks)}.get(op, full)
+        per_rank *= m if per_micro else 1
+        group = link or ("intra" if stride * (ranks - 1) < devices else "inter")
+        out.by_collective[name] = Collective(op, group, ranks, int(per_rank),
+                                             transfer_seconds(per_rank, su.link_GBps(group)),
+                                             overlap, per_micro)
+
+    ratio = lay.grad_bytes_ratio
+    grad = trainable * (max(sb.reduce * ratio, min(sb.reduce, 2)) if ratio < 1 else sb.reduce)
+    stride, sharded_grads = c.tp, lay.grads == SHARDED
+    if lay.params == lay.grads == lay.optimizer != SHARDED:
+        add("grad_all_reduce", "all_reduce", dp, stride, grad, "backward")
+    else:
+        add("grad_reduce_scatter", "reduce_scatter", shard, stride, grad, "backward",
+            per_micro=sharded_grads)
+        if shard < dp:  # HYBRID: the shards are all-reduced across the replica groups
+            add("grad_all_reduce_replicas", "all_reduce", dp // shard, stride * shard,
+                grad / shard, "backward", per_micro=sharded_grads)
+        if lay.params == SHARDED:
+            add("param_all_gather_forward", "all_gather", shard, stride, params * sb.gather,
+                "forward", per_micro=True)
+            if lay.reshard_after_forward:
+                add("param_all_gather_backward", "all_gather", shard, stride,
+                    params * sb.gather, "backward", per_micro=True)
+        else:  # ZeRO-1/2: updated parameter shards are gathered after the optimizer step
+            add("param_all_gather", "all_gather", shard, stride, params * sb.gather, "none")
+    if lay.optimizer_offload != DEVICE:
+        link = "host" if lay.optimizer_offload == CPU else "nvme"
+        traffic = grad / shard + params * sb.gather / shard  # gradients down, parameters up
+        if link == "nvme":  # the optimizer state is read and written back every step
+            traffic += 2 * trainable * (sb.master + sb.optimizer) / shard
+        add("optimizer_offload", "copy", 1, 1, traffic, "none", link=link)
+    if lay.params_offload != DEVICE:
+        link = "host" if lay.params_offload == CPU else "nvme"
+        passes = 2 if lay.reshard_after_forward else 1
+        add("param_offload_fetch", "copy", 1, 1, passes * params * sb.params / shard, "none",
+            per_micro=True, link=link)
+    if shape is not None and c.tp > 1:  # Megatron: 2 all-reduces forward, 2 backward per block
+        per_layer = (4 + (2 if ckpt else 0)) * su.trainer.micro_batch_size * shape.seq_len * shape.dim
+        add("tp_all_reduce", "all_reduce", c.tp, 1, per_layer * sb.activation
+            * math.ceil(shape.n_layers / c.pp), "none", per_micro=True)
+    if shape is not None and c.pp > 1:  # one activation forward, one gradient back per boundary
+        sp = su.options.sequence_parallel and c.tp > 1
+        x = boundary_activation_bytes(su.trainer.micro_batch_size, shape.seq_len, shape.dim, sb.activation)
+        add("pp_send_recv", "send_recv", c.pp, c.tp * dp, 2 * x / (c.tp if sp else 1), "none",
+            per_micro=True, link="intra" if c.tp * dp < devices else "inter")
+    out.bytes_per_step = sum(x.bytes for x in out.by_collective.values())
+    out.seconds_per_step = sum(x.seconds for x in out.by_collective.values())
+    return out
+
+
+def exposed_seconds(comm: Communication, compute: float, m: int, ckpt: bool) -> float:
+    """Communication time not hidden under compute. Forward-phase collectives overlap each
+    micro-batch's forward, backward-phase ones its backward; per-step backward collectives
+    (DDP, ZeRO-1) overlap only the last micro-batch's backward; the rest is exposed."""
+    fwd = compute * (1 / 4 if ckpt else 1 / 3) / m
+    bwd = compute / m - fwd
+    per = {(o, pm): 0.0 for o in ("forward", "backward", "none") for pm in (True, False)}
+    for x in comm.by_collective.values():
+        per[x.overlap, x.per_micro] += x.seconds / (m if x.per_micro else 1)
+    f_m, b_m, b_step = per["forward", True], per["backward", True], per["backward", False]
+    exposed = m * max(0.0, f_m - fwd) + (m - 1) * max(0.0, b_m - bwd)
+    exposed += max(0.0, b_m + b_step - bwd) + m * per["none", True] + per["none", False]
+    return exposed + per["forward", False]

@@ -1,0 +1,144 @@
+"""What the planner reads: the model through one torch-free description the model recipe
+provides, the cluster, trainer and planner config groups as they are (no second copy of their
+fields), and each strategy through its ``Layout``.
+
+The planner imports nothing from recipes/: the description is duck-typed (``ModelDescription``);
+recipes.config.ModelConfig is the one that exists today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from strategies.base import DEVICE, SHARDED, Layout
+from strategies.mesh import World
+from planner.states import GB, MiB
+
+
+class ModelDescription(Protocol):
+    """The model as the planner needs it: shape and exact parameter counts, one source."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    seq_len: int
+    dropout: float
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner size."""
+
+    def num_params(self) -> int: ...
+
+    def block_params(self) -> int:
+        """Parameters of one repeated block."""
+
+    def embedding_params(self) -> int:
+        """Parameters of one vocab x dim matrix."""
+
+
+def unit_params(model: ModelDescription) -> int:
+    """The largest FSDP/ZeRO-3 unit: a transformer block or an embedding matrix."""
+    return max(model.block_params(), model.embedding_params())
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything but the layout: the cluster, trainer and planner groups and the model."""
+
+    cluster: Any
+    """recipes.config.ClusterConfig: nodes, devices, device_bytes(), bandwidths, memory."""
+    trainer: Any
+    """recipes.config.TrainerConfig: global/micro batch and precision."""
+    options: Any
+    """recipes.config.PlannerConfig."""
+    model: ModelDescription
+
+    @classmethod
+    def of(cls, cfg: Any, model: ModelDescription) -> Setup:
+        """From a composed config (its groups as typed objects) and the model's description."""
+        from omegaconf import OmegaConf
+
+        def obj(node: Any) -> Any:
+            return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
+
+        return cls(obj(cfg.cluster), obj(cfg.trainer), obj(cfg.planner), model)
+
+    @property
+    def shape(self) -> ModelDescription | None:
+        """The model's shape, or None when ``planner.params`` plans model states alone."""
+        return None if self.options.params is not None else self.model
+
+    @property
+    def params(self) -> int:
+        return int(self.options.params) if self.options.params is not None else self.model.num_params()
+
+    @property
+    def trainable(self) -> int | None:
+        t = self.options.trainable
+        return None if t is None else int(t)
+
+    @property
+    def seq_len(self) -> int:
+        return self.model.seq_len
+
+    @property
+    def world(self) -> World:
+        return World(self.cluster.nodes, self.cluster.devices)
+
+    def link_GBps(self, group: str) -> float:
+        """Per-device bandwidth of a link: intra | inter (node), host (PCIe) or nvme."""
+        c, o = self.cluster, self.options
+        return {"intra": c.intra_node_GBps, "inter": c.inter_node_GBps,
+                "host": o.host_link_GBps, "nvme": o.nvme_GBps}[group]
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.cluster.host_memory_GB * GB)
+
+    @property
+    def nvme_bytes(self) -> int:
+        return int(self.cluster.nvme_GB * GB)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout to plan: a preset of conf/strategy/, or a planned-only TP / PP / 3D layout."""
+
+    name: str
+    layout: Layout = Layout()
+    tp: int = 1
+    pp: int = 1
+    planned_only: bool = False
+    activation_checkpointing: bool = False
+    master_weights: bool = False
+    bucket_bytes: int = 25 * MiB
+    problems: tuple[str, ...] = ()
+    description: str = ""
+
+    @property
+    def rung(self) -> int:
+        """The deep-dive's ladder: replicate, shard, TP inside a node, PP across, offload."""
+        lay = self.layout
+        if lay.params_offload != DEVICE or lay.optimizer_offload != DEVICE:
+            return 4
+        if self.pp > 1:
+            return 3
+        if self.tp > 1:
+            return 2
+        return int(SHARDED in (lay.params, lay.grads, lay.optimizer))
+
+
+def candidate(preset: Any, world: World, run: Any = None) -> Candidate:
+    """A preset's typed config (``strategies.load(name)``) as a planner candidate."""
+    problems = tuple(preset.problems(world, run)) if run is not None else ()
+    layout = preset.layout(world)
+    return Candidate(name=preset.name, layout=layout,
+                     activation_checkpointing=bool(preset.activation_checkpointing),
+                     master_weights=layout.master_weights,
+                     bucket_bytes=int(getattr(preset, "bucket_cap_mb", 25)) * MiB,
+                     problems=problems, description=f"{preset.family} preset")
+

@@ -1,0 +1,107 @@
+"""Which layout to use: the planned-only TP / PP / 3D candidates, and the deep-dive's ladder
+(replicate, shard, TP inside a node, PP across nodes, offload) walked over the plans."""
+
+from __future__ import annotations
+
+import math
+
+from planner.inputs import Candidate, Setup
+from planner.plan import Plan, Recommendation, plan_candidate
+from planner.states import gb
+from strategies.base import SHARDED, Layout
+
+TOLERANCE = 0.05  # steps within 5% of the fastest count as equally fast
+MOVE_UP = 1.2     # a heavier rung of the ladder must be this much faster to be recommended
+RUNGS = ("replicated", "sharded data parallel", "tensor parallel", "pipeline / 3D", "offload")
+
+
+# ----------------------------------------------------------------------------- candidates
+def planned_candidates(su: Setup, tp: int = 1, pp: int = 1) -> list[Candidate]:
+    """TP inside a node and PP across nodes, with ZeRO-1 (Megatron's distributed optimizer)
+    over the data-parallel rest. Degrees: ``planner.tp``/``planner.pp``, or derived."""
+    devices, shape, out = su.cluster.devices, su.shape, []
+    zero1 = Layout(optimizer=SHARDED)
+    heads = math.gcd(shape.n_heads, shape.n_kv_heads) if shape else devices
+    t = tp if tp > 1 else max((d for d in range(1, devices + 1)
+                               if devices % d == 0 and heads % d == 0), default=1)
+    if t > 1:
+        out.append(Candidate("tp", zero1, tp=t, planned_only=True,
+                             description=f"TP={t} inside a node x ZeRO-1 data parallel"))
+    if pp > 1 or su.cluster.nodes > 1:
+        for name, t_ in (("pp", 1), ("3d", t)):
+            if name == "3d" and t_ <= 1:
+                continue
+            p = pp if pp > 1 else _fitting_pp(su, t_, zero1)
+            out.append(Candidate(name, zero1, tp=t_, pp=p, planned_only=True,
+                                 description=f"TP={t_} x PP={p} x ZeRO-1 data parallel"))
+    return out
+
+
+def _fitting_pp(su: Setup, tp: int, layout: Layout) -> int:
+    """The smallest pipeline degree (dividing the nodes, at least 2) whose plan fits."""
+    nodes = su.cluster.nodes
+    options = [p for p in range(2, nodes + 1) if nodes % p == 0]
+    for p in options:
+        if plan_candidate(Candidate("pp", layout, tp=tp, pp=p, planned_only=True), su).fits:
+            return p
+    return options[-1] if options else 2
+
+
+# ----------------------------------------------------------------------------- ranking
+def recommend(plans: list[Plan]) -> Recommendation:
+    """Walk the ladder: the lowest rung with a fitting layout, unless a heavier rung (short of
+    offload) is MOVE_UP times faster. Within a rung: the fastest, and among layouts within
+    TOLERANCE of it, the one leaving the most memory free, then the one moving fewest bytes."""
+    ok = [p for p in plans if p.fits and not p.problems]
+    if not ok:
+        need = min(plans, key=lambda p: p.memory.total, default=None)
+        why = f"; the smallest need is {need.strategy}'s {gb(need.memory.total)}" if need else ""
+        return Recommendation(None, f"nothing fits{why}")
+    best, why = None, ""
+    for rung in range(4):
+        top = best_of([p for p in ok if p.rung == rung])
+        if top is None:
+            continue
+        if best is None:
+            best, why = top, _why_first(top, plans)
+        elif top.step_seconds * MOVE_UP < best.step_seconds:
+            why = (f"{top.strategy} ({RUNGS[rung]}) is {best.step_seconds / top.step_seconds:.2f}x "
+                   f"faster than {best.strategy} (step ~ {top.step_seconds:.3g} s vs "
+                   f"{best.step_seconds:.3g} s)")
+            best = top
+    if best is None:
+        best = best_of([p for p in ok if p.rung == 4])
+        moved = best.memory.host + best.memory.nvme
+        why = (f"nothing fits in device memory without offload; {best.strategy} moves "
+               f"{gb(moved)} per device to host/NVMe (step ~ {best.step_seconds:.3g} s)")
+    if best.planned_only:
+        why += "; planned only: needs a TP/PP implementation"
+    return Recommendation(best.strategy, why)
+
+
+def best_of(plans: list[Plan]) -> Plan | None:
+    if not plans:
+        return None
+    fastest = min(p.step_seconds for p in plans)
+    near = [p for p in plans if p.step_seconds <= fastest * (1 + TOLERANCE)]
+    return min(near, key=lambda p: (p.memory.total, p.communication.bytes_per_step, p.strategy))
+
+
+def _why_first(top: Plan, plans: list[Plan]) -> str:
+    if top.rung == 0:
+        return (f"the replicated state fits ({gb(top.memory.total)} of {gb(top.device_bytes)} "
+                f"per device): no sharding needed; {top.strategy} is the fastest "
+                f"(step ~ {top.step_seconds:.3g} s)")
+    rep = [p for p in plans if p.rung == 0 and not p.problems]
+    lead = (f"replicated needs {gb(min(p.memory.total for p in rep))} per device, has "
+            f"{gb(top.device_bytes)}, so the state must be sharded" if rep
+            else "no replicated layout runs here")
+    return (f"{lead}; {top.strategy} is the fastest {RUNGS[top.rung]} layout that fits "
+            f"(step ~ {top.step_seconds:.3g} s, {gb(top.memory.total)} per device, "
+            f"{gb(top.communication.bytes_per_step)} moved per step)")
+
+
+def rank(plans: list[Plan], rec: Recommendation) -> list[Plan]:
+    """Recommended first, then fitting layouts by step time, then the rest by memory."""
+    return sorted(plans, key=lambda p: (p.strategy != rec.strategy, not (p.fits and not p.problems),
+                                        p.step_seconds if p.fits else p.memory.total, p.strategy))

@@ -1,0 +1,75 @@
+"""Model states per device: bytes per parameter by category and precision, and how sharding
+divides them (ZeRO, Rajbhandari et al. 2020, §3 and §5). Closed forms; docs/PLANNER.md."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from strategies.base import SHARDED, Layout
+
+GB, GiB, MiB = 10**9, 2**30, 2**20
+ACCOUNTINGS = ("actual", "mixed16", "mixed20")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model-state category, and of what travels on the wire."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    """Adam's two moments."""
+    gather: float
+    """Bytes per parameter in a parameter all-gather (the compute dtype)."""
+    reduce: float
+    """Bytes per gradient element in the gradient all-reduce / reduce-scatter."""
+    activation: float
+    """Bytes per activation element."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+
+def state_bytes(accounting: str = "actual", precision: str = "bf16-mixed", *,
+                master_weights: bool = False, sharded_params: bool = False) -> StateBytes:
+    """mixed16 (ZeRO paper, 16 B/param), mixed20 (deep-dive, 20 B/param), or what is allocated."""
+    if accounting == "mixed16":
+        return StateBytes(2, 2, 4, 8, gather=2, reduce=2, activation=2)
+    if accounting == "mixed20":  # the deep-dive's items add to 18; its stated 20 B/param and
+        # 140 GB for 7B also count the bf16 gradient backward produces beside the fp32 one
+        return StateBytes(2, 2 + 4, 4, 8, gather=2, reduce=4, activation=2)
+    if accounting != "actual":
+        raise ValueError(f"planner.accounting={accounting!r} is not one of "
+                         f"{', '.join(ACCOUNTINGS)}; set planner.accounting=actual")
+    p = str(precision)
+    if p.startswith(("32", "64")):  # an engine with master weights copies even fp32 params
+        return StateBytes(4, 4, 4 if master_weights else 0, 8, gather=4, reduce=4, activation=4)
+    if p.endswith("-true"):  # everything, Adam moments included, in the 16-bit dtype
+        return StateBytes(2, 2, 0, 4, gather=2, reduce=2, activation=2)
+    if master_weights:
+        return StateBytes(2, 2, 4, 8, gather=2, reduce=2, activation=2)
+    # torch AMP: fp32 parameters and gradients; FSDP's MixedPrecision gathers/reduces in bf16
+    return StateBytes(4, 4, 0, 8, gather=2, reduce=2 if sharded_params else 4, activation=2)
+
+
+def model_states(params: float, layout: Layout, shard: int, sb: StateBytes,
+                 trainable: float | None = None) -> dict[str, int]:
+    """Per-device bytes of parameters, gradients, fp32 master and optimizer moments, before
+    offload. ``shard``: ranks a sharded state is split over (ZeRO pads shards: ceil)."""
+    trainable = params if trainable is None else trainable
+
+    def split(nbytes: float, state: str) -> int:
+        return math.ceil(nbytes / shard) if state == SHARDED else math.ceil(nbytes)
+
+    return {"params": split(params * sb.params, layout.params),
+            "grads": split(trainable * sb.grads, layout.grads),
+            "master": split(trainable * sb.master, layout.optimizer),
+            "optimizer": split(trainable * sb.optimizer, layout.optimizer)}
+
+
+def gb(nbytes: float) -> str:
+    """Human units, always GB = 1e9 bytes (GiB is shown separately where it helps)."""
+    return f"{nbytes / GB:,.1f} GB" if abs(nbytes) >= GB / 10 else f"{nbytes / MiB:,.1f} MiB"

@@ -1,0 +1,86 @@
+"""What train.py and plan.py share at the command line: every configuration error, whether Hydra
+finds it while composing or validation finds it after, ends the same way -- one message, no
+traceback, exit code 2 -- and the README's spelling ``group=null`` switches an opt-in group off
+(Hydra's own spelling is ``~group``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONFIG_ERROR = 2
+
+_started = False
+
+
+def normalize(argv: list[str]) -> list[str]:
+    """``logger=null`` -> ``~logger`` for every config group (a folder of conf/)."""
+    out = []
+    for arg in argv:
+        group, _, value = arg.partition("=")
+        if value == "null" and "." not in group and (CONF_DIR / group).is_dir():
+            arg = f"~{group}"
+        out.append(arg)
+    return out
+
+
+def started() -> None:
+    """Called first thing in the task function: composition succeeded."""
+    global _started
+    _started = True
+
+
+def fail(error: Exception, log: logging.Logger) -> None:
+    """A configuration error found after composition: log it and exit 2."""
+    log.error("%s", error)
+    sys.exit(CONFIG_ERROR)
+
+
+def or_exit(step: Callable[[], T]) -> T:
+    """Run a composition or validation step outside a Hydra app (plan.py): a configuration
+    error is printed as Hydra would print it, without a traceback, and exits 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from strategies.mesh import ConfigError
+
+    try:
+        return step()
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+        cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
+        print(f"{e}{cause}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
+
+
+def groups_help() -> str:
+    """The config groups and their options, as files of conf/ (what ``--help`` lists)."""
+    from dataclasses import fields
+
+    from recipes.config import TrainConfig
+
+    lines = ["config groups (group=option; group=null switches an opt-in group off):"]
+    public = {f.name for f in fields(TrainConfig)}
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name in public):
+        options = ", ".join(sorted(f.stem for f in group.glob("*.yaml")))
+        lines.append(f"  {group.name}: {options}")
+    return "\n".join(lines)
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a ``@hydra.main`` app. Hydra reports a config that fails to compose (an unknown
+    option or key, a wrong type) and exits 1; before the task function started, that is a
+    configuration error like any other, so it exits 2."""
+    sys.argv[1:] = normalize(sys.argv[1:])
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _started:
+            sys.exit(CONFIG_ERROR)
+        raise

@@ -1,0 +1,123 @@
+"""Declared checks on config fields: a field says its allowed values where it is defined, and one
+function turns every violation into a sentence naming the key, the value, what is allowed and
+the fix.
+
+    dim: int = knob(MISSING, min=1)
+    precision: str = knob("32", choices=("32", "bf16-mixed", "16-mixed"))
+    path: str | None = knob(None, exists="file", fix="point it at a UTF-8 text file, or null")
+
+``problems(obj, "model")`` walks the dataclass fields of ``obj`` and checks each declared rule;
+``unchecked(cls)`` lists numeric and string fields that declare nothing (a test keeps it empty,
+so a new knob cannot skip validation). Torch-free: schemas import this at compose time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Fields that name things rather than set them: nothing to check.
+NAMES = frozenset({"name", "family"})
+
+
+@dataclass(frozen=True)
+class Check:
+    min: float | None = None
+    """value >= min."""
+    above: float | None = None
+    """value > above."""
+    max: float | None = None
+    """value <= max."""
+    below: float | None = None
+    """value < below."""
+    choices: tuple[Any, ...] | None = None
+    exists: str | None = None
+    """file | dir | any: the value is a path that must exist."""
+    fix: str | None = None
+    """How to fix it, when the generic advice does not say enough."""
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return ", ".join(str(c) for c in self.choices)
+        parts = [f">= {_num(self.min)}" if self.min is not None else "",
+                 f"> {_num(self.above)}" if self.above is not None else "",
+                 f"<= {_num(self.max)}" if self.max is not None else "",
+                 f"< {_num(self.below)}" if self.below is not None else ""]
+        return " and ".join(p for p in parts if p)
+
+    def violated(self, value: Any) -> str | None:
+        """Why ``value`` breaks this rule, or None."""
+        if self.choices is not None:
+            return None if value in self.choices else f"is not one of {self.allowed()}"
+        if self.exists is not None:
+            path = Path(str(value)).expanduser()
+            ok = {"file": path.is_file, "dir": path.is_dir}.get(self.exists, path.exists)()
+            kind = {"file": "a file", "dir": "a directory"}.get(self.exists, "a path")
+            return None if ok else f"does not exist or is not {kind}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"must be a finite number {self.allowed()}"
+        if ((self.min is not None and value < self.min) or (self.above is not None and value <= self.above)
+                or (self.max is not None and value > self.max)
+                or (self.below is not None and value >= self.below)):
+            return f"must be {self.allowed()}"
+        return None
+
+
+def knob(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+         **rule: Any) -> Any:
+    """A dataclass field with a declared ``Check`` (see the module docstring)."""
+    check = Check(**rule)
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={"check": check})
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _advice(key: str, f: dataclasses.Field, check: Check) -> str:
+    if check.fix:
+        return check.fix
+    default = f.default
+    if default is not dataclasses.MISSING and default != "???" and default is not None \
+            and check.violated(default) is None:
+        return f"set {key}={_num(default) if not isinstance(default, str) else default} (the default)" + (
+            f" or another value {check.allowed()}" if check.choices is None else "")
+    return f"set {key} to a value {check.allowed()}" if check.choices is None \
+        else f"set {key} to one of {check.allowed()}"
+
+
+def problems(obj: Any, prefix: str) -> list[str]:
+    """Every declared rule that a field of the dataclass instance ``obj`` breaks, as sentences.
+    A field whose value is None passes when its default is None (optional knobs)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        check = f.metadata.get("check")
+        if check is None:
+            continue
+        value = getattr(obj, f.name)
+        if value is None and f.default is None:
+            continue
+        why = check.violated(value)
+        if why:
+            key = f"{prefix}.{f.name}"
+            out.append(f"{key}={value!r} {why}; {_advice(key, f, check)}"
+                       if not why.startswith("must") else
+                       f"{key}={value!r}: {why}; {_advice(key, f, check)}")
+    return out
+
+
+def unchecked(cls: type) -> list[str]:
+    """Numeric and string fields of ``cls`` that declare no check (and are not names)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in NAMES or "check" in f.metadata:
+            continue
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if not kind.startswith(("dict", "list", "Any")) and any(t in kind for t in ("int", "float", "str")):
+            out.append(f.name)
+    return out
