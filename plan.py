@@ -24,11 +24,11 @@ def main(argv: list[str]) -> None:
     from planner import plan_all
     from planner.render import render
     from recipes.config import compose, describe
-    from recipes.job import validate
+    from recipes.job import CONFIG, validate
 
     argv = cli.normalize(argv)
     cfg = cli.or_exit(lambda: compose(argv))
-    cli.or_exit(lambda: validate(cfg, launch=False))
+    cli.or_exit(lambda: validate(cfg, depth=CONFIG))
     chosen = any(a.split("=")[0].lstrip("+~") == "strategy" for a in argv)
     render(plan_all(cfg, describe(cfg.model), chosen=chosen), cfg.planner.format, detailed=chosen)
 

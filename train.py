@@ -5,20 +5,22 @@
     python train.py --cfg job strategy=ddp                    # print the composed config
     python train.py -m trainer.lr=1e-3,3e-3                   # a sweep
 
-compose (Hydra) -> validate -> plan -> backend.build -> backend.fit -> report; teardown always
-runs. The backend named by ``backend=`` (backends/) is the only code that knows the engine.
+compose (Hydra) -> validate -> plan -> [launch the ranks] -> backend.build -> backend.fit ->
+report; each rank tears its process group down. The backend named by ``backend=`` (backends/)
+is the only code that knows the engine; launchers/ starts the ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 import backends
+import launchers
 import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
 import strategies  # noqa: F401  (stores each strategy family's schema)
 from recipes import cli
@@ -26,18 +28,6 @@ from recipes.job import Job, validate
 from strategies import ConfigError
 
 log = logging.getLogger("train")
-
-
-def rank_aware_logging() -> None:
-    """Rank 0 logs at INFO; other ranks only warnings and errors, prefixed with their rank.
-    (Launchers start ranks > 0 with RANK or LOCAL_RANK set.)"""
-    rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
-    if rank == 0:
-        return
-    root = logging.getLogger()
-    root.setLevel(logging.WARNING)
-    for handler in root.handlers:
-        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
 
 
 def plan(job: Job) -> dict:
@@ -54,30 +44,32 @@ def plan(job: Job) -> dict:
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     cli.started()
-    rank_aware_logging()
+    cli.rank_aware_logging()
     try:
-        job = validate(cfg, extra=[backends.check])
+        job = validate(cfg, extra=[backends.check, launchers.check])
         predicted = plan(job)
     except ConfigError as e:
         cli.fail(e, log)
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    out = Path(HydraConfig.get().runtime.output_dir)
-    backend = backends.get(job.backend)
-    ok = False
-    try:
-        import observers
+    hydra_cfg = HydraConfig.get()
+    out = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        job = dataclasses.replace(job, sweep=str(hydra_cfg.sweep.dir))
+    if job.world.size > 1 and not launchers.launched():
+        outcome = launchers.run_local_ranks(job, out, predicted)
+    else:
+        outcome = backends.run(job, out, predicted)
+    r = outcome.report
+    if outcome.rank == 0 and r.get("losses"):
+        where = f", report {out / 'report.json'}" if job.callbacks.report else ""
+        log.info("done: %d steps, final loss %.4f%s", r["steps"], r["final_loss"], where)
+        if r.get("predicted_vs_measured"):
+            from observers.compare import summary_lines
 
-        built = backend.build(job, out, observers.build(job, out, predicted))
-        outcome = backend.fit(built)
-        ok = True
-        del built
-        r = outcome.report
-        if outcome.rank == 0 and r.get("losses"):
-            where = f", report {out / 'report.json'}" if job.callbacks.report else ""
-            log.info("done: %d steps, final loss %.4f%s", r["steps"], r["final_loss"], where)
-    finally:
-        backends.teardown(ok)
+            log.info("predicted vs measured (rank 0):\n%s",
+                     "\n".join(summary_lines(r["predicted_vs_measured"])))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,22 @@ def check(job: Job) -> list[str]:
     return get(job.backend).problems(job)
 
 
+def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
+    """One rank of the job (or the whole job, when it has one process): the observers, the
+    chosen backend's build and fit, and a clean exit from the process group."""
+    import observers
+
+    backend = get(job.backend)
+    ok = False
+    try:
+        built = backend.build(job, out, observers.build(job, out, plan))
+        outcome = backend.fit(built)
+        ok = True
+        return outcome
+    finally:
+        teardown(ok)
+
+
 def teardown(ok: bool) -> None:
     """Leave no process group behind: gloo aborts at exit without barrier + destroy."""
     import gc

@@ -1,6 +1,7 @@
-"""Observers: the run report, memory profile, throughput and progress bar, as plain classes that
+"""Observers: the run's record, memory and communication profiles, throughput, the planner's
+prediction beside what was measured, plots, loggers and the progress bar -- plain classes that
 every backend feeds through the same hooks (observers/base.py). The ``callbacks`` config group
-selects them."""
+selects them; ``logger`` picks a logger."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from observers.base import Engine, Observer, Observers
+from observers.compare import Comparison
 from observers.memory import MemoryProfile
 from observers.progress import ProgressBar
 from observers.report import LossLog
@@ -21,17 +23,50 @@ __all__ = ["Engine", "LossLog", "MemoryProfile", "Observer", "Observers", "Progr
 
 
 def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
-    """The observers ``job.callbacks`` selects; ``plan``: the planner's prediction for this run
-    (``planner.plan_dict``), reported next to what is measured."""
+    """The observers ``job.callbacks`` and ``job.logger`` select; ``plan``: the planner's
+    prediction for this run (``planner.plan_dict``), reported next to what is measured."""
     cb, tokens = job.callbacks, job.tokens_per_step
     chosen: list[Observer] = [LossLog(tokens)]
     if cb.progress_bar:
         chosen.append(ProgressBar(job.trainer.max_steps, tokens))
-    if cb.memory:
-        chosen.append(MemoryProfile(job.strategy, plan and plan["memory"]))
+    memory = comm = None
+    if cb.memory.enabled:
+        memory = MemoryProfile(job.strategy, plan and plan["memory"], out=out,
+                               snapshot_steps=cb.memory.snapshot_steps if cb.memory.snapshot else 0)
+        chosen.append(memory)
+    if cb.communication:
+        from observers.comm import CommunicationProfile
+
+        layout = job.strategy.layout(job.world)
+        comm = CommunicationProfile("data-shard" if "sharded" in (layout.params, layout.grads,
+                                                                   layout.optimizer)
+                                    else "data-replicate")
+        chosen.append(comm)
     if cb.throughput:
-        chosen.append(Throughput(tokens, job.batch.global_size))
-    meta = job.meta()
+        chosen.append(Throughput(tokens, job.batch.global_size,
+                                 flops_per_token=job.model.flops_per_token(),
+                                 precision=job.run.precision))
+    if cb.compare and plan is not None:
+        chosen.append(Comparison(plan, memory, comm))
+    if cb.plots:
+        from observers.plots import Plots
+
+        chosen.append(Plots(out))
+    if job.logger is not None:
+        chosen.append(_logger(job, out))
+    meta = job.meta() | {"observers": [type(o).__name__ for o in chosen]}
     if plan is not None:
         meta["plan"] = {k: plan[k] for k in ("fits", "communication", "step_seconds")}
     return Observers(chosen, meta=meta, report_path=out / "report.json" if cb.report else None)
+
+
+def _logger(job: Job, out: Path) -> Observer:
+    from observers.loggers import CSVLog, TensorBoardLog, WandbLog
+
+    tokens, name = job.tokens_per_step, job.logger.name
+    if name == "csv":
+        return CSVLog(tokens, out)
+    if name == "tensorboard":
+        return TensorBoardLog(tokens, out)
+    return WandbLog(tokens, out, project=job.logger.project, mode=job.logger.mode,
+                    config=job.meta()["config"], group=job.sweep)

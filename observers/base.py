@@ -1,8 +1,16 @@
 """The observer contract: plain classes with explicit hooks, fed by every backend.
 
-A backend calls the hub (``Observers``) at five moments of the loop — train start, step start,
-just before the optimizer step, step end (with the global-batch loss), train end — and hands it
-an ``Engine``: what observers may look at of the running engine. Each observer owns the report
+A backend calls the hub (``Observers``) at these moments of the loop and hands it an ``Engine``
+(what observers may look at of the running engine):
+
+    train_start
+      step_start
+        forward_start, forward_end        (each micro-batch: around the forward pass)
+        before_optimizer_step             (gradients ready, update not run)
+      step_work_end                       (the update has run; the loss is not reduced yet)
+      step_end(loss)                      (the global-batch loss)
+    train_end
+ Each observer owns the report
 keys it returns from ``report()``; the hub merges them (a key owned twice is an error, so the
 order observers are registered in does not matter) and rank 0 writes ``report.json``
 atomically. Hooks run on every rank; an observer may use collectives in ``on_train_end``.
@@ -44,8 +52,17 @@ class Observer:
 
     def on_step_start(self, engine: Engine, step: int) -> None: ...
 
+    def on_forward_start(self, engine: Engine, step: int) -> None:
+        """A micro-batch's forward pass begins (its backward follows ``on_forward_end``)."""
+
+    def on_forward_end(self, engine: Engine, step: int) -> None: ...
+
     def on_before_optimizer_step(self, engine: Engine, step: int) -> None:
         """Gradients exist (reduced or sharded as the engine keeps them); the update has not run."""
+
+    def on_step_work_end(self, engine: Engine, step: int) -> None:
+        """The step's training work is done (the update ran); the backend has not yet reduced
+        the loss for the report, so collectives from here on are not training traffic."""
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         """``loss``: the global-batch loss (mean over every micro-batch on every rank)."""
@@ -55,6 +72,9 @@ class Observer:
     def report(self) -> dict[str, Any]:
         """This observer's report keys (asked on every rank after every ``on_train_end``)."""
         return {}
+
+    def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
+        """The merged report, once written (loggers and plots draw from it)."""
 
 
 class Observers:
@@ -66,26 +86,34 @@ class Observers:
         self.meta = dict(meta or {})
         self.report_path = report_path
 
-    def train_start(self, engine: Engine, step: int) -> None:
+    def _each(self, hook: str, *args: Any) -> None:
         for o in self.observers:
-            o.on_train_start(engine, step)
+            getattr(o, hook)(*args)
+
+    def train_start(self, engine: Engine, step: int) -> None:
+        self._each("on_train_start", engine, step)
 
     def step_start(self, engine: Engine, step: int) -> None:
-        for o in self.observers:
-            o.on_step_start(engine, step)
+        self._each("on_step_start", engine, step)
+
+    def forward_start(self, engine: Engine, step: int) -> None:
+        self._each("on_forward_start", engine, step)
+
+    def forward_end(self, engine: Engine, step: int) -> None:
+        self._each("on_forward_end", engine, step)
 
     def before_optimizer_step(self, engine: Engine, step: int) -> None:
-        for o in self.observers:
-            o.on_before_optimizer_step(engine, step)
+        self._each("on_before_optimizer_step", engine, step)
+
+    def step_work_end(self, engine: Engine, step: int) -> None:
+        self._each("on_step_work_end", engine, step)
 
     def step_end(self, engine: Engine, step: int, loss: float) -> None:
-        for o in self.observers:
-            o.on_step_end(engine, step, loss)
+        self._each("on_step_end", engine, step, loss)
 
     def train_end(self, engine: Engine) -> dict[str, Any]:
         """Finish every observer, merge their keys after ``meta``; rank 0 writes the report."""
-        for o in self.observers:
-            o.on_train_end(engine)
+        self._each("on_train_end", engine)
         report = dict(self.meta)
         owner: dict[str, str] = {}
         for o in self.observers:
@@ -97,4 +125,5 @@ class Observers:
                 report[key] = value
         if self.report_path is not None and engine.rank == 0:
             atomic_write_text(self.report_path, json.dumps(report, indent=2) + "\n")
+        self._each("on_report", engine, report)
         return report

@@ -1,8 +1,11 @@
-"""Throughput: how long each optimizer step took, and tokens and samples per second.
+"""Throughput: how long each optimizer step took, and what that is in tokens, samples and model
+FLOPs per second.
 
 Report key ``throughput``: ``step_seconds`` (median over the run's steps, the first excluded
 when there are others: it carries warm-up), ``tokens_per_second`` and ``samples_per_second`` at
-that median, and ``steps_timed``.
+that median, ``tflops_per_second`` (model FLOPs: ``ModelConfig.flops_per_token`` x tokens, over
+the whole world) and ``mfu`` -- that rate over the devices' dense peak for the run's precision
+(``PEAK_TFLOPS``, by GPU name; None on CPU or an unlisted device) -- and ``steps_timed``.
 """
 
 from __future__ import annotations
@@ -13,12 +16,36 @@ from typing import Any
 
 from observers.base import Engine, Observer
 
+# Dense peak TFLOP/s per device by name fragment: (16-bit tensor cores, fp32 as TF32).
+PEAK_TFLOPS = {"H200": (989.0, 494.5), "H100": (989.0, 494.5), "A100": (312.0, 156.0),
+               "L40S": (362.0, 183.0), "A10G": (125.0, 62.5), "L4": (121.0, 60.0),
+               "V100": (125.0, 15.7)}
+
+
+def device_peak_tflops(precision: str) -> float | None:
+    """This process's device peak for ``precision`` (None: CPU, or a GPU not in the table)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for fragment, (half, single) in PEAK_TFLOPS.items():
+        if fragment in name:
+            return single if precision == "32" else half
+    return None
+
 
 class Throughput(Observer):
-    def __init__(self, tokens_per_step: int, samples_per_step: int):
+    def __init__(self, tokens_per_step: int, samples_per_step: int, *, flops_per_token: float,
+                 precision: str = "32"):
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
+        self.flops_per_token, self.precision = flops_per_token, precision
         self.seconds: list[float] = []
+        self.world_size = 1
         self._t0 = 0.0
+
+    def on_train_start(self, engine: Engine, step: int) -> None:
+        self.world_size = engine.world_size
 
     def on_step_start(self, engine: Engine, step: int) -> None:
         self._t0 = time.perf_counter()
@@ -33,9 +60,13 @@ class Throughput(Observer):
     def report(self) -> dict[str, Any]:
         step = self.step_seconds()
 
-        def rate(n: int) -> float:
+        def rate(n: float) -> float:
             return n / step if step > 0 else 0.0
 
-        return {"throughput": {"step_seconds": step, "tokens_per_second": rate(self.tokens_per_step),
-                               "samples_per_second": rate(self.samples_per_step),
-                               "steps_timed": len(self.seconds[1:] or self.seconds)}}
+        tflops = rate(self.tokens_per_step * self.flops_per_token) / 1e12
+        peak = device_peak_tflops(self.precision)
+        return {"throughput": {
+            "step_seconds": step, "tokens_per_second": rate(self.tokens_per_step),
+            "samples_per_second": rate(self.samples_per_step), "tflops_per_second": tflops,
+            "mfu": tflops / (peak * self.world_size) if peak else None,
+            "steps_timed": len(self.seconds[1:] or self.seconds)}}

@@ -1,9 +1,19 @@
-"""Activations per device (Korthikanti et al. 2022, generalised to our model's shapes) and the
-transient buffers beside the model states. Closed forms; docs/PLANNER.md."""
+"""Activations per device and the transient buffers beside the model states; docs/PLANNER.md.
+
+Activations come from the calibration of the model actually trained (``activations.json``:
+bytes saved per token by a block, a checkpointed block, the loss tail and the embedding, linear
+in the shape, traced by recipes/calibrate.py per precision regime) when its architecture is
+calibrated and no tensor parallelism splits it; otherwise from Korthikanti et al. 2022's closed
+forms, generalised to our shapes (the documented reference, and the fallback).
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
+from typing import Any
 
 from planner.inputs import Candidate, ModelDescription, unit_params
 from planner.states import StateBytes
@@ -41,20 +51,50 @@ def boundary_activation_bytes(micro: int, seq: int, hidden: int, elem: float = 2
     return int(micro * seq * hidden * elem)
 
 
+@functools.cache
+def calibration() -> dict[str, Any]:
+    return json.loads((Path(__file__).with_name("activations.json")).read_text())
+
+
+def regime(precision: str, master_weights: bool) -> str:
+    """The calibration regime a run's precision means: fp32, torch autocast over fp32
+    parameters, or 16-bit parameters (DeepSpeed's mixed precision keeps bf16 weights)."""
+    if precision.startswith("32"):
+        return "32"
+    return "bf16" if master_weights or precision.endswith("-true") else "autocast"
+
+
+def _per_token(coefficients: dict[str, float], shape: ModelDescription) -> float:
+    head_dim = shape.dim // shape.n_heads
+    values = {"one": 1, "dim": shape.dim, "ffn": shape.hidden, "vocab": shape.vocab_size,
+              "kv_dim": shape.n_kv_heads * head_dim, "heads": shape.n_heads}
+    return sum(c * values[f] for f, c in coefficients.items())
+
+
 def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: int = 1,
                      inflight: int = 1, sp: bool = False, ckpt: bool = False,
-                     flash: bool = True, elem: float = 2) -> int:
-    """Activations of the busiest device for one micro-batch (``inflight`` under 1F1B)."""
+                     flash: bool = True, elem: float = 2, regime: str | None = None) -> int:
+    """Activations of the busiest device for one micro-batch (``inflight`` under 1F1B):
+    calibrated when ``regime`` names a traced precision regime of this architecture and no
+    tensor parallelism splits the layers, else the closed forms with ``elem`` bytes."""
     s, b, h = shape.seq_len, micro, shape.dim
-    layer = layer_activation_bytes(s, b, h, shape.n_heads, ffn=shape.hidden,
-                                   kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
-                                   dropout=shape.dropout > 0, flash=flash, mlp_tensors=4, elem=elem)
-    block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
+    table = calibration().get(getattr(shape, "architecture", ""), {}).get(regime or "")
+    if table and tp == 1:
+        tokens = s * b
+        layer, block_input, head, embed = (tokens * _per_token(table[p], shape)
+                                           for p in ("block", "checkpointed", "tail", "embedding"))
+    else:
+        layer = layer_activation_bytes(s, b, h, shape.n_heads, ffn=shape.hidden,
+                                       kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
+                                       dropout=shape.dropout > 0, flash=flash, mlp_tensors=4,
+                                       elem=elem)
+        block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
+        head = 4 * s * b * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
+        embed = 0.0
     layers = math.ceil(shape.n_layers / pp)
     kept = (block_input if ckpt else layer) * layers
     recompute = layer if ckpt else 0.0                   # one block re-run in backward
-    head = 4 * s * b * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
-    first, last = kept * inflight + recompute, kept + recompute + head
+    first, last = embed + kept * inflight + recompute, kept + recompute + head
     return int(max(first, last))
 
 

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, field
 
 from planner.activations import boundary_activation_bytes
-from planner.inputs import Candidate, Setup
+from planner.inputs import Candidate, ModelDescription, Setup
 from planner.states import GB, StateBytes
-from strategies.base import CPU, DEVICE, SHARDED
+from strategies.base import CPU, DEVICE, SHARDED, Layout
 
 
 def ring_all_reduce_bytes(x: float, n: int) -> float:
@@ -55,6 +55,17 @@ class Communication:
     by_collective: dict[str, Collective] = field(default_factory=dict)
 
 
+def regathered(lay: Layout, params: float, shape: ModelDescription | None, mp: int) -> float:
+    """Parameters gathered again for backward under ``reshard_after_forward`` (of this rank's
+    model-parallel part ``params``): FSDP keeps its root unit gathered, DeepSpeed ZeRO-3 keeps
+    up to ``live_params`` gathered; unknown shape: all."""
+    if lay.backward_regather == "blocks" and shape is not None:
+        return min(params, shape.n_layers * shape.block_params() / mp)
+    if lay.backward_regather == "over_live":
+        return max(0.0, params - lay.live_params / mp)
+    return params
+
+
 def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, trainable: float,
                   dp: int, shard: int, m: int, ckpt: bool) -> Communication:
     """Bytes each rank sends per optimizer step, by collective, and their bandwidth-only time."""
@@ -80,17 +91,22 @@ def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, traina
     if lay.params == lay.grads == lay.optimizer != SHARDED:
         add("grad_all_reduce", "all_reduce", dp, stride, grad, "backward")
     else:
-        add("grad_reduce_scatter", "reduce_scatter", shard, stride, grad, "backward",
-            per_micro=sharded_grads)
+        if lay.grad_all_reduce:  # DeepSpeed ZeRO-1/2: full buckets all-reduced, shards kept
+            add("grad_all_reduce", "all_reduce", shard, stride, grad, "backward",
+                per_micro=sharded_grads)
+        else:
+            add("grad_reduce_scatter", "reduce_scatter", shard, stride, grad, "backward",
+                per_micro=sharded_grads)
         if shard < dp:  # HYBRID: the shards are all-reduced across the replica groups
             add("grad_all_reduce_replicas", "all_reduce", dp // shard, stride * shard,
                 grad / shard, "backward", per_micro=sharded_grads)
         if lay.params == SHARDED:
             add("param_all_gather_forward", "all_gather", shard, stride, params * sb.gather,
                 "forward", per_micro=True)
-            if lay.reshard_after_forward:
+            again = regathered(lay, params, shape, c.tp * c.pp)
+            if lay.reshard_after_forward and again > 0:
                 add("param_all_gather_backward", "all_gather", shard, stride,
-                    params * sb.gather, "backward", per_micro=True)
+                    again * sb.gather, "backward", per_micro=True)
         else:  # ZeRO-1/2: updated parameter shards are gathered after the optimizer step
             add("param_all_gather", "all_gather", shard, stride, params * sb.gather, "none")
     if lay.optimizer_offload != DEVICE:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.activations import activation_bytes, buffer_bytes
+from planner.activations import activation_bytes, buffer_bytes, regime
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup
 from planner.states import gb, model_states, state_bytes
@@ -143,7 +143,8 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     if shape is not None:
         sp = o.sequence_parallel and c.tp > 1
         kw = dict(micro=t.micro_batch_size, tp=c.tp, pp=c.pp, inflight=min(c.pp, m), sp=sp,
-                  flash=o.flash_attention, elem=sb.activation)
+                  flash=o.flash_attention, elem=sb.activation,
+                  regime=regime(t.precision, c.master_weights or c.planned_only))
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full

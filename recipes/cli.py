@@ -7,6 +7,7 @@ traceback, exit code 2 -- and the README's spelling ``group=null`` switches an o
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,18 @@ def normalize(argv: list[str]) -> list[str]:
             arg = f"~{group}"
         out.append(arg)
     return out
+
+
+def rank_aware_logging() -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors, prefixed with their rank.
+    (Launchers start ranks > 0 with RANK or LOCAL_RANK set.)"""
+    rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+    if rank == 0:
+        return
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
 
 
 def started() -> None:

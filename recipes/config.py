@@ -17,7 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from strategies.checks import knob
+from strategies.checks import free, knob
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -49,6 +49,9 @@ class ModelConfig:
     norm_eps: float = knob(1e-5, above=0.0)
     rope_theta: float = knob(10000.0, above=0.0)
 
+    architecture = "gpt"
+    """Which model recipes/gpt.py builds (the planner's activation calibration is per architecture)."""
+
     @property
     def hidden(self) -> int:
         """The MLP's inner size."""
@@ -73,6 +76,13 @@ class ModelConfig:
         """Exact parameter count of ``GPT(self)``, without building it."""
         embeddings = self.embedding_params() * (1 if self.tie_embeddings else 2)
         return self.n_layers * self.block_params() + embeddings + self.dim
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs to train on one token (forward + backward), the convention MFU uses
+        (PaLM, Chowdhery et al. 2022, app. B): 6 per parameter of every matmul (all but the input
+        embedding, a lookup) plus 12 x layers x seq x dim for attention's scores and mixing."""
+        matmul = self.num_params() - (0 if self.tie_embeddings else self.embedding_params())
+        return 6 * matmul + 12 * self.n_layers * self.seq_len * self.dim
 
     def problems(self) -> list[str]:
         """Shape rules that involve more than one field (single fields declare their own)."""
@@ -172,6 +182,15 @@ class BackendConfig:
 
 
 @dataclass
+class MemoryObserverConfig:
+    enabled: bool = True
+    """Bytes each rank holds (params, grads, optimizer, activations); on GPU, peaks per phase."""
+    snapshot: bool = False
+    """GPU: record a CUDA memory snapshot of the first ``snapshot_steps`` steps per rank."""
+    snapshot_steps: int = knob(3, min=1)
+
+
+@dataclass
 class CallbacksConfig:
     """Observers (observers/), the same on every backend."""
 
@@ -179,19 +198,34 @@ class CallbacksConfig:
     """A progress bar on rank 0: optimizer steps, loss, tokens/s."""
     report: bool = True
     """Write report.json at the end of the run."""
-    memory: bool = True
-    """Measure the bytes each rank holds (params, grads, optimizer) into the report."""
+    memory: MemoryObserverConfig = field(default_factory=MemoryObserverConfig)
     throughput: bool = True
-    """Step time and tokens/s into the report."""
+    """Step time, tokens/s, TFLOP/s and MFU into the report."""
+    communication: bool = True
+    """Every collective per optimizer step (kind, group, bytes); off: nothing is intercepted."""
+    compare: bool = True
+    """The planner's prediction next to what was measured (state, activations, communication)."""
+    plots: bool = True
+    """memory.png and communication.png in the run directory (matplotlib)."""
 
 
 @dataclass
 class LoggerConfig:
-    name: str = knob("csv", choices=("csv", "wandb"))
-    project: str = "stratagem"
+    name: str = knob("csv", choices=("csv", "tensorboard", "wandb"))
+    project: str = free("stratagem", "any wandb project name")
     """wandb: the project."""
     mode: str = knob("offline", choices=("online", "offline", "disabled"))
     """wandb: online | offline | disabled."""
+
+
+@dataclass
+class ExportConfig:
+    """export.py: which native config to write for the preset and cluster."""
+
+    name: str = knob("accelerate", choices=("accelerate", "deepspeed"))
+    """accelerate (an `accelerate launch` config YAML) | deepspeed (the DeepSpeed JSON)."""
+    out: str | None = free(None, "a file to create")
+    """Where to write it; None: <strategy>-<cluster>.<name>.(yaml|json) in the current directory."""
 
 
 @dataclass
@@ -245,6 +279,7 @@ class TrainConfig:
     trainer: TrainerConfig = MISSING
     callbacks: CallbacksConfig = MISSING
     logger: Any = None
+    export: Any = None
     experiment: Any = None
     paths: PathsConfig = MISSING
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -254,14 +289,15 @@ class TrainConfig:
 GROUP_SCHEMAS: dict[str, type] = {
     "model": ModelConfig, "cluster": ClusterConfig, "trainer": TrainerConfig, "data": DataConfig,
     "backend": BackendConfig, "callbacks": CallbacksConfig, "logger": LoggerConfig,
-    "planner": PlannerConfig,
+    "planner": PlannerConfig, "export": ExportConfig,
 }
 
 
 def _store() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    cs.store(name="logger_schema", node=LoggerConfig)  # logger is opt-in: typed per file
+    cs.store(name="logger_schema", node=LoggerConfig)  # opt-in groups: typed per file
+    cs.store(name="export_schema", node=ExportConfig)
 
 
 _store()

@@ -1,10 +1,10 @@
 """Validate a composed config into a ``Job``: every problem collected into one ``ConfigError``,
 before any process starts. Downstream code holds the Job's typed objects, never raw strings.
 
-Two depths: ``validate(cfg, launch=False)`` checks what the config says (every field's declared
-range, the model's shape) and imports nothing heavy, so plan.py can use it; ``launch=True``
-also checks the run: the mesh and batch arithmetic, the preset on this world, and this machine
-(cores, GPUs), which imports torch.
+Three depths: ``CONFIG`` checks what the config says (every field's declared range, the model's
+shape) and imports nothing heavy (plan.py); ``RUN`` also checks the run it describes: the mesh
+and batch arithmetic and the preset on that world, on the configured accelerator (export.py);
+``LAUNCH`` (train.py) also checks this machine: cores, GPUs, ``auto`` resolved (imports torch).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataC
 from strategies import Batch, ConfigError, Run, StrategyConfig, World, as_config, checks
 
 # logger name -> (module it needs, the extra that installs it)
-LOGGER_PACKAGES = {"wandb": ("wandb", "wandb")}
+LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class Job:
     batch: Batch
     run: Run
     backend: str
+    sweep: str | None = None
+    """The Hydra sweep this job belongs to (its directory), None for a single run."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -54,8 +56,19 @@ class Job:
             "global_batch_size": self.batch.global_size,
             "micro_batch_size": self.batch.micro_size,
             "accumulation": self.batch.accumulation,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": _resolved(self.cfg),
         }
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain data, interpolations resolved (outside a Hydra run -- a composed
+    config in a test -- Hydra's own ``${hydra:...}`` paths stay as written)."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError:
+        return OmegaConf.to_container(cfg, resolve=False)
 
 
 def resolve_accelerator(name: str) -> str:
@@ -124,7 +137,10 @@ def _logger_problems(logger: LoggerConfig | None) -> list[str]:
     return []
 
 
-def validate(cfg: DictConfig, *, launch: bool = True,
+CONFIG, RUN, LAUNCH = 0, 1, 2
+
+
+def validate(cfg: DictConfig, *, depth: int = LAUNCH,
              extra: Iterable[Callable[[Job], list[str]]] = ()) -> Job:
     """Check everything that can be checked before a process starts; raise one ConfigError
     listing every problem. A check that divides by a field runs only when that field is valid
@@ -156,8 +172,9 @@ def validate(cfg: DictConfig, *, launch: bool = True,
     batch = Batch(t.global_batch_size, t.micro_batch_size, max(world.dp, 1))
     world_ok = c.nodes >= 1 and c.devices >= 1 and not world.problems()
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
-    if launch:  # (the planner reports each layout's world and batch arithmetic itself)
+    if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
         problems += world.problems() + (batch.problems() if world_ok else [])
+    if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
         if world_ok:
             problems += _device_problems(accelerator, world, c.oversubscribe)
@@ -165,7 +182,7 @@ def validate(cfg: DictConfig, *, launch: bool = True,
               micro_batch_size=t.micro_batch_size,
               accumulation=batch.accumulation if world_ok and not batch.problems() else 1,
               grad_clip=float(t.grad_clip))
-    if launch and world_ok:  # (the planner reports each preset's problems itself)
+    if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += strategy.problems(world, run)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
               callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, world=world,

@@ -17,14 +17,19 @@ if TYPE_CHECKING:
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8
 
 
+def model_class(shape: ModelConfig) -> type[torch.nn.Module]:
+    """The class ``build_model`` builds (its ``block_cls`` tells strategies what to wrap)."""
+    from recipes.gpt import GPT
+
+    return GPT
+
+
 def build_model(shape: ModelConfig, seed: int) -> torch.nn.Module:
     """The plain single-device model, initialised from ``seed`` alone: every rank, and the
     single-process reference, start from identical weights whatever RNG state they are in."""
-    from recipes.gpt import GPT
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT(shape)
+        return model_class(shape)(shape)
 
 
 def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

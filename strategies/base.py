@@ -12,9 +12,8 @@ one method:
 - ``lightning(run)``: the Lightning ``Strategy``; it learns the world from Lightning at setup,
   so ``Trainer(strategy="<preset>")`` builds exactly what train.py builds;
 - ``parallelize(module, mesh)``: parallelism applied from outside to the plain model;
+- ``accelerate(world, run, block_cls)``: the same preset as ``accelerate.Accelerator`` arguments;
 - ``held_bytes(model, optimizers, what)`` and ``full_state_dict(root)``: measurement and export.
-
-The Accelerate builder is a later seam (``accelerate``).
 """
 
 from __future__ import annotations
@@ -53,6 +52,15 @@ class Layout:
     """Communicated gradient bytes relative to the gradient dtype (fp16 hook on fp32: 0.5)."""
     reshard_after_forward: bool = True
     """ZeRO-3/FULL_SHARD free gathered params after forward (False: SHARD_GRAD_OP-like)."""
+    backward_regather: str = "all"
+    """With reshard_after_forward, what is gathered again for backward: all | blocks (FSDP:
+    the root unit -- embeddings, final norm, head -- stays gathered) | over_live (DeepSpeed
+    ZeRO-3: only what exceeds ``live_params`` is released and gathered again)."""
+    live_params: int = 0
+    """over_live: parameters DeepSpeed keeps gathered (stage3_max_live_parameters)."""
+    grad_all_reduce: bool = False
+    """Sharded gradients come from an all-reduce of full buckets, each rank keeping its part
+    (DeepSpeed ZeRO-1/2), not from a reduce-scatter."""
     master_weights: bool = False
     """The engine keeps its own fp32 copy of the parameters for the optimizer (DeepSpeed), sharded
     like the optimizer state, beside the working parameters (even in fp32 runs)."""
@@ -102,9 +110,26 @@ class StrategyConfig:
         (train.py), for engines that fix their device when first imported (DeepSpeed)."""
         raise NotImplementedError(f"strategy family {self.family!r} has no Lightning builder")
 
-    def accelerate(self, world: World, run: Run) -> Any:
-        """Accelerate plugins/kwargs: the seam for the Accelerate backend."""
-        raise NotImplementedError(f"strategy family {self.family!r} has no Accelerate builder yet")
+    def accelerate(self, world: World, run: Run, block_cls: type | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``accelerate.Accelerator`` that make it run this preset (plugins,
+        kwargs handlers); ``block_cls``: the model's repeated block (wrap policies). Empty: plain
+        data parallel (DDP) or one process."""
+        return {}
+
+    def model_context(self, accelerate_kwargs: dict[str, Any]) -> Any:
+        """The context to build the model in, under the Accelerate backend (DeepSpeed ZeRO-3
+        partitions parameters as they are created: ``zero.Init``). Lightning's strategies have
+        their own (``model_sharded_context``)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def accelerate_problems(self, world: World, run: Run) -> list[str]:
+        """Why this preset cannot run on the Accelerate backend here (empty: it can)."""
+        return []
+
+    def repair(self, model: Any, optimizer: Any) -> None:
+        """Fix-ups the engine needs once it is built (whichever backend built it)."""
 
     def parallelize(self, module: torch.nn.Module, mesh: Any = None, *,
                     precision: str = "32") -> torch.nn.Module:

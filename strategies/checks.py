@@ -7,8 +7,8 @@ the fix.
     path: str | None = knob(None, exists="file", fix="point it at a UTF-8 text file, or null")
 
 ``problems(obj, "model")`` walks the dataclass fields of ``obj`` and checks each declared rule;
-``unchecked(cls)`` lists numeric and string fields that declare nothing (a test keeps it empty,
-so a new knob cannot skip validation). Torch-free: schemas import this at compose time.
+``unchecked(cls)`` lists numeric and string fields that declare neither a rule nor why any value
+suits them (``free``); a test keeps it empty, so a new knob cannot skip validation. Torch-free: schemas import this at compose time.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ def knob(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclass
     return dataclasses.field(default=default, metadata={"check": check})
 
 
+def free(default: Any, why: str) -> Any:
+    """A field any value of its type suits (a name, a path to create), and why."""
+    return dataclasses.field(default=default, metadata={"free": why})
+
+
 def _num(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
@@ -96,10 +101,13 @@ def problems(obj: Any, prefix: str) -> list[str]:
     A field whose value is None passes when its default is None (optional knobs)."""
     out = []
     for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):  # a nested section
+            out += problems(value, f"{prefix}.{f.name}")
+            continue
         check = f.metadata.get("check")
         if check is None:
             continue
-        value = getattr(obj, f.name)
         if value is None and f.default is None:
             continue
         why = check.violated(value)
@@ -115,7 +123,10 @@ def unchecked(cls: type) -> list[str]:
     """Numeric and string fields of ``cls`` that declare no check (and are not names)."""
     out = []
     for f in dataclasses.fields(cls):
-        if f.name in NAMES or "check" in f.metadata:
+        if f.name in NAMES or "check" in f.metadata or "free" in f.metadata:
+            continue
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            out += [f"{f.name}.{x}" for x in unchecked(f.default_factory)]
             continue
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if not kind.startswith(("dict", "list", "Any")) and any(t in kind for t in ("int", "float", "str")):

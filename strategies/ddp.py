@@ -52,6 +52,19 @@ class DDPConfig(StrategyConfig):
     def lightning(self, run: Run | None = None) -> Any:
         return _strategy_class()(self)
 
+    def accelerate(self, world: World, run: Run, block_cls: type | None = None) -> dict[str, Any]:
+        from accelerate.utils import DDPCommunicationHookType as Hook
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        hook = {"none": Hook.NO, "fp16": Hook.FP16, "bf16": Hook.BF16, "powersgd": Hook.POWER_SGD}
+        state = ({"matrix_approximation_rank": self.powersgd_rank,
+                  "start_powerSGD_iter": self.powersgd_warmup_steps}
+                 if self.comm_hook == "powersgd" else {})
+        return {"kwargs_handlers": [DistributedDataParallelKwargs(
+            bucket_cap_mb=self.bucket_cap_mb, static_graph=self.static_graph,
+            find_unused_parameters=self.find_unused_parameters, comm_hook=hook[self.comm_hook],
+            comm_state_option=state)]}
+
     def _hook(self) -> tuple[Any, Any]:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 

@@ -99,6 +99,7 @@ class FSDPConfig(StrategyConfig):
             # CPUOffload moves parameter shards AND gradients to the host; the step runs there.
             params_offload=offload, optimizer_offload=offload,
             reshard_after_forward=self.sharding_strategy != "SHARD_GRAD_OP",
+            backward_regather="blocks",  # the root unit is not resharded after forward
         )
 
     def mesh_shape(self, world: World) -> tuple[int, int] | None:
@@ -112,8 +113,39 @@ class FSDPConfig(StrategyConfig):
     def lightning(self, run: Run | None = None) -> Any:
         return strategy_class()(self)
 
+    def accelerate(self, world: World, run: Run, block_cls: type | None = None) -> dict[str, Any]:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            fsdp_version=1, sharding_strategy=self.sharding_strategy,
+            backward_prefetch=None if self.backward_prefetch == "none" else self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch, limit_all_gathers=self.limit_all_gathers,
+            use_orig_params=self.use_orig_params, cpu_offload=self.offload_params,
+            state_dict_type="SHARDED_STATE_DICT" if self.state_dict_type == "sharded" else "FULL_STATE_DICT",
+            activation_checkpointing=self.activation_checkpointing,
+            **_accelerate_wrap(self.auto_wrap, block_cls),
+            # the module is built identically on every rank (the seed alone decides its weights),
+            # so there is nothing to broadcast -- and the broadcast wants a CUDA-like device
+            sync_module_states=False, cpu_ram_efficient_loading=False)}
+
+    def accelerate_problems(self, world: World, run: Run) -> list[str]:
+        if self.sharding_strategy == "HYBRID_SHARD":
+            return [f"strategy={self.name} (HYBRID_SHARD) is not supported by backend=accelerate: "
+                    "Accelerate builds FSDP1 without a device mesh, and HYBRID_SHARD then derives its "
+                    "shard group from the GPUs per node (on CPU, none: it trains silently wrong); "
+                    "backend=lightning runs it"]
+        return []
+
     def full_state_dict(self, root: Any, prefix: str = "") -> dict[str, Any]:
         return gather_full_state_dict(root, prefix=prefix)
+
+
+def _accelerate_wrap(auto_wrap: bool, block_cls: type | None) -> dict[str, Any]:
+    """Accelerate's FSDP plugin wrap policy: one unit per block (shared with FSDP2)."""
+    if auto_wrap and block_cls is not None:
+        return {"auto_wrap_policy": "transformer_based_wrap",
+                "transformer_cls_names_to_wrap": [block_cls.__name__]}
+    return {"auto_wrap_policy": "no_wrap"}
 
 
 def _hybrid_problems(shard_group_size: int | None, world: World) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from strategies.base import SHARDED, Layout, Run, StrategyConfig, checkpoint_blocks, family, find_model
 from strategies.checks import knob
-from strategies.fsdp import _hybrid_problems, gather_full_state_dict
+from strategies.fsdp import _accelerate_wrap, _hybrid_problems, gather_full_state_dict
 from strategies.mesh import World
 
 
@@ -60,7 +60,8 @@ class FSDP2Config(StrategyConfig):
     def layout(self, world: World) -> Layout:
         return Layout(params=SHARDED, grads=SHARDED, optimizer=SHARDED,
                       shard_group=self.shard_size(world) if self.hybrid else None,
-                      reshard_after_forward=self.reshard_after_forward)
+                      reshard_after_forward=self.reshard_after_forward,
+                      backward_regather="blocks")  # parallelize keeps the root gathered
 
     def lightning(self, run: Run | None = None) -> Any:
         return _strategy_class()(self)
@@ -98,6 +99,28 @@ class FSDP2Config(StrategyConfig):
         for root in roots:
             fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         return module
+
+    def accelerate(self, world: World, run: Run, block_cls: type | None = None) -> dict[str, Any]:
+        import torch
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(run.precision)
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if self.reduce_fp32 else low)
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=self.reshard_after_forward,
+            mixed_precision_policy=mp if low is not None else None,
+            state_dict_type="SHARDED_STATE_DICT" if self.distributed_checkpoint else "FULL_STATE_DICT",
+            activation_checkpointing=self.activation_checkpointing,
+            **_accelerate_wrap(True, block_cls),
+            sync_module_states=False, cpu_ram_efficient_loading=False)}
+
+    def accelerate_problems(self, world: World, run: Run) -> list[str]:
+        if self.hybrid:
+            return [f"strategy={self.name} (HSDP) is not supported by backend=accelerate: Accelerate "
+                    "builds HSDP's 2-D mesh only through its ParallelismConfig, which refuses to run "
+                    "without a GPU; backend=lightning runs it"]
+        return []
 
     def full_state_dict(self, root: Any, prefix: str = "") -> dict[str, Any]:
         return gather_full_state_dict(root, prefix=prefix)

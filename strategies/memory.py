@@ -46,3 +46,45 @@ def held_bytes(model: Any, optimizers: Iterable[Any], what: str) -> int:
     if what == "optimizer":
         return tensor_bytes(optimizer_tensors(optimizers))
     raise ValueError(f"held_bytes: what={what!r}; allowed params, grads, optimizer")
+
+
+class SavedTensors:
+    """Bytes autograd saves for backward while active: every distinct storage saved, except
+    parameters (leaves that require grad, and views of them), copies of parameters (autocast's
+    low-precision weights: weight-shaped, not activations -- the planner counts them apart) and
+    the module buffers given (a RoPE table). What the memory observer reports as activations,
+    and what the planner's activation model is calibrated on (recipes/calibrate.py)."""
+
+    def __init__(self, buffers: Iterable[torch.Tensor] = ()):
+        self.skip = {local(b).untyped_storage().data_ptr() for b in buffers}
+        self.storages: dict[int, int] = {}
+        self._hooks: Any = None
+
+    @staticmethod
+    def _is_parameter(t: torch.Tensor) -> bool:
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:
+            return True
+        fn = base.grad_fn  # a cast of a parameter (autocast's weight copy)
+        return (type(fn).__name__ == "ToCopyBackward0"
+                and any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._is_parameter(t):
+            storage = local(t).untyped_storage()
+            key = storage.data_ptr() or id(storage)
+            if key not in self.skip:
+                self.storages[key] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())

@@ -163,6 +163,8 @@ class ZeroConfig(StrategyConfig):
             optimizer_offload=_WHERE.get(self.offload_optimizer, DEVICE),
             params_offload=_WHERE.get(self.offload_params, DEVICE),
             reshard_after_forward=s >= 3,
+            backward_regather="over_live", live_params=self.max_live_parameters,
+            grad_all_reduce=s < 3,  # measured: DeepSpeed 0.19 all-reduces ZeRO-1/2 gradient buckets
             master_weights=True,  # measured: fp32 master partition beside the params, even in fp32
         )
 
@@ -204,9 +206,12 @@ class ZeroConfig(StrategyConfig):
             "steps_per_print": 2**31 - 1,  # our report logs the loss; keep DeepSpeed quiet
             "wall_clock_breakdown": False,
         }
-        if run is not None:
+        if run is not None:  # an explicit 0: DeepSpeed's default clips at 1.0
             cfg |= {"train_micro_batch_size_per_gpu": run.micro_batch_size,
+                    "gradient_accumulation_steps": run.accumulation,
                     "gradient_clipping": float(run.grad_clip)}
+            if run.precision in ("bf16-mixed", "16-mixed"):
+                cfg["bf16" if run.precision == "bf16-mixed" else "fp16"] = {"enabled": True}
         if "nvme" in (self.offload_optimizer, self.offload_params):
             cfg["aio"] = {"block_size": self.aio_block_size, "queue_depth": self.aio_queue_depth,
                           "single_submit": False, "overlap_events": True, "thread_count": 1}
@@ -216,6 +221,24 @@ class ZeroConfig(StrategyConfig):
         if run is not None:
             _select_accelerator(run)
         return _strategy_class()(self)
+
+    def accelerate(self, world: World, run: Run, block_cls: type | None = None) -> dict[str, Any]:
+        _select_accelerator(run)
+        from strategies.accelerate_support import deepspeed_plugin
+
+        return {"deepspeed_plugin": deepspeed_plugin(self.deepspeed_json(run))}
+
+    def model_context(self, accelerate_kwargs: dict[str, Any]) -> Any:
+        import deepspeed
+
+        config = accelerate_kwargs["deepspeed_plugin"].deepspeed_config
+        remote = self.offload_params if self.offload_params != "none" else None
+        return deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote,
+                                   enabled=self.stage == 3)
+
+    def repair(self, model: Any, optimizer: Any) -> None:
+        """The DeepSpeed 0.19.8 NVMe gradient read repair, on this engine's swapper."""
+        _align_gradient_swap_in(optimizer)
 
     # ---------------------------------------------------------------- measurement
     def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
@@ -358,7 +381,7 @@ def _strategy_class() -> type:
                     lr_scheduler=lr_scheduler,
                     dist_init_required=False,
                 )
-            _align_gradient_swap_in(ds_optimizer)  # (4)
+            self.preset.repair(engine, ds_optimizer)  # (4)
             return engine, ds_optimizer
 
         def backward(self, closure_loss, optimizer, *args, **kwargs):

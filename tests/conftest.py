@@ -87,18 +87,39 @@ def train(tmp_path):
     return _train
 
 
+def normalized(overrides) -> tuple[str, ...]:
+    """Overrides as Hydra applies them (a later value of a key wins), in a canonical order."""
+    merged: dict[str, str] = {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        merged[key] = value
+    return tuple(f"{k}={v}" for k, v in sorted(merged.items()))
+
+
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
+def cached(tmp_path_factory):
+    """cached(*overrides) -> the Run of train.py with TINY + overrides, once per session: the
+    Lightning tests and the Accelerate tests ask for the same runs (the same preset, data and
+    steps on each backend) and each is trained once."""
+    done: dict[tuple[str, ...], Run] = {}
+
+    def get(*overrides: str, timeout: float = 300) -> Run:
+        key = normalized((*TINY, "backend=lightning", *overrides))
+        if key not in done:
+            out = tmp_path_factory.mktemp("cached") / "run"
+            done[key] = run_cli("train.py", *key, out=out, timeout=timeout)
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(cached):
     """reference(optimizer) -> the single-process run of EQUIV with that optimizer (the whole
     global batch in one micro-batch), run once per session."""
-    done: dict[str, Run] = {}
 
     def get(optimizer: str = "adamw") -> Run:
-        if optimizer not in done:
-            out = tmp_path_factory.mktemp("reference") / optimizer
-            done[optimizer] = run_cli("train.py", *TINY, *EQUIV, *OPTIMIZERS[optimizer],
-                                      "strategy=single", "trainer.micro_batch_size=8", out=out)
-        return done[optimizer]
+        return cached(*EQUIV, *OPTIMIZERS[optimizer], "strategy=single", "trainer.micro_batch_size=8")
 
     return get
 

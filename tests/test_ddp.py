@@ -11,9 +11,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("micro", [4, 2], ids=["no-accumulation", "accumulation-2"])
-def test_ddp_matches_single_process(train, reference, micro, optimizer):
-    run = train(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp", "cluster.devices=2",
-                f"trainer.micro_batch_size={micro}")
+def test_ddp_matches_single_process(cached, reference, micro, optimizer):
+    run = cached(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp", "cluster.devices=2",
+                 f"trainer.micro_batch_size={micro}")
     r = run.report
     assert (r["world_size"], r["accumulation"]) == (2, 8 // (2 * micro))
     assert_losses_close(reference(optimizer).losses, run.losses, rtol=1e-5)
@@ -26,14 +26,14 @@ def _max_rel(ref: list[float], other: list[float]) -> float:
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_fp16_compression_stays_close_and_learns(train, reference, optimizer):
+def test_fp16_compression_stays_close_and_learns(cached, reference, optimizer):
     """fp16 all-reduce rounds each gradient to 11 significant bits (unit roundoff 2**-11 ~ 4.9e-4).
     Adam divides by the gradient's own running magnitude, so that relative error reaches the
     update (lr x ~5e-4 per step) but is not amplified further; SGD's update carries it as is.
     Over 6 steps the loss stays within 1e-4 relative of the fp32 reference, parameters within
     1e-3 of their magnitude -- and a gradient-scale error would move SGD's losses by percents."""
-    run = train(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp_fp16_compress", "cluster.devices=2",
-                "trainer.micro_batch_size=4")
+    run = cached(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp_fp16_compress", "cluster.devices=2",
+                 "trainer.micro_batch_size=4")
     ref = reference(optimizer)
     assert _max_rel(ref.losses, run.losses) <= 1e-4
     assert_params_close(ref.params(), run.params(), rtol=1e-3)

@@ -12,8 +12,7 @@ import torch
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import (EQUIV, OPTIMIZERS, TINY, Run, assert_losses_close, assert_params_close,
-                            run_cli)
+from tests.conftest import EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close
 
 # Module-wide bound; the tests that start processes are marked multiprocess one by one so the
 # config-problem tests below stay in the unit tier.
@@ -45,17 +44,12 @@ SHARD = {"fsdp": 2, "fsdp-accumulation": 2, "fsdp_grad_op-ac": 2, "fsdp_hybrid":
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """name -> Run, each case run once per module and shared by the tests that read it."""
-    done: dict[str, Run] = {}
-    root = tmp_path_factory.mktemp("fsdp")
+def runs(cached):
+    """name -> Run of that case (trained once per session, shared with the Accelerate tests)."""
 
-    def get(name: str, *extra: str, optimizer: str = "adamw") -> Run:
-        key = f"{name}-{optimizer}"
-        if key not in done:
-            overrides = CASES.get(name, ()) + extra + OPTIMIZERS[optimizer]
-            done[key] = run_cli("train.py", *TINY, *EQUIV, *overrides, out=root / key, timeout=300)
-        return done[key]
+    def get(name: str, *extra: str, optimizer: str = "adamw", backend: str = "lightning") -> Run:
+        return cached(*EQUIV, *CASES.get(name, ()), *extra, *OPTIMIZERS[optimizer],
+                      f"backend={backend}")
 
     return get
 

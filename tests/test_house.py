@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
 
-OURS = ("strategies", "planner", "recipes", "observers", "backends")
+OURS = ("strategies", "planner", "recipes", "observers", "backends", "launchers")
 ENGINES = ("torch", "lightning", "accelerate", "deepspeed", "transformers", "wandb")
 
 
@@ -127,13 +127,13 @@ def _describe_both(name: str, devices: int = 2) -> tuple[dict, dict]:
 
     import backends.lightning as backend
     from recipes.config import compose
-    from recipes.job import validate
+    from recipes.job import CONFIG, validate
 
     # (gpt_small: no conf/strategy_model/ tweak applies, which only train.py, knowing the model, can)
     cfg = compose([f"strategy={name}", f"cluster.devices={devices}", "cluster.accelerator=cpu",
                    "cluster.oversubscribe=true", "model=gpt_small", "trainer.global_batch_size=8",
                    "trainer.micro_batch_size=1", "logger=null"])
-    job = validate(cfg, launch=False)  # presets that refuse CPU are compared all the same
+    job = validate(cfg, depth=CONFIG)  # presets that refuse CPU are compared all the same
     ours = backend.trainer_for(job, ROOT / "outputs", []).strategy
     theirs = Trainer(strategy=name, accelerator="cpu", devices=devices, logger=False,
                      enable_progress_bar=False, enable_checkpointing=False).strategy

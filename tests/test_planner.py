@@ -193,12 +193,13 @@ ROWS = {
     "LoRA <=7B on 8x H100: DDP": (
         ("model=llama_7b", "cluster=node_8x_h100", "planner.trainable=20000000",
          "trainer.global_batch_size=64"), DDP_FAMILY),
+    # (FULL_SHARD is ZeRO-3's layout: zero3 is the same row's answer, DeepSpeed's implementation)
     "full fine-tune 7B on 8x H100: FSDP FULL_SHARD or ZeRO-2": (
         ("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64"),
-        {"fsdp", "fsdp2", "zero2", "fsdp_grad_op"}),
+        {"fsdp", "fsdp2", "zero2", "fsdp_grad_op", "zero3"}),
     "full fine-tune 13B on 8x H100: FSDP FULL_SHARD or ZeRO-2": (
         ("model=llama_13b", "cluster=node_8x_h100", "trainer.global_batch_size=64"),
-        {"fsdp", "fsdp2", "zero2", "fsdp_grad_op"}),
+        {"fsdp", "fsdp2", "zero2", "fsdp_grad_op", "zero3"}),
     "full fine-tune 30B on 32 GPUs: HYBRID_SHARD or ZeRO-3": (
         (*_30B, "cluster=slurm_8x8_h100", "cluster.nodes=4", "trainer.global_batch_size=64",
          "planner.activation_checkpointing=true"), {"fsdp_hybrid", "hsdp2", "zero3"}),
@@ -277,7 +278,7 @@ def test_preflight_fits_and_refuses():
     big = preflight(cfg, describe(cfg.model))
     assert not big.fits
     msg = big.message()
-    assert msg.startswith("does not fit on node_8x_a100_80g: needs 142.0 GB per device, "
+    assert msg.startswith("does not fit on node_8x_a100_80g: needs 152.9 GB per device, "
                           "has 80.0 GB")
     assert "preset" in msg
 
@@ -328,4 +329,30 @@ def test_cli_not_fit_message():
                      "trainer.global_batch_size=8")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
-    assert "does not fit on node_8x_a100_80g: needs 142.0 GB per device, has 80.0 GB" in text
+    assert "does not fit on node_8x_a100_80g: needs 152.9 GB per device, has 80.0 GB" in text
+
+
+# -------------------------------------------------------- the activation calibration
+def test_activation_calibration_is_current():
+    """planner/activations.json is what tracing the model today gives (python -m recipes.calibrate
+    rewrites it): the planner cannot drift from the model it plans."""
+    from planner.activations import calibration
+    from recipes.calibrate import ARCHITECTURE, calibrate
+
+    assert calibration()[ARCHITECTURE] == calibrate()
+
+
+def test_calibrated_activations_scale_with_the_shape():
+    """gpt_small, micro batch 1, fp32: every block term traced, per token, times tokens."""
+    from planner.activations import calibration
+
+    shape = model(dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, vocab_size=256,
+                  seq_len=128)
+    c = calibration()["gpt"]["32"]
+    per = {"one": 1, "dim": 384, "ffn": 1024, "kv_dim": 384, "heads": 6, "vocab": 256}
+    token = (6 * sum(v * per[k] for k, v in c["block"].items())
+             + sum(v * per[k] for k, v in c["tail"].items()))
+    assert activation_bytes(shape, micro=1, regime="32") == int(128 * token)
+    # checkpointing keeps each block's input and re-runs one block in backward
+    ckpt = activation_bytes(shape, micro=1, regime="32", ckpt=True)
+    assert ckpt < activation_bytes(shape, micro=1, regime="32") / 3

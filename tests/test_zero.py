@@ -38,19 +38,27 @@ CPU_PRESETS = {
 HELD_RTOL = 0.02
 
 
+def zero_case(preset: str, micro: int = 4) -> tuple[str, ...]:
+    """The preset on 2 ranks (what the Accelerate tests run too)."""
+    extra, _ = CPU_PRESETS.get(preset, ((), None))
+    return (f"strategy={preset}", f"cluster.devices={WORLD}", f"trainer.micro_batch_size={micro}", *extra)
+
+
+def zero_overrides(preset: str, *overrides: str, micro: int = 4, optimizer: str = "adamw") -> tuple:
+    return (*EQUIV, *OPTIMIZERS[optimizer], *zero_case(preset, micro), *overrides)
+
+
 def _zero(train, preset: str, *overrides: str, micro: int = 4, name: str | None = None,
           optimizer: str = "adamw"):
-    extra, _ = CPU_PRESETS.get(preset, ((), None))
-    return train(*EQUIV, *OPTIMIZERS[optimizer], f"strategy={preset}", f"cluster.devices={WORLD}",
-                 f"trainer.micro_batch_size={micro}", *extra, *overrides, name=name)
+    return train(*zero_overrides(preset, *overrides, micro=micro, optimizer=optimizer), name=name)
 
 
 # --- equivalence + sharding, one run per preset and optimizer ----------------------------------
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("preset", list(CPU_PRESETS))
-def test_zero_matches_single_process_and_shards(train, reference, preset, optimizer):
-    run = _zero(train, preset, optimizer=optimizer)
+def test_zero_matches_single_process_and_shards(cached, reference, preset, optimizer):
+    run = cached(*zero_overrides(preset, optimizer=optimizer), "backend=lightning")
     single_reference = reference(optimizer)
     r = run.report
     assert (r["strategy"], r["world_size"], r["accumulation"]) == (preset, WORLD, 1)
@@ -74,11 +82,11 @@ def test_zero_matches_single_process_and_shards(train, reference, preset, optimi
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
-def test_zero_gradient_accumulation_matches_single_process(train, reference, preset, optimizer):
+def test_zero_gradient_accumulation_matches_single_process(cached, reference, preset, optimizer):
     """micro 2 x 2 ranks x accumulation 2 = global 8: DeepSpeed's own accumulation, and the loss
     divided once (Lightning divides by accumulation; the strategy tells the engine not to) --
     the double division this once was is what the SGD case would catch."""
-    run = _zero(train, preset, micro=2, optimizer=optimizer)
+    run = cached(*zero_overrides(preset, micro=2, optimizer=optimizer))
     single_reference = reference(optimizer)
     assert (run.report["accumulation"], run.report["micro_batch_size"]) == (2, 2)
     assert_losses_close(single_reference.losses, run.losses, rtol=1e-5)

@@ -1,8 +1,8 @@
 """The Lightning backend: a validated ``Job`` -> a Trainer, the recipe's module and data, the
-observers behind one callback; Lightning launches the ranks and runs the loop.
+observers behind one callback; Lightning runs the loop of this rank.
 
-Lightning's launcher re-runs train.py for each rank > 0 (into the same Hydra run directory), so
-every rank composes, validates and builds the same objects before ``fit``.
+The ranks are started before this (launchers/, or torchrun): Lightning finds torchrun's
+environment and never uses its own launcher, which would re-run the command line per rank.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lightning as L
 
@@ -48,18 +48,6 @@ def problems(job: Job) -> list[str]:
     return []  # every preset has a Lightning builder
 
 
-def _logger(job: Job, out: Path) -> Any:
-    if job.logger is None:
-        return False
-    if job.logger.name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        return CSVLogger(save_dir=str(out), name="csv")
-    from lightning.pytorch.loggers import WandbLogger
-
-    return WandbLogger(project=job.logger.project, mode=job.logger.mode, save_dir=str(out))
-
-
 def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
     """The Trainer of the job (no process is started until ``fit``)."""
     t = job.trainer
@@ -80,7 +68,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
         accumulate_grad_batches=job.batch.accumulation,
         gradient_clip_val=t.grad_clip or None,
         use_distributed_sampler=False,  # GlobalBatchSampler already splits the global batch
-        logger=_logger(job, out),
+        logger=False,  # loggers are observers, the same on every backend
         callbacks=callbacks,
         enable_checkpointing=bool(t.checkpoint_every),
         enable_progress_bar=False,  # the progress bar is an observer, the same on every backend

@@ -49,12 +49,19 @@ class ObserverBridge(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step = trainer.global_step
+        self.observers.meta["engine"] = {"strategy": type(trainer.strategy).__name__,
+                                         "wrapped_model": type(trainer.strategy.model).__name__}
         self.observers.train_start(LightningEngine(trainer), self._step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        engine = LightningEngine(trainer)
         if not self._in_step:
             self._in_step = True
-            self.observers.step_start(LightningEngine(trainer), self._step)
+            self.observers.step_start(engine, self._step)
+        self.observers.forward_start(engine, self._step)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.observers.forward_end(LightningEngine(trainer), self._step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.observers.before_optimizer_step(LightningEngine(trainer), self._step)
@@ -65,11 +72,13 @@ class ObserverBridge(L.Callback):
         self._micro.append(loss.detach().float() * trainer.accumulate_grad_batches)
         if trainer.global_step == self._step:
             return  # still accumulating
+        engine = LightningEngine(trainer)
+        self.observers.step_work_end(engine, self._step)
         local = torch.stack(self._micro).mean()
         self._micro.clear()
         self._step, self._in_step = trainer.global_step, False
         loss = float(trainer.strategy.reduce(local, reduce_op="mean"))
-        self.observers.step_end(LightningEngine(trainer), self._step, loss)
+        self.observers.step_end(engine, self._step, loss)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.report = self.observers.train_end(LightningEngine(trainer))

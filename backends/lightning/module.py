@@ -38,7 +38,6 @@ class CausalLM(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = training.loss(self.model, batch)
-        self.log("loss", loss.detach(), on_step=True, on_epoch=False, batch_size=len(batch[0]))
         return loss
 
     def configure_optimizers(self):

@@ -1,0 +1,54 @@
+"""The Accelerate backend: the same ``strategy=...`` on Hugging Face Accelerate.
+
+    python train.py backend=accelerate strategy=fsdp cluster.devices=2
+    accelerate launch --config_file <exported yaml> train.py backend=accelerate strategy=fsdp ...
+
+Each family's ``accelerate()`` turns the preset into Accelerator arguments (DDP kwargs and comm
+hooks, the FSDP plugin for FSDP1 and FSDP2, the DeepSpeed plugin fed by the same DeepSpeed config
+as the Lightning path); ``strategies/accelerate_support.py`` builds the Accelerator so those run
+for real on CPU too. The backend trains one rank: started from plain ``python train.py``, the
+ranks come from ``launchers.local``; under ``torchrun`` or ``accelerate launch`` the process is
+a rank already. Export of native configs: ``export.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backends import Outcome
+
+if TYPE_CHECKING:
+    from observers import Observers
+    from recipes.job import Job
+
+
+@dataclass
+class Built:
+    job: Job
+    out: Path
+    observers: Observers
+
+
+def problems(job: Job) -> list[str]:
+    out = job.strategy.accelerate_problems(job.world, job.run)
+    if job.run.precision == "16-mixed" and job.run.accelerator == "cpu":
+        out.append("trainer.precision=16-mixed with backend=accelerate on CPU: Accelerate has no "
+                   "fp16 autocast on CPU; use trainer.precision=bf16-mixed or 32")
+    return out
+
+
+def build(job: Job, out: Path, observers: Observers) -> Built:
+    """Nothing to build ahead: the Accelerator must come first (it joins the process group),
+    then the model and optimizer (``loop.train``)."""
+    return Built(job, out, observers)
+
+
+def fit(built: Built) -> Outcome:
+    from accelerate import PartialState
+
+    from backends.accelerate.loop import train
+
+    report = train(built.job, built.out, built.observers)
+    return Outcome(rank=PartialState().process_index, report=report)

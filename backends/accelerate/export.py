@@ -1,0 +1,92 @@
+"""Native configs for a preset: an ``accelerate launch`` config YAML and the DeepSpeed JSON.
+
+The YAML says what Accelerate's launcher and state need (compute environment, distributed type,
+processes, machines, mixed precision, the FSDP or DeepSpeed section); it is translated from the
+same objects the backend builds (the family's ``accelerate()``), and the DeepSpeed JSON is the
+same generated config the Lightning and Accelerate paths train with (``deepspeed_json``), with
+the run's batch, clipping and precision filled in, so it also stands alone for DeepSpeed's own
+launcher. Both are checked by the tools themselves in tests (``accelerate launch`` trains with
+the YAML; ``DeepSpeedConfig`` parses the JSON).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from backends.accelerate.loop import MIXED
+
+if TYPE_CHECKING:
+    from recipes.job import Job
+
+
+def deepspeed_config(job: Job) -> dict[str, Any]:
+    """The preset's DeepSpeed JSON for this run (batch, accumulation, clipping, precision)."""
+    return job.strategy.deepspeed_json(job.run)
+
+
+def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, Any]:
+    """The ``accelerate launch --config_file`` YAML of this preset and cluster, as a mapping."""
+    from recipes.training import model_class
+
+    w, run = job.world, job.run
+    kwargs = job.strategy.accelerate(w, run, block_cls=getattr(model_class(job.model), "block_cls", None))
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_machines": w.nodes,
+        "num_processes": w.size,
+        "machine_rank": 0,
+        "rdzv_backend": "static" if w.nodes == 1 else "c10d",
+        "same_network": True,
+        "use_cpu": run.accelerator == "cpu",
+    }
+    if w.nodes == 1:
+        cfg["main_process_ip"] = "127.0.0.1"
+    if "deepspeed_plugin" in kwargs:
+        if deepspeed_file is None:
+            raise ValueError("a DeepSpeed preset's accelerate config points at its DeepSpeed JSON")
+        # precision lives in the JSON; Accelerate refuses it in both places
+        return cfg | {"distributed_type": "DEEPSPEED",
+                      "deepspeed_config": {"deepspeed_config_file": deepspeed_file,
+                                           "zero3_init_flag": False}}
+    cfg["mixed_precision"] = MIXED[run.precision]
+    if "fsdp_plugin" in kwargs:
+        return cfg | {"distributed_type": "FSDP", "fsdp_config": _fsdp_section(kwargs["fsdp_plugin"])}
+    # DDP: the launcher's multi-process path (also for CPU ranks: Accelerate's MULTI_CPU launch
+    # starts one process); the preset's hooks and buckets are applied by train.py itself
+    return cfg | {"distributed_type": "MULTI_GPU" if w.size > 1 else "NO"}
+
+
+def _offloads(plugin: Any) -> bool:
+    """FSDP1's CPUOffload(offload_params=...), or FSDP2's CPUOffloadPolicy."""
+    offload = plugin.cpu_offload
+    if hasattr(offload, "offload_params"):
+        return bool(offload.offload_params)
+    return type(offload).__name__ == "CPUOffloadPolicy"
+
+
+def _fsdp_section(plugin: Any) -> dict[str, Any]:
+    """The plugin's fields under the names Accelerate's config file uses."""
+    v1 = plugin.fsdp_version == 1
+    wrap = ("TRANSFORMER_BASED_WRAP" if plugin.transformer_cls_names_to_wrap else "NO_WRAP")
+    out = {
+        "fsdp_version": plugin.fsdp_version,
+        # FSDP1 names its sharding strategy here; FSDP2 takes a bool
+        "fsdp_reshard_after_forward": (plugin.sharding_strategy.name if v1
+                                       else bool(plugin.reshard_after_forward)),
+        "fsdp_auto_wrap_policy": wrap,
+        "fsdp_state_dict_type": plugin.state_dict_type.name,
+        "fsdp_offload_params": _offloads(plugin),
+        "fsdp_activation_checkpointing": bool(plugin.activation_checkpointing),
+        # every rank builds the same weights from the seed: nothing to broadcast (and the
+        # broadcast needs a CUDA-like device)
+        "fsdp_sync_module_states": False,
+        "fsdp_cpu_ram_efficient_loading": False,
+    }
+    if plugin.transformer_cls_names_to_wrap:
+        out["fsdp_transformer_layer_cls_to_wrap"] = ",".join(plugin.transformer_cls_names_to_wrap)
+    if v1:
+        out |= {"fsdp_backward_prefetch": plugin.backward_prefetch.name if plugin.backward_prefetch
+                else "NO_PREFETCH",
+                "fsdp_forward_prefetch": bool(plugin.forward_prefetch),
+                "fsdp_use_orig_params": bool(plugin.use_orig_params)}
+    return out

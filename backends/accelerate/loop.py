@@ -1,0 +1,178 @@
+"""The training loop of one rank on ``accelerate.Accelerator``: the same recipe as the Lightning
+backend (recipes/training.py), the same data order, observers and report.
+
+Per optimizer step: ``accumulation`` micro-batches under ``accelerator.accumulate`` (DDP's
+``no_sync`` and the 1/accumulation scale come from Accelerate), clipping with
+``accelerator.clip_grad_norm_``, then the optimizer and the LR schedule. DeepSpeed does the
+accumulation, clipping and step inside its engine: the loop calls the engine's own
+``backward``/``step`` (what Accelerate's wrapper calls) so the observers see the gradients
+before the step, as on every other path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from observers.files import atomic_write_text
+from recipes import training
+from recipes.data import GlobalBatchSampler, build_dataset
+from strategies.accelerate_support import accelerator
+
+if TYPE_CHECKING:
+    from observers import Observers
+    from recipes.job import Job
+
+log = logging.getLogger(__name__)
+MIXED = {"32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+@dataclass
+class AccelerateEngine:
+    """The ``observers.Engine`` view of a prepared Accelerate run."""
+
+    acc: Any
+    model: Any
+    optimizers: list[Any]
+
+    @property
+    def rank(self) -> int:
+        return self.acc.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.acc.num_processes
+
+
+class Progress:
+    """Optimizer steps done, saved and restored with the checkpoint (``save_state``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+def _prepare(acc: Any, job: Job, model: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer, Any]:
+    """(prepared model, the torch optimizer the recipe built, the prepared optimizer)."""
+    if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
+        # FSDP1: the optimizer must hold the wrapped (flat) parameters -- prepared together with
+        # use_orig_params=False, it keeps the originals and the model never changes.
+        model = acc.prepare(model)
+        raw = training.build_optimizer(model.parameters(), job.trainer)
+        return model, raw, acc.prepare(raw)
+    raw = training.build_optimizer(model.parameters(), job.trainer)
+    model, opt = acc.prepare(model, raw)
+    return model, raw, opt
+
+
+def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
+    """Run this rank; returns the report (every rank gets its copy)."""
+    t, run = job.trainer, job.run
+    block = getattr(training.model_class(job.model), "block_cls", None)
+    kwargs = job.strategy.accelerate(job.world, run, block_cls=block)
+    acc = accelerator(kwargs, on_cpu=run.accelerator == "cpu", world_size=job.world.size,
+                      mixed_precision=MIXED[run.precision],
+                      gradient_accumulation_steps=job.batch.accumulation)
+    log.info("accelerate: %s x %d process(es), %s", acc.distributed_type.name, acc.num_processes,
+             type(kwargs.get("fsdp_plugin") or kwargs.get("deepspeed_plugin") or acc).__name__)
+    with job.strategy.model_context(kwargs):
+        model = training.build_model(job.model, t.seed)
+    if "fsdp_plugin" not in kwargs:  # FSDP's plugin checkpoints blocks itself
+        model = job.strategy.parallelize(model, precision=run.precision)
+    model, raw_opt, opt = _prepare(acc, job, model)
+    deepspeed = acc.distributed_type.name == "DEEPSPEED"
+    engine_opt = model.optimizer if deepspeed else raw_opt
+    job.strategy.repair(model, engine_opt)
+    sched = training.build_scheduler(raw_opt, t)
+    progress = Progress()
+    acc.register_for_checkpointing(sched, progress)
+    if t.resume_from:
+        load_state(acc, model, raw_opt, t.resume_from)
+    engine = AccelerateEngine(acc, model, [engine_opt])
+    observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
+                                "wrapped_model": type(model).__name__}
+
+    data = build_dataset(job.data, job.model, t.seed)
+    sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,
+                                 micro_batch=job.batch.micro_size, dp_rank=acc.process_index,
+                                 dp_size=acc.num_processes, seed=t.seed, steps=t.max_steps,
+                                 start_step=progress.step)
+    batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers))
+    observers.train_start(engine, progress.step)
+    model.train()
+    for step in range(progress.step, t.max_steps):
+        observers.step_start(engine, step)
+        micro = []
+        for _ in range(job.batch.accumulation):
+            tokens, targets = (x.to(acc.device) for x in next(batches))
+            with acc.accumulate(model):
+                observers.forward_start(engine, step)
+                loss = training.loss(model, (tokens, targets))
+                observers.forward_end(engine, step)
+                micro.append(loss.detach().float())
+                if deepspeed:
+                    _deepspeed_backward(acc, model, loss, lambda: observers.before_optimizer_step(engine, step))
+                else:
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        observers.before_optimizer_step(engine, step)
+                        if t.grad_clip:
+                            acc.clip_grad_norm_(model.parameters(), t.grad_clip)
+                    opt.step()  # a no-op until the accumulation boundary
+                    opt.zero_grad()
+        sched.step()
+        observers.step_work_end(engine, step)
+        progress.step = step + 1
+        loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
+        observers.step_end(engine, progress.step, loss)
+        if t.checkpoint_every and progress.step % t.checkpoint_every == 0:
+            save_state(acc, out / "checkpoints" / f"step{progress.step}")
+    report = observers.train_end(engine)
+    if t.export_params:
+        from observers.files import atomic_torch_save
+
+        params = job.strategy.full_state_dict(model)
+        if acc.is_main_process:
+            atomic_torch_save(params, out / "params.pt")
+    acc.wait_for_everyone()
+    return report
+
+
+def _deepspeed_backward(acc: Any, engine: Any, loss: torch.Tensor, before_step) -> None:
+    """What Accelerate's DeepSpeedEngineWrapper.backward does, with the observers' hook between
+    the engine's backward (which scales by the accumulation) and its step (clip, update)."""
+    engine.set_gradient_accumulation_boundary(is_boundary=acc.sync_gradients)
+    engine.backward(loss)
+    if acc.sync_gradients:
+        before_step()
+        engine.step()
+
+
+def save_state(acc: Any, path: Path) -> None:
+    """Accelerate's checkpoint (model, optimizer, scheduler, progress, RNG), written by every
+    rank; the directory counts as complete once rank 0 has written ``complete``."""
+    acc.save_state(str(path))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        atomic_write_text(path / "complete", "")
+
+
+def load_state(acc: Any, model: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
+    if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
+        # Accelerate loads FSDP1 optimizer state into a template made from the optimizer's current
+        # state, which is empty before the first step: nothing would load, without an error.
+        # torch's get_optimizer_state_dict initialises the state (a zero-lr step) first.
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        get_optimizer_state_dict(model, optimizer)
+    acc.load_state(path)

@@ -1,0 +1,69 @@
+"""Write a preset's native configs: an `accelerate launch` config YAML, or the DeepSpeed JSON.
+
+    python export.py strategy=zero3_offload cluster=node_8x_h100 export=accelerate   # + its JSON
+    python export.py strategy=zero3_offload cluster=node_8x_h100 export=deepspeed
+    accelerate launch --config_file zero3_offload-node_8x_h100.accelerate.yaml \\
+        train.py backend=accelerate strategy=zero3_offload cluster=node_8x_h100
+
+Takes train.py's overrides (the batch, precision and cluster shape the files describe) and checks
+the run they describe as train.py would, but not this machine. Files are written atomically;
+their paths are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from recipes import cli
+
+
+def _problems(job) -> list[str]:
+    kind = job.cfg.export.name
+    if kind == "deepspeed" and job.strategy.family != "deepspeed":
+        return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name} is a "
+                f"{job.strategy.family} preset: choose a zero* preset, or export=accelerate"]
+    return job.strategy.accelerate_problems(job.world, job.run)
+
+
+def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__ + "\n" + cli.groups_help())
+        return
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+    from strategies import ConfigError
+
+    argv = cli.normalize(argv)
+    cfg = cli.or_exit(lambda: compose(argv))
+    if cfg.export is None:
+        cli.or_exit(lambda: (_ for _ in ()).throw(ConfigError(
+            "export=null: choose what to write: export=accelerate (an accelerate launch config "
+            "YAML) or export=deepspeed (the DeepSpeed JSON)")))
+    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
+    from backends.accelerate.export import accelerate_config, deepspeed_config
+    from observers.files import atomic_write_text
+
+    stem = f"{job.strategy.name}-{job.cluster.name}"
+    kind = cfg.export.name
+    out = Path(cfg.export.out or f"{stem}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}")
+    written = []
+    ds_file = None
+    if job.strategy.family == "deepspeed":
+        ds_file = out if kind == "deepspeed" else out.with_name(f"{stem}.deepspeed.json")
+        atomic_write_text(ds_file, json.dumps(deepspeed_config(job), indent=2) + "\n")
+        written.append(ds_file)
+    if kind == "accelerate":
+        import yaml
+
+        text = yaml.safe_dump(accelerate_config(job, str(ds_file.resolve()) if ds_file else None),
+                              sort_keys=False)
+        atomic_write_text(out, text)
+        written.append(out)
+    for path in written:
+        print(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

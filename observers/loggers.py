@@ -1,0 +1,130 @@
+"""Experiment loggers as observers, the same on every backend, written by rank 0 only:
+``logger=csv`` (``metrics.csv``), ``logger=tensorboard`` (event files under ``tensorboard/``),
+``logger=wandb`` (one run per job; the resolved config is the run config; in a sweep the
+sweep is the wandb group; offline unless ``logger.mode=online``; the memory and communication
+profiles become tables at the end).
+
+Every step logs ``loss``, ``step_seconds`` and ``tokens_per_second``. Secrets stay out: the
+config logged is the job's config (no environment), and wandb is given its settings explicitly.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+from observers.base import Engine, Observer
+
+
+class StepLogger(Observer):
+    """Collects each step's scalars and hands them to ``write`` (rank 0)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.rank0 = False
+        self._t0 = 0.0
+
+    def on_train_start(self, engine: Engine, step: int) -> None:
+        self.rank0 = engine.rank == 0
+        if self.rank0:
+            self.open()
+
+    def on_step_start(self, engine: Engine, step: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
+        if self.rank0:
+            seconds = time.perf_counter() - self._t0
+            self.write(step, {"loss": loss, "step_seconds": seconds,
+                              "tokens_per_second": self.tokens_per_step / max(seconds, 1e-9)})
+
+    def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
+        if self.rank0:
+            self.close(report)
+
+    def open(self) -> None: ...
+
+    def write(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self, report: dict[str, Any]) -> None: ...
+
+
+class CSVLog(StepLogger):
+    def __init__(self, tokens_per_step: int, out: Path):
+        super().__init__(tokens_per_step)
+        self.path = out / "metrics.csv"
+        self._file: Any = None
+        self._writer: Any = None
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if self._writer is None:
+            self._file = open(self.path, "w", newline="")  # noqa: SIM115  (closed in close())
+            self._writer = csv.DictWriter(self._file, fieldnames=["step", *scalars])
+            self._writer.writeheader()
+        self._writer.writerow({"step": step, **scalars})
+        self._file.flush()
+
+    def close(self, report: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class TensorBoardLog(StepLogger):
+    def __init__(self, tokens_per_step: int, out: Path):
+        super().__init__(tokens_per_step)
+        self.dir = out / "tensorboard"
+        self._writer: Any = None
+
+    def open(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(self.dir))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(f"train/{key}", value, step)
+
+    def close(self, report: dict[str, Any]) -> None:
+        self._writer.close()
+
+
+class WandbLog(StepLogger):
+    def __init__(self, tokens_per_step: int, out: Path, *, project: str, mode: str,
+                 config: dict[str, Any], group: str | None):
+        super().__init__(tokens_per_step)
+        self.out, self.project, self.mode, self.config, self.group = out, project, mode, config, group
+        self._run: Any = None
+
+    def open(self) -> None:
+        import wandb
+
+        self._run = wandb.init(project=self.project, mode=self.mode, dir=str(self.out),
+                               config=self.config, group=self.group, reinit="finish_previous",
+                               settings=wandb.Settings(console="off", x_disable_stats=True))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self._run.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+
+    def close(self, report: dict[str, Any]) -> None:
+        import wandb
+
+        for name, (columns, rows) in profile_tables(report).items():
+            self._run.log({name: wandb.Table(columns=columns, data=rows)})
+        self._run.finish()
+
+
+def profile_tables(report: dict[str, Any]) -> dict[str, tuple[list[str], list[list[Any]]]]:
+    """The memory and communication profiles as (columns, rows) tables."""
+    tables = {}
+    memory = report.get("memory", {}).get("ranks") or []
+    if memory:
+        cols = ["rank", "params", "grads", "optimizer", "activations", "peak_rss"]
+        tables["memory"] = (cols, [[r.get(c) for c in cols] for r in memory])
+    comm = report.get("communication", {}).get("by_group") or {}
+    if comm:
+        rows = [[g, k, v["count"], v["bytes"], v["wire_bytes"]]
+                for g, kinds in comm.items() for k, v in kinds.items()]
+        tables["communication"] = (["group", "kind", "count", "bytes", "wire_bytes"], rows)
+    return tables

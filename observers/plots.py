@@ -1,0 +1,67 @@
+"""Plots of the profiles, PNG in the run directory, drawn by rank 0 from the finished report:
+``memory.png`` (bytes by category per rank, predicted beside) and ``communication.png``
+(collective bytes per step by kind and group)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from observers.base import Engine, Observer
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+class Plots(Observer):
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
+        if engine.rank != 0:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        if report.get("memory", {}).get("ranks"):
+            memory_plot(report["memory"], self.out / "memory.png")
+        if report.get("communication", {}).get("by_group"):
+            communication_plot(report["communication"]["by_group"], self.out / "communication.png")
+
+
+def memory_plot(memory: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ranks = memory["ranks"]
+    bars = [(f"rank {r['rank']}", r) for r in ranks]
+    predicted = memory.get("predicted")
+    if predicted:
+        bars.append(("predicted", {"params": predicted["params"], "grads": predicted["grads"],
+                                   "optimizer": predicted["master"] + predicted["optimizer"]
+                                   + predicted.get("host", 0),
+                                   "activations": predicted["activations"]}))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(bars), 4))
+    bottom = [0.0] * len(bars)
+    for cat in CATEGORIES:
+        values = [b[1].get(cat, 0) / 2**20 for b in bars]
+        ax.bar([b[0] for b in bars], values, bottom=bottom, label=cat)
+        bottom = [x + v for x, v in zip(bottom, values)]
+    ax.set_ylabel("MiB")
+    ax.set_title("memory held per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def communication_plot(by_group: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    labels = [f"{k}\n{g}" for g, kinds in by_group.items() for k in kinds]
+    values = [v["bytes"] / 2**20 for kinds in by_group.values() for v in kinds.values()]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(labels), 4))
+    ax.bar(labels, values)
+    ax.set_ylabel("MiB per optimizer step (payload)")
+    ax.set_title("collectives per step, rank 0")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

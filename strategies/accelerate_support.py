@@ -1,0 +1,94 @@
+"""What every family's Accelerate builder shares, and the one place where Accelerate is made to
+run what its plugins say on CPU (gloo). Nothing here patches torch or Accelerate's code; it
+builds Accelerate's own state in the order Accelerate would on a GPU, and checks the result.
+
+Accelerate 1.15 on CPU, read in its source and measured (2 gloo ranks, every family against a
+single-process reference):
+
+1. Without ``cpu=True`` a CPU rank never joins the process group (``DistributedType.NO``, one
+   process each). With ``cpu=True`` it is ``MULTI_CPU`` on gloo -- but ``AcceleratorState``
+   chooses FSDP only for GPU-like distributed types and DeepSpeed only ``and not cpu``, so both
+   plugins are dropped without a word and ``prepare()`` builds DDP (state.py).
+2. ``MULTI_CPU`` puts every rank on device ``cpu:0``, which FSDP1 refuses as its ``device_id``
+   against parameters on ``cpu``; ``ACCELERATE_TORCH_DEVICE=cpu`` (read by ``PartialState``) pins
+   plain ``cpu``.
+3. ``DeepSpeedPlugin.select()`` imports ``transformers`` (for its ``from_pretrained`` ZeRO-3 hook)
+   even when it is not installed; ``DeepSpeedPlugin`` below skips that hook without it.
+
+``accelerator()`` therefore: creates ``PartialState(cpu=True)`` first (gloo group, ranks from
+the launcher's environment); for DeepSpeed, builds ``Accelerator(cpu=False, ...)`` on that
+state, so DeepSpeed is chosen by Accelerate's own code; for FSDP, builds ``Accelerator(cpu=True,
+...)`` and then sets what the skipped branch of ``AcceleratorState`` would have set (the plugin,
+its mixed precision, ``distributed_type=FSDP`` on the shared state). Then it asserts the
+distributed type on every view of the state, and the number of processes, so a silent fallback
+to DDP fails loudly. On a GPU none of this runs: ``Accelerator(**kwargs)`` as usual.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from strategies.mesh import ConfigError
+
+
+def deepspeed_plugin(config: dict[str, Any]) -> Any:
+    """Accelerate's DeepSpeedPlugin fed with the preset's generated DeepSpeed config (the same
+    one the Lightning builder hands Lightning)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    class _Plugin(DeepSpeedPlugin):
+        """(3): the transformers ZeRO-3 hook only when transformers is installed."""
+
+        def set_deepspeed_weakref(self) -> None:
+            if importlib.util.find_spec("transformers") is not None:
+                super().set_deepspeed_weakref()
+
+    return _Plugin(hf_ds_config=config, zero3_init_flag=False)
+
+
+def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
+    """The ``DistributedType`` name these Accelerator kwargs must produce."""
+    if world_size == 1:
+        return "NO"
+    if "deepspeed_plugin" in kwargs:
+        return "DEEPSPEED"
+    if "fsdp_plugin" in kwargs:
+        return "FSDP"
+    return "MULTI_CPU" if on_cpu else "MULTI_GPU"
+
+
+def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int, **more: Any) -> Any:
+    """An ``accelerate.Accelerator`` that runs ``kwargs`` (a family's ``accelerate()``) for real,
+    checked; ``more``: mixed precision, gradient accumulation steps."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if not on_cpu:
+        acc = Accelerator(**kwargs, **more)
+    else:
+        os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # (2)
+        os.environ.pop("ACCELERATE_USE_CPU", None)  # would force cpu=True, dropping DeepSpeed again
+        state = PartialState(cpu=True)  # (1) the gloo group and MULTI_CPU
+        if "deepspeed_plugin" in kwargs:
+            acc = Accelerator(cpu=False, **kwargs, **more)
+        else:
+            acc = Accelerator(cpu=True, **kwargs, **more)
+            plugin = kwargs.get("fsdp_plugin")
+            if plugin is not None and state.num_processes > 1:
+                if acc.state.mixed_precision != "no":
+                    plugin.set_mixed_precision(acc.state.mixed_precision)
+                acc.state.fsdp_plugin = plugin
+                acc.state.distributed_type = DistributedType.FSDP
+                PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    want = expected_type(kwargs, world_size, on_cpu)
+    seen = {str(v.name) for v in (acc.distributed_type, AcceleratorState().distributed_type,
+                                  PartialState().distributed_type)}
+    if seen != {want} or acc.num_processes != world_size:
+        raise ConfigError(f"Accelerate built {sorted(seen)} on {acc.num_processes} process(es), "
+                          f"but the preset needs {want} on {world_size}: if you started it with "
+                          "`accelerate launch`, its config must match the preset (export one with "
+                          "python export.py ... export=accelerate)")
+    return acc

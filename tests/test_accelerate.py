@@ -1,0 +1,145 @@
+"""The Accelerate backend (backends/accelerate/): every preset that runs on CPU trains the same
+run as the Lightning backend -- the same per-step losses and final parameters as the
+single-process reference (1e-5 relative, fp32, AdamW and SGD), the same bytes held per rank --
+and the engine really is what the preset says (distributed type, wrapped module). Plus a
+checkpoint round trip, the exported native configs run under their own tools, and the presets
+Accelerate cannot run are refused before launch, naming the backend that can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import EQUIV, OPTIMIZERS, ROOT, TINY, assert_losses_close, assert_params_close
+from tests.test_fsdp import CASES as FSDP_CASES
+from tests.test_zero import CPU_PRESETS as ZERO_PRESETS
+from tests.test_zero import zero_case
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+TWO = ("cluster.devices=2", "trainer.micro_batch_size=4")
+DDP, FSDP, DS = (("MULTI_CPU", "DistributedDataParallel"), ("FSDP", "FullyShardedDataParallel"),
+                 ("DEEPSPEED", "DeepSpeedEngine"))
+EXACT, FP16 = (1e-5, 1e-5), (1e-4, 1e-3)  # (losses, parameters) relative to the reference
+# case -> (its overrides on top of EQUIV + optimizer -- the same as the Lightning tests', so each
+# Lightning run is shared -- the distributed type and wrapped module Accelerate must build,
+# tolerances)
+CASES = {
+    "single": (("strategy=single", "trainer.micro_batch_size=8"), ("NO", "GPT"), EXACT),
+    "ddp": (("strategy=ddp", *TWO), DDP, EXACT),
+    "ddp-accumulation": (("strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2"), DDP, EXACT),
+    "ddp_fp16_compress": (("strategy=ddp_fp16_compress", *TWO), DDP, FP16),
+    "fsdp": (FSDP_CASES["fsdp"], FSDP, EXACT),
+    "fsdp-accumulation": (FSDP_CASES["fsdp-accumulation"], FSDP, EXACT),
+    "fsdp_grad_op": (("strategy=fsdp_grad_op", *TWO), FSDP, EXACT),
+    "fsdp2": (FSDP_CASES["fsdp2"], ("FSDP", "FSDPGPT"), EXACT),
+    **{p: (zero_case(p), DS, EXACT) for p in ZERO_PRESETS},
+    "zero2-accumulation": (zero_case("zero2", micro=2), DS, EXACT),
+}
+
+
+@pytest.fixture(scope="module")
+def both(cached):
+    def get(case: str, optimizer: str):
+        overrides = (*EQUIV, *CASES[case][0], *OPTIMIZERS[optimizer])
+        return cached(*overrides, "backend=lightning"), cached(*overrides, "backend=accelerate")
+
+    return get
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_accelerate_trains_what_lightning_trains(both, reference, case, optimizer):
+    lightning, accelerate = both(case, optimizer)
+    ref = reference(optimizer)
+    losses, params = CASES[case][2]
+    a = accelerate.report
+    assert a["backend"] == "accelerate"
+    assert (a["engine"]["distributed_type"], a["engine"]["wrapped_model"]) == CASES[case][1], a["engine"]
+    assert_losses_close(ref.losses, accelerate.losses, rtol=losses)
+    assert_losses_close(lightning.losses, accelerate.losses, rtol=losses)
+    assert_params_close(ref.params(), accelerate.params(), rtol=params)
+    # the same bytes held on every rank, params, grads and optimizer state
+    held = ("params", "grads", "optimizer")
+    for lr, ar in zip(lightning.report["memory"]["ranks"], a["memory"]["ranks"], strict=True):
+        assert {k: lr[k] for k in held} == {k: ar[k] for k in held}, (case, lr, ar)
+
+
+@pytest.mark.parametrize("case", ["ddp", "fsdp", "fsdp2", "zero3"])
+def test_checkpoint_and_resume_equal_the_uninterrupted_run(cached, case):
+    """save_state at step 3, a fresh run with trainer.resume_from=<it> to 6: steps 4-6 and the
+    final parameters equal the uninterrupted run's (AdamW: the optimizer state must come back)."""
+    overrides = (*EQUIV, *CASES[case][0], "backend=accelerate", "trainer.checkpoint_every=3")
+    full = cached(*overrides)
+    ckpt = full.out / "checkpoints" / "step3"
+    assert (ckpt / "complete").is_file(), sorted(p.name for p in ckpt.parent.iterdir())
+    resumed = cached(*overrides[:-1], f"trainer.resume_from={ckpt}")
+    assert_losses_close(full.losses[3:], resumed.losses, rtol=1e-6)
+    assert_params_close(full.params(), resumed.params(), rtol=1e-6)
+
+
+def test_presets_accelerate_cannot_run_are_refused_naming_the_backend_that_can(train):
+    run = train("backend=accelerate", "strategy=fsdp_hybrid", "cluster.devices=2", check=False)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "not supported by backend=accelerate" in run.log and "backend=lightning runs it" in run.log
+    assert "Initializing distributed" not in run.log
+
+
+def _export(tmp_path, *overrides: str) -> list[str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "export.py"), *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
+def test_exported_deepspeed_json_parses(tmp_path, preset):
+    (path,) = _export(tmp_path, f"strategy={preset}", "cluster=node_8x_h100", "export=deepspeed")
+    code = ("import json, sys; from deepspeed.runtime.config import DeepSpeedConfig; "
+            "c = DeepSpeedConfig(sys.argv[1]); print(json.dumps([c.zero_optimization_stage, "
+            "c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.bfloat16_config.enabled]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stage, micro, accumulation, bf16 = json.loads(proc.stdout.strip().splitlines()[-1])
+    # node_8x_h100 implies bf16-mixed, micro batch 1, global 64 on 8 GPUs: accumulation 8
+    assert (stage, micro, accumulation, bf16) == (int(preset[4]), 1, 8, True)
+
+
+@pytest.mark.parametrize("preset", ["fsdp2", "zero3"])
+def test_exported_accelerate_yaml_runs_under_accelerate_launch(tmp_path, reference, preset):
+    """The exported YAML is what `accelerate launch` starts; the run trains and equals the
+    single-process reference."""
+    overrides = (*TINY, *EQUIV, f"strategy={preset}", *TWO,
+                 *(("strategy.param_persistence_threshold=0",) if preset == "zero3" else ()))
+    paths = _export(tmp_path, *overrides, "export=accelerate")
+    yaml_path = tmp_path / paths[-1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
+           str(ROOT / "train.py"), *overrides, "backend=accelerate", f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["engine"]["distributed_type"] == ("FSDP" if preset == "fsdp2" else "DEEPSPEED")
+    assert_losses_close(reference("adamw").losses, report["losses"], rtol=1e-5)
+
+
+def test_no_engine_imported_for_export_help():
+    proc = subprocess.run([sys.executable, "export.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "export=accelerate" in proc.stdout
+
+
+def test_export_refuses_a_bad_combination(tmp_path):
+    proc = subprocess.run([sys.executable, "export.py", "strategy=fsdp", "export=deepspeed"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "export=deepspeed writes a DeepSpeed config, but strategy=fsdp" in proc.stderr
+    assert "Traceback" not in proc.stderr

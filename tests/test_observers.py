@@ -1,0 +1,182 @@
+"""Observers on real runs (2 gloo ranks, both backends where they exist): the communication
+profile sees what each strategy really sends and agrees with the planner; measured state bytes
+equal the prediction; throughput, loggers, plots, and no secret leaks; with observers off,
+nothing is intercepted. Runs are shared with the equivalence tests through ``cached``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tests.conftest import EQUIV, OPTIMIZERS, TINY, run_cli
+from tests.test_accelerate import CASES
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+P = 34976 * 4  # gpt_nano parameters, fp32 bytes
+BACKENDS = ("lightning", "accelerate")
+
+
+def _run(cached, case: str, backend: str, optimizer: str = "adamw"):
+    return cached(*EQUIV, *CASES[case][0], *OPTIMIZERS[optimizer], f"backend={backend}")
+
+
+def _kinds(report: dict, group: str | None = None) -> dict:
+    comm = report["communication"]
+    return comm["by_group"][group] if group else comm["per_step"]
+
+
+def _predicted(report: dict, *names: str) -> float:
+    """The planner's payload for these collectives (its unit is bytes sent on a ring: n-1/n of
+    the payload for all-gather/reduce-scatter, 2(n-1)/n for all-reduce)."""
+    by = report["plan"]["communication"]["by_collective"]
+    n = report["world_size"]
+    ring = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
+    return sum(by[k]["bytes"] / ring[by[k]["op"]] for k in names if k in by)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["ddp", "ddp-accumulation"])
+def test_ddp_all_reduces_the_gradients_once_per_step(cached, case, backend):
+    r = _run(cached, case, backend).report
+    ar = _kinds(r, "data-replicate")["all_reduce"]
+    # no_sync micro-steps send nothing: one bucket's worth of gradients per optimizer step
+    assert (ar["count"], ar["bytes"]) == (1, P), ar
+    assert ar["bytes"] == pytest.approx(_predicted(r, "grad_all_reduce"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_compression_halves_the_payload(cached, backend):
+    ar = _kinds(_run(cached, "ddp_fp16_compress", backend).report, "data-replicate")["all_reduce"]
+    assert (ar["count"], ar["bytes"]) == (1, P // 2), ar
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["fsdp", "fsdp2", "zero3"])
+def test_sharded_gathers_and_reduce_scatters_match_the_planner(cached, case, backend):
+    """Payload per step: parameters gathered for forward (and again for backward, but the root
+    FSDP unit / what DeepSpeed keeps live), gradients reduce-scattered once. Tolerance: padding
+    of shards to the world size (exact for gpt_nano on 2 ranks)."""
+    r = _run(cached, case, backend).report
+    kinds = _kinds(r, "data-shard")
+    gather = _predicted(r, "param_all_gather_forward", "param_all_gather_backward")
+    assert kinds["all_gather"]["bytes"] == pytest.approx(gather, rel=0.01), (kinds, gather)
+    assert kinds["reduce_scatter"]["bytes"] == pytest.approx(_predicted(r, "grad_reduce_scatter"),
+                                                             rel=0.01)
+    assert kinds["reduce_scatter"]["bytes"] == pytest.approx(P, rel=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["zero1", "zero2"])
+def test_zero12_all_reduce_then_gather_as_the_planner_says(cached, case, backend):
+    """DeepSpeed 0.19 all-reduces ZeRO-1/2 gradient buckets (each rank keeps its partition),
+    then gathers the updated parameter partitions after the step."""
+    r = _run(cached, case, backend).report
+    kinds = _kinds(r, "data-shard")
+    assert kinds["all_reduce"]["bytes"] == pytest.approx(_predicted(r, "grad_all_reduce"), abs=16)
+    assert kinds["all_gather"]["bytes"] == pytest.approx(_predicted(r, "param_all_gather"), rel=0.01)
+    assert kinds["all_gather"]["bytes"] == pytest.approx(P, rel=0.01)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_measured_state_bytes_equal_the_prediction(cached, case):
+    r = _run(cached, case, "lightning").report
+    row = r["predicted_vs_measured"]["state_bytes"]
+    assert row["ratio"] == pytest.approx(1.0, abs=0.02), (case, row)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_throughput_and_activations_are_reported(cached, backend):
+    r = _run(cached, "ddp", backend).report
+    t = r["throughput"]
+    assert t["step_seconds"] > 0 and t["tokens_per_second"] > 0 and t["tflops_per_second"] > 0
+    assert t["mfu"] is None  # CPU: no device peak
+    assert all(rank["activations"] > 0 for rank in r["memory"]["ranks"])
+    assert set(r["predicted_vs_measured"]) == {"state_bytes", "activations", "communication"}
+
+
+def test_loggers_plots_and_no_secret_leak(tmp_path):
+    """A fake API key and token in the environment appear nowhere in the run directory."""
+    secret = "sk-stratagem-test-0123456789abcdef"
+    env = {"WANDB_API_KEY": secret, "HF_TOKEN": secret, "WANDB_MODE": "offline"}
+    for logger in ("wandb", "csv", "tensorboard"):
+        out = tmp_path / logger
+        run = run_cli("train.py", *TINY, "trainer.max_steps=3", f"logger={logger}", "strategy=ddp",
+                      "cluster.devices=2", out=out, env=env)
+        assert run.report["steps"] == 3
+        for path in out.rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), f"secret in {path}"
+        assert secret not in run.log
+    assert (tmp_path / "csv" / "memory.png").stat().st_size > 0
+    assert (tmp_path / "csv" / "communication.png").stat().st_size > 0
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3] and float(rows[0]["loss"]) > 0
+    assert list((tmp_path / "tensorboard" / "tensorboard").glob("events.out.tfevents.*"))
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    files = {p.name for p in runs[0].rglob("*")}
+    assert any(name.endswith(".wandb") for name in files)  # the run's data, config and tables
+    config = json.dumps(json.load((tmp_path / "wandb" / "report.json").open())["config"])
+    assert secret not in config
+
+
+def test_observers_off_intercept_nothing(tmp_path):
+    """callbacks=none: no profile sections, and the communication kernels are never registered
+    (they are installed only when the communication observer starts)."""
+    run = run_cli("train.py", *TINY, "trainer.max_steps=2", "callbacks=none", "strategy=ddp",
+                  "cluster.devices=2", out=tmp_path / "off")
+    r = run.report
+    assert "communication" not in r and "throughput" not in r and "memory" not in r
+    assert r["observers"] == ["LossLog"]
+    code = ("import sys, torch, torch.distributed as dist; import observers; "
+            "from recipes.config import compose; from recipes.job import validate; "
+            "job = validate(compose(['callbacks=none', 'model=gpt_nano']), depth=1); "
+            "obs = observers.build(job, __import__('pathlib').Path('.')); "
+            "assert 'observers.comm' not in sys.modules, 'imported'; "
+            "dump = torch._C._dispatch_dump('c10d::allreduce_'); "
+            "assert 'Autograd' not in dump, dump; print('clean')")
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_cuda_phases_and_snapshot(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run = run_cli("train.py", *TINY, "trainer.max_steps=4", "cluster.accelerator=gpu",
+                  "callbacks.memory.snapshot=true", "callbacks.memory.snapshot_steps=2",
+                  out=tmp_path / "gpu")
+    cuda = run.report["memory"]["ranks"][0]["cuda"]
+    assert all(cuda[p]["allocated"] > 0 for p in ("forward", "backward", "optimizer"))
+    assert (tmp_path / "gpu" / "memory_snapshot_rank0.pickle").stat().st_size > 0
+
+
+# The second shape: grouped-query attention and a non-default MLP width.
+GQA = ("model.dim=64", "model.n_heads=8", "model.n_kv_heads=2", "model.ffn_dim=96",
+       "model.n_layers=2", "model.seq_len=64")
+
+
+@pytest.mark.parametrize("shape", ["gpt_small", "gqa"])
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "zero3"])
+def test_measured_activations_are_within_ten_percent_of_the_plan(tmp_path, shape, strategy):
+    """One forward's saved tensors, measured by the memory observer, against the planner's
+    calibrated prediction for the same preset, micro batch and shape."""
+    model = ("model=gpt_small",) if shape == "gpt_small" else GQA
+    world = 1 if strategy == "single" else 2
+    run = run_cli("train.py", *TINY, *model, f"strategy={strategy}", f"cluster.devices={world}",
+                  "trainer.max_steps=1", f"trainer.global_batch_size={2 * world}",
+                  "trainer.micro_batch_size=2", "data=synthetic", "callbacks.communication=false",
+                  out=tmp_path / "act")
+    row = run.report["predicted_vs_measured"]["activations"]
+    assert 0.9 <= row["ratio"] <= 1.1, row
