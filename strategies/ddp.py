@@ -102,6 +102,18 @@ def _strategy_class() -> type:
         def _setup_model(self, model: Any) -> Any:
             return super()._setup_model(self.preset.parallelize(model))
 
+        def _register_ddp_hooks(self) -> None:
+            """Lightning registers communication hooks on CUDA only and silently drops them
+            elsewhere: on CPU (gloo) the compression presets would train uncompressed. torch's
+            hooks run on gloo (fp16, PowerSGD), so register them on every device."""
+            if self.root_device.type == "cuda" or self._ddp_comm_hook is None:
+                return super()._register_ddp_hooks()
+            from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+            _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
+                                    ddp_comm_hook=self._ddp_comm_hook,
+                                    ddp_comm_wrapper=self._ddp_comm_wrapper)
+
         def engine_settings(self) -> dict[str, Any]:
             return {"ddp_kwargs": dict(self._ddp_kwargs),
                     "comm_hook": getattr(self._ddp_comm_hook, "__name__", None),
