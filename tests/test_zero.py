@@ -282,14 +282,19 @@ def test_layouts_are_what_the_presets_say():
     from strategies import World
     from strategies.base import Layout as _Layout
 
-    Layout = partial(_Layout, master_weights=True)  # ZeRO keeps an fp32 master partition
+    # ZeRO keeps an fp32 master partition; ZeRO-3 releases and re-gathers only what exceeds
+    # stage3_max_live_parameters (measured, tests/test_observers.py)
+    live = strategies.load("zero3").max_live_parameters
+    Layout = partial(_Layout, master_weights=True, backward_regather="over_live", live_params=live)
+    # ZeRO-1/2 all-reduce full gradient buckets, each rank keeping its part (measured)
+    Layout12 = partial(Layout, reshard_after_forward=False, grad_all_reduce=True)
 
     w = World(devices=2)
     r, s = "replicated", "sharded"
-    assert strategies.load("zero1").layout(w) == Layout(optimizer=s, reshard_after_forward=False)
-    assert strategies.load("zero2").layout(w) == Layout(optimizer=s, grads=s, reshard_after_forward=False)
-    assert strategies.load("zero2_offload").layout(w) == Layout(
-        optimizer=s, grads=s, optimizer_offload="cpu", reshard_after_forward=False)
+    assert strategies.load("zero1").layout(w) == Layout12(optimizer=s)
+    assert strategies.load("zero2").layout(w) == Layout12(optimizer=s, grads=s)
+    assert strategies.load("zero2_offload").layout(w) == Layout12(
+        optimizer=s, grads=s, optimizer_offload="cpu")
     assert strategies.load("zero3").layout(w) == Layout(params=s, grads=s, optimizer=s)
     assert strategies.load("zero3_offload").layout(w) == Layout(
         params=s, grads=s, optimizer=s, params_offload="cpu", optimizer_offload="cpu")
@@ -330,7 +335,10 @@ def test_deepspeed_config_is_plain_and_overrides_merge_over_the_generated_one():
     assert z["stage3_param_persistence_threshold"] == 100_000
     assert ds["gradient_clipping"] == 0.25           # ... and over values taken from the trainer
     assert ds["train_micro_batch_size_per_gpu"] == 4
-    assert "gradient_accumulation_steps" not in ds   # Lightning sets it from accumulate_grad_batches
+    # from the run (Accelerate's engine needs it); Lightning's strategy gets the config without the
+    # run and sets it from accumulate_grad_batches
+    assert ds["gradient_accumulation_steps"] == 1
+    assert "gradient_accumulation_steps" not in job.strategy.deepspeed_json()
 
 
 def test_deepspeed_is_imported_only_by_the_builder_with_the_accelerator_of_the_run():
