@@ -37,10 +37,7 @@ def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
     if cb.communication:
         from observers.comm import CommunicationProfile
 
-        layout = job.strategy.layout(job.world)
-        comm = CommunicationProfile("data-shard" if "sharded" in (layout.params, layout.grads,
-                                                                   layout.optimizer)
-                                    else "data-replicate")
+        comm = CommunicationProfile(job.strategy.world_role(job.world))
         chosen.append(comm)
     if cb.throughput:
         chosen.append(Throughput(tokens, job.batch.global_size,

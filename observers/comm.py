@@ -76,7 +76,7 @@ _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1
          "recv": lambda n: 0.0}
 ROLES = {"shard": "data-shard", "dp_shard": "data-shard", "replicate": "data-replicate",
          "dp_replicate": "data-replicate", "data_parallel": "data", "dp": "data", "tp": "tensor",
-         "tensor_parallel": "tensor", "pp": "pipeline"}
+         "tensor_parallel": "tensor", "pp": "pipeline", "pipeline_parallel": "pipeline"}
 
 _recorder: Recorder | None = None
 _install_lock = threading.Lock()

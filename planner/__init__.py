@@ -38,8 +38,8 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     su = Setup.of(cfg, model)
     world, run = su.world, _run(su)
     own = as_config(cfg.strategy)
-    presets = [own] if chosen else [own if n == own.name else load(n) for n in names()]
-    cands = [candidate(p, world, run) for p in presets]
+    presets = [own] if chosen else [own if n == own.name else _degrees(load(n), su) for n in names()]
+    cands = [candidate(p, world_of(p, su), run) for p in presets]
     if not chosen:
         cands += planned_candidates(su, su.options.tp, su.options.pp)
     plans = [plan_candidate(c, su) for c in cands]
@@ -53,9 +53,30 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
                   assumptions=assumptions(su))
 
 
+def _degrees(preset: Any, su: Setup) -> Any:
+    """A TP / PP preset the user did not compose, at the degrees this cluster and model call
+    for (``planner.tp``/``planner.pp``, else TP inside a node and the smallest fitting PP)."""
+    if getattr(preset, "family", None) != "parallel":
+        return preset
+    import dataclasses
+
+    derived = {c.name: c for c in planned_candidates(su, su.options.tp, su.options.pp)}
+    tp = derived["megatron_tp"].tp if "megatron_tp" in derived else preset.tp
+    pp = derived["megatron_pp"].pp if "megatron_pp" in derived else preset.pp
+    if preset.pp > 1 and preset.tp > 1 and "megatron_3d" in derived:
+        tp, pp = derived["megatron_3d"].tp, derived["megatron_3d"].pp
+    return dataclasses.replace(preset, dp=None, tp=tp if preset.tp > 1 else 1,
+                               pp=pp if preset.pp > 1 else 1)
+
+
+def world_of(preset: Any, su: Setup) -> World:
+    cl = su.cluster
+    return World(cl.nodes, cl.devices, getattr(preset, "tp", 1), getattr(preset, "pp", 1))
+
+
 def _others(su: Setup, world: World, run: Run, skip: Plan) -> list[Plan]:
-    return [plan_candidate(candidate(load(n), world, run), su) for n in names()
-            if n != skip.strategy]
+    return [plan_candidate(candidate(p, world_of(p, su), run), su)
+            for p in (_degrees(load(n), su) for n in names()) if p.name != skip.strategy]
 
 
 def _hint(plans: list[Plan]) -> str:

@@ -120,15 +120,27 @@ def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, traina
         passes = 2 if lay.reshard_after_forward else 1
         add("param_offload_fetch", "copy", 1, 1, passes * params * sb.params / shard, "none",
             per_micro=True, link=link)
-    if shape is not None and c.tp > 1:  # Megatron: 2 all-reduces forward, 2 backward per block
-        per_layer = (4 + (2 if ckpt else 0)) * su.trainer.micro_batch_size * shape.seq_len * shape.dim
-        add("tp_all_reduce", "all_reduce", c.tp, 1, per_layer * sb.activation
-            * math.ceil(shape.n_layers / c.pp), "none", per_micro=True)
-    if shape is not None and c.pp > 1:  # one activation forward, one gradient back per boundary
+    if shape is not None and c.tp > 1:
+        # Row-parallel layers all-reduce their output in forward; column-parallel ones their
+        # input's gradient in backward, each separately (torch's DTensor TP does not fuse q, k,
+        # v: 2 forward + 5 backward per Llama block; Megatron's fused QKV would be 2 + 2).
+        # Recomputation repeats the forward ones. The embedding (row-parallel) all-reduces its
+        # output, the head (column-parallel) its input gradient; the replicated logits are
+        # all-gathered.
+        fwd, bwd = getattr(shape, "tp_collectives", lambda: (2, 4))()
+        layers = math.ceil(shape.n_layers / c.pp)
+        x = su.trainer.micro_batch_size * shape.seq_len * shape.dim * sb.activation
+        count = layers * (fwd * (2 if ckpt else 1) + bwd) + (2 if c.pp == 1 else 1)
+        add("tp_all_reduce", "all_reduce", c.tp, 1, count * x, "none", per_micro=True)
+        logits = su.trainer.micro_batch_size * shape.seq_len * shape.vocab_size * sb.activation
+        add("tp_logits_all_gather", "all_gather", c.tp, 1, logits, "none", per_micro=True)
+    if shape is not None and c.pp > 1:
+        # one activation forward, one gradient back per boundary and micro-batch: the first and
+        # last stages send one of the two, the middle ones both
         sp = su.options.sequence_parallel and c.tp > 1
         x = boundary_activation_bytes(su.trainer.micro_batch_size, shape.seq_len, shape.dim, sb.activation)
-        add("pp_send_recv", "send_recv", c.pp, c.tp * dp, 2 * x / (c.tp if sp else 1), "none",
-            per_micro=True, link="intra" if c.tp * dp < devices else "inter")
+        add("pp_send_recv", "send_recv", c.pp, c.tp * dp, (2 if c.pp > 2 else 1) * x / (c.tp if sp else 1),
+            "none", per_micro=True, link="intra" if c.tp * dp < devices else "inter")
     out.bytes_per_step = sum(x.bytes for x in out.by_collective.values())
     out.seconds_per_step = sum(x.seconds for x in out.by_collective.values())
     return out

@@ -113,6 +113,8 @@ class Candidate:
     tp: int = 1
     pp: int = 1
     planned_only: bool = False
+    microbatches: int | None = None
+    """A pipeline preset's micro-batches per step (None: derived from the batch)."""
     activation_checkpointing: bool = False
     master_weights: bool = False
     bucket_bytes: int = 25 * MiB
@@ -136,7 +138,9 @@ def candidate(preset: Any, world: World, run: Any = None) -> Candidate:
     """A preset's typed config (``strategies.load(name)``) as a planner candidate."""
     problems = tuple(preset.problems(world, run)) if run is not None else ()
     layout = preset.layout(world)
-    return Candidate(name=preset.name, layout=layout,
+    return Candidate(name=preset.name, layout=layout, tp=getattr(preset, "tp", 1),
+                     pp=getattr(preset, "pp", 1),
+                     microbatches=preset.chunks() if getattr(preset, "pp", 1) > 1 else None,
                      activation_checkpointing=bool(preset.activation_checkpointing),
                      master_weights=layout.master_weights,
                      bucket_bytes=int(getattr(preset, "bucket_cap_mb", 25)) * MiB,

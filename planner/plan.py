@@ -124,8 +124,10 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     mp = c.tp * c.pp
     params = su.params / mp
     trainable = (su.trainable if su.trainable is not None else su.params) / mp
-    accumulation = max(1, t.global_batch_size // (t.micro_batch_size * dp))
-    m = o.microbatches or (max(accumulation, c.pp) if c.pp > 1 else accumulation)
+    chunks = c.microbatches or 1  # a pipeline preset's micro-batches per engine step
+    accumulation = max(1, t.global_batch_size // (t.micro_batch_size * chunks * dp))
+    m = o.microbatches or c.microbatches or (max(accumulation, c.pp) if c.pp > 1 else accumulation)
+    per_step = m * accumulation if c.microbatches and not o.microbatches else m
     ckpt = c.activation_checkpointing if o.activation_checkpointing is None else o.activation_checkpointing
     notes = []
 
@@ -162,7 +164,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         fits = False
         notes.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
 
-    comm = communication(c, su, sb, params, trainable, dp, shard, m, ckpt)
+    comm = communication(c, su, sb, params, trainable, dp, shard, per_step, ckpt)
     compute = 6 * su.params * t.global_batch_size * su.seq_len / (
         world.size * cl.peak_tflops * 1e12 * o.mfu)
     if ckpt:

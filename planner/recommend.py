@@ -18,18 +18,19 @@ RUNGS = ("replicated", "sharded data parallel", "tensor parallel", "pipeline / 3
 # ----------------------------------------------------------------------------- candidates
 def planned_candidates(su: Setup, tp: int = 1, pp: int = 1) -> list[Candidate]:
     """TP inside a node and PP across nodes, with ZeRO-1 (Megatron's distributed optimizer)
-    over the data-parallel rest. Degrees: ``planner.tp``/``planner.pp``, or derived."""
+    over the data-parallel rest: planned only (the runnable tp / 3d presets shard data parallel
+    with FSDP2 instead). Degrees: ``planner.tp``/``planner.pp``, or derived."""
     devices, shape, out = su.cluster.devices, su.shape, []
     zero1 = Layout(optimizer=SHARDED)
     heads = math.gcd(shape.n_heads, shape.n_kv_heads) if shape else devices
     t = tp if tp > 1 else max((d for d in range(1, devices + 1)
                                if devices % d == 0 and heads % d == 0), default=1)
     if t > 1:
-        out.append(Candidate("tp", zero1, tp=t, planned_only=True,
+        out.append(Candidate("megatron_tp", zero1, tp=t, planned_only=True,
                              description=f"TP={t} inside a node x ZeRO-1 data parallel"))
     if pp > 1 or su.cluster.nodes > 1:
-        for name, t_ in (("pp", 1), ("3d", t)):
-            if name == "3d" and t_ <= 1:
+        for name, t_ in (("megatron_pp", 1), ("megatron_3d", t)):
+            if name == "megatron_3d" and t_ <= 1:
                 continue
             p = pp if pp > 1 else _fitting_pp(su, t_, zero1)
             out.append(Candidate(name, zero1, tp=t_, pp=p, planned_only=True,

@@ -72,7 +72,7 @@ def trace(shape: ModelConfig, regime: str) -> dict[str, float]:
     tokens = torch.randint(shape.vocab_size, (BATCH, SEQ))
     x = model.tok_embeddings(tokens)  # a non-leaf input, as in the model
     out = {}
-    for part, block in (("block", model.layers[0]), ("checkpointed", checkpoint_wrapper(model.layers[0]))):
+    for part, block in (("block", model.layers["0"]), ("checkpointed", checkpoint_wrapper(model.layers["0"]))):
         with _context(regime), SavedTensors(buffers=model.buffers()) as saved:
             block(x, model.rope)
         out[part] = saved.bytes / (BATCH * SEQ)

@@ -77,6 +77,12 @@ class ModelConfig:
         embeddings = self.embedding_params() * (1 if self.tie_embeddings else 2)
         return self.n_layers * self.block_params() + embeddings + self.dim
 
+    def tp_collectives(self) -> tuple[int, int]:
+        """All-reduces per block under tensor parallelism (forward, backward): recipes/gpt.py's
+        tp_plan has 2 row-parallel layers (attention output, MLP down) and 5 column-parallel
+        ones (q, k, v, gate, up), each all-reducing its input's gradient."""
+        return (2, 5)
+
     def flops_per_token(self) -> float:
         """Model FLOPs to train on one token (forward + backward), the convention MFU uses
         (PaLM, Chowdhery et al. 2022, app. B): 6 per parameter of every matmul (all but the input

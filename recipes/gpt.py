@@ -108,12 +108,18 @@ class GPT(nn.Module):
         "mlp.w1": "column", "mlp.w3": "column", "mlp.w2": "row",
     }
 
+    # How a pipeline splits the model at block boundaries: ``blocks`` is the ModuleDict of
+    # layers, ``first`` runs only on the first stage, ``last`` only on the last.
+    pp_plan = {"blocks": "layers", "first": ("tok_embeddings",), "last": ("norm", "output")}
+
     def __init__(self, shape: ModelConfig):
         super().__init__()
         self.shape = shape
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
         self.drop = nn.Dropout(shape.dropout)
-        self.layers = nn.ModuleList(Block(shape) for _ in range(shape.n_layers))
+        # A dict keyed by the layer's index: a pipeline stage deletes the layers it does not run
+        # and the others keep their names (and state-dict keys).
+        self.layers = nn.ModuleDict({str(i): Block(shape) for i in range(shape.n_layers)})
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
@@ -122,8 +128,12 @@ class GPT(nn.Module):
                              persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.drop(self.tok_embeddings(tokens))
-        for layer in self.layers:
+        # A pipeline stage has some of these set to None (see ``pp_plan``): the first stage
+        # takes tokens, the others hidden states; only the last one returns logits.
+        h = self.drop(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 

@@ -169,7 +169,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     problems += _logger_problems(objs["logger"])
     world = World(nodes=c.nodes, devices=c.devices, tp=getattr(strategy, "tp", 1),
                   pp=getattr(strategy, "pp", 1))
-    batch = Batch(t.global_batch_size, t.micro_batch_size, max(world.dp, 1))
+    batch = Batch(t.global_batch_size, t.micro_batch_size * strategy.chunks(), max(world.dp, 1))
     world_ok = c.nodes >= 1 and c.devices >= 1 and not world.problems()
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
@@ -184,6 +184,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
               grad_clip=float(t.grad_clip))
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += strategy.problems(world, run)
+        if not bad["model"]:
+            problems += strategy.model_problems(model)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
               callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, world=world,
               batch=batch, run=run, backend=objs["backend"].name)

@@ -11,7 +11,7 @@ libraries (DeepSpeed) are imported only then.
 
 from __future__ import annotations
 
-from strategies import ddp, fsdp, fsdp2, single, zero  # noqa: F401  (each family registers itself)
+from strategies import ddp, fsdp, fsdp2, parallel, single, zero  # noqa: F401  (each family registers itself)
 from strategies.base import Layout, Run, StrategyConfig, as_config, families, family
 from strategies.lightning_support import register_when_lightning_loads
 from strategies.mesh import Batch, ConfigError, World

@@ -100,8 +100,23 @@ class StrategyConfig:
         """Every problem with this preset on this world, as sentences naming key, value and fix."""
         return []
 
+    def model_problems(self, model: Any) -> list[str]:
+        """Problems of this preset with the model's shape (``recipes.config.ModelConfig``)."""
+        return []
+
+    def chunks(self) -> int:
+        """Micro-batches one engine step's batch is cut into inside the strategy (a pipeline's
+        micro-batches); the data loader serves trainer.micro_batch_size x this."""
+        return 1
+
     def layout(self, world: World) -> Layout:
         return Layout()
+
+    def world_role(self, world: World) -> str:
+        """What the whole-world process group carries under this preset (the communication
+        profile names groups by role): data-shard when it shards, else data-replicate."""
+        lay = self.layout(world)
+        return "data-shard" if SHARDED in (lay.params, lay.grads, lay.optimizer) else "data-replicate"
 
     def lightning(self, run: Run | None = None) -> Any:
         """The Lightning ``Strategy`` for this preset. It takes the world (nodes, devices), the

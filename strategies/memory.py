@@ -71,10 +71,13 @@ class SavedTensors:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if not self._is_parameter(t):
-            storage = local(t).untyped_storage()
-            key = storage.data_ptr() or id(storage)
+            try:
+                storage = local(t).untyped_storage()
+                key, nbytes = storage.data_ptr() or id(storage), storage.nbytes()
+            except RuntimeError:  # a wrapper without real storage (a functional collective's
+                key, nbytes = id(t), t.numel() * t.element_size()  # pending result): its size
             if key not in self.skip:
-                self.storages[key] = storage.nbytes()
+                self.storages[key] = nbytes
         return t
 
     def __enter__(self) -> SavedTensors:

@@ -125,9 +125,6 @@ class ZeroConfig(StrategyConfig):
             out.append("trainer.precision=16-mixed with DeepSpeed on CPU: its CPU accelerator has "
                        "no fp16 loss scaling; use trainer.precision=32 or bf16-mixed, or "
                        "cluster.accelerator=gpu")
-        if self.activation_checkpointing:
-            out.append("strategy.activation_checkpointing=true is not wired for the deepspeed "
-                       "family yet: set it to false")
         if world.tp != 1 or world.pp != 1:
             out.append(f"strategy={self.name} is data parallel only: tp={world.tp}, pp={world.pp} "
                        "must be 1")
@@ -366,6 +363,9 @@ def _strategy_class() -> type:
             self._init_deepspeed_distributed()
 
         def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            # activation checkpointing (torch's non-reentrant wrapper, which ZeRO-3's gather
+            # hooks see through) before the engine registers its hooks
+            model = self.preset.parallelize(model)
             if not self._on_cpu:
                 engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
             else:

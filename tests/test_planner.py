@@ -205,10 +205,10 @@ ROWS = {
          "planner.activation_checkpointing=true"), {"fsdp_hybrid", "hsdp2", "zero3"}),
     "pretrain 70B on 64 GPUs: ZeRO-3/FSDP + TP=8": (
         ("model=llama_70b", "cluster=slurm_8x8_h100", "trainer.global_batch_size=512",
-         "planner.activation_checkpointing=true"), {"tp"}),
+         "planner.activation_checkpointing=true"), {"megatron_tp", "tp", "fsdp_tp"}),
     "pretrain 175B on 512 GPUs: 3D parallelism": (
         (*_175B, "cluster=slurm_64x8_a100", "trainer.global_batch_size=1536",
-         "planner.activation_checkpointing=true"), {"3d"}),
+         "planner.activation_checkpointing=true"), {"megatron_3d", "3d"}),
     "single node, model exceeds VRAM: ZeRO-3 + CPU/NVMe offload": (
         ("model=llama_70b", "cluster=node_8x_a100_80g", "trainer.global_batch_size=8",
          "planner.activation_checkpointing=true"), {"zero3_offload", "zero_infinity",

@@ -81,4 +81,7 @@ class ObserverBridge(L.Callback):
         self.observers.step_end(engine, self._step, loss)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pipeline = getattr(trainer.strategy, "pipeline_report", None)
+        if pipeline is not None and (section := pipeline()) is not None:
+            self.observers.meta["pipeline"] = section  # collective: every rank calls it
         self.report = self.observers.train_end(LightningEngine(trainer))

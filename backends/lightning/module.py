@@ -40,6 +40,15 @@ class CausalLM(L.LightningModule):
         loss = training.loss(self.model, batch)
         return loss
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None) -> None:
+        # Strategies whose gradients span several meshes or pipeline stages clip themselves.
+        clip = getattr(self.trainer.strategy, "clip_global_norm", None)
+        if clip is not None and gradient_clip_val:
+            clip(optimizer, float(gradient_clip_val))
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         # The wrapped model's parameters: FSDP1 with use_orig_params=False registers the root
         # unit's flat parameter on the wrapper, not on this module.
