@@ -86,7 +86,8 @@ def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, traina
                                              overlap, per_micro)
 
     ratio = lay.grad_bytes_ratio
-    grad = trainable * (max(sb.reduce * ratio, min(sb.reduce, 2)) if ratio < 1 else sb.reduce)
+    reduce = {True: 4, False: min(sb.reduce, 2)}.get(lay.reduce_fp32, sb.reduce)
+    grad = trainable * (max(reduce * ratio, min(reduce, 2)) if ratio < 1 else reduce)
     stride, sharded_grads = c.tp, lay.grads == SHARDED
     if lay.params == lay.grads == lay.optimizer != SHARDED:
         add("grad_all_reduce", "all_reduce", dp, stride, grad, "backward")

@@ -65,7 +65,32 @@ class Setup:
         def obj(node: Any) -> Any:
             return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
 
-        return cls(obj(cfg.cluster), obj(cfg.trainer), obj(cfg.planner), model)
+        su = cls(obj(cfg.cluster), obj(cfg.trainer), obj(cfg.planner), model)
+        if problems := su.problems():
+            from strategies.mesh import ConfigError
+
+            raise ConfigError(problems)
+        return su
+
+    def problems(self) -> list[str]:
+        """What the planner's inputs contradict (each field's own range is checked at compose)."""
+        out, o = [], self.options
+        if o.trainable is not None and int(o.trainable) > self.params:
+            out.append(f"planner.trainable={int(o.trainable):,} exceeds the model's {self.params:,} "
+                       "parameters: set it to at most the parameter count (LoRA adapters: their "
+                       "own count), or null for all")
+        shape = self.model
+        for key, value in (("planner.tp", o.tp), ("planner.pp", o.pp)):
+            if value is None or value <= 1 or shape is None:
+                continue
+            if key == "planner.tp" and (shape.n_heads % value or shape.n_kv_heads % value):
+                out.append(f"planner.tp={value} must divide model.n_heads={shape.n_heads} and "
+                           f"model.n_kv_heads={shape.n_kv_heads} (tensor parallelism splits heads): "
+                           "choose a divisor of both")
+            if key == "planner.pp" and value > shape.n_layers:
+                out.append(f"planner.pp={value} exceeds model.n_layers={shape.n_layers}: every "
+                           "pipeline stage needs a block")
+        return out
 
     @property
     def shape(self) -> ModelDescription | None:

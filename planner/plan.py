@@ -13,7 +13,7 @@ from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup
 from planner.states import gb, model_states, state_bytes
 from strategies.base import CPU, NVME, SHARDED
-from strategies.mesh import World
+from strategies.mesh import Batch, World
 
 
 # ----------------------------------------------------------------------------- results
@@ -118,6 +118,8 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     world = World(cl.nodes, cl.devices, c.tp, c.pp)
     problems = list(c.problems) + world.problems()
     dp = max(world.dp, 1)
+    if not world.problems():  # the batch arithmetic train.py refuses
+        problems += Batch(t.global_batch_size, t.micro_batch_size * (c.microbatches or 1), dp).problems()
     shard = max(1, min(lay.shard_group or dp, dp))
     sb = state_bytes(o.accounting, t.precision, master_weights=c.master_weights or c.planned_only,
                      sharded_params=lay.params == SHARDED)
@@ -126,8 +128,11 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     trainable = (su.trainable if su.trainable is not None else su.params) / mp
     chunks = c.microbatches or 1  # a pipeline preset's micro-batches per engine step
     accumulation = max(1, t.global_batch_size // (t.micro_batch_size * chunks * dp))
-    m = o.microbatches or c.microbatches or (max(accumulation, c.pp) if c.pp > 1 else accumulation)
-    per_step = m * accumulation if c.microbatches and not o.microbatches else m
+    if c.pp > 1:  # planner.microbatches: a pipeline's micro-batches (others keep the batch's)
+        m = o.microbatches or c.microbatches or max(accumulation, c.pp)
+        per_step = m * accumulation if c.microbatches and not o.microbatches else m
+    else:
+        m = per_step = accumulation
     ckpt = c.activation_checkpointing if o.activation_checkpointing is None else o.activation_checkpointing
     notes = []
 

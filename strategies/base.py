@@ -61,6 +61,9 @@ class Layout:
     grad_all_reduce: bool = False
     """Sharded gradients come from an all-reduce of full buckets, each rank keeping its part
     (DeepSpeed ZeRO-1/2), not from a reduce-scatter."""
+    reduce_fp32: bool | None = None
+    """Gradients are reduced in fp32 whatever the precision (FSDP2's reduce_dtype); None: the
+    precision's usual reduce dtype."""
     master_weights: bool = False
     """The engine keeps its own fp32 copy of the parameters for the optimizer (DeepSpeed), sharded
     like the optimizer state, beside the working parameters (even in fp32 runs)."""

@@ -61,7 +61,8 @@ class FSDP2Config(StrategyConfig):
         return Layout(params=SHARDED, grads=SHARDED, optimizer=SHARDED,
                       shard_group=self.shard_size(world) if self.hybrid else None,
                       reshard_after_forward=self.reshard_after_forward,
-                      backward_regather="blocks")  # parallelize keeps the root gathered
+                      backward_regather="blocks",  # parallelize keeps the root gathered
+                      reduce_fp32=self.reduce_fp32)
 
     def lightning(self, run: Run | None = None) -> Any:
         return _strategy_class()(self)

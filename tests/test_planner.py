@@ -356,3 +356,51 @@ def test_calibrated_activations_scale_with_the_shape():
     # checkpointing keeps each block's input and re-runs one block in backward
     ckpt = activation_bytes(shape, micro=1, regime="32", ckpt=True)
     assert ckpt < activation_bytes(shape, micro=1, regime="32") / 3
+
+
+# -------------------------------------------------------- planner truth: inputs it must not take
+def _plans(*overrides):
+    from planner import plan_all
+
+    cfg = _compose(overrides)
+    return {p.strategy: p for p in plan_all(cfg, describe(cfg.model)).plans}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides, needle", [
+    (("model=gpt_nano", "planner.trainable=1000000"), "planner.trainable=1,000,000 exceeds"),
+    (("model=llama_7b", "cluster=node_8x_h100", "planner.tp=3"), "planner.tp=3 must divide"),
+    (("model=gpt_nano", "planner.pp=3"), "planner.pp=3 exceeds model.n_layers=2"),
+])
+def test_contradictory_planner_inputs_are_refused(overrides, needle):
+    from strategies import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _plans(*overrides)
+    assert needle in str(e.value)
+
+
+@pytest.mark.unit
+def test_batch_arithmetic_is_checked_like_train_py():
+    """global 4 on 8 data-parallel ranks cannot run: every data-parallel plan says why."""
+    plans = _plans("model=gpt_nano", "cluster=node_8x_h100", "trainer.global_batch_size=4")
+    assert any("not divisible" in p for p in plans["ddp"].problems)
+    assert not plans["ddp"].runnable
+
+
+@pytest.mark.unit
+def test_fsdp2_reduce_fp32_doubles_the_reduce_scatter():
+    base = ("model=llama_1b", "cluster=node_8x_h100", "strategy=fsdp2")
+    fp32 = _plans(*base, "strategy.reduce_fp32=true")["fsdp2"]
+    low = _plans(*base, "strategy.reduce_fp32=false")["fsdp2"]
+    key = "grad_reduce_scatter"
+    assert fp32.communication.by_collective[key].bytes == 2 * low.communication.by_collective[key].bytes
+
+
+@pytest.mark.unit
+def test_planner_microbatches_only_move_pipelines():
+    base = ("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+    a, b = _plans(*base), _plans(*base, "planner.microbatches=16")
+    assert a["ddp"].communication.bytes_per_step == b["ddp"].communication.bytes_per_step
+    assert a["zero3"].communication.bytes_per_step == b["zero3"].communication.bytes_per_step
+    assert a["pipeline"].bubble_fraction != b["pipeline"].bubble_fraction
