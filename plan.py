@@ -30,7 +30,8 @@ def main(argv: list[str]) -> None:
     cfg = cli.or_exit(lambda: compose(argv))
     cli.or_exit(lambda: validate(cfg, depth=CONFIG))
     chosen = any(a.split("=")[0].lstrip("+~") == "strategy" for a in argv)
-    render(plan_all(cfg, describe(cfg.model), chosen=chosen), cfg.planner.format, detailed=chosen)
+    report = cli.or_exit(lambda: plan_all(cfg, describe(cfg.model), chosen=chosen))
+    render(report, cfg.planner.format, detailed=chosen)
 
 
 if __name__ == "__main__":

@@ -404,3 +404,14 @@ def test_planner_microbatches_only_move_pipelines():
     assert a["ddp"].communication.bytes_per_step == b["ddp"].communication.bytes_per_step
     assert a["zero3"].communication.bytes_per_step == b["zero3"].communication.bytes_per_step
     assert a["pipeline"].bubble_fraction != b["pipeline"].bubble_fraction
+
+
+@pytest.mark.unit
+def test_plan_py_prints_the_contradiction_without_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "plan.py", "model=gpt_nano", "planner.trainable=1000000"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "planner.trainable=1,000,000 exceeds" in proc.stderr
