@@ -21,15 +21,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_PRESETS = ["ddp", "ddp_fp16_compress", "ddp_powersgd", "fsdp", "fsdp_grad_op", "fsdp2",
-               "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+               "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "tp", "pipeline"]
+# Presets whose step is cut differently: TP has one data-parallel replica (the whole global
+# batch per step), a 2-stage pipeline runs 4 micro-batches per schedule.
+MICRO = {"tp": lambda a: a.global_batch, "pipeline": lambda a: a.global_batch // 4}
 
 
 def run(preset: str, args: argparse.Namespace, out: Path) -> dict | None:
     cmd = [sys.executable, str(ROOT / "train.py"), f"strategy={preset}", f"model={args.model}",
            "data=synthetic", f"cluster.devices={args.devices}", f"cluster.accelerator={args.accelerator}",
            f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.global_batch}",
-           f"trainer.micro_batch_size={args.global_batch // args.devices}", "trainer.warmup_steps=0",
-           "callbacks.progress_bar=false", "planner.enforce=false", f"hydra.run.dir={out}"]
+           f"trainer.micro_batch_size={MICRO.get(preset, lambda a: a.global_batch // a.devices)(args)}",
+           "trainer.warmup_steps=0", "callbacks.progress_bar=false", "planner.enforce=false",
+           *args.extra, f"hydra.run.dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
@@ -48,6 +52,7 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     args = p.parse_args()
     presets = ["ddp"] + [x for x in args.presets if x != "ddp"]
 
