@@ -1,0 +1,99 @@
+"""Launching, for real: a multirun of multi-process strategies with its comparison report, two
+torchrun "nodes" on loopback, a real one-node Slurm (slurm-wlm + munge) driven through
+hydra-submitit-launcher, the SageMaker job built offline, and bad launch input refused before
+anything is submitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GLOO_ABORT, ROOT, TINY, assert_losses_close, assert_params_close, run_cli
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _strays(mark: str) -> list[str]:
+    """Processes still alive that carry ``mark`` in their environment (every process the run
+    started inherits it, ranks included, however they were started)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if mark.encode() in (proc / "environ").read_bytes():
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{proc.name}: {cmdline!r}")
+        except OSError:
+            continue
+    return found
+
+
+def _sweep(tmp_path: Path, *overrides: str, name: str = "sweep", timeout: float = 400):
+    sweep, mark = tmp_path / name, uuid.uuid4().hex
+    t0 = time.perf_counter()
+    run = run_cli("train.py", "-m", *TINY, *overrides, f"hydra.sweep.dir={sweep}", out=tmp_path / "unused",
+                  timeout=timeout, env={"STRATAGEM_TEST_MARK": mark})
+    elapsed = time.perf_counter() - t0
+    time.sleep(0.5)
+    assert not _strays(mark), f"processes left behind: {_strays(mark)}"
+    return run, sweep, elapsed
+
+
+# --------------------------------------------------------------------------- multirun
+@pytest.mark.multiprocess
+def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
+    """Three 2-process jobs one after another, each its own process group and directory; no rank
+    re-runs the sweep (Lightning's launcher would re-execute the command line); the sweep
+    report compares them; the sweep costs about three single runs (one interpreter)."""
+    steps = ("trainer.max_steps=3", "cluster.devices=2")
+    t0 = time.perf_counter()
+    single = run_cli("train.py", *TINY, *steps, "strategy=ddp", out=tmp_path / "single")
+    one = time.perf_counter() - t0
+    run, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
+    print(f"single 2-process run {one:.1f}s; sweep of 3 {elapsed:.1f}s")
+    assert elapsed < 3 * one * 1.25, f"sweep {elapsed:.1f}s vs 3 x {one:.1f}s"
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1", "2"], jobs  # nothing else: no rank started a sweep of its own
+    reports = [json.loads((sweep / j / "report.json").read_text()) for j in jobs]
+    assert [(r["strategy"], r["world_size"]) for r in reports] == [("ddp", 2), ("fsdp", 2), ("zero2", 2)]
+    assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
+    assert_losses_close(single.losses, reports[0]["losses"], rtol=1e-6)
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["strategy"], r["status"]) for r in rows] == [("ddp", "ok"), ("fsdp", "ok"), ("zero2", "ok")]
+    for r, rep in zip(rows, reports):
+        assert r["final_loss"] == rep["final_loss"] and r["tokens_per_second"] > 0
+        assert len(r["state_bytes_per_rank"]) == len(r["peak_memory_per_rank"]) == 2
+        assert r["comm_bytes_per_step"] > 0 and r["predicted_comm_bytes_per_step"] > 0
+        assert r["predicted_fits"] is True
+        assert r["predicted_state_bytes"] == pytest.approx(r["state_bytes_per_rank"][0], rel=0.01)
+    assert rows[1]["state_bytes_per_rank"][0] < rows[0]["state_bytes_per_rank"][0]  # fsdp shards
+    md = (sweep / "sweep_report.md").read_text()
+    assert all(f"`strategy={s}`" in md for s in ("ddp", "fsdp", "zero2"))
+    assert (sweep / "sweep_report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.multiprocess
+def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
+    """Job by job: too little memory -> skipped with the planner's reason; a resume file that is
+    not a checkpoint -> failed at run time with its error; the other job runs; the sweep ends
+    normally with every job a row."""
+    garbage = tmp_path / "not_a_checkpoint.ckpt"
+    garbage.write_text("not a checkpoint")
+    run, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true",
+                           "cluster.device_memory_GB=1e-6,24", f"trainer.resume_from=null,{garbage}")
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["skipped", "skipped", "ok", "failed"], rows
+    assert "does not fit" in rows[0]["reason"] or "needs" in rows[0]["reason"], rows[0]["reason"]
+    assert "planner.enforce=false" in rows[0]["reason"] and rows[0]["predicted_fits"] is False
+    assert rows[3]["reason"] and not (sweep / "3" / "report.json").exists()
+    assert rows[2]["final_loss"] is not None
+    md = (sweep / "sweep_report.md").read_text()
+    assert "skipped" in md and "failed" in md
