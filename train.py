@@ -71,6 +71,7 @@ def train(job: Job, predicted: dict, out: Path) -> None:
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     cli.started()
+    launchers.launched()  # (under srun: exports this task's rank first, for the logger)
     cli.rank_aware_logging()
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -97,3 +97,40 @@ def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
     assert rows[2]["final_loss"] is not None
     md = (sweep / "sweep_report.md").read_text()
     assert "skipped" in md and "failed" in md
+
+
+# --------------------------------------------------------------------------- torchrun, two nodes
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_torchrun_nodes_on_loopback_equal_the_local_two_process_run(tmp_path, cached):
+    """One command per "node" (two agents of one process each) rendezvous at 127.0.0.1 (c10d)
+    and train exactly what the local 2-process run trains."""
+    steps = ("strategy=ddp", "trainer.max_steps=3", "trainer.export_params=true")
+    local = cached(*steps, "cluster.devices=2")
+    node = [sys.executable, str(ROOT / "train.py"), *TINY, *steps, "cluster=torchrun", "cluster.accelerator=cpu",
+            "cluster.nodes=2", "cluster.devices=1", f"cluster.rdzv_endpoint=127.0.0.1:{_free_port()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([*node, f"hydra.run.dir={tmp_path / f'node{i}'}"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert not any(GLOO_ABORT in x for x in logs)
+    written = [d for d in (tmp_path / "node0", tmp_path / "node1") if (d / "report.json").exists()]
+    assert len(written) == 1, "exactly one node holds global rank 0"
+    report = json.loads((written[0] / "report.json").read_text())
+    assert report["world_size"] == 2 and report["config"]["cluster"]["nodes"] == 2
+    assert_losses_close(local.losses, report["losses"], rtol=1e-6)
+    import torch
+
+    assert_params_close(local.params(), torch.load(written[0] / "params.pt"), rtol=1e-6)
