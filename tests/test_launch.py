@@ -36,13 +36,17 @@ def _strays(mark: str) -> list[str]:
     return found
 
 
-def _sweep(tmp_path: Path, *overrides: str, name: str = "sweep", timeout: float = 400):
+def _sweep(tmp_path: Path, *overrides: str, name: str = "sweep", timeout: float = 400,
+           env: dict[str, str] | None = None):
     sweep, mark = tmp_path / name, uuid.uuid4().hex
     t0 = time.perf_counter()
     run = run_cli("train.py", "-m", *TINY, *overrides, f"hydra.sweep.dir={sweep}", out=tmp_path / "unused",
-                  timeout=timeout, env={"STRATAGEM_TEST_MARK": mark})
+                  timeout=timeout, env={**(env or {}), "STRATAGEM_TEST_MARK": mark})
     elapsed = time.perf_counter() - t0
-    time.sleep(0.5)
+    for _ in range(40):  # (Slurm reaps a finished job's tasks a moment after it reports it done)
+        if not _strays(mark):
+            break
+        time.sleep(0.25)
     assert not _strays(mark), f"processes left behind: {_strays(mark)}"
     return run, sweep, elapsed
 
@@ -134,3 +138,116 @@ def test_two_torchrun_nodes_on_loopback_equal_the_local_two_process_run(tmp_path
     import torch
 
     assert_params_close(local.params(), torch.load(written[0] / "params.pt"), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- a real Slurm
+SLURM = ROOT / "tests" / "slurm"
+
+
+def _no_slurm() -> str | None:
+    """Why a real Slurm cannot run here, or None."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        return "hydra-submitit-launcher is not installed (pip install -e '.[test]')"
+    if not shutil.which("slurmctld"):
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            return "Slurm is not installed and cannot be (needs root and apt-get: slurm-wlm, munge)"
+    elif os.geteuid() != 0:
+        return "the one-node Slurm of tests/slurm/up.sh runs its daemons as root"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real one-node Slurm (slurmctld + slurmd, munge) on localhost, for this module: the
+    environment its clients need (SLURM_CONF; PATH with an sacct stand-in, as there is no
+    accounting database). The node advertises 4 CPUs on 2 cores, so both jobs of a 2-job sweep
+    of 2-task jobs run at once."""
+    why = _no_slurm()
+    if why:
+        print(f"SKIPPED (real Slurm): {why}")
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("slurm")
+    base = {**os.environ, "SLURM_DIR": str(d), "SLURM_CPUS": "4", "SLURM_CTLD_PORT": str(_free_port()),
+            "SLURMD_PORT": str(_free_port())}
+    up = subprocess.run([str(SLURM / "up.sh")], env=base, capture_output=True, text=True, timeout=900)
+    if up.returncode:
+        if "installing" in up.stderr and not shutil_which("slurmctld"):
+            print(f"SKIPPED (real Slurm): could not install it:\n{up.stderr[-2000:]}")
+            pytest.skip("slurm-wlm / munge could not be installed here")
+        pytest.fail(f"tests/slurm/up.sh failed:\n{up.stderr[-3000:]}")
+    env = {"SLURM_CONF": str(d / "slurm.conf"), "PATH": f"{SLURM / 'bin'}:{os.environ['PATH']}"}
+    try:
+        yield env
+    finally:
+        subprocess.run([str(SLURM / "down.sh")], env=base, capture_output=True, timeout=120)
+
+
+def shutil_which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+def _submission(sweep: Path) -> str:
+    scripts = sorted(sweep.glob(".submitit/*/*_submission.sh"))
+    assert scripts, f"no submission script under {sweep / '.submitit'}"
+    return scripts[0].read_text()
+
+
+@pytest.mark.multiprocess
+def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
+    """hydra/launcher=submitit_slurm with cluster=slurm_local: a 2-job sweep is one array; each
+    job is a Slurm job with one task per device, srun starts the ranks, Slurm's environment
+    numbers them; the DDP job trains what the local 2-process run trains."""
+    local = cached("strategy=ddp", "trainer.max_steps=3", "cluster.devices=2")
+    run, sweep, elapsed = _sweep(tmp_path, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
+                                 "trainer.max_steps=3", "strategy=ddp,fsdp", env=slurm)
+    print(f"slurm sweep of 2 two-task jobs: {elapsed:.1f}s")
+    script = _submission(sweep)
+    for flag in ("--array=0-1", "--ntasks-per-node=2", "--nodes=1", "--cpus-per-task=1", "--time=10",
+                 "--signal=USR1@60", "--requeue"):
+        assert flag in script, f"{flag} not in the submission:\n{script}"
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["strategy"], r["status"], r["world_size"]) for r in rows] == [("ddp", "ok", 2), ("fsdp", "ok", 2)]
+    reports = [json.loads((sweep / j / "report.json").read_text()) for j in ("0", "1")]
+    assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
+    assert_losses_close(local.losses, reports[0]["losses"], rtol=1e-6)
+    for j in ("0", "1"):  # two srun tasks per job, each a rank
+        tasks = sorted(sweep.glob(f".submitit/*_{j}/*_{j}_*_log.out"))
+        assert len(tasks) == 2, tasks
+
+
+@pytest.mark.multiprocess
+def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
+    """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit): Lightning
+    saves hpc_ckpt_1.ckpt and runs `scontrol requeue`; the job starts again and resumes there."""
+    steps, sweep = 400, tmp_path / "requeue"
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
+           "cluster=slurm_local", "strategy=ddp", f"trainer.max_steps={steps}", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log, deadline = sweep / "0" / "train.log", time.time() + 180
+        while not (log.exists() and "trainer:" in log.read_text()):  # rank 0 is training
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        time.sleep(2)
+        job = next(sweep.glob(".submitit/*_0")).name  # <array id>_0
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    import torch
+
+    ckpt = sweep / "0" / "hpc_ckpt_1.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (sweep / "0").iterdir())
+    resumed = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
+    report = json.loads((sweep / "0" / "report.json").read_text())
+    assert 0 < resumed < steps and report["steps"] == steps - resumed, (resumed, report["steps"])
+    assert "Restoring states from the checkpoint" in log.read_text()
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"]
