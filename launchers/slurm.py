@@ -47,6 +47,26 @@ def export_torch_env() -> None:
         os.environ.setdefault(key, str(value))
 
 
+def stopped_by_slurm(error: BaseException) -> bool:
+    """``error`` is how Lightning ends training after Slurm's SIGTERM (a requeue, a preemption,
+    a cancel) inside a Slurm job."""
+    if "SLURM_JOB_ID" not in os.environ or "lightning" not in sys.modules:
+        return False
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(error, SIGTERMException)
+
+
+def leave_without_result() -> None:
+    """End this attempt of the job with no result for submitit: a requeued job runs again (and
+    resumes from the checkpoint Lightning saved) and its next attempt writes the result; a
+    cancelled one is reported by submitit as cancelled. (Returning would report a result.)"""
+    log.warning("stopped by Slurm (SIGTERM): this attempt ends without a result; a requeued job "
+                "resumes from its checkpoint")
+    logging.shutdown()
+    os._exit(143)
+
+
 # --------------------------------------------------------------------------- before submission
 def _partitions() -> dict[str, dict[str, Any]] | None:
     """The controller's partitions: name -> CPUs per node, nodes, GPUs per node (None: no sinfo)."""

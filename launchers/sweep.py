@@ -24,6 +24,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from launchers import slurm
 from observers.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ def record(out: Path, status: str, reason: str | None = None, plan: dict[str, An
 
 def guard(out: Path, job: Callable[[], Any]) -> Any:
     """Run one job of a sweep: its status is recorded, and no error escapes to end the sweep.
-    ``SystemExit`` (a configuration error's exit 2) is a failed job like any other."""
+    ``SystemExit`` (a configuration error's exit 2) is a failed job like any other; Slurm's
+    SIGTERM (a requeue) is not a result at all (slurm.leave_without_result)."""
     try:
         result = job()
     except WillNotFit as e:
@@ -60,6 +62,8 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
         record(out, SKIPPED, str(e), e.plan)
         return None
     except (Exception, SystemExit) as e:  # noqa: BLE001  (a failed job is a row, the sweep goes on)
+        if slurm.stopped_by_slurm(e):
+            slurm.leave_without_result()
         reason = str(e) if not isinstance(e, SystemExit) else f"exit code {e.code}"
         log.error("job failed: %s\n%s", reason, traceback.format_exc())
         record(out, FAILED, f"{type(e).__name__}: {reason}")

@@ -235,7 +235,8 @@ def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.5)
         time.sleep(2)
-        job = next(sweep.glob(".submitit/*_0")).name  # <array id>_0
+        job = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()[0]  # (this Slurm runs our jobs only)
         subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
         out = proc.communicate(timeout=300)[0]
     finally:
