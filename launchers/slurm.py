@@ -73,7 +73,7 @@ def _partitions() -> dict[str, dict[str, Any]] | None:
     if not shutil.which("sinfo"):
         return None
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%R|%c|%D|%G"], capture_output=True, text=True,
+        out = subprocess.run(["sinfo", "-h", "-o", "%P|%c|%D|%G"], capture_output=True, text=True,
                              timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None

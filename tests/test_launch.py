@@ -252,3 +252,102 @@ def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
     assert "Restoring states from the checkpoint" in log.read_text()
     rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok"]
+
+
+# --------------------------------------------------------------------------- SageMaker
+_NO_SDK = """
+import atexit, runpy, sys
+atexit.register(lambda: sys.stderr.write('LOADED=' + ','.join(sorted({m.split('.')[0] for m in sys.modules}
+                                           & {'sagemaker', 'boto3', 'torch', 'lightning'})) + '\\n'))
+sys.argv = %r
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+@pytest.mark.unit
+def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
+    argv = ["launch.py", "cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b",
+            "trainer.max_steps=100", "cluster.sagemaker.output_path=s3://b/out",
+            "cluster.sagemaker.checkpoint_s3_uri=s3://b/ckpt", "--dry-run"]
+    proc = subprocess.run([sys.executable, "-c", _NO_SDK % argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = next(x for x in proc.stderr.splitlines() if x.startswith("LOADED=")).removeprefix("LOADED=")
+    assert loaded == "", f"--dry-run imported {loaded}"  # no SDK, no cloud, no engine
+    text = proc.stdout
+    args = json.loads(text[text.index("{"):text.index("\n}\n") + 2])
+    assert args["compute"] == {"instance_type": "ml.p5.48xlarge", "instance_count": 2, "volume_size_in_gb": 100}
+    assert args["source_code"]["source_dir"] == str(ROOT)
+    command = ("pip install -q -e . && python train.py cluster=sagemaker_p5_2node strategy=fsdp "
+               "model=llama_1b trainer.max_steps=100 cluster.sagemaker.output_path=s3://b/out "
+               "cluster.sagemaker.checkpoint_s3_uri=s3://b/ckpt hydra.run.dir=/opt/ml/checkpoints/run")
+    assert args["source_code"]["command"] == command
+    assert args["checkpoint_config"] == {"s3_uri": "s3://b/ckpt", "local_path": "/opt/ml/checkpoints"}
+    assert args["output_data_config"] == {"s3_output_path": "s3://b/out"}
+    assert args["training_image"]["framework"] == "pytorch"
+    for i in (0, 1):
+        assert f"algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {command}" in text
+
+
+def _sagemaker_env(monkeypatch, rank: int, hosts: int = 2) -> None:
+    """What SageMaker's training container exports (as its SDK's environment script does)."""
+    names = [f"algo-{i + 1}" for i in range(hosts)]
+    for k, v in {"SM_HOSTS": json.dumps(names), "SM_CURRENT_HOST": names[rank], "SM_HOST_COUNT": str(hosts),
+                 "SM_CURRENT_HOST_RANK": str(rank), "SM_MASTER_ADDR": "algo-1", "SM_MASTER_PORT": "7777",
+                 "SM_NUM_GPUS": "8", "TRAINING_JOB_NAME": "stratagem-1"}.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.unit
+def test_in_a_sagemaker_container_the_run_takes_its_nodes_from_sagemaker(monkeypatch):
+    import launchers
+    from launchers.local import Rendezvous, rendezvous
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+
+    cfg = compose(["cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b"])
+    job = validate(cfg, depth=RUN)
+    assert any("python launch.py cluster=sagemaker_p5_2node" in p for p in launchers.check(job))
+    _sagemaker_env(monkeypatch, rank=1)
+    assert launchers.check(job) == []
+    assert rendezvous(job) == Rendezvous(2, "algo-1:7777", "sagemaker-stratagem-1", 0)
+    three = validate(compose(["cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b",
+                              "cluster.nodes=3", "trainer.global_batch_size=48"]), depth=RUN)
+    assert any("cluster.nodes=3 but this SageMaker job has 2 instance(s)" in p for p in launchers.check(three))
+
+
+# --------------------------------------------------------------------------- bad input
+def _refused(run, *needles: str) -> None:
+    assert run.proc.returncode == 2, run.log[-3000:]
+    for needle in needles:
+        assert needle in run.log, f"{needle!r} not in:\n{run.log[-3000:]}"
+    assert "Initializing distributed" not in run.log and "Submitit" not in run.log
+
+
+@pytest.mark.unit
+def test_a_multi_node_torchrun_without_a_rendezvous_is_refused(tmp_path):
+    run = run_cli("train.py", *TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=2", out=tmp_path / "bad",
+                  check=False)
+    _refused(run, "cluster.rdzv_endpoint=null", "cluster.nodes=2", "cluster.rdzv_endpoint=<node 0's address>:29500")
+
+
+@pytest.mark.unit
+def test_an_unknown_slurm_key_is_refused_before_submission(tmp_path):
+    run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
+                  "cluster.slurm.partiton=debug", f"hydra.sweep.dir={tmp_path / 'sweep'}", out=tmp_path / "bad",
+                  check=False)
+    _refused(run, "partiton")
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("override, needles", [
+    ("cluster.slurm.partition=gpu", ("cluster.slurm.partition='gpu' is not a partition", "debug")),
+    ("cluster.devices=8", ("cluster.devices=8 ranks", "have 4 CPUs", "cluster.devices<=4")),
+], ids=["unknown-partition", "devices-per-node"])
+def test_what_this_slurm_cannot_run_is_refused_before_submission(slurm, tmp_path, override, needles):
+    run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local", override,
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", out=tmp_path / "bad", check=False, env=slurm,
+                  timeout=60)
+    _refused(run, *needles)
+    assert not (tmp_path / "sweep" / ".submitit").exists()
