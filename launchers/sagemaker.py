@@ -115,8 +115,8 @@ def dry_run(args: dict[str, Any], hosts: int) -> str:
     return "\n".join(lines)
 
 
-def submit(args: dict[str, Any]) -> str:
-    """Build the SDK's objects from ``args`` and start the job (not waiting); its name."""
+def build(args: dict[str, Any]) -> Any:
+    """The SDK's ``ModelTrainer`` for ``args`` (no AWS call but the image lookup)."""
     from sagemaker.core import image_uris
     from sagemaker.train import ModelTrainer
     from sagemaker.train.configs import (CheckpointConfig, Compute, OutputDataConfig, SourceCode,
@@ -136,6 +136,11 @@ def submit(args: dict[str, Any]) -> str:
                               if args["checkpoint_config"] else None),
     }
     rest = {k: v for k, v in args.items() if k not in built and v is not None}
-    trainer = ModelTrainer(**{k: v for k, v in built.items() if v is not None}, **rest)
+    return ModelTrainer(**{k: v for k, v in built.items() if v is not None}, **rest)
+
+
+def submit(args: dict[str, Any]) -> str:
+    """Start the job (not waiting for it); its name."""
+    trainer = build(args)
     trainer.train(wait=False)
     return str(getattr(trainer, "_latest_training_job", None) or args["base_job_name"])

@@ -289,6 +289,23 @@ def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
         assert f"algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {command}" in text
 
 
+@pytest.mark.unit
+def test_the_sagemaker_sdk_accepts_the_job(monkeypatch):
+    """The dry run's arguments build the SDK's own ModelTrainer (offline: no call to AWS)."""
+    pytest.importorskip("sagemaker", reason="the SageMaker SDK extra is not installed ('.[sagemaker]')")
+    from launchers import sagemaker
+    from recipes.config import compose
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "AKIAOFFLINE", "AWS_SECRET_ACCESS_KEY": "offline",
+                 "AWS_DEFAULT_REGION": "us-west-2", "SAGEMAKER_VALIDATE_ROLE": "false"}.items():
+        monkeypatch.setenv(k, v)
+    cluster = compose(["cluster=sagemaker_p5_2node", "cluster.sagemaker.region=us-west-2",
+                       "cluster.sagemaker.role=arn:aws:iam::123456789012:role/Training"]).cluster
+    trainer = sagemaker.build(sagemaker.job_arguments(cluster, ["strategy=fsdp"], str(ROOT)))
+    assert trainer.compute.instance_count == 2 and "pytorch-training:2.8.0" in trainer.training_image
+    assert trainer.source_code.command.endswith("hydra.run.dir=/opt/ml/checkpoints/run")
+
+
 def _sagemaker_env(monkeypatch, rank: int, hosts: int = 2) -> None:
     """What SageMaker's training container exports (as its SDK's environment script does)."""
     names = [f"algo-{i + 1}" for i in range(hosts)]
