@@ -19,6 +19,9 @@ from tests.conftest import GLOO_ABORT, ROOT, TINY, assert_losses_close, assert_p
 
 pytestmark = pytest.mark.timeout(600)
 
+# The local 2-process run the torchrun nodes and the Slurm job are compared with (trained once).
+LOCAL_DDP = ("strategy=ddp", "trainer.max_steps=3", "trainer.export_params=true", "cluster.devices=2")
+
 
 def _strays(mark: str) -> list[str]:
     """Processes still alive that carry ``mark`` in their environment (every process the run
@@ -116,8 +119,8 @@ def _free_port() -> int:
 def test_two_torchrun_nodes_on_loopback_equal_the_local_two_process_run(tmp_path, cached):
     """One command per "node" (two agents of one process each) rendezvous at 127.0.0.1 (c10d)
     and train exactly what the local 2-process run trains."""
-    steps = ("strategy=ddp", "trainer.max_steps=3", "trainer.export_params=true")
-    local = cached(*steps, "cluster.devices=2")
+    steps = LOCAL_DDP[:-1]
+    local = cached(*LOCAL_DDP)
     node = [sys.executable, str(ROOT / "train.py"), *TINY, *steps, "cluster=torchrun", "cluster.accelerator=cpu",
             "cluster.nodes=2", "cluster.devices=1", f"cluster.rdzv_endpoint=127.0.0.1:{_free_port()}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -202,7 +205,7 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
     """hydra/launcher=submitit_slurm with cluster=slurm_local: a 2-job sweep is one array; each
     job is a Slurm job with one task per device, srun starts the ranks, Slurm's environment
     numbers them; the DDP job trains what the local 2-process run trains."""
-    local = cached("strategy=ddp", "trainer.max_steps=3", "cluster.devices=2")
+    local = cached(*LOCAL_DDP)
     run, sweep, elapsed = _sweep(tmp_path, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
                                  "trainer.max_steps=3", "strategy=ddp,fsdp", env=slurm)
     print(f"slurm sweep of 2 two-task jobs: {elapsed:.1f}s")
@@ -224,7 +227,7 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
 def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
     """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit): Lightning
     saves hpc_ckpt_1.ckpt and runs `scontrol requeue`; the job starts again and resumes there."""
-    steps, sweep = 400, tmp_path / "requeue"
+    steps, sweep = 250, tmp_path / "requeue"
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
            "cluster=slurm_local", "strategy=ddp", f"trainer.max_steps={steps}", f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -234,7 +237,7 @@ def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
         while not (log.exists() and "trainer:" in log.read_text()):  # rank 0 is training
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.5)
-        time.sleep(2)
+        time.sleep(1)
         job = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True,
                              check=True).stdout.split()[0]  # (this Slurm runs our jobs only)
         subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
