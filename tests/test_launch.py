@@ -175,6 +175,7 @@ def slurm(tmp_path_factory):
     d = tmp_path_factory.mktemp("slurm")
     base = {**os.environ, "SLURM_DIR": str(d), "SLURM_CPUS": "4", "SLURM_CTLD_PORT": str(_free_port()),
             "SLURMD_PORT": str(_free_port())}
+    munge_was_up = subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
     up = subprocess.run([str(SLURM / "up.sh")], env=base, capture_output=True, text=True, timeout=900)
     if up.returncode:
         if "installing" in up.stderr and not shutil_which("slurmctld"):
@@ -185,7 +186,8 @@ def slurm(tmp_path_factory):
     try:
         yield env
     finally:
-        subprocess.run([str(SLURM / "down.sh")], env=base, capture_output=True, timeout=120)
+        stop = {"MUNGE_STOP": "0" if munge_was_up else "1"}  # (leave a munged we did not start)
+        subprocess.run([str(SLURM / "down.sh")], env={**base, **stop}, capture_output=True, timeout=120)
 
 
 def shutil_which(name: str) -> str | None:
