@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from launchers import sagemaker
+from launchers import sagemaker, slurm
 from launchers.local import launched, run_local_ranks
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ def check(job: Job) -> list[str]:
             return [f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} is not host:port: set e.g. "
                     "cluster.rdzv_endpoint=10.0.0.1:29500"]
         return []
+    if slurm.srun_task():
+        return slurm.world_problems(size)
     if launched():
         return []
     if c.launcher == "slurm" and size > 1:

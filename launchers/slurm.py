@@ -47,6 +47,16 @@ def export_torch_env() -> None:
         os.environ.setdefault(key, str(value))
 
 
+def world_problems(size: int) -> list[str]:
+    """The srun step against the job's world (a rank of a mismatched step would hang or fail)."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if tasks == size:
+        return []
+    return [f"srun started {tasks} task(s) but cluster.nodes x cluster.devices = {size}: start one "
+            "task per rank (srun --ntasks-per-node=<cluster.devices>), or set the cluster to the "
+            "allocation"]
+
+
 def stopped_by_slurm(error: BaseException) -> bool:
     """``error`` is how Lightning ends training after Slurm's SIGTERM (a requeue, a preemption,
     a cancel) inside a Slurm job."""
@@ -89,6 +99,10 @@ def _partitions() -> dict[str, dict[str, Any]] | None:
     return parts
 
 
+SHAPE = ("cluster", "cluster.nodes", "cluster.devices", "cluster.slurm.cpus_per_task")
+"""What decides the allocation: the same for every job of one submission."""
+
+
 def problems(cfg: DictConfig) -> list[str]:
     """What Slurm would refuse (or run wrongly) about the composed config, before submission."""
     c = cfg.cluster
@@ -96,6 +110,11 @@ def problems(cfg: DictConfig) -> list[str]:
         return [f"hydra/launcher=submitit_slurm with cluster.launcher={c.launcher}: each Slurm task "
                 "is a rank, so the cluster must say so: use a cluster=slurm_* config (or set "
                 "cluster.launcher=slurm)"]
+    swept = [o for o in cfg.hydra.overrides.task
+             if o.split("=")[0].lstrip("+~") in SHAPE and "," in o.partition("=")[2]]
+    if swept:
+        return [f"{', '.join(swept)}: one Slurm array asks one allocation shape for every job; "
+                "sweep cluster shapes as separate multiruns (one per shape)"]
     parts = _partitions()
     if parts is None:
         log.warning("sinfo is not available here: partition and node sizes are left to Slurm")

@@ -366,7 +366,8 @@ def test_an_unknown_slurm_key_is_refused_before_submission(tmp_path):
 @pytest.mark.parametrize("override, needles", [
     ("cluster.slurm.partition=gpu", ("cluster.slurm.partition='gpu' is not a partition", "debug")),
     ("cluster.devices=8", ("cluster.devices=8 ranks", "have 4 CPUs", "cluster.devices<=4")),
-], ids=["unknown-partition", "devices-per-node"])
+    ("cluster.devices=1,2", ("cluster.devices=1,2: one Slurm array asks one allocation shape",)),
+], ids=["unknown-partition", "devices-per-node", "swept-shape"])
 def test_what_this_slurm_cannot_run_is_refused_before_submission(slurm, tmp_path, override, needles):
     run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local", override,
                   f"hydra.sweep.dir={tmp_path / 'sweep'}", out=tmp_path / "bad", check=False, env=slurm,
