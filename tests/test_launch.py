@@ -206,20 +206,23 @@ def _submission(sweep: Path) -> str:
 def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
     """hydra/launcher=submitit_slurm with cluster=slurm_local: a 2-job sweep is one array; each
     job is a Slurm job with one task per device, srun starts the ranks, Slurm's environment
-    numbers them; the DDP job trains what the local 2-process run trains."""
+    numbers them (Lightning's SLURMEnvironment; for Accelerate, torch's variables exported from
+    it); both engines train what the local 2-process run trains."""
     local = cached(*LOCAL_DDP)
     run, sweep, elapsed = _sweep(tmp_path, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
-                                 "trainer.max_steps=3", "strategy=ddp,fsdp", env=slurm)
+                                 "trainer.max_steps=3", "strategy=ddp", "backend=lightning,accelerate", env=slurm)
     print(f"slurm sweep of 2 two-task jobs: {elapsed:.1f}s")
     script = _submission(sweep)
     for flag in ("--array=0-1", "--ntasks-per-node=2", "--nodes=1", "--cpus-per-task=1", "--time=10",
                  "--signal=USR1@60", "--requeue"):
         assert flag in script, f"{flag} not in the submission:\n{script}"
     rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
-    assert [(r["strategy"], r["status"], r["world_size"]) for r in rows] == [("ddp", "ok", 2), ("fsdp", "ok", 2)]
+    assert [(r["strategy"], r["status"], r["world_size"]) for r in rows] == [("ddp", "ok", 2)] * 2
     reports = [json.loads((sweep / j / "report.json").read_text()) for j in ("0", "1")]
+    assert [r["backend"] for r in reports] == ["lightning", "accelerate"]
     assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
     assert_losses_close(local.losses, reports[0]["losses"], rtol=1e-6)
+    assert_losses_close(local.losses, reports[1]["losses"], rtol=1e-5)
     for j in ("0", "1"):  # two srun tasks per job, each a rank
         tasks = sorted(sweep.glob(f".submitit/*_{j}/*_{j}_*_log.out"))
         assert len(tasks) == 2, tasks
@@ -309,6 +312,20 @@ def test_the_sagemaker_sdk_accepts_the_job(monkeypatch):
     trainer = sagemaker.build(sagemaker.job_arguments(cluster, ["strategy=fsdp"], str(ROOT)))
     assert trainer.compute.instance_count == 2 and "pytorch-training:2.8.0" in trainer.training_image
     assert trainer.source_code.command.endswith("hydra.run.dir=/opt/ml/checkpoints/run")
+
+
+@pytest.mark.unit
+def test_launch_py_refuses_before_submission(tmp_path):
+    """Not a SageMaker cluster; and submitting without the SDK names the extra."""
+    run = run_cli("launch.py", "cluster=slurm_8x8_h100", "strategy=fsdp", "model=llama_1b", out=tmp_path,
+                  check=False)
+    assert run.proc.returncode == 2 and "launch.py submits cluster.launcher=sagemaker" in run.log
+    import importlib.util
+
+    if importlib.util.find_spec("sagemaker") is None:
+        run = run_cli("launch.py", "cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b", out=tmp_path,
+                      check=False)
+        assert run.proc.returncode == 2 and "pip install -e '.[sagemaker]'" in run.log, run.log
 
 
 def _sagemaker_env(monkeypatch, rank: int, hosts: int = 2) -> None:
