@@ -25,9 +25,9 @@ import launchers
 import launchers.sweep
 import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
 import strategies  # noqa: F401  (stores each strategy family's schema)
+from launchers.sweep import WillNotFit
 from recipes import cli
 from recipes.job import Job, validate
-from launchers.sweep import WillNotFit
 from strategies import ConfigError
 
 log = logging.getLogger("train")

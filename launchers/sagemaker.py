@@ -58,7 +58,7 @@ def environment() -> Environment:
     hosts = _list(e["SM_HOSTS"])
     return Environment(hosts=int(e.get("SM_HOST_COUNT", len(hosts))),
                        host_rank=int(e.get("SM_CURRENT_HOST_RANK", hosts.index(e["SM_CURRENT_HOST"]))),
-                       master_addr=e.get("SM_MASTER_ADDR", sorted(hosts)[0]),
+                       master_addr=e.get("SM_MASTER_ADDR", min(hosts)),
                        master_port=int(e.get("SM_MASTER_PORT", "29500")),
                        gpus=int(e.get("SM_NUM_GPUS", "0")),
                        job_name=e.get("TRAINING_JOB_NAME", "job"))
@@ -119,8 +119,13 @@ def build(args: dict[str, Any]) -> Any:
     """The SDK's ``ModelTrainer`` for ``args`` (no AWS call but the image lookup)."""
     from sagemaker.core import image_uris
     from sagemaker.train import ModelTrainer
-    from sagemaker.train.configs import (CheckpointConfig, Compute, OutputDataConfig, SourceCode,
-                                         StoppingCondition)
+    from sagemaker.train.configs import (
+        CheckpointConfig,
+        Compute,
+        OutputDataConfig,
+        SourceCode,
+        StoppingCondition,
+    )
 
     image = args["training_image"]
     if isinstance(image, dict):

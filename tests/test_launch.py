@@ -64,7 +64,7 @@ def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     t0 = time.perf_counter()
     single = run_cli("train.py", *TINY, *steps, "strategy=ddp", out=tmp_path / "single")
     one = time.perf_counter() - t0
-    run, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
+    _, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
     print(f"single 2-process run {one:.1f}s; sweep of 3 {elapsed:.1f}s")
     assert elapsed < 3 * one * 1.25, f"sweep {elapsed:.1f}s vs 3 x {one:.1f}s"
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
@@ -94,7 +94,7 @@ def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
     normally with every job a row."""
     garbage = tmp_path / "not_a_checkpoint.ckpt"
     garbage.write_text("not a checkpoint")
-    run, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true",
+    _, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true",
                            "cluster.device_memory_GB=1e-6,24", f"trainer.resume_from=null,{garbage}")
     rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["skipped", "skipped", "ok", "failed"], rows
@@ -175,8 +175,10 @@ def slurm(tmp_path_factory):
     d = tmp_path_factory.mktemp("slurm")
     base = {**os.environ, "SLURM_DIR": str(d), "SLURM_CPUS": "4", "SLURM_CTLD_PORT": str(_free_port()),
             "SLURMD_PORT": str(_free_port())}
-    munge_was_up = subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
-    up = subprocess.run([str(SLURM / "up.sh")], env=base, capture_output=True, text=True, timeout=900)
+    munge_was_up = subprocess.run("munge -n | unmunge", shell=True, capture_output=True,
+                                  check=False).returncode == 0
+    up = subprocess.run([str(SLURM / "up.sh")], env=base, capture_output=True, text=True, timeout=900,
+                        check=False)
     if up.returncode:
         if "installing" in up.stderr and not shutil_which("slurmctld"):
             print(f"SKIPPED (real Slurm): could not install it:\n{up.stderr[-2000:]}")
@@ -187,7 +189,8 @@ def slurm(tmp_path_factory):
         yield env
     finally:
         stop = {"MUNGE_STOP": "0" if munge_was_up else "1"}  # (leave a munged we did not start)
-        subprocess.run([str(SLURM / "down.sh")], env={**base, **stop}, capture_output=True, timeout=120)
+        subprocess.run([str(SLURM / "down.sh")], env={**base, **stop}, capture_output=True, timeout=120,
+                       check=False)
 
 
 def shutil_which(name: str) -> str | None:
@@ -209,7 +212,7 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
     numbers them (Lightning's SLURMEnvironment; for Accelerate, torch's variables exported from
     it); both engines train what the local 2-process run trains."""
     local = cached(*LOCAL_DDP)
-    run, sweep, elapsed = _sweep(tmp_path, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
+    _, sweep, elapsed = _sweep(tmp_path, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
                                  "trainer.max_steps=3", "strategy=ddp", "backend=lightning,accelerate", env=slurm)
     print(f"slurm sweep of 2 two-task jobs: {elapsed:.1f}s")
     script = _submission(sweep)
@@ -278,7 +281,7 @@ def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
             "trainer.max_steps=100", "cluster.sagemaker.output_path=s3://b/out",
             "cluster.sagemaker.checkpoint_s3_uri=s3://b/ckpt", "--dry-run"]
     proc = subprocess.run([sys.executable, "-c", _NO_SDK % argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = next(x for x in proc.stderr.splitlines() if x.startswith("LOADED=")).removeprefix("LOADED=")
     assert loaded == "", f"--dry-run imported {loaded}"  # no SDK, no cloud, no engine
