@@ -4,6 +4,7 @@
     python train.py strategy=ddp cluster.devices=2 trainer.max_steps=50
     python train.py --cfg job strategy=ddp                    # print the composed config
     python train.py -m trainer.lr=1e-3,3e-3                   # a sweep
+    python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2   # + sweep_report.md/json/png
 
 compose (Hydra) -> validate -> plan -> [launch the ranks] -> backend.build -> backend.fit ->
 report; each rank tears its process group down. The backend named by ``backend=`` (backends/)
@@ -21,8 +22,10 @@ from omegaconf import DictConfig
 
 import backends
 import launchers
+import launchers.sweep
 import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
 import strategies  # noqa: F401  (stores each strategy family's schema)
+from launchers.sweep import WillNotFit
 from recipes import cli
 from recipes.job import Job, validate
 from strategies import ConfigError
@@ -36,27 +39,20 @@ def plan(job: Job) -> dict:
 
     result = preflight(job.cfg, job.model)
     log.info("%s", result.summary())
+    predicted = plan_dict(result)
     if not result.fits and job.cfg.planner.enforce:
-        raise ConfigError(result.message() + " (set planner.enforce=false to launch anyway)")
-    return plan_dict(result)
+        raise WillNotFit(result.message() + " (set planner.enforce=false to launch anyway)", predicted)
+    return predicted
 
 
-@hydra.main(config_path="conf", config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
-    cli.started()
-    cli.rank_aware_logging()
-    try:
-        job = validate(cfg, extra=[backends.check, launchers.check])
-        predicted = plan(job)
-    except ConfigError as e:
-        cli.fail(e, log)
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+def prepare(cfg: DictConfig, sweep: str | None) -> tuple[Job, dict]:
+    """Validate and plan: every configuration error before any process starts."""
+    job = validate(cfg, extra=[backends.check, launchers.check])
+    return dataclasses.replace(job, sweep=sweep), plan(job)
 
-    hydra_cfg = HydraConfig.get()
-    out = Path(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        job = dataclasses.replace(job, sweep=str(hydra_cfg.sweep.dir))
+
+def train(job: Job, predicted: dict, out: Path) -> None:
+    """Start the ranks (or be one), train, and log where the report is."""
     if job.world.size > 1 and not launchers.launched():
         outcome = launchers.run_local_ranks(job, out, predicted)
     else:
@@ -70,6 +66,28 @@ def main(cfg: DictConfig) -> None:
 
             log.info("predicted vs measured (rank 0):\n%s",
                      "\n".join(summary_lines(r["predicted_vs_measured"])))
+
+
+@hydra.main(config_path="conf", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    cli.started()
+    launchers.launched()  # (under srun: exports this task's rank first, for the logger)
+    cli.rank_aware_logging()
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    out = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        # One job of a sweep: whatever happens is a row of the sweep report, and the sweep goes on.
+        sweep = str(hydra_cfg.sweep.dir)
+        launchers.sweep.guard(out, lambda: train(*prepare(cfg, sweep), out))
+        return
+    try:
+        job, predicted = prepare(cfg, None)
+    except (ConfigError, WillNotFit) as e:
+        cli.fail(e, log)
+    train(job, predicted, out)
 
 
 if __name__ == "__main__":

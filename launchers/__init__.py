@@ -1,15 +1,21 @@
 """Launching: how the ranks of a job start. Separate from strategies and backends: a backend
-trains one rank; a launcher decides where and how many.
+trains one rank; a launcher decides where and how many (``cluster.launcher``).
 
 - ``local``: plain ``python train.py`` with more than one process -- the ranks of this machine
   through torch's elastic launch API (what torchrun uses), each running the job it is handed.
-- already launched (``torchrun``, ``accelerate launch``): this process is a rank; nothing starts.
+- ``torchrun``: the same on every node of a multi-node job, meeting at ``cluster.rdzv_endpoint``.
+- ``slurm``: a Hydra multirun through hydra-submitit-launcher, one Slurm task per rank (slurm.py).
+- ``sagemaker``: ``launch.py`` builds the SageMaker job; in the container, one node per instance.
+- already launched (``torchrun``, ``accelerate launch``, ``srun``): this process is a rank.
+- ``sweep.py``: a multirun's comparison report.
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
+from launchers import sagemaker, slurm
 from launchers.local import launched, run_local_ranks
 
 if TYPE_CHECKING:
@@ -17,11 +23,38 @@ if TYPE_CHECKING:
 
 __all__ = ["check", "launched", "run_local_ranks"]
 
+ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
+
 
 def check(job: Job) -> list[str]:
-    """What no launcher here can start (for ``recipes.job.validate(extra=...)``)."""
-    if job.world.nodes > 1 and not launched():
-        return [f"cluster.nodes={job.world.nodes}: plain `python train.py` starts the ranks of one "
-                "machine; start every node with its own launcher (torchrun --nnodes "
-                f"{job.world.nodes} --node-rank <i> ... train.py ..., or accelerate launch)"]
+    """What the chosen launcher cannot start here (for ``recipes.job.validate(extra=...)``)."""
+    c, size = job.cluster, job.world.size
+    if sagemaker.in_container():
+        return sagemaker.problems(c.nodes, c.devices, job.run.accelerator)
+    if c.launcher == "torchrun":
+        if c.rdzv_endpoint is None and c.nodes > 1:
+            return [f"cluster.rdzv_endpoint=null with cluster.nodes={c.nodes}: the nodes of a torchrun "
+                    "job meet at one rendezvous; set cluster.rdzv_endpoint=<node 0's address>:29500 "
+                    "(the same on every node)"]
+        if c.rdzv_endpoint is not None and not ENDPOINT.match(c.rdzv_endpoint):
+            return [f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} is not host:port: set e.g. "
+                    "cluster.rdzv_endpoint=10.0.0.1:29500"]
+        return []
+    if slurm.srun_task():
+        return slurm.world_problems(size)
+    if launched():
+        return []
+    if c.launcher == "slurm" and size > 1:
+        return [f"cluster.launcher=slurm: each of the {size} ranks is a Slurm task; submit with "
+                f"python train.py -m hydra/launcher=submitit_slurm cluster={c.name} ... (a sweep of "
+                f"one job is fine), or inside an allocation: srun --ntasks-per-node={c.devices} "
+                "python train.py ..."]
+    if c.launcher == "sagemaker":
+        return [f"cluster.launcher=sagemaker: the ranks start inside a SageMaker training job; "
+                f"submit it with python launch.py cluster={c.name} ... (--dry-run to see it first)"]
+    if c.nodes > 1:
+        return [f"cluster.nodes={c.nodes}: plain `python train.py` starts the ranks of one machine; "
+                f"start every node with cluster=torchrun cluster.nodes={c.nodes} "
+                "cluster.rdzv_endpoint=<node 0>:29500 (one command per node), or with torchrun "
+                f"--nnodes {c.nodes} ... train.py ..., or through Slurm or SageMaker"]
     return []

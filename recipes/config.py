@@ -104,9 +104,54 @@ class ModelConfig:
         return out
 
 
+LAUNCHERS = ("local", "torchrun", "slurm", "sagemaker")
+
+
+@dataclass
+class SlurmConfig:
+    """``cluster.launcher=slurm``: what every Slurm job of the run asks for. The launch callback
+    (launchers/slurm.py) hands these to hydra-submitit-launcher, with one task per device."""
+
+    partition: str | None = free(None, "a partition name; checked against sinfo before submission")
+    time_min: int = knob(60, min=1)
+    """Time limit of each job, minutes (sbatch --time)."""
+    account: str | None = free(None, "an account name, checked by Slurm")
+    qos: str | None = free(None, "a QOS name, checked by Slurm")
+    constraint: str | None = free(None, "a feature expression, checked by Slurm")
+    cpus_per_task: int = knob(1, min=1)
+    """CPUs per rank (sbatch --cpus-per-task)."""
+    mem_gb: int | None = knob(None, min=1)
+    """Memory per node, GB (sbatch --mem); None: the partition's default."""
+    requeue_signal_s: int = knob(90, min=0)
+    """Seconds before the time limit Slurm sends SIGUSR1: Lightning saves a checkpoint and
+    requeues the job, which resumes from it (0: no signal)."""
+    array_parallelism: int = knob(256, min=1)
+    """At most this many jobs of a sweep's array run at once."""
+
+
+@dataclass
+class SageMakerConfig:
+    """``cluster.launcher=sagemaker``: the training job launch.py builds (the SageMaker SDK)."""
+
+    instance_type: str = free("ml.p5.48xlarge", "a SageMaker training instance type")
+    role: str | None = free(None, "an IAM role ARN; None: the SDK's default execution role")
+    image_uri: str | None = free(None, "a training image; None: the SDK's PyTorch image")
+    framework_version: str = free("2.8.0", "a PyTorch image version the SDK knows")
+    py_version: str = free("py312", "the PyTorch image's Python")
+    region: str | None = free(None, "an AWS region; None: the SDK's default")
+    output_path: str | None = free(None, "s3://bucket/prefix for the job's output")
+    checkpoint_s3_uri: str | None = free(None, "s3://bucket/prefix synced with /opt/ml/checkpoints")
+    max_run_s: int = knob(86400, min=1)
+    """The job's time limit, seconds."""
+    volume_gb: int = knob(100, min=1)
+    """EBS volume per instance, GB."""
+    base_job_name: str = free("stratagem", "the job name's prefix")
+
+
 @dataclass
 class ClusterConfig:
-    """Hardware as data: the launcher reads the first three, the planner all of them."""
+    """Hardware as data: the launcher reads nodes, devices, accelerator and the launch keys, the
+    planner the hardware."""
 
     name: str = "local"
     nodes: int = knob(1, min=1)
@@ -125,6 +170,15 @@ class ClusterConfig:
     nvme_GB: float = knob(0.0, min=0.0)
     oversubscribe: bool = False
     """Allow more CPU processes than cores (tests of 4-rank meshes on a 2-core machine)."""
+    launcher: str = knob("local", choices=LAUNCHERS)
+    """How the ranks start: local (this machine), torchrun (one command per node, c10d
+    rendezvous), slurm (srun, through hydra/launcher=submitit_slurm), sagemaker (launch.py)."""
+    rdzv_endpoint: str | None = free(None, "host:port every node reaches (checked before launch)")
+    """torchrun: the c10d rendezvous, host:port (needed with nodes > 1; node 0's address)."""
+    max_restarts: int = knob(0, min=0)
+    """torchrun: restarts of the node's ranks after one fails, before the job fails."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    sagemaker: SageMakerConfig = field(default_factory=SageMakerConfig)
 
     @property
     def size(self) -> int:

@@ -1,0 +1,64 @@
+"""Submit a training job to a cluster that needs a submission step of its own: SageMaker.
+
+    python launch.py cluster=sagemaker_p5_2node strategy=fsdp model=llama_7b --dry-run
+    python launch.py cluster=sagemaker_p5_2node strategy=fsdp model=llama_7b \\
+        cluster.sagemaker.role=arn:aws:iam::<account>:role/<role> \\
+        cluster.sagemaker.output_path=s3://<bucket>/stratagem cluster.sagemaker.checkpoint_s3_uri=s3://<bucket>/ckpt
+
+Takes train.py's overrides, checks the run they describe as train.py would (not this machine),
+asks the planner whether it fits, then builds the SageMaker training job (launchers/sagemaker.py)
+and submits it with the SageMaker Python SDK (``pip install -e ".[sagemaker]"``). ``--dry-run``
+prints the job's arguments and the exact command every host will run; it needs neither the SDK
+nor AWS. Other clusters need no launch step: ``python train.py`` (local, torchrun) or
+``python train.py -m hydra/launcher=submitit_slurm cluster=slurm_...`` (Slurm).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from recipes import cli
+
+ROOT = Path(__file__).resolve().parent
+
+
+def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__ + "\n" + cli.groups_help())
+        return
+    from launchers import sagemaker
+    from planner import preflight
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+
+    dry = "--dry-run" in argv
+    overrides = cli.normalize([a for a in argv if a != "--dry-run"])
+    cfg = cli.or_exit(lambda: compose(overrides))
+
+    def _problems(job) -> list[str]:
+        out = []
+        if job.cluster.launcher != "sagemaker":
+            out.append(f"cluster={job.cluster.name} (cluster.launcher={job.cluster.launcher}) needs no "
+                       "launch step: run python train.py ... (Slurm: python train.py -m "
+                       "hydra/launcher=submitit_slurm ...); launch.py submits cluster.launcher=sagemaker "
+                       "clusters, e.g. cluster=sagemaker_p5_2node")
+        verdict = preflight(job.cfg, job.model)
+        if not verdict.fits and job.cfg.planner.enforce:
+            out.append(verdict.message() + " (set planner.enforce=false to submit anyway)")
+        if not dry and importlib.util.find_spec("sagemaker") is None:
+            out.append("submitting needs the SageMaker Python SDK, which is not installed: "
+                       "pip install -e '.[sagemaker]' (or add --dry-run to see the job without it)")
+        return out
+
+    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
+    args = sagemaker.job_arguments(job.cluster, overrides, str(ROOT))
+    if dry:
+        print(sagemaker.dry_run(args, job.cluster.nodes))
+        return
+    print(f"submitted SageMaker training job {sagemaker.submit(args)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,151 @@
+"""SageMaker: ``python launch.py cluster=sagemaker_p5_2node strategy=fsdp ...`` builds a training
+job with the SageMaker Python SDK (v3, ``ModelTrainer``) and submits it; ``--dry-run`` prints the
+job's arguments and the exact command every host runs, and needs neither the SDK nor AWS.
+
+Every host runs the same command, ``python train.py <your overrides> <the paths below>``, in the
+source directory SageMaker unpacks (the repository, uploaded by the SDK). Inside the container
+train.py reads SageMaker's environment (``in_container``, ``environment``): one node per
+instance, ``cluster.devices`` ranks per node started by launchers/local.py, the c10d rendezvous
+at SageMaker's master host. The run directory is ``/opt/ml/checkpoints/run``, which SageMaker
+syncs with ``cluster.sagemaker.checkpoint_s3_uri`` (checkpoints and report survive the job, and
+a restarted job finds them); ``/opt/ml/model`` and ``/opt/ml/output`` go to ``output_path``.
+
+The SDK is an optional extra (``pip install -e ".[sagemaker]"``), imported by ``submit`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+CODE_DIR = "/opt/ml/input/data/code"
+"""Where SageMaker unpacks the source directory (the command runs there)."""
+RUN_DIR = "/opt/ml/checkpoints/run"
+CHECKPOINT_DIR = "/opt/ml/checkpoints"
+IGNORE = [".git", "__pycache__", "outputs", "multirun", ".venv", "*.egg-info", "wandb", "lightning_logs"]
+
+
+# --------------------------------------------------------------------------- inside the container
+def in_container() -> bool:
+    """This process runs in a SageMaker training job (the environment SageMaker sets up)."""
+    return "SM_CURRENT_HOST" in os.environ and "SM_HOSTS" in os.environ
+
+
+@dataclass(frozen=True)
+class Environment:
+    hosts: int
+    host_rank: int
+    master_addr: str
+    master_port: int
+    gpus: int
+    job_name: str
+
+
+def _list(text: str) -> list[str]:
+    try:
+        return list(json.loads(text))
+    except ValueError:
+        return list(ast.literal_eval(text))
+
+
+def environment() -> Environment:
+    """The job's shape as SageMaker describes it to this host."""
+    e = os.environ
+    hosts = _list(e["SM_HOSTS"])
+    return Environment(hosts=int(e.get("SM_HOST_COUNT", len(hosts))),
+                       host_rank=int(e.get("SM_CURRENT_HOST_RANK", hosts.index(e["SM_CURRENT_HOST"]))),
+                       master_addr=e.get("SM_MASTER_ADDR", min(hosts)),
+                       master_port=int(e.get("SM_MASTER_PORT", "29500")),
+                       gpus=int(e.get("SM_NUM_GPUS", "0")),
+                       job_name=e.get("TRAINING_JOB_NAME", "job"))
+
+
+def problems(nodes: int, devices: int, accelerator: str) -> list[str]:
+    """The cluster config against the job SageMaker really started (inside the container)."""
+    env, out = environment(), []
+    if nodes != env.hosts:
+        out.append(f"cluster.nodes={nodes} but this SageMaker job has {env.hosts} instance(s): "
+                   f"set cluster.nodes={env.hosts} (launch.py sets the instance count from it)")
+    if accelerator == "gpu" and devices > env.gpus:
+        out.append(f"cluster.devices={devices} but this instance has {env.gpus} GPU(s): "
+                   f"set cluster.devices<={env.gpus}")
+    return out
+
+
+# --------------------------------------------------------------------------- building the job
+def host_command(overrides: list[str]) -> str:
+    """What every host runs, in CODE_DIR: our dependencies (the PyTorch image has torch), then
+    train.py with the user's overrides and SageMaker's paths."""
+    args = [*overrides, f"hydra.run.dir={RUN_DIR}"]
+    return "pip install -q -e . && python train.py " + " ".join(shlex.quote(a) for a in args)
+
+
+def job_arguments(cluster: Any, overrides: list[str], source_dir: str) -> dict[str, Any]:
+    """``ModelTrainer``'s arguments as plain data (``submit`` turns them into the SDK's objects)."""
+    s = cluster.sagemaker
+    image = s.image_uri or {"framework": "pytorch", "version": s.framework_version,
+                            "py_version": s.py_version, "instance_type": s.instance_type,
+                            "image_scope": "training", "region": s.region}
+    return {
+        "base_job_name": s.base_job_name,
+        "role": s.role,
+        "training_image": image,
+        "source_code": {"source_dir": source_dir, "command": host_command(overrides),
+                        "ignore_patterns": IGNORE},
+        "compute": {"instance_type": s.instance_type, "instance_count": cluster.nodes,
+                    "volume_size_in_gb": s.volume_gb},
+        "stopping_condition": {"max_runtime_in_seconds": s.max_run_s},
+        "output_data_config": {"s3_output_path": s.output_path} if s.output_path else None,
+        "checkpoint_config": ({"s3_uri": s.checkpoint_s3_uri, "local_path": CHECKPOINT_DIR}
+                              if s.checkpoint_s3_uri else None),
+        "environment": {"OMP_NUM_THREADS": "1"},
+    }
+
+
+def dry_run(args: dict[str, Any], hosts: int) -> str:
+    """The job's arguments and each host's command, as printed by ``launch.py --dry-run``."""
+    lines = ["SageMaker training job (ModelTrainer arguments):", json.dumps(args, indent=1), "",
+             f"each host runs, in {CODE_DIR}:"]
+    lines += [f"  algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {args['source_code']['command']}"
+              for i in range(hosts)]
+    return "\n".join(lines)
+
+
+def build(args: dict[str, Any]) -> Any:
+    """The SDK's ``ModelTrainer`` for ``args`` (no AWS call but the image lookup)."""
+    from sagemaker.core import image_uris
+    from sagemaker.train import ModelTrainer
+    from sagemaker.train.configs import (
+        CheckpointConfig,
+        Compute,
+        OutputDataConfig,
+        SourceCode,
+        StoppingCondition,
+    )
+
+    image = args["training_image"]
+    if isinstance(image, dict):
+        image = image_uris.retrieve(**{k: v for k, v in image.items() if v is not None})
+    built = {
+        "training_image": image,
+        "source_code": SourceCode(**args["source_code"]),
+        "compute": Compute(**args["compute"]),
+        "stopping_condition": StoppingCondition(**args["stopping_condition"]),
+        "output_data_config": (OutputDataConfig(**args["output_data_config"])
+                               if args["output_data_config"] else None),
+        "checkpoint_config": (CheckpointConfig(**args["checkpoint_config"])
+                              if args["checkpoint_config"] else None),
+    }
+    rest = {k: v for k, v in args.items() if k not in built and v is not None}
+    return ModelTrainer(**{k: v for k, v in built.items() if v is not None}, **rest)
+
+
+def submit(args: dict[str, Any]) -> str:
+    """Start the job (not waiting for it); its name."""
+    trainer = build(args)
+    trainer.train(wait=False)
+    return str(getattr(trainer, "_latest_training_job", None) or args["base_job_name"])

@@ -1,0 +1,181 @@
+"""Slurm: each Hydra job is a Slurm job with one task per device, submitted by
+hydra-submitit-launcher (``python train.py -m hydra/launcher=submitit_slurm cluster=slurm_...``);
+srun starts the tasks and every task is one rank.
+
+- ``SlurmSubmission`` (a Hydra callback, conf/hydra/default.yaml) runs before the sweep is
+  submitted: it refuses what Slurm would refuse later (a partition that does not exist, more
+  ranks per node than a node has CPUs or GPUs, a cluster that is not a Slurm cluster), and fills
+  the launcher's request from ``cluster`` -- nodes, one task per device, partition, time,
+  account, QOS, constraint, and SIGUSR1 before the time limit -- so the cluster config is the one
+  place these are set.
+- In the job, ``srun_task`` / ``export_torch_env``: ranks and addresses come from Lightning's
+  ``SLURMEnvironment`` (the Lightning backend uses it as is, with its auto-requeue: on SIGUSR1 it
+  saves ``hpc_ckpt_<n>.ckpt`` in the run directory and runs ``scontrol requeue``; the requeued job
+  resumes from it); torch's ``env://`` variables are exported from it for every other engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict
+
+log = logging.getLogger(__name__)
+
+
+def srun_task() -> bool:
+    """This process is one task of an srun step with more than one task (the batch script
+    itself is no step's task; ``srun -n1`` launches nothing distributed)."""
+    return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+
+
+def export_torch_env() -> None:
+    """RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT from Lightning's reading
+    of Slurm's environment (its port rule, so both agree); what is set already is kept."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = SLURMEnvironment()
+    for key, value in (("RANK", env.global_rank()), ("LOCAL_RANK", env.local_rank()),
+                       ("WORLD_SIZE", env.world_size()), ("NODE_RANK", env.node_rank()),
+                       ("MASTER_ADDR", env.main_address), ("MASTER_PORT", env.main_port)):
+        os.environ.setdefault(key, str(value))
+
+
+def world_problems(size: int) -> list[str]:
+    """The srun step against the job's world (a rank of a mismatched step would hang or fail)."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if tasks == size:
+        return []
+    return [f"srun started {tasks} task(s) but cluster.nodes x cluster.devices = {size}: start one "
+            "task per rank (srun --ntasks-per-node=<cluster.devices>), or set the cluster to the "
+            "allocation"]
+
+
+def stopped_by_slurm(error: BaseException) -> bool:
+    """``error`` is how Lightning ends training after Slurm's SIGTERM (a requeue, a preemption,
+    a cancel) inside a Slurm job."""
+    if "SLURM_JOB_ID" not in os.environ or "lightning" not in sys.modules:
+        return False
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(error, SIGTERMException)
+
+
+def leave_without_result() -> None:
+    """End this attempt of the job with no result for submitit: a requeued job runs again (and
+    resumes from the checkpoint Lightning saved) and its next attempt writes the result; a
+    cancelled one is reported by submitit as cancelled. (Returning would report a result.)"""
+    log.warning("stopped by Slurm (SIGTERM): this attempt ends without a result; a requeued job "
+                "resumes from its checkpoint")
+    logging.shutdown()
+    os._exit(143)
+
+
+# --------------------------------------------------------------------------- before submission
+def _partitions() -> dict[str, dict[str, Any]] | None:
+    """The controller's partitions: name -> CPUs per node, nodes, GPUs per node (None: no sinfo)."""
+    if not shutil.which("sinfo"):
+        return None
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P|%c|%D|%G"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    parts: dict[str, dict[str, Any]] = {}
+    for line in out.splitlines():
+        name, cpus, nodes, gres = line.split("|")
+        gpus = sum(int(g.split(":")[-1].split("(")[0]) for g in gres.split(",")
+                   if g.startswith("gpu") and g.split(":")[-1].split("(")[0].isdigit())
+        p = parts.setdefault(name, {"cpus": 0, "nodes": 0, "gpus": 0})
+        p["cpus"] = max(p["cpus"], int(cpus.rstrip("+")))
+        p["nodes"] += int(nodes)
+        p["gpus"] = max(p["gpus"], gpus)
+    return parts
+
+
+SHAPE = ("cluster", "cluster.nodes", "cluster.devices", "cluster.slurm.cpus_per_task")
+"""What decides the allocation: the same for every job of one submission."""
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """What Slurm would refuse (or run wrongly) about the composed config, before submission."""
+    c = cfg.cluster
+    if c.launcher != "slurm":
+        return [f"hydra/launcher=submitit_slurm with cluster.launcher={c.launcher}: each Slurm task "
+                "is a rank, so the cluster must say so: use a cluster=slurm_* config (or set "
+                "cluster.launcher=slurm)"]
+    swept = [o for o in cfg.hydra.overrides.task
+             if o.split("=")[0].lstrip("+~") in SHAPE and "," in o.partition("=")[2]]
+    if swept:
+        return [f"{', '.join(swept)}: one Slurm array asks one allocation shape for every job; "
+                "sweep cluster shapes as separate multiruns (one per shape)"]
+    parts = _partitions()
+    if parts is None:
+        log.warning("sinfo is not available here: partition and node sizes are left to Slurm")
+        return []
+    s, out = c.slurm, []
+    name = s.partition
+    if name is None:
+        default = next((p for p in parts if p.endswith("*")), None)
+        name = default.rstrip("*") if default else None
+    parts = {k.rstrip("*"): v for k, v in parts.items()}
+    if s.partition is not None and s.partition not in parts:
+        return [f"cluster.slurm.partition={s.partition!r} is not a partition of this Slurm "
+                f"(sinfo: {', '.join(sorted(parts))}): set cluster.slurm.partition to one of them"]
+    p = parts.get(name) if name else None
+    if p is None:
+        return out
+    if c.nodes > p["nodes"]:
+        out.append(f"cluster.nodes={c.nodes} but partition {name} has {p['nodes']} node(s): "
+                   f"set cluster.nodes<={p['nodes']}")
+    if c.accelerator == "gpu":
+        if c.devices > p["gpus"]:
+            out.append(f"cluster.devices={c.devices} GPUs per node but the nodes of partition {name} "
+                       f"have {p['gpus']}: set cluster.devices<={p['gpus']}")
+    elif c.devices * s.cpus_per_task > p["cpus"]:
+        out.append(f"cluster.devices={c.devices} ranks x cluster.slurm.cpus_per_task={s.cpus_per_task} "
+                   f"CPUs per node but the nodes of partition {name} have {p['cpus']} CPUs: set "
+                   f"cluster.devices<={p['cpus'] // s.cpus_per_task}")
+    return out
+
+
+def request(cfg: DictConfig) -> dict[str, Any]:
+    """The launcher's keys (hydra-submitit-launcher's SlurmQueueConf) that ``cluster`` decides."""
+    c, s = cfg.cluster, cfg.cluster.slurm
+    extra: dict[str, Any] = {"requeue": True}
+    if s.requeue_signal_s:  # Lightning's auto-requeue listens for SIGUSR1 (submitit's own is USR2)
+        extra["signal"] = f"USR1@{s.requeue_signal_s}"
+    req: dict[str, Any] = {"nodes": c.nodes, "tasks_per_node": c.devices, "cpus_per_task": s.cpus_per_task,
+                           "timeout_min": s.time_min, "array_parallelism": s.array_parallelism,
+                           "partition": s.partition, "account": s.account, "qos": s.qos,
+                           "constraint": s.constraint, "mem_gb": s.mem_gb}
+    if c.accelerator == "gpu":
+        req["gpus_per_node"] = c.devices
+    return {k: v for k, v in req.items() if v is not None} | {"additional_parameters": extra}
+
+
+class SlurmSubmission(Callback):
+    """Before a multirun is submitted through hydra-submitit-launcher's Slurm launcher: check,
+    then fill its request from the cluster config. Other launchers: nothing."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not str(config.hydra.launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
+            return
+        from strategies import ConfigError
+
+        found = problems(config)
+        if found:
+            log.error("%s", ConfigError(found))
+            sys.exit(2)
+        with open_dict(config.hydra.launcher):
+            for key, value in request(config).items():
+                if key == "additional_parameters":
+                    value = {**value, **config.hydra.launcher.get("additional_parameters", {})}
+                config.hydra.launcher[key] = value
+        log.info("slurm: %s", {k: config.hydra.launcher[k] for k in request(config)})

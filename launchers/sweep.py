@@ -1,0 +1,247 @@
+"""A Hydra sweep (``train.py -m ...``) as a strategy comparison: every job leaves a status in its
+own directory, and after the last job the sweep directory gets ``sweep_report.md``,
+``sweep_report.json`` (``{"rows": [...]}``, one row per job) and ``sweep_report.png``.
+
+A job of a sweep never ends the sweep: a run the planner predicts will not fit is *skipped*
+with the planner's reason (unless ``planner.enforce=false``), a run that fails is a row with its
+error, and the next job starts (``guard``). The report is built from the job directories only
+(``report.json`` and ``job.json``), so it is the same whichever launcher ran the jobs -- one
+after another here, or as a Slurm array through hydra-submitit-launcher.
+
+Torch-free: Hydra instantiates ``SweepReport`` in the process that drives the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from launchers import slurm
+
+log = logging.getLogger(__name__)
+
+STATUS = "job.json"
+"""A job's status file: ``{"status": "ok" | "skipped" | "failed", "reason": ..., "plan": ...}``."""
+OK, SKIPPED, FAILED = "ok", "skipped", "failed"
+
+
+class WillNotFit(Exception):
+    """The planner predicts the job's run will not fit (and ``planner.enforce`` is on)."""
+
+    def __init__(self, message: str, plan: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.plan = plan
+
+
+def record(out: Path, status: str, reason: str | None = None, plan: dict[str, Any] | None = None) -> None:
+    """Write this job's status into its directory (rank 0 of the job: under srun every task
+    runs the job function)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    from observers.files import atomic_write_text  # (observers/ imports torch: not at import)
+
+    atomic_write_text(out / STATUS, json.dumps({"status": status, "reason": reason, "plan": plan},
+                                               indent=1, default=str))
+
+
+def guard(out: Path, job: Callable[[], Any]) -> Any:
+    """Run one job of a sweep: its status is recorded, and no error escapes to end the sweep.
+    ``SystemExit`` (a configuration error's exit 2) is a failed job like any other; Slurm's
+    SIGTERM (a requeue) is not a result at all (slurm.leave_without_result)."""
+    try:
+        result = job()
+    except WillNotFit as e:
+        log.warning("skipped: %s", e)
+        record(out, SKIPPED, str(e), e.plan)
+        return None
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (a failed job is a row, the sweep goes on)
+        if slurm.stopped_by_slurm(e):
+            slurm.leave_without_result()
+        reason = str(e) if not isinstance(e, SystemExit) else f"exit code {e.code}"
+        log.error("job failed: %s\n%s", reason, traceback.format_exc())
+        record(out, FAILED, f"{type(e).__name__}: {reason}")
+        return None
+    record(out, OK)
+    return result
+
+
+# --------------------------------------------------------------------------- the report
+def _job_dirs(sweep: Path) -> list[Path]:
+    """The sweep's job directories, in job order (each has Hydra's ``.hydra/overrides.yaml``)."""
+    dirs = [p.parent.parent for p in sweep.glob("**/.hydra/overrides.yaml")]
+    return sorted(dirs, key=lambda p: (len(p.parts), int(p.name) if p.name.isdigit() else 0, str(p)))
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
+    """One job as a row: what it ran and what it measured, beside the planner's prediction."""
+    overrides = OmegaConf.to_container(OmegaConf.load(job_dir / ".hydra" / "overrides.yaml"))
+    status = _read(job_dir / STATUS) or {}
+    report = _read(job_dir / "report.json")
+    r: dict[str, Any] = {"job": str(job_dir.relative_to(sweep)), "overrides": overrides,
+                         "status": status.get("status") or (OK if report else FAILED),
+                         "reason": status.get("reason")}
+    if report is None and r["status"] == OK:
+        r["status"], r["reason"] = FAILED, "no report.json (the job did not finish)"
+    cfg = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
+    r["strategy"] = cfg.strategy.name
+    r["world_size"] = cfg.cluster.nodes * cfg.cluster.devices
+    plan = status.get("plan") or (report or {}).get("plan") or {}
+    r["predicted_fits"] = plan.get("fits")
+    if report is None:
+        if plan.get("memory"):
+            r["predicted_device_bytes"] = plan["memory"]["total"]
+        return r
+    ranks = report.get("memory", {}).get("ranks", [])
+    comm = report.get("communication", {}).get("per_step", {})
+    pvm = report.get("predicted_vs_measured", {})
+    r.update({
+        "steps": report.get("steps"),
+        "final_loss": report.get("final_loss"),
+        "tokens_per_second": report.get("throughput", {}).get("tokens_per_second",
+                                                              report.get("tokens_per_second")),
+        "wall_seconds": report.get("wall_seconds"),
+        "state_bytes_per_rank": [sum(x.get(k, 0) for k in ("params", "grads", "optimizer")) for x in ranks],
+        "peak_memory_per_rank": [_peak(x) for x in ranks],
+        # what rank 0 sends per step on a ring: the planner's unit (observers/compare.py)
+        "comm_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) if comm else None,
+        "predicted_state_bytes": pvm.get("state_bytes", {}).get("predicted"),
+        "predicted_comm_bytes_per_step": pvm.get("communication", {}).get("predicted",
+                                                                          plan.get("communication", {}).get("bytes_per_step")),
+        "predicted_step_seconds": plan.get("step_seconds"),
+    })
+    return r
+
+
+def _peak(rank: dict[str, Any]) -> int | None:
+    """A rank's peak memory: the GPU's peak allocation when there is one, else its peak RSS."""
+    cuda = rank.get("cuda")
+    if cuda:
+        return max((v.get("allocated", 0) for v in cuda.values() if isinstance(v, dict)), default=None)
+    return rank.get("peak_rss")
+
+
+def collect(sweep: Path) -> list[dict[str, Any]]:
+    return [row(d, sweep) for d in _job_dirs(sweep)]
+
+
+def _mib(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, list):
+        return " / ".join(_mib(v) for v in x) if x else "-"
+    return f"{x / 2**20:,.2f}"
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+COLUMNS = ("job", "overrides", "status", "final loss", "tokens/s", "state MiB per rank",
+           "peak MiB per rank", "comm MiB/step", "predicted: fits", "state MiB", "comm MiB/step")
+
+
+def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
+    lines = [f"# Sweep report: {sweep}", "",
+             "Measured (rank 0 for communication; every rank for memory) beside the planner's "
+             "prediction. Peak memory: the GPU's peak allocation, on CPU the process's peak RSS. "
+             "Communication: bytes rank 0 sends per optimizer step on a ring.", "",
+             "Every job: " + (" ".join(f"`{o}`" for o in sorted(common)) or "-"), "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        fits = {True: "yes", False: "no", None: "-"}[r.get("predicted_fits")]
+        lines.append("| " + " | ".join([
+            r["job"], " ".join(f"`{o}`" for o in r["overrides"] if o not in common) or "-", r["status"],
+            _num(r.get("final_loss"), ".4f"), _num(r.get("tokens_per_second"), ",.0f"),
+            _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
+            _mib(r.get("comm_bytes_per_step")), fits, _mib(r.get("predicted_state_bytes")),
+            _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
+    notes = [r for r in rows if r["status"] != OK]
+    if notes:
+        lines += ["", "## Not run or failed", ""]
+        lines += [f"- job {r['job']} ({r['status']}): {_one_line(r.get('reason'))}" for r in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "no reason recorded").split())[:600]
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Four panels, one bar per job: tokens/s; model states (max over ranks) and communication per
+    step, each measured beside predicted; peak memory (max over ranks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['job']}: {r['strategy']}" + ("" if r["status"] == OK else f"\n({r['status']})")
+              for r in rows]
+    x = range(len(rows))
+
+    def get(key: str, scale: float = 1.0) -> list[float]:
+        out = []
+        for r in rows:
+            v = r.get(key)
+            v = max(v) if isinstance(v, list) and v else (v if not isinstance(v, list) else None)
+            out.append((v or 0) / scale)
+        return out
+
+    fig, axes = plt.subplots(1, 4, figsize=(5 + 2.8 * len(rows), 4))
+    w = 0.4
+    axes[0].bar(x, get("tokens_per_second"))
+    axes[0].set_title("tokens/s")
+    for ax, (measured, predicted, title, scale) in zip(axes[1:], [
+            ("state_bytes_per_rank", "predicted_state_bytes", "model states per rank, MiB", 2**20),
+            ("peak_memory_per_rank", None, "peak memory per rank, MiB", 2**20),
+            ("comm_bytes_per_step", "predicted_comm_bytes_per_step", "communication per step, MiB", 2**20)]):
+        if predicted is None:
+            ax.bar(x, get(measured, scale))
+        else:
+            ax.bar([i - w / 2 for i in x], get(measured, scale), w, label="measured (max rank)")
+            ax.bar([i + w / 2 for i in x], get(predicted, scale), w, label="predicted")
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=10)
+    for ax in axes:
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(sweep: Path) -> list[dict[str, Any]]:
+    """The sweep report files for the jobs found under ``sweep``; returns the rows."""
+    from observers.files import atomic_write_text
+
+    rows = collect(sweep)
+    atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows}, indent=1, default=str))
+    atomic_write_text(sweep / "sweep_report.md", markdown(rows, sweep))
+    if rows:
+        plot(rows, sweep / "sweep_report.png")
+    return rows
+
+
+class SweepReport(Callback):
+    """Hydra callback (conf/hydra/default.yaml): after a multirun, the comparison report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
+        rows = write(sweep)
+        counts = {s: sum(r["status"] == s for r in rows) for s in (OK, SKIPPED, FAILED)}
+        log.info("sweep report: %s (%d ok, %d skipped, %d failed)", sweep / "sweep_report.md",
+                 counts[OK], counts[SKIPPED], counts[FAILED])

@@ -1,0 +1,396 @@
+"""Launching, for real: a multirun of multi-process strategies with its comparison report, two
+torchrun "nodes" on loopback, a real one-node Slurm (slurm-wlm + munge) driven through
+hydra-submitit-launcher, the SageMaker job built offline, and bad launch input refused before
+anything is submitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GLOO_ABORT, ROOT, TINY, assert_losses_close, assert_params_close, run_cli
+
+pytestmark = pytest.mark.timeout(600)
+
+# The local 2-process run the torchrun nodes and the Slurm job are compared with (trained once).
+LOCAL_DDP = ("strategy=ddp", "trainer.max_steps=3", "trainer.export_params=true", "cluster.devices=2")
+
+
+def _strays(mark: str) -> list[str]:
+    """Processes still alive that carry ``mark`` in their environment (every process the run
+    started inherits it, ranks included, however they were started)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if mark.encode() in (proc / "environ").read_bytes():
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{proc.name}: {cmdline!r}")
+        except OSError:
+            continue
+    return found
+
+
+def _sweep(tmp_path: Path, *overrides: str, name: str = "sweep", timeout: float = 400,
+           env: dict[str, str] | None = None):
+    sweep, mark = tmp_path / name, uuid.uuid4().hex
+    t0 = time.perf_counter()
+    run = run_cli("train.py", "-m", *TINY, *overrides, f"hydra.sweep.dir={sweep}", out=tmp_path / "unused",
+                  timeout=timeout, env={**(env or {}), "STRATAGEM_TEST_MARK": mark})
+    elapsed = time.perf_counter() - t0
+    for _ in range(40):  # (Slurm reaps a finished job's tasks a moment after it reports it done)
+        if not _strays(mark):
+            break
+        time.sleep(0.25)
+    assert not _strays(mark), f"processes left behind: {_strays(mark)}"
+    return run, sweep, elapsed
+
+
+# --------------------------------------------------------------------------- multirun
+@pytest.mark.multiprocess
+def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
+    """Three 2-process jobs one after another, each its own process group and directory; no rank
+    re-runs the sweep (Lightning's launcher would re-execute the command line); the sweep
+    report compares them; the sweep costs about three single runs (one interpreter)."""
+    steps = ("trainer.max_steps=3", "cluster.devices=2")
+    t0 = time.perf_counter()
+    single = run_cli("train.py", *TINY, *steps, "strategy=ddp", out=tmp_path / "single")
+    one = time.perf_counter() - t0
+    _, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
+    print(f"single 2-process run {one:.1f}s; sweep of 3 {elapsed:.1f}s")
+    assert elapsed < 3 * one * 1.25, f"sweep {elapsed:.1f}s vs 3 x {one:.1f}s"
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1", "2"], jobs  # nothing else: no rank started a sweep of its own
+    reports = [json.loads((sweep / j / "report.json").read_text()) for j in jobs]
+    assert [(r["strategy"], r["world_size"]) for r in reports] == [("ddp", 2), ("fsdp", 2), ("zero2", 2)]
+    assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
+    assert_losses_close(single.losses, reports[0]["losses"], rtol=1e-6)
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["strategy"], r["status"]) for r in rows] == [("ddp", "ok"), ("fsdp", "ok"), ("zero2", "ok")]
+    for r, rep in zip(rows, reports):
+        assert r["final_loss"] == rep["final_loss"] and r["tokens_per_second"] > 0
+        assert len(r["state_bytes_per_rank"]) == len(r["peak_memory_per_rank"]) == 2
+        assert r["comm_bytes_per_step"] > 0 and r["predicted_comm_bytes_per_step"] > 0
+        assert r["predicted_fits"] is True
+        assert r["predicted_state_bytes"] == pytest.approx(r["state_bytes_per_rank"][0], rel=0.01)
+    assert rows[1]["state_bytes_per_rank"][0] < rows[0]["state_bytes_per_rank"][0]  # fsdp shards
+    md = (sweep / "sweep_report.md").read_text()
+    assert all(f"`strategy={s}`" in md for s in ("ddp", "fsdp", "zero2"))
+    assert (sweep / "sweep_report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.multiprocess
+def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
+    """Job by job: too little memory -> skipped with the planner's reason; a resume file that is
+    not a checkpoint -> failed at run time with its error; the other job runs; the sweep ends
+    normally with every job a row."""
+    garbage = tmp_path / "not_a_checkpoint.ckpt"
+    garbage.write_text("not a checkpoint")
+    _, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true",
+                           "cluster.device_memory_GB=1e-6,24", f"trainer.resume_from=null,{garbage}")
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["skipped", "skipped", "ok", "failed"], rows
+    assert "does not fit" in rows[0]["reason"] or "needs" in rows[0]["reason"], rows[0]["reason"]
+    assert "planner.enforce=false" in rows[0]["reason"] and rows[0]["predicted_fits"] is False
+    assert rows[3]["reason"] and not (sweep / "3" / "report.json").exists()
+    assert rows[2]["final_loss"] is not None
+    md = (sweep / "sweep_report.md").read_text()
+    assert "skipped" in md and "failed" in md
+
+
+# --------------------------------------------------------------------------- torchrun, two nodes
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_torchrun_nodes_on_loopback_equal_the_local_two_process_run(tmp_path, cached):
+    """One command per "node" (two agents of one process each) rendezvous at 127.0.0.1 (c10d)
+    and train exactly what the local 2-process run trains."""
+    steps = LOCAL_DDP[:-1]
+    local = cached(*LOCAL_DDP)
+    node = [sys.executable, str(ROOT / "train.py"), *TINY, *steps, "cluster=torchrun", "cluster.accelerator=cpu",
+            "cluster.nodes=2", "cluster.devices=1", f"cluster.rdzv_endpoint=127.0.0.1:{_free_port()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([*node, f"hydra.run.dir={tmp_path / f'node{i}'}"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert not any(GLOO_ABORT in x for x in logs)
+    written = [d for d in (tmp_path / "node0", tmp_path / "node1") if (d / "report.json").exists()]
+    assert len(written) == 1, "exactly one node holds global rank 0"
+    report = json.loads((written[0] / "report.json").read_text())
+    assert report["world_size"] == 2 and report["config"]["cluster"]["nodes"] == 2
+    assert_losses_close(local.losses, report["losses"], rtol=1e-6)
+    import torch
+
+    assert_params_close(local.params(), torch.load(written[0] / "params.pt"), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- a real Slurm
+SLURM = ROOT / "tests" / "slurm"
+
+
+def _no_slurm() -> str | None:
+    """Why a real Slurm cannot run here, or None."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        return "hydra-submitit-launcher is not installed (pip install -e '.[test]')"
+    if not shutil.which("slurmctld"):
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            return "Slurm is not installed and cannot be (needs root and apt-get: slurm-wlm, munge)"
+    elif os.geteuid() != 0:
+        return "the one-node Slurm of tests/slurm/up.sh runs its daemons as root"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real one-node Slurm (slurmctld + slurmd, munge) on localhost, for this module: the
+    environment its clients need (SLURM_CONF; PATH with an sacct stand-in, as there is no
+    accounting database). The node advertises 4 CPUs on 2 cores, so both jobs of a 2-job sweep
+    of 2-task jobs run at once."""
+    why = _no_slurm()
+    if why:
+        print(f"SKIPPED (real Slurm): {why}")
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("slurm")
+    base = {**os.environ, "SLURM_DIR": str(d), "SLURM_CPUS": "4", "SLURM_CTLD_PORT": str(_free_port()),
+            "SLURMD_PORT": str(_free_port())}
+    munge_was_up = subprocess.run("munge -n | unmunge", shell=True, capture_output=True,
+                                  check=False).returncode == 0
+    up = subprocess.run([str(SLURM / "up.sh")], env=base, capture_output=True, text=True, timeout=900,
+                        check=False)
+    if up.returncode:
+        if "installing" in up.stderr and not shutil_which("slurmctld"):
+            print(f"SKIPPED (real Slurm): could not install it:\n{up.stderr[-2000:]}")
+            pytest.skip("slurm-wlm / munge could not be installed here")
+        pytest.fail(f"tests/slurm/up.sh failed:\n{up.stderr[-3000:]}")
+    env = {"SLURM_CONF": str(d / "slurm.conf"), "PATH": f"{SLURM / 'bin'}:{os.environ['PATH']}"}
+    try:
+        yield env
+    finally:
+        stop = {"MUNGE_STOP": "0" if munge_was_up else "1"}  # (leave a munged we did not start)
+        subprocess.run([str(SLURM / "down.sh")], env={**base, **stop}, capture_output=True, timeout=120,
+                       check=False)
+
+
+def shutil_which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+def _submission(sweep: Path) -> str:
+    scripts = sorted(sweep.glob(".submitit/*/*_submission.sh"))
+    assert scripts, f"no submission script under {sweep / '.submitit'}"
+    return scripts[0].read_text()
+
+
+@pytest.mark.multiprocess
+def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
+    """hydra/launcher=submitit_slurm with cluster=slurm_local: a 2-job sweep is one array; each
+    job is a Slurm job with one task per device, srun starts the ranks, Slurm's environment
+    numbers them (Lightning's SLURMEnvironment; for Accelerate, torch's variables exported from
+    it); both engines train what the local 2-process run trains."""
+    local = cached(*LOCAL_DDP)
+    _, sweep, elapsed = _sweep(tmp_path, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
+                                 "trainer.max_steps=3", "strategy=ddp", "backend=lightning,accelerate", env=slurm)
+    print(f"slurm sweep of 2 two-task jobs: {elapsed:.1f}s")
+    script = _submission(sweep)
+    for flag in ("--array=0-1", "--ntasks-per-node=2", "--nodes=1", "--cpus-per-task=1", "--time=10",
+                 "--signal=USR1@60", "--requeue"):
+        assert flag in script, f"{flag} not in the submission:\n{script}"
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["strategy"], r["status"], r["world_size"]) for r in rows] == [("ddp", "ok", 2)] * 2
+    reports = [json.loads((sweep / j / "report.json").read_text()) for j in ("0", "1")]
+    assert [r["backend"] for r in reports] == ["lightning", "accelerate"]
+    assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
+    assert_losses_close(local.losses, reports[0]["losses"], rtol=1e-6)
+    assert_losses_close(local.losses, reports[1]["losses"], rtol=1e-5)
+    for j in ("0", "1"):  # two srun tasks per job, each a rank
+        tasks = sorted(sweep.glob(f".submitit/*_{j}/*_{j}_*_log.out"))
+        assert len(tasks) == 2, tasks
+
+
+@pytest.mark.multiprocess
+def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
+    """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit): Lightning
+    saves hpc_ckpt_1.ckpt and runs `scontrol requeue`; the job starts again and resumes there."""
+    steps, sweep = 250, tmp_path / "requeue"
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
+           "cluster=slurm_local", "strategy=ddp", f"trainer.max_steps={steps}", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log, deadline = sweep / "0" / "train.log", time.time() + 180
+        while not (log.exists() and "trainer:" in log.read_text()):  # rank 0 is training
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        time.sleep(1)
+        job = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()[0]  # (this Slurm runs our jobs only)
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    import torch
+
+    ckpt = sweep / "0" / "hpc_ckpt_1.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (sweep / "0").iterdir())
+    resumed = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
+    report = json.loads((sweep / "0" / "report.json").read_text())
+    assert 0 < resumed < steps and report["steps"] == steps - resumed, (resumed, report["steps"])
+    assert "Restoring states from the checkpoint" in log.read_text()
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"]
+
+
+# --------------------------------------------------------------------------- SageMaker
+_NO_SDK = """
+import atexit, runpy, sys
+atexit.register(lambda: sys.stderr.write('LOADED=' + ','.join(sorted({m.split('.')[0] for m in sys.modules}
+                                           & {'sagemaker', 'boto3', 'torch', 'lightning'})) + '\\n'))
+sys.argv = %r
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+@pytest.mark.unit
+def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
+    argv = ["launch.py", "cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b",
+            "trainer.max_steps=100", "cluster.sagemaker.output_path=s3://b/out",
+            "cluster.sagemaker.checkpoint_s3_uri=s3://b/ckpt", "--dry-run"]
+    proc = subprocess.run([sys.executable, "-c", _NO_SDK % argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = next(x for x in proc.stderr.splitlines() if x.startswith("LOADED=")).removeprefix("LOADED=")
+    assert loaded == "", f"--dry-run imported {loaded}"  # no SDK, no cloud, no engine
+    text = proc.stdout
+    args = json.loads(text[text.index("{"):text.index("\n}\n") + 2])
+    assert args["compute"] == {"instance_type": "ml.p5.48xlarge", "instance_count": 2, "volume_size_in_gb": 100}
+    assert args["source_code"]["source_dir"] == str(ROOT)
+    command = ("pip install -q -e . && python train.py cluster=sagemaker_p5_2node strategy=fsdp "
+               "model=llama_1b trainer.max_steps=100 cluster.sagemaker.output_path=s3://b/out "
+               "cluster.sagemaker.checkpoint_s3_uri=s3://b/ckpt hydra.run.dir=/opt/ml/checkpoints/run")
+    assert args["source_code"]["command"] == command
+    assert args["checkpoint_config"] == {"s3_uri": "s3://b/ckpt", "local_path": "/opt/ml/checkpoints"}
+    assert args["output_data_config"] == {"s3_output_path": "s3://b/out"}
+    assert args["training_image"]["framework"] == "pytorch"
+    for i in (0, 1):
+        assert f"algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {command}" in text
+
+
+@pytest.mark.unit
+def test_the_sagemaker_sdk_accepts_the_job(monkeypatch):
+    """The dry run's arguments build the SDK's own ModelTrainer (offline: no call to AWS)."""
+    pytest.importorskip("sagemaker", reason="the SageMaker SDK extra is not installed ('.[sagemaker]')")
+    from launchers import sagemaker
+    from recipes.config import compose
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "AKIAOFFLINE", "AWS_SECRET_ACCESS_KEY": "offline",
+                 "AWS_DEFAULT_REGION": "us-west-2", "SAGEMAKER_VALIDATE_ROLE": "false"}.items():
+        monkeypatch.setenv(k, v)
+    cluster = compose(["cluster=sagemaker_p5_2node", "cluster.sagemaker.region=us-west-2",
+                       "cluster.sagemaker.role=arn:aws:iam::123456789012:role/Training"]).cluster
+    trainer = sagemaker.build(sagemaker.job_arguments(cluster, ["strategy=fsdp"], str(ROOT)))
+    assert trainer.compute.instance_count == 2 and "pytorch-training:2.8.0" in trainer.training_image
+    assert trainer.source_code.command.endswith("hydra.run.dir=/opt/ml/checkpoints/run")
+
+
+@pytest.mark.unit
+def test_launch_py_refuses_before_submission(tmp_path):
+    """Not a SageMaker cluster; and submitting without the SDK names the extra."""
+    run = run_cli("launch.py", "cluster=slurm_8x8_h100", "strategy=fsdp", "model=llama_1b", out=tmp_path,
+                  check=False)
+    assert run.proc.returncode == 2 and "launch.py submits cluster.launcher=sagemaker" in run.log
+    import importlib.util
+
+    if importlib.util.find_spec("sagemaker") is None:
+        run = run_cli("launch.py", "cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b", out=tmp_path,
+                      check=False)
+        assert run.proc.returncode == 2 and "pip install -e '.[sagemaker]'" in run.log, run.log
+
+
+def _sagemaker_env(monkeypatch, rank: int, hosts: int = 2) -> None:
+    """What SageMaker's training container exports (as its SDK's environment script does)."""
+    names = [f"algo-{i + 1}" for i in range(hosts)]
+    for k, v in {"SM_HOSTS": json.dumps(names), "SM_CURRENT_HOST": names[rank], "SM_HOST_COUNT": str(hosts),
+                 "SM_CURRENT_HOST_RANK": str(rank), "SM_MASTER_ADDR": "algo-1", "SM_MASTER_PORT": "7777",
+                 "SM_NUM_GPUS": "8", "TRAINING_JOB_NAME": "stratagem-1"}.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.unit
+def test_in_a_sagemaker_container_the_run_takes_its_nodes_from_sagemaker(monkeypatch):
+    import launchers
+    from launchers.local import Rendezvous, rendezvous
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+
+    cfg = compose(["cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b"])
+    job = validate(cfg, depth=RUN)
+    assert any("python launch.py cluster=sagemaker_p5_2node" in p for p in launchers.check(job))
+    _sagemaker_env(monkeypatch, rank=1)
+    assert launchers.check(job) == []
+    assert rendezvous(job) == Rendezvous(2, "algo-1:7777", "sagemaker-stratagem-1", 0)
+    three = validate(compose(["cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b",
+                              "cluster.nodes=3", "trainer.global_batch_size=48"]), depth=RUN)
+    assert any("cluster.nodes=3 but this SageMaker job has 2 instance(s)" in p for p in launchers.check(three))
+
+
+# --------------------------------------------------------------------------- bad input
+def _refused(run, *needles: str) -> None:
+    assert run.proc.returncode == 2, run.log[-3000:]
+    for needle in needles:
+        assert needle in run.log, f"{needle!r} not in:\n{run.log[-3000:]}"
+    assert "Initializing distributed" not in run.log and "Submitit" not in run.log
+
+
+@pytest.mark.unit
+def test_a_multi_node_torchrun_without_a_rendezvous_is_refused(tmp_path):
+    run = run_cli("train.py", *TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=2", out=tmp_path / "bad",
+                  check=False)
+    _refused(run, "cluster.rdzv_endpoint=null", "cluster.nodes=2", "cluster.rdzv_endpoint=<node 0's address>:29500")
+
+
+@pytest.mark.unit
+def test_an_unknown_slurm_key_is_refused_before_submission(tmp_path):
+    run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
+                  "cluster.slurm.partiton=debug", f"hydra.sweep.dir={tmp_path / 'sweep'}", out=tmp_path / "bad",
+                  check=False)
+    _refused(run, "partiton")
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("override, needles", [
+    ("cluster.slurm.partition=gpu", ("cluster.slurm.partition='gpu' is not a partition", "debug")),
+    ("cluster.devices=8", ("cluster.devices=8 ranks", "have 4 CPUs", "cluster.devices<=4")),
+    ("cluster.devices=1,2", ("cluster.devices=1,2: one Slurm array asks one allocation shape",)),
+], ids=["unknown-partition", "devices-per-node", "swept-shape"])
+def test_what_this_slurm_cannot_run_is_refused_before_submission(slurm, tmp_path, override, needles):
+    run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local", override,
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", out=tmp_path / "bad", check=False, env=slurm,
+                  timeout=60)
+    _refused(run, *needles)
+    assert not (tmp_path / "sweep" / ".submitit").exists()
