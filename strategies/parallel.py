@@ -394,6 +394,16 @@ def _strategy_class() -> type:
         # ---------------------------------------------------------- the model
         def setup(self, trainer: Any) -> None:
             module, preset = self.lightning_module, self.preset
+            model, _ = find_model(module)
+            for needed, wanted in (("tp_plan", preset.tp > 1), ("pp_plan", preset.pp > 1)):
+                if wanted and not isinstance(getattr(type(model), needed, None), dict):
+                    from strategies.mesh import ConfigError
+
+                    raise ConfigError(
+                        f"strategy={preset.name} needs a model that declares {needed} (which "
+                        f"layers are column/row parallel, or how to cut it into stages), as "
+                        f"recipes/gpt.py's GPT does; {type(model).__name__} declares none: add "
+                        f"{needed} to the model class, or use a data-parallel preset")
             if preset.pp > 1:
                 self._split(module)
             else:
