@@ -25,6 +25,7 @@ def main(argv: list[str]) -> None:
     from planner.render import render
     from recipes.config import compose, describe
     from recipes.job import CONFIG, validate
+    from strategies.presets import names
 
     argv = cli.normalize(argv)
     cfg = cli.or_exit(lambda: compose(argv))
@@ -32,6 +33,10 @@ def main(argv: list[str]) -> None:
     chosen = any(a.split("=")[0].lstrip("+~") == "strategy" for a in argv)
     report = cli.or_exit(lambda: plan_all(cfg, describe(cfg.model), chosen=chosen))
     render(report, cfg.planner.format, detailed=chosen)
+    rec = report.recommendation.strategy
+    if not chosen and cfg.planner.format != "json" and rec in names():
+        keep = [a for a in argv if a.split("=")[0].lstrip("+~") != "strategy"]
+        print(f"run it: python train.py {' '.join([*keep, f'strategy={rec}'])}   (or strategy=auto)")
 
 
 if __name__ == "__main__":

@@ -45,10 +45,33 @@ def plan(job: Job) -> dict:
     return predicted
 
 
+def choose(cfg: DictConfig) -> tuple[DictConfig, str | None]:
+    """``strategy=auto``: the planner's recommendation for this model, cluster and batch becomes
+    the preset, with the reason."""
+    if cfg.strategy.get("name") != "auto":
+        return cfg, None
+    from omegaconf import OmegaConf, open_dict
+
+    from planner import choose as recommend
+    from recipes.config import describe
+
+    picked, reason = recommend(cfg, describe(cfg.model))
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.strategy = picked
+    OmegaConf.set_readonly(cfg, False)
+    log.info("strategy=auto -> %s: %s", picked.name, reason)
+    return cfg, f"strategy=auto chose {picked.name}: {reason}"
+
+
 def prepare(cfg: DictConfig, sweep: str | None) -> tuple[Job, dict]:
     """Validate and plan: every configuration error before any process starts."""
+    cfg, chosen = choose(cfg)
     job = validate(cfg, extra=[backends.check, launchers.check])
-    return dataclasses.replace(job, sweep=sweep), plan(job)
+    predicted = plan(job)
+    if chosen:
+        predicted["chosen_by"] = chosen
+    return dataclasses.replace(job, sweep=sweep), predicted
 
 
 def train(job: Job, predicted: dict, out: Path) -> None:

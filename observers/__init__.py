@@ -53,7 +53,8 @@ def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
         chosen.append(_logger(job, out))
     meta = job.meta() | {"observers": [type(o).__name__ for o in chosen]}
     if plan is not None:
-        meta["plan"] = {k: plan[k] for k in ("fits", "communication", "step_seconds")}
+        meta["plan"] = {k: plan[k] for k in ("fits", "communication", "step_seconds", "chosen_by")
+                        if k in plan}
     return Observers(chosen, meta=meta, report_path=out / "report.json" if cb.report else None)
 
 

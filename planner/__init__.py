@@ -89,6 +89,24 @@ def _hint(plans: list[Plan]) -> str:
     return "no preset fits: use more devices, a smaller micro batch or activation checkpointing"
 
 
+def choose(cfg: Any, model: ModelDescription) -> tuple[Any, str]:
+    """``strategy=auto``: the recommended preset as a strategy node (TP/PP presets at the planned
+    degrees), and why. Raises ConfigError when no runnable preset fits."""
+    from strategies.mesh import ConfigError
+    from strategies.presets import node
+
+    report = plan_all(cfg, model)
+    rec = report.recommendation
+    chosen = next((p for p in report.plans if p.strategy == rec.strategy), None)
+    if chosen is None or chosen.planned_only:
+        raise ConfigError(f"strategy=auto: no runnable preset fits ({rec.strategy or 'none'}: "
+                          f"{rec.reason}); choose strategy=<preset> (python plan.py ranks them)")
+    picked = node(rec.strategy)
+    if "tp" in picked and "pp" in picked:  # at the degrees it was planned with
+        picked.tp, picked.pp, picked.dp = chosen.tp, chosen.pp, None
+    return picked, rec.reason
+
+
 def preflight(cfg: Any, model: ModelDescription) -> Plan:
     """The plan of the composed run's own preset, for train.py (``.fits``, ``.summary()``,
     ``.message()``); the cheapest fitting preset is searched only when it does not fit."""
@@ -125,6 +143,6 @@ __all__ = ["ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Commun
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",
-           "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
+           "choose", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
            "reduce_scatter_bytes", "report_dict", "ring_all_reduce_bytes", "state_bytes",
            "transfer_seconds"]

@@ -22,9 +22,19 @@ STRATEGY_DIR = CONF_DIR / "strategy"
 SCHEMA_SUFFIX = "_schema@_here_"
 
 
+AUTO = "auto"  # conf/strategy/auto.yaml: the planner chooses (train.py), not a preset
+
+
 def names() -> list[str]:
-    """Every preset name: the stems of ``conf/strategy/*.yaml``."""
-    return sorted(p.stem for p in STRATEGY_DIR.glob("*.yaml"))
+    """Every preset name: the stems of ``conf/strategy/*.yaml`` but ``auto``."""
+    return sorted(p.stem for p in STRATEGY_DIR.glob("*.yaml") if p.stem != AUTO)
+
+
+def node(name: str) -> Any:
+    """Preset ``name`` as a typed OmegaConf node, to put in a composed config's ``strategy``."""
+    if name not in names():
+        raise _unknown(name)
+    return _node(name).copy()
 
 
 @contextmanager

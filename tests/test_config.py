@@ -102,7 +102,8 @@ def test_yaml_presets_and_lightning_registry_agree():
     from lightning.pytorch.strategies import StrategyRegistry
 
     names = strategies.names()
-    assert names == sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+    # every file but auto.yaml, which asks the planner to choose one (tests/test_planner.py)
+    assert names == sorted(p.stem for p in (CONF / "strategy").glob("*.yaml") if p.stem != "auto")
     for name in names:
         assert name in StrategyRegistry, f"{name} not registered in Lightning"
         assert "stratagem preset" in StrategyRegistry[name]["description"]

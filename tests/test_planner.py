@@ -415,3 +415,32 @@ def test_plan_py_prints_the_contradiction_without_a_traceback():
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "planner.trainable=1,000,000 exceeds" in proc.stderr
+
+
+# -------------------------------------------------------- strategy=auto
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_strategy_auto_runs_the_recommended_preset_and_says_why(tmp_path):
+    from planner import plan_all
+    from recipes.config import compose
+    from tests.conftest import TINY, run_cli
+
+    overrides = (*TINY, "trainer.max_steps=2", "cluster.devices=2", "trainer.global_batch_size=8")
+    cfg = compose([*overrides, "strategy=auto"])
+    expected = plan_all(cfg, describe(cfg.model)).recommendation.strategy
+    run = run_cli("train.py", *overrides, "strategy=auto", out=tmp_path / "auto")
+    r = run.report
+    assert r["strategy"] == expected != "auto"
+    assert r["plan"]["chosen_by"].startswith(f"strategy=auto chose {expected}: ")
+    assert r["world_size"] == 2
+
+
+@pytest.mark.unit
+def test_plan_py_prints_the_command_that_runs_the_recommendation():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "plan.py", "model=llama_7b", "cluster=node_8x_h100"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
+    assert "python train.py model=llama_7b cluster=node_8x_h100 strategy=" in line
