@@ -6,6 +6,8 @@ sources: docs/PLANNER.md; the reference documents' worked numbers are tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 from planner.activations import activation_bytes, buffer_bytes, regime
@@ -123,6 +125,9 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     shard = max(1, min(lay.shard_group or dp, dp))
     sb = state_bytes(o.accounting, t.precision, master_weights=c.master_weights or c.planned_only,
                      sharded_params=lay.params == SHARDED)
+    if c.planned_only and o.accounting == "actual" and sb.grads < 4:
+        # Megatron accumulates and reduces fp32 main gradients: 2 + 4 + 12/dp bytes per param
+        sb = dataclasses.replace(sb, grads=4, reduce=4)
     mp = c.tp * c.pp
     params = su.params / mp
     trainable = (su.trainable if su.trainable is not None else su.params) / mp

@@ -444,3 +444,13 @@ def test_plan_py_prints_the_command_that_runs_the_recommendation():
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
     assert "python train.py model=llama_7b cluster=node_8x_h100 strategy=" in line
+
+
+@pytest.mark.unit
+def test_megatron_layouts_keep_fp32_main_gradients():
+    """Megatron's distributed optimizer: bf16 params (2) + fp32 main grads (4) + 12/dp."""
+    plans = _plans("model=llama_70b", "cluster=slurm_8x8_h100", "trainer.global_batch_size=512")
+    p = plans["megatron_tp"]
+    n = p.memory.params / 2  # params per device (bf16)
+    assert p.memory.grads == pytest.approx(4 * n)
+    assert (p.memory.master + p.memory.optimizer) == pytest.approx(12 * n / p.dp, rel=1e-6)
