@@ -50,7 +50,13 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     name = f"{su.params:,} parameters" if su.shape is None else str(cfg.model.name)
     return Report(model=name, cluster=su.cluster.name, world_size=world.size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
-                  assumptions=assumptions(su))
+                  assumptions=assumptions(su), batch=_batch(su))
+
+
+def _batch(su: Setup) -> str:
+    t = su.trainer
+    return (f"global batch {t.global_batch_size} x seq {su.seq_len}, micro batch {t.micro_batch_size}, "
+            f"precision {t.precision}")
 
 
 def _degrees(preset: Any, su: Setup) -> Any:

@@ -106,6 +106,8 @@ class Report:
     plans: list[Plan]
     recommendation: Recommendation
     assumptions: list[str] = field(default_factory=list)
+    batch: str = ""
+    """The batch and precision the plans assume (the trainer group's, or the cluster's defaults)."""
 
 
 # ----------------------------------------------------------------------------- planning

@@ -58,7 +58,7 @@ def report_dict(r: Report) -> dict[str, Any]:
             "accounting": r.accounting, "plans": [plan_dict(p) for p in r.plans],
             "recommendation": {"strategy": r.recommendation.strategy,
                                "reason": r.recommendation.reason},
-            "assumptions": list(r.assumptions)}
+            "assumptions": list(r.assumptions), "batch": r.batch}
 
 
 def render(report: Report, fmt: str = "table", detailed: bool = False, file: Any = None) -> None:
@@ -73,7 +73,7 @@ def render(report: Report, fmt: str = "table", detailed: bool = False, file: Any
 
     con = Console(file=file, width=140, soft_wrap=False)
     con.print(f"[bold]{report.model}[/] on [bold]{report.cluster}[/] "
-              f"({report.world_size} devices), accounting {report.accounting}")
+              f"({report.world_size} devices), accounting {report.accounting}; {report.batch}")
     if detailed:
         _breakdown(con, report.plans[0])
     else:

@@ -454,3 +454,12 @@ def test_megatron_layouts_keep_fp32_main_gradients():
     n = p.memory.params / 2  # params per device (bf16)
     assert p.memory.grads == pytest.approx(4 * n)
     assert (p.memory.master + p.memory.optimizer) == pytest.approx(12 * n / p.dp, rel=1e-6)
+
+
+@pytest.mark.unit
+def test_plan_header_states_the_batch_and_precision_it_assumed():
+    from planner import plan_all, report_dict
+
+    cfg = _compose(("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64"))
+    r = report_dict(plan_all(cfg, describe(cfg.model)))
+    assert r["batch"] == "global batch 64 x seq 4096, micro batch 1, precision bf16-mixed"
