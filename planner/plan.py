@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from planner.activations import activation_bytes, buffer_bytes, regime
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup
-from planner.states import gb, model_states, state_bytes
+from planner.states import GB, gb, model_states, state_bytes
 from strategies.base import CPU, NVME, SHARDED
 from strategies.mesh import Batch, World
 
@@ -56,6 +56,8 @@ class Plan:
     activations_full: int = 0
     activations_checkpointed: int = 0
     planned_only: bool = False
+    reserve: int = 0
+    """Bytes a GPU needs beyond the plan (planner.reserve_GB); 0 on CPU."""
     rung: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -72,8 +74,13 @@ class Plan:
 
     def summary(self) -> str:
         """One line: the preset, memory against capacity, communication and step time."""
-        verdict = (f"fits, {gb(self.margin)} free" if self.fits
-                   else f"does NOT fit, short {gb(-self.margin)}")
+        if not self.fits:
+            verdict = f"does NOT fit, short {gb(-self.margin)}"
+        elif self.margin < self.reserve:
+            verdict = (f"fits but tight: {gb(self.margin)} free, under the {gb(self.reserve)} the "
+                       "CUDA context, NCCL and fragmentation typically take")
+        else:
+            verdict = f"fits with {gb(self.margin)} to spare"
         return (f"plan: {self.strategy} on {self.cluster} ({self.world_size} devices): "
                 f"{gb(self.memory.total)} of {gb(self.device_bytes)} per device ({verdict}); "
                 f"comm {gb(self.communication.bytes_per_step)}/step; "
@@ -191,4 +198,5 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 world_size=world.size, device_bytes=device_bytes, tp=c.tp, pp=c.pp, dp=dp,
                 shard=shard, microbatches=m, activation_checkpointing=ckpt,
                 activations_full=act_full, activations_checkpointed=act_ckpt,
-                planned_only=c.planned_only, rung=c.rung, problems=problems, notes=notes)
+                planned_only=c.planned_only, rung=c.rung, problems=problems, notes=notes,
+                reserve=int(o.reserve_GB * GB) if cl.accelerator == "gpu" else 0)

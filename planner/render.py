@@ -41,6 +41,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "exposed_seconds": p.exposed_seconds,
         "device_memory": p.device_bytes,
         "margin": p.margin,
+        "tight": p.fits and p.margin < p.reserve,
         "tp": p.tp, "pp": p.pp, "dp": p.dp, "shard": p.shard,
         "microbatches": p.microbatches,
         "activation_checkpointing": p.activation_checkpointing,

@@ -327,6 +327,9 @@ class PlannerConfig:
     """Per-device host<->device bandwidth for CPU offload, GB/s (PCIe 4 x16)."""
     nvme_GBps: float = knob(3.0, above=0.0)
     """Per-device NVMe bandwidth share for NVMe offload, GB/s."""
+    reserve_GB: float = knob(3.0, min=0.0)
+    """GPU memory the plan's states do not see: CUDA context, NCCL buffers, allocator
+    fragmentation. A GPU plan that fits with less than this free is called tight."""
 
 
 @dataclass

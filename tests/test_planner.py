@@ -463,3 +463,12 @@ def test_plan_header_states_the_batch_and_precision_it_assumed():
     cfg = _compose(("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64"))
     r = report_dict(plan_all(cfg, describe(cfg.model)))
     assert r["batch"] == "global batch 64 x seq 4096, micro batch 1, precision bf16-mixed"
+
+
+@pytest.mark.unit
+def test_a_gpu_plan_with_little_to_spare_is_called_tight():
+    base = ("model=llama_7b", "cluster=node_8x_h100", "strategy=zero3", "trainer.global_batch_size=64")
+    roomy = _plans(*base, "planner.reserve_GB=3")["zero3"]
+    assert roomy.fits and "to spare" in roomy.summary()
+    tight = _plans(*base, f"planner.reserve_GB={roomy.margin / 1e9 + 1:.1f}")["zero3"]
+    assert tight.fits and "tight" in tight.summary()
