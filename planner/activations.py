@@ -102,8 +102,12 @@ def buffer_bytes(c: Candidate, shape: ModelDescription, sb: StateBytes, params: 
                  mp: int) -> int:
     """Transients beside the states: gradient buckets, gathered units, autocast weight copies."""
     lay, out = c.layout, 0.0
-    if dp > 1 or lay.optimizer_offload != DEVICE:
+    if lay.grad_bucket_copy and dp > 1:
+        out += params * sb.grads  # DDP's buckets copy every gradient (no gradient_as_bucket_view)
+    elif dp > 1 or lay.optimizer_offload != DEVICE:
         out += 2 * c.bucket_bytes  # one bucket filling, one in flight
+    if lay.grad_error_feedback and dp > 1:
+        out += params * 4  # PowerSGD's fp32 error-feedback residual
     if lay.params == SHARDED:
         unit = unit_params(shape) / mp
         gathered = 2 * unit if lay.reshard_after_forward else params  # current + prefetched

@@ -61,6 +61,10 @@ class Layout:
     grad_all_reduce: bool = False
     """Sharded gradients come from an all-reduce of full buckets, each rank keeping its part
     (DeepSpeed ZeRO-1/2), not from a reduce-scatter."""
+    grad_bucket_copy: bool = False
+    """DDP without gradient_as_bucket_view: its buckets hold a second copy of the gradients."""
+    grad_error_feedback: bool = False
+    """PowerSGD keeps an error-feedback buffer the size of the gradients (fp32)."""
     reduce_fp32: bool | None = None
     """Gradients are reduced in fp32 whatever the precision (FSDP2's reduce_dtype); None: the
     precision's usual reduce dtype."""

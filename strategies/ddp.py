@@ -34,6 +34,9 @@ class DDPConfig(StrategyConfig):
     """Tell DDP the graph is the same every step (enables more overlap, checked by torch)."""
     find_unused_parameters: bool = False
     """Search the graph for parameters without gradients each step (slow; only if needed)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into DDP's communication buckets (false: DDP keeps a second copy of
+    every gradient in its buckets)."""
 
     def problems(self, world: World, run: Run) -> list[str]:
         out = []
@@ -47,7 +50,8 @@ class DDPConfig(StrategyConfig):
 
     def layout(self, world: World) -> Layout:
         ratio = {"fp16": 0.5, "bf16": 0.5}.get(self.comm_hook, 1.0)
-        return Layout(grad_bytes_ratio=ratio)
+        return Layout(grad_bytes_ratio=ratio, grad_bucket_copy=not self.gradient_as_bucket_view,
+                      grad_error_feedback=self.comm_hook == "powersgd")
 
     def lightning(self, run: Run | None = None) -> Any:
         return _strategy_class()(self)
@@ -63,6 +67,7 @@ class DDPConfig(StrategyConfig):
         return {"kwargs_handlers": [DistributedDataParallelKwargs(
             bucket_cap_mb=self.bucket_cap_mb, static_graph=self.static_graph,
             find_unused_parameters=self.find_unused_parameters, comm_hook=hook[self.comm_hook],
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
             comm_state_option=state)]}
 
     def _hook(self) -> tuple[Any, Any]:
@@ -96,7 +101,8 @@ def _strategy_class() -> type:
             hook, state = preset._hook()
             super().__init__(ddp_comm_hook=hook, ddp_comm_state=state,
                              bucket_cap_mb=preset.bucket_cap_mb, static_graph=preset.static_graph,
-                             find_unused_parameters=preset.find_unused_parameters)
+                             find_unused_parameters=preset.find_unused_parameters,
+                             gradient_as_bucket_view=preset.gradient_as_bucket_view)
             self.preset = preset
 
         def _setup_model(self, model: Any) -> Any:

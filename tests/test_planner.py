@@ -472,3 +472,15 @@ def test_a_gpu_plan_with_little_to_spare_is_called_tight():
     assert roomy.fits and "to spare" in roomy.summary()
     tight = _plans(*base, f"planner.reserve_GB={roomy.margin / 1e9 + 1:.1f}")["zero3"]
     assert tight.fits and "tight" in tight.summary()
+
+
+@pytest.mark.unit
+def test_ddp_bucket_copy_and_powersgd_error_feedback_are_buffers():
+    base = ("model=llama_1b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+    views = _plans(*base, "strategy=ddp")["ddp"]
+    copies = _plans(*base, "strategy=ddp", "strategy.gradient_as_bucket_view=false")["ddp"]
+    assert copies.memory.buffers - views.memory.buffers == pytest.approx(
+        views.memory.grads - 2 * 25 * 2**20, rel=1e-6)  # a full gradient copy instead of 2 buckets
+    powersgd = _plans(*base)["ddp_powersgd"]
+    n = views.memory.params / 4  # fp32 (AMP) params per device
+    assert powersgd.memory.buffers - views.memory.buffers == pytest.approx(4 * n, rel=1e-6)
