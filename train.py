@@ -5,8 +5,8 @@
     python train.py --cfg job strategy=ddp                    # print the composed config
     python train.py -m trainer.lr=1e-3,3e-3                   # a sweep
 
-compose (Hydra) -> validate -> plan -> [launch the ranks] -> backend.build -> backend.fit ->
-report; each rank tears its process group down. The backend named by ``backend=`` (backends/)
+compose (Hydra) -> validate -> plan -> resume (which checkpoint, checked whole) -> [launch the
+ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down. The backend named by ``backend=`` (backends/)
 is the only code that knows the engine; launchers/ starts the ranks.
 """
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -41,6 +43,26 @@ def plan(job: Job) -> dict:
     return plan_dict(result)
 
 
+def resume(job: Job, out: Path) -> Job:
+    """Which checkpoint ``trainer.resume_from`` means (``auto``: the newest complete one in the
+    run directory, or none), checked whole -- every file, the model's shapes -- before any
+    process starts. The ranks get its path, so they all resume from the same one. One process
+    (this one, or rank 0 under torchrun) removes what interrupted saves left."""
+    import checkpoints
+
+    first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
+    try:
+        ckpt = checkpoints.resolve(job.trainer.resume_from, out, job.model, cleanup=first)
+    except checkpoints.CheckpointError as e:
+        raise ConfigError(f"trainer.resume_from={job.trainer.resume_from}: {e}; point "
+                          "trainer.resume_from at another checkpoint, or null to start fresh") from None
+    if ckpt is not None:
+        log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
+                 ckpt.meta["strategy"], ckpt.meta["world_size"])
+    trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
+    return dataclasses.replace(job, trainer=trainer)
+
+
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     cli.started()
@@ -55,10 +77,18 @@ def main(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     out = Path(hydra_cfg.runtime.output_dir)
+    try:
+        job = resume(job, out)
+    except ConfigError as e:
+        cli.fail(e, log)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         job = dataclasses.replace(job, sweep=str(hydra_cfg.sweep.dir))
     if job.world.size > 1 and not launchers.launched():
-        outcome = launchers.run_local_ranks(job, out, predicted)
+        try:
+            outcome = launchers.run_local_ranks(job, out, predicted)
+        except launchers.RankLost as e:
+            log.error("%s", e)
+            sys.exit(1)
     else:
         outcome = backends.run(job, out, predicted)
     r = outcome.report

@@ -36,13 +36,47 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     return run(job, out, plan)
 
 
+class RankLost(RuntimeError):
+    """A rank died or failed; the launcher stopped the others."""
+
+
 def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
-    """Start the job's ranks on this machine, wait for them and return rank 0's outcome; a
-    failed rank raises (torch's ChildFailedError names it)."""
+    """Start the job's ranks on this machine, wait for them and return rank 0's outcome. When a
+    rank dies, torch's agent notices within ``monitor_interval`` and stops the others (no
+    collective waits for it, no process is left); ``RankLost`` then names the rank that was lost."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.world.devices,
                           run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                           max_restarts=0, monitor_interval=0.5,
                           start_method="fork" if job.run.accelerator == "cpu" else "spawn")
-    return elastic_launch(config, _rank)(job, out, plan)[0]
+    try:
+        return elastic_launch(config, _rank)(job, out, plan)[0]
+    except ChildFailedError as e:
+        raise RankLost(_lost(e, job.world.size)) from None
+
+
+def _lost(e: Any, world: int) -> str:
+    """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
+    stopped end by SIGTERM and are not the cause)."""
+    import signal
+
+    def how(code: int) -> str:
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    failures = sorted(e.failures.values(), key=lambda f: f.timestamp)
+    causes = [f for f in failures if f.exitcode != -signal.SIGTERM] or failures
+    first = causes[0]
+    detail = ""
+    if first.exitcode > 0 and first.message and first.message != "<NONE>":
+        msg = first.message if isinstance(first.message, str) else first.message.get("message", "")
+        detail = f": {str(msg).strip().splitlines()[-1][:500]}" if msg else ""
+    others = sorted({f.rank for f in failures} - {first.rank})
+    return (f"lost rank {first.rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
+            f"the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))
