@@ -51,6 +51,8 @@ def resume(job: Job, out: Path) -> Job:
     import checkpoints
 
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
+    if first and launchers.restart_problem():
+        log.warning("%s", launchers.restart_problem())
     try:
         ckpt = checkpoints.resolve(job.trainer.resume_from, out, job.model, cleanup=first)
     except checkpoints.CheckpointError as e:

@@ -56,7 +56,9 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
     """The checkpoint ``trainer.resume_from`` names, checked whole: ``auto`` -> the newest complete
     one in ``run_dir`` (None: start fresh), a path -> that one, None -> none. ``cleanup``: remove
     what interrupted saves left in ``run_dir`` (one process does it: rank 0 or the launcher).
-    Raises ``CheckpointError`` naming the file, or the parameter whose shape differs."""
+    ``model``: also compare the parameter shapes with it and read every file safely (train.py,
+    before launch). Raises ``CheckpointError`` naming the file, or the parameter whose shape
+    differs."""
     if resume_from is None:
         return None
     if resume_from == AUTO:
@@ -69,8 +71,11 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
         ckpt = read(found)
     else:
         ckpt = read(resume_from)
-    if model is not None:
+    if model is not None:  # before launch: everything, once
+        from checkpoints import state
+
         _check_shapes(ckpt, shapes(model))
+        state.verify(ckpt)
     return ckpt
 
 

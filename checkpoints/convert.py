@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints.state import full_model
+from checkpoints.state import full_model, verify
 from checkpoints.store import read
 
 
@@ -21,6 +21,7 @@ def to_full(checkpoint: str | Path, out: str | Path | None = None) -> Path:
     from observers.files import atomic_write
 
     ckpt = read(checkpoint)
+    verify(ckpt)
     state = full_model(ckpt)
     path = Path(out) if out is not None else ckpt.path.parent / f"{ckpt.path.name}.safetensors"
     metadata = {"step": str(ckpt.step), "strategy": str(ckpt.meta.get("strategy")),

@@ -224,6 +224,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ untrusted files
+def verify(ckpt: Checkpoint) -> None:
+    """Read every file of ``ckpt`` the way loading will, safely, without loading it into an
+    engine: a truncated or garbage file raises ``CheckpointError`` naming it."""
+    if ckpt.meta["payload"] == DCP:
+        _check_dcp_metadata(ckpt.path / DCP)
+    else:
+        _check_pickles(ckpt.path / DEEPSPEED)
+    for f in sorted((ckpt.path / "rng").glob("*.pt")):
+        _torch_load(f)
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from launchers.local import RankLost, launched, run_local_ranks
+from launchers.local import RankLost, launched, restart_problem, run_local_ranks
 
 if TYPE_CHECKING:
     from recipes.job import Job
 
-__all__ = ["RankLost", "check", "launched", "run_local_ranks"]
+__all__ = ["RankLost", "check", "launched", "restart_problem", "run_local_ranks"]
 
 
 def check(job: Job) -> list[str]:

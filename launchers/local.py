@@ -36,6 +36,18 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     return run(job, out, plan)
 
 
+def restart_problem() -> str | None:
+    """Under torchrun with restarts: the known trap of its shared rendezvous store (a restarted
+    worker may read a peer's address from the attempt before and fail to connect,
+    pytorch#135712), and its fix; None when it does not apply."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        return (f"torchrun --max-restarts={restarts}: a restarted worker can fail to connect "
+                "(torch shares its rendezvous store across attempts, pytorch#135712); start "
+                "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+    return None
+
+
 class RankLost(RuntimeError):
     """A rank died or failed; the launcher stopped the others."""
 
@@ -70,13 +82,13 @@ def _lost(e: Any, world: int) -> str:
                 return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
-    failures = sorted(e.failures.values(), key=lambda f: f.timestamp)
-    causes = [f for f in failures if f.exitcode != -signal.SIGTERM] or failures
-    first = causes[0]
+    failures = sorted(e.failures.items(), key=lambda rf: rf[1].timestamp)  # global rank -> failure
+    causes = [rf for rf in failures if rf[1].exitcode != -signal.SIGTERM] or failures
+    rank, first = causes[0]
     detail = ""
     if first.exitcode > 0 and first.message and first.message != "<NONE>":
         msg = first.message if isinstance(first.message, str) else first.message.get("message", "")
         detail = f": {str(msg).strip().splitlines()[-1][:500]}" if msg else ""
-    others = sorted({f.rank for f in failures} - {first.rank})
-    return (f"lost rank {first.rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
-            f"the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))
+    others = sorted({r for r, _ in failures} - {rank})
+    return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
+            "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))
