@@ -6,8 +6,9 @@
     python train.py -m trainer.lr=1e-3,3e-3                   # a sweep
 
 compose (Hydra) -> validate -> plan -> resume (which checkpoint, checked whole) -> [launch the
-ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down. The backend named by ``backend=`` (backends/)
-is the only code that knows the engine; launchers/ starts the ranks.
+ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down. The
+backend named by ``backend=`` (backends/) is the only code that knows the engine; launchers/
+starts the ranks; checkpoints/ is the one format every backend and strategy writes.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from checkpoints.store import CheckpointError, Checkpoint
+from checkpoints.store import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
 # DCP without a process group (one process, or convert.py) is what we mean; no warning needed.
