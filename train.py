@@ -59,6 +59,9 @@ def resume(job: Job, out: Path) -> Job:
     except checkpoints.CheckpointError as e:
         raise ConfigError(f"trainer.resume_from={job.trainer.resume_from}: {e}; point "
                           "trainer.resume_from at another checkpoint, or null to start fresh") from None
+    why = ckpt and checkpoints.refusal(ckpt, job)
+    if why:
+        raise ConfigError(f"trainer.resume_from={job.trainer.resume_from}: {why}")
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])

@@ -79,6 +79,22 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
     return ckpt
 
 
+def refusal(ckpt: Checkpoint, job: Job) -> str | None:
+    """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
+    engine loads only its own checkpoints of the same world size and backend (its fp32 master
+    weights and optimizer partitions have no other way in); torch presets load anything."""
+    if type(job.strategy).CHECKPOINT != "deepspeed":
+        return None
+    m = ckpt.meta
+    if (m["payload"], int(m["world_size"]), m["backend"]) != ("deepspeed", job.world.size, job.backend):
+        return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
+                f"backend={m['backend']}; strategy={job.strategy.name} (DeepSpeed) resumes only from "
+                f"DeepSpeed checkpoints of the same world size and backend: resume with "
+                f"strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
+                "or a torch preset (single, ddp, fsdp, fsdp2)")
+    return None
+
+
 def _check_shapes(ckpt: Checkpoint, want: dict[str, list[int]]) -> None:
     have = {k: list(v) for k, v in ckpt.meta.get("shapes", {}).items()}
     for key in sorted(set(have) | set(want)):

@@ -2,7 +2,8 @@
 
 - exact resume: 6 steps straight vs a copy of its step-3 checkpoint resumed with the default
   ``trainer.resume_from=auto`` to 6 -- the same per-step losses and bitwise-equal parameters, for
-  single, ddp, fsdp, fsdp2, zero2, zero3 on both backends; sharded presets save one shard per rank;
+  single, ddp, fsdp, fsdp2, zero2, zero3 on both backends (Lightning single and ddp through the
+  fault tests); sharded presets save one shard per rank;
 - cross-preset and cross-world-size resume (zero3 on 2 -> fsdp on 1 and ddp on 2; fsdp2 on 2 ->
   single, and from Lightning to Accelerate): the loaded parameters equal the saved ones exactly
   (convert.py's full state dict), and training continues;
@@ -63,9 +64,14 @@ def _convert(step_dir: Path, out: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- exact resume
+# (Lightning single and ddp resume exactly in the fault tests below: a kill mid-save, and torchrun's
+# restart, each against the uninterrupted run, bitwise.)
+EXACT = [(p, "lightning") for p in ("fsdp", "fsdp2", "zero2", "zero3")] + [
+    (p, "accelerate") for p in PRESETS]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["lightning", "accelerate"])
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize(("preset", "backend"), EXACT, ids=[f"{p}-{b}" for p, b in EXACT])
 def test_resume_is_exact(cached, train, tmp_path, preset, backend):
     straight = _straight(cached, preset, backend)
     step3 = straight.out / "checkpoints" / "step3"
@@ -229,7 +235,8 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(cached, tmp_path):
 # --------------------------------------------------------------------------- untrusted files
 @pytest.fixture(scope="module")
 def good(cached) -> Path:
-    return _straight(cached, "single").out / "checkpoints" / "step3"
+    """fsdp on 2 ranks (the run tests/test_fsdp.py trains): a DCP checkpoint with a file per rank."""
+    return _straight(cached, "fsdp").out / "checkpoints" / "step3"
 
 
 @pytest.fixture
@@ -337,3 +344,16 @@ def test_commit_discovery_pruning_and_cleanup(tmp_path):
     assert [p.name for p in store.complete(tmp_path)] == ["step4", "step10"]
     assert [p.name for p in store.clean(tmp_path)] == [".tmp-step12"]
     assert sorted(p.name for p in store.directory(tmp_path).iterdir()) == ["step10", "step4"]
+
+
+@pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
+def test_deepspeed_refuses_a_foreign_checkpoint_before_launch(good):
+    import checkpoints
+    from recipes.config import compose
+    from recipes.job import validate
+
+    job = validate(compose([*TINY, *EQUIV, *PRESETS["zero2"]]))
+    why = checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job)
+    assert why and "written by fsdp on 2 rank(s)" in why and "strategy=fsdp cluster.devices=2" in why
+    job = validate(compose([*TINY, *EQUIV, *PRESETS["ddp"]]))
+    assert checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job) is None
