@@ -13,6 +13,7 @@ are spawned, since a forked process cannot use CUDA once its parent has.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,12 +29,27 @@ def launched() -> bool:
     return all(v in os.environ for v in LAUNCHED)
 
 
+MONITOR_SECONDS = 0.5
+# What a rank's collective says when a peer is gone (gloo, NCCL, the store).
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Timed out",
+             "communicator was aborted", "DistNetworkError")
+
+
 def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from backends import run
     from recipes.cli import rank_aware_logging
 
     rank_aware_logging()
-    return run(job, out, plan)
+    try:
+        return run(job, out, plan)
+    except Exception as e:
+        # A survivor's collective fails within milliseconds of a peer's death. Torch's agent
+        # records one failure per check, the lowest rank among those gone by then; waiting two
+        # checks lets it see the rank that died first, so RankLost names the cause (the agent
+        # then stops this rank itself).
+        if any(p in f"{type(e).__name__}: {e}" for p in PEER_GONE):
+            time.sleep(4 * MONITOR_SECONDS)
+        raise
 
 
 def restart_problem() -> str | None:
@@ -61,7 +77,7 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.world.devices,
                           run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                          max_restarts=0, monitor_interval=0.5,
+                          max_restarts=0, monitor_interval=MONITOR_SECONDS,
                           start_method="fork" if job.run.accelerator == "cpu" else "spawn")
     try:
         return elastic_launch(config, _rank)(job, out, plan)[0]
@@ -82,9 +98,13 @@ def _lost(e: Any, world: int) -> str:
                 return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
-    failures = sorted(e.failures.items(), key=lambda rf: rf[1].timestamp)  # global rank -> failure
-    causes = [rf for rf in failures if rf[1].exitcode != -signal.SIGTERM] or failures
-    rank, first = causes[0]
+    # global rank -> failure (torch records the first it finds; see _rank). A signal the agent
+    # did not send (it stops the rest with SIGTERM) first, then errors, then the rest.
+    def kind(code: int) -> int:
+        return 0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2
+
+    failures = sorted(e.failures.items(), key=lambda rf: (kind(rf[1].exitcode), rf[1].timestamp))
+    rank, first = failures[0]
     detail = ""
     if first.exitcode > 0 and first.message and first.message != "<NONE>":
         msg = first.message if isinstance(first.message, str) else first.message.get("message", "")
