@@ -6,15 +6,18 @@
     python train.py -m trainer.lr=1e-3,3e-3                   # a sweep
     python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2   # + sweep_report.md/json/png
 
-compose (Hydra) -> validate -> plan -> [launch the ranks] -> backend.build -> backend.fit ->
-report; each rank tears its process group down. The backend named by ``backend=`` (backends/)
-is the only code that knows the engine; launchers/ starts the ranks.
+compose (Hydra) -> validate -> plan -> resume (which checkpoint, checked whole) -> [launch the
+ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down. The
+backend named by ``backend=`` (backends/) is the only code that knows the engine; launchers/
+starts the ranks; checkpoints/ is the one format every backend and strategy writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -64,20 +67,52 @@ def choose(cfg: DictConfig) -> tuple[DictConfig, str | None]:
     return cfg, f"strategy=auto chose {picked.name}: {reason}"
 
 
-def prepare(cfg: DictConfig, sweep: str | None) -> tuple[Job, dict]:
-    """Validate and plan: every configuration error before any process starts."""
+def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
+    """Validate, plan and find the checkpoint to resume: every configuration error before any
+    process starts."""
     cfg, chosen = choose(cfg)
     job = validate(cfg, extra=[backends.check, launchers.check])
     predicted = plan(job)
     if chosen:
         predicted["chosen_by"] = chosen
-    return dataclasses.replace(job, sweep=sweep), predicted
+    return resume(dataclasses.replace(job, sweep=sweep), out), predicted
+
+
+def resume(job: Job, out: Path) -> Job:
+    """Which checkpoint ``trainer.resume_from`` means (``auto``: the newest complete one in the
+    run directory, or none), checked whole -- every file, the model's shapes -- before any
+    process starts. The ranks get its path, so they all resume from the same one. One process
+    (this one, or rank 0 under torchrun) removes what interrupted saves left."""
+    import checkpoints
+
+    first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
+    if first and launchers.restart_problem():
+        log.warning("%s", launchers.restart_problem())
+    try:
+        ckpt = checkpoints.resolve(job.trainer.resume_from, out, job.model, cleanup=first)
+    except checkpoints.CheckpointError as e:
+        raise ConfigError(f"trainer.resume_from={job.trainer.resume_from}: {e}; point "
+                          "trainer.resume_from at another checkpoint, or null to start fresh") from None
+    why = ckpt and checkpoints.refusal(ckpt, job)
+    if why:
+        raise ConfigError(f"trainer.resume_from={job.trainer.resume_from}: {why}")
+    if ckpt is not None:
+        log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
+                 ckpt.meta["strategy"], ckpt.meta["world_size"])
+    trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
+    return dataclasses.replace(job, trainer=trainer)
 
 
 def train(job: Job, predicted: dict, out: Path) -> None:
     """Start the ranks (or be one), train, and log where the report is."""
     if job.world.size > 1 and not launchers.launched():
-        outcome = launchers.run_local_ranks(job, out, predicted)
+        try:
+            outcome = launchers.run_local_ranks(job, out, predicted)
+        except launchers.RankLost as e:
+            if job.sweep:  # a failed row of the sweep report; the sweep goes on
+                raise
+            log.error("%s", e)
+            sys.exit(1)
     else:
         outcome = backends.run(job, out, predicted)
     r = outcome.report
@@ -104,10 +139,10 @@ def main(cfg: DictConfig) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         # One job of a sweep: whatever happens is a row of the sweep report, and the sweep goes on.
         sweep = str(hydra_cfg.sweep.dir)
-        launchers.sweep.guard(out, lambda: train(*prepare(cfg, sweep), out))
+        launchers.sweep.guard(out, lambda: train(*prepare(cfg, sweep, out), out))
         return
     try:
-        job, predicted = prepare(cfg, None)
+        job, predicted = prepare(cfg, None, out)
     except (ConfigError, WillNotFit) as e:
         cli.fail(e, log)
     train(job, predicted, out)

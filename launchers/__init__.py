@@ -16,12 +16,12 @@ import re
 from typing import TYPE_CHECKING
 
 from launchers import sagemaker, slurm
-from launchers.local import launched, run_local_ranks
+from launchers.local import RankLost, launched, restart_problem, run_local_ranks
 
 if TYPE_CHECKING:
     from recipes.job import Job
 
-__all__ = ["check", "launched", "run_local_ranks"]
+__all__ = ["RankLost", "check", "launched", "restart_problem", "run_local_ranks"]
 
 ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 

@@ -21,6 +21,7 @@ are spawned, since a forked process cannot use CUDA once its parent has.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,23 +65,89 @@ def rendezvous(job: Job) -> Rendezvous:
     return Rendezvous(1, "127.0.0.1:0", uuid.uuid4().hex)
 
 
+MONITOR_SECONDS = 0.5
+# What a rank's collective says when a peer is gone (gloo, NCCL, the store).
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Timed out",
+             "communicator was aborted", "DistNetworkError")
+
+
 def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from backends import run
     from recipes.cli import rank_aware_logging
 
     rank_aware_logging()
-    return run(job, out, plan)
+    try:
+        return run(job, out, plan)
+    except Exception as e:
+        # A survivor's collective fails within milliseconds of a peer's death. Torch's agent
+        # records one failure per check, the lowest rank among those gone by then; waiting two
+        # checks lets it see the rank that died first, so RankLost names the cause (the agent
+        # then stops this rank itself).
+        if any(p in f"{type(e).__name__}: {e}" for p in PEER_GONE):
+            time.sleep(4 * MONITOR_SECONDS)
+        raise
+
+
+def restart_problem() -> str | None:
+    """Under torchrun with restarts: the known trap of its shared rendezvous store (a restarted
+    worker may read a peer's address from the attempt before and fail to connect,
+    pytorch#135712), and its fix; None when it does not apply."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        return (f"torchrun --max-restarts={restarts}: a restarted worker can fail to connect "
+                "(torch shares its rendezvous store across attempts, pytorch#135712); start "
+                "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+    return None
+
+
+class RankLost(RuntimeError):
+    """A rank died or failed; the launcher stopped the others."""
 
 
 def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
-    """Start this node's ranks, wait for them and return local rank 0's outcome (its ``rank``
-    is the global one); a failed rank raises (torch's ChildFailedError names it)."""
+    """Start this node's ranks, wait for them and return local rank 0's outcome (its ``rank`` is
+    the global one). When a rank dies, torch's agent notices within ``monitor_interval`` and
+    stops the others (no collective waits for it, no process is left); ``RankLost`` then names
+    the rank that was lost."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rdzv = rendezvous(job)
     config = LaunchConfig(min_nodes=rdzv.nodes, max_nodes=rdzv.nodes, nproc_per_node=job.world.devices,
                           run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
-                          max_restarts=rdzv.max_restarts, monitor_interval=0.5,
+                          max_restarts=rdzv.max_restarts, monitor_interval=MONITOR_SECONDS,
                           start_method="fork" if job.run.accelerator == "cpu" else "spawn")
-    outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
-    return outcomes[min(outcomes)]
+    try:
+        outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
+        return outcomes[min(outcomes)]
+    except ChildFailedError as e:
+        raise RankLost(_lost(e, job.world.size)) from None
+
+
+def _lost(e: Any, world: int) -> str:
+    """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
+    stopped end by SIGTERM and are not the cause)."""
+    import signal
+
+    def how(code: int) -> str:
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    # global rank -> failure (torch records the first it finds; see _rank). A signal the agent
+    # did not send (it stops the rest with SIGTERM) first, then errors, then the rest.
+    def kind(code: int) -> int:
+        return 0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2
+
+    failures = sorted(e.failures.items(), key=lambda rf: (kind(rf[1].exitcode), rf[1].timestamp))
+    rank, first = failures[0]
+    detail = ""
+    if first.exitcode > 0 and first.message and first.message != "<NONE>":
+        msg = first.message if isinstance(first.message, str) else first.message.get("message", "")
+        detail = f": {str(msg).strip().splitlines()[-1][:500]}" if msg else ""
+    others = sorted({r for r, _ in failures} - {rank})
+    return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
+            "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))

@@ -23,6 +23,11 @@ def _atomic(path: str | Path, write: Callable[[str], None]) -> None:
         raise
 
 
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` writes the file at a temporary name; it then replaces ``path`` at once."""
+    _atomic(path, write)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:

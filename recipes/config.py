@@ -179,6 +179,8 @@ class ClusterConfig:
     """torchrun: restarts of the node's ranks after one fails, before the job fails."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sagemaker: SageMakerConfig = field(default_factory=SageMakerConfig)
+    collective_timeout: float = knob(1800.0, above=0.0)
+    """Seconds a collective waits for a lost peer before the job fails (gloo and NCCL)."""
 
     @property
     def size(self) -> int:
@@ -215,11 +217,15 @@ class TrainerConfig:
     export_params: bool = False
     """Write the final full parameters to params.pt (rank 0), for comparison and export."""
     checkpoint_every: int = knob(0, min=0)
-    """Save a checkpoint every N optimizer steps into <output>/checkpoints; 0 disables."""
-    resume_from: str | None = knob(None, exists="any",
-                                   fix="point trainer.resume_from at a checkpoint written by "
-                                       "trainer.checkpoint_every, or null to start fresh")
-    """A checkpoint path written by checkpoint_every, to continue training from."""
+    """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
+    keep_last: int = knob(0, min=0)
+    """Keep only the newest N complete checkpoints (older ones are deleted after a save); 0 keeps all."""
+    resume_from: str | None = knob("auto", choices=("auto",), exists="dir",
+                                   fix="set trainer.resume_from=auto (the newest complete checkpoint "
+                                       "in the run directory), a checkpoint directory "
+                                       "<run>/checkpoints/step<N>, or null to start fresh")
+    """auto: continue from the newest complete checkpoint in this run's directory (start fresh if
+    there is none) | a checkpoint directory | null: start fresh."""
 
 
 @dataclass

@@ -59,19 +59,27 @@ def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
     return "MULTI_CPU" if on_cpu else "MULTI_GPU"
 
 
-def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int, **more: Any) -> Any:
+def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
+                timeout: float | None = None, **more: Any) -> Any:
     """An ``accelerate.Accelerator`` that runs ``kwargs`` (a family's ``accelerate()``) for real,
-    checked; ``more``: mixed precision, gradient accumulation steps."""
+    checked; ``timeout``: seconds a collective waits for a lost peer (the process group's
+    timeout, gloo or NCCL); ``more``: mixed precision, gradient accumulation steps."""
+    from datetime import timedelta
+
     from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+    group = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if not on_cpu:
+        if group:
+            kwargs = {**kwargs, "kwargs_handlers": [*kwargs.get("kwargs_handlers", []),
+                                                    InitProcessGroupKwargs(**group)]}
         acc = Accelerator(**kwargs, **more)
     else:
         os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # (2)
         os.environ.pop("ACCELERATE_USE_CPU", None)  # would force cpu=True, dropping DeepSpeed again
-        state = PartialState(cpu=True)  # (1) the gloo group and MULTI_CPU
+        state = PartialState(cpu=True, **group)  # (1) the gloo group and MULTI_CPU
         if "deepspeed_plugin" in kwargs:
             acc = Accelerator(cpu=False, **kwargs, **more)
         else:

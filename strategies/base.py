@@ -98,6 +98,9 @@ class StrategyConfig:
     """Recompute each transformer block in backward instead of storing its activations."""
 
     FAMILY: ClassVar[str] = "?"
+    CHECKPOINT: ClassVar[str] = "dcp"
+    """How this family's engine writes model and optimizer: dcp (torch distributed checkpoint,
+    which reshards to any torch preset and world size) | deepspeed (DeepSpeed's own)."""
 
     def __post_init__(self) -> None:
         if self.family == "?":

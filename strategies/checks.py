@@ -35,13 +35,14 @@ class Check:
     """value < below."""
     choices: tuple[Any, ...] | None = None
     exists: str | None = None
-    """file | dir | any: the value is a path that must exist."""
+    """file | dir | any: the value is a path that must exist (with ``choices``: or one of them)."""
     fix: str | None = None
     """How to fix it, when the generic advice does not say enough."""
 
     def allowed(self) -> str:
         if self.choices is not None:
-            return ", ".join(str(c) for c in self.choices)
+            listed = ", ".join(str(c) for c in self.choices)
+            return listed if self.exists is None else f"{listed}, or an existing {self.exists} path"
         parts = [f">= {_num(self.min)}" if self.min is not None else "",
                  f"> {_num(self.above)}" if self.above is not None else "",
                  f"<= {_num(self.max)}" if self.max is not None else "",
@@ -50,9 +51,9 @@ class Check:
 
     def violated(self, value: Any) -> str | None:
         """Why ``value`` breaks this rule, or None."""
-        if self.choices is not None:
+        if self.choices is not None and (value in self.choices or self.exists is None):
             return None if value in self.choices else f"is not one of {self.allowed()}"
-        if self.exists is not None:
+        if self.exists is not None:  # (with choices: a path is the other allowed kind of value)
             path = Path(str(value)).expanduser()
             ok = {"file": path.is_file, "dir": path.is_dir}.get(self.exists, path.exists)()
             kind = {"file": "a file", "dir": "a directory"}.get(self.exists, "a path")

@@ -71,6 +71,19 @@ class PresetStrategy:
         return {}
 
 
+def set_timeout(strategy: Any, seconds: float) -> None:
+    """How long the strategy's process group lets a collective wait for a lost peer
+    (``cluster.collective_timeout``). Lightning's strategies take ``timeout`` only at construction,
+    which for our presets happens before the cluster is known (the registry path), so it is set
+    here, on the attribute their ``setup_distributed`` hands to ``init_process_group`` (DDP, FSDP,
+    ModelParallel) and ``deepspeed.init_distributed``. A strategy without a process group
+    (single device) has no such attribute and is left alone."""
+    from datetime import timedelta
+
+    if hasattr(strategy, "_timeout"):
+        strategy._timeout = timedelta(seconds=seconds)
+
+
 def _preset_factory(name: str):
     def build() -> Any:
         from strategies.presets import load

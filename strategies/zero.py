@@ -66,6 +66,8 @@ _OWNED = {
 class ZeroConfig(StrategyConfig):
     """DeepSpeed ZeRO data parallelism through Lightning's DeepSpeedStrategy (CPU-capable)."""
 
+    CHECKPOINT = "deepspeed"  # the engine's save_checkpoint: one optimizer shard per rank
+
     stage: int = knob(2, choices=STAGES,
                       fix="use 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""

@@ -1,10 +1,9 @@
 """FSDP1 (fsdp, fsdp_grad_op, fsdp_hybrid, fsdp_offload) and FSDP2 (fsdp2, hsdp2) against the
 single-process reference on gloo: losses and final parameters, bytes each rank really holds,
-checkpoint round trips, and every config problem. One run serves several assertions."""
+and every config problem (checkpoint round trips: tests/test_checkpoint.py). One run serves
+several assertions."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -79,20 +78,6 @@ def test_matches_single_process_and_shards(runs, reference, name, optimizer):
             assert abs(rank[what] - expected) <= PAD * (2 if what == "optimizer" else 1), (name, rank)
     # Every byte is held somewhere: one shard group together holds at least the whole model.
     assert sum(rank["params"] for rank in ranks) >= TOTAL * world // SHARD[name]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["fsdp", "fsdp2"])
-def test_checkpoint_round_trip(runs, name):
-    """Resume from the sharded step-3 checkpoint (a DCP directory under the .ckpt name) and run
-    to step 6: steps 4-6 and the final parameters equal the uninterrupted run's."""
-    full = runs(name)
-    ckpt = full.out / "checkpoints" / "step3.ckpt"
-    assert ckpt.is_dir() and (ckpt / "meta.pt").is_file(), sorted(Path(full.out).rglob("*"))
-    resumed = runs(f"{name}-resumed", *[o for o in CASES[name] if "checkpoint_every" not in o],
-                   f"trainer.resume_from={ckpt}")
-    assert_losses_close(full.losses[3:], resumed.losses, rtol=RTOL)
-    assert_params_close(full.params(), resumed.params(), rtol=RTOL)
 
 
 # ----------------------------------------------------------------------------- config problems

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
 
-OURS = ("strategies", "planner", "recipes", "observers", "backends", "launchers")
+OURS = ("strategies", "planner", "recipes", "observers", "checkpoints", "backends", "launchers")
 ENGINES = ("torch", "lightning", "accelerate", "deepspeed", "transformers", "wandb")
 
 

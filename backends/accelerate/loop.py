@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from observers.files import atomic_write_text
+import checkpoints
 from recipes import training
 from recipes.data import GlobalBatchSampler, build_dataset
 from strategies.accelerate_support import accelerator
@@ -49,19 +49,6 @@ class AccelerateEngine:
         return self.acc.num_processes
 
 
-class Progress:
-    """Optimizer steps done, saved and restored with the checkpoint (``save_state``)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
-
-
 def _prepare(acc: Any, job: Job, model: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer, Any]:
     """(prepared model, the torch optimizer the recipe built, the prepared optimizer)."""
     if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
@@ -81,6 +68,7 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     block = getattr(training.model_class(job.model), "block_cls", None)
     kwargs = job.strategy.accelerate(job.world, run, block_cls=block)
     acc = accelerator(kwargs, on_cpu=run.accelerator == "cpu", world_size=job.world.size,
+                      timeout=job.cluster.collective_timeout,
                       mixed_precision=MIXED[run.precision],
                       gradient_accumulation_steps=job.batch.accumulation)
     log.info("accelerate: %s x %d process(es), %s", acc.distributed_type.name, acc.num_processes,
@@ -94,10 +82,12 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     engine_opt = model.optimizer if deepspeed else raw_opt
     job.strategy.repair(model, engine_opt)
     sched = training.build_scheduler(raw_opt, t)
-    progress = Progress()
-    acc.register_for_checkpointing(sched, progress)
-    if t.resume_from:
-        load_state(acc, model, raw_opt, t.resume_from)
+    ckpt_handles = checkpoints.Handles(model=model, optimizer=raw_opt, scheduler=sched,
+                                       rank=acc.process_index, world_size=acc.num_processes)
+    start = 0
+    ckpt = checkpoints.resolve(t.resume_from, out, cleanup=False)
+    if ckpt is not None:
+        start = checkpoints.load(ckpt_handles, ckpt)
     engine = AccelerateEngine(acc, model, [engine_opt])
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
@@ -106,11 +96,11 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,
                                  micro_batch=job.batch.micro_size, dp_rank=acc.process_index,
                                  dp_size=acc.num_processes, seed=t.seed, steps=t.max_steps,
-                                 start_step=progress.step)
+                                 start_step=start)
     batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers))
-    observers.train_start(engine, progress.step)
+    observers.train_start(engine, start)
     model.train()
-    for step in range(progress.step, t.max_steps):
+    for step in range(start, t.max_steps):
         observers.step_start(engine, step)
         micro = []
         for _ in range(job.batch.accumulation):
@@ -132,11 +122,10 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
                     opt.zero_grad()
         sched.step()
         observers.step_work_end(engine, step)
-        progress.step = step + 1
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
-        observers.step_end(engine, progress.step, loss)
-        if t.checkpoint_every and progress.step % t.checkpoint_every == 0:
-            save_state(acc, out / "checkpoints" / f"step{progress.step}")
+        observers.step_end(engine, step + 1, loss)
+        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
+            checkpoints.save(ckpt_handles, job, out, step + 1)
     report = observers.train_end(engine)
     if t.export_params:
         from observers.files import atomic_torch_save
@@ -156,23 +145,3 @@ def _deepspeed_backward(acc: Any, engine: Any, loss: torch.Tensor, before_step) 
     if acc.sync_gradients:
         before_step()
         engine.step()
-
-
-def save_state(acc: Any, path: Path) -> None:
-    """Accelerate's checkpoint (model, optimizer, scheduler, progress, RNG), written by every
-    rank; the directory counts as complete once rank 0 has written ``complete``."""
-    acc.save_state(str(path))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        atomic_write_text(path / "complete", "")
-
-
-def load_state(acc: Any, model: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
-    if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
-        # Accelerate loads FSDP1 optimizer state into a template made from the optimizer's current
-        # state, which is empty before the first step: nothing would load, without an error.
-        # torch's get_optimizer_state_dict initialises the state (a zero-lr step) first.
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        get_optimizer_state_dict(model, optimizer)
-    acc.load_state(path)

@@ -8,7 +8,6 @@ environment and never uses its own launcher, which would re-run the command line
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,19 +16,17 @@ import lightning as L
 
 from backends import Outcome
 from backends.lightning.bridge import ObserverBridge
+from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
 from observers.files import atomic_torch_save
 from recipes.data import build_dataset
+from strategies.lightning_support import set_timeout
 
 if TYPE_CHECKING:
     from observers import Observers
     from recipes.job import Job
 
 log = logging.getLogger(__name__)
-
-# GlobalBatchSampler resumes from trainer.global_step by construction (recipes/data.py), so
-# Lightning's "dataloader is not resumable" warning does not apply to our loaders.
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
 
 PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
@@ -52,12 +49,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
     """The Trainer of the job (no process is started until ``fit``)."""
     t = job.trainer
     strategy = job.strategy.lightning(job.run)
-    if t.checkpoint_every:
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        callbacks = [*callbacks, ModelCheckpoint(
-            dirpath=out / "checkpoints", filename="step{step}", every_n_train_steps=t.checkpoint_every,
-            save_top_k=-1, auto_insert_metric_name=False)]
+    set_timeout(strategy, job.cluster.collective_timeout)
     return L.Trainer(
         accelerator=job.run.accelerator,
         devices=job.world.devices,
@@ -70,7 +62,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
         use_distributed_sampler=False,  # GlobalBatchSampler already splits the global batch
         logger=False,  # loggers are observers, the same on every backend
         callbacks=callbacks,
-        enable_checkpointing=bool(t.checkpoint_every),
+        enable_checkpointing=False,  # checkpoints are ours (backends/lightning/checkpointing.py)
         enable_progress_bar=False,  # the progress bar is an observer, the same on every backend
         enable_model_summary=False,
         log_every_n_steps=t.log_every,
@@ -83,7 +75,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
 def build(job: Job, out: Path, observers: Observers) -> Built:
     t = job.trainer
     bridge = ObserverBridge(observers)
-    trainer = trainer_for(job, out, [bridge])
+    trainer = trainer_for(job, out, [bridge, Checkpointing(job, out)])
     log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
     data = GlobalBatchData(build_dataset(job.data, job.model, t.seed), global_batch=job.batch.global_size,
@@ -96,7 +88,7 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
 
 def fit(built: Built) -> Outcome:
     job, trainer = built.job, built.trainer
-    trainer.fit(built.module, datamodule=built.data, ckpt_path=job.trainer.resume_from)
+    trainer.fit(built.module, datamodule=built.data)
     if job.trainer.export_params:
         params = job.strategy.full_state_dict(trainer.strategy.model, prefix=MODEL_PREFIX)
         if trainer.global_rank == 0:

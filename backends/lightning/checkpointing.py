@@ -1,0 +1,60 @@
+"""Checkpoints under Lightning: one Callback that calls the engine-neutral ``checkpoints`` package
+with the Trainer's objects. Lightning's own checkpointing (``ModelCheckpoint``, ``ckpt_path``)
+is not used: its format differs per strategy (a file, a DCP directory with Lightning's keys, a
+DeepSpeed directory with Lightning's client state), which would tie a checkpoint to Lightning
+and to the preset that wrote it.
+
+Restore happens in ``on_fit_start``: after the strategy has wrapped the model and built the
+optimizer, before the fit loop asks for the dataloader (``GlobalBatchData`` starts the sample
+stream at ``trainer.global_step``, which the restore sets).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import lightning as L
+
+import checkpoints
+from backends.lightning.module import MODEL_PREFIX
+
+if TYPE_CHECKING:
+    from recipes.job import Job
+
+
+def handles(trainer: L.Trainer) -> checkpoints.Handles:
+    configs = trainer.lr_scheduler_configs
+    return checkpoints.Handles(model=trainer.strategy.model, optimizer=trainer.optimizers[0],
+                               scheduler=configs[0].scheduler if configs else None,
+                               rank=trainer.global_rank, world_size=trainer.world_size,
+                               prefix=MODEL_PREFIX)
+
+
+def set_global_step(trainer: L.Trainer, step: int) -> None:
+    """Lightning's step counters, as its own restore would set them for ``step`` optimizer steps
+    (automatic optimization: the optimizer-step tracker and the logger's step)."""
+    loop = trainer.fit_loop.epoch_loop
+    tracker = loop.automatic_optimization.optim_progress.optimizer.step.total
+    tracker.ready = tracker.completed = step
+    loop._batches_that_stepped = step
+
+
+class Checkpointing(L.Callback):
+    """Save every ``trainer.checkpoint_every`` optimizer steps; restore ``trainer.resume_from``."""
+
+    def __init__(self, job: Job, out: Path):
+        self.job, self.out = job, out
+        self._saved = -1
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        ckpt = checkpoints.resolve(self.job.trainer.resume_from, self.out, cleanup=False)
+        if ckpt is not None:
+            set_global_step(trainer, checkpoints.load(handles(trainer), ckpt))
+            self._saved = ckpt.step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, every = trainer.global_step, self.job.trainer.checkpoint_every
+        if every and step % every == 0 and step != self._saved:  # once per optimizer step
+            checkpoints.save(handles(trainer), self.job, self.out, step)
+            self._saved = step

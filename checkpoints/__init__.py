@@ -1,0 +1,155 @@
+"""Checkpoints, the same for every backend and strategy: what one holds (``state``), where it lives
+and when it counts (``store``), and the three calls a backend makes -- ``resolve`` (which
+checkpoint ``trainer.resume_from`` means, checked before any process starts), ``save`` and
+``load`` (every rank, with the engine's objects in ``Handles``).
+
+    <run dir>/checkpoints/step<N>/
+        COMPLETE         the manifest (every file and its size), written last
+        meta.json        step (the data position), world size, strategy, backend, payload kind,
+                         LR scheduler state, the model's parameter shapes, the resolved config
+        config.yaml      the resolved config, for people
+        dcp/ | deepspeed/  model + optimizer, as torch DCP or DeepSpeed wrote them
+        rng/rank<r>.pt   each rank's RNG states
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from checkpoints.store import Checkpoint, CheckpointError, clean, latest, read
+
+if TYPE_CHECKING:
+    from checkpoints.state import Handles
+    from recipes.config import ModelConfig
+    from recipes.job import Job
+
+__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Handles", "load", "resolve", "save", "shapes"]
+
+log = logging.getLogger(__name__)
+AUTO = "auto"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Handles":  # torch-free import of the package; Handles lives with the torch code
+        from checkpoints.state import Handles
+
+        return Handles
+    raise AttributeError(name)
+
+
+def shapes(model: ModelConfig) -> dict[str, list[int]]:
+    """The plain model's parameter names and shapes under ``model`` (built on the meta device)."""
+    import torch
+
+    from recipes import training
+
+    with torch.device("meta"):
+        built = training.model_class(model)(model)
+    return {k: list(v.shape) for k, v in built.state_dict().items()}
+
+
+def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | None = None, *,
+            cleanup: bool = True) -> Checkpoint | None:
+    """The checkpoint ``trainer.resume_from`` names, checked whole: ``auto`` -> the newest complete
+    one in ``run_dir`` (None: start fresh), a path -> that one, None -> none. ``cleanup``: remove
+    what interrupted saves left in ``run_dir`` (one process does it: rank 0 or the launcher).
+    ``model``: also compare the parameter shapes with it and read every file safely (train.py,
+    before launch). Raises ``CheckpointError`` naming the file, or the parameter whose shape
+    differs."""
+    if resume_from is None:
+        return None
+    if resume_from == AUTO:
+        if cleanup:
+            for p in clean(run_dir):
+                log.warning("removed an interrupted checkpoint save: %s", p)
+        found = latest(run_dir)
+        if found is None:
+            return None
+        ckpt = read(found)
+    else:
+        ckpt = read(resume_from)
+    if model is not None:  # before launch: everything, once
+        from checkpoints import state
+
+        _check_shapes(ckpt, shapes(model))
+        state.verify(ckpt)
+    return ckpt
+
+
+def refusal(ckpt: Checkpoint, job: Job) -> str | None:
+    """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
+    engine loads only its own checkpoints of the same world size and backend (its fp32 master
+    weights and optimizer partitions have no other way in); torch presets load anything."""
+    if type(job.strategy).CHECKPOINT != "deepspeed":
+        return None
+    m = ckpt.meta
+    if (m["payload"], int(m["world_size"]), m["backend"]) != ("deepspeed", job.world.size, job.backend):
+        return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
+                f"backend={m['backend']}; strategy={job.strategy.name} (DeepSpeed) resumes only from "
+                f"DeepSpeed checkpoints of the same world size and backend: resume with "
+                f"strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
+                "or a torch preset (single, ddp, fsdp, fsdp2)")
+    return None
+
+
+def _check_shapes(ckpt: Checkpoint, want: dict[str, list[int]]) -> None:
+    have = {k: list(v) for k, v in ckpt.meta.get("shapes", {}).items()}
+    for key in sorted(set(have) | set(want)):
+        if key not in want:
+            raise CheckpointError(f"{ckpt.path}: parameter {key!r} is in the checkpoint but not in "
+                                  "the model this config builds (a different model.* shape?)")
+        if key not in have:
+            raise CheckpointError(f"{ckpt.path}: parameter {key!r} of the model this config builds "
+                                  "is missing from the checkpoint (a different model.* shape?)")
+        if have[key] != want[key]:
+            raise CheckpointError(f"{ckpt.path}: parameter {key!r} has shape {have[key]} in the "
+                                  f"checkpoint but {want[key]} in the model this config builds: "
+                                  "resume with the model.* settings it was trained with")
+
+
+def save(h: Handles, job: Job, run_dir: str | Path, step: int) -> Path:
+    """Every rank, collectively: write the checkpoint of ``step`` under a temporary name; rank 0
+    then marks it complete and renames it, and prunes to ``trainer.keep_last``."""
+    from checkpoints import state, store
+
+    temp, final = store.temp_for(run_dir, step), store.path_for(run_dir, step)
+    if h.rank == 0 and temp.exists():
+        shutil.rmtree(temp)
+    state._barrier()
+    state.save(h, temp)
+    if h.rank == 0:
+        _write_config(temp, job)
+        store.commit(temp, final, _meta(h, job, step))
+        for p in store.prune(run_dir, job.trainer.keep_last):
+            log.info("removed checkpoint %s (trainer.keep_last=%d)", p, job.trainer.keep_last)
+        log.info("checkpoint: %s", final)
+    state._barrier()
+    return final
+
+
+def load(h: Handles, ckpt: Checkpoint) -> int:
+    """Every rank: restore everything ``ckpt`` holds into the engine; returns its step."""
+    from checkpoints import state
+
+    state.load(h, ckpt)
+    return ckpt.step
+
+
+def _meta(h: Handles, job: Job, step: int) -> dict[str, Any]:
+    import torch
+
+    from checkpoints import state
+
+    return {"step": step, "samples_seen": step * job.batch.global_size, "world_size": h.world_size,
+            "strategy": job.strategy.name, "family": job.strategy.family, "backend": job.backend,
+            "payload": state.payload_of(h), "prefix": h.prefix, "scheduler": state.scheduler_state(h),
+            "shapes": shapes(job.model), "torch": torch.__version__, "config": job.meta()["config"]}
+
+
+def _write_config(temp: Path, job: Job) -> None:
+    from omegaconf import OmegaConf
+
+    (temp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(job.meta()["config"])))

@@ -1,0 +1,308 @@
+"""What a checkpoint holds and how it is written and read back, for any engine.
+
+The model and optimizer are written by the library that shards them -- torch's distributed
+checkpoint (DCP) for single, DDP, FSDP1 and FSDP2; DeepSpeed's own ``save_checkpoint`` for ZeRO --
+from the objects the backend hands over (``Handles``). Everything else is engine-neutral and the
+same for every backend: the step (which is also the data position: ``GlobalBatchSampler``
+resumes the sample stream at it), the LR scheduler, each rank's RNG states and the resolved
+config.
+
+Keys are the plain model's (``Handles.prefix``, where the backend keeps the plain model, is
+removed on save and added on load), so a checkpoint is not tied to a backend. Loading picks the
+most faithful path the two sides allow:
+
+- DCP -> any torch strategy, any world size: ``dcp.load`` into the engine's own state dict
+  (``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``); DCP
+  reshards. Model and optimizer come back.
+- DeepSpeed -> DeepSpeed on the same world size and keys: the engine's ``load_checkpoint``.
+- anything else (ZeRO -> FSDP/DDP/single, or another world size under ZeRO): the full fp32
+  parameters (DeepSpeed's ``zero_to_fp32``, or DCP read whole) loaded into the engine; the
+  optimizer starts fresh, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoints.store import Checkpoint, CheckpointError
+
+log = logging.getLogger(__name__)
+# DCP without a process group (one process, or convert.py) is what we mean; no warning needed.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+DCP, DEEPSPEED = "dcp", "deepspeed"
+TAG = "state"  # DeepSpeed's tag (sub-directory) inside <checkpoint>/deepspeed
+
+
+@dataclass
+class Handles:
+    """What a backend hands the checkpoint code: its engine's objects, and where the plain model
+    sits among the model's parameter names."""
+
+    model: Any
+    """The model as the engine wrapped it (DDP, FSDP, a DeepSpeedEngine, or the module itself)."""
+    optimizer: Any
+    """The torch optimizer (under DeepSpeed: unused, the engine saves its own)."""
+    scheduler: Any
+    rank: int
+    world_size: int
+    prefix: str = ""
+    """The plain model's name prefix in ``model`` ("model." under Lightning)."""
+
+
+def is_deepspeed(model: Any) -> bool:
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
+def payload_of(h: Handles) -> str:
+    return DEEPSPEED if is_deepspeed(h.model) else DCP
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# ------------------------------------------------------------------ save
+def save(h: Handles, temp: Path) -> None:
+    """Every rank: write this rank's part of the model, optimizer and RNG into ``temp``."""
+    temp.mkdir(parents=True, exist_ok=True)
+    if is_deepspeed(h.model):
+        # DeepSpeed writes its own layout (model states + one optimizer shard per rank).
+        h.model.save_checkpoint(str(temp / DEEPSPEED), tag=TAG, client_state={}, save_latest=False)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(h.model, h.optimizer)
+        dcp.save({"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)},
+                 checkpoint_id=str(temp / DCP))
+    (temp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), temp / "rng" / f"rank{h.rank}.pt")
+    _barrier()
+
+
+def scheduler_state(h: Handles) -> dict[str, Any]:
+    return h.scheduler.state_dict() if h.scheduler is not None else {}
+
+
+# ------------------------------------------------------------------ load
+def load(h: Handles, ckpt: Checkpoint) -> None:
+    """Every rank: restore model, optimizer, scheduler and this rank's RNG from ``ckpt``."""
+    meta, path = ckpt.meta, ckpt.path
+    saved = meta["payload"]
+    same_world = int(meta["world_size"]) == h.world_size
+    if saved == DCP and not is_deepspeed(h.model):
+        _load_dcp(h, path)
+        how = "model and optimizer (DCP" + (")" if same_world else
+                                            f", resharded from {meta['world_size']} ranks)")
+    elif saved == DEEPSPEED and is_deepspeed(h.model) and same_world and meta["prefix"] == h.prefix:
+        _check_pickles(path / DEEPSPEED)
+        done, _ = h.model.load_checkpoint(str(path / DEEPSPEED), tag=TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False, load_module_strict=True)
+        if done is None:
+            raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED / TAG}")
+        how = "model and optimizer (DeepSpeed)"
+    else:
+        _load_full_model(h, full_model(ckpt))
+        how = (f"model only, from a {saved} checkpoint of {meta['strategy']} on {meta['world_size']} "
+               "rank(s); the optimizer state does not carry over and starts fresh")
+    if h.scheduler is not None and meta.get("scheduler"):
+        h.scheduler.load_state_dict(meta["scheduler"])
+        for group, lr in zip(h.optimizer.param_groups, h.scheduler.get_last_lr()):
+            group["lr"] = lr
+    rng = path / "rng" / f"rank{h.rank}.pt"
+    if rng.is_file():
+        set_rng_state(_torch_load(rng))
+    _barrier()
+    if h.rank == 0:
+        log.info("resumed from %s at step %d: %s", path, ckpt.step, how)
+
+
+def _load_dcp(h: Handles, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _check_dcp_metadata(path / DCP)
+    model_sd, optim_sd = get_state_dict(h.model, h.optimizer)
+    state = {"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)}
+    try:
+        dcp.load(state, checkpoint_id=str(path / DCP))
+    except Exception as e:  # noqa: BLE001  (DCP reports a missing key or a bad file in its own words)
+        raise CheckpointError(f"cannot load {path / DCP}: {_first_line(e)}") from e
+    set_state_dict(h.model, h.optimizer, model_state_dict=_add(state["model"], h.prefix),
+                   optim_state_dict=_add_optim(state["optim"], h.prefix))
+
+
+def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """The full parameters of a checkpoint, fp32 on CPU, keyed as the plain model: DCP read whole,
+    or DeepSpeed's zero_to_fp32. Needs no process group (convert.py); under one, every rank reads."""
+    path, meta = ckpt.path, ckpt.meta
+    if meta["payload"] == DCP:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        _check_dcp_metadata(path / DCP)
+        try:
+            sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path / DCP))["model"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {path / DCP}: {_first_line(e)}") from e
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        _check_pickles(path / DEEPSPEED)
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(path / DEEPSPEED), tag=TAG)
+        sd = _strip(sd, meta["prefix"])
+    return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+
+
+def _load_full_model(h: Handles, full: dict[str, torch.Tensor]) -> None:
+    if is_deepspeed(h.model):
+        raise CheckpointError(
+            "resuming a DeepSpeed run from a checkpoint of another strategy, world size or backend "
+            "is not supported (its fp32 master weights and optimizer partitions would not follow); "
+            "resume with the preset and world size that wrote it, or with a torch strategy "
+            "(single, ddp, fsdp, fsdp2)")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(h.model, _add(full, h.prefix),
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+# ------------------------------------------------------------------ keys
+def _strip(sd: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+def _add(sd: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {prefix + k: v for k, v in sd.items()}
+
+
+def _strip_optim(osd: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {"state": _strip(osd.get("state", {}), prefix),
+            "param_groups": [{**g, "params": [p[len(prefix):] for p in g["params"]]}
+                             for g in osd.get("param_groups", [])]}
+
+
+def _add_optim(osd: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {"state": _add(osd["state"], prefix),
+            "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
+                             for g in osd["param_groups"]]}
+
+
+# ------------------------------------------------------------------ RNG
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": [py[0], list(py[1]), py[2]],
+            "numpy": [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------ untrusted files
+def verify(ckpt: Checkpoint) -> None:
+    """Read every file of ``ckpt`` the way loading will, safely, without loading it into an
+    engine: a truncated or garbage file raises ``CheckpointError`` naming it."""
+    if ckpt.meta["payload"] == DCP:
+        _check_dcp_metadata(ckpt.path / DCP)
+    else:
+        _check_pickles(ckpt.path / DEEPSPEED)
+    for f in sorted((ckpt.path / "rng").glob("*.pt")):
+        _torch_load(f)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load`` with safe deserialization: tensors and plain data only."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path} is not a readable checkpoint file ({_first_line(e)})") from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP reads its ``.metadata`` with plain pickle; this reads it first, allowing only DCP's own
+    metadata classes, torch sizes and dtypes, and builtins."""
+
+    ALLOWED = ("torch.distributed.checkpoint.", "torch.distributed._shard.", "collections")
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+             ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("builtins", "set"),
+             ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module.startswith(self.ALLOWED) or (module, name) in self.NAMES
+                or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                     (torch.dtype, torch.memory_format, torch.layout)))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def _check_dcp_metadata(dcp_dir: Path) -> None:
+    """DCP's metadata, read safely; every storage range inside the files it names."""
+    meta_file = dcp_dir / ".metadata"
+    try:
+        with open(meta_file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{meta_file} is not DCP metadata ({_first_line(e)})") from None
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        f = dcp_dir / info.relative_path
+        if not f.is_file() or f.stat().st_size < info.offset + info.length:
+            raise CheckpointError(f"{f} is truncated: the metadata places data up to byte "
+                                  f"{info.offset + info.length}")
+
+
+def _check_pickles(ds_dir: Path) -> None:
+    """DeepSpeed loads its files with full pickle (``weights_only=False``); read each first
+    with torch's safe loader, allowing the few DeepSpeed and Python types its files contain."""
+    allowed = _deepspeed_safe_globals()
+    for f in sorted(ds_dir.rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{f} is not a readable DeepSpeed checkpoint file "
+                                  f"({_first_line(e)})") from None
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    import argparse
+    import collections
+
+    out: list[Any] = [argparse.Namespace, collections.OrderedDict, set]
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out += [ZeroStageEnum, LossScaler, fragment_address]
+    except ImportError:
+        pass
+    return out

@@ -1,0 +1,149 @@
+"""Where checkpoints live and when one counts: naming, atomic commit, discovery, pruning and the
+integrity check. Engine-free and torch-free (plan-time code may import it).
+
+A run directory holds ``checkpoints/step<N>/``. A save writes everything under
+``checkpoints/.tmp-step<N>/``; once every rank has written its part, rank 0 writes
+``COMPLETE`` (the manifest: every file with its size) and renames the directory to
+``step<N>``. So a directory named ``step<N>`` is complete by construction, and a kill during a
+save leaves only a ``.tmp-`` directory, which discovery ignores and ``clean`` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from observers.files import atomic_write_text
+
+DIRNAME = "checkpoints"
+MARKER = "COMPLETE"
+META = "meta.json"
+TMP = ".tmp-"
+_STEP = re.compile(r"step(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with the file and the reason."""
+
+
+def directory(run_dir: str | Path) -> Path:
+    return Path(run_dir) / DIRNAME
+
+
+def path_for(run_dir: str | Path, step: int) -> Path:
+    return directory(run_dir) / f"step{step}"
+
+
+def temp_for(run_dir: str | Path, step: int) -> Path:
+    return directory(run_dir) / f"{TMP}step{step}"
+
+
+def complete(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = directory(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP.fullmatch(p.name)) and (p / MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (``trainer.resume_from=auto``), or None."""
+    found = complete(run_dir)
+    return found[-1] if found else None
+
+
+def clean(run_dir: str | Path) -> list[Path]:
+    """Remove what interrupted saves left (``.tmp-`` directories, and any ``step<N>`` without its
+    marker, which no version of this code writes); returns what was removed."""
+    root = directory(run_dir)
+    if not root.is_dir():
+        return []
+    gone = [p for p in root.iterdir() if p.is_dir() and (
+        p.name.startswith(TMP) or (_STEP.fullmatch(p.name) and not (p / MARKER).is_file()))]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def commit(temp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank has written its part into ``temp``: write the manifest, then
+    rename ``temp`` to ``final``. A crash before the rename leaves ``final`` absent."""
+    atomic_write_text(temp / META, json.dumps(meta, indent=1, sort_keys=True))
+    files = {str(p.relative_to(temp)): p.stat().st_size for p in sorted(temp.rglob("*")) if p.is_file()}
+    atomic_write_text(temp / MARKER, json.dumps({"files": files}, indent=1))
+    _fsync_dir(temp)
+    if final.exists():  # a re-run of the same step (resumed before it): the new save wins
+        shutil.rmtree(final)
+    os.replace(temp, final)
+    _fsync_dir(final.parent)
+
+
+def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return []
+    old = complete(run_dir)[:-keep_last]
+    for p in old:
+        # Rename first: a kill mid-delete leaves a .tmp- directory, never a half step<N>.
+        doomed = p.with_name(f"{TMP}pruned-{p.name}")
+        os.replace(p, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return old
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint as read back: its directory and what ``meta.json`` says."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def read(path: str | Path) -> Checkpoint:
+    """Open a checkpoint directory and check that it is whole: the marker, every file of the
+    manifest present with its recorded size, ``meta.json`` readable. Raises ``CheckpointError``
+    naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a "
+                              f"directory written by trainer.checkpoint_every, named step<N>)")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"{path} has no {MARKER} marker: the save did not finish (or this is "
+                              "not a stratagem checkpoint); use an older checkpoint")
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker} is corrupt ({e})") from None
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing from checkpoint {path}")
+        have = f.stat().st_size
+        if have != size:
+            raise CheckpointError(f"{f} is truncated or altered: {have} bytes, the save wrote {size}")
+    try:
+        meta = json.loads((path / META).read_text())
+        int(meta["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / META} is corrupt ({e})") from None
+    return Checkpoint(path, meta)

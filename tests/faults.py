@@ -1,0 +1,83 @@
+"""Run train.py with a fault injected -- test-only code, nothing in the product reads it.
+
+    python tests/faults.py [--kill-at STEP --rank R [--once FILE]] [--slow-save STEP --seconds S]
+                           [--note FILE] -- <train.py overrides>
+
+--kill-at: rank R SIGKILLs itself right after optimizer step STEP (with --once, only if FILE does
+not exist yet, which it then creates: under torchrun's restarts the fault happens once).
+--slow-save: the save of STEP sleeps S seconds after the payload is written, before the commit.
+--note: where to write "<event> <unix time>" lines (kill, saving), for the test to watch.
+The patches are made before train.py runs, so ranks forked by our launcher inherit them; under
+torchrun every rank runs this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _note(path: str | None, event: str) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{event} {time.time()}\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser()
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--once")
+    p.add_argument("--slow-save", type=int)
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--note")
+    args = p.parse_args(argv[:split])
+    sys.path.insert(0, str(ROOT))
+
+    if args.kill_at is not None:
+        from observers.base import Observers
+
+        step_end = Observers.step_end
+
+        def killing_step_end(self, engine, step, loss):
+            step_end(self, engine, step, loss)
+            if step == args.kill_at and engine.rank == args.rank:
+                if args.once and os.path.exists(args.once):
+                    return
+                if args.once:
+                    Path(args.once).write_text("killed")
+                _note(args.note, f"kill{engine.rank}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        Observers.step_end = killing_step_end
+
+    if args.slow_save is not None:
+        from checkpoints import state
+
+        save = state.save
+
+        def slow_save(h, temp):
+            save(h, temp)
+            if temp.name.endswith(f"step{args.slow_save}"):
+                _note(args.note, f"saving{h.rank}")
+                time.sleep(args.seconds)
+
+        state.save = slow_save
+
+    sys.argv = [str(ROOT / "train.py"), *argv[split + 1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Checkpoints, resume and faults (checkpoints/, both backends), on CPU with gloo.
+
+- exact resume: 6 steps straight vs a copy of its step-3 checkpoint resumed with the default
+  ``trainer.resume_from=auto`` to 6 -- the same per-step losses and bitwise-equal parameters, for
+  single, ddp, fsdp, fsdp2, zero2, zero3 on both backends (Lightning single and ddp through the
+  fault tests); sharded presets save one shard per rank;
+- cross-preset and cross-world-size resume (zero3 on 2 -> fsdp on 1 and ddp on 2; fsdp2 on 2 ->
+  single, and from Lightning to Accelerate): the loaded parameters equal the saved ones exactly
+  (convert.py's full state dict), and training continues;
+- faults: SIGKILL of one of 2 ranks ends the job within ``cluster.collective_timeout``, naming
+  the lost rank, no process left; SIGKILL during a (slowed) save resumes from the previous
+  checkpoint; torchrun with max_restarts=1 and a rank killed once equals the uninterrupted run;
+- untrusted files: truncated or garbage files and a different model shape -> a clear error
+  naming the file or the key, before any process starts.
+
+Cost: the straight runs are the session cache's (the accelerate tests share their keys); each
+resumed run switches the measuring observers off (``callbacks=none``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import EQUIV, GLOO_ABORT, ROOT, TINY, assert_losses_close, assert_params_close, run_cli
+from tests.test_accelerate import CASES as ACCELERATE_CASES
+
+pytestmark = pytest.mark.timeout(600)
+
+# Each preset's overrides, as the Accelerate tests run them (so the straight runs are shared).
+PRESETS = {name: ACCELERATE_CASES[name][0] for name in ("single", "ddp", "fsdp", "fsdp2", "zero2", "zero3")}
+CKPT3 = "trainer.checkpoint_every=3"
+QUIET = "callbacks=none"  # the report only: no memory, communication or plots to measure
+
+
+def _straight(cached, preset: str, backend: str = "lightning"):
+    return cached(*EQUIV, *PRESETS[preset], CKPT3, f"backend={backend}")
+
+
+def _same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"not bitwise equal: {differ}"
+
+
+def _convert(step_dir: Path, out: Path) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "convert.py"), str(step_dir), "--to", "full",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    return load_file(out)
+
+
+# --------------------------------------------------------------------------- exact resume
+# (Lightning single and ddp resume exactly in the fault tests below: a kill mid-save, and torchrun's
+# restart, each against the uninterrupted run, bitwise.)
+EXACT = [(p, "lightning") for p in ("fsdp", "fsdp2", "zero2", "zero3")] + [
+    (p, "accelerate") for p in PRESETS]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("preset", "backend"), EXACT, ids=[f"{p}-{b}" for p, b in EXACT])
+def test_resume_is_exact(cached, train, tmp_path, preset, backend):
+    straight = _straight(cached, preset, backend)
+    step3 = straight.out / "checkpoints" / "step3"
+    assert (step3 / "COMPLETE").is_file(), sorted(p.name for p in step3.parent.iterdir())
+    world = 1 if preset == "single" else 2
+    if preset.startswith("zero"):  # DeepSpeed's own layout: one optimizer shard per rank
+        assert len(list((step3 / "deepspeed").rglob("*optim_states.pt"))) == world
+    else:  # torch DCP: every rank writes its own file
+        assert len(list((step3 / "dcp").glob("*.distcp"))) == world
+    # "3 steps, kill": a run directory holding only the step-3 checkpoint; resume_from=auto
+    shutil.copytree(step3, tmp_path / "resumed" / "checkpoints" / "step3")
+    resumed = train(*EQUIV, *PRESETS[preset], CKPT3, f"backend={backend}", QUIET, name="resumed")
+    assert "resumed from" in resumed.log and "at step 3: model and optimizer" in resumed.log
+    assert resumed.losses == straight.losses[3:]  # the same floats, not merely close
+    _same_params(straight.params(), resumed.params())
+    assert (resumed.out / "checkpoints" / "step6" / "COMPLETE").is_file()
+
+
+# --------------------------------------------------------------------------- across presets
+@pytest.mark.multiprocess
+def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
+    zero3 = _straight(cached, "zero3")
+    step3 = zero3.out / "checkpoints" / "step3"
+    saved = _convert(step3, tmp_path / "zero3.safetensors")  # DeepSpeed's zero_to_fp32
+    # the file loads into the plain model, without any of our checkpoint code
+    from recipes.config import compose, describe
+    from recipes.gpt import GPT
+
+    GPT(describe(compose(TINY).model)).load_state_dict(saved, strict=True)
+    # fsdp on 1 process, resumed at step 3 with max_steps=3: trains nothing, exports what it loaded
+    fsdp = train(*EQUIV, "strategy=fsdp", "cluster.devices=1", "trainer.micro_batch_size=8",
+                 "trainer.max_steps=3", f"trainer.resume_from={step3}", QUIET, name="fsdp1")
+    assert "model only, from a deepspeed checkpoint of zero3 on 2 rank(s)" in fsdp.log
+    _same_params(saved, fsdp.params())
+    # ddp on 2 continues to step 6: the first step after the resume sees the same weights and data
+    ddp = train(*EQUIV, "strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=4",
+                f"trainer.resume_from={step3}", QUIET, name="ddp2")
+    assert "optimizer state does not carry over" in ddp.log
+    assert_losses_close(zero3.losses[3:4], ddp.losses[:1], rtol=1e-6)
+    assert len(ddp.losses) == 3 and ddp.losses[-1] < ddp.losses[0]
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_on_2_resumes_as_single(cached, train, tmp_path):
+    """DCP reshards model and optimizer from 2 ranks to 1, and from Lightning to Accelerate: the
+    rest of the run is the uninterrupted one."""
+    fsdp2 = _straight(cached, "fsdp2")
+    step3 = fsdp2.out / "checkpoints" / "step3"
+    saved = _convert(step3, tmp_path / "fsdp2.safetensors")
+    loaded = train(*EQUIV, *PRESETS["single"], "trainer.max_steps=3", f"trainer.resume_from={step3}",
+                   QUIET, name="loaded")
+    _same_params(saved, loaded.params())
+    single = train(*EQUIV, *PRESETS["single"], "backend=accelerate", f"trainer.resume_from={step3}",
+                   QUIET, name="single")
+    assert "model and optimizer (DCP, resharded from 2 ranks)" in single.log
+    assert_losses_close(fsdp2.losses[3:], single.losses, rtol=1e-6)
+    assert_params_close(fsdp2.params(), single.params(), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- faults
+def _processes_with(token: str) -> list[int]:
+    """Live processes whose environment carries ``token`` (the test's own tree)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if token.encode() in (d / "environ").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def _faulty(fault: tuple[str, ...], *overrides: str, out: Path,
+            torchrun: tuple[str, ...] = ()) -> list[str]:
+    """tests/faults.py with ``fault`` around train.py with TINY + ``overrides``."""
+    head = [sys.executable, "-m", "torch.distributed.run", *torchrun] if torchrun else [sys.executable]
+    return [*head, str(ROOT / "tests" / "faults.py"), *fault, "--", *TINY, *overrides,
+            f"hydra.run.dir={out}"]
+
+
+def _env(token: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "STRATAGEM_TEST": token}
+
+
+def _events(note: Path) -> dict[str, float]:
+    lines = note.read_text().split("\n") if note.exists() else []
+    return {w[0]: float(w[1]) for w in (ln.split() for ln in lines) if len(w) == 2}
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_ends_the_job_within_the_timeout(tmp_path):
+    token, note, timeout = uuid.uuid4().hex, tmp_path / "note", 20
+    cmd = _faulty(("--kill-at", "2", "--rank", "1", "--note", str(note)), "strategy=ddp",
+                  "cluster.devices=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+                  "trainer.max_steps=500", f"cluster.collective_timeout={timeout}", QUIET,
+                  out=tmp_path / "run")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=_env(token))
+    ended, log = time.time(), proc.stdout + proc.stderr
+    killed = _events(note)["kill1"]
+    assert proc.returncode != 0, log[-3000:]
+    assert ended - killed <= timeout + 10, f"{ended - killed:.1f}s after the kill\n{log[-3000:]}"
+    assert "lost rank 1 of 2" in log and "SIGKILL" in log, log[-3000:]
+    time.sleep(0.5)
+    assert not _processes_with(token), "a process of the job was left behind"
+
+
+@pytest.mark.multiprocess
+def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(reference, tmp_path):
+    """checkpoint_every=2; the step-4 save is slowed after its files are written and the whole
+    job is SIGKILLed then. The resume ignores and removes the half-written step 4, continues
+    from step 2, and ends equal to the uninterrupted run."""
+    straight = reference("adamw")
+    token, note, out = uuid.uuid4().hex, tmp_path / "note", tmp_path / "run"
+    overrides = (*EQUIV, *PRESETS["single"], "trainer.checkpoint_every=2", QUIET)
+    job = subprocess.Popen(_faulty(("--slow-save", "4", "--seconds", "120", "--note", str(note)),
+                                   *overrides, out=out),
+                           cwd=ROOT, env=_env(token), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "saving0" not in _events(note) and job.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert "saving0" in _events(note), "the slowed save never started"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    ckpts = out / "checkpoints"
+    assert (ckpts / "step2" / "COMPLETE").is_file() and not (ckpts / "step4").exists()
+    assert any((ckpts / ".tmp-step4").rglob("*.distcp")), "the kill was meant to land mid-save"
+    resumed = run_cli("train.py", *TINY, *overrides, out=out)  # resume_from=auto
+    assert "removed an interrupted checkpoint save" in resumed.log
+    assert f"resumed from {ckpts / 'step2'} at step 2" in resumed.log
+    assert not (ckpts / ".tmp-step4").exists()
+    assert resumed.losses == straight.losses[2:]
+    _same_params(straight.params(), resumed.params())
+
+
+@pytest.mark.multiprocess
+def test_torchrun_restarts_a_killed_rank_and_resumes(cached, tmp_path):
+    straight = _straight(cached, "ddp")
+    token, once, out = uuid.uuid4().hex, tmp_path / "killed-once", tmp_path / "run"
+    cmd = _faulty(("--kill-at", "4", "--rank", "1", "--once", str(once)), *EQUIV, *PRESETS["ddp"],
+                  CKPT3, QUIET, out=out,
+                  torchrun=("--standalone", "--nproc-per-node=2", "--max-restarts=1",
+                            "--monitor-interval=0.5"))
+    # torchrun shares its rendezvous store with the workers' process group, and a restarted
+    # worker can read a peer's address from the attempt before (pytorch#135712): its switch off
+    env = {**_env(token), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert once.exists() and "at step 3: model and optimizer" in log, log[-5000:]
+    assert GLOO_ABORT not in log
+    report = json.loads((out / "report.json").read_text())
+    assert report["losses"] == straight.losses[3:]
+    _same_params(straight.params(), torch.load(out / "params.pt", map_location="cpu"))
+    assert not _processes_with(token)
+
+
+# --------------------------------------------------------------------------- untrusted files
+@pytest.fixture(scope="module")
+def good(cached) -> Path:
+    """fsdp on 2 ranks (the run tests/test_fsdp.py trains): a DCP checkpoint with a file per rank."""
+    return _straight(cached, "fsdp").out / "checkpoints" / "step3"
+
+
+@pytest.fixture
+def model():
+    from recipes.config import compose, describe
+
+    return describe(compose(TINY).model)
+
+
+def _damaged(good: Path, tmp_path: Path, rel: str, how: str) -> Path:
+    path = tmp_path / "run" / "checkpoints" / "step3"
+    shutil.rmtree(path.parent.parent, ignore_errors=True)
+    shutil.copytree(good, path)
+    f = path / rel
+    data = f.read_bytes()
+    if how == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":  # the same size: only reading it can tell
+        f.write_bytes(os.urandom(len(data)))
+    elif how == "delete":
+        f.unlink()
+    return path
+
+
+@pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
+@pytest.mark.parametrize(("rel", "how", "says"), [
+    ("dcp/__0_0.distcp", "truncate", "is truncated or altered"),
+    ("dcp/.metadata", "garbage", "is not DCP metadata"),
+    ("rng/rank0.pt", "garbage", "is not a readable checkpoint file"),
+    ("meta.json", "garbage", "is corrupt"),
+    ("COMPLETE", "delete", "has no COMPLETE marker"),
+])
+def test_a_damaged_checkpoint_names_the_file(good, tmp_path, model, rel, how, says):
+    import checkpoints
+
+    path = _damaged(good, tmp_path, rel, how)
+    with pytest.raises(checkpoints.CheckpointError) as e:
+        checkpoints.resolve(str(path), path.parent.parent, model)
+    assert says in str(e.value) and str(path / rel if how != "delete" else path) in str(e.value)
+
+
+@pytest.mark.multiprocess
+def test_dcp_metadata_is_read_safely(good, tmp_path, model):
+    """DCP unpickles its metadata; a pickle that would run code is refused before DCP sees it."""
+    import pickle
+
+    import checkpoints
+
+    path = _damaged(good, tmp_path, "dcp/.metadata", "keep")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    meta = path / "dcp" / ".metadata"
+    meta.write_bytes(pickle.dumps(Evil()))
+    marker = json.loads((path / "COMPLETE").read_text())  # forged manifest: sizes match
+    marker["files"]["dcp/.metadata"] = meta.stat().st_size
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    with pytest.raises(checkpoints.CheckpointError, match="is not allowed in DCP metadata"):
+        checkpoints.resolve(str(path), path.parent.parent, model)
+
+
+@pytest.mark.multiprocess
+def test_a_different_model_shape_names_the_key(good, model):
+    import dataclasses
+
+    import checkpoints
+
+    wider = dataclasses.replace(model, dim=model.dim * 2)
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"parameter '[\w.]+' has shape \[\d+, \d+\] in the checkpoint but"):
+        checkpoints.resolve(str(good), good.parent.parent, wider)
+
+
+@pytest.mark.multiprocess
+def test_a_bad_checkpoint_is_refused_before_launch(good, train, tmp_path):
+    path = _damaged(good, tmp_path, "dcp/__0_0.distcp", "truncate")
+    run = train(*EQUIV, *PRESETS["ddp"], f"trainer.resume_from={path}", QUIET, name="refused", check=False)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert f"{path / 'dcp' / '__0_0.distcp'} is truncated" in run.log
+    assert "trainer.resume_from=" in run.log and "null to start fresh" in run.log
+    assert "Initializing distributed" not in run.log and "Traceback" not in run.log
+
+
+# --------------------------------------------------------------------------- the store alone
+@pytest.mark.unit
+def test_commit_discovery_pruning_and_cleanup(tmp_path):
+    from checkpoints import store
+
+    def save(step: int, finish: bool = True) -> None:
+        temp = store.temp_for(tmp_path, step)
+        (temp / "dcp").mkdir(parents=True)
+        (temp / "dcp" / "x").write_text("x" * step)
+        if finish:
+            store.commit(temp, store.path_for(tmp_path, step), {"step": step})
+
+    assert store.latest(tmp_path) is None
+    for step in (2, 4, 10):
+        save(step)
+    save(12, finish=False)  # killed mid-save
+    assert store.latest(tmp_path).name == "step10"  # numeric order, not text
+    assert store.read(store.latest(tmp_path)).step == 10
+    assert [p.name for p in store.prune(tmp_path, 2)] == ["step2"]
+    assert [p.name for p in store.complete(tmp_path)] == ["step4", "step10"]
+    assert [p.name for p in store.clean(tmp_path)] == [".tmp-step12"]
+    assert sorted(p.name for p in store.directory(tmp_path).iterdir()) == ["step10", "step4"]
+
+
+@pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
+def test_deepspeed_refuses_a_foreign_checkpoint_before_launch(good):
+    import checkpoints
+    from recipes.config import compose
+    from recipes.job import validate
+
+    job = validate(compose([*TINY, *EQUIV, *PRESETS["zero2"]]))
+    why = checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job)
+    assert why and "written by fsdp on 2 rank(s)" in why and "strategy=fsdp cluster.devices=2" in why
+    job = validate(compose([*TINY, *EQUIV, *PRESETS["ddp"]]))
+    assert checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job) is None
