@@ -84,7 +84,7 @@ def save(h: Handles, temp: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(h.model, h.optimizer)
+        model_sd, optim_sd = get_state_dict(h.model, h.optimizer, options=_options())
         dcp.save({"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)},
                  checkpoint_id=str(temp / DCP))
     (temp / "rng").mkdir(exist_ok=True)
@@ -134,14 +134,14 @@ def _load_dcp(h: Handles, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _check_dcp_metadata(path / DCP)
-    model_sd, optim_sd = get_state_dict(h.model, h.optimizer)
+    model_sd, optim_sd = get_state_dict(h.model, h.optimizer, options=_options())
     state = {"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)}
     try:
         dcp.load(state, checkpoint_id=str(path / DCP))
     except Exception as e:  # noqa: BLE001  (DCP reports a missing key or a bad file in its own words)
         raise CheckpointError(f"cannot load {path / DCP}: {_first_line(e)}") from e
     set_state_dict(h.model, h.optimizer, model_state_dict=_add(state["model"], h.prefix),
-                   optim_state_dict=_add_optim(state["optim"], h.prefix))
+                   optim_state_dict=_add_optim(state["optim"], h.prefix), options=_options())
 
 
 def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
@@ -187,16 +187,31 @@ def _add(sd: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {prefix + k: v for k, v in sd.items()}
 
 
+def _options() -> Any:
+    """Optimizer state flattened to one key per parameter name and value
+    (``state.<name>.exp_avg``, ``param_groups.<name>.lr``): ranks that hold different parameters
+    (pipeline stages) write disjoint keys, where the nested form's per-rank ``param_groups``
+    lists would collide in DCP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _strip_optim(osd: dict[str, Any], prefix: str) -> dict[str, Any]:
-    return {"state": _strip(osd.get("state", {}), prefix),
-            "param_groups": [{**g, "params": [p[len(prefix):] for p in g["params"]]}
-                             for g in osd.get("param_groups", [])]}
+    out = {}
+    for k, v in osd.items():  # "<state|param_groups>.<prefix><name>.<key>"
+        head, rest = k.split(".", 1)
+        if rest.startswith(prefix):
+            out[f"{head}.{rest[len(prefix):]}"] = v
+    return out
 
 
 def _add_optim(osd: dict[str, Any], prefix: str) -> dict[str, Any]:
-    return {"state": _add(osd["state"], prefix),
-            "param_groups": [{**g, "params": [prefix + p for p in g["params"]]}
-                             for g in osd["param_groups"]]}
+    out = {}
+    for k, v in osd.items():
+        head, rest = k.split(".", 1)
+        out[f"{head}.{prefix}{rest}"] = v
+    return out
 
 
 # ------------------------------------------------------------------ RNG

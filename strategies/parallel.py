@@ -512,54 +512,6 @@ def _strategy_class() -> type:
                     "schedule_steps": p["steps"], "idle_fraction": per_stage,
                     "bubble_predicted": round((pp - 1) / (m + pp - 1), 4)}
 
-        # ---------------------------------------------------------- checkpoints
-        # A pipeline rank holds some parameters only, under their global names: DCP merges the
-        # ranks' model states by key. Optimizer states are saved flattened (keys per parameter
-        # name), since the nested form's per-rank param_groups lists would collide.
-        def _options(self) -> Any:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-            return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-
-        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-            if self.pipeline is None:
-                return super().optimizer_state(optimizer)
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
-            return get_optimizer_state_dict(self.model, optimizer, options=self._options())
-
-        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-            if self.pipeline is None:
-                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            from pathlib import Path
-
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                                 get_optimizer_state_dict,
-                                                                 set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-
-            path = Path(self.broadcast(checkpoint_path))
-            opts = self._options()
-            state = {"state_dict": get_model_state_dict(self.model)}
-            for i, opt in enumerate(self.optimizers):
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, opt, options=opts)
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.model, state["state_dict"])
-            for i, opt in enumerate(self.optimizers):
-                set_optimizer_state_dict(self.model, opt, state[f"optimizer_{i}"], options=opts)
-            return torch.load(path / "meta.pt", weights_only=weights_only)
-
-        def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-            if self.pipeline is None:
-                super().load_optimizer_state_dict(checkpoint)
-            # (pipelines: restored with the model in load_checkpoint)
-
-        def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-            if self.pipeline is None:
-                super().load_model_state_dict(checkpoint, strict=strict)
-
         def engine_settings(self) -> dict[str, Any]:
             w = self.world()
             return {"mesh": dict(zip(MESH_DIMS, (w.dp, self.preset.pp, self.preset.tp)))}

@@ -99,7 +99,7 @@ def test_help_lists_only_real_options():
     assert proc.returncode == 0, proc.stderr
     groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "_schema" not in groups, groups
-    assert "strategy: 3d, ddp," in groups and "logger: csv, tensorboard, wandb" in groups
+    assert "strategy: 3d, auto, ddp," in groups and "logger: csv, tensorboard, wandb" in groups
 
 
 # --------------------------------------------------------------------- Lightning's registry

@@ -108,10 +108,10 @@ def test_pipeline_report_has_schedule_and_measured_bubble(runs):
 @pytest.mark.multiprocess
 def test_pipeline_checkpoint_saves_per_stage_and_resumes_exactly(runs):
     """Each stage writes its own parameters and (flattened) optimizer state into one DCP
-    directory under their global names; resuming at step 3 continues exactly."""
+    checkpoint under their global names; resuming at step 3 continues exactly."""
     full = runs(*CASES["1f1b"], "trainer.checkpoint_every=3", optimizer="adamw")
-    ckpt = full.out / "checkpoints" / "step3.ckpt"
-    assert ckpt.is_dir()
+    ckpt = full.out / "checkpoints" / "step3"
+    assert (ckpt / "COMPLETE").is_file(), sorted(full.out.rglob("*"))
     resumed = runs(*CASES["1f1b"], f"trainer.resume_from={ckpt}", optimizer="adamw")
     assert_losses_close(full.losses[3:], resumed.losses, rtol=RTOL)
     assert_params_close(full.params(), resumed.params(), rtol=RTOL)
