@@ -28,15 +28,12 @@ def _problems(job) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    if {"-h", "--help"} & set(argv):
-        print(__doc__ + "\n" + cli.groups_help())
+    if (composed := cli.query(argv, __doc__)) is None:
         return
-    from recipes.config import compose
+    cfg, _ = composed
     from recipes.job import RUN, validate
     from strategies import ConfigError
 
-    argv = cli.normalize(argv)
-    cfg = cli.or_exit(lambda: compose(argv))
     if cfg.export is None:
         cli.or_exit(lambda: (_ for _ in ()).throw(ConfigError(
             "export=null: choose what to write: export=accelerate (an accelerate launch config "

@@ -18,17 +18,15 @@ from recipes import cli
 
 
 def main(argv: list[str]) -> None:
-    if {"-h", "--help"} & set(argv):
-        print(__doc__ + "\n" + cli.groups_help())
+    if (composed := cli.query(argv, __doc__)) is None:
         return
+    cfg, argv = composed
     from planner import plan_all
     from planner.render import render
-    from recipes.config import compose, describe
+    from recipes.config import describe
     from recipes.job import CONFIG, validate
     from strategies.presets import names
 
-    argv = cli.normalize(argv)
-    cfg = cli.or_exit(lambda: compose(argv))
     cli.or_exit(lambda: validate(cfg, depth=CONFIG))
     chosen = any(a.split("=")[0].lstrip("+~") == "strategy" for a in argv)
     report = cli.or_exit(lambda: plan_all(cfg, describe(cfg.model), chosen=chosen))

@@ -72,6 +72,19 @@ def or_exit(step: Callable[[], T]) -> T:
         sys.exit(CONFIG_ERROR)
 
 
+def query(argv: list[str], doc: str) -> tuple[object, list[str]] | None:
+    """The start of a script that queries the config instead of running a job (plan.py,
+    export.py): ``--help`` prints ``doc`` and the groups (None); otherwise the composed config and
+    the normalized overrides, or the composition error and exit 2."""
+    if {"-h", "--help"} & set(argv):
+        print(doc + "\n" + groups_help())
+        return None
+    from recipes.config import compose
+
+    argv = normalize(argv)
+    return or_exit(lambda: compose(argv)), argv
+
+
 def groups_help() -> str:
     """The config groups and their options, as files of conf/ (what ``--help`` lists)."""
     from dataclasses import fields
