@@ -99,7 +99,8 @@ def _advice(key: str, f: dataclasses.Field, check: Check) -> str:
 
 def problems(obj: Any, prefix: str) -> list[str]:
     """Every declared rule that a field of the dataclass instance ``obj`` breaks, as sentences.
-    A field whose value is None passes when its default is None (optional knobs)."""
+    A field whose value is None passes when its default is None or its type allows None
+    (optional knobs)."""
     out = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -109,7 +110,7 @@ def problems(obj: Any, prefix: str) -> list[str]:
         check = f.metadata.get("check")
         if check is None:
             continue
-        if value is None and f.default is None:
+        if value is None and (f.default is None or "None" in str(f.type)):
             continue
         why = check.violated(value)
         if why:

@@ -208,3 +208,11 @@ def test_per_combination_tweak_applies_only_to_its_pair():
     """conf/strategy_model/<strategy>_<model>.yaml is an optional, interpolated group."""
     assert compose(["strategy=zero3", "model=gpt_nano"]).strategy.param_persistence_threshold == 0
     assert compose(["strategy=zero3", "model=gpt_small"]).strategy.param_persistence_threshold == 100_000
+
+
+@pytest.mark.unit
+def test_resume_from_null_starts_fresh_and_passes_validation():
+    from recipes.job import CONFIG, validate
+
+    job = validate(compose(["trainer.resume_from=null"]), depth=CONFIG)
+    assert job.trainer.resume_from is None

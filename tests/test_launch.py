@@ -92,8 +92,9 @@ def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
     """Job by job: too little memory -> skipped with the planner's reason; a resume file that is
     not a checkpoint -> failed at run time with its error; the other job runs; the sweep ends
     normally with every job a row."""
-    garbage = tmp_path / "not_a_checkpoint.ckpt"
-    garbage.write_text("not a checkpoint")
+    garbage = tmp_path / "not_a_checkpoint"  # a directory, so it passes the config check
+    garbage.mkdir()
+    (garbage / "junk").write_text("not a checkpoint")
     _, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true",
                            "cluster.device_memory_GB=1e-6,24", f"trainer.resume_from=null,{garbage}")
     rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
