@@ -52,8 +52,15 @@ def both(cached):
     return get
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("case", list(CASES))
+# SGD exposes a gradient-scale error that AdamW divides out: run it where the scale is decided
+# (each engine family, and every accumulation case); the variants of a family (compression,
+# SHARD_GRAD_OP, offload) share their family's scaling and run AdamW only.
+SGD_CASES = {"single", "ddp", "ddp-accumulation", "fsdp", "fsdp-accumulation", "fsdp2", "zero1",
+             "zero3", "zero2-accumulation"}
+MATRIX = [(c, o) for c in CASES for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]
+
+
+@pytest.mark.parametrize("case, optimizer", MATRIX)
 def test_accelerate_trains_what_lightning_trains(both, reference, case, optimizer):
     lightning, accelerate = both(case, optimizer)
     ref = reference(optimizer)
