@@ -236,17 +236,19 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
 def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
     """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit): Lightning
     saves hpc_ckpt_1.ckpt and runs `scontrol requeue`; the job starts again and resumes there."""
-    steps, sweep = 250, tmp_path / "requeue"
+    steps, sweep = 2000, tmp_path / "requeue"  # long enough that the signal lands mid-fit
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
            "cluster=slurm_local", "strategy=ddp", f"trainer.max_steps={steps}", f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log, deadline = sweep / "0" / "train.log", time.time() + 180
-        while not (log.exists() and "trainer:" in log.read_text()):  # rank 0 is training
+        # Lightning installs its SIGUSR1 handler after the process group is up and the model
+        # set: a signal before that would kill the job instead of requeueing it.
+        while not (log.exists() and "All distributed processes registered" in log.read_text()):
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.5)
-        time.sleep(1)
+        time.sleep(5)
         job = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True,
                              check=True).stdout.split()[0]  # (this Slurm runs our jobs only)
         subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
