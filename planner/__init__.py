@@ -38,10 +38,10 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     su = Setup.of(cfg, model)
     world, run = su.world, _run(su)
     own = as_config(cfg.strategy)
-    presets = [own] if chosen else [own if n == own.name else _degrees(load(n), su) for n in names()]
-    cands = [candidate(p, world_of(p, su), run) for p in presets]
-    if not chosen:
-        cands += planned_candidates(su, su.options.tp, su.options.pp)
+    megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
+    presets = [own] if chosen else [own if n == own.name else _degrees(load(n), megatron)
+                                    for n in names()]
+    cands = [candidate(p, world_of(p, su), run) for p in presets] + megatron
     plans = [plan_candidate(c, su) for c in cands]
     rec = recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
     for p in plans:
@@ -59,14 +59,14 @@ def _batch(su: Setup) -> str:
             f"precision {t.precision}")
 
 
-def _degrees(preset: Any, su: Setup) -> Any:
+def _degrees(preset: Any, megatron: list[Candidate]) -> Any:
     """A TP / PP preset the user did not compose, at the degrees this cluster and model call
     for (``planner.tp``/``planner.pp``, else TP inside a node and the smallest fitting PP)."""
     if getattr(preset, "family", None) != "parallel":
         return preset
     import dataclasses
 
-    derived = {c.name: c for c in planned_candidates(su, su.options.tp, su.options.pp)}
+    derived = {c.name: c for c in megatron}
     tp = derived["megatron_tp"].tp if "megatron_tp" in derived else preset.tp
     pp = derived["megatron_pp"].pp if "megatron_pp" in derived else preset.pp
     if preset.pp > 1 and preset.tp > 1 and "megatron_3d" in derived:
@@ -81,8 +81,9 @@ def world_of(preset: Any, su: Setup) -> World:
 
 
 def _others(su: Setup, world: World, run: Run, skip: Plan) -> list[Plan]:
+    megatron = planned_candidates(su, su.options.tp, su.options.pp)
     return [plan_candidate(candidate(p, world_of(p, su), run), su)
-            for p in (_degrees(load(n), su) for n in names()) if p.name != skip.strategy]
+            for p in (_degrees(load(n), megatron) for n in names()) if p.name != skip.strategy]
 
 
 def _hint(plans: list[Plan]) -> str:
