@@ -47,7 +47,7 @@ def shapes(model: ModelConfig) -> dict[str, list[int]]:
     from recipes import training
 
     with torch.device("meta"):
-        built = training.model_class(model)(model)
+        built = training.build_model(model, 0, meta=True)
     return {k: list(v.shape) for k, v in built.state_dict().items()}
 
 

@@ -2,6 +2,9 @@
 
     model = GPT(shape); model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
+or, for ``model=hf``, a Hugging Face model directory (``to_hf``) that
+``AutoModelForCausalLM.from_pretrained`` loads, LoRA adapters merged or saved beside it.
+
 The parameters come out of the library that wrote them (DCP read whole, or DeepSpeed's
 zero_to_fp32), fp32, keyed as the plain model. No process group is needed.
 """
@@ -28,3 +31,25 @@ def to_full(checkpoint: str | Path, out: str | Path | None = None) -> Path:
                 "format": "pt"}
     atomic_write(path, lambda tmp: save_file(state, tmp, metadata=metadata))
     return path
+
+
+def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -> Path:
+    """Write the checkpoint of a ``model=hf`` run as a Hugging Face model directory ``out``
+    (config, safetensors, the source model's tokenizer files). ``merge_lora``: fold LoRA
+    adapters into the base weights; false: the base model plus a peft adapter in
+    ``out/adapter``."""
+    from omegaconf import OmegaConf
+
+    from checkpoints.store import CheckpointError
+    from recipes.config import ModelConfig
+
+    ckpt = read(checkpoint)
+    verify(ckpt)
+    model = ckpt.meta.get("config", {}).get("model", {})
+    if model.get("name") != "hf":
+        raise CheckpointError(f"{ckpt.path}: a checkpoint of model={model.get('name')}; --to hf "
+                              "converts model=hf runs (use --to full for the built-in models)")
+    shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+    from recipes.hf import save_hf
+
+    return save_hf(full_model(ckpt), shape, Path(out), merge_lora=merge_lora)

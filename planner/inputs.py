@@ -99,11 +99,18 @@ class Setup:
 
     @property
     def params(self) -> int:
-        return int(self.options.params) if self.options.params is not None else self.model.num_params()
+        if self.options.params is not None:
+            return int(self.options.params)
+        lora = getattr(self.model, "lora_params", None)  # adapters are parameters too
+        return self.model.num_params() + (lora() if lora else 0)
 
     @property
     def trainable(self) -> int | None:
+        """``planner.trainable``, else the model's LoRA adapters (model.lora.rank), else None:
+        every parameter trains."""
         t = self.options.trainable
+        if t is None and self.options.params is None and getattr(self.model, "lora", None) is not None:
+            return self.model.lora_params() or None
         return None if t is None else int(t)
 
     @property

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from strategies.checks import free, knob
 
@@ -26,12 +26,44 @@ BACKENDS = tuple(sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml")))
 OPTIMIZERS = ("adamw", "sgd")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ARCHITECTURES = ("gpt", "llama", "mistral", "qwen2")
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora``: low-rank adapters through ``peft`` (model=hf). The base model is frozen;
+    only the adapters train (and hold gradients and optimizer state)."""
+
+    rank: int = knob(0, min=0)
+    """Adapter rank r; 0: no LoRA, every parameter trains."""
+    alpha: float = knob(16.0, above=0.0)
+    """Scaling numerator: the update is (alpha / rank) x B A."""
+    dropout: float = knob(0.0, min=0.0, below=1.0)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Linear layers, by their name inside a decoder layer, that get adapters (LORA_TARGETS)."""
+
+
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer's shape (recipes/gpt.py builds it). Also the torch-free model
-    description the planner reads: shape fields plus the exact parameter counts below."""
+    """A decoder-only transformer's shape (recipes/gpt.py builds it, or transformers for
+    ``model=hf``). Also the torch-free model description the planner reads: shape fields plus
+    the exact parameter counts below."""
 
     name: str = MISSING
+    path: str | None = free(None, "a directory written by save_pretrained (config.json + "
+                            "safetensors), or a model id in the local Hugging Face cache")
+    """model=hf: where the model is. Its shape fields are read from its config.json."""
+    pretrained: bool = True
+    """model=hf: load the weights from ``path``; false: random weights from the config and seed."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    architecture: str = knob("gpt", choices=ARCHITECTURES)
+    """gpt: recipes/gpt.py; llama | mistral | qwen2: a transformers model (model=hf). The
+    planner's activation calibration is per architecture."""
+    attention_bias: str = knob("none", choices=("none", "qkv", "all"))
+    """Which attention projections have a bias (Qwen2: qkv; Llama's attention_bias: all)."""
+    max_seq_len: int | None = knob(None, min=1)
+    """The longest sequence the model supports (an HF config's max_position_embeddings)."""
     dim: int = knob(MISSING, min=1)
     """Hidden size."""
     n_layers: int = knob(MISSING, min=1)
@@ -49,9 +81,9 @@ class ModelConfig:
     norm_eps: float = knob(1e-5, above=0.0)
     rope_theta: float = knob(10000.0, above=0.0)
 
-    architecture = "gpt"
-    """Which model recipes/gpt.py builds (the planner's activation calibration is per architecture)."""
-
+    @property
+    def is_hf(self) -> bool:
+        return self.architecture != "gpt"
     @property
     def hidden(self) -> int:
         """The MLP's inner size."""
@@ -65,7 +97,17 @@ class ModelConfig:
         """Parameters of one transformer block (attention, SwiGLU MLP, two norms)."""
         kv = self.n_kv_heads * self.head_dim
         attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
-        return attn + 3 * self.dim * self.hidden + 2 * self.dim
+        bias = {"none": 0, "qkv": self.dim + 2 * kv, "all": 2 * self.dim + 2 * kv}[self.attention_bias]
+        return attn + bias + 3 * self.dim * self.hidden + 2 * self.dim
+
+    def lora_params(self) -> int:
+        """Parameters of the LoRA adapters (rank x (in + out) per targeted linear layer); 0
+        without LoRA."""
+        r, kv = self.lora.rank, self.n_kv_heads * self.head_dim
+        sizes = {"q_proj": (self.dim, self.dim), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv),
+                 "o_proj": (self.dim, self.dim), "gate_proj": (self.dim, self.hidden),
+                 "up_proj": (self.dim, self.hidden), "down_proj": (self.hidden, self.dim)}
+        return self.n_layers * sum(r * sum(sizes[m]) for m in self.lora.target_modules if m in sizes)
 
     def embedding_params(self) -> int:
         """Parameters of one vocab x dim matrix (the input embedding; the output head is
@@ -101,6 +143,18 @@ class ModelConfig:
                        f"{self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
             out.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.max_seq_len is not None and self.seq_len > self.max_seq_len:
+            out.append(f"model.seq_len={self.seq_len} exceeds the model's max_position_embeddings "
+                       f"{self.max_seq_len}: set model.seq_len<={self.max_seq_len}")
+        if not self.is_hf:
+            for key, value in (("path", self.path), ("lora.rank", self.lora.rank)):
+                if value:
+                    out.append(f"model.{key}={value} applies to model=hf only (this is the built-in "
+                               f"{self.name}): remove it, or use model=hf model.path=...")
+        bad = sorted(set(self.lora.target_modules) - set(LORA_TARGETS))
+        if bad:
+            out.append(f"model.lora.target_modules: {', '.join(bad)} not a decoder layer's linear "
+                       f"layer; allowed: {', '.join(LORA_TARGETS)}")
         return out
 
 
@@ -365,6 +419,10 @@ GROUP_SCHEMAS: dict[str, type] = {
 def _store() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("hf"):  # model=hf: shape fields from the model's config.json
+        from recipes.hf_config import resolve
+
+        OmegaConf.register_new_resolver("hf", resolve)
     cs.store(name="logger_schema", node=LoggerConfig)  # opt-in groups: typed per file
     cs.store(name="export_schema", node=ExportConfig)
 

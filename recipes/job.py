@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -111,7 +112,9 @@ def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
         try:
             obj = OmegaConf.to_object(node)
         except Exception as e:  # noqa: BLE001  (a missing mandatory value, say)
-            problems[group].append(f"{group}: {str(e).splitlines()[0]}")
+            # (a resolver's own words, without OmegaConf's preamble)
+            said = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(e).splitlines()[0])
+            problems[group].append(f"{group}: {said}")
             continue
         if not isinstance(obj, schema):
             obj = schema(**obj)
@@ -134,6 +137,28 @@ def _logger_problems(logger: LoggerConfig | None) -> list[str]:
     if importlib.util.find_spec(module) is None:
         return [f"logger={logger.name} needs the {module!r} package, which is not installed: "
                 f"pip install -e '.[{extra}]' (or pip install {module}), or logger=null"]
+    return []
+
+
+# What trains a Hugging Face model (model=hf): the data-parallel families, whose engines wrap
+# any module; TP/PP presets apply recipes/gpt.py's own layer names. LoRA (frozen base weights
+# next to trainable adapters) on the engines that keep per-parameter requires_grad.
+HF_FAMILIES = ("single", "ddp", "fsdp", "fsdp2", "deepspeed")
+LORA_PRESETS = "single, ddp (and its compression presets), fsdp2, zero1, zero2, zero2_offload"
+
+
+def _hf_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
+    if not model.is_hf:
+        return []
+    if strategy.family not in HF_FAMILIES:
+        return [f"strategy={strategy.name} with model=hf: tensor/pipeline-parallel presets apply the "
+                f"built-in GPT's layer names; model=hf trains with the {', '.join(HF_FAMILIES)} "
+                "families (e.g. strategy=fsdp2), or use a built-in model"]
+    lora_ok = strategy.family in ("single", "ddp", "fsdp2") or (
+        strategy.family == "deepspeed" and getattr(strategy, "stage", 3) <= 2)
+    if model.lora.rank and not lora_ok:
+        return [f"model.lora.rank={model.lora.rank} with strategy={strategy.name}: LoRA runs with "
+                f"{LORA_PRESETS}; choose one of them, or model.lora.rank=0 for a full fine-tune"]
     return []
 
 
@@ -185,7 +210,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += strategy.problems(world, run)
         if not bad["model"]:
-            problems += strategy.model_problems(model)
+            problems += strategy.model_problems(model) + _hf_problems(strategy, model)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
               callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, world=world,
               batch=batch, run=run, backend=objs["backend"].name)

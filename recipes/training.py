@@ -18,17 +18,26 @@ ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8
 
 
 def model_class(shape: ModelConfig) -> type[torch.nn.Module]:
-    """The class ``build_model`` builds (its ``block_cls`` tells strategies what to wrap)."""
+    """The class ``build_model`` builds (its ``block_cls`` tells strategies what to wrap):
+    recipes/gpt.py's GPT, or a transformers model for ``model=hf`` (recipes/hf.py)."""
+    if shape.is_hf:
+        from recipes.hf import model_class as hf_class
+
+        return hf_class(shape.path)
     from recipes.gpt import GPT
 
     return GPT
 
 
-def build_model(shape: ModelConfig, seed: int) -> torch.nn.Module:
+def build_model(shape: ModelConfig, seed: int, *, meta: bool = False) -> torch.nn.Module:
     """The plain single-device model, initialised from ``seed`` alone: every rank, and the
-    single-process reference, start from identical weights whatever RNG state they are in."""
+    single-process reference, start from identical weights whatever RNG state they are in.
+    ``meta``: a pretrained HF model's parameters stay on the meta device, for a strategy that
+    shards them first and then materializes them (recipes/hf.py: ``materialize``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if shape.is_hf:
+            return model_class(shape)(shape, meta=meta and shape.pretrained, seed=seed)
         return model_class(shape)(shape)
 
 

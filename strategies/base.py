@@ -209,6 +209,28 @@ def checkpoint_blocks(module: torch.nn.Module) -> None:
     apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, block))
 
 
+def materialize(module: torch.nn.Module, device: Any) -> None:
+    """After sharding a model built on the meta device: give its meta parameters real (local,
+    sharded) storage on ``device``, keep every tensor that was real already (LoRA adapters,
+    buffers), then let the model load its weights into the shards (a module with
+    ``pending_weights`` set has ``load_pretrained``, as recipes/hf.py's models do)."""
+    import torch
+
+    tensors = lambda: [*module.named_parameters(), *module.named_buffers()]  # noqa: E731
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    if not any(t.is_meta for _, t in tensors()):
+        return
+    with torch.no_grad():
+        keep = {n: local(t).detach().clone() for n, t in tensors() if not t.is_meta}
+        module.to_empty(device=device)
+        for n, t in tensors():
+            if n in keep:
+                local(t).copy_(keep[n])
+    for m in module.modules():
+        if getattr(m, "pending_weights", False):
+            m.load_pretrained()
+
+
 def unwrap(root: Any) -> Any:
     """The module inside engine wrappers that only hold it (DDP's and DeepSpeed's ``.module``)."""
     while type(root).__name__ in ("DistributedDataParallel", "DeepSpeedEngine"):

@@ -15,7 +15,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import SHARDED, Layout, Run, StrategyConfig, checkpoint_blocks, family, find_model
+from strategies.base import (SHARDED, Layout, Run, StrategyConfig, checkpoint_blocks, family, find_model,
+                             materialize)
 from strategies.checks import knob
 from strategies.fsdp import _accelerate_wrap, _hybrid_problems, gather_full_state_dict
 from strategies.mesh import World
@@ -159,12 +160,17 @@ def _strategy_class() -> type:
 
             return init_device_mesh(dp.device_type, shape, mesh_dim_names=("replicate", "shard"))
 
+        # The module builds a pretrained model's parameters on the meta device; ``setup``
+        # shards them, then each rank loads only its shards (``materialize``).
+        builds_on_meta = True
+
         def setup(self, trainer: Any) -> None:
             from torch.distributed.tensor import DTensor
 
             module = self.lightning_module
             if not any(isinstance(p, DTensor) for p in module.parameters()):
                 self.preset.parallelize(module, self.dp_mesh(), precision=self.run().precision)
+            materialize(module, self.root_device)
             super().setup(trainer)
 
         def engine_settings(self) -> dict[str, Any]:

@@ -34,7 +34,8 @@ class CausalLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = training.build_model(self.shape, self.trainer_cfg.seed)
+            meta = getattr(self._trainer and self.trainer.strategy, "builds_on_meta", False)
+            self.model = training.build_model(self.shape, self.trainer_cfg.seed, meta=meta)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = training.loss(self.model, batch)

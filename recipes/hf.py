@@ -1,0 +1,286 @@
+"""Hugging Face causal LMs (``model=hf``) behind the recipe's interface: tokens -> logits.
+
+``HFCausalLM`` holds a transformers model (``self.hf``) and declares what strategies read off
+the built-in GPT: its repeated block (``block_cls``, the architecture's decoder layer, for wrap
+policies and activation checkpointing) and its tensor-parallel plan. LoRA adapters come from
+``peft``, injected into ``self.hf`` in place; the base is frozen.
+
+Weights: ``model.pretrained=false`` initialises from the config under the run's seed (identical
+on every rank). Pretrained weights are read tensor by tensor from the safetensors files
+(memory-mapped), into whatever each rank holds:
+- a plain parameter: the whole tensor (single, DDP, ZeRO-1/2, FSDP1 before wrapping);
+- a ZeRO-3 partition (built under ``zero.Init``): gathered one tensor at a time, rank 0 writes;
+- an FSDP2 shard (``meta=True`` build, sharded, then strategies.base.materialize): only this
+  rank's rows.
+So the sharded presets never hold the full model on one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from recipes.hf_config import locate
+
+if TYPE_CHECKING:
+    from recipes.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Megatron-style plan relative to each decoder layer (transformers' own names).
+TP_PLAN = {
+    "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+    "self_attn.o_proj": "row", "mlp.gate_proj": "column", "mlp.up_proj": "column",
+    "mlp.down_proj": "row",
+}
+LORA_PIECES = (".base_layer",)  # what peft inserts into a wrapped layer's parameter names
+
+
+def _auto_config(shape: ModelConfig) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(locate(shape.path), local_files_only=True)
+    config.use_cache = False
+    return config
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as a recipe model (see the module docstring)."""
+
+    block_cls: type | None = None  # set per architecture by ``model_class``
+    tp_plan = TP_PLAN
+
+    def __init__(self, shape: ModelConfig, *, meta: bool = False, seed: int = 0):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.shape = shape
+        self._rss0 = _anon_rss()  # host memory before the model: loading is measured from here
+        config = _auto_config(shape)
+        build = contextlib.nullcontext()
+        if meta:  # parameters on the meta device; buffers (rotary tables) real
+            from accelerate import init_empty_weights
+
+            build = init_empty_weights(include_buffers=False)
+        with build:
+            self.hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                       dtype=torch.float32)
+        self.pending_weights = shape.pretrained
+        """True until the pretrained weights are in (``load_pretrained``)."""
+        if shape.pretrained and not meta:
+            self.load_pretrained()
+        elif not shape.pretrained:
+            self._init_random(seed)
+        if shape.lora.rank:
+            self._add_lora(shape, meta, seed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+    @torch.no_grad()
+    def _init_random(self, seed: int) -> None:
+        """transformers' own initialisation, redone from ``seed`` module by module (children
+        first, as ``initialize_weights`` goes): the same values whether the parameters are whole
+        or ZeRO-3 partitions (built under ``zero.Init``, where the constructor's pass only saw
+        empty partitions) -- each module's parameters are gathered while it is initialised."""
+        torch.manual_seed(seed)
+        for m in _children_first(self.hf):
+            own = list(m.parameters(recurse=False))
+            for t in (m, *own):
+                if hasattr(t, "_is_hf_initialized"):
+                    t._is_hf_initialized = False
+            with _gathered(own):
+                self.hf._init_weights(m)
+        self.hf.tie_weights()
+
+    # ------------------------------------------------------------------ LoRA
+    def _add_lora(self, shape: ModelConfig, meta: bool, seed: int) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = shape.lora
+        peft_model = get_peft_model(self.hf, LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules)))
+        # peft wrapped self.hf in place; keep its wrapper (merge_and_unload) off the module tree.
+        object.__setattr__(self, "_peft", peft_model)
+        # The adapters' initial values from the seed alone (a meta build consumed no random
+        # numbers); they are tiny, so a meta build makes them real here, before sharding.
+        torch.manual_seed(seed + 1)
+        for m in self.hf.modules():
+            if hasattr(m, "reset_lora_parameters"):
+                if meta:
+                    for name in ("lora_A", "lora_B"):
+                        getattr(m, name).to_empty(device="cpu")
+                m.reset_lora_parameters("default", True)
+
+    def merged(self) -> nn.Module:
+        """The transformers model with the adapters merged into the base weights (a copy)."""
+        import copy
+
+        peft_model = getattr(self, "_peft", None)
+        if peft_model is None:
+            return copy.deepcopy(self.hf)
+        return copy.deepcopy(peft_model).merge_and_unload()
+
+    # ------------------------------------------------------------------ pretrained weights
+    @torch.no_grad()
+    def load_pretrained(self) -> dict[str, int]:
+        """Copy the safetensors weights into this rank's parameters (see the module docstring);
+        returns (and logs) the bytes this rank read, and its peak anonymous host memory since
+        the model's build began (the file's mapped pages are page cache, not counted)."""
+        from safetensors import safe_open
+
+        peak = _anon_rss()
+        where = {}
+        files = sorted(locate(self.shape.path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model.path={self.shape.path}: no *.safetensors weights; set "
+                                    "model.pretrained=false to start from random weights")
+        handles = [safe_open(str(f), framework="pt") for f in files]
+        for h in handles:
+            where.update(dict.fromkeys(h.keys(), h))
+        read = 0
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        for name, p in self.hf.named_parameters():
+            key = hf_key(name)
+            if "lora_" in key:
+                continue
+            if key not in where:
+                if key == "lm_head.weight" and self.shape.tie_embeddings:
+                    continue
+                raise KeyError(f"model.path={self.shape.path}: the weights have no {key!r}")
+            read += _copy_into(p, where[key].get_slice(key), rank)
+            peak = max(peak, _anon_rss())
+        self.pending_weights = False
+        self.load_report = {"rank": rank, "bytes_read": read, "host_peak_bytes": peak - self._rss0}
+        log.info("rank %d loaded pretrained weights from %s: %d bytes read; host memory peak "
+                 "+%d bytes over the model's build (parameters + loading)", rank, self.shape.path,
+                 read, self.load_report["host_peak_bytes"])
+        return self.load_report
+
+
+def hf_key(name: str) -> str:
+    """A parameter's name in ``HFCausalLM.hf`` as the checkpoint names it (peft's and
+    strategies' wrapper pieces removed)."""
+    from strategies.base import plain_key
+
+    name = plain_key(name)
+    for piece in LORA_PIECES:
+        name = name.replace(piece, "")
+    return name
+
+
+def _copy_into(p: torch.Tensor, source: Any, rank: int) -> int:
+    """One tensor of the file into ``p``, however this rank holds it; returns bytes read."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):  # FSDP2: read only this rank's rows
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = p.to_local()
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        piece = source[index] if local.numel() else None
+        if piece is not None:
+            local.copy_(piece)
+            return piece.numel() * piece.element_size()
+        return 0
+    if hasattr(p, "ds_id"):  # ZeRO-3 partition: gather this tensor, rank 0 writes, re-partition
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if rank == 0:
+                full = source[:]
+                p.data.copy_(full)
+                return full.numel() * full.element_size()
+        return 0
+    full = source[:]
+    p.data.copy_(full)
+    return full.numel() * full.element_size()
+
+
+def _children_first(m: nn.Module):
+    for c in m.children():
+        yield from _children_first(c)
+    yield m
+
+
+def _gathered(params: list[torch.Tensor]) -> Any:
+    """ZeRO-3 partitions gathered whole (rank 0's writes kept); plain tensors as they are."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def _anon_rss() -> int:
+    """This process's anonymous resident memory, bytes (Linux; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@functools.cache
+def model_class(path: str) -> type[HFCausalLM]:
+    """``HFCausalLM`` with ``block_cls`` set to the architecture's decoder layer (from the
+    transformers class's ``_no_split_modules``), without building the model."""
+    from transformers import AutoModelForCausalLM
+
+    config = _auto_config(_Path(path))
+    arch = AutoModelForCausalLM._model_mapping[type(config)]
+    names = sorted(getattr(arch, "_no_split_modules", None) or ())
+    module = sys.modules[arch.__module__]
+    block = next((getattr(module, n) for n in names if hasattr(module, n)), None)
+    cls = type(f"HF{arch.__name__}", (HFCausalLM,), {"block_cls": block, "__module__": __name__})
+    setattr(sys.modules[__name__], cls.__name__, cls)  # picklable by name
+    return cls
+
+
+class _Path:
+    """The one field ``_auto_config`` reads, for ``model_class`` (cached per path)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+
+def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, merge_lora: bool) -> Path:
+    """Write ``state`` (the plain model's full state dict, keys ``hf.…``) as a directory that
+    ``AutoModelForCausalLM.from_pretrained`` loads: config, safetensors weights, and the
+    tokenizer files found next to the source model. LoRA adapters are merged into the base
+    weights (``merge_lora``) or saved as a peft adapter directory beside them."""
+    import shutil
+
+    model = model_class(shape.path)(_with(shape, pretrained=True), meta=True)  # no weights read
+    model.load_state_dict(state, strict=True, assign=True)
+    model.hf.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model = getattr(model, "_peft", None)
+    if peft_model is not None and not merge_lora:
+        peft_model.save_pretrained(str(out / "adapter"))
+        base = peft_model.unload()
+    else:
+        base = model.merged()
+    base.save_pretrained(str(out))
+    src = locate(shape.path)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) and f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _with(shape: ModelConfig, **changes: Any) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(shape, **changes)

@@ -1,0 +1,86 @@
+"""A Hugging Face model's shape, read from its ``config.json`` without importing torch or
+transformers: what ``model=hf`` resolves its shape fields from (the ``${hf:...}`` resolver in
+conf/model/hf.yaml), so plan.py and ``--cfg job`` see the real model at no import cost.
+
+``model.path`` is a local directory holding ``config.json`` (and safetensors weights), or a model
+id (``org/name``) already in the local Hugging Face cache; never a network call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# model_type -> which attention projections carry a bias (the families whose modules match the
+# built-in GPT's: RMSNorm, rotary attention, SwiGLU MLP, no other parameters).
+FAMILIES = {"llama": None, "mistral": "none", "qwen2": "qkv"}
+"""None: the config's ``attention_bias`` decides (Llama: on q, k, v and o together)."""
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded repositories (its own environment variables)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home) / "hub"
+
+
+def locate(path: str) -> Path:
+    """The local directory of ``model.path``: the directory itself, or the cached snapshot of a
+    model id (``refs/main`` of huggingface_hub's cache layout)."""
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    repo = hub_cache() / ("models--" + path.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if "/" in path and ref.is_file():
+        snap = repo / "snapshots" / ref.read_text().strip()
+        if (snap / "config.json").is_file():
+            return snap
+    raise ValueError(
+        f"model.path={path}: no config.json there, and no such model id in the local Hugging Face "
+        f"cache ({hub_cache()}); point model.path at a directory written by save_pretrained (config "
+        "+ safetensors), or download the model first (huggingface-cli download <id>)")
+
+
+@functools.cache
+def _read(path: str) -> dict[str, Any]:
+    return json.loads((locate(path) / "config.json").read_text())
+
+
+@functools.cache
+def shape(path: str) -> dict[str, Any]:
+    """The ``ModelConfig`` shape fields of the model at ``path``."""
+    c = _read(path)
+    kind = c.get("model_type")
+    if kind not in FAMILIES:
+        raise ValueError(f"model.path={path}: model_type {kind!r} is not supported; supported: "
+                         f"{', '.join(FAMILIES)} (decoder-only, RMSNorm, rotary attention, SwiGLU)")
+    dim, heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim") not in (None, dim // heads):
+        raise ValueError(f"model.path={path}: head_dim {c['head_dim']} != hidden_size / "
+                         f"num_attention_heads = {dim // heads}; such models are not supported yet")
+    if c.get("mlp_bias"):
+        raise ValueError(f"model.path={path}: mlp_bias=true is not supported")
+    rope = c.get("rope_parameters") or {}
+    bias = FAMILIES[kind] or ("all" if c.get("attention_bias") else "none")
+    return {
+        "dim": dim, "n_layers": c["num_hidden_layers"], "n_heads": heads,
+        "n_kv_heads": c.get("num_key_value_heads") or heads, "vocab_size": c["vocab_size"],
+        "ffn_dim": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
+        "attention_bias": bias, "max_seq_len": c.get("max_position_embeddings"),
+        "architecture": kind,
+    }
+
+
+def resolve(path: Any, key: str) -> Any:
+    """The ``${hf:<path>,<key>}`` resolver."""
+    if path is None or str(path) in ("", "???"):
+        raise ValueError("model=hf needs model.path: a directory written by save_pretrained, or a "
+                         "model id in the local Hugging Face cache (model.path=/models/Llama-3.2-1B)")
+    return shape(str(path))[key]
