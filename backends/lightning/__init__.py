@@ -19,7 +19,8 @@ from backends.lightning.bridge import ObserverBridge
 from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
 from observers.files import atomic_torch_save
-from recipes.data import build_dataset
+from recipes.data import build_datasets
+from recipes.evaluation import Validator
 from strategies.lightning_support import set_timeout
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
         enable_progress_bar=False,  # the progress bar is an observer, the same on every backend
         enable_model_summary=False,
         log_every_n_steps=t.log_every,
-        limit_val_batches=0,
+        limit_val_batches=0,  # validation is the bridge's (fixed samples, every strategy's forward)
         num_sanity_val_steps=0,
         default_root_dir=str(out),
     )
@@ -74,11 +75,14 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
 
 def build(job: Job, out: Path, observers: Observers) -> Built:
     t = job.trainer
-    bridge = ObserverBridge(observers)
+    train, val = build_datasets(job.data, job.model, t.seed)
+    validator = None if val is None else Validator(val, micro_batch=job.batch.micro_size,
+                                                   val_every=t.val_every, max_steps=t.max_steps)
+    bridge = ObserverBridge(observers, validator)
     trainer = trainer_for(job, out, [bridge, Checkpointing(job, out)])
     log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
-    data = GlobalBatchData(build_dataset(job.data, job.model, t.seed), global_batch=job.batch.global_size,
+    data = GlobalBatchData(train, global_batch=job.batch.global_size,
                            micro_batch=job.batch.micro_size, steps=t.max_steps, seed=t.seed,
                            num_workers=job.data.num_workers)
     log.info("trainer: %d node(s) x %d %s process(es), accumulation %d",
