@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,27 +186,31 @@ def _build(kind: str, src: Path, field: str, tok_path: Path, bin_path: Path, met
     vocab = len(tok)
     dtype = np.uint16 if vocab < 2**16 else np.uint32
     kwargs = {"sample_by": "document"} if kind == "text" else {}
-    ds = load_dataset(LOADERS[kind], data_files=str(src), split="train",
-                      cache_dir=str(bin_path.parent / "datasets"), **kwargs)
     column = "text" if kind == "text" else field
-    log.info("tokenizing %s (%d documents, field %r) with %s -> %s", src, len(ds), column, tok_path,
-             bin_path)
     tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
-    n_tokens = 0
-    try:
-        with open(tmp, "wb") as out, tqdm(total=len(ds), unit="doc", desc="tokenizing",
-                                          disable=None) as bar:
-            for batch in ds.iter(batch_size=1000):
-                texts = batch[column]
-                ids = tok(texts, add_special_tokens=False)["input_ids"]
-                flat = [t for doc in ids for t in (*doc, eos)]
-                np.asarray(flat, dtype=dtype).tofile(out)
-                n_tokens += len(flat)
-                bar.update(len(texts))
-        os.replace(tmp, bin_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    meta = {"dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_docs": len(ds), "eos_id": eos,
+    n_tokens = n_docs = 0
+    # datasets converts the input to Arrow in its own cache: a scratch directory, removed after
+    with tempfile.TemporaryDirectory(dir=bin_path.parent, prefix="datasets-") as scratch:
+        ds = load_dataset(LOADERS[kind], data_files=str(src), split="train", cache_dir=scratch,
+                          **kwargs)
+        n_docs = len(ds)
+        log.info("tokenizing %s (%d documents, field %r) with %s -> %s", src, n_docs, column,
+                 tok_path, bin_path)
+        try:
+            with open(tmp, "wb") as out, tqdm(total=n_docs, unit="doc", desc="tokenizing",
+                                              disable=None) as bar:
+                for batch in ds.iter(batch_size=1000):
+                    texts = batch[column]
+                    ids = tok(texts, add_special_tokens=False)["input_ids"]
+                    flat = [t for doc in ids for t in (*doc, eos)]
+                    np.asarray(flat, dtype=dtype).tofile(out)
+                    n_tokens += len(flat)
+                    bar.update(len(texts))
+            os.replace(tmp, bin_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+            del ds
+    meta = {"dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_docs": n_docs, "eos_id": eos,
             "vocab_size": vocab, "source": str(src), "field": column, "tokenizer": str(tok_path)}
     tmp_meta = meta_path.with_suffix(f".tmp{os.getpid()}")
     tmp_meta.write_text(json.dumps(meta, indent=1))

@@ -436,10 +436,10 @@ def _strategy_class() -> type:
 
             def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                 if self.pipeline is not None and self.pipeline["eval"]:
-                    # validation: the token-loss sum (padding targets ignored), see validation_step
-                    from recipes.evaluation import loss_sums
-
-                    return loss_sums(logits, targets)[0]
+                    # validation: the token-loss sum; padding targets are -100, cross entropy's
+                    # ignore_index (recipes/evaluation.py's loss_sums, on the last stage)
+                    return torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
                 # the recipe's loss on the last stage's logits, over the accumulation window
                 return torch.nn.functional.cross_entropy(
                     logits.flatten(0, 1).float(), targets.flatten()) / accumulation
@@ -504,9 +504,7 @@ def _strategy_class() -> type:
             total = (torch.stack(losses).sum().detach().double() if p["last"]
                      else torch.zeros((), dtype=torch.float64, device=self.root_device))
             dist.broadcast(total, src=p["last_rank"], group=p["group"])
-            from recipes.data import IGNORE
-
-            return torch.stack([total, (y != IGNORE).sum().double()])
+            return torch.stack([total, (y != -100).sum().double()])  # -100: padding (ignored)
 
         def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if self.pipeline is None:

@@ -8,6 +8,7 @@ environment and never uses its own launcher, which would re-run the command line
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 log = logging.getLogger(__name__)
+# The module's validation_step is reached through strategy.validation_step by the bridge, not by
+# Lightning's validation loop (limit_val_batches=0), which would otherwise say it is skipped.
+warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
 
 PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
