@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -194,7 +194,9 @@ def _tokenizer_problems(path: str, model: ModelConfig | None, info_of) -> list[s
     p = Path(path).expanduser()
     if p.is_dir() and not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return [f"data.tokenizer={path}: the directory has no tokenizer.json or "
-                "tokenizer_config.json: point it at a tokenizer saved with save_pretrained"]
+                "tokenizer_config.json (data.tokenizer defaults to model.path): point it at a "
+                "tokenizer saved with save_pretrained, or data.tokenizer=null for byte tokens "
+                "(data=text)"]
     try:
         info = info_of(p)
     except Exception as e:  # noqa: BLE001  (not JSON)

@@ -3,6 +3,7 @@ packing, pre-tokenized shards, the held-out split, and validation equal on every
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -16,10 +17,10 @@ import numpy as np
 import pytest
 
 from recipes.config import DataConfig, compose
-from recipes.data import IGNORE, CORPUS, TokenWindows, ValidationBatches, build_datasets
+from recipes.data import CORPUS, IGNORE, TokenWindows, ValidationBatches, build_datasets
 from recipes.job import CONFIG, validate
 from strategies import ConfigError
-from tests.conftest import ROOT, run_cli, TINY
+from tests.conftest import ROOT, TINY, run_cli
 
 SHAPE = SimpleNamespace(seq_len=16, vocab_size=512)
 
@@ -75,7 +76,8 @@ def test_cache_reused_then_invalidated(hf_tokenizer, tmp_path):
     from recipes.tokens import token_file
 
     src = _jsonl(tmp_path / "d.jsonl", _docs(10))
-    kw = dict(kind="jsonl", path=src, field="text", tokenizer=hf_tokenizer, cache_dir=tmp_path / "c")
+    kw = {"kind": "jsonl", "path": src, "field": "text", "tokenizer": hf_tokenizer,
+          "cache_dir": tmp_path / "c"}
     first = token_file(**kw)
     mtime = first.path.stat().st_mtime_ns
     again = token_file(**kw)
@@ -182,7 +184,7 @@ def test_bad_data_fails_before_launch(hf_tokenizer, tmp_path):
             f"validate(compose(['model=gpt_nano','data=jsonl','data.path={src}','data.field=body',"
             f"'{tok}','model.vocab_size=512','cluster.accelerator=cpu']), depth=CONFIG);"
             "assert not {'datasets','transformers','torch'} & set(sys.modules), sorted(sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -200,16 +202,21 @@ def test_validation_loss_equal_across_world_sizes(hf_tokenizer, tmp_path):
     src = _jsonl(tmp_path / "d.jsonl", _docs(60))
     data = (f"data.path={src}", f"data.tokenizer={hf_tokenizer}", f"data.cache_dir={tmp_path / 'c'}")
     runs = {}
-    for name, extra in {"single": ("strategy=single",),
+    for name, extra in {"single": ("strategy=single", "logger=csv"),
                         "fsdp2": ("strategy=fsdp2", "cluster.devices=2"),
-                        "zero3": ("strategy=zero3", "cluster.devices=2")}.items():
+                        "zero3": ("strategy=zero3", "cluster.devices=2"),
+                        # the schedule's forward-only eval: 2 x 4 pipeline micro-batches per step
+                        "pipeline": ("strategy=pipeline", "cluster.devices=2",
+                                     "trainer.micro_batch_size=2")}.items():
         runs[name] = run_cli("train.py", *TINY, *VAL, *data, *extra, out=tmp_path / name, timeout=300)
     ref = runs["single"].report["validation"]
     assert [v["step"] for v in ref] == [1, 2] and ref[0]["samples"] == 7
     assert abs(ref[0]["perplexity"] - np.exp(ref[0]["loss"])) < 1e-6 * ref[0]["perplexity"]
-    for name in ("fsdp2", "zero3"):
+    for name in ("fsdp2", "zero3", "pipeline"):
         got = runs[name].report["validation"]
         assert [v["step"] for v in got] == [1, 2]
         for a, b in zip(ref, got):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, ref, got)
     assert "tokenized" in runs["single"].log and "cached" in runs["fsdp2"].log
+    rows = [r for r in csv.DictReader((tmp_path / "single" / "metrics.csv").open()) if r["val_loss"]]
+    assert [(int(r["step"]), float(r["val_loss"])) for r in rows] == [(v["step"], v["loss"]) for v in ref]

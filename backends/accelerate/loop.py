@@ -20,8 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import checkpoints
-from recipes import training
-from recipes import evaluation
+from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, build_datasets
 from strategies.accelerate_support import accelerator
 
