@@ -190,7 +190,8 @@ def test_bad_data_fails_before_launch(hf_tokenizer, tmp_path):
 
 
 # Validation through the CLI: the tokenized jsonl, the held-out tail, a validation after step 1
-# and the final one; the 2-rank sharded runs average the same samples as one process.
+# and the final one; the 2-rank sharded and pipelined runs, and the Accelerate loop, average the
+# same samples as one process.
 VAL = ("model.vocab_size=512", "data=jsonl", "data.val_fraction=0.1", "data.val_samples=7",
        "trainer.val_every=1", "trainer.max_steps=2", "trainer.global_batch_size=8",
        "trainer.micro_batch_size=4", "callbacks=none")
@@ -207,12 +208,14 @@ def test_validation_loss_equal_across_world_sizes(hf_tokenizer, tmp_path):
                         "zero3": ("strategy=zero3", "cluster.devices=2"),
                         # the schedule's forward-only eval: 2 x 4 pipeline micro-batches per step
                         "pipeline": ("strategy=pipeline", "cluster.devices=2",
-                                     "trainer.micro_batch_size=2")}.items():
+                                     "trainer.micro_batch_size=2"),
+                        "accelerate": ("backend=accelerate", "strategy=fsdp2", "cluster.devices=2")
+                        }.items():
         runs[name] = run_cli("train.py", *TINY, *VAL, *data, *extra, out=tmp_path / name, timeout=300)
     ref = runs["single"].report["validation"]
     assert [v["step"] for v in ref] == [1, 2] and ref[0]["samples"] == 7
     assert abs(ref[0]["perplexity"] - np.exp(ref[0]["loss"])) < 1e-6 * ref[0]["perplexity"]
-    for name in ("fsdp2", "zero3", "pipeline"):
+    for name in ("fsdp2", "zero3", "pipeline", "accelerate"):
         got = runs[name].report["validation"]
         assert [v["step"] for v in got] == [1, 2]
         for a, b in zip(ref, got):
