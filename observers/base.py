@@ -9,6 +9,7 @@ A backend calls the hub (``Observers``) at these moments of the loop and hands i
         before_optimizer_step             (gradients ready, update not run)
       step_work_end                       (the update has run; the loss is not reduced yet)
       step_end(loss)                      (the global-batch loss)
+      validation_end(metrics)             (after the steps trainer.val_every names, and the last)
     train_end
  Each observer owns the report
 keys it returns from ``report()``; the hub merges them (a key owned twice is an error, so the
@@ -67,6 +68,10 @@ class Observer:
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         """``loss``: the global-batch loss (mean over every micro-batch on every rank)."""
 
+    def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
+        """A validation after ``step`` optimizer steps: ``metrics`` has ``loss`` (mean token
+        cross entropy over the held-out samples, every rank's) and ``perplexity``."""
+
     def on_train_end(self, engine: Engine) -> None: ...
 
     def report(self) -> dict[str, Any]:
@@ -110,6 +115,9 @@ class Observers:
 
     def step_end(self, engine: Engine, step: int, loss: float) -> None:
         self._each("on_step_end", engine, step, loss)
+
+    def validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
+        self._each("on_validation_end", engine, step, metrics)
 
     def train_end(self, engine: Engine) -> dict[str, Any]:
         """Finish every observer, merge their keys after ``meta``; rank 0 writes the report."""

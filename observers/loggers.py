@@ -4,7 +4,8 @@
 sweep is the wandb group; offline unless ``logger.mode=online``; the memory and communication
 profiles become tables at the end).
 
-Every step logs ``loss``, ``step_seconds`` and ``tokens_per_second``. Secrets stay out: the
+Every step logs ``loss``, ``step_seconds`` and ``tokens_per_second``; each validation
+``val_loss`` and ``val_perplexity`` (csv: the same file, its own row). Secrets stay out: the
 config logged is the job's config (no environment), and wandb is given its settings explicitly.
 """
 
@@ -40,6 +41,10 @@ class StepLogger(Observer):
             self.write(step, {"loss": loss, "step_seconds": seconds,
                               "tokens_per_second": self.tokens_per_step / max(seconds, 1e-9)})
 
+    def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
+        if self.rank0:
+            self.write(step, {"val_loss": metrics["loss"], "val_perplexity": metrics["perplexity"]})
+
     def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
         if self.rank0:
             self.close(report)
@@ -61,7 +66,9 @@ class CSVLog(StepLogger):
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if self._writer is None:
             self._file = open(self.path, "w", newline="")  # noqa: SIM115  (closed in close())
-            self._writer = csv.DictWriter(self._file, fieldnames=["step", *scalars])
+            columns = ["step", "loss", "step_seconds", "tokens_per_second", "val_loss",
+                       "val_perplexity"]
+            self._writer = csv.DictWriter(self._file, fieldnames=columns, restval="")
             self._writer.writeheader()
         self._writer.writerow({"step": step, **scalars})
         self._file.flush()
@@ -84,7 +91,7 @@ class TensorBoardLog(StepLogger):
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
-            self._writer.add_scalar(f"train/{key}", value, step)
+            self._writer.add_scalar(_tag(key), value, step)
 
     def close(self, report: dict[str, Any]) -> None:
         self._writer.close()
@@ -105,7 +112,7 @@ class WandbLog(StepLogger):
                                settings=wandb.Settings(console="off", x_disable_stats=True))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self._run.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+        self._run.log({_tag(k): v for k, v in scalars.items()}, step=step)
 
     def close(self, report: dict[str, Any]) -> None:
         import wandb
@@ -113,6 +120,11 @@ class WandbLog(StepLogger):
         for name, (columns, rows) in profile_tables(report).items():
             self._run.log({name: wandb.Table(columns=columns, data=rows)})
         self._run.finish()
+
+
+def _tag(key: str) -> str:
+    """``loss`` -> ``train/loss``, ``val_loss`` -> ``val/loss``."""
+    return f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
 
 
 def profile_tables(report: dict[str, Any]) -> dict[str, tuple[list[str], list[list[Any]]]]:

@@ -274,6 +274,9 @@ class TrainerConfig:
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
     keep_last: int = knob(0, min=0)
     """Keep only the newest N complete checkpoints (older ones are deleted after a save); 0 keeps all."""
+    val_every: int = knob(0, min=0)
+    """Validate every N optimizer steps (when the data has a validation split), and always at the
+    end; 0: only at the end."""
     resume_from: str | None = knob("auto", choices=("auto",), exists="dir",
                                    fix="set trainer.resume_from=auto (the newest complete checkpoint "
                                        "in the run directory), a checkpoint directory "
@@ -282,17 +285,58 @@ class TrainerConfig:
     there is none) | a checkpoint directory | null: start fresh."""
 
 
+DATASETS = ("text", "synthetic", "jsonl", "parquet", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
 @dataclass
 class DataConfig:
-    name: str = knob("text", choices=("text", "synthetic"))
-    """text (the bundled corpus, byte tokens) | synthetic (random tokens, for benchmarks)."""
-    path: str | None = knob(None, exists="file",
-                            fix="point data.path at a UTF-8 text file, or data.path=null for the "
-                                "bundled corpus")
-    """A UTF-8 text file for name=text; None: the bundled corpus."""
+    """What the model reads (recipes/data.py builds it; recipes/tokenize.py tokenizes and caches
+    jsonl, parquet and text files once)."""
+
+    name: str = knob("text", choices=DATASETS)
+    """text (a UTF-8 file: byte tokens, or tokenized with data.tokenizer) | synthetic (random
+    tokens, for benchmarks) | jsonl | parquet (records tokenized with data.tokenizer) | tokens
+    (pre-tokenized uint16/uint32 memmap shards)."""
+    path: str | None = knob(None, exists="any",
+                            fix="point data.path at an existing file (or, for data=tokens, a "
+                                "directory of *.bin shards), or data.path=null for the bundled "
+                                "corpus (data=text only)")
+    """The input: a file (text, jsonl, parquet, tokens) or a directory of *.bin shards (tokens);
+    None: the bundled corpus (text only)."""
+    field: str = free("text", "a key of the jsonl records or a parquet column, checked before launch")
+    """The record key (jsonl) or column (parquet) holding each document's text."""
+    tokenizer: str | None = knob(None, exists="any",
+                                 fix="point data.tokenizer at a tokenizer directory (one "
+                                     "AutoTokenizer.from_pretrained loads) or a tokenizer.json file")
+    """A tokenizer directory or tokenizer.json; None: byte tokens (data=text), or the model's
+    directory when the model has one (model.path)."""
+    cache_dir: str | None = free(None, "a directory to create")
+    """Where tokenized token files are cached; None: ~/.cache/stratagem/tokens."""
+    dtype: str = knob("uint16", choices=TOKEN_DTYPES)
+    """data=tokens: the shards' integer type (uint16 for vocabularies below 65536)."""
+    val_fraction: float = knob(0.0, min=0.0, below=1.0)
+    """Hold out this fraction of the samples (the last windows of the token stream) for
+    validation; 0: none (unless data.val_path)."""
+    val_path: str | None = knob(None, exists="any",
+                                fix="point data.val_path at an existing file of the same kind as "
+                                    "data.path, or null")
+    """A separate validation input of the same kind as data.path (wins over val_fraction)."""
+    val_samples: int | None = knob(256, min=1)
+    """Validate on at most this many held-out samples (the first ones: the same set on every
+    world size); None: all."""
     num_samples: int = knob(4096, min=1)
     """Samples in the synthetic dataset."""
     num_workers: int = knob(0, min=0)
+
+    @property
+    def tokenized(self) -> bool:
+        """Read through a tokenizer (recipes/tokenize.py): jsonl, parquet, or text with one."""
+        return self.name in ("jsonl", "parquet") or (self.name == "text" and self.tokenizer is not None)
+
+    @property
+    def validates(self) -> bool:
+        return self.val_path is not None or self.val_fraction > 0
 
 
 @dataclass

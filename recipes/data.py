@@ -5,35 +5,63 @@ Data order is a function of the seed and the global batch only: step k trains on
 r-th contiguous slice of that global batch, cut into micro-batches. So the union over ranks at
 step k is the same set whatever the data-parallel size or accumulation — the property the
 equivalence tests stand on. Resuming at step s starts the stream at s (no skipped batches).
+
+Token streams (the bundled text's bytes, a tokenized jsonl/parquet/text cache from
+recipes/tokens.py, pre-tokenized shards) are cut into non-overlapping ``seq_len + 1`` windows
+(stride ``seq_len``: a window's last token is the next one's first, so every token is read once
+as input and once as target). Validation holds out the last windows of the stream
+(``data.val_fraction``) or reads ``data.val_path``; ``ValidationBatches`` serves the same fixed
+held-out samples on every world size.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
+
+log = logging.getLogger(__name__)
 
 CORPUS = Path(__file__).parent / "assets" / "corpus.txt"
 
 
-class TextDataset(Dataset):
-    """Non-overlapping windows of ``seq_len + 1`` byte tokens from a UTF-8 text file."""
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens over one or more flat token arrays
+    (numpy memmaps or arrays; windows never cross arrays), as int64 (inputs, targets)."""
+
+    def __init__(self, arrays: list[Any], seq_len: int, *, what: str = "data"):
+        self.arrays, self.seq_len = list(arrays), seq_len
+        counts = [max(0, (len(a) - 1) // seq_len) for a in self.arrays]
+        self.starts = list(itertools.accumulate(counts, initial=0))
+        if len(self) < 1:
+            raise ValueError(f"{what}: {sum(len(a) for a in self.arrays)} tokens hold no sample of "
+                             f"model.seq_len + 1 = {seq_len + 1} tokens (per shard): use more data "
+                             "or a shorter model.seq_len")
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        a = bisect.bisect_right(self.starts, i) - 1
+        j = (i - self.starts[a]) * self.seq_len
+        chunk = torch.from_numpy(np.asarray(self.arrays[a][j : j + self.seq_len + 1], dtype=np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class TextDataset(TokenWindows):
+    """Byte tokens of a UTF-8 text file (the bundled corpus by default)."""
 
     def __init__(self, path: str | Path | None, seq_len: int):
         data = Path(path or CORPUS).read_bytes()
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.seq_len = seq_len
-        if len(self) < 1:
-            raise ValueError(f"data.path={path}: {len(data)} bytes is shorter than one sample "
-                             f"of model.seq_len + 1 = {seq_len + 1} bytes")
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1].long()
-        return chunk[:-1], chunk[1:]
+        super().__init__([np.frombuffer(data, dtype=np.uint8)], seq_len, what=f"data.path={path}")
 
 
 class SyntheticDataset(Dataset):
@@ -93,7 +121,88 @@ class GlobalBatchSampler:
         return self.steps * self.accumulation
 
 
+def shards(path: str | Path) -> list[Path]:
+    """``data=tokens``: the file, or a directory's ``*.bin`` files in name order."""
+    p = Path(path).expanduser()
+    return sorted(p.glob("*.bin")) if p.is_dir() else [p]
+
+
+def _stream(data_cfg, path: str | Path | None, seq_len: int) -> Dataset:
+    """The windows of one input (``data.path`` or ``data.val_path``)."""
+    if data_cfg.name == "tokens":
+        arrays = [np.memmap(f, dtype=data_cfg.dtype, mode="r") for f in shards(path)]
+        return TokenWindows(arrays, seq_len, what=f"data.path={path}")
+    if data_cfg.tokenized:
+        from recipes.tokens import token_file
+
+        stream = token_file(kind=data_cfg.name, path=path or CORPUS, field=data_cfg.field,
+                            tokenizer=data_cfg.tokenizer, cache_dir=data_cfg.cache_dir)
+        log.info("data: %s -> %d tokens, %d documents (%s, %s)", path or CORPUS, stream.n_tokens,
+                 stream.n_docs, stream.path.name, "tokenized" if stream.built else "cached")
+        return TokenWindows([stream.array()], seq_len, what=f"data.path={path}")
+    return TextDataset(path, seq_len)
+
+
+def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]:
+    """(training set, validation set or None). The validation set is ``data.val_path``'s windows,
+    or the last ``data.val_fraction`` of the windows (held out of training); at most
+    ``data.val_samples`` of them, the first ones."""
+    if data_cfg.name == "synthetic":
+        full: Dataset = SyntheticDataset(data_cfg.num_samples, shape.seq_len, shape.vocab_size, seed)
+    else:
+        full = _stream(data_cfg, data_cfg.path, shape.seq_len)
+    train, val = full, None
+    if data_cfg.val_path is not None:
+        val = _stream(data_cfg, data_cfg.val_path, shape.seq_len)
+    elif data_cfg.val_fraction > 0:
+        n = len(full)
+        held = max(1, round(n * data_cfg.val_fraction))
+        if held >= n:
+            raise ValueError(f"data.val_fraction={data_cfg.val_fraction} of {n} samples leaves none "
+                             "to train on: lower data.val_fraction or use more data")
+        train, val = Subset(full, range(n - held)), Subset(full, range(n - held, n))
+    if val is not None and data_cfg.val_samples is not None and len(val) > data_cfg.val_samples:
+        val = Subset(val, range(data_cfg.val_samples))
+    return train, val
+
+
 def build_dataset(data_cfg, shape, seed: int) -> Dataset:
-    if data_cfg.name == "text":
-        return TextDataset(data_cfg.path, shape.seq_len)
-    return SyntheticDataset(data_cfg.num_samples, shape.seq_len, shape.vocab_size, seed)
+    """The training set (see ``build_datasets``)."""
+    return build_datasets(data_cfg, shape, seed)[0]
+
+
+IGNORE = -100  # a target cross entropy skips (torch's default ignore_index)
+
+
+class ValidationBatches:
+    """This data-parallel rank's share of the validation set, in micro-batches: sample ``i`` goes
+    to rank ``i % dp_size``, and every rank runs the same number of batches (the short ones are
+    padded with a sample whose targets are all ``IGNORE``), so sharded models run matching
+    collectives and the loss averages the same samples whatever the world size."""
+
+    def __init__(self, dataset: Dataset, *, micro_batch: int, dp_rank: int, dp_size: int):
+        self.dataset, self.micro_batch = dataset, micro_batch
+        n = len(dataset)
+        per_rank = -(-n // dp_size)
+        self.n_batches = -(-per_rank // micro_batch)
+        mine = list(range(dp_rank, n, dp_size))
+        self.indices = mine + [-1] * (self.n_batches * micro_batch - len(mine))
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def _sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.dataset[max(i, 0)]
+        return (x, torch.full_like(y, IGNORE)) if i < 0 else (x, y)
+
+    def __iter__(self):
+        for b in range(self.n_batches):
+            xs, ys = zip(*(self._sample(i) for i in self.indices[b * self.micro_batch:
+                                                                 (b + 1) * self.micro_batch]))
+            yield torch.stack(xs), torch.stack(ys)
+
+
+def validation_steps(val_every: int, max_steps: int, start: int = 0) -> set[int]:
+    """Optimizer-step counts after which validation runs: every ``val_every`` and the last."""
+    due = set(range(val_every, max_steps + 1, val_every)) if val_every else set()
+    return {s for s in due | {max_steps} if s > start}

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -162,6 +163,82 @@ def _hf_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
     return []
 
 
+SUFFIXES = {"jsonl": ".jsonl", "parquet": ".parquet", "text": ".txt", "tokens": ".bin"}
+
+
+def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
+    """What the data keys name, read cheaply (JSON files, a parquet schema, file sizes; no
+    tokenizer is loaded): inputs, the record field, the tokenizer's EOS and vocabulary."""
+    from recipes.tokens import missing_field, tokenizer_info
+
+    name, out = data.name, []
+    if name == "synthetic":
+        return out
+    example = f"/path/to/data{SUFFIXES[name]}"
+    if data.path is None and name != "text":
+        out.append(f"data={name} needs data.path (null now): set data.path={example}"
+                   + (" or a directory of *.bin shards" if name == "tokens" else ""))
+    inputs = [(k, v) for k, v in (("data.path", data.path), ("data.val_path", data.val_path)) if v]
+    for key, value in inputs:
+        p = Path(value).expanduser()
+        if name == "tokens":
+            files = sorted(p.glob("*.bin")) if p.is_dir() else [p]
+            if not files:
+                out.append(f"{key}={value}: a directory without *.bin shards: point it at a .bin "
+                           "file or a directory of them (flat uint16/uint32 token arrays)")
+            size = 2 if data.dtype == "uint16" else 4
+            out += [f"{key}: {f} has {f.stat().st_size} bytes, not a multiple of {size} "
+                    f"(data.dtype={data.dtype}): set data.dtype to the shards' type (uint16, uint32)"
+                    for f in files if f.stat().st_size % size]
+            continue
+        if p.is_dir():
+            out.append(f"{key}={value} is a directory; data={name} reads one file: set "
+                       f"{key}={example}")
+            continue
+        if name in ("jsonl", "parquet"):
+            try:
+                keys = missing_field(name, p, data.field)
+            except Exception as e:  # noqa: BLE001  (not JSON, not parquet)
+                out.append(f"{key}={value}: not readable as {name} ({str(e).splitlines()[0]}): "
+                           f"point {key} at a {SUFFIXES[name]} file or choose data=<its kind>")
+                continue
+            if keys is not None:
+                out.append(f"data.field={data.field!r} is not a {'key' if name == 'jsonl' else 'column'} "
+                           f"of {value}'s records (it has: {', '.join(map(str, keys)) or 'none'}): "
+                           f"set data.field=<one of them>")
+    if name in ("jsonl", "parquet") and data.tokenizer is None:
+        out.append(f"data={name} needs a tokenizer, and data.tokenizer is null (the model has no "
+                   "model.path to take one from): set data.tokenizer=<a tokenizer directory or "
+                   "tokenizer.json>")
+    if data.tokenized and data.tokenizer is not None:
+        out += _tokenizer_problems(data.tokenizer, model, tokenizer_info)
+    return out
+
+
+def _tokenizer_problems(path: str, model: ModelConfig | None, info_of) -> list[str]:
+    p = Path(path).expanduser()
+    if p.is_dir() and not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return [f"data.tokenizer={path}: the directory has no tokenizer.json or "
+                "tokenizer_config.json (data.tokenizer defaults to model.path): point it at a "
+                "tokenizer saved with save_pretrained, or data.tokenizer=null for byte tokens "
+                "(data=text)"]
+    try:
+        info = info_of(p)
+    except Exception as e:  # noqa: BLE001  (not JSON)
+        return [f"data.tokenizer={path}: unreadable tokenizer.json ({str(e).splitlines()[0]}): "
+                "point it at a tokenizer saved with save_pretrained or tokenizers' save()"]
+    out = []
+    vocab = getattr(model, "vocab_size", None)
+    if info.vocab_size is not None and isinstance(vocab, int) and info.vocab_size > vocab:
+        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but model.vocab_size="
+                   f"{vocab}: its ids would index past the embedding; set model.vocab_size>="
+                   f"{info.vocab_size} or use the model's own tokenizer")
+    if info.vocab_size is not None and info.eos_id is None:
+        out.append(f"data.tokenizer={path} names no EOS token (documents are packed with EOS "
+                   "between them): set eos_token in its tokenizer_config.json")
+    return out
+
+
 CONFIG, RUN, LAUNCH = 0, 1, 2
 
 
@@ -188,10 +265,12 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     model, t, c = objs["model"], objs["trainer"], objs["cluster"]
     if not bad["model"]:
         problems += model.problems()
-        if objs["data"].name == "text" and model.vocab_size < 256:
+        if objs["data"].name == "text" and not objs["data"].tokenized and model.vocab_size < 256:
             problems.append(f"model.vocab_size={model.vocab_size}: byte tokens of data=text need "
                             ">= 256; set model.vocab_size=256 or use data=synthetic")
     problems += _logger_problems(objs["logger"])
+    if not bad["data"]:
+        problems += data_problems(objs["data"], None if bad["model"] else model)
     world = World(nodes=c.nodes, devices=c.devices, tp=getattr(strategy, "tp", 1),
                   pp=getattr(strategy, "pp", 1))
     batch = Batch(t.global_batch_size, t.micro_batch_size * strategy.chunks(), max(world.dp, 1))

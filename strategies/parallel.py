@@ -435,6 +435,11 @@ def _strategy_class() -> type:
             accumulation = max(1, self.lightning_module.trainer.accumulate_grad_batches)
 
             def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                if self.pipeline is not None and self.pipeline["eval"]:
+                    # validation: the token-loss sum; padding targets are -100, cross entropy's
+                    # ignore_index (recipes/evaluation.py's loss_sums, on the last stage)
+                    return torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
                 # the recipe's loss on the last stage's logits, over the accumulation window
                 return torch.nn.functional.cross_entropy(
                     logits.flatten(0, 1).float(), targets.flatten()) / accumulation
@@ -446,7 +451,7 @@ def _strategy_class() -> type:
             self.pipeline = {"schedule": schedule, "stages": pipe, "group": group,
                              "last": n - 1 in ids, "accumulation": accumulation,
                              "last_rank": dist.get_global_rank(group, last_owner),
-                             "wall": 0.0, "steps": 0}
+                             "wall": 0.0, "steps": 0, "eval": False}
 
         # ---------------------------------------------------------- the step
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -476,6 +481,30 @@ def _strategy_class() -> type:
                     else torch.zeros((), device=self.root_device))
             dist.broadcast(loss, src=p["last_rank"], group=p["group"])
             return loss
+
+        def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+            """[sum of token losses, tokens] of one batch (recipes/evaluation.py). With a
+            pipeline: the schedule's forward-only ``eval`` over the batch's micro-batches; the
+            last stage's sum is broadcast to the pipeline group. Its time is kept out of the
+            stages' compute time (the bubble measurement is about training)."""
+            if self.pipeline is None:
+                return super().validation_step(*args, **kwargs)
+            p = self.pipeline
+            x, y = args[0]
+            losses: list[torch.Tensor] = []
+            compute = [s.compute_seconds for s in p["stages"]]
+            p["eval"] = True
+            try:
+                with self.precision_plugin.val_step_context():
+                    p["schedule"].eval(x, target=y, losses=losses)
+            finally:
+                p["eval"] = False
+                for s, c in zip(p["stages"], compute):
+                    s.compute_seconds = c
+            total = (torch.stack(losses).sum().detach().double() if p["last"]
+                     else torch.zeros((), dtype=torch.float64, device=self.root_device))
+            dist.broadcast(total, src=p["last_rank"], group=p["group"])
+            return torch.stack([total, (y != -100).sum().double()])  # -100: padding (ignored)
 
         def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if self.pipeline is None:

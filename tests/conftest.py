@@ -156,3 +156,22 @@ def _hygiene():
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tmp_path_factory) -> Path:
+    """A small byte-level BPE tokenizer (vocab 512, EOS ``<|endoftext|>``) trained on the bundled
+    corpus, saved with ``save_pretrained``: its directory (AutoTokenizer loads it; no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train([str(ROOT / "recipes" / "assets" / "corpus.txt")], trainer)
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(out))
+    return out

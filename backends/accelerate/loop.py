@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import checkpoints
-from recipes import training
-from recipes.data import GlobalBatchSampler, build_dataset
+from recipes import evaluation, training
+from recipes.data import GlobalBatchSampler, build_datasets
 from strategies.accelerate_support import accelerator
 
 if TYPE_CHECKING:
@@ -92,7 +92,9 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
 
-    data = build_dataset(job.data, job.model, t.seed)
+    data, val = build_datasets(job.data, job.model, t.seed)
+    validator = None if val is None else evaluation.Validator(
+        val, micro_batch=job.batch.micro_size, val_every=t.val_every, max_steps=t.max_steps)
     sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,
                                  micro_batch=job.batch.micro_size, dp_rank=acc.process_index,
                                  dp_size=acc.num_processes, seed=t.seed, steps=t.max_steps,
@@ -124,6 +126,8 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
         observers.step_work_end(engine, step)
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
         observers.step_end(engine, step + 1, loss)
+        if validator is not None and step + 1 in validator.due:
+            observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1))
         if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
             checkpoints.save(ckpt_handles, job, out, step + 1)
     report = observers.train_end(engine)
@@ -135,6 +139,18 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
             atomic_torch_save(params, out / "params.pt")
     acc.wait_for_everyone()
     return report
+
+
+def _validate(validator: evaluation.Validator, acc: Any, model: Any, step: int) -> dict[str, Any]:
+    """The held-out loss through the prepared model (DDP, FSDP, a DeepSpeed engine), which
+    applies the run's autocast itself."""
+    model.eval()
+    try:
+        return validator.run(lambda batch, i: evaluation.loss_sums(model(batch[0]), batch[1]),
+                             dp_rank=acc.process_index, dp_size=acc.num_processes,
+                             device=acc.device, step=step)
+    finally:
+        model.train()
 
 
 def _deepspeed_backward(acc: Any, engine: Any, loss: torch.Tensor, before_step) -> None:

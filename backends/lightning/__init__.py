@@ -8,6 +8,7 @@ environment and never uses its own launcher, which would re-run the command line
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +20,8 @@ from backends.lightning.bridge import ObserverBridge
 from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
 from observers.files import atomic_torch_save
-from recipes.data import build_dataset
+from recipes.data import build_datasets
+from recipes.evaluation import Validator
 from strategies.lightning_support import set_timeout
 
 if TYPE_CHECKING:
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 log = logging.getLogger(__name__)
+# The module's validation_step is reached through strategy.validation_step by the bridge, not by
+# Lightning's validation loop (limit_val_batches=0), which would otherwise say it is skipped.
+warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
 
 PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
@@ -66,7 +71,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
         enable_progress_bar=False,  # the progress bar is an observer, the same on every backend
         enable_model_summary=False,
         log_every_n_steps=t.log_every,
-        limit_val_batches=0,
+        limit_val_batches=0,  # validation is the bridge's (fixed samples, every strategy's forward)
         num_sanity_val_steps=0,
         default_root_dir=str(out),
     )
@@ -74,11 +79,14 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
 
 def build(job: Job, out: Path, observers: Observers) -> Built:
     t = job.trainer
-    bridge = ObserverBridge(observers)
+    train, val = build_datasets(job.data, job.model, t.seed)
+    validator = None if val is None else Validator(val, micro_batch=job.batch.micro_size,
+                                                   val_every=t.val_every, max_steps=t.max_steps)
+    bridge = ObserverBridge(observers, validator)
     trainer = trainer_for(job, out, [bridge, Checkpointing(job, out)])
     log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
-    data = GlobalBatchData(build_dataset(job.data, job.model, t.seed), global_batch=job.batch.global_size,
+    data = GlobalBatchData(train, global_batch=job.batch.global_size,
                            micro_batch=job.batch.micro_size, steps=t.max_steps, seed=t.seed,
                            num_workers=job.data.num_workers)
     log.info("trainer: %d node(s) x %d %s process(es), accumulation %d",

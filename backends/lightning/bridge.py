@@ -4,6 +4,12 @@ Lightning calls back per micro-batch; observers think in optimizer steps. The br
 step at its first micro-batch, and ends it when ``trainer.global_step`` advances, handing the
 observers the global-batch loss: the mean of this rank's micro-batch losses, reduced over the
 ranks by the strategy.
+
+Validation runs here too, after the optimizer steps the ``Validator`` names: each batch goes
+through ``strategy.validation_step`` (the module's ``validation_step`` reached through whatever
+wraps it: DDP, FSDP, a DeepSpeed engine; a pipeline strategy runs its schedule's forward-only
+``eval``), not through Lightning's validation loop, whose sampler and per-epoch cadence would
+not give the same fixed samples on every world size.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import lightning as L
 import torch
 
 from observers import Observers
+from recipes.evaluation import Validator
 
 
 class LightningEngine:
@@ -40,8 +47,8 @@ class LightningEngine:
 
 
 class ObserverBridge(L.Callback):
-    def __init__(self, observers: Observers):
-        self.observers = observers
+    def __init__(self, observers: Observers, validator: Validator | None = None):
+        self.observers, self.validator = observers, validator
         self.report: dict[str, Any] = {}
         self._micro: list[torch.Tensor] = []
         self._step = 0
@@ -79,6 +86,21 @@ class ObserverBridge(L.Callback):
         self._step, self._in_step = trainer.global_step, False
         loss = float(trainer.strategy.reduce(local, reduce_op="mean"))
         self.observers.step_end(engine, self._step, loss)
+        if self.validator is not None and self._step in self.validator.due:
+            self.observers.validation_end(engine, self._step, self._validate(trainer))
+
+    def _validate(self, trainer: L.Trainer) -> dict[str, Any]:
+        strategy = trainer.strategy
+        dp = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        model = strategy.model
+        was = model.training
+        model.eval()
+        try:
+            return self.validator.run(strategy.validation_step, dp_rank=dp["rank"],
+                                      dp_size=dp["num_replicas"], device=strategy.root_device,
+                                      step=self._step)
+        finally:
+            model.train(was)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pipeline = getattr(trainer.strategy, "pipeline_report", None)

@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from recipes import training
+from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler
 
 if TYPE_CHECKING:
@@ -40,6 +40,11 @@ class CausalLM(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = training.loss(self.model, batch)
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """[sum of token losses, tokens] (recipes/evaluation.py averages them over every rank)."""
+        tokens, targets = batch
+        return evaluation.loss_sums(self.model(tokens), targets)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:

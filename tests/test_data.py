@@ -1,0 +1,225 @@
+"""Data: tokenized jsonl/parquet/text through `datasets` with a cached token memmap, exact
+packing, pre-tokenized shards, the held-out split, and validation equal on every world size."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from recipes.config import DataConfig, compose
+from recipes.data import CORPUS, IGNORE, TokenWindows, ValidationBatches, build_datasets
+from recipes.job import CONFIG, validate
+from strategies import ConfigError
+from tests.conftest import ROOT, TINY, run_cli
+
+SHAPE = SimpleNamespace(seq_len=16, vocab_size=512)
+
+
+def _docs(n: int = 40) -> list[str]:
+    """``n`` documents of varied lengths (50-450 characters) cut from the bundled corpus."""
+    text = CORPUS.read_text()
+    return [text[i * 500 : i * 500 + 50 + (i * 137) % 400] for i in range(n)]
+
+
+def _jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def _expected(tokenizer_dir: Path, docs: list[str]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return [t for d in docs for t in (*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id)]
+
+
+def _data(**kw) -> DataConfig:
+    return DataConfig(**kw)
+
+
+@pytest.mark.unit
+def test_packing_is_exact(hf_tokenizer, tmp_path):
+    """Every token of every document once, in order, one EOS after each; the windows read the
+    stream once (stride seq_len, seq_len + 1 tokens each)."""
+    from recipes.tokens import token_file
+
+    docs = _docs()
+    src = _jsonl(tmp_path / "d.jsonl", docs)
+    stream = token_file(kind="jsonl", path=src, field="text", tokenizer=hf_tokenizer,
+                        cache_dir=tmp_path / "cache")
+    arr = stream.array()
+    assert arr.dtype == np.uint16 and stream.vocab_size == 512 and stream.n_docs == len(docs)
+    expected = _expected(hf_tokenizer, docs)
+    assert arr.tolist() == expected
+    assert int((arr == stream.eos_id).sum()) == len(docs) and arr[-1] == stream.eos_id
+    windows = TokenWindows([arr], SHAPE.seq_len)
+    inputs = np.concatenate([windows[i][0].numpy() for i in range(len(windows))])
+    assert inputs.tolist() == expected[: len(windows) * SHAPE.seq_len]
+    x, y = windows[3]
+    assert y[:-1].tolist() == x[1:].tolist() and len(windows) == (len(expected) - 1) // SHAPE.seq_len
+
+
+@pytest.mark.unit
+def test_cache_reused_then_invalidated(hf_tokenizer, tmp_path):
+    """The second call reads the cache (no tokenization, the file untouched); a changed input
+    file gets a new cache entry; two ranks racing tokenize once."""
+    from recipes.tokens import token_file
+
+    src = _jsonl(tmp_path / "d.jsonl", _docs(10))
+    kw = {"kind": "jsonl", "path": src, "field": "text", "tokenizer": hf_tokenizer,
+          "cache_dir": tmp_path / "c"}
+    first = token_file(**kw)
+    mtime = first.path.stat().st_mtime_ns
+    again = token_file(**kw)
+    assert first.built and not again.built and again.path == first.path
+    assert again.path.stat().st_mtime_ns == mtime
+    time.sleep(0.01)
+    _jsonl(src, _docs(11))
+    changed = token_file(**kw)
+    assert changed.built and changed.path != first.path and changed.n_docs == 11
+
+    results = []
+    kw["cache_dir"] = tmp_path / "race"
+    threads = [threading.Thread(target=lambda: results.append(token_file(**kw))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.built for r in results) == [False, False, True]
+    assert len({r.path for r in results}) == 1
+
+
+@pytest.mark.unit
+def test_parquet_and_text_read_the_same_tokens(hf_tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recipes.tokens import token_file
+
+    docs = _docs(8)
+    pq.write_table(pa.table({"body": docs}), tmp_path / "d.parquet")
+    par = token_file(kind="parquet", path=tmp_path / "d.parquet", field="body",
+                     tokenizer=hf_tokenizer, cache_dir=tmp_path / "c")
+    assert par.array().tolist() == _expected(hf_tokenizer, docs)
+    (tmp_path / "d.txt").write_text(docs[0])  # a text file is one document
+    txt = token_file(kind="text", path=tmp_path / "d.txt", field="text",
+                     tokenizer=hf_tokenizer / "tokenizer.json", cache_dir=tmp_path / "c")
+    assert txt.array().tolist() == _expected(hf_tokenizer, docs[:1])
+
+
+@pytest.mark.unit
+def test_token_shards(tmp_path):
+    """data=tokens: a directory of shards in name order, windows within each shard."""
+    a, b = np.arange(50, dtype=np.uint32) + 70000, np.arange(40, dtype=np.uint32)
+    (tmp_path / "s").mkdir()
+    a.tofile(tmp_path / "s" / "000.bin")
+    b.tofile(tmp_path / "s" / "001.bin")
+    train, val = build_datasets(_data(name="tokens", path=str(tmp_path / "s"), dtype="uint32"),
+                                SHAPE, 0)
+    assert val is None and len(train) == 3 + 2
+    x, y = train[0]
+    assert x.tolist() == a[:16].tolist() and y.tolist() == a[1:17].tolist()
+    assert train[3][0].tolist() == b[:16].tolist()
+    one = build_datasets(_data(name="tokens", path=str(tmp_path / "s" / "001.bin"),
+                               dtype="uint32"), SHAPE, 0)[0]
+    assert len(one) == 2
+
+
+@pytest.mark.unit
+def test_held_out_split_and_validation_batches():
+    """The last windows are held out; every rank runs as many batches, and the union over the
+    ranks is each validation sample once (padding has only IGNORE targets)."""
+    train, val = build_datasets(_data(name="text", val_fraction=0.01, val_samples=7), SHAPE, 0)
+    full = build_datasets(_data(name="text"), SHAPE, 0)[0]
+    assert len(train) + round(len(full) * 0.01) == len(full) and len(val) == 7
+    assert val[0][0].tolist() == full[len(train)][0].tolist()
+    for dp in (1, 2, 4):
+        seen = []
+        lengths = set()
+        for r in range(dp):
+            batches = list(ValidationBatches(val, micro_batch=2, dp_rank=r, dp_size=dp))
+            lengths.add(len(batches))
+            for x, y in batches:
+                seen += [x[i, 0].item() for i in range(len(y)) if (y[i] != IGNORE).all()]
+                assert all((y[i] == IGNORE).all() or (y[i] != IGNORE).all() for i in range(len(y)))
+        assert len(lengths) == 1
+        assert sorted(seen) == sorted(val[i][0][0].item() for i in range(len(val)))
+
+
+def _problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *overrides]), depth=CONFIG)
+    return str(e.value)
+
+
+@pytest.mark.unit
+def test_bad_data_fails_before_launch(hf_tokenizer, tmp_path):
+    src = _jsonl(tmp_path / "d.jsonl", _docs(3), field="body")
+    tok = f"data.tokenizer={hf_tokenizer}"
+    msg = _problems("data=jsonl", f"data.path={tmp_path / 'nope.jsonl'}", tok, "model.vocab_size=512")
+    assert "data.path" in msg and "nope.jsonl" in msg and "does not exist" in msg
+    msg = _problems("data=jsonl", f"data.path={src}", tok, "model.vocab_size=512")
+    assert "data.field='text'" in msg and "body" in msg and "set data.field" in msg
+    msg = _problems("data=jsonl", f"data.path={src}", "data.field=body", tok)  # gpt_nano: vocab 256
+    assert "has 512 token ids but model.vocab_size=256" in msg and "model.vocab_size>=512" in msg
+    msg = _problems("data=jsonl", f"data.path={src}", "data.field=body")
+    assert "data=jsonl needs a tokenizer" in msg and "data.tokenizer=" in msg
+    msg = _problems("data=tokens")
+    assert "data=tokens needs data.path" in msg
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    msg = _problems("data=tokens", f"data.path={tmp_path / 'odd.bin'}")
+    assert "not a multiple of 2" in msg and "data.dtype" in msg
+    # the good config passes, and validating it imports neither datasets nor transformers
+    code = ("import sys; from recipes.config import compose; from recipes.job import validate, CONFIG;"
+            f"validate(compose(['model=gpt_nano','data=jsonl','data.path={src}','data.field=body',"
+            f"'{tok}','model.vocab_size=512','cluster.accelerator=cpu']), depth=CONFIG);"
+            "assert not {'datasets','transformers','torch'} & set(sys.modules), sorted(sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# Validation through the CLI: the tokenized jsonl, the held-out tail, a validation after step 1
+# and the final one; the 2-rank sharded and pipelined runs, and the Accelerate loop, average the
+# same samples as one process.
+VAL = ("model.vocab_size=512", "data=jsonl", "data.val_fraction=0.1", "data.val_samples=7",
+       "trainer.val_every=1", "trainer.max_steps=2", "trainer.global_batch_size=8",
+       "trainer.micro_batch_size=4", "callbacks=none")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_validation_loss_equal_across_world_sizes(hf_tokenizer, tmp_path):
+    src = _jsonl(tmp_path / "d.jsonl", _docs(60))
+    data = (f"data.path={src}", f"data.tokenizer={hf_tokenizer}", f"data.cache_dir={tmp_path / 'c'}")
+    runs = {}
+    for name, extra in {"single": ("strategy=single", "logger=csv"),
+                        "fsdp2": ("strategy=fsdp2", "cluster.devices=2"),
+                        "zero3": ("strategy=zero3", "cluster.devices=2"),
+                        # the schedule's forward-only eval: 2 x 4 pipeline micro-batches per step
+                        "pipeline": ("strategy=pipeline", "cluster.devices=2",
+                                     "trainer.micro_batch_size=2"),
+                        "accelerate": ("backend=accelerate", "strategy=fsdp2", "cluster.devices=2")
+                        }.items():
+        runs[name] = run_cli("train.py", *TINY, *VAL, *data, *extra, out=tmp_path / name, timeout=300)
+    ref = runs["single"].report["validation"]
+    assert [v["step"] for v in ref] == [1, 2] and ref[0]["samples"] == 7
+    assert abs(ref[0]["perplexity"] - np.exp(ref[0]["loss"])) < 1e-6 * ref[0]["perplexity"]
+    for name in ("fsdp2", "zero3", "pipeline", "accelerate"):
+        got = runs[name].report["validation"]
+        assert [v["step"] for v in got] == [1, 2]
+        for a, b in zip(ref, got):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, ref, got)
+    assert "tokenized" in runs["single"].log and "cached" in runs["fsdp2"].log
+    rows = [r for r in csv.DictReader((tmp_path / "single" / "metrics.csv").open()) if r["val_loss"]]
+    assert [(int(r["step"]), float(r["val_loss"])) for r in rows] == [(v["step"], v["loss"]) for v in ref]
