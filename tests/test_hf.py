@@ -22,7 +22,8 @@ from recipes.job import RUN, validate  # noqa: E402
 from strategies import ConfigError  # noqa: E402
 from tests.conftest import ROOT, assert_losses_close, assert_params_close  # noqa: E402
 
-HF = ("model=hf", "model.seq_len=32", "trainer.max_steps=3", "trainer.global_batch_size=8",
+# data.tokenizer=null: byte tokens of the bundled text (these models come without a tokenizer).
+HF = ("model=hf", "model.seq_len=32", "data.tokenizer=null", "trainer.max_steps=3", "trainer.global_batch_size=8",
       "trainer.optimizer=sgd", "trainer.lr=0.5", "trainer.grad_clip=0", "trainer.export_params=true")
 # The host-memory peak is measured as anonymous resident memory; glibc's dynamic mmap threshold
 # keeps freed blocks (ZeRO-3's build frees each full tensor after partitioning it) for reuse,
@@ -103,8 +104,8 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps({"model_type": "gemma"}))
     assert "model_type 'gemma' is not supported" in problems("model=hf", f"model.path={gemma}")
-    hf = ("model=hf", f"model.path={llama}", "model.seq_len=32")
-    assert "model.seq_len=128 exceeds" in problems(*hf[:2], "model.seq_len=128")
+    hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
+    assert "model.seq_len=128 exceeds" in problems(*hf[:2], "model.seq_len=128", "data.tokenizer=null")
     assert "tensor/pipeline-parallel presets" in problems(*hf, "strategy=tp", "cluster.devices=2")
     assert "LoRA runs with" in problems(*hf, "model.lora.rank=4", "strategy=zero3", "cluster.devices=2")
     assert "model.lora.target_modules: lm_head" in problems(*hf, "model.lora.rank=4",
@@ -117,7 +118,7 @@ def test_planner_trains_only_the_adapters(llama):
     """The plan of a LoRA run: gradients and optimizer state for the adapters alone (q, k, v, o
     by default: rank x (in + out) each, per layer), the frozen base's parameters held whole."""
     cmd = [sys.executable, str(ROOT / "plan.py"), "model=hf", f"model.path={llama}", "model.seq_len=32",
-           "model.lora.rank=8", "cluster.accelerator=cpu", "planner.format=json"]
+           "model.lora.rank=8", "cluster.accelerator=cpu", "planner.format=json", "data.tokenizer=null"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     ddp = next(p for p in json.loads(done.stdout)["plans"] if p["strategy"] == "ddp")
