@@ -11,7 +11,7 @@ from typing import Any
 from planner.plan import Plan, Report
 from planner.states import GB, GiB, gb
 
-MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total",
+MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "step", "total",
                "host", "nvme")
 
 
@@ -128,7 +128,9 @@ def _breakdown(con: Any, p: Plan) -> None:
             ("buffers (buckets, gathered units)", m.buffers)]
     for name, v in rows:
         t.add_row(name, f"{v / GB:,.2f}", f"{v / GiB:,.2f}", "device")
-    t.add_row("[bold]total on device[/]", f"{m.total / GB:,.2f}", f"{m.total / GiB:,.2f}",
+    t.add_row("at the optimizer step (states + its transients)", f"{m.step / GB:,.2f}",
+              f"{m.step / GiB:,.2f}", "device")
+    t.add_row("[bold]peak on device[/] (the larger phase)", f"{m.total / GB:,.2f}", f"{m.total / GiB:,.2f}",
               f"of {gb(p.device_bytes)}")
     if m.host:
         t.add_row("offloaded to host", f"{m.host / GB:,.2f}", f"{m.host / GiB:,.2f}", "host")

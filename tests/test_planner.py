@@ -301,7 +301,7 @@ def test_cli_json_contract(tmp_path):
         assert set(p) >= {"strategy", "fits", "memory", "communication", "bubble_fraction",
                           "step_seconds"}
         assert set(p["memory"]) == {"params", "grads", "master", "optimizer", "activations",
-                                    "buffers", "total", "host", "nvme"}
+                                    "buffers", "step", "total", "host", "nvme"}
         assert all(isinstance(v, int) for v in p["memory"].values())
         assert set(p["communication"]) == {"bytes_per_step", "seconds_per_step", "by_collective"}
     assert set(ROOT.iterdir()) == before  # no outputs/, .hydra/ or log file
@@ -312,7 +312,10 @@ def test_cli_params_only_reference_numbers():
                      "planner.format=json", "strategy=ddp")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)["plans"][0]
-    assert plan["memory"]["total"] == 160 * GB and plan["memory"]["activations"] == 0
+    m = plan["memory"]
+    assert m["params"] + m["grads"] + m["master"] + m["optimizer"] == 160 * GB
+    assert m["activations"] == 0 and m["buffers"] == 2 * 25 * MiB  # DDP's two buckets
+    assert m["total"] == 160 * GB + m["buffers"]
 
 
 def test_cli_70b_answers_in_seconds():
@@ -484,3 +487,74 @@ def test_ddp_bucket_copy_and_powersgd_error_feedback_are_buffers():
     powersgd = _plans(*base)["ddp_powersgd"]
     n = views.memory.params / 4  # fp32 (AMP) params per device
     assert powersgd.memory.buffers - views.memory.buffers == pytest.approx(4 * n, rel=1e-6)
+
+
+# -------------------------------------------------------- peaks over phases, engine buffers
+BF16_1B = ("model=llama_1b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+
+
+@pytest.mark.unit
+def test_deepspeed_step_makes_an_fp32_copy_of_the_gradient_partition():
+    """DeepSpeed ZeRO-1/2 casts the bf16 gradient partition to fp32 at the step
+    (stage_1_and_2.step): 2 + 2/n + 4/n + 12/n bytes per param at that moment."""
+    for name in ("zero1", "zero2"):
+        p = _plans(*BF16_1B, f"strategy={name}")[name]
+        n = p.memory.params / 2
+        states = p.memory.params + p.memory.grads + p.memory.master + p.memory.optimizer
+        bucket = 200_000_000 * 2 * 2  # reduce_bucket_size x 2 (overlap_comm) x bf16
+        assert p.memory.step - states - bucket == pytest.approx(4 * n / p.shard, rel=1e-6)
+        assert p.memory.total >= p.memory.step
+
+
+@pytest.mark.unit
+def test_zero1_holds_its_gradient_partition_at_the_step_and_full_gradients_in_backward():
+    p = _plans(*BF16_1B, "strategy=zero1")["zero1"]
+    n = p.memory.params / 2
+    assert p.memory.grads == pytest.approx(2 * n / p.shard, rel=1e-6)
+    assert p.memory.buffers >= 2 * n  # the full bf16 gradients before the boundary's reduction
+
+
+@pytest.mark.unit
+def test_deepspeed_offload_keeps_fp32_gradients_on_the_host():
+    """The host optimizer steps an fp32 gradient partition (+2 B/param over bf16); ZeRO-3 also
+    keeps the reduced bf16 partition in a host buffer."""
+    z2 = _plans(*BF16_1B, "strategy=zero2_offload")["zero2_offload"]
+    n = z2.memory.params / 2
+    assert z2.memory.host == pytest.approx((4 + 4 + 8) * n / z2.shard, rel=1e-6)
+    z3 = _plans(*BF16_1B, "strategy=zero3_offload")["zero3_offload"]
+    n = describe(_compose(BF16_1B).model).num_params()
+    assert z3.memory.host == pytest.approx((2 + 4 + 2 + 4 + 8) * n / z3.shard, rel=1e-6)
+
+
+@pytest.mark.unit
+def test_deepspeed_buffers_follow_its_bucket_settings():
+    base = (*BF16_1B, "strategy=zero2")
+    default = _plans(*base)["zero2"]
+    small = _plans(*base, "strategy.reduce_bucket_size=50000000")["zero2"]
+    assert default.memory.buffers - small.memory.buffers == 150_000_000 * 2 * 2
+    single = _plans(*base, "strategy.overlap_comm=false")["zero2"]
+    assert default.memory.buffers - single.memory.buffers == 200_000_000 * 2
+    raw = _plans(*base, "+strategy.deepspeed_config.zero_optimization.reduce_bucket_size=50000000")
+    assert raw["zero2"].memory.buffers == small.memory.buffers
+
+
+@pytest.mark.unit
+def test_params_alone_keep_gathers_weight_copies_and_offload_gathers():
+    """planner.params without a shape: SHARD_GRAD_OP's whole gathered model, autocast's bf16 weight
+    copies and ZeRO-3 offload's gathered layers stay in the plan (a unit is estimated)."""
+    base = ("planner.params=7e9", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+    plans = _plans(*base)
+    assert plans["fsdp_grad_op"].memory.buffers >= 7e9 * 2  # every parameter gathered in bf16
+    assert plans["ddp"].memory.buffers >= 7e9 * 2  # autocast's bf16 copies of fp32 weights
+    z3 = plans["zero3_offload"].memory
+    assert z3.params == 0 and z3.buffers > 2 * 150e6 * 2  # current + prefetched units
+    assert plans["fsdp"].memory.buffers > 2 * 2 * 150e6  # two estimated units in bf16
+
+
+@pytest.mark.unit
+def test_estimated_unit_is_near_real_llama_blocks():
+    from planner.activations import estimated_unit
+
+    for name in ("llama_7b", "llama_70b"):
+        m = describe(_compose((f"model={name}",)).model)
+        assert estimated_unit(m.num_params()) == pytest.approx(m.block_params(), rel=0.2)
