@@ -66,6 +66,30 @@ def regathered(lay: Layout, params: float, shape: ModelDescription | None, mp: i
     return params
 
 
+def powersgd_ratio(shape: ModelDescription | None, params: float, rank: int) -> float:
+    """Gradient elements PowerSGD sends per step, as a fraction of the parameters (Vogels et al.
+    2019; torch's powerSGD_hook): each n x m gradient matrix goes as rank-r factors P (n x r)
+    and Q (m x r), unless that saves less than 2x (``min_compression_rate``); vectors (norms)
+    go whole. Without a shape, square h x h matrices with h ~ 128 x layers (estimated_unit)."""
+    if shape is None:
+        layers = max(1.0, (params / (12 * 128**2)) ** (1 / 3))
+        h = 128 * layers
+        return min(1.0, 2 * rank * h / (h * h)) if h * h >= 2 * 2 * rank * h else 1.0
+    d, f = shape.dim, shape.hidden
+    kv = shape.n_kv_heads * (d // shape.n_heads)
+    block = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]
+    tied = getattr(shape, "tie_embeddings", False)
+    matrices = block * shape.n_layers + [(shape.vocab_size, d)] * (1 if tied else 2)
+    total = shape.num_params()
+    whole = total - sum(n * m for n, m in matrices)
+
+    def sent(n: int, m: int) -> int:
+        factors = rank * (n + m)
+        return factors if n * m >= 2 * factors else n * m
+
+    return (whole + sum(sent(n, m) for n, m in matrices)) / total
+
+
 def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, trainable: float,
                   dp: int, shard: int, m: int, ckpt: bool) -> Communication:
     """Bytes each rank sends per optimizer step, by collective, and their bandwidth-only time."""
@@ -88,6 +112,8 @@ def communication(c: Candidate, su: Setup, sb: StateBytes, params: float, traina
     ratio = lay.grad_bytes_ratio
     reduce = {True: 4, False: min(sb.reduce, 2)}.get(lay.reduce_fp32, sb.reduce)
     grad = trainable * (max(reduce * ratio, min(reduce, 2)) if ratio < 1 else reduce)
+    if lay.compression_rank:  # after its warm-up steps; until then plain all-reduce
+        grad *= powersgd_ratio(shape, su.params, lay.compression_rank)
     stride, sharded_grads = c.tp, lay.grads == SHARDED
     if lay.params == lay.grads == lay.optimizer != SHARDED:
         add("grad_all_reduce", "all_reduce", dp, stride, grad, "backward")

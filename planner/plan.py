@@ -201,6 +201,9 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         compute *= 8 / 6  # one more forward per micro-batch
     bubble = bubble_fraction(c.pp, m)
     exposed = exposed_seconds(comm, compute, m, ckpt)
+    if lay.compression_rank and dp > 1:
+        notes.append(f"PowerSGD rank {lay.compression_rank}: gradient traffic after its "
+                     f"{lay.compression_warmup} warm-up steps (plain all-reduce until then)")
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
     return Plan(strategy=c.name, fits=fits, memory=mem, communication=comm,

@@ -558,3 +558,22 @@ def test_estimated_unit_is_near_real_llama_blocks():
     for name in ("llama_7b", "llama_70b"):
         m = describe(_compose((f"model={name}",)).model)
         assert estimated_unit(m.num_params()) == pytest.approx(m.block_params(), rel=0.2)
+
+
+@pytest.mark.unit
+def test_powersgd_sends_rank_r_factors_after_warm_up():
+    """Each n x m gradient matrix travels as r(n + m) elements; norms go whole."""
+    from planner.communication import powersgd_ratio
+
+    plans = _plans(*BF16_1B)
+    m = describe(_compose(BF16_1B).model)
+    ddp, psgd = (plans[n].communication.by_collective["grad_all_reduce"] for n in ("ddp", "ddp_powersgd"))
+    ratio = powersgd_ratio(m, m.num_params(), 1)
+    assert psgd.bytes == pytest.approx(ddp.bytes * ratio, rel=1e-6) and ratio < 0.01
+    d, f, L = m.dim, m.hidden, m.n_layers
+    kv = m.n_kv_heads * m.head_dim
+    factors = L * ((d + d) * 2 + (kv + d) * 2 + (f + d) * 3) + (1 if m.tie_embeddings else 2) * (m.vocab_size + d)
+    vectors = L * 2 * d + d
+    assert ratio == pytest.approx((factors + vectors) / m.num_params(), rel=1e-9)
+    assert any("warm-up" in n for n in plans["ddp_powersgd"].notes)
+    assert powersgd_ratio(None, 7e9, 4) == pytest.approx(2 * 4 / (128 * (7e9 / 196608) ** (1 / 3)))
