@@ -128,14 +128,17 @@ def assumptions(su: Setup) -> list[str]:
     out = [f"GB = 1e9 bytes, GiB = 2^30; memory is per device; accounting {acc}",
            f"compute = 6 x params x tokens / (devices x peak x MFU {su.options.mfu:g}); activation "
            "checkpointing adds one forward (8 x params x tokens)",
-           "bandwidth-only collective times (ring: 2(N-1)/N x bytes per rank for all-reduce, "
-           "(N-1)/N for all-gather / reduce-scatter); groups spanning nodes run at "
-           "inter_node_GBps; no latency terms",
+           "collective time = bandwidth + latency (ring: 2(N-1)/N x bytes per rank for all-reduce, "
+           "(N-1)/N for all-gather / reduce-scatter; groups spanning nodes run at inter_node_GBps; "
+           f"each launch (bucket, unit, layer) pays 2 log2 N (all-reduce) or N-1 steps of "
+           f"{su.options.intra_latency_us:g} us inside a node, {su.options.inter_latency_us:g} us across)",
            "overlap: gradient all-reduce / reduce-scatter hide under backward, ZeRO-3/FSDP "
            "gathers under forward/backward (prefetch); ZeRO-1/2 post-step all-gather, TP "
            "all-reduces, pipeline sends and offload copies are exposed"]
     if su.shape is None:
-        out.append("planner.params: model states only (no activations, buffers, TP/PP traffic)")
+        out.append("planner.params: no activations or TP/PP traffic; buffers and launches use an "
+                   "estimated block of P / L parameters, L = (P / (12 x 128^2))^(1/3) layers "
+                   "(hidden ~ 128 x layers, as GPT-3 and Llama)")
     else:
         attn = ("flash attention (no s x s scores)" if su.options.flash_attention
                 else "materialised attention scores")
