@@ -18,7 +18,7 @@ from planner.communication import (Collective, Communication, all_gather_bytes, 
                                    ring_all_reduce_bytes, transfer_seconds)
 from planner.inputs import Candidate, ModelDescription, Setup, candidate
 from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
-from planner.recommend import planned_candidates, rank, recommend
+from planner.recommend import largest_micro_batch, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, StateBytes, gb, model_states, state_bytes
 from strategies.base import Run, as_config
@@ -41,9 +41,15 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
     presets = [own] if chosen else [own if n == own.name else _degrees(load(n), megatron)
                                     for n in names()]
-    cands = [candidate(p, world_of(p, su), run) for p in presets] + megatron
+    cands = [candidate(p, world_of(p, su), run, su.shape) for p in presets] + megatron
     plans = [plan_candidate(c, su) for c in cands]
     rec = recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
+    if rec.strategy and not chosen:
+        best = next(c for c in cands if c.name == rec.strategy)
+        if (micro := largest_micro_batch(best, su)) is not None:
+            rec.micro_batch_size = micro
+            rec.reason += (f"; it also fits micro batch {micro} (trainer.micro_batch_size={micro}: "
+                           f"fewer accumulation steps)")
     for p in plans:
         if not p.fits:
             p.hint = _hint(plans if not chosen else _others(su, world, run, p))
@@ -82,7 +88,7 @@ def world_of(preset: Any, su: Setup) -> World:
 
 def _others(su: Setup, world: World, run: Run, skip: Plan) -> list[Plan]:
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
-    return [plan_candidate(candidate(p, world_of(p, su), run), su)
+    return [plan_candidate(candidate(p, world_of(p, su), run, su.shape), su)
             for p in (_degrees(load(n), megatron) for n in names()) if p.name != skip.strategy]
 
 
@@ -153,6 +159,6 @@ __all__ = ["ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Commun
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",
-           "choose", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
+           "choose", "largest_micro_batch", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
            "reduce_scatter_bytes", "report_dict", "ring_all_reduce_bytes", "state_bytes",
            "transfer_seconds"]

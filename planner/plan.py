@@ -106,6 +106,9 @@ class Plan:
 class Recommendation:
     strategy: str | None
     reason: str
+    micro_batch_size: int | None = None
+    """A larger micro batch the recommended preset still fits with (not tight), the largest;
+    None: the trainer's is already the largest (or nothing fits)."""
 
 
 @dataclass

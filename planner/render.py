@@ -58,7 +58,8 @@ def report_dict(r: Report) -> dict[str, Any]:
     return {"model": r.model, "cluster": r.cluster, "world_size": r.world_size,
             "accounting": r.accounting, "plans": [plan_dict(p) for p in r.plans],
             "recommendation": {"strategy": r.recommendation.strategy,
-                               "reason": r.recommendation.reason},
+                               "reason": r.recommendation.reason,
+                               "micro_batch_size": r.recommendation.micro_batch_size},
             "assumptions": list(r.assumptions), "batch": r.batch}
 
 

@@ -317,7 +317,7 @@ def test_cli_json_contract(tmp_path):
     assert set(out) >= {"model", "cluster", "world_size", "accounting", "plans",
                         "recommendation"}
     assert out["model"] == "llama_7b" and out["world_size"] == 8
-    assert set(out["recommendation"]) == {"strategy", "reason"}
+    assert set(out["recommendation"]) == {"strategy", "reason", "micro_batch_size"}
     for p in out["plans"]:
         assert set(p) >= {"strategy", "fits", "memory", "communication", "bubble_fraction",
                           "step_seconds"}
@@ -598,3 +598,38 @@ def test_powersgd_sends_rank_r_factors_after_warm_up():
     assert ratio == pytest.approx((factors + vectors) / m.num_params(), rel=1e-9)
     assert any("warm-up" in n for n in plans["ddp_powersgd"].notes)
     assert powersgd_ratio(None, 7e9, 4) == pytest.approx(2 * 4 / (128 * (7e9 / 196608) ** (1 / 3)))
+
+
+@pytest.mark.unit
+def test_a_tp_preset_is_checked_against_heads_and_kv_heads():
+    """strategy.tp must divide n_heads and n_kv_heads (train.py refuses it; the plan says so)."""
+    p = _plans("model=llama_7b", "model.n_kv_heads=2", "cluster=node_8x_h100", "strategy=tp",
+               "strategy.tp=4", "trainer.global_batch_size=64")["tp"]
+    assert any("model.n_kv_heads=2 is not divisible by strategy.tp=4" in x for x in p.problems)
+    assert not p.runnable
+    ok = _plans("model=llama_7b", "model.n_kv_heads=2", "cluster=node_8x_h100", "strategy=tp",
+                "strategy.tp=2", "trainer.global_batch_size=64")["tp"]
+    assert not ok.problems
+
+
+@pytest.mark.unit
+def test_recommendation_suggests_the_largest_micro_batch_that_fits():
+    from planner import plan_all
+    from recipes.config import compose
+
+    def report(*extra, chosen=False):
+        cfg = compose([*COMMON, "model=llama_7b", "cluster=node_8x_h100",
+                       "trainer.global_batch_size=64", *extra])  # extra after COMMON's micro 1
+        return plan_all(cfg, describe(cfg.model), chosen=chosen)
+
+    first = report()
+    rec, planned = first.recommendation, first.plans[0]
+    micro, per_rank = rec.micro_batch_size, 64 // planned.dp
+    assert micro is not None and per_rank % micro == 0
+    assert f"trainer.micro_batch_size={micro}" in rec.reason
+    degrees = (f"strategy.tp={planned.tp}",) if planned.tp > 1 else ()  # as it was planned
+    for m in (m for m in range(1, per_rank + 1) if per_rank % m == 0):
+        p = report(f"strategy={rec.strategy}", *degrees, f"trainer.micro_batch_size={m}",
+                   chosen=True).plans[0]
+        assert (p.fits and p.margin >= p.reserve) == (m <= micro), m
+    assert report(f"trainer.micro_batch_size={micro}").recommendation.micro_batch_size is None
