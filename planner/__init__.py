@@ -148,7 +148,13 @@ def assumptions(su: Setup) -> list[str]:
     else:
         attn = ("flash attention (no s x s scores)" if su.options.flash_attention
                 else "materialised attention scores")
-        out.append(f"activations: Korthikanti et al. 2022 per layer, SwiGLU/GQA terms, {attn}, "
+        from planner.activations import calibration
+
+        arch = getattr(su.shape, "architecture", "")
+        how = (f"calibrated for {arch} (planner/activations.json, traced per precision regime); "
+               "tensor-parallel layouts: Korthikanti et al. 2022" if arch in calibration()
+               else "Korthikanti et al. 2022 per layer")
+        out.append(f"activations: {how}, SwiGLU/GQA terms, {attn}, "
                    f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; fp32 logits for the loss")
     out.append("planned-only TP / PP / 3D layouts use ZeRO-1 over data parallel; bubble "
                "(P-1)/(m+P-1), 1F1B keeps min(P, m) micro-batches in flight on stage 0")
