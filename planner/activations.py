@@ -131,6 +131,10 @@ def buffer_bytes(c: Candidate, shape: ModelDescription | None, sb: StateBytes, p
         unit = (unit_params(shape) if shape is not None else estimated_unit(params * mp)) / mp
         ahead = min(lay.prefetch / mp, params) if lay.prefetch else unit
         gathered = unit + ahead if lay.reshard_after_forward else params  # current + prefetched
+        if lay.reshard_after_forward and lay.backward_regather == "over_live":
+            # DeepSpeed keeps what is reused soon gathered, up to stage3_max_live_parameters
+            # (what communication.regathered does not gather again)
+            gathered = max(gathered, min(params, lay.live_params / mp))
         backward += gathered * sb.gather + unit * sb.reduce  # + one unit's unsharded gradient
     elif sb.params > sb.gather:
         backward += params * sb.gather  # autocast's bf16 weight copies, saved for backward

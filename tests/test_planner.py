@@ -633,3 +633,23 @@ def test_recommendation_suggests_the_largest_micro_batch_that_fits():
                    chosen=True).plans[0]
         assert (p.fits and p.margin >= p.reserve) == (m <= micro), m
     assert report(f"trainer.micro_batch_size={micro}").recommendation.micro_batch_size is None
+
+
+@pytest.mark.unit
+def test_zero3_holds_what_it_does_not_gather_again():
+    """DeepSpeed ZeRO-3 keeps up to max_live_parameters gathered between forward and backward:
+    the memory holds what the communication does not re-gather."""
+    base = (*BF16_1B, "strategy=zero3")
+    default = _plans(*base)["zero3"]
+    low = _plans(*base, "strategy.max_live_parameters=1")["zero3"]
+    from planner.inputs import unit_params
+
+    m = describe(_compose(BF16_1B).model)
+    def again(p):
+        return p.communication.by_collective["param_all_gather_backward"].bytes
+
+    assert again(default) < again(low)  # what stays gathered is not gathered again...
+    # ...and is held: llama_1b (1.24B) > 1B live, 1B stays gathered, not one unit + 50M prefetched
+    kept, unit = 1e9, unit_params(m)
+    assert default.memory.buffers - low.memory.buffers == pytest.approx((kept - unit - 50e6) * 2, abs=8)
+    assert kept < m.num_params()
