@@ -35,6 +35,10 @@ def main(argv: list[str]) -> None:
     if not chosen and cfg.planner.format != "json" and rec in names():
         keep = [a for a in argv if a.split("=")[0].lstrip("+~") != "strategy"]
         print(f"run it: python train.py {' '.join([*keep, f'strategy={rec}'])}   (or strategy=auto)")
+        if (micro := report.recommendation.micro_batch_size) is not None:
+            keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]
+            print(f"   or: python train.py {' '.join([*keep, f'strategy={rec}', f'trainer.micro_batch_size={micro}'])}"
+                  "   (the largest micro batch that fits)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from planner.communication import (Collective, Communication, all_gather_bytes, 
                                    ring_all_reduce_bytes, transfer_seconds)
 from planner.inputs import Candidate, ModelDescription, Setup, candidate
 from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
-from planner.recommend import planned_candidates, rank, recommend
+from planner.recommend import largest_micro_batch, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, StateBytes, gb, model_states, state_bytes
 from strategies.base import Run, as_config
@@ -41,9 +41,15 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
     presets = [own] if chosen else [own if n == own.name else _degrees(load(n), megatron)
                                     for n in names()]
-    cands = [candidate(p, world_of(p, su), run) for p in presets] + megatron
+    cands = [candidate(p, world_of(p, su), run, su.shape) for p in presets] + megatron
     plans = [plan_candidate(c, su) for c in cands]
     rec = recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
+    if rec.strategy and not chosen:
+        best = next(c for c in cands if c.name == rec.strategy)
+        if (micro := largest_micro_batch(best, su)) is not None:
+            rec.micro_batch_size = micro
+            rec.reason += (f"; it also fits micro batch {micro} (trainer.micro_batch_size={micro}: "
+                           f"fewer accumulation steps)")
     for p in plans:
         if not p.fits:
             p.hint = _hint(plans if not chosen else _others(su, world, run, p))
@@ -82,7 +88,7 @@ def world_of(preset: Any, su: Setup) -> World:
 
 def _others(su: Setup, world: World, run: Run, skip: Plan) -> list[Plan]:
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
-    return [plan_candidate(candidate(p, world_of(p, su), run), su)
+    return [plan_candidate(candidate(p, world_of(p, su), run, su.shape), su)
             for p in (_degrees(load(n), megatron) for n in names()) if p.name != skip.strategy]
 
 
@@ -128,18 +134,27 @@ def assumptions(su: Setup) -> list[str]:
     out = [f"GB = 1e9 bytes, GiB = 2^30; memory is per device; accounting {acc}",
            f"compute = 6 x params x tokens / (devices x peak x MFU {su.options.mfu:g}); activation "
            "checkpointing adds one forward (8 x params x tokens)",
-           "bandwidth-only collective times (ring: 2(N-1)/N x bytes per rank for all-reduce, "
-           "(N-1)/N for all-gather / reduce-scatter); groups spanning nodes run at "
-           "inter_node_GBps; no latency terms",
+           "collective time = bandwidth + latency (ring: 2(N-1)/N x bytes per rank for all-reduce, "
+           "(N-1)/N for all-gather / reduce-scatter; groups spanning nodes run at inter_node_GBps; "
+           f"each launch (bucket, unit, layer) pays 2 log2 N (all-reduce) or N-1 steps of "
+           f"{su.options.intra_latency_us:g} us inside a node, {su.options.inter_latency_us:g} us across)",
            "overlap: gradient all-reduce / reduce-scatter hide under backward, ZeRO-3/FSDP "
            "gathers under forward/backward (prefetch); ZeRO-1/2 post-step all-gather, TP "
            "all-reduces, pipeline sends and offload copies are exposed"]
     if su.shape is None:
-        out.append("planner.params: model states only (no activations, buffers, TP/PP traffic)")
+        out.append("planner.params: no activations or TP/PP traffic; buffers and launches use an "
+                   "estimated block of P / L parameters, L = (P / (12 x 128^2))^(1/3) layers "
+                   "(hidden ~ 128 x layers, as GPT-3 and Llama)")
     else:
         attn = ("flash attention (no s x s scores)" if su.options.flash_attention
                 else "materialised attention scores")
-        out.append(f"activations: Korthikanti et al. 2022 per layer, SwiGLU/GQA terms, {attn}, "
+        from planner.activations import calibration
+
+        arch = getattr(su.shape, "architecture", "")
+        how = (f"calibrated for {arch} (planner/activations.json, traced per precision regime); "
+               "tensor-parallel layouts: Korthikanti et al. 2022" if arch in calibration()
+               else "Korthikanti et al. 2022 per layer")
+        out.append(f"activations: {how}, SwiGLU/GQA terms, {attn}, "
                    f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; fp32 logits for the loss")
     out.append("planned-only TP / PP / 3D layouts use ZeRO-1 over data parallel; bubble "
                "(P-1)/(m+P-1), 1F1B keeps min(P, m) micro-batches in flight on stage 0")
@@ -150,6 +165,6 @@ __all__ = ["ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Commun
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",
-           "choose", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
+           "choose", "largest_micro_batch", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
            "reduce_scatter_bytes", "report_dict", "ring_all_reduce_bytes", "state_bytes",
            "transfer_seconds"]

@@ -98,20 +98,46 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
     return int(max(first, last))
 
 
-def buffer_bytes(c: Candidate, shape: ModelDescription, sb: StateBytes, params: float, dp: int,
-                 mp: int) -> int:
-    """Transients beside the states: gradient buckets, gathered units, autocast weight copies."""
-    lay, out = c.layout, 0.0
-    if lay.grad_bucket_copy and dp > 1:
-        out += params * sb.grads  # DDP's buckets copy every gradient (no gradient_as_bucket_view)
-    elif dp > 1 or lay.optimizer_offload != DEVICE:
-        out += 2 * c.bucket_bytes  # one bucket filling, one in flight
+def estimated_unit(params: float) -> float:
+    """The largest FSDP/ZeRO-3 unit of a ``params``-parameter transformer whose shape is not
+    given (``planner.params``): GPT-3 and Llama keep hidden ~ 128 x layers, so with ~12 h^2
+    parameters a block, P ~ 12 x 128^2 x L^3 and a block is P / L (7B: 213M vs Llama's 202M;
+    70B: 0.99B vs 0.86B)."""
+    layers = max(1.0, (params / (12 * 128**2)) ** (1 / 3))
+    return params / layers
+
+
+def buffer_bytes(c: Candidate, shape: ModelDescription | None, sb: StateBytes, params: float,
+                 trainable: float, dp: int, shard: int, mp: int) -> tuple[int, int]:
+    """Transients beside the states, ``(backward, step)``: what is allocated through forward and
+    backward (gradient buckets, gathered units, autocast weight copies, ZeRO-1's full gradients
+    before their reduction) and what exists at the optimizer step (DeepSpeed's fp32 copy of the
+    gradient partition; buffers that persist). Without a shape, a unit is ``estimated_unit``."""
+    lay = c.layout
+    offloaded = lay.optimizer_offload != DEVICE
+    bucket = 0.0
+    if lay.reduce_bucket and (dp > 1 or offloaded):
+        bucket = lay.reduce_bucket * lay.reduce_buckets * sb.grads  # allocated at full size
+    elif lay.grad_bucket_copy and dp > 1:
+        bucket = params * sb.grads  # DDP's buckets copy every gradient (no gradient_as_bucket_view)
+    elif dp > 1 or offloaded:
+        bucket = 2 * c.bucket_bytes  # one bucket filling, one in flight
     if lay.grad_error_feedback and dp > 1:
-        out += params * 4  # PowerSGD's fp32 error-feedback residual
+        bucket += params * 4  # PowerSGD's fp32 error-feedback residual
+    backward = step = bucket
+    if lay.grads_partitioned_at_step and dp > 1:
+        backward += trainable * sb.grads  # full gradients until the boundary's reduction
     if lay.params == SHARDED:
-        unit = unit_params(shape) / mp
-        gathered = 2 * unit if lay.reshard_after_forward else params  # current + prefetched
-        out += gathered * sb.gather + unit * sb.reduce  # + one unit's unsharded gradient
+        unit = (unit_params(shape) if shape is not None else estimated_unit(params * mp)) / mp
+        ahead = min(lay.prefetch / mp, params) if lay.prefetch else unit
+        gathered = unit + ahead if lay.reshard_after_forward else params  # current + prefetched
+        if lay.reshard_after_forward and lay.backward_regather == "over_live":
+            # DeepSpeed keeps what is reused soon gathered, up to stage3_max_live_parameters
+            # (what communication.regathered does not gather again)
+            gathered = max(gathered, min(params, lay.live_params / mp))
+        backward += gathered * sb.gather + unit * sb.reduce  # + one unit's unsharded gradient
     elif sb.params > sb.gather:
-        out += params * sb.gather  # autocast's bf16 weight copies, saved for backward
-    return int(out)
+        backward += params * sb.gather  # autocast's bf16 weight copies, saved for backward
+    if lay.master_weights and sb.grads < 4 and not offloaded:
+        step += trainable * 4 / shard  # DeepSpeed's step: .to(fp32) of the gradient partition
+    return int(backward), int(step)

@@ -166,9 +166,14 @@ class Candidate:
         return int(SHARDED in (lay.params, lay.grads, lay.optimizer))
 
 
-def candidate(preset: Any, world: World, run: Any = None) -> Candidate:
-    """A preset's typed config (``strategies.load(name)``) as a planner candidate."""
+def candidate(preset: Any, world: World, run: Any = None,
+              model: ModelDescription | None = None) -> Candidate:
+    """A preset's typed config (``strategies.load(name)``) as a planner candidate; ``model``:
+    its shape, checked against the preset (TP degree against heads and KV heads, PP against
+    layers) as train.py checks it."""
     problems = tuple(preset.problems(world, run)) if run is not None else ()
+    if model is not None:
+        problems += tuple(preset.model_problems(model))
     layout = preset.layout(world)
     return Candidate(name=preset.name, layout=layout, tp=getattr(preset, "tp", 1),
                      pp=getattr(preset, "pp", 1),

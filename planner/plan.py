@@ -7,6 +7,7 @@ sources: docs/PLANNER.md; the reference documents' worked numbers are tests.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ from planner.activations import activation_bytes, buffer_bytes, regime
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup
 from planner.states import GB, gb, model_states, state_bytes
-from strategies.base import CPU, NVME, SHARDED
+from strategies.base import CPU, DEVICE, NVME, SHARDED
 from strategies.mesh import Batch, World
 
 
@@ -32,6 +33,9 @@ class Memory:
     total: int = 0
     host: int = 0
     nvme: int = 0
+    step: int = 0
+    """On the device at the optimizer step (states and the step's own transients); ``total`` is
+    the larger of this and forward/backward (states + activations + buffers)."""
 
 
 @dataclass
@@ -102,6 +106,9 @@ class Plan:
 class Recommendation:
     strategy: str | None
     reason: str
+    micro_batch_size: int | None = None
+    """A larger micro batch the recommended preset still fits with (not tight), the largest;
+    None: the trainer's is already the largest (or nothing fits)."""
 
 
 @dataclass
@@ -151,6 +158,12 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     notes = []
 
     mem = Memory(**model_states(params, lay, shard, sb, trainable))
+    if lay.grads_partitioned_at_step:  # DeepSpeed ZeRO-1 holds only its partition at the step
+        mem.grads = math.ceil(trainable * sb.grads / shard)
+    if lay.optimizer_offload != DEVICE and lay.master_weights:
+        # DeepSpeed steps an fp32 gradient partition on the host (4 B/param whatever the
+        # precision); ZeRO-3 also keeps the reduced partition there in the gradient dtype
+        mem.grads = math.ceil(trainable * (4 + (sb.grads if lay.offload_grad_buffer else 0)) / shard)
     # optimizer offload moves the fp32 gradient partition too (ZeRO-Offload, FSDP CPUOffload)
     where = {"params": lay.params_offload, "grads": lay.optimizer_offload,
              "master": lay.optimizer_offload, "optimizer": lay.optimizer_offload}
@@ -169,9 +182,10 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full
-        mem.buffers = buffer_bytes(c, shape, sb, params, dp, mp)
-    mem.total = (mem.params + mem.grads + mem.master + mem.optimizer + mem.activations
-                 + mem.buffers)
+    mem.buffers, step_buffers = buffer_bytes(c, shape, sb, params, trainable, dp, shard, mp)
+    states = mem.params + mem.grads + mem.master + mem.optimizer
+    mem.step = states + step_buffers  # the optimizer step: activations are gone
+    mem.total = max(states + mem.activations + mem.buffers, mem.step)
 
     device_bytes = cl.device_bytes()
     fits = mem.total <= device_bytes
@@ -190,6 +204,9 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         compute *= 8 / 6  # one more forward per micro-batch
     bubble = bubble_fraction(c.pp, m)
     exposed = exposed_seconds(comm, compute, m, ckpt)
+    if lay.compression_rank and dp > 1:
+        notes.append(f"PowerSGD rank {lay.compression_rank}: gradient traffic after its "
+                     f"{lay.compression_warmup} warm-up steps (plain all-reduce until then)")
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
     return Plan(strategy=c.name, fits=fits, memory=mem, communication=comm,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from planner.inputs import Candidate, Setup
@@ -106,3 +107,19 @@ def rank(plans: list[Plan], rec: Recommendation) -> list[Plan]:
     """Recommended first, then fitting layouts by step time, then the rest by memory."""
     return sorted(plans, key=lambda p: (p.strategy != rec.strategy, not (p.fits and not p.problems),
                                         p.step_seconds if p.fits else p.memory.total, p.strategy))
+
+
+# ----------------------------------------------------------------------------- micro batch
+def largest_micro_batch(c: Candidate, su: Setup) -> int | None:
+    """The largest micro batch above the trainer's with which ``c`` still fits, not tight, and
+    the batch arithmetic holds (it divides global / (dp x the pipeline's chunks)); None if the
+    trainer's is already the largest. Fewer accumulation steps: larger, more efficient kernels."""
+    t = su.trainer
+    base = plan_candidate(c, su)
+    per_rank = t.global_batch_size // (base.dp * (c.microbatches or 1))
+    options = [m for m in range(per_rank, t.micro_batch_size, -1) if per_rank % m == 0]
+    for m in options:  # largest first; memory grows with the micro batch
+        p = plan_candidate(c, dataclasses.replace(su, trainer=dataclasses.replace(t, micro_batch_size=m)))
+        if p.fits and not p.problems and p.margin >= p.reserve:
+            return m
+    return None

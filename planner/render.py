@@ -11,7 +11,7 @@ from typing import Any
 from planner.plan import Plan, Report
 from planner.states import GB, GiB, gb
 
-MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total",
+MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "step", "total",
                "host", "nvme")
 
 
@@ -58,7 +58,8 @@ def report_dict(r: Report) -> dict[str, Any]:
     return {"model": r.model, "cluster": r.cluster, "world_size": r.world_size,
             "accounting": r.accounting, "plans": [plan_dict(p) for p in r.plans],
             "recommendation": {"strategy": r.recommendation.strategy,
-                               "reason": r.recommendation.reason},
+                               "reason": r.recommendation.reason,
+                               "micro_batch_size": r.recommendation.micro_batch_size},
             "assumptions": list(r.assumptions), "batch": r.batch}
 
 
@@ -128,7 +129,9 @@ def _breakdown(con: Any, p: Plan) -> None:
             ("buffers (buckets, gathered units)", m.buffers)]
     for name, v in rows:
         t.add_row(name, f"{v / GB:,.2f}", f"{v / GiB:,.2f}", "device")
-    t.add_row("[bold]total on device[/]", f"{m.total / GB:,.2f}", f"{m.total / GiB:,.2f}",
+    t.add_row("at the optimizer step (states + its transients)", f"{m.step / GB:,.2f}",
+              f"{m.step / GiB:,.2f}", "device")
+    t.add_row("[bold]peak on device[/] (the larger phase)", f"{m.total / GB:,.2f}", f"{m.total / GiB:,.2f}",
               f"of {gb(p.device_bytes)}")
     if m.host:
         t.add_row("offloaded to host", f"{m.host / GB:,.2f}", f"{m.host / GiB:,.2f}", "host")

@@ -434,6 +434,11 @@ class PlannerConfig:
     reserve_GB: float = knob(3.0, min=0.0)
     """GPU memory the plan's states do not see: CUDA context, NCCL buffers, allocator
     fragmentation. A GPU plan that fits with less than this free is called tight."""
+    intra_latency_us: float = knob(2.0, min=0.0)
+    """Latency of one step of a collective inside a node, microseconds (NVLink / PCIe; the
+    alpha of the alpha-beta cost: measure it with nccl-tests at small sizes)."""
+    inter_latency_us: float = knob(8.0, min=0.0)
+    """Latency of one step of a collective across nodes, microseconds (InfiniBand / RoCE)."""
 
 
 @dataclass

@@ -71,6 +71,26 @@ class Layout:
     master_weights: bool = False
     """The engine keeps its own fp32 copy of the parameters for the optimizer (DeepSpeed), sharded
     like the optimizer state, beside the working parameters (even in fp32 runs)."""
+    grads_partitioned_at_step: bool = False
+    """Full gradients accumulate through backward and are reduced at the accumulation boundary
+    into this rank's partition, the full ones freed before the step (DeepSpeed ZeRO-1): the
+    held gradient state is the partition, the full gradients a backward-phase transient."""
+    offload_grad_buffer: bool = False
+    """With the optimizer offloaded, the reduced gradient partition stays in a host buffer in the
+    gradient dtype beside the fp32 gradient the host optimizer steps (DeepSpeed ZeRO-3)."""
+    reduce_bucket: int = 0
+    """Elements of each of the engine's own gradient-reduction buffers, allocated at that size
+    whatever the model (DeepSpeed reduce_bucket_size with contiguous_gradients); 0: DDP-style
+    buckets of ``bucket_cap_mb``."""
+    reduce_buckets: int = 2
+    """How many such buffers exist (DeepSpeed ZeRO-1/2: 2 with overlap_comm, else 1; ZeRO-3: 1)."""
+    prefetch: int = 0
+    """Parameter elements gathered ahead of use beside the current unit (DeepSpeed ZeRO-3's
+    stage3_prefetch_bucket_size); 0: one unit (FSDP's prefetch)."""
+    compression_rank: int = 0
+    """PowerSGD: the rank of the factors sent instead of each gradient matrix (0: none)."""
+    compression_warmup: int = 0
+    """PowerSGD: optimizer steps of plain all-reduce before compression starts."""
 
 
 @dataclass(frozen=True)

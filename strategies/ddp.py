@@ -51,7 +51,9 @@ class DDPConfig(StrategyConfig):
     def layout(self, world: World) -> Layout:
         ratio = {"fp16": 0.5, "bf16": 0.5}.get(self.comm_hook, 1.0)
         return Layout(grad_bytes_ratio=ratio, grad_bucket_copy=not self.gradient_as_bucket_view,
-                      grad_error_feedback=self.comm_hook == "powersgd")
+                      grad_error_feedback=self.comm_hook == "powersgd",
+                      compression_rank=self.powersgd_rank if self.comm_hook == "powersgd" else 0,
+                      compression_warmup=self.powersgd_warmup_steps if self.comm_hook == "powersgd" else 0)
 
     def lightning(self, run: Run | None = None) -> Any:
         return _strategy_class()(self)

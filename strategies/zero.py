@@ -154,7 +154,7 @@ class ZeroConfig(StrategyConfig):
 
     # ---------------------------------------------------------------- layout
     def layout(self, world: World) -> Layout:
-        s = self.stage
+        s, zero = self.stage, self.deepspeed_json().get("zero_optimization", {})
         return Layout(
             optimizer=SHARDED,
             grads=SHARDED if s >= 2 else "replicated",
@@ -165,6 +165,15 @@ class ZeroConfig(StrategyConfig):
             backward_regather="over_live", live_params=self.max_live_parameters,
             grad_all_reduce=s < 3,  # measured: DeepSpeed 0.19 all-reduces ZeRO-1/2 gradient buckets
             master_weights=True,  # measured: fp32 master partition beside the params, even in fp32
+            # stage 1 reduces at the accumulation boundary and keeps only its partition (measured)
+            grads_partitioned_at_step=s == 1,
+            offload_grad_buffer=s >= 3 and self.offload_optimizer != "none",
+            # contiguous_gradients buffers, allocated at the configured size (stage_1_and_2's
+            # setup_buckets: a second one with overlap_comm; stage3: one), raw JSON merged in
+            reduce_bucket=int(zero.get("reduce_bucket_size", self.reduce_bucket_size)),
+            reduce_buckets=(0 if not zero.get("contiguous_gradients", self.contiguous_gradients)
+                            else 1 if s >= 3 or not zero.get("overlap_comm", self.overlap_comm) else 2),
+            prefetch=int(zero.get("stage3_prefetch_bucket_size", self.prefetch_bucket_size)) if s >= 3 else 0,
         )
 
     # ---------------------------------------------------------------- builders

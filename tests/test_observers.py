@@ -81,13 +81,10 @@ def test_zero12_all_reduce_then_gather_as_the_planner_says(cached, case, backend
     assert kinds["all_gather"]["bytes"] == pytest.approx(P, rel=0.01)
 
 
-# Known gaps of the planner, left for the planner-truth issue (strict: fixing them fails here):
-STATE_GAPS = {
-    "zero1": "DeepSpeed's stage 1 shares stage 2's optimizer: after the step a rank holds only its "
-             "gradient partition (measured 0.86 of the plan, which counts ZeRO-1's full gradients)",
-    "zero3_offload": "the offloaded fp32 master and gradient partitions are counted once on the "
-                     "host by the plan and beside the device copies by the measurement (1.2x)",
-}
+# Known gaps of the planner (strict: fixing one fails here until it is removed). Empty since the
+# planner counts DeepSpeed ZeRO-1's gradient partition at the step and ZeRO-3 offload's two host
+# gradient buffers (the gradient-dtype partition and the fp32 one its host optimizer steps).
+STATE_GAPS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
