@@ -215,3 +215,37 @@ def test_lora_trains_adapters_only_equally_and_exports_merged(runs, llama, tmp_p
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=tokens).logits, trained(tokens), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------- the user's whole flow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_model_directory_with_its_tokenizer_fine_tunes_on_jsonl(hf_tokenizer, tmp_path):
+    """What a user does: a model directory holding its tokenizer, a jsonl corpus tokenized with
+    it (data.tokenizer defaults to model.path), held-out validation, then the export, which
+    carries the tokenizer along."""
+    import shutil
+
+    from tests.conftest import TINY, run_cli
+
+    model = _save(tmp_path / "model")
+    for f in hf_tokenizer.iterdir():
+        shutil.copy2(f, model / f.name)
+    corpus = (ROOT / "recipes" / "assets" / "corpus.txt").read_text().split("\n\n")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in corpus if doc.strip()))
+    run = run_cli("train.py", *TINY, *[o for o in HF if not o.startswith("data.")],
+                  f"model.path={model}", "data=jsonl", f"data.path={data}",
+                  f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.05", "trainer.val_every=2",
+                  "trainer.checkpoint_every=3", "strategy=single", "trainer.micro_batch_size=8",
+                  out=tmp_path / "run", timeout=300)
+    validation = run.report["validation"]
+    assert [v["step"] for v in validation] == [2, 3] and validation[-1]["loss"] < validation[0]["loss"]
+    out = tmp_path / "export"
+    done = subprocess.run([sys.executable, str(ROOT / "convert.py"), str(run.out / "checkpoints" / "step3"),
+                           "--to", "hf", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out).eos_token == "<|endoftext|>"
