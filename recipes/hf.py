@@ -43,10 +43,10 @@ TP_PLAN = {
 LORA_PIECES = (".base_layer",)  # what peft inserts into a wrapped layer's parameter names
 
 
-def _auto_config(shape: ModelConfig) -> Any:
+def _auto_config(path: str) -> Any:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(locate(shape.path), local_files_only=True)
+    config = AutoConfig.from_pretrained(locate(path), local_files_only=True)
     config.use_cache = False
     return config
 
@@ -63,7 +63,7 @@ class HFCausalLM(nn.Module):
 
         self.shape = shape
         self._rss0 = _anon_rss()  # host memory before the model: loading is measured from here
-        config = _auto_config(shape)
+        config = _auto_config(shape.path)
         build = contextlib.nullcontext()
         if meta:  # parameters on the meta device; buffers (rotary tables) real
             from accelerate import init_empty_weights
@@ -184,26 +184,22 @@ def _copy_into(p: torch.Tensor, source: Any, rank: int) -> int:
     if isinstance(p, DTensor):  # FSDP2: read only this rank's rows
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = p.to_local()
+        target = p.to_local()
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        piece = source[index] if local.numel() else None
-        if piece is not None:
-            local.copy_(piece)
-            return piece.numel() * piece.element_size()
-        return 0
-    if hasattr(p, "ds_id"):  # ZeRO-3 partition: gather this tensor, rank 0 writes, re-partition
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-            if rank == 0:
-                full = source[:]
-                p.data.copy_(full)
-                return full.numel() * full.element_size()
-        return 0
-    full = source[:]
-    p.data.copy_(full)
-    return full.numel() * full.element_size()
+        if not target.numel():
+            return 0
+        piece = source[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    elif hasattr(p, "ds_id"):  # ZeRO-3 partition: gathered for this tensor, rank 0 writes
+        with _gathered([p]):
+            if rank != 0:
+                return 0
+            piece = source[:]
+            p.data.copy_(piece)
+        return piece.numel() * piece.element_size()
+    else:
+        target, piece = p.data, source[:]
+    target.copy_(piece)
+    return piece.numel() * piece.element_size()
 
 
 def _children_first(m: nn.Module):
@@ -238,7 +234,7 @@ def model_class(path: str) -> type[HFCausalLM]:
     transformers class's ``_no_split_modules``), without building the model."""
     from transformers import AutoModelForCausalLM
 
-    config = _auto_config(_Path(path))
+    config = _auto_config(path)
     arch = AutoModelForCausalLM._model_mapping[type(config)]
     names = sorted(getattr(arch, "_no_split_modules", None) or ())
     module = sys.modules[arch.__module__]
@@ -246,13 +242,6 @@ def model_class(path: str) -> type[HFCausalLM]:
     cls = type(f"HF{arch.__name__}", (HFCausalLM,), {"block_cls": block, "__module__": __name__})
     setattr(sys.modules[__name__], cls.__name__, cls)  # picklable by name
     return cls
-
-
-class _Path:
-    """The one field ``_auto_config`` reads, for ``model_class`` (cached per path)."""
-
-    def __init__(self, path: str):
-        self.path = path
 
 
 def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, merge_lora: bool) -> Path:
