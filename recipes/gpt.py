@@ -108,6 +108,10 @@ class GPT(nn.Module):
         "mlp.w1": "column", "mlp.w3": "column", "mlp.w2": "row",
     }
 
+    # Where tensor parallelism finds the blocks, the embedding (row-parallel over the vocab), the
+    # head (column-parallel) and, under sequence parallelism, the final norm.
+    tp_layout = {"blocks": "layers", "embedding": "tok_embeddings", "head": "output", "norm": "norm"}
+
     # How a pipeline splits the model at block boundaries: ``blocks`` is the ModuleDict of
     # layers, ``first`` runs only on the first stage, ``last`` only on the last.
     pp_plan = {"blocks": "layers", "first": ("tok_embeddings",), "last": ("norm", "output")}

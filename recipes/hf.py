@@ -56,6 +56,7 @@ class HFCausalLM(nn.Module):
 
     block_cls: type | None = None  # set per architecture by ``model_class``
     tp_plan = TP_PLAN
+    tp_layout = {"blocks": "hf.model.layers", "embedding": "hf.model.embed_tokens", "head": "hf.lm_head"}
 
     def __init__(self, shape: ModelConfig, *, meta: bool = False, seed: int = 0):
         super().__init__()

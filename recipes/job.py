@@ -141,20 +141,21 @@ def _logger_problems(logger: LoggerConfig | None) -> list[str]:
     return []
 
 
-# What trains a Hugging Face model (model=hf): the data-parallel families, whose engines wrap
-# any module; TP/PP presets apply recipes/gpt.py's own layer names. LoRA (frozen base weights
-# next to trainable adapters) on the engines that keep per-parameter requires_grad.
-HF_FAMILIES = ("single", "ddp", "fsdp", "fsdp2", "deepspeed")
+# What trains a Hugging Face model (model=hf): every data-parallel preset, whose engines wrap any
+# module, and tensor parallelism (the model declares its tp_plan and tp_layout); pipeline stages
+# and sequence parallelism cut at recipes/gpt.py's own modules. LoRA (frozen base weights next
+# to trainable adapters) on the engines that keep per-parameter requires_grad.
 LORA_PRESETS = "single, ddp (and its compression presets), fsdp2, zero1, zero2, zero2_offload"
 
 
 def _hf_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
     if not model.is_hf:
         return []
-    if strategy.family not in HF_FAMILIES:
-        return [f"strategy={strategy.name} with model=hf: tensor/pipeline-parallel presets apply the "
-                f"built-in GPT's layer names; model=hf trains with the {', '.join(HF_FAMILIES)} "
-                "families (e.g. strategy=fsdp2), or use a built-in model"]
+    if getattr(strategy, "pp", 1) > 1 or getattr(strategy, "sequence_parallel", False):
+        return [f"strategy={strategy.name} with model=hf: pipeline stages and sequence parallelism cut "
+                "the built-in GPT's own modules; model=hf trains with the data-parallel presets and "
+                "tensor parallelism (strategy=tp, fsdp_tp, with strategy.sequence_parallel=false), "
+                "or use a built-in model"]
     lora_ok = strategy.family in ("single", "ddp", "fsdp2") or (
         strategy.family == "deepspeed" and getattr(strategy, "stage", 3) <= 2)
     if model.lora.rank and not lora_ok:

@@ -224,6 +224,7 @@ def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
     """Megatron column/row parallelism from the model's ``tp_plan`` on each block; the embedding
     row-parallel (vocab rows split), the head column-parallel with replicated logits. With
     sequence parallelism the residual stream between blocks is sharded along the sequence."""
+    import torch
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -242,20 +243,28 @@ def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
                  "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
                                             desired_input_layouts=(Replicate(), None)),
                  "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
-    blocks = getattr(model, type(model).pp_plan["blocks"])
-    for b in blocks.values():
+    # Where the blocks, the embedding and the head are: the model's ``tp_layout`` (dotted paths;
+    # a pipeline stage has some of them set to None).
+    where = type(model).tp_layout
+    blocks = model.get_submodule(where["blocks"])
+    for b in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
         parallelize_module(b, mesh, plan)
     top: dict[str, Any] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
-                                                output_layouts=Shard(1) if sp else Replicate())
-    if getattr(model, "output", None) is not None:
+    if _present(model, where["embedding"]):
+        top[where["embedding"]] = RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Shard(1) if sp else Replicate())
+    if _present(model, where["head"]):
         if sp:
-            top["norm"] = SequenceParallel()
-        top["output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                        output_layouts=Replicate())
+            top[where["norm"]] = SequenceParallel()
+        top[where["head"]] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                             output_layouts=Replicate())
     parallelize_module(model, mesh, top)
     return model
+
+
+def _present(model: Any, path: str) -> bool:
+    parent, _, name = path.rpartition(".")
+    return getattr(model.get_submodule(parent) if parent else model, name, None) is not None
 
 
 # -------------------------------------------------------------------- pipeline split

@@ -106,7 +106,9 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     assert "model_type 'gemma' is not supported" in problems("model=hf", f"model.path={gemma}")
     hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
     assert "model.seq_len=128 exceeds" in problems(*hf[:2], "model.seq_len=128", "data.tokenizer=null")
-    assert "tensor/pipeline-parallel presets" in problems(*hf, "strategy=tp", "cluster.devices=2")
+    assert "pipeline stages and sequence parallelism" in problems(*hf, "strategy=pipeline", "cluster.devices=2")
+    assert "pipeline stages and sequence parallelism" in problems(
+        *hf, "strategy=tp", "strategy.sequence_parallel=true", "cluster.devices=2")
     assert "LoRA runs with" in problems(*hf, "model.lora.rank=4", "strategy=zero3", "cluster.devices=2")
     assert "model.lora.target_modules: lm_head" in problems(*hf, "model.lora.rank=4",
                                                             "model.lora.target_modules=[lm_head]")
@@ -132,8 +134,8 @@ def test_planner_trains_only_the_adapters(llama):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_pretrained_weights_train_equally_under_sharded_presets(runs, llama):
-    """Loaded into whole parameters (single), FSDP2 shards (meta build: each rank reads only its
-    rows) and ZeRO-3 partitions (zero.Init: one tensor at a time): the first loss equals
+    """Loaded into whole parameters (single, then split by TP), FSDP2 shards (meta build: each
+    rank reads only its rows) and ZeRO-3 partitions (zero.Init: one tensor at a time): the first loss equals
     transformers' own model on the same batch, and every step and final parameter equals the
     single-process run's (SGD: a wrong weight or gradient scale shows)."""
     single = runs("strategy=single", "trainer.micro_batch_size=8")
@@ -147,9 +149,13 @@ def test_pretrained_weights_train_equally_under_sharded_presets(runs, llama):
         assert peak < full, f"{preset}: rank 0's host memory grew {peak} bytes while loading a {full}-byte model"
         if preset == "fsdp2":  # rank 0 read its half of every tensor
             assert read == pytest.approx(full / 2, rel=0.05)
-    accelerate = runs("backend=accelerate", "strategy=fsdp2", "cluster.devices=2", "trainer.micro_batch_size=4")
-    assert_losses_close(single.losses, accelerate.losses, rtol=1e-5)
-    assert_params_close(single.params(), accelerate.params(), rtol=1e-5)
+    # Tensor parallelism from the model's declared tp_plan (q/k/v/gate/up column, o/down row),
+    # and the same model on the other backend.
+    for other in (("strategy=tp", "trainer.micro_batch_size=8"),
+                  ("backend=accelerate", "strategy=fsdp2", "trainer.micro_batch_size=4")):
+        run = runs(*other, "cluster.devices=2")
+        assert_losses_close(single.losses, run.losses, rtol=1e-5)
+        assert_params_close(single.params(), run.params(), rtol=1e-5)
 
 
 def _first_loss(path: Path) -> float:
