@@ -57,7 +57,9 @@ def both(cached):
 # SHARD_GRAD_OP, offload) share their family's scaling and run AdamW only.
 SGD_CASES = {"single", "ddp", "ddp-accumulation", "fsdp", "fsdp-accumulation", "fsdp2", "zero1",
              "zero3", "zero2-accumulation"}
-MATRIX = [(c, o) for c in CASES for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]
+# Where SGD runs, its AdamW twin adds little (AdamW hides what SGD shows): the slow tier.
+MATRIX = [(c, o) if not (o == "adamw" and c in SGD_CASES) else pytest.param(c, o, marks=pytest.mark.slow)
+          for c in CASES for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]
 
 
 @pytest.mark.parametrize("case, optimizer", MATRIX)
