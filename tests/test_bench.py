@@ -14,8 +14,9 @@ from bench import common
 from tests.conftest import ROOT
 
 
-def _row(text: str, *cells: str) -> list[str]:
-    """The first table row whose leading cells are ``cells``, split into its cells."""
+def _row(out: str, bench: str, *cells: str) -> list[str]:
+    """The first row of benchmark ``bench``'s table whose leading cells are ``cells``."""
+    text = out.split(f"## bench {bench}\n", 1)[-1].split("\n## bench ", 1)[0]
     for line in text.splitlines():
         parts = [c.strip() for c in line.strip().strip("|").split("|")]
         if parts[: len(cells)] == list(cells):
@@ -34,17 +35,17 @@ def test_every_benchmark_runs_in_smoke_mode():
     assert (ROOT / "BENCHMARKS.md").read_text() == before  # smoke mode writes nothing
 
     # overhead: ours and the hand-written DDP loop ran and trained the same losses
-    ddp = _row(out, "ddp", "lightning", "none")
+    ddp = _row(out, "overhead", "ddp", "lightning", "none")
     assert re.match(r"\d+\.\d+", ddp[3]) and re.match(r"\d+\.\d+", ddp[4]), ddp
     assert float(ddp[6]) < 1e-3, ddp
     # startup: composing loads no heavy library; a single-process run does not load DeepSpeed
-    single = _row(out, "single", "lightning", "–")
+    single = _row(out, "startup", "single", "lightning", "–")
     assert single[4] == "none" and single[5].endswith("s"), single
     assert "deepspeed" not in single[6] and "wandb" not in single[6], single
     # presets, scaling, gpu (its CPU smoke): a measured row each
-    assert _row(out, "ddp", "lightning")[4].endswith("MiB")
-    assert float(_row(out, "gpt_nano", "1")[6]) > 0
-    assert _row(out, "single", "False")[2].isdigit()
+    assert _row(out, "presets", "ddp", "lightning")[4].endswith("MiB")
+    assert float(_row(out, "scaling", "gpt_nano", "1")[6]) > 0
+    assert _row(out, "gpu", "single", "False")[2].isdigit()
     assert "Largest model the planner fits" in out and "trained 1 steps" in out, out[-2000:]
 
 
