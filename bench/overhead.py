@@ -65,6 +65,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--print-only", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     p.add_argument("--smoke", action="store_true", help="gpt_nano, 3 steps, 1 repetition, ddp on Lightning; no file written")
     a = p.parse_args(argv)
     if a.smoke:
@@ -123,4 +124,4 @@ def main(argv: list[str]) -> None:
              "step: median step, first excluded; whole loop: train start to end over the steps. "
              "'observers on': ours with that observer (besides the throughput clock) — the hand loop "
              "has none. Target: <= 1.03 with none, <= 1.10 with observers.")
-    common.emit("overhead", common.command_line(), notes, "\n".join(lines), smoke=a.smoke)
+    common.emit("overhead", common.command_line(), notes, "\n".join(lines), smoke=a.smoke or a.print_only)
