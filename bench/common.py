@@ -74,7 +74,7 @@ def fmt_ratio(values: list[float]) -> str:
     if not values:
         return "–"
     m, lo, hi = median_spread(values)
-    return f"{m:.3f} ({lo:.2f}-{hi:.2f}, n={len(values)})" if len(values) > 1 else f"{m:.3f} (n=1)"
+    return f"{m:.2f} ({lo:.2f}-{hi:.2f}, n={len(values)})" if len(values) > 1 else f"{m:.2f} (n=1)"
 
 
 def machine() -> str:
