@@ -1,0 +1,61 @@
+"""The benchmarks cannot rot: every ``python -m bench <name> --smoke`` runs once, all in ONE
+subprocess (``python -m bench all --smoke``: tiny model, 1-3 steps, one repetition), and writes
+nothing into BENCHMARKS.md. The real runs are by hand (BENCHMARKS.md says how)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bench import common
+from tests.conftest import ROOT
+
+
+def _row(out: str, bench: str, *cells: str) -> list[str]:
+    """The first row of benchmark ``bench``'s table whose leading cells are ``cells``."""
+    text = out.split(f"## bench {bench}\n", 1)[-1].split("\n## bench ", 1)[0]
+    for line in text.splitlines():
+        parts = [c.strip() for c in line.strip().strip("|").split("|")]
+        if parts[: len(cells)] == list(cells):
+            return parts
+    raise AssertionError(f"no row {cells} in:\n{text[-3000:]}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_every_benchmark_runs_in_smoke_mode():
+    before = (ROOT / "BENCHMARKS.md").read_text()
+    proc = subprocess.run([sys.executable, "-m", "bench", "all", "--smoke"], cwd=ROOT, env=common.env(),
+                          capture_output=True, text=True, timeout=560, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, (out + proc.stderr)[-4000:]
+    assert (ROOT / "BENCHMARKS.md").read_text() == before  # smoke mode writes nothing
+
+    # overhead: ours and the hand-written DDP loop ran and trained the same losses
+    ddp = _row(out, "overhead", "ddp", "lightning", "none")
+    assert re.match(r"\d+\.\d+", ddp[3]) and re.match(r"\d+\.\d+", ddp[4]), ddp
+    assert float(ddp[6]) < 1e-3, ddp
+    # startup: composing loads no heavy library; a single-process run does not load DeepSpeed
+    single = _row(out, "startup", "single", "lightning", "–")
+    assert single[4] == "none" and single[5].endswith("s"), single
+    assert "deepspeed" not in single[6] and "wandb" not in single[6], single
+    # presets, scaling, gpu (its CPU smoke): a measured row each
+    assert _row(out, "presets", "ddp", "lightning")[4].endswith("MiB")
+    assert float(_row(out, "scaling", "gpt_nano", "1")[6]) > 0
+    assert _row(out, "gpu", "single", "False")[2].isdigit()
+    assert "Largest model the planner fits" in out and "trained 1 steps" in out, out[-2000:]
+
+
+@pytest.mark.unit
+def test_a_benchmark_rewrites_only_its_own_section(tmp_path):
+    doc = tmp_path / "B.md"
+    doc.write_text("# B\n\nkept\n")
+    common.write_section("a", "one", doc)
+    common.write_section("b", "two", doc)
+    common.write_section("a", "three", doc)
+    text = doc.read_text()
+    assert text.count("<!-- bench:a -->") == 1 and "three" in text and "one" not in text
+    assert "two" in text and "kept" in text
