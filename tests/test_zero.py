@@ -272,16 +272,29 @@ def test_layouts_are_what_the_presets_say():
 
     w = World(devices=2)
     r, s = "replicated", "sharded"
-    assert strategies.load("zero1").layout(w) == Layout12(optimizer=s)
-    assert strategies.load("zero2").layout(w) == Layout12(optimizer=s, grads=s)
-    assert strategies.load("zero2_offload").layout(w) == Layout12(
-        optimizer=s, grads=s, optimizer_offload="cpu")
-    assert strategies.load("zero3").layout(w) == Layout(params=s, grads=s, optimizer=s)
-    assert strategies.load("zero3_offload").layout(w) == Layout(
+
+    def layout(name: str):
+        """The preset's layout with its DeepSpeed buffers set aside (tests/test_planner.py sizes
+        them from the preset's bucket settings)."""
+        import dataclasses
+
+        lay, default = strategies.load(name).layout(w), _Layout()
+        return dataclasses.replace(lay, **{k: getattr(default, k) for k in (
+            "reduce_bucket", "reduce_buckets", "prefetch", "offload_grad_buffer")})
+
+    # ZeRO-1 reduces at the accumulation boundary and keeps only its partition at the step
+    assert layout("zero1") == Layout12(optimizer=s, grads_partitioned_at_step=True)
+    assert layout("zero2") == Layout12(optimizer=s, grads=s)
+    assert layout("zero2_offload") == Layout12(optimizer=s, grads=s, optimizer_offload="cpu")
+    assert layout("zero3") == Layout(params=s, grads=s, optimizer=s)
+    assert layout("zero3_offload") == Layout(
         params=s, grads=s, optimizer=s, params_offload="cpu", optimizer_offload="cpu")
-    assert strategies.load("zero_infinity").layout(w) == Layout(
+    assert layout("zero_infinity") == Layout(
         params=s, grads=s, optimizer=s, params_offload="nvme", optimizer_offload="nvme")
     assert r == strategies.load("zero1").layout(w).params
+    # ZeRO-3 with an offloaded optimizer keeps a second host gradient buffer
+    assert strategies.load("zero3_offload").layout(w).offload_grad_buffer
+    assert not strategies.load("zero3").layout(w).offload_grad_buffer
 
 
 def test_deepspeed_config_is_plain_and_overrides_merge_over_the_generated_one():
