@@ -43,8 +43,8 @@ def single(tmp_path_factory) -> dict:
     return _user_run("single", 1, tmp_path_factory.mktemp("user"))
 
 
-# CI: one preset per engine family (DDP, FSDP1, FSDP2, DeepSpeed); the variants in the slow tier.
-CI_PRESETS = {"ddp", "fsdp", "fsdp2", "zero3"}
+# CI: a replicating and a sharding engine (DDP, DeepSpeed ZeRO-3); the rest in the slow tier.
+CI_PRESETS = {"ddp", "zero3"}
 
 
 @pytest.mark.parametrize("preset", [p if p in CI_PRESETS else pytest.param(p, marks=pytest.mark.slow)

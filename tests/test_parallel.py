@@ -168,7 +168,8 @@ def test_planner_counts_the_models_tp_plan():
 
 # ----------------------------------------------------------------------------- activation checkpointing
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("preset", ["zero2", "zero3", "tp", "pipeline"])
+@pytest.mark.parametrize("preset", [pytest.param("zero2", marks=pytest.mark.slow), "zero3",
+                                    pytest.param("tp", marks=pytest.mark.slow), "pipeline"])
 def test_activation_checkpointing_same_losses_fewer_bytes(runs, preset):
     """The runs without checkpointing are the equivalence tests' own (AdamW for ZeRO, as in
     tests/test_zero.py; SGD for TP and the pipeline, as above)."""
