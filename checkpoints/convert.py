@@ -43,6 +43,10 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -
     from checkpoints.store import CheckpointError
     from recipes.config import ModelConfig
 
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out} exists and is not an empty directory: choose a new "
+                              "directory (an export never overwrites one)")
     ckpt = read(checkpoint)
     verify(ckpt)
     model = ckpt.meta.get("config", {}).get("model", {})
@@ -52,4 +56,4 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -
     shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
     from recipes.hf import save_hf
 
-    return save_hf(full_model(ckpt), shape, Path(out), merge_lora=merge_lora)
+    return save_hf(full_model(ckpt), shape, out, merge_lora=merge_lora)

@@ -40,7 +40,6 @@ TP_PLAN = {
     "self_attn.o_proj": "row", "mlp.gate_proj": "column", "mlp.up_proj": "column",
     "mlp.down_proj": "row",
 }
-LORA_PIECES = (".base_layer",)  # what peft inserts into a wrapped layer's parameter names
 
 
 def _auto_config(path: str) -> Any:
@@ -121,15 +120,6 @@ class HFCausalLM(nn.Module):
                         getattr(m, name).to_empty(device="cpu")
                 m.reset_lora_parameters("default", True)
 
-    def merged(self) -> nn.Module:
-        """The transformers model with the adapters merged into the base weights (a copy)."""
-        import copy
-
-        peft_model = getattr(self, "_peft", None)
-        if peft_model is None:
-            return copy.deepcopy(self.hf)
-        return copy.deepcopy(peft_model).merge_and_unload()
-
     # ------------------------------------------------------------------ pretrained weights
     @torch.no_grad()
     def load_pretrained(self) -> dict[str, int]:
@@ -172,10 +162,7 @@ def hf_key(name: str) -> str:
     strategies' wrapper pieces removed)."""
     from strategies.base import plain_key
 
-    name = plain_key(name)
-    for piece in LORA_PIECES:
-        name = name.replace(piece, "")
-    return name
+    return plain_key(name).replace(".base_layer", "")  # (peft's wrapped layer)
 
 
 def _copy_into(p: torch.Tensor, source: Any, rank: int) -> int:
@@ -249,28 +236,29 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
     """Write ``state`` (the plain model's full state dict, keys ``hf.…``) as a directory that
     ``AutoModelForCausalLM.from_pretrained`` loads: config, safetensors weights, and the
     tokenizer files found next to the source model. LoRA adapters are merged into the base
-    weights (``merge_lora``) or saved as a peft adapter directory beside them."""
+    weights (``merge_lora``) or saved as a peft adapter directory beside them. Written beside
+    ``out`` and renamed into place: an interrupted export leaves no half directory."""
+    import dataclasses
     import shutil
 
-    model = model_class(shape.path)(_with(shape, pretrained=True), meta=True)  # no weights read
+    # Parameters on the meta device, then the state's tensors assigned: no weights read twice.
+    model = model_class(shape.path)(dataclasses.replace(shape, pretrained=True), meta=True)
     model.load_state_dict(state, strict=True, assign=True)
     model.hf.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     peft_model = getattr(model, "_peft", None)
-    if peft_model is not None and not merge_lora:
-        peft_model.save_pretrained(str(out / "adapter"))
-        base = peft_model.unload()
+    if peft_model is None:
+        base = model.hf
+    elif merge_lora:
+        base = peft_model.merge_and_unload()  # in place: this model is the export's own
     else:
-        base = model.merged()
-    base.save_pretrained(str(out))
-    src = locate(shape.path)
-    for f in src.iterdir():
+        peft_model.save_pretrained(str(tmp / "adapter"))
+        base = peft_model.unload()
+    base.save_pretrained(str(tmp))
+    for f in locate(shape.path).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) and f.is_file():
-            shutil.copy2(f, out / f.name)
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)  # (onto nothing, or an empty directory)
     return out
-
-
-def _with(shape: ModelConfig, **changes: Any) -> ModelConfig:
-    import dataclasses
-
-    return dataclasses.replace(shape, **changes)

@@ -255,3 +255,7 @@ def test_a_model_directory_with_its_tokenizer_fine_tunes_on_jsonl(hf_tokenizer, 
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(out).eos_token == "<|endoftext|>"
+    again = subprocess.run([sys.executable, str(ROOT / "convert.py"), str(run.out / "checkpoints" / "step3"),
+                            "--to", "hf", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2 and "never overwrites" in again.stderr + again.stdout  # the export stays
