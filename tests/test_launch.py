@@ -236,23 +236,33 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
 def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
     """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit): Lightning
     saves hpc_ckpt_1.ckpt and runs `scontrol requeue`; the job starts again and resumes there."""
-    steps, sweep = 2000, tmp_path / "requeue"  # long enough that the signal lands mid-fit
+    steps, sweep = 600, tmp_path / "requeue"  # ~20 s of steps: the signal lands in the first few
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
            "cluster=slurm_local", "strategy=ddp", f"trainer.max_steps={steps}", f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = sweep / "0" / "train.log"
+
+    def slurm_state() -> str:
+        squeue = subprocess.run(["squeue", "-t", "all"], env=env, capture_output=True, text=True, check=False)
+        ctld = Path(env["SLURM_CONF"]).parent / "log" / "slurmctld.log"
+        return (f"\nsqueue:\n{squeue.stdout}\ntrain.log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+                f"\nslurmctld.log:\n{ctld.read_text()[-2000:] if ctld.exists() else ''}")
+
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        log, deadline = sweep / "0" / "train.log", time.time() + 180
-        # Lightning installs its SIGUSR1 handler after the process group is up and the model
-        # set: a signal before that would kill the job instead of requeueing it.
-        while not (log.exists() and "All distributed processes registered" in log.read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        # Lightning sets its SIGUSR1 handler on each rank as the fit starts; a signal before that
+        # would kill the rank (and leave the other waiting in a collective) instead of requeueing.
+        deadline = time.time() + 180
+        while not (log.exists() and log.read_text().count("Setting signal handlers") >= 2):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] + slurm_state()
             time.sleep(0.5)
-        time.sleep(5)
-        job = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True,
-                             check=True).stdout.split()[0]  # (this Slurm runs our jobs only)
+        time.sleep(2)  # a few dozen steps in, so the checkpoint is mid-fit
+        job = next((sweep / ".submitit").glob("*/")).name  # the job this sweep submitted, not another
         subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
-        out = proc.communicate(timeout=300)[0]
+        try:
+            out = proc.communicate(timeout=300)[0]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the requeued job did not finish in 300 s{slurm_state()}")
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-3000:]
