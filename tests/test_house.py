@@ -102,6 +102,24 @@ def test_help_lists_only_real_options():
     assert "strategy: 3d, auto, ddp," in groups and "logger: csv, tensorboard, wandb" in groups
 
 
+def test_the_lightning_backend_defers_the_transformers_torchmetrics_imports():
+    """torchmetrics imports transformers when installed (~2 s a process): the Lightning backend
+    defers those names (backends/lightning/torchmetrics_imports.py); used, they are the real ones."""
+    pytest.importorskip("transformers")
+    code = ("import sys\n"
+            "import backends.lightning\n"
+            "assert 'lightning' in sys.modules and 'transformers' not in sys.modules\n"
+            "from torchmetrics.functional.text import bert\n"
+            "import transformers\n"
+            "assert transformers.AutoModel.__module__.startswith('transformers.')\n"
+            "assert bert.AutoTokenizer.from_pretrained == transformers.AutoTokenizer.from_pretrained\n"
+            "from backends.lightning.torchmetrics_imports import _Deferred\n"
+            "assert isinstance(transformers.PretrainedConfig(), _Deferred('PretrainedConfig'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 # --------------------------------------------------------------------- Lightning's registry
 @pytest.mark.parametrize("order", ["strategies first", "lightning first"])
 def test_presets_register_in_either_import_order(order):

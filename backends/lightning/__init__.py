@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import lightning as L
+from backends.lightning.torchmetrics_imports import import_lightning
+
+L = import_lightning()  # before any other `import lightning` of ours: see torchmetrics_imports
 
 from backends import Outcome
 from backends.lightning.bridge import ObserverBridge
