@@ -32,6 +32,15 @@ OPTIMIZERS = {
 }
 
 
+def by_optimizer(names, slow_adamw=()) -> list:
+    """(name, optimizer) for an equivalence matrix, ids ``name-optimizer``. SGD always runs in the
+    CI tier (it sees any gradient-scale error); AdamW does too, except for the names in
+    ``slow_adamw``: variants whose AdamW run adds nothing their SGD run and the family's base
+    AdamW run do not already show, kept in the slow tier (``pytest -m slow``)."""
+    return [pytest.param(n, o, id=f"{n}-{o}", marks=[pytest.mark.slow] if o == "adamw" and n in slow_adamw else [])
+            for n in names for o in OPTIMIZERS]
+
+
 @dataclass
 class Run:
     proc: subprocess.CompletedProcess

@@ -197,29 +197,32 @@ VAL = ("model.vocab_size=512", "data=jsonl", "data.val_fraction=0.1", "data.val_
        "trainer.micro_batch_size=4", "callbacks=none")
 
 
+VAL_RUNS = {"fsdp2": ("strategy=fsdp2", "cluster.devices=2"),
+            "zero3": ("strategy=zero3", "cluster.devices=2"),
+            # the schedule's forward-only eval: 2 x 4 pipeline micro-batches per step
+            "pipeline": ("strategy=pipeline", "cluster.devices=2", "trainer.micro_batch_size=2"),
+            "accelerate": ("backend=accelerate", "strategy=fsdp2", "cluster.devices=2")}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_validation_loss_equal_across_world_sizes(hf_tokenizer, tmp_path):
+@pytest.mark.parametrize("others", [("fsdp2", "zero3"),
+                                    pytest.param(("pipeline", "accelerate"), marks=pytest.mark.slow)],
+                         ids=["sharded", "pipeline-accelerate"])
+def test_validation_loss_equal_across_world_sizes(hf_tokenizer, tmp_path, others):
     src = _jsonl(tmp_path / "d.jsonl", _docs(60))
     data = (f"data.path={src}", f"data.tokenizer={hf_tokenizer}", f"data.cache_dir={tmp_path / 'c'}")
     runs = {}
-    for name, extra in {"single": ("strategy=single", "logger=csv"),
-                        "fsdp2": ("strategy=fsdp2", "cluster.devices=2"),
-                        "zero3": ("strategy=zero3", "cluster.devices=2"),
-                        # the schedule's forward-only eval: 2 x 4 pipeline micro-batches per step
-                        "pipeline": ("strategy=pipeline", "cluster.devices=2",
-                                     "trainer.micro_batch_size=2"),
-                        "accelerate": ("backend=accelerate", "strategy=fsdp2", "cluster.devices=2")
-                        }.items():
+    for name, extra in {"single": ("strategy=single", "logger=csv"), **{o: VAL_RUNS[o] for o in others}}.items():
         runs[name] = run_cli("train.py", *TINY, *VAL, *data, *extra, out=tmp_path / name, timeout=300)
     ref = runs["single"].report["validation"]
     assert [v["step"] for v in ref] == [1, 2] and ref[0]["samples"] == 7
     assert abs(ref[0]["perplexity"] - np.exp(ref[0]["loss"])) < 1e-6 * ref[0]["perplexity"]
-    for name in ("fsdp2", "zero3", "pipeline", "accelerate"):
+    for name in others:
         got = runs[name].report["validation"]
         assert [v["step"] for v in got] == [1, 2]
         for a, b in zip(ref, got):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, ref, got)
-    assert "tokenized" in runs["single"].log and "cached" in runs["fsdp2"].log
+    assert "tokenized" in runs["single"].log and "cached" in runs[others[0]].log
     rows = [r for r in csv.DictReader((tmp_path / "single" / "metrics.csv").open()) if r["val_loss"]]
     assert [(int(r["step"]), float(r["val_loss"])) for r in rows] == [(v["step"], v["loss"]) for v in ref]

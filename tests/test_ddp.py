@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close
+from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, by_optimizer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("micro", [4, 2], ids=["no-accumulation", "accumulation-2"])
-def test_ddp_matches_single_process(cached, reference, micro, optimizer):
+@pytest.mark.parametrize("case, optimizer", by_optimizer(["no-accumulation", "accumulation-2"],
+                                                         slow_adamw={"accumulation-2"}))
+def test_ddp_matches_single_process(cached, reference, case, optimizer):
+    micro = {"no-accumulation": 4, "accumulation-2": 2}[case]
     run = cached(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp", "cluster.devices=2",
                  f"trainer.micro_batch_size={micro}")
     r = run.report
@@ -40,7 +41,7 @@ def test_fp16_compression_stays_close_and_learns(cached, reference, optimizer):
     assert run.losses[-1] < run.losses[0]
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_powersgd_exact_during_warmup_then_approximate(train, reference, optimizer):
     """PowerSGD all-reduces uncompressed for `powersgd_warmup_steps` steps (exact), then sends a
     rank-1 factorisation with error feedback: a different, still-descending trajectory."""

@@ -11,7 +11,7 @@ import torch
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close
+from tests.conftest import EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close, by_optimizer
 
 # Module-wide bound; the tests that start processes are marked multiprocess one by one so the
 # config-problem tests below stay in the unit tier.
@@ -54,8 +54,8 @@ def runs(cached):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name, optimizer", by_optimizer(
+    CASES, slow_adamw={"fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "hsdp2-ac"}))
 def test_matches_single_process_and_shards(runs, reference, name, optimizer):
     run = runs(name, optimizer=optimizer)
     single_reference = reference(optimizer)

@@ -149,13 +149,21 @@ def test_pretrained_weights_train_equally_under_sharded_presets(runs, llama):
         assert peak < full, f"{preset}: rank 0's host memory grew {peak} bytes while loading a {full}-byte model"
         if preset == "fsdp2":  # rank 0 read its half of every tensor
             assert read == pytest.approx(full / 2, rel=0.05)
-    # Tensor parallelism from the model's declared tp_plan (q/k/v/gate/up column, o/down row),
-    # and the same model on the other backend.
-    for other in (("strategy=tp", "trainer.micro_batch_size=8"),
-                  ("backend=accelerate", "strategy=fsdp2", "trainer.micro_batch_size=4")):
-        run = runs(*other, "cluster.devices=2")
-        assert_losses_close(single.losses, run.losses, rtol=1e-5)
-        assert_params_close(single.params(), run.params(), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("other", [("strategy=tp", "trainer.micro_batch_size=8"),
+                                   ("backend=accelerate", "strategy=fsdp2", "trainer.micro_batch_size=4")],
+                         ids=["tp", "accelerate-fsdp2"])
+def test_pretrained_weights_train_equally_under_tp_and_accelerate(runs, other):
+    """Tensor parallelism from the model's declared tp_plan (q/k/v/gate/up column, o/down row),
+    and the same model on the other backend, equal the single-process run."""
+    single = runs("strategy=single", "trainer.micro_batch_size=8")
+    run = runs(*other, "cluster.devices=2")
+    assert_losses_close(single.losses, run.losses, rtol=1e-5)
+    assert_params_close(single.params(), run.params(), rtol=1e-5)
 
 
 def _first_loss(path: Path) -> float:
