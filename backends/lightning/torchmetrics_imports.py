@@ -65,10 +65,9 @@ def _stand_in(spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
 
 def import_lightning() -> types.ModuleType:
     """``import lightning``, with torchmetrics' transformers names deferred (see the module)."""
-    if _NAME in sys.modules or "torchmetrics" in sys.modules:
-        return importlib.import_module("lightning")
-    spec = importlib.util.find_spec(_NAME)
-    if spec is None:
+    already = _NAME in sys.modules or "torchmetrics" in sys.modules
+    spec = None if already else importlib.util.find_spec(_NAME)
+    if spec is None:  # nothing to defer
         return importlib.import_module("lightning")
     stand_in = sys.modules[_NAME] = _stand_in(spec)
     try:
