@@ -234,6 +234,7 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
 
 @pytest.mark.slow  # flaky on a clean-clone CI run (failed 1 of 3 after the handler fix): see the note
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # its own waits (180 s to start, 300 s to finish) print Slurm's state first
 def test_slurm_requeue_resumes_from_the_last_checkpoint(slurm, tmp_path):
     """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit): Lightning
     saves hpc_ckpt_1.ckpt and runs `scontrol requeue`; the job starts again and resumes there."""
