@@ -71,6 +71,21 @@ def test_sharded_gathers_and_reduce_scatters_match_the_planner(cached, case, bac
     assert kinds["reduce_scatter"]["bytes"] == pytest.approx(P, rel=0.01)
 
 
+@pytest.mark.slow
+def test_zero3_gathers_again_for_backward_when_nothing_stays_live(cached):
+    """With DeepSpeed's defaults (max_live_parameters, max_reuse_distance 1e9) a small model stays
+    gathered from forward into backward: 2x the parameters per step, as the planner says. Told to
+    keep nothing live, ZeRO-3 gathers every parameter again for backward: 3x, and the planner's
+    backward gather appears (measured 2 x P gathered vs P with the defaults)."""
+    r = cached(*EQUIV, *CASES["zero3"][0], *OPTIMIZERS["sgd"], "strategy.max_live_parameters=1",
+               "strategy.max_reuse_distance=0").report
+    kinds = _kinds(r, "data-shard")
+    assert "param_all_gather_backward" in r["plan"]["communication"]["by_collective"]
+    gather = _predicted(r, "param_all_gather_forward", "param_all_gather_backward")
+    assert kinds["all_gather"]["bytes"] == pytest.approx(gather, rel=0.01), (kinds, gather)
+    assert kinds["all_gather"]["bytes"] == pytest.approx(2 * P, rel=0.01)
+
+
 @pytest.mark.parametrize("case, backend, optimizer", [
     ("zero1", "lightning", "sgd"), ("zero2", "lightning", "sgd"), ("zero2", "accelerate", "adamw"),
     pytest.param("zero1", "accelerate", "adamw", marks=pytest.mark.slow)])
