@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from observers.base import Engine, Observer
-from strategies.memory import SavedTensors
+
+if TYPE_CHECKING:
+    from strategies.memory import SavedTensors
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -95,6 +97,8 @@ class MemoryProfile(Observer):
     def on_forward_start(self, engine: Engine, step: int) -> None:
         self._enter("forward")
         if "activations" not in self.held and self._saved is None:
+            from strategies.memory import SavedTensors
+
             self._saved = SavedTensors(buffers=engine.model.buffers()).__enter__()
 
     def on_forward_end(self, engine: Engine, step: int) -> None:

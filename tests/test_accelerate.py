@@ -100,16 +100,31 @@ def _export(tmp_path, *overrides: str) -> list[str]:
     return proc.stdout.split()
 
 
-@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
-def test_exported_deepspeed_json_parses(tmp_path, preset):
-    (path,) = _export(tmp_path, f"strategy={preset}", "cluster=node_8x_h100", "export=deepspeed")
+DS_PRESETS = ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_reads(tmp_path_factory) -> dict[str, list]:
+    """preset -> what DeepSpeed's own config class reads from its exported JSON (stage, micro
+    batch, accumulation, bf16); one DeepSpeed import for all of them."""
+    paths = {}
+    for preset in DS_PRESETS:
+        d = tmp_path_factory.mktemp(preset)
+        (path,) = _export(d, f"strategy={preset}", "cluster=node_8x_h100", "export=deepspeed")
+        paths[preset] = str(d / path)
     code = ("import json, sys; from deepspeed.runtime.config import DeepSpeedConfig; "
-            "c = DeepSpeedConfig(sys.argv[1]); print(json.dumps([c.zero_optimization_stage, "
-            "c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.bfloat16_config.enabled]))")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / path)], capture_output=True,
+            "cs = {p: DeepSpeedConfig(f) for p, f in json.loads(sys.argv[1]).items()}; "
+            "print(json.dumps({p: [c.zero_optimization_stage, c.train_micro_batch_size_per_gpu, "
+            "c.gradient_accumulation_steps, c.bfloat16_config.enabled] for p, c in cs.items()}))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(paths)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    stage, micro, accumulation, bf16 = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("preset", DS_PRESETS)
+def test_exported_deepspeed_json_parses(deepspeed_reads, preset):
+    stage, micro, accumulation, bf16 = deepspeed_reads[preset]
     # node_8x_h100 implies bf16-mixed, micro batch 1, global 64 on 8 GPUs: accumulation 8
     assert (stage, micro, accumulation, bf16) == (int(preset[4]), 1, 8, True)
 
@@ -133,10 +148,20 @@ def test_exported_accelerate_yaml_runs_under_accelerate_launch(tmp_path, referen
     assert_losses_close(reference("adamw").losses, report["losses"], rtol=1e-5)
 
 
-def test_no_engine_imported_for_export_help():
-    proc = subprocess.run([sys.executable, "export.py", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0 and "export=accelerate" in proc.stdout
+@pytest.mark.parametrize("argv", [("--help",), ("strategy=zero3", "cluster=node_8x_h100", "export=deepspeed")],
+                         ids=["help", "deepspeed-json"])
+def test_export_imports_no_engine(tmp_path, argv):
+    """export.py answers --help and writes a DeepSpeed JSON without torch or an engine (the
+    Accelerate YAML imports torch: its FSDP wrap policy names the model's block class)."""
+    from tests.test_house import _PROBE, ENGINES
+
+    proc = subprocess.run([sys.executable, "-c", _PROBE % (ENGINES, [str(ROOT / "export.py"), *argv])],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "export=accelerate" in proc.stdout if argv == ("--help",) else proc.stdout.strip().endswith(".json")
+    loaded = next(x for x in proc.stderr.splitlines() if x.startswith("ENGINES=")).removeprefix("ENGINES=")
+    assert loaded == "", f"export.py {' '.join(argv)} imported {loaded}"
 
 
 def test_export_refuses_a_bad_combination(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from backends.accelerate.loop import MIXED
+from backends.accelerate import MIXED
 
 if TYPE_CHECKING:
     from recipes.job import Job

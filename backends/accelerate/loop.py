@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import checkpoints
+from backends.accelerate import MIXED
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, build_datasets
 from strategies.accelerate_support import accelerator
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 log = logging.getLogger(__name__)
-MIXED = {"32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
 @dataclass
