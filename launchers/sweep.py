@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launchers import slurm
+from observers.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ def record(out: Path, status: str, reason: str | None = None, plan: dict[str, An
     runs the job function)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    from observers.files import atomic_write_text  # (observers/ imports torch: not at import)
-
     atomic_write_text(out / STATUS, json.dumps({"status": status, "reason": reason, "plan": plan},
                                                indent=1, default=str))
 
@@ -226,8 +225,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def write(sweep: Path) -> list[dict[str, Any]]:
     """The sweep report files for the jobs found under ``sweep``; returns the rows."""
-    from observers.files import atomic_write_text
-
     rows = collect(sweep)
     atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows}, indent=1, default=str))
     atomic_write_text(sweep / "sweep_report.md", markdown(rows, sweep))

@@ -130,9 +130,9 @@ class HFCausalLM(nn.Module):
 
         from safetensors import safe_open
 
-        # The build leaves cyclic garbage holding freed tensors (under zero.Init, a whole 4 MiB
-        # embedding of the tests' tiny Llama, released only when the collector next runs): free
-        # it before loading, so neither the load nor its measurement carries it.
+        # The build can leave cyclic garbage holding whole tensors (under zero.Init, ones already
+        # partitioned), released only when the collector next runs: free it before loading, so
+        # neither the load nor its measurement carries it.
         gc.collect()
         peak = _anon_rss()
         where = {}
