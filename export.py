@@ -21,16 +21,18 @@ from recipes import cli
 
 def _problems(job) -> list[str]:
     kind = job.cfg.export.name
-    if kind == "deepspeed" and job.strategy.family != "deepspeed":
+    if kind == "deepspeed" and job.strategy.capabilities.native_config != "deepspeed":
         return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name} is a "
                 f"{job.strategy.family} preset: choose a zero* preset, or export=accelerate"]
-    return job.strategy.accelerate_problems(job.world, job.run)
+    from backends.accelerate import families
+
+    return families.problems(job.strategy, job.run)
 
 
 def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
-    cfg, _ = composed
+    cfg, _, _ = composed
     from recipes.job import RUN, validate
     from strategies import ConfigError
 
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> None:
     out = Path(cfg.export.out or f"{stem}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}")
     written = []
     ds_file = None
-    if job.strategy.family == "deepspeed":
+    if job.strategy.capabilities.native_config == "deepspeed":
         ds_file = out if kind == "deepspeed" else out.with_name(f"{stem}.deepspeed.json")
         atomic_write_text(ds_file, json.dumps(deepspeed_config(job), indent=2) + "\n")
         written.append(ds_file)

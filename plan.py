@@ -20,7 +20,7 @@ from recipes import cli
 def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
-    cfg, argv = composed
+    cfg, groups, argv = composed
     from planner import plan_all
     from planner.render import render
     from recipes.config import describe
@@ -28,12 +28,12 @@ def main(argv: list[str]) -> None:
     from strategies.presets import names
 
     cli.or_exit(lambda: validate(cfg, depth=CONFIG))
-    chosen = any(a.split("=")[0].lstrip("+~") == "strategy" for a in argv)
+    chosen = "strategy" in groups
     report = cli.or_exit(lambda: plan_all(cfg, describe(cfg.model), chosen=chosen))
     render(report, cfg.planner.format, detailed=chosen)
     rec = report.recommendation.strategy
     if not chosen and cfg.planner.format != "json" and rec in names():
-        keep = [a for a in argv if a.split("=")[0].lstrip("+~") != "strategy"]
+        keep = argv  # (no strategy among them: the composition did not choose one)
         print(f"run it: python train.py {' '.join([*keep, f'strategy={rec}'])}   (or strategy=auto)")
         if (micro := report.recommendation.micro_batch_size) is not None:
             keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from strategies import ConfigError
+from strategies.conf import CONF_DIR
 
 if TYPE_CHECKING:
     from observers import Observers
     from recipes.job import Job
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "backend"
 
 
 @dataclass
@@ -50,7 +50,7 @@ def names() -> list[str]:
 
 def _unknown(name: str) -> str:
     return (f"backend.name={name!r} is not a backend; available: {', '.join(names())} "
-            f"(each is a file in {CONF_DIR}): set backend=<one of them>")
+            f"(each is a file in {CONF_DIR / 'backend'}): set backend=<one of them>")
 
 
 def get(name: str) -> Backend:

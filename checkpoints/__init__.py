@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from recipes.config import ModelConfig
     from recipes.job import Job
 
-__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Handles", "load", "resolve", "save", "shapes"]
+__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Handles", "for_launch", "load", "resolve", "save",
+           "shapes"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -79,14 +80,39 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
     return ckpt
 
 
+def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
+    """The job with ``trainer.resume_from`` resolved to one checkpoint path (or None), checked
+    whole before any process starts -- every file, the model's shapes, whether this preset can
+    continue from it -- so every rank resumes from the same one. ``cleanup``: this process (the
+    launcher, or rank 0 under torchrun) removes what interrupted saves left."""
+    import dataclasses
+
+    from strategies import ConfigError
+
+    resume_from = job.trainer.resume_from
+    try:
+        ckpt = resolve(resume_from, run_dir, job.model, cleanup=cleanup)
+    except CheckpointError as e:
+        raise ConfigError(f"trainer.resume_from={resume_from}: {e}; point trainer.resume_from at "
+                          "another checkpoint, or null to start fresh") from None
+    why = ckpt and refusal(ckpt, job)
+    if why:
+        raise ConfigError(f"trainer.resume_from={resume_from}: {why}")
+    if ckpt is not None:
+        log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
+                 ckpt.meta["strategy"], ckpt.meta["world_size"])
+    trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
+    return dataclasses.replace(job, trainer=trainer)
+
+
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
     engine loads only its own checkpoints of the same world size and backend (its fp32 master
     weights and optimizer partitions have no other way in); torch presets load anything."""
-    if type(job.strategy).CHECKPOINT != "deepspeed":
+    if job.run.checkpoint != "deepspeed":
         return None
     m = ckpt.meta
-    if (m["payload"], int(m["world_size"]), m["backend"]) != ("deepspeed", job.world.size, job.backend):
+    if (m["payload"], int(m["world_size"]), m["backend"]) != ("deepspeed", job.mesh.size, job.backend):
         return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
                 f"backend={m['backend']}; strategy={job.strategy.name} (DeepSpeed) resumes only from "
                 f"DeepSpeed checkpoints of the same world size and backend: resume with "
@@ -145,7 +171,7 @@ def _meta(h: Handles, job: Job, step: int) -> dict[str, Any]:
 
     return {"step": step, "samples_seen": step * job.batch.global_size, "world_size": h.world_size,
             "strategy": job.strategy.name, "family": job.strategy.family, "backend": job.backend,
-            "payload": state.payload_of(h), "prefix": h.prefix, "scheduler": state.scheduler_state(h),
+            "payload": h.format, "prefix": h.prefix, "scheduler": state.scheduler_state(h),
             "shapes": shapes(job.model), "torch": torch.__version__, "config": job.meta()["config"]}
 
 

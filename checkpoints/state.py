@@ -26,6 +26,8 @@ import logging
 import pickle
 import random
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,15 @@ import torch
 from checkpoints.store import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
-# DCP without a process group (one process, or convert.py) is what we mean; no warning needed.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextmanager
+def _dcp_quietly() -> Iterator[None]:
+    """DCP without a process group (one process, or convert.py) is what we mean: its warning
+    that it assumes a single process says nothing a user must act on. Scoped to our DCP calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 DCP, DEEPSPEED = "dcp", "deepspeed"
 TAG = "state"  # DeepSpeed's tag (sub-directory) inside <checkpoint>/deepspeed
@@ -54,16 +63,10 @@ class Handles:
     scheduler: Any
     rank: int
     world_size: int
+    format: str = DCP
+    """How the engine writes model and optimizer (the run's ``checkpoint``): dcp | deepspeed."""
     prefix: str = ""
     """The plain model's name prefix in ``model`` ("model." under Lightning)."""
-
-
-def is_deepspeed(model: Any) -> bool:
-    return type(model).__name__ == "DeepSpeedEngine"
-
-
-def payload_of(h: Handles) -> str:
-    return DEEPSPEED if is_deepspeed(h.model) else DCP
 
 
 def _barrier() -> None:
@@ -77,7 +80,7 @@ def _barrier() -> None:
 def save(h: Handles, temp: Path) -> None:
     """Every rank: write this rank's part of the model, optimizer and RNG into ``temp``."""
     temp.mkdir(parents=True, exist_ok=True)
-    if is_deepspeed(h.model):
+    if h.format == DEEPSPEED:
         # DeepSpeed writes its own layout (model states + one optimizer shard per rank).
         h.model.save_checkpoint(str(temp / DEEPSPEED), tag=TAG, client_state={}, save_latest=False)
     else:
@@ -85,8 +88,9 @@ def save(h: Handles, temp: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(h.model, h.optimizer, options=_options())
-        dcp.save({"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)},
-                 checkpoint_id=str(temp / DCP))
+        with _dcp_quietly():
+            dcp.save({"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)},
+                     checkpoint_id=str(temp / DCP))
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), temp / "rng" / f"rank{h.rank}.pt")
     _barrier()
@@ -102,11 +106,11 @@ def load(h: Handles, ckpt: Checkpoint) -> None:
     meta, path = ckpt.meta, ckpt.path
     saved = meta["payload"]
     same_world = int(meta["world_size"]) == h.world_size
-    if saved == DCP and not is_deepspeed(h.model):
+    if saved == DCP and h.format == DCP:
         _load_dcp(h, path)
         how = "model and optimizer (DCP" + (")" if same_world else
                                             f", resharded from {meta['world_size']} ranks)")
-    elif saved == DEEPSPEED and is_deepspeed(h.model) and same_world and meta["prefix"] == h.prefix:
+    elif saved == DEEPSPEED and h.format == DEEPSPEED and same_world and meta["prefix"] == h.prefix:
         _check_pickles(path / DEEPSPEED)
         done, _ = h.model.load_checkpoint(str(path / DEEPSPEED), tag=TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=False, load_module_strict=True)
@@ -137,7 +141,8 @@ def _load_dcp(h: Handles, path: Path) -> None:
     model_sd, optim_sd = get_state_dict(h.model, h.optimizer, options=_options())
     state = {"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)}
     try:
-        dcp.load(state, checkpoint_id=str(path / DCP))
+        with _dcp_quietly():
+            dcp.load(state, checkpoint_id=str(path / DCP))
     except Exception as e:  # noqa: BLE001  (DCP reports a missing key or a bad file in its own words)
         raise CheckpointError(f"cannot load {path / DCP}: {_first_line(e)}") from e
     set_state_dict(h.model, h.optimizer, model_state_dict=_add(state["model"], h.prefix),
@@ -153,7 +158,8 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
         _check_dcp_metadata(path / DCP)
         try:
-            sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path / DCP))["model"]
+            with _dcp_quietly():
+                sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path / DCP))["model"]
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read {path / DCP}: {_first_line(e)}") from e
     else:
@@ -166,7 +172,7 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _load_full_model(h: Handles, full: dict[str, torch.Tensor]) -> None:
-    if is_deepspeed(h.model):
+    if h.format == DEEPSPEED:
         raise CheckpointError(
             "resuming a DeepSpeed run from a checkpoint of another strategy, world size or backend "
             "is not supported (its fp32 master weights and optimizer partitions would not follow); "

@@ -28,7 +28,7 @@ ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 def check(job: Job) -> list[str]:
     """What the chosen launcher cannot start here (for ``recipes.job.validate(extra=...)``)."""
-    c, size = job.cluster, job.world.size
+    c, size = job.cluster, job.mesh.size
     if sagemaker.in_container():
         return sagemaker.problems(c.nodes, c.devices, job.run.accelerator)
     if c.launcher == "torchrun":

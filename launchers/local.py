@@ -113,7 +113,7 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rdzv = rendezvous(job)
-    config = LaunchConfig(min_nodes=rdzv.nodes, max_nodes=rdzv.nodes, nproc_per_node=job.world.devices,
+    config = LaunchConfig(min_nodes=rdzv.nodes, max_nodes=rdzv.nodes, nproc_per_node=job.mesh.devices,
                           run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
                           max_restarts=rdzv.max_restarts, monitor_interval=MONITOR_SECONDS,
                           start_method="fork" if job.run.accelerator == "cpu" else "spawn")
@@ -121,7 +121,7 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
         outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
         return outcomes[min(outcomes)]
     except ChildFailedError as e:
-        raise RankLost(_lost(e, job.world.size)) from None
+        raise RankLost(_lost(e, job.mesh.size)) from None
 
 
 def _lost(e: Any, world: int) -> str:

@@ -26,20 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from launchers import slurm
 from observers.files import atomic_write_text
+from planner import WillNotFit
 
 log = logging.getLogger(__name__)
 
 STATUS = "job.json"
 """A job's status file: ``{"status": "ok" | "skipped" | "failed", "reason": ..., "plan": ...}``."""
 OK, SKIPPED, FAILED = "ok", "skipped", "failed"
-
-
-class WillNotFit(Exception):
-    """The planner predicts the job's run will not fit (and ``planner.enforce`` is on)."""
-
-    def __init__(self, message: str, plan: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.plan = plan
 
 
 def record(out: Path, status: str, reason: str | None = None, plan: dict[str, Any] | None = None) -> None:

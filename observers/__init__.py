@@ -31,13 +31,13 @@ def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
         chosen.append(ProgressBar(job.trainer.max_steps, tokens))
     memory = comm = None
     if cb.memory.enabled:
-        memory = MemoryProfile(job.strategy, plan and plan["memory"], out=out,
+        memory = MemoryProfile(plan and plan["memory"], out=out,
                                snapshot_steps=cb.memory.snapshot_steps if cb.memory.snapshot else 0)
         chosen.append(memory)
     if cb.communication:
         from observers.comm import CommunicationProfile
 
-        comm = CommunicationProfile(job.strategy.world_role(job.world))
+        comm = CommunicationProfile(job.strategy.world_role(job.mesh))
         chosen.append(comm)
     if cb.throughput:
         chosen.append(Throughput(tokens, job.batch.global_size,

@@ -43,6 +43,10 @@ class Engine(Protocol):
     def optimizers(self) -> list[Any]:
         """The optimizers as the engine steps them (DeepSpeed: its ZeRO optimizer)."""
 
+    def held_bytes(self, what: str) -> int:
+        """Bytes of params | grads | optimizer this rank holds right now (local shards), counted
+        where the engine keeps them."""
+
 
 class Observer:
     """Override the hooks you need. ``step`` counts optimizer steps: at ``on_step_start`` the

@@ -1,7 +1,7 @@
 """Memory profile: what each rank really holds, measured from live objects.
 
 - ``params``, ``grads``, ``optimizer``: bytes of model states this rank holds (local shards;
-  the strategy's ``held_bytes`` knows where its engine keeps each). Gradients are counted just
+  the engine view's ``held_bytes`` knows where its engine keeps each). Gradients are counted just
   before the first optimizer step, parameters and optimizer state right after it.
 - ``activations``: bytes saved for backward by one micro-batch's forward pass (the first),
   counted with autograd's saved-tensor hooks (``strategies.memory.SavedTensors``): every
@@ -65,11 +65,11 @@ class CudaPhases:
 
 
 class MemoryProfile(Observer):
-    def __init__(self, strategy: Any, predicted: dict[str, int] | None = None, *, out: Path | None = None,
+    def __init__(self, predicted: dict[str, int] | None = None, *, out: Path | None = None,
                  snapshot_steps: int = 0):
-        """``strategy``: the preset's config, whose ``held_bytes`` knows where its engine keeps
-        each state; ``snapshot_steps``: record a CUDA memory snapshot of that many first steps."""
-        self.strategy, self.predicted = strategy, predicted
+        """``predicted``: the planner's per-device bytes; ``snapshot_steps``: record a CUDA
+        memory snapshot of that many first steps."""
+        self.predicted = predicted
         self.out, self.snapshot_steps = out, snapshot_steps
         self.held: dict[str, int] = {}
         self.ranks: list[dict[str, Any]] = []
@@ -78,7 +78,7 @@ class MemoryProfile(Observer):
         self._phase: str | None = None
 
     def _held(self, engine: Engine, what: str) -> int:
-        return self.strategy.held_bytes(engine.model, engine.optimizers, what)
+        return engine.held_bytes(what)
 
     def _enter(self, phase: str | None) -> None:
         if self._cuda is not None:

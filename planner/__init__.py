@@ -20,15 +20,18 @@ from planner.inputs import Candidate, ModelDescription, Setup, candidate
 from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
 from planner.recommend import largest_micro_batch, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
-from planner.states import ACCOUNTINGS, GB, GiB, MiB, StateBytes, gb, model_states, state_bytes
-from strategies.base import Run, as_config
-from strategies.mesh import World
-from strategies.presets import load, names
+from planner.states import ACCOUNTINGS, GB, GiB, MiB, gb, model_states, state_bytes
+from strategies.footprint import StateBytes
+from strategies.base import StrategyConfig, as_config
+from strategies.presets import AUTO, load, names
 
 
-def _run(su: Setup) -> Run:
-    return Run(accelerator="gpu" if su.cluster.accelerator == "gpu" else "cpu",
-               precision=su.trainer.precision, micro_batch_size=su.trainer.micro_batch_size)
+class WillNotFit(Exception):
+    """The planner predicts the run will not fit (and ``planner.enforce`` is on)."""
+
+    def __init__(self, message: str, plan: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.plan = plan
 
 
 def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Report:
@@ -36,12 +39,11 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     file) and the planned-only layouts; ``chosen``: only the composed preset. ``model``: the
     model recipe's description of ``cfg.model`` (``recipes.describe``)."""
     su = Setup.of(cfg, model)
-    world, run = su.world, _run(su)
     own = as_config(cfg.strategy)
     megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
     presets = [own] if chosen else [own if n == own.name else _degrees(load(n), megatron)
                                     for n in names()]
-    cands = [candidate(p, world_of(p, su), run, su.shape) for p in presets] + megatron
+    cands = [candidate(p) for p in presets] + megatron
     plans = [plan_candidate(c, su) for c in cands]
     rec = recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
     if rec.strategy and not chosen:
@@ -52,9 +54,9 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
                            f"fewer accumulation steps)")
     for p in plans:
         if not p.fits:
-            p.hint = _hint(plans if not chosen else _others(su, world, run, p))
+            p.hint = _hint(plans if not chosen else _others(su, p))
     name = f"{su.params:,} parameters" if su.shape is None else str(cfg.model.name)
-    return Report(model=name, cluster=su.cluster.name, world_size=world.size,
+    return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
                   assumptions=assumptions(su), batch=_batch(su))
 
@@ -65,30 +67,22 @@ def _batch(su: Setup) -> str:
             f"precision {t.precision}")
 
 
-def _degrees(preset: Any, megatron: list[Candidate]) -> Any:
+def _degrees(preset: StrategyConfig, megatron: list[Candidate]) -> StrategyConfig:
     """A TP / PP preset the user did not compose, at the degrees this cluster and model call
     for (``planner.tp``/``planner.pp``, else TP inside a node and the smallest fitting PP)."""
-    if getattr(preset, "family", None) != "parallel":
+    if not preset.capabilities.degrees:
         return preset
-    import dataclasses
-
-    derived = {c.name: c for c in megatron}
+    derived = {c.name: c.config for c in megatron}
     tp = derived["megatron_tp"].tp if "megatron_tp" in derived else preset.tp
     pp = derived["megatron_pp"].pp if "megatron_pp" in derived else preset.pp
     if preset.pp > 1 and preset.tp > 1 and "megatron_3d" in derived:
         tp, pp = derived["megatron_3d"].tp, derived["megatron_3d"].pp
-    return dataclasses.replace(preset, dp=None, tp=tp if preset.tp > 1 else 1,
-                               pp=pp if preset.pp > 1 else 1)
+    return preset.with_degrees(tp=tp if preset.tp > 1 else 1, pp=pp if preset.pp > 1 else 1)
 
 
-def world_of(preset: Any, su: Setup) -> World:
-    cl = su.cluster
-    return World(cl.nodes, cl.devices, getattr(preset, "tp", 1), getattr(preset, "pp", 1))
-
-
-def _others(su: Setup, world: World, run: Run, skip: Plan) -> list[Plan]:
+def _others(su: Setup, skip: Plan) -> list[Plan]:
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
-    return [plan_candidate(candidate(p, world_of(p, su), run, su.shape), su)
+    return [plan_candidate(candidate(p), su)
             for p in (_degrees(load(n), megatron) for n in names()) if p.name != skip.strategy]
 
 
@@ -102,11 +96,10 @@ def _hint(plans: list[Plan]) -> str:
     return "no preset fits: use more devices, a smaller micro batch or activation checkpointing"
 
 
-def choose(cfg: Any, model: ModelDescription) -> tuple[Any, str]:
-    """``strategy=auto``: the recommended preset as a strategy node (TP/PP presets at the planned
-    degrees), and why. Raises ConfigError when no runnable preset fits."""
+def choose(cfg: Any, model: ModelDescription) -> tuple[StrategyConfig, str]:
+    """``strategy=auto``: the recommended preset (TP/PP presets at the planned degrees), and why.
+    Raises ConfigError when no runnable preset fits."""
     from strategies.mesh import ConfigError
-    from strategies.presets import node
 
     report = plan_all(cfg, model)
     rec = report.recommendation
@@ -114,16 +107,41 @@ def choose(cfg: Any, model: ModelDescription) -> tuple[Any, str]:
     if chosen is None or chosen.planned_only:
         raise ConfigError(f"strategy=auto: no runnable preset fits ({rec.strategy or 'none'}: "
                           f"{rec.reason}); choose strategy=<preset> (python plan.py ranks them)")
-    picked = node(rec.strategy)
-    if "tp" in picked and "pp" in picked:  # at the degrees it was planned with
-        picked.tp, picked.pp, picked.dp = chosen.tp, chosen.pp, None
+    picked = load(rec.strategy)
+    if picked.capabilities.degrees:  # at the degrees it was planned with
+        picked = picked.with_degrees(**{d: getattr(chosen, d) for d in picked.capabilities.degrees})
     return picked, rec.reason
+
+
+def resolve_auto(cfg: Any, model: ModelDescription) -> tuple[Any, str | None]:
+    """The config with ``strategy=auto`` replaced by the planner's choice for this model,
+    cluster and batch, and why; any other strategy: the config as given, None."""
+    if cfg.strategy.get("name") != AUTO:
+        return cfg, None
+    from omegaconf import OmegaConf, open_dict
+
+    picked, reason = choose(cfg, model)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.strategy = OmegaConf.structured(picked)
+    OmegaConf.set_readonly(cfg, False)
+    return cfg, f"strategy=auto chose {picked.name}: {reason}"
 
 
 def preflight(cfg: Any, model: ModelDescription) -> Plan:
     """The plan of the composed run's own preset, for train.py (``.fits``, ``.summary()``,
     ``.message()``); the cheapest fitting preset is searched only when it does not fit."""
     return plan_all(cfg, model, chosen=True).plans[0]
+
+
+def check(cfg: Any, model: ModelDescription) -> Plan:
+    """train.py's pre-launch check: the plan of the run; raises ``WillNotFit`` when it is
+    predicted not to fit and ``planner.enforce`` is on."""
+    result = preflight(cfg, model)
+    if not result.fits and cfg.planner.enforce:
+        raise WillNotFit(result.message() + " (set planner.enforce=false to launch anyway)",
+                         plan_dict(result))
+    return result
 
 
 def assumptions(su: Setup) -> list[str]:
@@ -165,6 +183,7 @@ __all__ = ["ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Commun
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",
+           "WillNotFit", "check", "resolve_auto",
            "choose", "largest_micro_batch", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
            "reduce_scatter_bytes", "report_dict", "ring_all_reduce_bytes", "state_bytes",
            "transfer_seconds"]

@@ -1,4 +1,5 @@
-"""Activations per device and the transient buffers beside the model states; docs/PLANNER.md.
+"""Activations per device; docs/PLANNER.md. (The transient buffers beside the model states are
+each footprint's own: strategies/footprint.py.)
 
 Activations come from the calibration of the model actually trained (``activations.json``:
 bytes saved per token by a block, a checkpointed block, the loss tail and the embedding, linear
@@ -15,9 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from planner.inputs import Candidate, ModelDescription, unit_params
-from planner.states import StateBytes
-from strategies.base import DEVICE, SHARDED
+from planner.inputs import ModelDescription
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
@@ -54,14 +53,6 @@ def boundary_activation_bytes(micro: int, seq: int, hidden: int, elem: float = 2
 @functools.cache
 def calibration() -> dict[str, Any]:
     return json.loads((Path(__file__).with_name("activations.json")).read_text())
-
-
-def regime(precision: str, master_weights: bool) -> str:
-    """The calibration regime a run's precision means: fp32, torch autocast over fp32
-    parameters, or 16-bit parameters (DeepSpeed's mixed precision keeps bf16 weights)."""
-    if precision.startswith("32"):
-        return "32"
-    return "bf16" if master_weights or precision.endswith("-true") else "autocast"
 
 
 def _per_token(coefficients: dict[str, float], shape: ModelDescription) -> float:
@@ -105,39 +96,3 @@ def estimated_unit(params: float) -> float:
     70B: 0.99B vs 0.86B)."""
     layers = max(1.0, (params / (12 * 128**2)) ** (1 / 3))
     return params / layers
-
-
-def buffer_bytes(c: Candidate, shape: ModelDescription | None, sb: StateBytes, params: float,
-                 trainable: float, dp: int, shard: int, mp: int) -> tuple[int, int]:
-    """Transients beside the states, ``(backward, step)``: what is allocated through forward and
-    backward (gradient buckets, gathered units, autocast weight copies, ZeRO-1's full gradients
-    before their reduction) and what exists at the optimizer step (DeepSpeed's fp32 copy of the
-    gradient partition; buffers that persist). Without a shape, a unit is ``estimated_unit``."""
-    lay = c.layout
-    offloaded = lay.optimizer_offload != DEVICE
-    bucket = 0.0
-    if lay.reduce_bucket and (dp > 1 or offloaded):
-        bucket = lay.reduce_bucket * lay.reduce_buckets * sb.grads  # allocated at full size
-    elif lay.grad_bucket_copy and dp > 1:
-        bucket = params * sb.grads  # DDP's buckets copy every gradient (no gradient_as_bucket_view)
-    elif dp > 1 or offloaded:
-        bucket = 2 * c.bucket_bytes  # one bucket filling, one in flight
-    if lay.grad_error_feedback and dp > 1:
-        bucket += params * 4  # PowerSGD's fp32 error-feedback residual
-    backward = step = bucket
-    if lay.grads_partitioned_at_step and dp > 1:
-        backward += trainable * sb.grads  # full gradients until the boundary's reduction
-    if lay.params == SHARDED:
-        unit = (unit_params(shape) if shape is not None else estimated_unit(params * mp)) / mp
-        ahead = min(lay.prefetch / mp, params) if lay.prefetch else unit
-        gathered = unit + ahead if lay.reshard_after_forward else params  # current + prefetched
-        if lay.reshard_after_forward and lay.backward_regather == "over_live":
-            # DeepSpeed keeps what is reused soon gathered, up to stage3_max_live_parameters
-            # (what communication.regathered does not gather again)
-            gathered = max(gathered, min(params, lay.live_params / mp))
-        backward += gathered * sb.gather + unit * sb.reduce  # + one unit's unsharded gradient
-    elif sb.params > sb.gather:
-        backward += params * sb.gather  # autocast's bf16 weight copies, saved for backward
-    if lay.master_weights and sb.grads < 4 and not offloaded:
-        step += trainable * 4 / shard  # DeepSpeed's step: .to(fp32) of the gradient partition
-    return int(backward), int(step)

@@ -1,6 +1,6 @@
 """What the planner reads: the model through one torch-free description the model recipe
 provides, the cluster, trainer and planner config groups as they are (no second copy of their
-fields), and each strategy through its ``Layout``.
+fields), and each strategy through its ``Footprint`` (strategies/footprint.py).
 
 The planner imports nothing from recipes/: the description is duck-typed (``ModelDescription``);
 recipes.config.ModelConfig is the one that exists today.
@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from strategies.base import DEVICE, SHARDED, Layout
-from strategies.mesh import World
-from planner.states import GB, MiB
+from planner.states import GB
+from strategies.base import StrategyConfig
+from strategies.footprint import Footprint
+from strategies.mesh import Mesh
+from strategies.run import Run, derive_from
 
 
 class ModelDescription(Protocol):
@@ -118,8 +120,8 @@ class Setup:
         return self.model.seq_len
 
     @property
-    def world(self) -> World:
-        return World(self.cluster.nodes, self.cluster.devices)
+    def world_size(self) -> int:
+        return self.cluster.nodes * self.cluster.devices
 
     def link_GBps(self, group: str) -> float:
         """Per-device bandwidth of a link: intra | inter (node), host (PCIe) or nvme."""
@@ -138,48 +140,37 @@ class Setup:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout to plan: a preset of conf/strategy/, or a planned-only TP / PP / 3D layout."""
+    """A layout to plan: a preset of conf/strategy/ (at the degrees the planner chose for it), or a
+    planned-only layout (``capabilities.planned_only``)."""
 
     name: str
-    layout: Layout = Layout()
-    tp: int = 1
-    pp: int = 1
-    planned_only: bool = False
-    microbatches: int | None = None
-    """A pipeline preset's micro-batches per step (None: derived from the batch)."""
-    activation_checkpointing: bool = False
-    master_weights: bool = False
-    bucket_bytes: int = 25 * MiB
-    problems: tuple[str, ...] = ()
+    config: StrategyConfig
     description: str = ""
 
     @property
-    def rung(self) -> int:
+    def planned_only(self) -> bool:
+        return self.config.capabilities.planned_only
+
+    @property
+    def footprint(self) -> Footprint:
+        return self.config.footprint()
+
+    def run(self, su: Setup) -> Run:
+        """The run's facts on this setup (the one derivation train.py uses too)."""
+        return derive_from(self.config, su.cluster, su.trainer)
+
+    def rung(self, mesh: Mesh) -> int:
         """The deep-dive's ladder: replicate, shard, TP inside a node, PP across, offload."""
-        lay = self.layout
-        if lay.params_offload != DEVICE or lay.optimizer_offload != DEVICE:
+        fp = self.footprint
+        if fp.offloaded:
             return 4
-        if self.pp > 1:
+        if mesh.pp > 1:
             return 3
-        if self.tp > 1:
+        if mesh.tp > 1:
             return 2
-        return int(SHARDED in (lay.params, lay.grads, lay.optimizer))
+        return int(fp.sharded)
 
 
-def candidate(preset: Any, world: World, run: Any = None,
-              model: ModelDescription | None = None) -> Candidate:
-    """A preset's typed config (``strategies.load(name)``) as a planner candidate; ``model``:
-    its shape, checked against the preset (TP degree against heads and KV heads, PP against
-    layers) as train.py checks it."""
-    problems = tuple(preset.problems(world, run)) if run is not None else ()
-    if model is not None:
-        problems += tuple(preset.model_problems(model))
-    layout = preset.layout(world)
-    return Candidate(name=preset.name, layout=layout, tp=getattr(preset, "tp", 1),
-                     pp=getattr(preset, "pp", 1),
-                     microbatches=preset.chunks() if getattr(preset, "pp", 1) > 1 else None,
-                     activation_checkpointing=bool(preset.activation_checkpointing),
-                     master_weights=layout.master_weights,
-                     bucket_bytes=int(getattr(preset, "bucket_cap_mb", 25)) * MiB,
-                     problems=problems, description=f"{preset.family} preset")
-
+def candidate(preset: StrategyConfig) -> Candidate:
+    """A preset's typed config (``strategies.load(name)``) as a planner candidate."""
+    return Candidate(name=preset.name, config=preset, description=f"{preset.family} preset")

@@ -1,22 +1,19 @@
 """One layout on one setup: per-device memory, communication and step time (``plan_candidate``),
-and the result types. Everything is closed-form arithmetic on shapes and ``Layout`` data; no
+and the result types. Everything is closed-form arithmetic on shapes and footprints; no
 model is built and no device is touched, so a 70B plan takes milliseconds. Formulas and their
 sources: docs/PLANNER.md; the reference documents' worked numbers are tests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-
 from dataclasses import dataclass, field
 
-from planner.activations import activation_bytes, buffer_bytes, regime
+from planner.activations import activation_bytes, estimated_unit
 from planner.communication import Communication, communication, exposed_seconds
-from planner.inputs import Candidate, Setup
-from planner.states import GB, gb, model_states, state_bytes
-from strategies.base import CPU, DEVICE, NVME, SHARDED
-from strategies.mesh import Batch, World
+from planner.inputs import Candidate, Setup, unit_params
+from planner.states import GB, gb, state_bytes
+from strategies.footprint import SHARDED, Sizes
 
 
 # ----------------------------------------------------------------------------- results
@@ -132,57 +129,48 @@ def bubble_fraction(p: int, m: int) -> float:
 
 def plan_candidate(c: Candidate, su: Setup) -> Plan:
     """Memory, communication and step time of one candidate on one setup."""
-    cl, lay, shape, t, o = su.cluster, c.layout, su.shape, su.trainer, su.options
-    world = World(cl.nodes, cl.devices, c.tp, c.pp)
-    problems = list(c.problems) + world.problems()
-    dp = max(world.dp, 1)
-    if not world.problems():  # the batch arithmetic train.py refuses
-        problems += Batch(t.global_batch_size, t.micro_batch_size * (c.microbatches or 1), dp).problems()
-    shard = max(1, min(lay.shard_group or dp, dp))
-    sb = state_bytes(o.accounting, t.precision, master_weights=c.master_weights or c.planned_only,
-                     sharded_params=lay.params == SHARDED)
-    if c.planned_only and o.accounting == "actual" and sb.grads < 4:
-        # Megatron accumulates and reduces fp32 main gradients: 2 + 4 + 12/dp bytes per param
-        sb = dataclasses.replace(sb, grads=4, reduce=4)
-    mp = c.tp * c.pp
+    cl, shape, t, o = su.cluster, su.shape, su.trainer, su.options
+    strategy, fp = c.config, c.footprint
+    run = c.run(su)
+    mesh = run.mesh
+    problems = [*strategy.problems(run), *(strategy.model_problems(shape) if shape is not None else ()),
+                *run.problems()]
+    tp, pp, dp, shard = mesh.tp, mesh.pp, mesh.dp, mesh.dp_shard
+    sb = fp.state_bytes(state_bytes(o.accounting, t.precision, master_weights=fp.master_weights,
+                                    sharded_params=fp.params == SHARDED), o.accounting)
+    mp = tp * pp
     params = su.params / mp
     trainable = (su.trainable if su.trainable is not None else su.params) / mp
-    chunks = c.microbatches or 1  # a pipeline preset's micro-batches per engine step
-    accumulation = max(1, t.global_batch_size // (t.micro_batch_size * chunks * dp))
-    if c.pp > 1:  # planner.microbatches: a pipeline's micro-batches (others keep the batch's)
-        m = o.microbatches or c.microbatches or max(accumulation, c.pp)
-        per_step = m * accumulation if c.microbatches and not o.microbatches else m
+    accumulation = run.batch.accumulation
+    micro = strategy.pipeline_microbatches()
+    if pp > 1:  # planner.microbatches: a pipeline's micro-batches (others keep the batch's)
+        m = o.microbatches or micro or max(accumulation, pp)
+        per_step = m * accumulation if micro and not o.microbatches else m
     else:
         m = per_step = accumulation
-    ckpt = c.activation_checkpointing if o.activation_checkpointing is None else o.activation_checkpointing
+    ac = strategy.activation_checkpointing
+    ckpt = ac if o.activation_checkpointing is None else o.activation_checkpointing
+    layers = (math.ceil(shape.n_layers / pp) if shape is not None
+              else max(1.0, (su.params / (12 * 128**2)) ** (1 / 3)) / pp)
+    sizes = Sizes(params=params, trainable=trainable, bytes=sb, dp=dp, shard=shard, tp=tp, mp=mp,
+                  unit=(unit_params(shape) if shape is not None else estimated_unit(su.params)) / mp,
+                  units=layers + 1,
+                  blocks=shape.n_layers * shape.block_params() / mp if shape is not None else None,
+                  model=shape, total_params=su.params)
     notes = []
 
-    mem = Memory(**model_states(params, lay, shard, sb, trainable))
-    if lay.grads_partitioned_at_step:  # DeepSpeed ZeRO-1 holds only its partition at the step
-        mem.grads = math.ceil(trainable * sb.grads / shard)
-    if lay.optimizer_offload != DEVICE and lay.master_weights:
-        # DeepSpeed steps an fp32 gradient partition on the host (4 B/param whatever the
-        # precision); ZeRO-3 also keeps the reduced partition there in the gradient dtype
-        mem.grads = math.ceil(trainable * (4 + (sb.grads if lay.offload_grad_buffer else 0)) / shard)
-    # optimizer offload moves the fp32 gradient partition too (ZeRO-Offload, FSDP CPUOffload)
-    where = {"params": lay.params_offload, "grads": lay.optimizer_offload,
-             "master": lay.optimizer_offload, "optimizer": lay.optimizer_offload}
-    for key, place in where.items():
-        if place in (CPU, NVME):
-            target = "host" if place == CPU else "nvme"
-            setattr(mem, target, getattr(mem, target) + getattr(mem, key))
-            setattr(mem, key, 0)
-
+    held = fp.states(sizes)
+    mem = Memory(params=held.params, grads=held.grads, master=held.master, optimizer=held.optimizer,
+                 host=held.host, nvme=held.nvme)
     act_full = act_ckpt = 0
     if shape is not None:
-        sp = o.sequence_parallel and c.tp > 1
-        kw = dict(micro=t.micro_batch_size, tp=c.tp, pp=c.pp, inflight=min(c.pp, m), sp=sp,
-                  flash=o.flash_attention, elem=sb.activation,
-                  regime=regime(t.precision, c.master_weights or c.planned_only))
+        sp = o.sequence_parallel and tp > 1
+        kw = dict(micro=t.micro_batch_size, tp=tp, pp=pp, inflight=min(pp, m), sp=sp,
+                  flash=o.flash_attention, elem=sb.activation, regime=run.regime)
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full
-    mem.buffers, step_buffers = buffer_bytes(c, shape, sb, params, trainable, dp, shard, mp)
+    mem.buffers, step_buffers = fp.buffers(sizes)
     states = mem.params + mem.grads + mem.master + mem.optimizer
     mem.step = states + step_buffers  # the optimizer step: activations are gone
     mem.total = max(states + mem.activations + mem.buffers, mem.step)
@@ -197,23 +185,21 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         fits = False
         notes.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
 
-    comm = communication(c, su, sb, params, trainable, dp, shard, per_step, ckpt)
+    comm = communication(fp.traffic(sizes), su, sb, sizes, pp, per_step, ckpt)
     compute = 6 * su.params * t.global_batch_size * su.seq_len / (
-        world.size * cl.peak_tflops * 1e12 * o.mfu)
+        mesh.size * cl.peak_tflops * 1e12 * o.mfu)
     if ckpt:
         compute *= 8 / 6  # one more forward per micro-batch
-    bubble = bubble_fraction(c.pp, m)
+    bubble = bubble_fraction(pp, m)
     exposed = exposed_seconds(comm, compute, m, ckpt)
-    if lay.compression_rank and dp > 1:
-        notes.append(f"PowerSGD rank {lay.compression_rank}: gradient traffic after its "
-                     f"{lay.compression_warmup} warm-up steps (plain all-reduce until then)")
+    notes += fp.notes(sizes)
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
     return Plan(strategy=c.name, fits=fits, memory=mem, communication=comm,
                 bubble_fraction=bubble, step_seconds=compute / (1 - bubble) + exposed,
                 compute_seconds=compute, exposed_seconds=exposed, cluster=cl.name,
-                world_size=world.size, device_bytes=device_bytes, tp=c.tp, pp=c.pp, dp=dp,
+                world_size=mesh.size, device_bytes=device_bytes, tp=tp, pp=pp, dp=dp,
                 shard=shard, microbatches=m, activation_checkpointing=ckpt,
                 activations_full=act_full, activations_checkpointed=act_ckpt,
-                planned_only=c.planned_only, rung=c.rung, problems=problems, notes=notes,
+                planned_only=c.planned_only, rung=c.rung(mesh), problems=problems, notes=notes,
                 reserve=int(o.reserve_GB * GB) if cl.accelerator == "gpu" else 0)

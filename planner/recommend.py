@@ -9,7 +9,7 @@ import math
 from planner.inputs import Candidate, Setup
 from planner.plan import Plan, Recommendation, plan_candidate
 from planner.states import gb
-from strategies.base import SHARDED, Layout
+from strategies.families.megatron import MegatronConfig
 
 TOLERANCE = 0.05  # steps within 5% of the fastest count as equally fast
 MOVE_UP = 1.2     # a heavier rung of the ladder must be this much faster to be recommended
@@ -22,29 +22,30 @@ def planned_candidates(su: Setup, tp: int = 1, pp: int = 1) -> list[Candidate]:
     over the data-parallel rest: planned only (the runnable tp / 3d presets shard data parallel
     with FSDP2 instead). Degrees: ``planner.tp``/``planner.pp``, or derived."""
     devices, shape, out = su.cluster.devices, su.shape, []
-    zero1 = Layout(optimizer=SHARDED)
     heads = math.gcd(shape.n_heads, shape.n_kv_heads) if shape else devices
     t = tp if tp > 1 else max((d for d in range(1, devices + 1)
                                if devices % d == 0 and heads % d == 0), default=1)
     if t > 1:
-        out.append(Candidate("megatron_tp", zero1, tp=t, planned_only=True,
-                             description=f"TP={t} inside a node x ZeRO-1 data parallel"))
+        out.append(_megatron("megatron_tp", t, 1, f"TP={t} inside a node x ZeRO-1 data parallel"))
     if pp > 1 or su.cluster.nodes > 1:
         for name, t_ in (("megatron_pp", 1), ("megatron_3d", t)):
             if name == "megatron_3d" and t_ <= 1:
                 continue
-            p = pp if pp > 1 else _fitting_pp(su, t_, zero1)
-            out.append(Candidate(name, zero1, tp=t_, pp=p, planned_only=True,
-                                 description=f"TP={t_} x PP={p} x ZeRO-1 data parallel"))
+            p = pp if pp > 1 else _fitting_pp(su, t_)
+            out.append(_megatron(name, t_, p, f"TP={t_} x PP={p} x ZeRO-1 data parallel"))
     return out
 
 
-def _fitting_pp(su: Setup, tp: int, layout: Layout) -> int:
+def _megatron(name: str, tp: int, pp: int, description: str) -> Candidate:
+    return Candidate(name, MegatronConfig(name=name, tp=tp, pp=pp), description)
+
+
+def _fitting_pp(su: Setup, tp: int) -> int:
     """The smallest pipeline degree (dividing the nodes, at least 2) whose plan fits."""
     nodes = su.cluster.nodes
     options = [p for p in range(2, nodes + 1) if nodes % p == 0]
     for p in options:
-        if plan_candidate(Candidate("pp", layout, tp=tp, pp=p, planned_only=True), su).fits:
+        if plan_candidate(_megatron("pp", tp, p, ""), su).fits:
             return p
     return options[-1] if options else 2
 
@@ -116,7 +117,7 @@ def largest_micro_batch(c: Candidate, su: Setup) -> int | None:
     trainer's is already the largest. Fewer accumulation steps: larger, more efficient kernels."""
     t = su.trainer
     base = plan_candidate(c, su)
-    per_rank = t.global_batch_size // (base.dp * (c.microbatches or 1))
+    per_rank = t.global_batch_size // (base.dp * c.config.chunks())
     options = [m for m in range(per_rank, t.micro_batch_size, -1) if per_rank % m == 0]
     for m in options:  # largest first; memory grows with the micro batch
         p = plan_candidate(c, dataclasses.replace(su, trainer=dataclasses.replace(t, micro_batch_size=m)))

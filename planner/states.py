@@ -3,34 +3,10 @@ divides them (ZeRO, Rajbhandari et al. 2020, §3 and §5). Closed forms; docs/PL
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-from strategies.base import SHARDED, Layout
+from strategies.footprint import Footprint, Sizes, StateBytes
 
 GB, GiB, MiB = 10**9, 2**30, 2**20
 ACCOUNTINGS = ("actual", "mixed16", "mixed20")
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of each model-state category, and of what travels on the wire."""
-
-    params: float
-    grads: float
-    master: float
-    optimizer: float
-    """Adam's two moments."""
-    gather: float
-    """Bytes per parameter in a parameter all-gather (the compute dtype)."""
-    reduce: float
-    """Bytes per gradient element in the gradient all-reduce / reduce-scatter."""
-    activation: float
-    """Bytes per activation element."""
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.master + self.optimizer
 
 
 def state_bytes(accounting: str = "actual", precision: str = "bf16-mixed", *,
@@ -55,19 +31,17 @@ def state_bytes(accounting: str = "actual", precision: str = "bf16-mixed", *,
     return StateBytes(4, 4, 0, 8, gather=2, reduce=2 if sharded_params else 4, activation=2)
 
 
-def model_states(params: float, layout: Layout, shard: int, sb: StateBytes,
+def model_states(params: float, footprint: Footprint, shard: int, sb: StateBytes,
                  trainable: float | None = None) -> dict[str, int]:
-    """Per-device bytes of parameters, gradients, fp32 master and optimizer moments, before
-    offload. ``shard``: ranks a sharded state is split over (ZeRO pads shards: ceil)."""
-    trainable = params if trainable is None else trainable
+    """Per-device bytes of parameters, gradients, fp32 master and optimizer moments under
+    ``footprint`` before offload (``shard``: ranks a sharded state is split over; ZeRO pads
+    shards: ceil)."""
+    import dataclasses
 
-    def split(nbytes: float, state: str) -> int:
-        return math.ceil(nbytes / shard) if state == SHARDED else math.ceil(nbytes)
-
-    return {"params": split(params * sb.params, layout.params),
-            "grads": split(trainable * sb.grads, layout.grads),
-            "master": split(trainable * sb.master, layout.optimizer),
-            "optimizer": split(trainable * sb.optimizer, layout.optimizer)}
+    on_device = dataclasses.replace(footprint, params_offload="device", optimizer_offload="device")
+    held = on_device.states(Sizes(params, params if trainable is None else trainable, sb, dp=shard,
+                                  shard=shard))
+    return {"params": held.params, "grads": held.grads, "master": held.master, "optimizer": held.optimizer}
 
 
 def gb(nbytes: float) -> str:

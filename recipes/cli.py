@@ -10,12 +10,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
+
+from strategies.conf import CONF_DIR
 
 T = TypeVar("T")
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_ERROR = 2
 
 _started = False
@@ -72,17 +72,19 @@ def or_exit(step: Callable[[], T]) -> T:
         sys.exit(CONFIG_ERROR)
 
 
-def query(argv: list[str], doc: str) -> tuple[object, list[str]] | None:
+def query(argv: list[str], doc: str) -> tuple[object, set[str], list[str]] | None:
     """The start of a script that queries the config instead of running a job (plan.py,
-    export.py): ``--help`` prints ``doc`` and the groups (None); otherwise the composed config and
-    the normalized overrides, or the composition error and exit 2."""
+    export.py): ``--help`` prints ``doc`` and the groups (None); otherwise the composed config,
+    the groups it chose rather than took by default (``compose_chosen``) and the normalized
+    overrides, or the composition error and exit 2."""
     if {"-h", "--help"} & set(argv):
         print(doc + "\n" + groups_help())
         return None
-    from recipes.config import compose
+    from recipes.config import compose_chosen
 
     argv = normalize(argv)
-    return or_exit(lambda: compose(argv)), argv
+    cfg, chosen = or_exit(lambda: compose_chosen(argv))
+    return cfg, chosen, argv
 
 
 def groups_help() -> str:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from strategies.checks import free, knob
+from strategies.conf import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 # A backend is a file of conf/backend/ (and a module of backends/): the files are the choices.
 BACKENDS = tuple(sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml")))
@@ -488,11 +487,39 @@ def describe(model: Any) -> ModelConfig:
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """Compose ``conf/train.yaml`` with CLI-style overrides, as train.py would, without running."""
+    return compose_chosen(overrides)[0]
+
+
+def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, set[str]]:
+    """``compose``, and the config groups the composition chose rather than took by default: an
+    override of the group (as Hydra parses it) or a choice that differs from conf/train.yaml's
+    default (an ``experiment=`` that sets it)."""
     import hydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
 
     import strategies  # noqa: F401  (family schemas)
     from recipes.cli import normalize
     from strategies.presets import hydra_context
 
+    overrides = normalize(list(overrides))
     with hydra_context():
-        return hydra.compose(config_name="train", overrides=normalize(list(overrides)))
+        cfg = hydra.compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    named = {o.key_or_group.split("@")[0] for o in OverridesParser.create().parse_overrides(overrides)}
+    defaults = _default_choices()
+    chosen = {g for g, c in choices.items() if g in named or (g in defaults and c != defaults[g])}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, chosen
+
+
+def _default_choices() -> dict[str, str]:
+    """conf/train.yaml's defaults list: group -> its default option."""
+    import yaml
+
+    out = {}
+    for entry in yaml.safe_load((CONF_DIR / "train.yaml").read_text()).get("defaults", []):
+        if isinstance(entry, dict):
+            out |= {str(g): str(o) for g, o in entry.items() if not str(g).startswith(("optional", "override"))}
+    return out

@@ -9,8 +9,9 @@ Weights: ``model.pretrained=false`` initialises from the config under the run's 
 on every rank). Pretrained weights are read tensor by tensor from the safetensors files
 (memory-mapped), into whatever each rank holds:
 - a plain parameter: the whole tensor (single, DDP, ZeRO-1/2, FSDP1 before wrapping);
-- a ZeRO-3 partition (built under ``zero.Init``): gathered one tensor at a time, rank 0 writes;
-- an FSDP2 shard (``meta=True`` build, sharded, then strategies.base.materialize): only this
+- a ZeRO-3 partition (built under ``zero.Init``): gathered one tensor at a time through the
+  engine's ``gather`` (the backend hands it in), rank 0 writes;
+- an FSDP2 shard (``meta=True`` build, sharded, then strategies.parallelize.materialize): only this
   rank's rows.
 So the sharded presets never hold the full model on one rank.
 """
@@ -22,6 +23,7 @@ import functools
 import logging
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,21 +59,22 @@ class HFCausalLM(nn.Module):
     tp_plan = TP_PLAN
     tp_layout = {"blocks": "hf.model.layers", "embedding": "hf.model.embed_tokens", "head": "hf.lm_head"}
 
-    def __init__(self, shape: ModelConfig, *, meta: bool = False, seed: int = 0):
+    def __init__(self, shape: ModelConfig, *, meta: bool = False, seed: int = 0,
+                 gather: Callable[[list[torch.Tensor]], Any] | None = None):
+        """``meta``: parameters without storage (a strategy shards them, then ``load_pretrained``
+        fills each rank's part); ``gather``: the engine's context that makes partitioned
+        parameters whole for writing, rank 0's writes kept (ZeRO-3; None: parameters are whole)."""
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.shape = shape
+        self.shape, self.gather = shape, gather
         self._rss0 = _anon_rss()  # host memory before the model: loading is measured from here
         config = _auto_config(shape.path)
-        build = contextlib.nullcontext()
-        if meta:  # parameters on the meta device; buffers (rotary tables) real
-            from accelerate import init_empty_weights
-
-            build = init_empty_weights(include_buffers=False)
-        with build:
+        with torch.device("meta") if meta else contextlib.nullcontext():
             self.hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                        dtype=torch.float32)
+        if meta:
+            _real_buffers(self.hf)
         self.pending_weights = shape.pretrained
         """True until the pretrained weights are in (``load_pretrained``)."""
         if shape.pretrained and not meta:
@@ -96,7 +99,7 @@ class HFCausalLM(nn.Module):
             for t in (m, *own):
                 if hasattr(t, "_is_hf_initialized"):
                     t._is_hf_initialized = False
-            with _gathered(own):
+            with self._gathered(own):
                 self.hf._init_weights(m)
         self.hf.tie_weights()
 
@@ -153,7 +156,7 @@ class HFCausalLM(nn.Module):
                 if key == "lm_head.weight" and self.shape.tie_embeddings:
                     continue
                 raise KeyError(f"model.path={self.shape.path}: the weights have no {key!r}")
-            read += _copy_into(p, where[key].get_slice(key), rank)
+            read += _copy_into(p, where[key].get_slice(key), rank, self.gather)
             peak = max(peak, _anon_rss())
         self.pending_weights = False
         self.load_report = {"rank": rank, "bytes_read": read, "host_peak_bytes": peak - self._rss0}
@@ -166,12 +169,17 @@ class HFCausalLM(nn.Module):
 def hf_key(name: str) -> str:
     """A parameter's name in ``HFCausalLM.hf`` as the checkpoint names it (peft's and
     strategies' wrapper pieces removed)."""
-    from strategies.base import plain_key
+    from strategies.parallelize import plain_key
 
     return plain_key(name).replace(".base_layer", "")  # (peft's wrapped layer)
 
 
-def _copy_into(p: torch.Tensor, source: Any, rank: int) -> int:
+    def _gathered(self, params: list[torch.Tensor]) -> Any:
+        """Partitioned parameters made whole (rank 0's writes kept); whole ones as they are."""
+        return self.gather(params) if self.gather is not None and params else contextlib.nullcontext()
+
+
+def _copy_into(p: torch.Tensor, source: Any, rank: int, gather: Callable[[list], Any] | None) -> int:
     """One tensor of the file into ``p``, however this rank holds it; returns bytes read."""
     from torch.distributed.tensor import DTensor
 
@@ -183,8 +191,8 @@ def _copy_into(p: torch.Tensor, source: Any, rank: int) -> int:
         if not target.numel():
             return 0
         piece = source[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    elif hasattr(p, "ds_id"):  # ZeRO-3 partition: gathered for this tensor, rank 0 writes
-        with _gathered([p]):
+    elif gather is not None:  # a partition (ZeRO-3): gathered for this tensor, rank 0 writes
+        with gather([p]):
             if rank != 0:
                 return 0
             piece = source[:]
@@ -202,13 +210,16 @@ def _children_first(m: nn.Module):
     yield m
 
 
-def _gathered(params: list[torch.Tensor]) -> Any:
-    """ZeRO-3 partitions gathered whole (rank 0's writes kept); plain tensors as they are."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+def _real_buffers(hf: nn.Module) -> None:
+    """After a meta build: the non-persistent buffers (rotary tables) get storage and their values
+    from transformers' own initialisation of the modules that own them."""
+    for m in hf.modules():
+        meta = [n for n, b in m.named_buffers(recurse=False) if b is not None and b.is_meta]
+        if meta:
+            with torch.device("cpu"):
+                for n in meta:
+                    m._buffers[n] = torch.empty_like(m._buffers[n], device="cpu")
+                hf._init_weights(m)
 
 
 def _anon_rss() -> int:

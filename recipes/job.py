@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataConfig, LoggerConfig,
                             ModelConfig, TrainConfig, TrainerConfig)
-from strategies import Batch, ConfigError, Run, StrategyConfig, World, as_config, checks
+from strategies import ConfigError, Run, StrategyConfig, as_config, checks, derive_from
+from strategies.presets import load, names
 
 # logger name -> (module it needs, the extra that installs it)
 LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
@@ -38,12 +39,19 @@ class Job:
     callbacks: CallbacksConfig
     logger: LoggerConfig | None
     strategy: StrategyConfig
-    world: World
-    batch: Batch
     run: Run
+    """The run's facts (mesh, batch, precision, checkpoint format), derived once."""
     backend: str
     sweep: str | None = None
     """The Hydra sweep this job belongs to (its directory), None for a single run."""
+
+    @property
+    def mesh(self):
+        return self.run.mesh
+
+    @property
+    def batch(self):
+        return self.run.batch
 
     @property
     def tokens_per_step(self) -> int:
@@ -54,7 +62,7 @@ class Job:
         return {
             "strategy": self.strategy.name,
             "backend": self.backend,
-            "world_size": self.world.size,
+            "world_size": self.mesh.size,
             "global_batch_size": self.batch.global_size,
             "micro_batch_size": self.batch.micro_size,
             "accumulation": self.batch.accumulation,
@@ -81,7 +89,7 @@ def resolve_accelerator(name: str) -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def _device_problems(accelerator: str, world: World, oversubscribe: bool) -> list[str]:
+def _device_problems(accelerator: str, world: Any, oversubscribe: bool) -> list[str]:
     if accelerator == "gpu":
         import torch
 
@@ -141,27 +149,14 @@ def _logger_problems(logger: LoggerConfig | None) -> list[str]:
     return []
 
 
-# What trains a Hugging Face model (model=hf): every data-parallel preset, whose engines wrap any
-# module, and tensor parallelism (the model declares its tp_plan and tp_layout); pipeline stages
-# and sequence parallelism cut at recipes/gpt.py's own modules. LoRA (frozen base weights next
-# to trainable adapters) on the engines that keep per-parameter requires_grad.
-LORA_PRESETS = "single, ddp (and its compression presets), fsdp2, zero1, zero2, zero2_offload"
-
-
-def _hf_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
-    if not model.is_hf:
+def _lora_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
+    """LoRA (frozen base weights next to trainable adapters) on a preset whose engine keeps
+    per-parameter requires_grad (``capabilities.lora``)."""
+    if not model.lora.rank or strategy.capabilities.lora:
         return []
-    if getattr(strategy, "pp", 1) > 1 or getattr(strategy, "sequence_parallel", False):
-        return [f"strategy={strategy.name} with model=hf: pipeline stages and sequence parallelism cut "
-                "the built-in GPT's own modules; model=hf trains with the data-parallel presets and "
-                "tensor parallelism (strategy=tp, fsdp_tp, with strategy.sequence_parallel=false), "
-                "or use a built-in model"]
-    lora_ok = strategy.family in ("single", "ddp", "fsdp2") or (
-        strategy.family == "deepspeed" and getattr(strategy, "stage", 3) <= 2)
-    if model.lora.rank and not lora_ok:
-        return [f"model.lora.rank={model.lora.rank} with strategy={strategy.name}: LoRA runs with "
-                f"{LORA_PRESETS}; choose one of them, or model.lora.rank=0 for a full fine-tune"]
-    return []
+    able = ", ".join(n for n in names() if load(n).capabilities.lora)
+    return [f"model.lora.rank={model.lora.rank} with strategy={strategy.name}: LoRA runs with "
+            f"{able}; choose one of them, or model.lora.rank=0 for a full fine-tune"]
 
 
 SUFFIXES = {"jsonl": ".jsonl", "parquet": ".parquet", "text": ".txt", "tokens": ".bin"}
@@ -272,28 +267,23 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     problems += _logger_problems(objs["logger"])
     if not bad["data"]:
         problems += data_problems(objs["data"], None if bad["model"] else model)
-    world = World(nodes=c.nodes, devices=c.devices, tp=getattr(strategy, "tp", 1),
-                  pp=getattr(strategy, "pp", 1))
-    batch = Batch(t.global_batch_size, t.micro_batch_size * strategy.chunks(), max(world.dp, 1))
-    world_ok = c.nodes >= 1 and c.devices >= 1 and not world.problems()
+    world_ok = c.nodes >= 1 and c.devices >= 1
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
-    if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
-        problems += world.problems() + (batch.problems() if world_ok else [])
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
-        if world_ok:
-            problems += _device_problems(accelerator, world, c.oversubscribe)
-    run = Run(accelerator="gpu" if accelerator == "gpu" else "cpu", precision=t.precision,
-              micro_batch_size=t.micro_batch_size,
-              accumulation=batch.accumulation if world_ok and not batch.problems() else 1,
-              grad_clip=float(t.grad_clip))
+    run = derive_from(strategy, c, t, accelerator=accelerator)
+    world_ok = world_ok and not run.mesh.problems()
+    if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
+        problems += run.problems()
+    if depth >= LAUNCH and world_ok:
+        problems += _device_problems(run.accelerator, run.mesh, c.oversubscribe)
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
-        problems += strategy.problems(world, run)
+        problems += strategy.problems(run)
         if not bad["model"]:
-            problems += strategy.model_problems(model) + _hf_problems(strategy, model)
+            problems += strategy.model_problems(model) + _lora_problems(strategy, model)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
-              callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, world=world,
-              batch=batch, run=run, backend=objs["backend"].name)
+              callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, run=run,
+              backend=objs["backend"].name)
     if not problems:  # (a backend's checks assume a sound job)
         for check in extra:
             problems += check(job)

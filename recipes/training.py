@@ -6,6 +6,7 @@ exactly the same recipe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,22 +30,29 @@ def model_class(shape: ModelConfig) -> type[torch.nn.Module]:
     return GPT
 
 
-def build_model(shape: ModelConfig, seed: int, *, meta: bool = False) -> torch.nn.Module:
+def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
+                gather: Callable[[list[torch.Tensor]], Any] | None = None) -> torch.nn.Module:
     """The plain single-device model, initialised from ``seed`` alone: every rank, and the
     single-process reference, start from identical weights whatever RNG state they are in.
     ``meta``: a pretrained HF model's parameters stay on the meta device, for a strategy that
-    shards them first and then materializes them (recipes/hf.py: ``materialize``)."""
+    shards them first and then materializes them (strategies/parallelize.py ``materialize``);
+    ``gather``: the engine's context that makes partitioned parameters whole (ZeRO-3), which a
+    model that writes its own weights (recipes/hf.py) uses."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if shape.is_hf:
-            return model_class(shape)(shape, meta=meta and shape.pretrained, seed=seed)
+            return model_class(shape)(shape, meta=meta and shape.pretrained, seed=seed, gather=gather)
         return model_class(shape)(shape)
 
 
 def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch, computed in fp32."""
     tokens, targets = batch
-    logits = model(tokens)
+    return token_loss(model(tokens), targets)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of logits, in fp32 (also a pipeline's last stage's loss)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 

@@ -1,23 +1,31 @@
-"""Strategy plugins: typed configs that build engine strategies, plus the layout data the
-planner and observers read.
+"""Strategy plugins: typed, engine-neutral configs (topology, problems, footprint, parallelize
+plan), one module per family in ``strategies/families/``, presets as the YAML of conf/strategy/.
 
-Importing this package is light (no torch, no Lightning): it stores each family's schema for
-Hydra and arranges for every preset of ``conf/strategy/`` to be registered in Lightning's
-``StrategyRegistry`` as soon as Lightning is imported (at once if it already is), so
-``lightning.Trainer(strategy="zero3")`` works in a user's own script. The registry entry is a
-small factory: the preset's YAML is composed only when Lightning asks for it, and heavy
-libraries (DeepSpeed) are imported only then.
+Importing this package is light (no torch, no engine): it imports every family module (each
+registers itself and stores its schema for Hydra). For users of plain Lightning, it also arranges
+for every preset to join Lightning's ``StrategyRegistry`` as soon as Lightning's strategies load
+(at once if they already have): ``lightning.Trainer(strategy="zero3")`` then works in a user's own
+script. That is the one reference from here to a backend, by module name and deferred: the
+Lightning backend owns the registration (``backends/lightning/registry.py``) and its builders;
+nothing of Lightning is imported unless the user imports Lightning.
 """
 
 from __future__ import annotations
 
-from strategies import ddp, fsdp, fsdp2, parallel, single, zero  # noqa: F401  (each family registers itself)
-from strategies.base import Layout, Run, StrategyConfig, as_config, families, family
-from strategies.lightning_support import register_when_lightning_loads
-from strategies.mesh import Batch, ConfigError, World
+import importlib
+import pkgutil
+
+from strategies import families as _families
+from strategies.base import Capabilities, StrategyConfig, as_config, families, family
+from strategies.hooks import after_import
+from strategies.mesh import Batch, ConfigError, Mesh
 from strategies.presets import load, names
+from strategies.run import Run, derive, derive_from
 
-__all__ = ["Batch", "ConfigError", "Layout", "Run", "StrategyConfig", "World", "as_config",
-           "families", "family", "load", "names"]
+for _module in sorted(m.name for m in pkgutil.iter_modules(_families.__path__)):
+    importlib.import_module(f"strategies.families.{_module}")
 
-register_when_lightning_loads()
+__all__ = ["Batch", "Capabilities", "ConfigError", "Mesh", "Run", "StrategyConfig", "as_config",
+           "derive", "derive_from", "families", "family", "load", "names"]
+
+after_import("lightning.pytorch.strategies", then="backends.lightning.registry:register")

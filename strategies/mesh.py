@@ -1,7 +1,8 @@
-"""The one object that owns the process arithmetic: nodes x devices = dp x tp x pp, and batches.
+"""The one object that owns the process arithmetic -- nodes x devices = dp_replicate x dp_shard x
+tp x pp -- and the batch arithmetic (global = micro x chunks x dp x accumulation).
 
-Every other module asks a ``World`` instead of multiplying sizes itself, so an inconsistent
-layout fails here, before any process starts, with the arithmetic printed.
+Every other module asks a ``Mesh`` (or a ``Batch``) instead of multiplying sizes itself, so an
+inconsistent layout fails here, before any process starts, with the arithmetic printed.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class World:
+class Mesh:
     """How many processes run and how they split into parallel dimensions.
 
     ``devices`` is processes per node (Lightning's ``devices``, torchrun's ``nproc_per_node``).
+    The data-parallel degree is what the model-parallel degrees leave; ``shard`` (a hybrid
+    family's shard group, validated by that family, which names its key) splits it into
+    ``dp_replicate x dp_shard``.
     """
 
     nodes: int = 1
     devices: int = 1
     tp: int = 1
     pp: int = 1
+    shard: int | None = None
+    """Ranks one sharded state is split over (HYBRID/HSDP); None: every data-parallel rank."""
 
     @property
     def size(self) -> int:
@@ -37,44 +43,63 @@ class World:
     @property
     def dp(self) -> int:
         """Data-parallel degree: the ranks that see different samples of one global batch."""
-        return self.size // (self.tp * self.pp)
+        return max(1, self.size // max(1, self.tp * self.pp))  # (invalid degrees: problems() says)
+
+    @property
+    def dp_shard(self) -> int:
+        return max(1, min(self.shard or self.dp, self.dp))
+
+    @property
+    def dp_replicate(self) -> int:
+        return max(1, self.dp // self.dp_shard)
 
     def problems(self) -> list[str]:
         """The parallel arithmetic (nodes and devices >= 1 are the cluster fields' own checks)."""
-        out = []
         if self.tp < 1 or self.pp < 1:
-            out.append(f"tp={self.tp}, pp={self.pp}: parallel degrees must be >= 1")
-        elif self.size % (self.tp * self.pp):
-            out.append(
-                f"dp({self.size / (self.tp * self.pp):g}) * tp({self.tp}) * pp({self.pp}) "
-                f"!= world size {self.size} (nodes {self.nodes} x devices {self.devices}): "
-                "choose tp * pp that divides the world size"
-            )
-        return out
+            return [f"tp={self.tp}, pp={self.pp}: parallel degrees must be >= 1"]
+        if self.size % (self.tp * self.pp):
+            return [f"dp({self.size / (self.tp * self.pp):g}) * tp({self.tp}) * pp({self.pp}) "
+                    f"!= world size {self.size} (nodes {self.nodes} x devices {self.devices}): "
+                    "choose tp * pp that divides the world size"]
+        return []
 
 
 @dataclass(frozen=True)
 class Batch:
-    """global = micro x dp x accumulation, with accumulation derived."""
+    """global = micro x chunks x dp x accumulation, with accumulation derived. ``chunks``: the
+    micro-batches a pipeline cuts one engine step into (``strategy.microbatches``), 1 otherwise."""
 
     global_size: int
     micro_size: int
     dp: int
+    chunks: int = 1
+
+    @property
+    def per_step(self) -> int:
+        """Samples one data-parallel rank reads per engine step (micro x chunks)."""
+        return self.micro_size * self.chunks
 
     @property
     def accumulation(self) -> int:
-        return self.global_size // (self.micro_size * self.dp)
+        return max(1, self.global_size // (self.per_step * self.dp))
 
     def problems(self) -> list[str]:
-        g, m, dp = self.global_size, self.micro_size, self.dp
+        g, m, dp, c = self.global_size, self.micro_size, self.dp, self.chunks
         if g < 1 or m < 1:
             return [f"trainer.global_batch_size={g}, trainer.micro_batch_size={m}: both must be >= 1"]
-        if g % (m * dp):
-            lo = max(m * dp, (g // (m * dp)) * m * dp)
+        unit = m * c * dp
+        if g % unit:
+            lo = max(unit, (g // unit) * unit)
+            factors = (f"micro_batch_size({m}) x strategy.microbatches({c}) x data-parallel size({dp})"
+                       if c > 1 else f"micro_batch_size({m}) x data-parallel size({dp})")
             return [
-                f"trainer.global_batch_size={g} is not divisible by micro_batch_size({m}) x "
-                f"data-parallel size({dp}) = {m * dp}: global = micro x dp x accumulation needs "
-                f"{g} / {m * dp} = {g / (m * dp):g} to be an integer; "
-                f"use global_batch_size={lo} or {lo + m * dp}, or change micro_batch_size"
+                f"trainer.global_batch_size={g} is not divisible by {factors} = {unit}: "
+                f"global = {'micro x microbatches' if c > 1 else 'micro'} x dp x accumulation needs "
+                f"{g} / {unit} = {g / unit:g} to be an integer; use global_batch_size={lo} or "
+                f"{lo + unit}, or change micro_batch_size"
+                + (" or strategy.microbatches" if c > 1 else "")
             ]
         return []
+
+
+__all__ = ["Batch", "ConfigError", "Mesh"]

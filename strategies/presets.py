@@ -14,10 +14,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from strategies.conf import CONF_DIR
+
 STRATEGY_DIR = CONF_DIR / "strategy"
 SCHEMA_SUFFIX = "_schema@_here_"
 
@@ -69,9 +69,9 @@ def _yaml(name: str) -> Any:
 def _schema(family: str) -> Any:
     from omegaconf import OmegaConf
 
-    from strategies.base import families
+    from strategies.base import family_of
 
-    return OmegaConf.structured(families()[family](family=family))
+    return OmegaConf.structured(family_of(family)(family=family))
 
 
 def parent(name: str) -> str | None:

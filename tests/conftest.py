@@ -155,6 +155,61 @@ def assert_params_close(ref: dict, other: dict, rtol: float) -> None:
         assert err <= rtol, f"parameter {k} differs by {err:.2e} (relative to its max) > {rtol:g}"
 
 
+# --------------------------------------------------------------------- tiers
+TIERS = ("unit", "subprocess", "multiprocess")
+
+
+def tiers(item) -> list[str]:
+    return sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is in exactly one tier (pyproject's markers say what each means), so ``-m unit``
+    and friends select exactly what they name. A module whose tests are all of one tier says so
+    in ``pytestmark``; a module that mixes tiers marks each test."""
+    wrong = [f"{item.nodeid}: {tiers(item) or 'no tier'}" for item in items if len(tiers(item)) != 1]
+    if wrong:
+        raise pytest.UsageError("tests need exactly one tier marker of " + ", ".join(TIERS) + ":\n"
+                                + "\n".join(wrong[:40]))
+
+
+@pytest.fixture(autouse=True)
+def _unit_starts_no_process(request, monkeypatch):
+    """A unit test that starts a process fails: the tier means it."""
+    if tiers(request.node) != ["unit"]:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is marked unit but starts a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    yield
+
+
+# --------------------------------------------------------------------- engines imported
+ENGINES = ("torch", "lightning", "accelerate", "deepspeed", "transformers", "wandb")
+_PROBE = """
+import atexit, runpy, sys
+def _report():
+    loaded = sorted({m.split('.')[0] for m in sys.modules} & set(%r))
+    sys.stderr.write('ENGINES=' + ','.join(loaded) + '\\n')
+atexit.register(_report)
+sys.argv = %r
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def engines_loaded(*argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+                   ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``python argv...`` and say which heavy libraries it imported."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE % (ENGINES, list(argv))], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    line = next((x for x in proc.stderr.splitlines() if x.startswith("ENGINES=")), "ENGINES=?")
+    return proc, [m for m in line.removeprefix("ENGINES=").split(",") if m]
+
+
 @pytest.fixture(autouse=True)
 def _hygiene():
     """Restore env vars and Hydra's global state around every test."""

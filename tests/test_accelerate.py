@@ -15,38 +15,20 @@ import sys
 
 import pytest
 
-from tests.conftest import EQUIV, OPTIMIZERS, ROOT, TINY, assert_losses_close, assert_params_close
-from tests.test_fsdp import CASES as FSDP_CASES
-from tests.test_zero import CPU_PRESETS as ZERO_PRESETS
-from tests.test_zero import zero_case
+from tests.cases import CASES, on_accelerate
+from tests.conftest import (EQUIV, OPTIMIZERS, ROOT, TINY, assert_losses_close, assert_params_close,
+                            engines_loaded)
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 TWO = ("cluster.devices=2", "trainer.micro_batch_size=4")
-DDP, FSDP, DS = (("MULTI_CPU", "DistributedDataParallel"), ("FSDP", "FullyShardedDataParallel"),
-                 ("DEEPSPEED", "DeepSpeedEngine"))
-EXACT, FP16 = (1e-5, 1e-5), (1e-4, 1e-3)  # (losses, parameters) relative to the reference
-# case -> (its overrides on top of EQUIV + optimizer -- the same as the Lightning tests', so each
-# Lightning run is shared -- the distributed type and wrapped module Accelerate must build,
-# tolerances)
-CASES = {
-    "single": (("strategy=single", "trainer.micro_batch_size=8"), ("NO", "GPT"), EXACT),
-    "ddp": (("strategy=ddp", *TWO), DDP, EXACT),
-    "ddp-accumulation": (("strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2"), DDP, EXACT),
-    "ddp_fp16_compress": (("strategy=ddp_fp16_compress", *TWO), DDP, FP16),
-    "fsdp": (FSDP_CASES["fsdp"], FSDP, EXACT),
-    "fsdp-accumulation": (FSDP_CASES["fsdp-accumulation"], FSDP, EXACT),
-    "fsdp_grad_op": (("strategy=fsdp_grad_op", *TWO), FSDP, EXACT),
-    "fsdp2": (FSDP_CASES["fsdp2"], ("FSDP", "FSDPGPT"), EXACT),
-    **{p: (zero_case(p), DS, EXACT) for p in ZERO_PRESETS},
-    "zero2-accumulation": (zero_case("zero2", micro=2), DS, EXACT),
-}
+ACCELERATE = on_accelerate()  # the cases Accelerate runs, with what it must build for each
 
 
 @pytest.fixture(scope="module")
 def both(cached):
     def get(case: str, optimizer: str):
-        overrides = (*EQUIV, *CASES[case][0], *OPTIMIZERS[optimizer])
+        overrides = (*EQUIV, *CASES[case].overrides, *OPTIMIZERS[optimizer])
         return cached(*overrides, "backend=lightning"), cached(*overrides, "backend=accelerate")
 
     return get
@@ -62,20 +44,22 @@ SGD_CASES = {"single", "ddp", "ddp-accumulation", "fsdp", "fsdp-accumulation", "
 # no_sync, DeepSpeed's boundary) and the compression hook; offload and SHARD_GRAD_OP variants,
 # ZeRO-1 and FSDP's accumulation (Lightning's tests cover them) run in the slow tier.
 SLOW_CASES = {("zero2_offload", "adamw"), ("zero3_offload", "adamw"), ("fsdp_grad_op", "adamw"),
-              ("zero2", "adamw"), ("fsdp-accumulation", "sgd"), ("zero1", "sgd")}
+              ("zero2", "adamw"), ("fsdp-accumulation", "sgd"), ("zero1", "sgd"),
+              ("zero3-accumulation", "adamw")}
 MATRIX = [(c, o) if not (o == "adamw" and c in SGD_CASES or (c, o) in SLOW_CASES)
           else pytest.param(c, o, marks=pytest.mark.slow)
-          for c in CASES for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]
+          for c in ACCELERATE for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case, optimizer", MATRIX)
 def test_accelerate_trains_what_lightning_trains(both, reference, case, optimizer):
     lightning, accelerate = both(case, optimizer)
     ref = reference(optimizer)
-    losses, params = CASES[case][2]
+    losses, params = CASES[case].tolerance
     a = accelerate.report
     assert a["backend"] == "accelerate"
-    assert (a["engine"]["distributed_type"], a["engine"]["wrapped_model"]) == CASES[case][1], a["engine"]
+    assert (a["engine"]["distributed_type"], a["engine"]["wrapped_model"]) == CASES[case].accelerate, a["engine"]
     assert_losses_close(ref.losses, accelerate.losses, rtol=losses)
     assert_losses_close(lightning.losses, accelerate.losses, rtol=losses)
     assert_params_close(ref.params(), accelerate.params(), rtol=params)
@@ -85,6 +69,7 @@ def test_accelerate_trains_what_lightning_trains(both, reference, case, optimize
         assert {k: lr[k] for k in held} == {k: ar[k] for k in held}, (case, lr, ar)
 
 
+@pytest.mark.subprocess
 def test_presets_accelerate_cannot_run_are_refused_naming_the_backend_that_can(train):
     run = train("backend=accelerate", "strategy=fsdp_hybrid", "cluster.devices=2", check=False)
     assert run.proc.returncode == 2, run.log[-3000:]
@@ -122,6 +107,7 @@ def deepspeed_reads(tmp_path_factory) -> dict[str, list]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("preset", DS_PRESETS)
 def test_exported_deepspeed_json_parses(deepspeed_reads, preset):
     stage, micro, accumulation, bf16 = deepspeed_reads[preset]
@@ -129,6 +115,7 @@ def test_exported_deepspeed_json_parses(deepspeed_reads, preset):
     assert (stage, micro, accumulation, bf16) == (int(preset[4]), 1, 8, True)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("preset", ["fsdp2", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_exported_accelerate_yaml_runs_under_accelerate_launch(tmp_path, reference, preset):
     """The exported YAML is what `accelerate launch` starts; the run trains and equals the
@@ -148,6 +135,7 @@ def test_exported_accelerate_yaml_runs_under_accelerate_launch(tmp_path, referen
     assert_losses_close(reference("adamw").losses, report["losses"], rtol=1e-5)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv, answer", [
     (("--help",), "export=accelerate"),
     (("strategy=zero3", "cluster=node_8x_h100", "export=deepspeed"), "zero3-node_8x_h100.deepspeed.json")],
@@ -155,17 +143,14 @@ def test_exported_accelerate_yaml_runs_under_accelerate_launch(tmp_path, referen
 def test_export_imports_no_engine(tmp_path, argv, answer):
     """export.py answers --help and writes a DeepSpeed JSON without torch or an engine (the
     Accelerate YAML imports torch: its FSDP wrap policy names the model's block class)."""
-    from tests.test_house import _PROBE, ENGINES
-
-    proc = subprocess.run([sys.executable, "-c", _PROBE % (ENGINES, [str(ROOT / "export.py"), *argv])],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc, loaded = engines_loaded(str(ROOT / "export.py"), *argv, cwd=tmp_path,
+                                  env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert answer in proc.stdout
-    loaded = next(x for x in proc.stderr.splitlines() if x.startswith("ENGINES=")).removeprefix("ENGINES=")
-    assert loaded == "", f"export.py {' '.join(argv)} imported {loaded}"
+    assert loaded == [], f"export.py {' '.join(argv)} imported {loaded}"
 
 
+@pytest.mark.subprocess
 def test_export_refuses_a_bad_combination(tmp_path):
     proc = subprocess.run([sys.executable, "export.py", "strategy=fsdp", "export=deepspeed"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -25,9 +25,11 @@ from strategies import ConfigError, checks
 from tests.conftest import ROOT
 
 BASE = ("model=gpt_nano", "cluster.accelerator=cpu", "trainer.max_steps=1")
-# a preset of each family: where that family's fields are reachable
-FAMILY_PRESET = {"single": "single", "ddp": "ddp", "fsdp": "fsdp", "fsdp2": "fsdp2",
-                 "deepspeed": "zero2"}
+# a preset of each family: where that family's fields are reachable (every family with a preset;
+# planned-only ones have none, and the planner is where their degrees are checked)
+FAMILY_PRESET = {}
+for _name in strategies.names():
+    FAMILY_PRESET.setdefault(strategies.load(_name).family, _name)
 
 
 def _bad_value(check: checks.Check, kind: str, rng: random.Random) -> str:
@@ -96,6 +98,12 @@ if importlib.util.find_spec("wandb") is None:
 
 def _all_cases() -> list[tuple[tuple[str, ...], str]]:
     return _field_cases(random.Random(0)) + HAND_PICKED
+
+
+@pytest.mark.unit
+def test_every_family_is_fuzzed():
+    runnable = {f for f, cls in strategies.families().items() if not cls.CAPABILITIES.planned_only}
+    assert set(FAMILY_PRESET) == runnable, (sorted(FAMILY_PRESET), sorted(runnable))
 
 
 @pytest.mark.unit

@@ -32,13 +32,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cases import CASES
 from tests.conftest import EQUIV, GLOO_ABORT, ROOT, TINY, assert_losses_close, assert_params_close, run_cli
-from tests.test_accelerate import CASES as ACCELERATE_CASES
 
 pytestmark = pytest.mark.timeout(600)
 
-# Each preset's overrides, as the Accelerate tests run them (so the straight runs are shared).
-PRESETS = {name: ACCELERATE_CASES[name][0] for name in ("single", "ddp", "fsdp", "fsdp2", "zero2", "zero3")}
+# Each preset's overrides, as the equivalence tests run them (so the straight runs are shared).
+PRESETS = {name: CASES[name].overrides for name in ("single", "ddp", "fsdp", "fsdp2", "zero2", "zero3")}
 CKPT3 = "trainer.checkpoint_every=3"
 QUIET = "callbacks=none"  # the report only: no memory, communication or plots to measure
 

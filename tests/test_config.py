@@ -34,7 +34,7 @@ def test_every_option_composes(group, option):
 
 def test_defaults_compose_and_validate():
     job = validate(compose([]))
-    assert (job.strategy.name, job.world.size, job.batch.accumulation) == ("single", 1, 2)
+    assert (job.strategy.name, job.mesh.size, job.batch.accumulation) == ("single", 1, 2)
 
 
 @pytest.mark.parametrize("override", ["trainer.max_stepz=3", "model.widht=3", "cluster.gpus=2",
@@ -79,7 +79,7 @@ def test_too_many_cpu_processes_is_explained():
     with pytest.raises(ConfigError, match="cluster.devices=64 CPU processes .* cluster.oversubscribe=true"):
         validate(cfg)
     cfg.cluster.oversubscribe = True
-    assert validate(cfg).world.size == 64
+    assert validate(cfg).mesh.size == 64
 
 
 def test_gpu_requested_without_cuda_is_explained():
@@ -98,15 +98,21 @@ def test_bf16_hook_refused_on_cpu_before_launch():
 
 # --- the strategy registry: YAML files, family schemas and Lightning agree ---------------------
 
-def test_yaml_presets_and_lightning_registry_agree():
-    from lightning.pytorch.strategies import StrategyRegistry
+def test_every_preset_joins_lightnings_registry_without_replacing_its_own():
+    """Each preset builds from Lightning's registry under stratagem_<name>, and under its own
+    name unless Lightning registers that name itself (ddp, fsdp): those stay Lightning's."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 
-    names = strategies.names()
-    # every file but auto.yaml, which asks the planner to choose one (tests/test_planner.py)
-    assert names == sorted(p.stem for p in (CONF / "strategy").glob("*.yaml") if p.stem != "auto")
-    for name in names:
-        assert name in StrategyRegistry, f"{name} not registered in Lightning"
-        assert "stratagem preset" in StrategyRegistry[name]["description"]
+    from backends.lightning.preset import PresetStrategy
+
+    for name in strategies.names():
+        for key in (f"stratagem_{name}", name):
+            if key == name and name in ("ddp", "fsdp"):
+                continue
+            built = StrategyRegistry.get(key)
+            assert isinstance(built, PresetStrategy) and built.preset.name == name, (key, built)
+    assert type(StrategyRegistry.get("ddp")) is DDPStrategy
+    assert StrategyRegistry["fsdp"]["strategy"] is FSDPStrategy
 
 
 @pytest.mark.parametrize("name", strategies.names())
@@ -116,13 +122,6 @@ def test_each_preset_resolves_to_its_family(name):
     assert isinstance(cfg, strategies.families()[cfg.family])
     raw = yaml.safe_load((CONF / "strategy" / f"{name}.yaml").read_text())
     assert raw.get("name") == name
-
-
-@pytest.mark.parametrize("name", ["ddp", "ddp_fp16_compress", "single"])
-def test_lightning_builds_a_preset_by_name(name):
-    from lightning.pytorch.strategies import Strategy, StrategyRegistry
-
-    assert isinstance(StrategyRegistry.get(name), Strategy)
 
 
 def test_unknown_preset_name_lists_presets():
@@ -145,9 +144,9 @@ def test_duplicate_family_is_refused():
 # --- the world / mesh arithmetic -----------------------------------------------------------
 
 def test_mesh_arithmetic_error_prints_it():
-    from strategies import World
+    from strategies import Mesh
 
-    (msg,) = World(nodes=1, devices=6, tp=4).problems()
+    (msg,) = Mesh(nodes=1, devices=6, tp=4).problems()
     assert "dp(1.5) * tp(4) * pp(1) != world size 6" in msg
 
 

@@ -162,7 +162,7 @@ def _problems(*overrides: str) -> str:
     return str(e.value)
 
 
-@pytest.mark.unit
+@pytest.mark.subprocess
 def test_bad_data_fails_before_launch(hf_tokenizer, tmp_path):
     src = _jsonl(tmp_path / "d.jsonl", _docs(3), field="body")
     tok = f"data.tokenizer={hf_tokenizer}"

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from tests.cases import CASES
 from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, by_optimizer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("case, optimizer", by_optimizer(["no-accumulation", "accumulation-2"],
-                                                         slow_adamw={"accumulation-2"}))
+@pytest.mark.parametrize("case, optimizer", by_optimizer(["ddp", "ddp-accumulation"],
+                                                         slow_adamw={"ddp-accumulation"}))
 def test_ddp_matches_single_process(cached, reference, case, optimizer):
-    micro = {"no-accumulation": 4, "accumulation-2": 2}[case]
-    run = cached(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp", "cluster.devices=2",
-                 f"trainer.micro_batch_size={micro}")
+    c = CASES[case]
+    run = cached(*EQUIV, *OPTIMIZERS[optimizer], *c.overrides)
     r = run.report
-    assert (r["world_size"], r["accumulation"]) == (2, 8 // (2 * micro))
+    assert (r["world_size"], r["accumulation"]) == (c.world, c.accumulation)
     assert_losses_close(reference(optimizer).losses, run.losses, rtol=1e-5)
     assert_params_close(reference(optimizer).params(), run.params(), rtol=1e-5)
     assert run.losses[-1] < run.losses[0]
@@ -33,8 +33,7 @@ def test_fp16_compression_stays_close_and_learns(cached, reference, optimizer):
     update (lr x ~5e-4 per step) but is not amplified further; SGD's update carries it as is.
     Over 6 steps the loss stays within 1e-4 relative of the fp32 reference, parameters within
     1e-3 of their magnitude -- and a gradient-scale error would move SGD's losses by percents."""
-    run = cached(*EQUIV, *OPTIMIZERS[optimizer], "strategy=ddp_fp16_compress", "cluster.devices=2",
-                 "trainer.micro_batch_size=4")
+    run = cached(*EQUIV, *OPTIMIZERS[optimizer], *CASES["ddp_fp16_compress"].overrides)
     ref = reference(optimizer)
     assert _max_rel(ref.losses, run.losses) <= 1e-4
     assert_params_close(ref.params(), run.params(), rtol=1e-3)

@@ -11,73 +11,43 @@ import torch
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close, by_optimizer
+from tests.cases import CASES, P
+from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, by_optimizer
 
 # Module-wide bound; the tests that start processes are marked multiprocess one by one so the
 # config-problem tests below stay in the unit tier.
 pytestmark = pytest.mark.timeout(900)
 
-TOTAL = 34976 * 4  # gpt_nano parameters, fp32 bytes
 # FSDP1 pads each flat parameter to a multiple of the shard count, FSDP2 each parameter's dim 0;
 # for gpt_nano on 2 or 4 ranks the splits happen to be exact. Allow 2% of the model anyway.
-PAD = 0.02 * TOTAL
+PAD = 0.02 * P
 RTOL = 1e-5
 FOUR = ("cluster.devices=4", "cluster.oversubscribe=true", "strategy.shard_group_size=2")
-
-# name -> overrides on top of TINY + EQUIV. micro 4 on 2 ranks / micro 2 on 4 ranks: global 8.
-CASES = {
-    "fsdp": ("strategy=fsdp", "cluster.devices=2", "trainer.micro_batch_size=4",
-             "trainer.checkpoint_every=3"),
-    "fsdp-accumulation": ("strategy=fsdp", "cluster.devices=2", "trainer.micro_batch_size=2"),
-    "fsdp_grad_op-ac": ("strategy=fsdp_grad_op", "cluster.devices=2", "trainer.micro_batch_size=4",
-                        "strategy.activation_checkpointing=true"),
-    "fsdp_hybrid": ("strategy=fsdp_hybrid", *FOUR, "trainer.micro_batch_size=2"),
-    "fsdp2": ("strategy=fsdp2", "cluster.devices=2", "trainer.micro_batch_size=4",
-              "trainer.checkpoint_every=3"),
-    "hsdp2-ac": ("strategy=hsdp2", *FOUR, "trainer.micro_batch_size=2",
-                 "strategy.activation_checkpointing=true"),
-}
-# Ranks one parameter is split over, per case (what the memory callback must find held).
-SHARD = {"fsdp": 2, "fsdp-accumulation": 2, "fsdp_grad_op-ac": 2, "fsdp_hybrid": 2, "fsdp2": 2,
-         "hsdp2-ac": 2}
-
-
-@pytest.fixture(scope="module")
-def runs(cached):
-    """name -> Run of that case (trained once per session, shared with the Accelerate tests)."""
-
-    def get(name: str, *extra: str, optimizer: str = "adamw", backend: str = "lightning") -> Run:
-        return cached(*EQUIV, *CASES.get(name, ()), *extra, *OPTIMIZERS[optimizer],
-                      f"backend={backend}")
-
-    return get
+EQUIVALENCE = ["fsdp", "fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "fsdp2", "hsdp2-ac"]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, optimizer", by_optimizer(
-    CASES, slow_adamw={"fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "hsdp2-ac"}))
-def test_matches_single_process_and_shards(runs, reference, name, optimizer):
-    run = runs(name, optimizer=optimizer)
+    EQUIVALENCE, slow_adamw={"fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "hsdp2-ac"}))
+def test_matches_single_process_and_shards(cached, reference, name, optimizer):
+    c = CASES[name]
+    run = cached(*EQUIV, *c.overrides, *OPTIMIZERS[optimizer], "backend=lightning")
     single_reference = reference(optimizer)
     r = run.report
-    world = 4 if "cluster.devices=4" in CASES[name] else 2
-    micro = int(next(o for o in CASES[name] if o.startswith("trainer.micro_batch_size=")).split("=")[1])
-    assert (r["world_size"], r["accumulation"]) == (world, 8 // (world * micro))
+    assert (r["world_size"], r["accumulation"]) == (c.world, c.accumulation)
     assert "GPU only" not in run.log
-    # Equivalence: per-step losses and final parameters (gathered by the family's full_state_dict,
-    # keyed exactly as the plain model's state_dict).
+    # Equivalence: per-step losses and final parameters (gathered by the builder's full state
+    # dict, keyed exactly as the plain model's state_dict).
     assert_losses_close(single_reference.losses, run.losses, rtol=RTOL)
     assert_params_close(single_reference.params(), run.params(), rtol=RTOL)
     # Sharding is real: bytes held per rank, measured from live tensors after the first step.
     ranks = r["memory"]["ranks"]
-    assert len(ranks) == world
-    share = TOTAL / SHARD[name]
-    moments = 2 if optimizer == "adamw" else 0  # plain SGD keeps no state
+    assert len(ranks) == c.world
     for rank in ranks:
-        for what, expected in (("params", share), ("grads", share), ("optimizer", moments * share)):
-            assert abs(rank[what] - expected) <= PAD * (2 if what == "optimizer" else 1), (name, rank)
+        for what, fraction in c.held_with(optimizer).items():
+            assert abs(rank[what] - fraction * P) <= PAD * (2 if what == "optimizer" else 1), (name, rank)
     # Every byte is held somewhere: one shard group together holds at least the whole model.
-    assert sum(rank["params"] for rank in ranks) >= TOTAL * world // SHARD[name]
+    assert sum(rank["params"] for rank in ranks) >= P * c.world // c.shard
 
 
 # ----------------------------------------------------------------------------- config problems
@@ -134,10 +104,10 @@ def test_problems_are_collected_together():
 def test_presets_validate_on_cpu(preset):
     extra = FOUR if preset in ("fsdp_hybrid", "hsdp2") else ("cluster.devices=2",)
     job = validate(compose([*CPU, f"strategy={preset}", *extra]))
-    layout = job.strategy.layout(job.world)
-    assert (layout.params, layout.grads, layout.optimizer) == ("sharded",) * 3
-    assert layout.shard_group == (2 if preset in ("fsdp_hybrid", "hsdp2") else None)
-    assert layout.reshard_after_forward == (preset != "fsdp_grad_op")
+    footprint = job.strategy.footprint()
+    assert (footprint.params, footprint.grads, footprint.optimizer) == ("sharded",) * 3
+    assert job.mesh.dp_shard == 2 and job.mesh.dp_replicate == (2 if preset in ("fsdp_hybrid", "hsdp2") else 1)
+    assert footprint.reshard_after_forward == (preset != "fsdp_grad_op")
 
 
 @pytest.mark.multiprocess
@@ -160,9 +130,17 @@ def test_fsdp_offload_on_gpu(train, single_reference):
 
 
 @pytest.mark.unit
-def test_offload_layout():
-    from strategies import World, load
+def test_registry_derives_the_hybrid_mesh_from_the_world_lightning_sets_up():
+    from lightning.pytorch import Trainer
 
-    layout = load("fsdp_offload").layout(World(devices=8))
+    strategy = Trainer(strategy="hsdp2", accelerator="cpu", devices=4, logger=False).strategy
+    assert strategy.mesh_shape() == (1, 4)  # shard group: the devices of a node
+
+
+@pytest.mark.unit
+def test_offload_layout():
+    from strategies import load
+
+    footprint = load("fsdp_offload").footprint()
     # FSDP1 CPUOffload moves parameter shards and gradients; the optimizer steps on the host.
-    assert (layout.params_offload, layout.optimizer_offload) == ("cpu", "cpu")
+    assert (footprint.params_offload, footprint.optimizer_offload) == ("cpu", "cpu")

@@ -106,8 +106,8 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     assert "model_type 'gemma' is not supported" in problems("model=hf", f"model.path={gemma}")
     hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
     assert "model.seq_len=128 exceeds" in problems(*hf[:2], "model.seq_len=128", "data.tokenizer=null")
-    assert "pipeline stages and sequence parallelism" in problems(*hf, "strategy=pipeline", "cluster.devices=2")
-    assert "pipeline stages and sequence parallelism" in problems(
+    assert "cuts the model at modules the built-in GPT declares" in problems(*hf, "strategy=pipeline", "cluster.devices=2")
+    assert "cuts the model at modules the built-in GPT declares" in problems(
         *hf, "strategy=tp", "strategy.sequence_parallel=true", "cluster.devices=2")
     assert "LoRA runs with" in problems(*hf, "model.lora.rank=4", "strategy=zero3", "cluster.devices=2")
     assert "model.lora.target_modules: lm_head" in problems(*hf, "model.lora.rank=4",
@@ -115,7 +115,7 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     assert "applies to model=hf only" in problems("model=gpt_nano", "model.lora.rank=4")
 
 
-@pytest.mark.unit
+@pytest.mark.subprocess
 def test_planner_trains_only_the_adapters(llama):
     """The plan of a LoRA run: gradients and optimizer state for the adapters alone (q, k, v, o
     by default: rank x (in + out) each, per layer), the frozen base's parameters held whole."""

@@ -1,22 +1,26 @@
-"""The house: the import arrows docs/ARCHITECTURE.md draws, answers before imports (plan.py and
-``--cfg job`` load no engine), Lightning registration in either import order, and one strategy
-whichever way it is reached (train.py or Lightning's registry)."""
+"""The house: the import arrows docs/ARCHITECTURE.md draws (anywhere in a file, functions
+included), engine-neutral packages that import no engine (AST and grep), answers before imports
+(plan.py and ``--cfg job`` load no engine), Lightning registration in either import order, what
+a change touches (a throwaway family, preset and backend in a copy of the tree), and the package
+data a regular install needs."""
 
 from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-
-pytestmark = pytest.mark.unit
+from tests.conftest import ROOT, engines_loaded
 
 OURS = ("strategies", "planner", "recipes", "observers", "checkpoints", "backends", "launchers")
-ENGINES = ("torch", "lightning", "accelerate", "deepspeed", "transformers", "wandb")
+NEUTRAL = ("strategies", "planner", "recipes", "observers")  # no engine, at any level
+ENGINE_LIBS = ("lightning", "accelerate", "deepspeed")
 
 
 def _rules() -> dict[str, set[str]]:
@@ -32,21 +36,39 @@ def _rules() -> dict[str, set[str]]:
     return rules
 
 
-def _imports(path) -> set[str]:
-    """Top-level names of every module ``path`` imports, anywhere in the file."""
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports, anywhere in the file (functions and
+    classes too), and every module named to ``importlib.import_module`` / ``__import__``."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module"
+                   or getattr(node.func, "id", None) in ("__import__", "import_module"))):
+            out.add(node.args[0].value.split(".")[0])
     return out
 
 
+# A grep-level check beside the AST one: any line that imports an engine, however spelled.
+_GREP = re.compile(r"^\s*(import|from)\s+(%s)\b|import_module\(\s*[\"'](%s)\b|__import__\(\s*[\"'](%s)\b"
+                   % (("|".join(ENGINE_LIBS),) * 3), re.MULTILINE)
+
+
+def _grep_engines(path: Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+            for i, line in enumerate(path.read_text().splitlines(), 1) if _GREP.search(line)]
+
+
+@pytest.mark.unit
 def test_the_table_covers_every_package():
     assert set(_rules()) == set(OURS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("package", OURS)
 def test_imports_follow_the_architecture(package):
     allowed = _rules()[package] | {package}
@@ -56,31 +78,38 @@ def test_imports_follow_the_architecture(package):
                            f"allows {package}/ only {sorted(allowed - {package})}")
 
 
-def test_the_rule_test_sees_a_wrong_arrow(tmp_path):
+@pytest.mark.unit
+@pytest.mark.parametrize("package", NEUTRAL)
+def test_engine_neutral_packages_import_no_engine(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    by_ast = {str(p.relative_to(ROOT)): sorted(_imports(p) & set(ENGINE_LIBS)) for p in files}
+    assert not {k: v for k, v in by_ast.items() if v}, by_ast
+    by_grep = [hit for p in files for hit in _grep_engines(p)]
+    assert not by_grep, by_grep
+
+
+@pytest.mark.unit
+def test_the_rules_see_a_hidden_arrow(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from recipes.gpt import GPT\n")
-    assert "recipes" in _imports(bad) and "recipes" not in _rules()["strategies"]
+    bad.write_text("def f():\n    from recipes.gpt import GPT\n    import importlib\n"
+                   "    importlib.import_module('deepspeed.zero')\n    import lightning as L\n")
+    assert {"recipes", "deepspeed", "lightning"} <= _imports(bad)
+    assert "recipes" not in _rules()["strategies"]
+    hits = [h for h in _GREP.finditer(bad.read_text())]
+    assert len(hits) == 2  # import_module('deepspeed...') and import lightning
+
+
+@pytest.mark.unit
+def test_strategies_name_a_backend_only_for_lightnings_registry():
+    """The one reference from strategies/ to a backend: the deferred registration hook."""
+    hits = [(str(p.relative_to(ROOT)), line.strip()) for p in sorted((ROOT / "strategies").rglob("*.py"))
+            for line in p.read_text().splitlines() if re.search(r"[\"']backends\.", line)]
+    assert hits == [("strategies/__init__.py", 'after_import("lightning.pytorch.strategies", '
+                                              'then="backends.lightning.registry:register")')], hits
 
 
 # --------------------------------------------------------------------- answers before imports
-_PROBE = """
-import atexit, runpy, sys
-def _report():
-    loaded = sorted({m.split('.')[0] for m in sys.modules} & set(%r))
-    sys.stderr.write('ENGINES=' + ','.join(loaded) + '\\n')
-atexit.register(_report)
-sys.argv = %r
-runpy.run_path(sys.argv[0], run_name='__main__')
-"""
-
-
-def _engines_loaded(*argv: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    proc = subprocess.run([sys.executable, "-c", _PROBE % (ENGINES, list(argv))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    line = next(x for x in proc.stderr.splitlines() if x.startswith("ENGINES="))
-    return proc, [m for m in line.removeprefix("ENGINES=").split(",") if m]
-
-
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv", [
     ("plan.py", "model=llama_70b", "cluster=slurm_8x8_h100"),
     ("plan.py", "model=llama_7b", "cluster=node_8x_a100_80g", "strategy=zero3", "planner.format=json"),
@@ -88,11 +117,12 @@ def _engines_loaded(*argv: str) -> tuple[subprocess.CompletedProcess, list[str]]
     ("train.py", "--help"),
 ], ids=["plan-all", "plan-one", "cfg-job", "help"])
 def test_no_engine_is_imported_to_answer(argv, tmp_path):
-    proc, loaded = _engines_loaded(*argv, f"hydra.run.dir={tmp_path}")
+    proc, loaded = engines_loaded(*argv, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert loaded == [], f"{' '.join(argv)} imported {loaded}"
 
 
+@pytest.mark.subprocess
 def test_help_lists_only_real_options():
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
@@ -102,12 +132,13 @@ def test_help_lists_only_real_options():
     assert "strategy: 3d, auto, ddp," in groups and "logger: csv, tensorboard, wandb" in groups
 
 
+@pytest.mark.subprocess
 def test_the_lightning_backend_defers_the_transformers_torchmetrics_imports():
     """torchmetrics imports transformers when installed (~2 s a process): the Lightning backend
     defers those names (backends/lightning/torchmetrics_imports.py); used, they are the real ones."""
     pytest.importorskip("transformers")
     code = ("import sys\n"
-            "import backends.lightning\n"
+            "import backends.lightning.trainer\n"
             "assert 'lightning' in sys.modules and 'transformers' not in sys.modules\n"
             "from torchmetrics.functional.text import bert\n"
             "import transformers\n"
@@ -121,6 +152,7 @@ def test_the_lightning_backend_defers_the_transformers_torchmetrics_imports():
 
 
 # --------------------------------------------------------------------- Lightning's registry
+@pytest.mark.subprocess
 @pytest.mark.parametrize("order", ["strategies first", "lightning first"])
 def test_presets_register_in_either_import_order(order):
     first, second = (("strategies", "lightning") if order == "strategies first"
@@ -128,8 +160,7 @@ def test_presets_register_in_either_import_order(order):
     code = (f"import {first}, {second}\n"
             "from lightning.pytorch.strategies import StrategyRegistry\n"
             "import strategies as s\n"
-            "missing = [n for n in s.names() if n not in StrategyRegistry "
-            "or 'stratagem preset' not in StrategyRegistry[n]['description']]\n"
+            "missing = [n for n in s.names() if f'stratagem_{n}' not in StrategyRegistry]\n"
             "assert not missing, missing\n"
             "print(type(StrategyRegistry.get('zero3')).__name__)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -138,35 +169,124 @@ def test_presets_register_in_either_import_order(order):
     assert proc.stdout.strip().splitlines()[-1] == "CPUCapableDeepSpeedStrategy"
 
 
-def _describe_both(name: str, devices: int = 2) -> tuple[dict, dict]:
-    """The strategy Lightning's registry builds for ``name`` and the one train.py builds, each
-    inside a Trainer for the same world (no process is started), described as data."""
-    from lightning.pytorch import Trainer
-
-    import backends.lightning as backend
-    from recipes.config import compose
-    from recipes.job import CONFIG, validate
-
-    # (gpt_small: no conf/strategy_model/ tweak applies, which only train.py, knowing the model, can)
-    cfg = compose([f"strategy={name}", f"cluster.devices={devices}", "cluster.accelerator=cpu",
-                   "cluster.oversubscribe=true", "model=gpt_small", "trainer.global_batch_size=8",
-                   "trainer.micro_batch_size=1", "logger=null"])
-    job = validate(cfg, depth=CONFIG)  # presets that refuse CPU are compared all the same
-    ours = backend.trainer_for(job, ROOT / "outputs", []).strategy
-    theirs = Trainer(strategy=name, accelerator="cpu", devices=devices, logger=False,
-                     enable_progress_bar=False, enable_checkpointing=False).strategy
-    return ours.describe(), theirs.describe()
+# --------------------------------------------------------------------- what a change touches
+def _touches() -> dict[str, list[str]]:
+    """change -> the paths docs/ARCHITECTURE.md says it touches."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    table = text.split("<!-- change-touches -->")[1].split("<!-- /change-touches -->")[0]
+    out = {}
+    for line in table.strip().splitlines()[2:]:
+        change, files = (c.strip() for c in line.strip().strip("|").split("|")[:2])
+        out[change] = re.findall(r"`([^`]+)`", files)
+    return out
 
 
-@pytest.mark.parametrize("name", __import__("strategies").names())
-def test_registry_builds_what_train_py_builds(name):
-    """Wrap policy (from the model's block class at setup, on both paths), mesh, buckets, hooks,
-    the DeepSpeed config (micro batch and clipping are the Trainer's on both paths)."""
-    ours, theirs = _describe_both(name, devices=4 if name in ("fsdp_hybrid", "hsdp2") else 2)
-    assert ours == theirs
-    assert ours["preset"]["name"] == name
+_FAMILY = '''
+"""A throwaway family: DDP with a knob of its own."""
+from dataclasses import dataclass
+
+from strategies.base import family
+from strategies.checks import knob
+from strategies.families.ddp import DDPConfig
 
 
-def test_registry_describes_the_world_lightning_sets_up():
-    ours, theirs = _describe_both("hsdp2", devices=4)
-    assert theirs["mesh_shape"] == (1, 4) == ours["mesh_shape"]  # shard group: devices per node
+@family("mine")
+@dataclass
+class MineConfig(DDPConfig):
+    """DDP, as a new family would start."""
+
+    flavour: int = knob(1, min=1)
+    """A knob only this family has."""
+'''
+_PRESET = "defaults:\n  - /mine_schema@_here_\n  - _self_\nname: mine\nflavour: 3\n"
+_BUILDER = '''
+"""The throwaway family on Lightning: DDP's builder."""
+from backends.lightning.families import builds
+from backends.lightning.families.ddp import PresetDDPStrategy
+from strategies.families.mine import MineConfig
+
+
+@builds(MineConfig)
+class Mine(PresetDDPStrategy):
+    pass
+'''
+_BACKEND = '''
+"""A throwaway backend: runs nothing, refuses every preset but single."""
+def problems(job):
+    return [] if job.strategy.name == "single" else [f"backend=mine runs strategy=single only"]
+
+
+def build(job, out, observers):
+    raise NotImplementedError
+
+
+def fit(built):
+    raise NotImplementedError
+'''
+_CHECK = '''
+import strategies
+from backends import check
+from recipes.config import compose, describe
+from recipes.job import RUN, validate
+from planner import plan_all
+
+job = validate(compose(["strategy=mine", "cluster.devices=2", "model=gpt_nano"]), depth=RUN)
+assert type(job.strategy).__name__ == "MineConfig" and job.strategy.flavour == 3, job.strategy
+assert job.run.mesh.size == 2 and check(job) == []
+report = plan_all(compose(["model=gpt_nano", "cluster.devices=2"]), describe(job.model))
+assert "mine" in [p.strategy for p in report.plans]
+from lightning.pytorch.strategies import StrategyRegistry
+assert type(StrategyRegistry.get("mine")).__name__ == "Mine"
+other = validate(compose(["backend=mine", "strategy=single", "model=gpt_nano"]))
+assert check(other) == []
+bad = validate(compose(["backend=mine", "strategy=ddp", "model=gpt_nano", "cluster.devices=2"]), depth=RUN)
+assert check(bad) == ["backend=mine runs strategy=single only"], check(bad)
+print("ok")
+'''
+
+
+@pytest.mark.subprocess
+def test_a_new_family_preset_and_backend_touch_only_what_the_architecture_says(tmp_path):
+    """In a copy of the tree, write exactly the files docs/ARCHITECTURE.md lists for a new
+    family (with its Lightning builder), a new preset and a new backend; nothing else changes,
+    and they compose, validate, plan and build."""
+    touches = _touches()
+    assert touches["a preset of an existing family"] == ["conf/strategy/<preset>.yaml"]
+    assert touches["a strategy family"] == ["strategies/families/<family>.py", "conf/strategy/<preset>.yaml",
+                                            "backends/<backend>/families/<family>.py"]
+    assert touches["a backend"] == ["backends/<backend>/__init__.py", "conf/backend/<backend>.yaml"]
+    tree = tmp_path / "tree"
+    for part in (*OURS, "conf"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    files = {"strategies/families/mine.py": _FAMILY, "conf/strategy/mine.yaml": _PRESET,
+             "backends/lightning/families/mine.py": _BUILDER,
+             "backends/mine/__init__.py": _BACKEND, "conf/backend/mine.yaml": "name: mine\n"}
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(textwrap.dedent(text).lstrip())
+    proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=tree, capture_output=True, text=True,
+                          timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
+                                            "HOME": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+# --------------------------------------------------------------------- the entry points
+@pytest.mark.unit
+def test_train_py_is_thin():
+    lines = (ROOT / "train.py").read_text().splitlines()
+    assert len(lines) < 100, len(lines)
+
+
+@pytest.mark.unit
+def test_every_package_and_its_data_is_in_the_distribution():
+    """pyproject.toml lists every package directory (a regular install would miss a new one)
+    and the data files they read."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {str(p.parent.relative_to(ROOT)).replace("/", ".") for part in OURS
+            for p in (ROOT / part).rglob("__init__.py")}
+    assert dirs <= set(project["packages"]), sorted(dirs - set(project["packages"]))
+    assert project["package-dir"]["stratagem_conf"] == "conf"
+    data = project["package-data"]
+    assert "activations.json" in data["planner"] and any(".yaml" in g for g in data["stratagem_conf"])

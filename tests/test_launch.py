@@ -290,7 +290,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
-@pytest.mark.unit
+@pytest.mark.subprocess
 def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
     argv = ["launch.py", "cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b",
             "trainer.max_steps=100", "cluster.sagemaker.output_path=s3://b/out",
@@ -332,7 +332,7 @@ def test_the_sagemaker_sdk_accepts_the_job(monkeypatch):
     assert trainer.source_code.command.endswith("hydra.run.dir=/opt/ml/checkpoints/run")
 
 
-@pytest.mark.unit
+@pytest.mark.subprocess
 def test_launch_py_refuses_before_submission(tmp_path):
     """Not a SageMaker cluster; and submitting without the SDK names the extra."""
     run = run_cli("launch.py", "cluster=slurm_8x8_h100", "strategy=fsdp", "model=llama_1b", out=tmp_path,
@@ -381,14 +381,14 @@ def _refused(run, *needles: str) -> None:
     assert "Initializing distributed" not in run.log and "Submitit" not in run.log
 
 
-@pytest.mark.unit
+@pytest.mark.subprocess
 def test_a_multi_node_torchrun_without_a_rendezvous_is_refused(tmp_path):
     run = run_cli("train.py", *TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=2", out=tmp_path / "bad",
                   check=False)
     _refused(run, "cluster.rdzv_endpoint=null", "cluster.nodes=2", "cluster.rdzv_endpoint=<node 0's address>:29500")
 
 
-@pytest.mark.unit
+@pytest.mark.subprocess
 def test_an_unknown_slurm_key_is_refused_before_submission(tmp_path):
     run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
                   "cluster.slurm.partiton=debug", f"hydra.sweep.dir={tmp_path / 'sweep'}", out=tmp_path / "bad",

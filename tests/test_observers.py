@@ -13,17 +13,16 @@ import json
 
 import pytest
 
+from tests.cases import CASES, P, on_accelerate
 from tests.conftest import EQUIV, OPTIMIZERS, TINY, run_cli
-from tests.test_accelerate import CASES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
-P = 34976 * 4  # gpt_nano parameters, fp32 bytes
 BACKENDS = ("lightning", "accelerate")
 
 
 def _run(cached, case: str, backend: str, optimizer: str = "adamw"):
-    return cached(*EQUIV, *CASES[case][0], *OPTIMIZERS[optimizer], f"backend={backend}")
+    return cached(*EQUIV, *CASES[case].overrides, *OPTIMIZERS[optimizer], f"backend={backend}")
 
 
 def _kinds(report: dict, group: str | None = None) -> dict:
@@ -77,7 +76,7 @@ def test_zero3_gathers_again_for_backward_when_nothing_stays_live(cached):
     gathered from forward into backward: 2x the parameters per step, as the planner says. Told to
     keep nothing live, ZeRO-3 gathers every parameter again for backward: 3x, and the planner's
     backward gather appears (measured 2 x P gathered vs P with the defaults)."""
-    r = cached(*EQUIV, *CASES["zero3"][0], *OPTIMIZERS["sgd"], "strategy.max_live_parameters=1",
+    r = cached(*EQUIV, *CASES["zero3"].overrides, *OPTIMIZERS["sgd"], "strategy.max_live_parameters=1",
                "strategy.max_reuse_distance=0").report
     kinds = _kinds(r, "data-shard")
     assert "param_all_gather_backward" in r["plan"]["communication"]["by_collective"]
@@ -106,12 +105,13 @@ STATE_GAPS: dict[str, str] = {}
 
 
 # The accumulation and SHARD_GRAD_OP variants hold their base case's layout: the slow tier.
-STATE_SLOW = {"ddp-accumulation", "fsdp-accumulation", "fsdp_grad_op", "zero2-accumulation"}
+STATE_SLOW = {"ddp-accumulation", "fsdp-accumulation", "fsdp_grad_op", "zero2-accumulation",
+              "zero3-accumulation"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
     reason=STATE_GAPS[c], strict=True)) if c in STATE_GAPS else pytest.param(
-    c, marks=pytest.mark.slow) if c in STATE_SLOW else c for c in CASES])
+    c, marks=pytest.mark.slow) if c in STATE_SLOW else c for c in on_accelerate()])
 def test_measured_state_bytes_equal_the_prediction(cached, case):
     r = _run(cached, case, "lightning").report
     row = r["predicted_vs_measured"]["state_bytes"]

@@ -10,7 +10,8 @@ import pytest
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from strategies.parallel import balanced_split
+from strategies.pipeline import balanced_split
+from tests.cases import CASES as ALL
 from tests.conftest import EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close, by_optimizer
 
 pytestmark = pytest.mark.timeout(900)
@@ -22,19 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 RTOL = 1e-5
 PARAMS_RTOL = {"sgd": 1e-5, "adamw": 1e-3}
 FOUR = ("cluster.devices=4", "cluster.oversubscribe=true")
-# global 8: micro 8 for TP (one replica), micro 1 x 4 micro-batches x 2 steps of accumulation
-# for a 2-stage pipeline; micro 2 x 2 micro-batches on each of 2 replicas for pp_dp.
-CASES = {
-    "tp": ("strategy=tp", "cluster.devices=2", "trainer.micro_batch_size=8"),
-    "tp-sp": ("strategy=tp", "cluster.devices=2", "trainer.micro_batch_size=4",
-              "strategy.sequence_parallel=true"),
-    "gpipe": ("strategy=pipeline", "cluster.devices=2", "strategy.schedule=gpipe",
-              "trainer.micro_batch_size=1"),
-    "1f1b": ("strategy=pipeline", "cluster.devices=2", "strategy.schedule=1f1b",
-             "trainer.micro_batch_size=2"),
-    "fsdp_tp": ("strategy=fsdp_tp", *FOUR, "trainer.micro_batch_size=4"),
-    "pp_dp": ("strategy=pp_dp", *FOUR, "trainer.micro_batch_size=2", "strategy.microbatches=2"),
-}
+CASES = {name: ALL[name].overrides for name in ("tp", "tp-sp", "gpipe", "1f1b", "fsdp_tp", "pp_dp")}
 # Interleaved schedules need 4 stages: a 4-layer model, with its own reference.
 DEEP = ("model.n_layers=4",)
 INTERLEAVED = ("strategy=pipeline", "cluster.devices=2", "strategy.schedule=interleaved_1f1b",
@@ -172,9 +161,7 @@ def test_planner_counts_the_models_tp_plan():
 def test_activation_checkpointing_same_losses_fewer_bytes(runs, preset):
     """The runs without checkpointing are the equivalence tests' own (AdamW for ZeRO, as in
     tests/test_zero.py; SGD for TP and the pipeline, as above)."""
-    from tests.test_zero import zero_case
-
-    base, optimizer = {"zero2": (zero_case("zero2"), "adamw"), "zero3": (zero_case("zero3"), "adamw"),
+    base, optimizer = {"zero2": (ALL["zero2"].overrides, "adamw"), "zero3": (ALL["zero3"].overrides, "adamw"),
                        "tp": (CASES["tp"], "sgd"), "pipeline": (CASES["1f1b"], "sgd")}[preset]
     off = runs(*base, optimizer=optimizer)
     on = runs(*base, "strategy.activation_checkpointing=true", optimizer=optimizer)

@@ -16,77 +16,51 @@ import sys
 
 import pytest
 
+from strategies.families.zero import libaio_available
+from tests.cases import CASES, P, SHARD_ALL
 from tests.conftest import EQUIV, OPTIMIZERS, ROOT, assert_losses_close, assert_params_close, by_optimizer
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 WORLD = 2
-P = 34976 * 4  # gpt_nano parameters in fp32 (GPTShape.of(cfg).num_params() * 4) = 139904 bytes
-SHARD_ALL = "strategy.param_persistence_threshold=0"
-# preset -> (extra overrides, what one rank holds as a fraction of the full fp32 model size P)
-# optimizer = fp32 master partition + Adam exp_avg + exp_avg_sq: 3 x P/N under every stage
-# (with plain SGD, the master partition alone: P/N).
-CPU_PRESETS = {
-    "zero1": ((), {"params": 1.0, "grads": 0.5, "optimizer": 1.5}),
-    "zero2": ((), {"params": 1.0, "grads": 0.5, "optimizer": 1.5}),
-    "zero2_offload": ((), {"params": 1.0, "grads": 0.5, "optimizer": 1.5}),
-    "zero3": ((SHARD_ALL,), {"params": 0.5, "grads": 0.5, "optimizer": 1.5}),
-    # offload: the reduced gradient partition is also copied into the CPU fp32 master's .grad,
-    # where the CPU optimizer steps it; ZeRO-3 keeps its device partition too (2 x P/N), ZeRO-2
-    # frees its device copy (P/N).
-    "zero3_offload": ((SHARD_ALL,), {"params": 0.5, "grads": 1.0, "optimizer": 1.5}),
-}
 HELD_RTOL = 0.02
-
-
-def zero_case(preset: str, micro: int = 4) -> tuple[str, ...]:
-    """The preset on 2 ranks (what the Accelerate tests run too)."""
-    extra, _ = CPU_PRESETS.get(preset, ((), None))
-    return (f"strategy={preset}", f"cluster.devices={WORLD}", f"trainer.micro_batch_size={micro}", *extra)
-
-
-def zero_overrides(preset: str, *overrides: str, micro: int = 4, optimizer: str = "adamw") -> tuple:
-    return (*EQUIV, *OPTIMIZERS[optimizer], *zero_case(preset, micro), *overrides)
-
-
-def _zero(train, preset: str, *overrides: str, micro: int = 4, name: str | None = None,
-          optimizer: str = "adamw"):
-    return train(*zero_overrides(preset, *overrides, micro=micro, optimizer=optimizer), name=name)
+EQUIVALENCE = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 
 
 # --- equivalence + sharding, one run per preset and optimizer ----------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("preset", list(CPU_PRESETS))
+@pytest.mark.parametrize("preset", EQUIVALENCE)
 def test_zero_matches_single_process_and_shards(cached, reference, preset, optimizer):
-    run = cached(*zero_overrides(preset, optimizer=optimizer), "backend=lightning")
+    c = CASES[preset]
+    run = cached(*EQUIV, *c.overrides, *OPTIMIZERS[optimizer], "backend=lightning")
     single_reference = reference(optimizer)
     r = run.report
-    assert (r["strategy"], r["world_size"], r["accumulation"]) == (preset, WORLD, 1)
+    assert (r["strategy"], r["world_size"], r["accumulation"]) == (preset, c.world, c.accumulation)
     assert_losses_close(single_reference.losses, run.losses, rtol=1e-5)
     assert_params_close(single_reference.params(), run.params(), rtol=1e-5)
     assert run.losses[-1] < run.losses[0]
     assert "CPUCapableDeepSpeedStrategy" in run.log
 
-    expected = dict(CPU_PRESETS[preset][1])
-    if optimizer == "sgd":
-        expected["optimizer"] -= 1.0  # no Adam moments: 2 x P/N less
     ranks = r["memory"]["ranks"]
-    assert len(ranks) == WORLD
+    assert len(ranks) == c.world
     for held in ranks:
-        for what, fraction in expected.items():
+        for what, fraction in c.held_with(optimizer).items():
             want = fraction * P
             assert abs(held[what] - want) <= HELD_RTOL * want, (
                 f"{preset} rank {held['rank']} holds {held[what]} B of {what}, "
                 f"expected {fraction} x {P} = {want:.0f} B (+-{HELD_RTOL:.0%})")
 
 
-@pytest.mark.parametrize("preset, optimizer", by_optimizer(["zero2", "zero3"], slow_adamw={"zero2", "zero3"}))
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset, optimizer", by_optimizer(["zero2-accumulation", "zero3-accumulation"],
+                                                         slow_adamw={"zero2-accumulation", "zero3-accumulation"}))
 def test_zero_gradient_accumulation_matches_single_process(cached, reference, preset, optimizer):
     """micro 2 x 2 ranks x accumulation 2 = global 8: DeepSpeed's own accumulation, and the loss
     divided once (Lightning divides by accumulation; the strategy tells the engine not to) --
     the double division this once was is what the SGD case would catch."""
-    run = cached(*zero_overrides(preset, micro=2, optimizer=optimizer))
+    run = cached(*EQUIV, *CASES[preset].overrides, *OPTIMIZERS[optimizer])
     single_reference = reference(optimizer)
     assert (run.report["accumulation"], run.report["micro_batch_size"]) == (2, 2)
     assert_losses_close(single_reference.losses, run.losses, rtol=1e-5)
@@ -102,13 +76,8 @@ INFINITY_SHAPE = ("model.vocab_size=8192", "model.dim=64", "model.n_layers=1", "
                   "data=synthetic")
 
 
-def _libaio() -> bool:
-    from strategies.zero import _libaio_available
-
-    return _libaio_available()
-
-
-@pytest.mark.skipif(not _libaio(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not libaio_available(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
 def test_zero_infinity_matches_single_process(train, tmp_path):
     """Parameters AND optimizer state on NVMe train exactly like the single process, and really
     live in files: swap files for both, and the rank holds no optimizer state in memory.
@@ -157,7 +126,8 @@ def test_zero_infinity_matches_single_process(train, tmp_path):
         assert held["optimizer"] <= 0.01 * 3 * share, held
 
 
-@pytest.mark.skipif(not _libaio(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
+@pytest.mark.unit
+@pytest.mark.skipif(not libaio_available(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
 def test_zero_infinity_config_puts_params_and_optimizer_on_nvme(tmp_path):
     from recipes.config import compose
     from recipes.job import validate
@@ -184,6 +154,7 @@ def _cuda_devices() -> int:
 
 
 @pytest.mark.gpu
+@pytest.mark.multiprocess
 @pytest.mark.skipif(_cuda_devices() < 1, reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["zero2_offload", "zero3_offload"])
 def test_zero_offload_bf16_on_gpu(train, preset):
@@ -211,6 +182,7 @@ def _problems(*overrides: str) -> str:
     return str(e.value)
 
 
+@pytest.mark.unit
 def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
     msg = _problems("strategy=zero2", "strategy.stage=4", "strategy.offload_optimizer=disk",
                     "strategy.reduce_bucket_size=0", "strategy.allgather_bucket_size=-5",
@@ -244,6 +216,7 @@ def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
         assert "is not writable" in _problems("strategy=zero_infinity", f"strategy.nvme_path={ro}")
 
 
+@pytest.mark.subprocess
 def test_bad_zero_config_stops_the_cli_before_launch(train):
     run = train("strategy=zero3", "cluster.devices=2", "strategy.stage=0",
                 "strategy.prefetch_bucket_size=0", check=False)
@@ -255,47 +228,7 @@ def test_bad_zero_config_stops_the_cli_before_launch(train):
 
 # --- builders, without processes -----------------------------------------------------------------
 
-def test_layouts_are_what_the_presets_say():
-    from functools import partial
-
-    import strategies
-    from strategies import World
-    from strategies.base import Layout as _Layout
-
-    # ZeRO keeps an fp32 master partition; ZeRO-3 releases and re-gathers only what exceeds
-    # stage3_max_live_parameters (measured, tests/test_observers.py)
-    live = strategies.load("zero3").max_live_parameters
-    Layout = partial(_Layout, master_weights=True, backward_regather="over_live", live_params=live)
-    # ZeRO-1/2 all-reduce full gradient buckets, each rank keeping its part (measured)
-    Layout12 = partial(Layout, reshard_after_forward=False, grad_all_reduce=True)
-
-    w = World(devices=2)
-    r, s = "replicated", "sharded"
-
-    def layout(name: str):
-        """The preset's layout with its DeepSpeed buffers set aside (tests/test_planner.py sizes
-        them from the preset's bucket settings)."""
-        import dataclasses
-
-        lay, default = strategies.load(name).layout(w), _Layout()
-        return dataclasses.replace(lay, **{k: getattr(default, k) for k in (
-            "reduce_bucket", "reduce_buckets", "prefetch", "offload_grad_buffer")})
-
-    # ZeRO-1 reduces at the accumulation boundary and keeps only its partition at the step
-    assert layout("zero1") == Layout12(optimizer=s, grads_partitioned_at_step=True)
-    assert layout("zero2") == Layout12(optimizer=s, grads=s)
-    assert layout("zero2_offload") == Layout12(optimizer=s, grads=s, optimizer_offload="cpu")
-    assert layout("zero3") == Layout(params=s, grads=s, optimizer=s)
-    assert layout("zero3_offload") == Layout(
-        params=s, grads=s, optimizer=s, params_offload="cpu", optimizer_offload="cpu")
-    assert layout("zero_infinity") == Layout(
-        params=s, grads=s, optimizer=s, params_offload="nvme", optimizer_offload="nvme")
-    assert r == strategies.load("zero1").layout(w).params
-    # ZeRO-3 with an offloaded optimizer keeps a second host gradient buffer
-    assert strategies.load("zero3_offload").layout(w).offload_grad_buffer
-    assert not strategies.load("zero3").layout(w).offload_grad_buffer
-
-
+@pytest.mark.unit
 def test_deepspeed_config_is_plain_and_overrides_merge_over_the_generated_one():
     import json
 
@@ -334,19 +267,22 @@ def test_deepspeed_config_is_plain_and_overrides_merge_over_the_generated_one():
     assert "gradient_accumulation_steps" not in job.strategy.deepspeed_json()
 
 
+@pytest.mark.subprocess
 def test_deepspeed_is_imported_only_by_the_builder_with_the_accelerator_of_the_run():
     """``import strategies`` stays light; the builder sets DS_ACCELERATOR=cpu (only for a CPU
     run) before DeepSpeed's first import; Lightning's registry builds the CPU-capable subclass."""
     code = """
 import os, sys
 import strategies
-from strategies import Run, World
-from strategies.zero import _select_accelerator
+from backends.common.deepspeed import select_accelerator
+from backends.lightning.families import build
+zero3 = strategies.load('zero3')
 assert 'deepspeed' in strategies.families()
 assert 'deepspeed' not in sys.modules, 'import strategies imported deepspeed'
-_select_accelerator(Run(accelerator='gpu'))
+select_accelerator(strategies.derive(zero3, nodes=1, devices=2, accelerator='gpu'))
 assert 'DS_ACCELERATOR' not in os.environ, 'set for a GPU run'
-strategy = strategies.load('zero3').lightning(Run(accelerator='cpu'))
+assert 'deepspeed' not in sys.modules, 'the Lightning builders imported deepspeed'
+strategy = build(zero3, strategies.derive(zero3, nodes=1, devices=2, accelerator='cpu'))
 assert os.environ['DS_ACCELERATOR'] == 'cpu'
 from deepspeed.accelerator import get_accelerator
 assert get_accelerator().device_name() == 'cpu', get_accelerator()
@@ -361,6 +297,7 @@ assert type(StrategyRegistry.get('zero2_offload')).__name__ == 'CPUCapableDeepSp
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+@pytest.mark.unit
 def test_every_preset_yaml_has_a_launch_line_and_commented_keys():
     for path in sorted((ROOT / "conf" / "strategy").glob("zero*.yaml")):
         lines = path.read_text().splitlines()

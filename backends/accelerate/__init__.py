@@ -3,10 +3,10 @@
     python train.py backend=accelerate strategy=fsdp cluster.devices=2
     accelerate launch --config_file <exported yaml> train.py backend=accelerate strategy=fsdp ...
 
-Each family's ``accelerate()`` turns the preset into Accelerator arguments (DDP kwargs and comm
-hooks, the FSDP plugin for FSDP1 and FSDP2, the DeepSpeed plugin fed by the same DeepSpeed config
-as the Lightning path); ``strategies/accelerate_support.py`` builds the Accelerator so those run
-for real on CPU too. The backend trains one rank: started from plain ``python train.py``, the
+Each family's builder (``families/``) turns the preset into Accelerator arguments (DDP kwargs and
+comm hooks, the FSDP plugin for FSDP1 and FSDP2, the DeepSpeed plugin fed by the same DeepSpeed
+config as the Lightning path); ``state.py`` builds the Accelerator so those run for real on CPU
+too. The backend trains one rank: started from plain ``python train.py``, the
 ranks come from ``launchers.local``; under ``torchrun`` or ``accelerate launch`` the process is
 a rank already. Export of native configs: ``export.py``.
 """
@@ -36,7 +36,9 @@ class Built:
 
 
 def problems(job: Job) -> list[str]:
-    out = job.strategy.accelerate_problems(job.world, job.run)
+    from backends.accelerate import families
+
+    out = families.problems(job.strategy, job.run)
     if job.run.precision == "16-mixed" and job.run.accelerator == "cpu":
         out.append("trainer.precision=16-mixed with backend=accelerate on CPU: Accelerate has no "
                    "fp16 autocast on CPU; use trainer.precision=bf16-mixed or 32")

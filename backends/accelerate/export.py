@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from backends.accelerate import MIXED
+from backends.accelerate import MIXED, families
 
 if TYPE_CHECKING:
     from recipes.job import Job
@@ -28,8 +28,8 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
     """The ``accelerate launch --config_file`` YAML of this preset and cluster, as a mapping."""
     from recipes.training import model_class
 
-    w, run = job.world, job.run
-    kwargs = job.strategy.accelerate(w, run, block_cls=getattr(model_class(job.model), "block_cls", None))
+    w, run = job.mesh, job.run
+    kwargs = families.builder(job.strategy, run).kwargs(getattr(model_class(job.model), "block_cls", None))
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "num_machines": w.nodes,

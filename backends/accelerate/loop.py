@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import checkpoints
-from backends.accelerate import MIXED
+from backends.accelerate import MIXED, families
+from backends.accelerate.state import accelerator
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, build_datasets
-from strategies.accelerate_support import accelerator
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -39,6 +39,10 @@ class AccelerateEngine:
     acc: Any
     model: Any
     optimizers: list[Any]
+    builder: families.Builder
+
+    def held_bytes(self, what: str) -> int:
+        return self.builder.held_bytes(self.model, self.optimizers, what)
 
     @property
     def rank(self) -> int:
@@ -66,37 +70,38 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     """Run this rank; returns the report (every rank gets its copy)."""
     t, run = job.trainer, job.run
     block = getattr(training.model_class(job.model), "block_cls", None)
-    kwargs = job.strategy.accelerate(job.world, run, block_cls=block)
-    acc = accelerator(kwargs, on_cpu=run.accelerator == "cpu", world_size=job.world.size,
+    builder = families.builder(job.strategy, run)
+    kwargs = builder.kwargs(block)
+    acc = accelerator(kwargs, on_cpu=run.accelerator == "cpu", world_size=job.mesh.size,
                       timeout=job.cluster.collective_timeout,
                       mixed_precision=MIXED[run.precision],
                       gradient_accumulation_steps=job.batch.accumulation)
     log.info("accelerate: %s x %d process(es), %s", acc.distributed_type.name, acc.num_processes,
              type(kwargs.get("fsdp_plugin") or kwargs.get("deepspeed_plugin") or acc).__name__)
-    with job.strategy.model_context(kwargs):
-        model = training.build_model(job.model, t.seed)
-    if "fsdp_plugin" not in kwargs:  # FSDP's plugin checkpoints blocks itself
-        model = job.strategy.parallelize(model, precision=run.precision)
+    with builder.model_context(kwargs):
+        model = training.build_model(job.model, t.seed, gather=builder.gather_parameters)
+    model = builder.parallelize(model)
     model, raw_opt, opt = _prepare(acc, job, model)
     deepspeed = acc.distributed_type.name == "DEEPSPEED"
     engine_opt = model.optimizer if deepspeed else raw_opt
-    job.strategy.repair(model, engine_opt)
+    builder.repair(model, engine_opt)
     sched = training.build_scheduler(raw_opt, t)
     ckpt_handles = checkpoints.Handles(model=model, optimizer=raw_opt, scheduler=sched,
-                                       rank=acc.process_index, world_size=acc.num_processes)
+                                       rank=acc.process_index, world_size=acc.num_processes,
+                                       format=run.checkpoint)
     start = 0
     ckpt = checkpoints.resolve(t.resume_from, out, cleanup=False)
     if ckpt is not None:
         start = checkpoints.load(ckpt_handles, ckpt)
-    engine = AccelerateEngine(acc, model, [engine_opt])
+    engine = AccelerateEngine(acc, model, [engine_opt], builder)
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
 
     data, val = build_datasets(job.data, job.model, t.seed)
     validator = None if val is None else evaluation.Validator(
-        val, micro_batch=job.batch.micro_size, val_every=t.val_every, max_steps=t.max_steps)
+        val, micro_batch=job.batch.per_step, val_every=t.val_every, max_steps=t.max_steps)
     sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,
-                                 micro_batch=job.batch.micro_size, dp_rank=acc.process_index,
+                                 micro_batch=job.batch.per_step, dp_rank=acc.process_index,
                                  dp_size=acc.num_processes, seed=t.seed, steps=t.max_steps,
                                  start_step=start)
     batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers))
@@ -134,7 +139,7 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     if t.export_params:
         from observers.files import atomic_torch_save
 
-        params = job.strategy.full_state_dict(model)
+        params = builder.full_state_dict(model)
         if acc.is_main_process:
             atomic_torch_save(params, out / "params.pt")
     acc.wait_for_everyone()

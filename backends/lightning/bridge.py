@@ -45,6 +45,9 @@ class LightningEngine:
     def optimizers(self) -> list[Any]:
         return list(self.trainer.strategy.optimizers)
 
+    def held_bytes(self, what: str) -> int:
+        return self.trainer.strategy.held_bytes(what)
+
 
 class ObserverBridge(L.Callback):
     def __init__(self, observers: Observers, validator: Validator | None = None):

@@ -23,12 +23,12 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 
-def handles(trainer: L.Trainer) -> checkpoints.Handles:
+def handles(trainer: L.Trainer, job: Job) -> checkpoints.Handles:
     configs = trainer.lr_scheduler_configs
     return checkpoints.Handles(model=trainer.strategy.model, optimizer=trainer.optimizers[0],
                                scheduler=configs[0].scheduler if configs else None,
                                rank=trainer.global_rank, world_size=trainer.world_size,
-                               prefix=MODEL_PREFIX)
+                               format=job.run.checkpoint, prefix=MODEL_PREFIX)
 
 
 def set_global_step(trainer: L.Trainer, step: int) -> None:
@@ -50,11 +50,11 @@ class Checkpointing(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         ckpt = checkpoints.resolve(self.job.trainer.resume_from, self.out, cleanup=False)
         if ckpt is not None:
-            set_global_step(trainer, checkpoints.load(handles(trainer), ckpt))
+            set_global_step(trainer, checkpoints.load(handles(trainer, self.job), ckpt))
             self._saved = ckpt.step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, every = trainer.global_step, self.job.trainer.checkpoint_every
         if every and step % every == 0 and step != self._saved:  # once per optimizer step
-            checkpoints.save(handles(trainer), self.job, self.out, step)
+            checkpoints.save(handles(trainer, self.job), self.job, self.out, step)
             self._saved = step

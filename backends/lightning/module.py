@@ -34,8 +34,10 @@ class CausalLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            meta = getattr(self._trainer and self.trainer.strategy, "builds_on_meta", False)
-            self.model = training.build_model(self.shape, self.trainer_cfg.seed, meta=meta)
+            strategy = self._trainer and self.trainer.strategy
+            self.model = training.build_model(self.shape, self.trainer_cfg.seed,
+                                              meta=getattr(strategy, "builds_on_meta", False),
+                                              gather=getattr(strategy, "gather_parameters", None))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = training.loss(self.model, batch)

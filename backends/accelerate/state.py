@@ -1,5 +1,4 @@
-"""What every family's Accelerate builder shares, and the one place where Accelerate is made to
-run what its plugins say on CPU (gloo). Nothing here patches torch or Accelerate's code; it
+"""The one place where Accelerate is made to run what its plugins say on CPU (gloo). Nothing here patches torch or Accelerate's code; it
 builds Accelerate's own state in the order Accelerate would on a GPU, and checks the result.
 
 Accelerate 1.15 on CPU, read in its source and measured (2 gloo ranks, every family against a
@@ -15,7 +14,7 @@ single-process reference):
 3. ``DeepSpeedPlugin.select()`` imports ``transformers`` (for its ``from_pretrained`` ZeRO-3 hook)
    even when it is not installed; ``DeepSpeedPlugin`` below skips that hook without it.
 
-``accelerator()`` therefore: creates ``PartialState(cpu=True)`` first (gloo group, ranks from
+``accelerator()`` (the loop's, with the kwargs of the preset's builder, ``families/``) therefore: creates ``PartialState(cpu=True)`` first (gloo group, ranks from
 the launcher's environment); for DeepSpeed, builds ``Accelerator(cpu=False, ...)`` on that
 state, so DeepSpeed is chosen by Accelerate's own code; for FSDP, builds ``Accelerator(cpu=True,
 ...)`` and then sets what the skipped branch of ``AcceleratorState`` would have set (the plugin,
@@ -61,7 +60,7 @@ def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
 
 def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
                 timeout: float | None = None, **more: Any) -> Any:
-    """An ``accelerate.Accelerator`` that runs ``kwargs`` (a family's ``accelerate()``) for real,
+    """An ``accelerate.Accelerator`` that runs ``kwargs`` (a builder's ``kwargs()``) for real,
     checked; ``timeout``: seconds a collective waits for a lost peer (the process group's
     timeout, gloo or NCCL); ``more``: mixed precision, gradient accumulation steps."""
     from datetime import timedelta

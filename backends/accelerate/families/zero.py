@@ -1,0 +1,52 @@
+"""DeepSpeed ZeRO on Accelerate: its DeepSpeedPlugin fed with the preset's generated DeepSpeed
+config (the same the Lightning builder hands Lightning), completed with the run's batch,
+clipping and precision, which Accelerate does not fill itself."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from backends.accelerate.families import Builder, builds
+from backends.common import deepspeed as ds
+from strategies.families.zero import ZeroConfig
+
+
+def deepspeed_plugin(config: dict[str, Any]) -> Any:
+    """Accelerate's DeepSpeedPlugin for ``config``. ``DeepSpeedPlugin.select()`` imports
+    ``transformers`` (for its ``from_pretrained`` ZeRO-3 hook) even when it is not installed:
+    the hook is set only when transformers is there."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    class _Plugin(DeepSpeedPlugin):
+        def set_deepspeed_weakref(self) -> None:
+            if importlib.util.find_spec("transformers") is not None:
+                super().set_deepspeed_weakref()
+
+    return _Plugin(hf_ds_config=config, zero3_init_flag=False)
+
+
+@builds(ZeroConfig)
+class Zero(Builder):
+    preset: ZeroConfig
+
+    def kwargs(self, block_cls: type | None = None) -> dict[str, Any]:
+        ds.select_accelerator(self.run)
+        return {"deepspeed_plugin": deepspeed_plugin(self.preset.deepspeed_json(self.run))}
+
+    def model_context(self, kwargs: dict[str, Any]) -> Any:
+        return ds.zero_init(kwargs["deepspeed_plugin"].deepspeed_config, stage=self.preset.stage,
+                            offload_params=self.preset.offload_params)
+
+    @property
+    def gather_parameters(self) -> Any:
+        return ds.gathered if self.preset.stage == 3 else None
+
+    def repair(self, model: Any, optimizer: Any) -> None:
+        ds.repair(optimizer)
+
+    def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
+        return ds.held_bytes(model, optimizers[0] if optimizers else None, what)
+
+    def full_state_dict(self, model: Any) -> dict[str, Any]:
+        return ds.full_state_dict(model, self.preset.stage)

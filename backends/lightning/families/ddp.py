@@ -1,0 +1,62 @@
+"""ddp and its compression presets on Lightning: its DDPStrategy with the preset's hook and
+buckets; the preset's plan (activation checkpointing) applied before DDP wraps the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from backends.lightning.families import builds
+from backends.lightning.preset import PresetStrategy
+from strategies.families.ddp import DDPConfig
+from strategies.parallelize import parallelize
+
+
+def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:
+    """torch's DDP communication hook and its state for ``strategy.comm_hook``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if preset.comm_hook == "fp16":
+        return default_hooks.fp16_compress_hook, None
+    if preset.comm_hook == "bf16":
+        return default_hooks.bf16_compress_hook, None
+    if preset.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=preset.powersgd_rank,
+                                            start_powerSGD_iter=preset.powersgd_warmup_steps)
+        return powerSGD_hook.powerSGD_hook, state
+    return None, None
+
+
+@builds(DDPConfig)
+class PresetDDPStrategy(PresetStrategy, DDPStrategy):
+    """Lightning's DDPStrategy with the preset's hook and buckets."""
+
+    def __init__(self, preset: DDPConfig):
+        hook, state = comm_hook(preset)
+        super().__init__(ddp_comm_hook=hook, ddp_comm_state=state,
+                         bucket_cap_mb=preset.bucket_cap_mb, static_graph=preset.static_graph,
+                         find_unused_parameters=preset.find_unused_parameters,
+                         gradient_as_bucket_view=preset.gradient_as_bucket_view)
+        self.preset = preset
+
+    def _setup_model(self, model: Any) -> Any:
+        return super()._setup_model(parallelize(model, self.preset.plan(self.run().mesh)))
+
+    def _register_ddp_hooks(self) -> None:
+        """Lightning registers communication hooks on CUDA only and silently drops them
+        elsewhere: on CPU (gloo) the compression presets would train uncompressed. torch's
+        hooks run on gloo (fp16, PowerSGD), so register them on every device."""
+        if self.root_device.type == "cuda" or self._ddp_comm_hook is None:
+            return super()._register_ddp_hooks()
+        from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+        _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
+                                ddp_comm_hook=self._ddp_comm_hook,
+                                ddp_comm_wrapper=self._ddp_comm_wrapper)
+
+    def engine_settings(self) -> dict[str, Any]:
+        return {"ddp_kwargs": dict(self._ddp_kwargs),
+                "comm_hook": getattr(self._ddp_comm_hook, "__name__", None),
+                "comm_state": type(self._ddp_comm_state).__name__}

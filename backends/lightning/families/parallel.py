@@ -1,0 +1,109 @@
+"""TP, PP and their compositions on Lightning: its ModelParallelStrategy on a (dp, pp, tp) mesh.
+
+Without a pipeline, Lightning's own loop runs after the preset's plan (TP, checkpointing, FSDP2
+over the data-parallel sub-mesh) is applied to the model ``configure_model`` built. With one,
+this rank's stages replace the module's model and each ``training_step`` runs the whole schedule
+(backends/lightning/pipeline.py). Gradient clipping uses the global norm over every mesh and
+stage (``clip_global_norm``, reached through the module's ``configure_gradient_clipping``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from backends.common import torch as torch_common
+from backends.lightning.families import builds
+from backends.lightning.pipeline import Pipeline
+from backends.lightning.preset import PresetStrategy
+from strategies import ConfigError
+from strategies.families.parallel import MESH_DIMS, ParallelConfig
+from strategies.parallelize import clip_global_, find_model, parallelize
+
+
+@builds(ParallelConfig)
+class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy on a (dp, pp, tp) mesh, with torch's pipeline schedules."""
+
+    def __init__(self, preset: ParallelConfig):
+        super().__init__(data_parallel_size=1, tensor_parallel_size=preset.tp,
+                         save_distributed_checkpoint=True)
+        self.preset = preset
+        self.pipeline: Pipeline | None = None
+
+    # ---------------------------------------------------------- the mesh
+    def setup_environment(self) -> None:
+        self.check()
+        self._setup_distributed()  # Lightning's: the process group, without its 2-D mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = self.run().mesh
+        self._data_parallel_size = mesh.dp
+        self._device_mesh = init_device_mesh(self.root_device.type, (mesh.dp, mesh.pp, mesh.tp),
+                                             mesh_dim_names=MESH_DIMS)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # ---------------------------------------------------------- the model
+    def setup(self, trainer: Any) -> None:
+        module, preset, run = self.lightning_module, self.preset, self.run()
+        model, _ = find_model(module)
+        for needed, wanted in (("tp_plan", preset.tp > 1), ("pp_plan", preset.pp > 1)):
+            if wanted and not isinstance(getattr(type(model), needed, None), dict):
+                raise ConfigError(
+                    f"strategy={preset.name} needs a model that declares {needed} (which layers "
+                    f"are column/row parallel, or how to cut it into stages), as recipes/gpt.py's "
+                    f"GPT does; {type(model).__name__} declares none: add {needed} to the model "
+                    "class, or use a data-parallel preset")
+        plan, mesh = preset.plan(run.mesh), self.device_mesh
+        if preset.pp > 1:
+            self.pipeline = Pipeline(module, preset, plan, mesh, device=self.root_device,
+                                     precision=run.precision,
+                                     accumulation=trainer.accumulate_grad_batches)
+        else:
+            parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=mesh["data_parallel"],
+                        precision=run.precision)
+        super().setup(trainer)  # optimizers over this rank's (stage) parameters
+
+    # ---------------------------------------------------------- the step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        return self.pipeline.train_step(self.lightning_module, args[0], batch_idx,
+                                        self.precision_plugin.train_step_context())
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """[sum of token losses, tokens] of one batch (recipes/evaluation.py)."""
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self.pipeline.eval_step(args[0], self.precision_plugin.val_step_context())
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        Pipeline.restore_grads(module)  # the schedule's backward already ran
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def clip_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip to the global norm: over DTensor gradients of every mesh, and summed over the
+        pipeline stages (Lightning's clipping takes one rank's plain gradients)."""
+        params = [q for g in optimizer.param_groups for q in g["params"]]
+        clip_global_(params, clip_val, (self.pipeline.group,) if self.pipeline else ())
+
+    def pipeline_report(self) -> dict[str, Any] | None:
+        return None if self.pipeline is None else self.pipeline.report()
+
+    def engine_settings(self) -> dict[str, Any]:
+        mesh = self.run().mesh
+        return {"mesh": dict(zip(MESH_DIMS, (mesh.dp, mesh.pp, mesh.tp)))}
+
+    def full_state_dict(self, prefix: str = "") -> dict[str, Any]:
+        if self.preset.pp > 1:
+            return torch_common.stages_state_dict(self.model, prefix)
+        return torch_common.full_state_dict(self.model, prefix)

@@ -1,0 +1,103 @@
+"""DeepSpeed ZeRO on Lightning: its DeepSpeedStrategy minus its three refusals of non-CUDA
+accelerators.
+
+On CUDA the subclass behaves like its parent except for (4) below. On CPU it (1) skips the
+CUDA-only accelerator check in ``setup_environment``, (2) skips the device-index check in
+``setup_distributed`` (CPU devices have no index), (3) hands the engine ``device_rank=local rank``
+instead of the CPU device's index ``None``. It also passes ``scale_wrt_gas=False`` to the engine's
+backward: Lightning has already divided the loss by ``accumulate_grad_batches``, and DeepSpeed
+dividing it again would shrink accumulated gradients by the accumulation. On every accelerator it
+(4) repairs how DeepSpeed reads gradients back from NVMe when the optimizer state is there
+(backends/common/deepspeed.py). Lightning fills what the generated config leaves open from the
+Trainer: accumulation, micro batch, clipping and the precision sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+from backends.common import deepspeed as ds
+from backends.lightning.families import builds
+from backends.lightning.preset import PresetStrategy
+from strategies.families.zero import ZeroConfig
+from strategies.parallelize import parallelize
+from strategies.run import Run
+
+
+@builds(ZeroConfig)
+class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
+    strategy_name = "stratagem_deepspeed"
+
+    def __init__(self, preset: ZeroConfig):
+        remote = preset.offload_params if preset.offload_params != "none" else None
+        super().__init__(config=preset.deepspeed_json(), remote_device=remote)
+        self.preset = preset
+
+    @classmethod
+    def of(cls, preset: ZeroConfig, run: Run | None = None) -> CPUCapableDeepSpeedStrategy:
+        if run is not None:
+            ds.select_accelerator(run)
+        return cls(preset)
+
+    @property
+    def gather_parameters(self) -> Any:
+        """How the model writes whole tensors into its ZeRO-3 partitions (built under zero.Init)."""
+        return ds.gathered if self.preset.stage == 3 else None
+
+    @property
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    def engine_settings(self) -> dict[str, Any]:
+        return {"config": self.config, "remote_device": self.remote_device}
+
+    def setup_environment(self) -> None:
+        self.check()
+        if not self._on_cpu:
+            return DeepSpeedStrategy.setup_environment(self)
+        ds.check_accelerator()
+        DDPStrategy.setup_environment(self)  # (1) the parent refuses any non-CUDA accelerator
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu:
+            return super().setup_distributed()
+        reset_seed()  # (2) as the parent, minus _validate_device_index_selection
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        # activation checkpointing (torch's non-reentrant wrapper, which ZeRO-3's gather hooks
+        # see through) before the engine registers its hooks
+        model = parallelize(model, self.preset.plan(self.run().mesh))
+        if not self._on_cpu:
+            engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        else:
+            import deepspeed
+
+            # (3) the parent passes root_device.index, None on CPU, which the engine rejects
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self.local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+        ds.repair(ds_optimizer)  # (4)
+        return engine, ds_optimizer
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        kwargs.setdefault("scale_wrt_gas", False)  # Lightning already divided by accumulation
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def held_bytes(self, what: str) -> int:
+        return ds.held_bytes(self.model, self.optimizers[0] if self.optimizers else None, what)
+
+    def full_state_dict(self, prefix: str = "") -> dict[str, Any]:
+        return ds.full_state_dict(self.model, self.preset.stage, prefix)

@@ -1,0 +1,106 @@
+"""What every Lightning builder shares: a strategy that carries its preset and takes everything else
+from Lightning at setup.
+
+One strategy, whichever way it is reached: a family's builder (``families/<family>.py``) is a
+Lightning ``Strategy`` subclass with ``PresetStrategy`` first in its bases. It learns nodes and
+devices from the Trainer and precision from its precision plugin, and derives the run's facts
+from them with the same ``strategies.derive`` train.py uses -- so train.py and
+``Trainer(strategy="<preset>")`` build the same object, and both check the preset's problems
+against the world Lightning really runs (``check``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from backends.common import torch as torch_common
+from strategies import ConfigError, StrategyConfig, checks
+from strategies.run import Run, derive
+
+PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+"""trainer.precision -> Lightning's precision flag (and back, for a strategy Lightning built)."""
+_OURS = {flag: ours for ours, flag in PRECISION.items()} | {"32": "32"}
+
+
+class PresetStrategy:
+    """Mixin for a Lightning strategy built from a preset: put it first in the bases."""
+
+    preset: StrategyConfig
+
+    @classmethod
+    def of(cls, preset: StrategyConfig, run: Run | None = None) -> Any:
+        """The strategy for ``preset``; ``run``: when the caller knows it (train.py), for
+        engines that fix their device when first imported (DeepSpeed)."""
+        return cls(preset)
+
+    def run(self) -> Run:
+        """The run's facts on the world Lightning set up (nodes x processes per node)."""
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        on_cpu = self.accelerator is None or isinstance(self.accelerator, CPUAccelerator)
+        flag = str(getattr(self.precision_plugin, "precision", "32-true"))
+        return derive(self.preset, nodes=getattr(self, "num_nodes", 1) or 1,
+                      devices=getattr(self, "num_processes", 1) or 1,
+                      accelerator="cpu" if on_cpu else "gpu", precision=_OURS.get(flag, flag))
+
+    def check(self) -> None:
+        """The preset's problems on the world Lightning runs: the same sentences train.py
+        prints before launch, raised here for a strategy reached through the registry."""
+        run = self.run()
+        problems = (checks.problems(self.preset, "strategy") + run.mesh.problems()
+                    or self.preset.problems(run))
+        if problems:
+            raise ConfigError(problems)
+
+    def setup_environment(self) -> None:
+        self.check()
+        super().setup_environment()
+
+    def describe(self) -> dict[str, Any]:
+        """What this strategy applies, as plain data (logged once; compared in tests)."""
+        return {"class": type(self).__name__, "preset": asdict(self.preset),
+                **{k: stable(v) for k, v in self.engine_settings().items()}}
+
+    def engine_settings(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ measurement and export
+    def held_bytes(self, what: str) -> int:
+        """Bytes of params | grads | optimizer this rank holds right now (local shards)."""
+        return torch_common.held_bytes(self.model, list(self.optimizers), what)
+
+    def full_state_dict(self, prefix: str = "") -> dict[str, Any]:
+        """The full parameters, fp32 on CPU, keyed as the plain model; every rank calls it
+        after fit (gathering may be collective)."""
+        return torch_common.full_state_dict(self.model, prefix)
+
+
+def stable(value: Any) -> Any:
+    """``value`` as plain data that reads the same in every process: wrap policies by the module
+    classes they wrap, other objects by their repr without memory addresses."""
+    import re
+
+    if isinstance(value, dict):
+        return {str(k): stable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [stable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    classes = getattr(value, "_module_classes", None)  # torch's ModuleWrapPolicy
+    if classes is not None:
+        return f"{type(value).__name__}({', '.join(sorted(c.__name__ for c in classes))})"
+    return re.sub(r" object at 0x[0-9a-f]+", "", repr(value))
+
+
+def set_timeout(strategy: Any, seconds: float) -> None:
+    """How long the strategy's process group lets a collective wait for a lost peer
+    (``cluster.collective_timeout``). Lightning's strategies take ``timeout`` only at construction,
+    which for our presets happens before the cluster is known (the registry path), so it is set
+    here, on the attribute their ``setup_distributed`` hands to ``init_process_group`` (DDP, FSDP,
+    ModelParallel) and ``deepspeed.init_distributed``. A strategy without a process group
+    (single device) has no such attribute and is left alone."""
+    from datetime import timedelta
+
+    if hasattr(strategy, "_timeout"):
+        strategy._timeout = timedelta(seconds=seconds)

@@ -1,0 +1,51 @@
+"""Our presets in Lightning's ``StrategyRegistry``, for users of plain Lightning:
+``import strategies`` then ``Trainer(strategy="zero3")``. Called by ``strategies`` right after
+Lightning's strategies module is imported (strategies/hooks.py), so it imports nothing else of
+Lightning; each entry is a small factory that builds the preset's strategy only when Lightning
+asks for it.
+
+Lightning's own entries are never replaced: a preset whose name Lightning already registers
+(``ddp``, ``fsdp``) joins under ``stratagem_<name>``, so importing a library does not change what
+``Trainer(strategy="ddp")`` means. Every preset is also registered as ``stratagem_<name>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PREFIX = "stratagem_"
+
+
+def _factory(name: str):
+    def build() -> Any:
+        from backends.lightning.families import build as build_strategy
+        from strategies.presets import load
+
+        return build_strategy(load(name))
+
+    build.__name__ = f"{PREFIX}{name}"
+    return build
+
+
+def entries() -> dict[str, str]:
+    """Registry name -> preset name, for every preset."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from strategies.presets import names
+
+    out = {}
+    for name in names():
+        out[f"{PREFIX}{name}"] = name
+        theirs = name in StrategyRegistry and "stratagem preset" not in StrategyRegistry[name]["description"]
+        if not theirs:
+            out[name] = name
+    return out
+
+
+def register() -> None:
+    """Register every preset in Lightning's StrategyRegistry (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for key, name in entries().items():
+        StrategyRegistry.register(key, _factory(name), override=True,
+                                  description=f"stratagem preset conf/strategy/{name}.yaml")

@@ -1,0 +1,103 @@
+"""The Lightning backend's run: a validated ``Job`` -> a Trainer, the recipe's module and data,
+the observers behind one callback; Lightning runs the loop of this rank.
+
+The ranks are started before this (launchers/, or torchrun): Lightning finds torchrun's
+environment and never uses its own launcher, which would re-run the command line per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backends.lightning.torchmetrics_imports import import_lightning
+
+L = import_lightning()  # before any other `import lightning` of ours: see torchmetrics_imports
+
+from backends import Outcome
+from backends.lightning import families
+from backends.lightning.bridge import ObserverBridge
+from backends.lightning.checkpointing import Checkpointing
+from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
+from backends.lightning.preset import PRECISION, set_timeout
+from observers.files import atomic_torch_save
+from recipes.data import build_datasets
+from recipes.evaluation import Validator
+
+if TYPE_CHECKING:
+    from observers import Observers
+    from recipes.job import Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Built:
+    job: Job
+    out: Path
+    trainer: L.Trainer
+    module: CausalLM
+    data: GlobalBatchData
+    bridge: ObserverBridge
+
+
+def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
+    """The Trainer of the job (no process is started until ``fit``)."""
+    t = job.trainer
+    strategy = families.build(job.strategy, job.run)
+    set_timeout(strategy, job.cluster.collective_timeout)
+    return L.Trainer(
+        accelerator=job.run.accelerator,
+        devices=job.mesh.devices,
+        num_nodes=job.mesh.nodes,
+        strategy=strategy,
+        precision=PRECISION[job.run.precision],
+        max_steps=t.max_steps,
+        accumulate_grad_batches=job.batch.accumulation,
+        gradient_clip_val=t.grad_clip or None,
+        use_distributed_sampler=False,  # GlobalBatchSampler already splits the global batch
+        logger=False,  # loggers are observers, the same on every backend
+        callbacks=callbacks,
+        enable_checkpointing=False,  # checkpoints are ours (backends/lightning/checkpointing.py)
+        enable_progress_bar=False,  # the progress bar is an observer, the same on every backend
+        enable_model_summary=False,
+        log_every_n_steps=t.log_every,
+        limit_val_batches=0,  # validation is the bridge's (fixed samples, every strategy's forward)
+        num_sanity_val_steps=0,
+        default_root_dir=str(out),
+    )
+
+
+def build(job: Job, out: Path, observers: Observers) -> Built:
+    t = job.trainer
+    train, val = build_datasets(job.data, job.model, t.seed)
+    validator = None if val is None else Validator(val, micro_batch=job.batch.per_step,
+                                                   val_every=t.val_every, max_steps=t.max_steps)
+    bridge = ObserverBridge(observers, validator)
+    trainer = trainer_for(job, out, [bridge, Checkpointing(job, out)])
+    log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
+    module = CausalLM(job.model, t)
+    data = GlobalBatchData(train, global_batch=job.batch.global_size,
+                           micro_batch=job.batch.per_step, steps=t.max_steps, seed=t.seed,
+                           num_workers=job.data.num_workers)
+    log.info("trainer: %d node(s) x %d %s process(es), accumulation %d",
+             job.mesh.nodes, job.mesh.devices, job.run.accelerator, job.batch.accumulation)
+    return Built(job, out, trainer, module, data, bridge)
+
+
+def fit(built: Built) -> Outcome:
+    job, trainer = built.job, built.trainer
+    with warnings.catch_warnings():
+        # The module's validation_step is reached through strategy.validation_step by the
+        # bridge, not by Lightning's validation loop (limit_val_batches=0), which would
+        # otherwise say it is skipped.
+        warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
+        trainer.fit(built.module, datamodule=built.data)
+    if job.trainer.export_params:
+        params = trainer.strategy.full_state_dict(prefix=MODEL_PREFIX)
+        if trainer.global_rank == 0:
+            atomic_torch_save(params, built.out / "params.pt")
+    return Outcome(rank=trainer.global_rank, report=built.bridge.report)

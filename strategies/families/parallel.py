@@ -1,0 +1,182 @@
+"""Tensor parallel, pipeline parallel and their compositions with FSDP2 data parallelism.
+
+Presets: ``tp`` (Megatron column/row through DTensor ``parallelize_module``), ``fsdp_tp``
+(2-D: TP inside, FSDP2 across), ``pipeline`` (``torch.distributed.pipelining`` schedules),
+``pp_dp`` (pipeline x data parallel) and ``3d`` (DP x TP x PP). One family, one mesh:
+``(data_parallel, pipeline_parallel, tensor_parallel)`` with the tensor dimension innermost
+(neighbouring ranks), its arithmetic owned by ``strategies.mesh.Mesh``.
+
+Parallelism is applied from outside the recipe, in the fixed order TP -> activation
+checkpointing -> FSDP2 (``plan``), from what the model declares: ``tp_plan`` (which linear layer
+is column- or row-parallel, relative to a block) and ``pp_plan`` (the ModuleDict of blocks, and
+the modules only the first or last stage runs; strategies/pipeline.py cuts it). Data parallelism
+over ``dp`` ranks is FSDP2 on the data-parallel sub-mesh (torchtitan's layout); a replica's
+``pp x tp`` ranks read the same batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from strategies.base import Capabilities, StrategyConfig, family
+from strategies.checks import knob
+from strategies.footprint import FSDPFootprint
+from strategies.mesh import Mesh
+from strategies.parallelize import FSDP2Plan, ParallelPlan
+from strategies.pipeline import SCHEDULES
+from strategies.run import Run
+
+MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
+
+
+@family("parallel")
+@dataclass
+class ParallelConfig(StrategyConfig):
+    """DP x TP x PP on one device mesh: TP through DTensor, PP through torch.distributed.pipelining,
+    DP through FSDP2."""
+
+    dp: int | None = knob(None, min=1)
+    """Data-parallel replicas (FSDP2 over them); None: what the world leaves, size / (tp x pp)."""
+    tp: int = knob(1, min=1)
+    """Tensor-parallel degree: ranks splitting each layer's heads and hidden features."""
+    pp: int = knob(1, min=1)
+    """Pipeline-parallel degree: ranks holding consecutive blocks of the model."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard the norm and dropout regions along the sequence (all-gather before
+    attention and the MLP, reduce-scatter after) instead of replicating them."""
+    schedule: str = knob("1f1b", choices=tuple(SCHEDULES))
+    """Pipeline schedule (torch's): gpipe, 1f1b, or with virtual stages interleaved_1f1b,
+    looped_bfs, interleaved_zb, zbv."""
+    microbatches: int = knob(4, min=1)
+    """Pipeline micro-batches per training step (each of trainer.micro_batch_size samples)."""
+    virtual_stages: int | None = knob(None, min=1)
+    """Model stages per pipeline rank; None: 1, or 2 for the schedules that need several."""
+    stages: int | None = knob(None, min=1)
+    """Model stages in all (pp x virtual_stages); None: derived. Setting it derives virtual_stages."""
+    split: list[int] | None = None
+    """Blocks per stage (sums to model.n_layers); None: balanced by parameter count (the first
+    stage also holds the embedding, the last the head)."""
+    reshard_after_forward: bool = True
+    """FSDP2 over data parallel: free gathered block parameters after forward."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(lora=False, degrees=("tp", "pp"),
+                            cuts_model=self.pp > 1 or self.sequence_parallel)
+
+    def with_degrees(self, **degrees: int) -> ParallelConfig:
+        return dataclasses.replace(super().with_degrees(**degrees), dp=None)
+
+    # ---------------------------------------------------------------- shape
+    def mesh(self, nodes: int, devices: int) -> Mesh:
+        return Mesh(nodes, devices, tp=self.tp, pp=self.pp)
+
+    def virtual(self) -> int:
+        need = SCHEDULES[self.schedule][1]
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        if self.stages is not None and self.pp >= 1 and self.stages % self.pp == 0:
+            return self.stages // self.pp
+        return need
+
+    def n_stages(self) -> int:
+        return self.pp * self.virtual()
+
+    def pipeline_microbatches(self) -> int | None:
+        return self.microbatches if self.pp > 1 else None
+
+    def problems(self, run: Run) -> list[str]:
+        out = []
+        size = run.mesh.size
+        if self.dp is not None and self.dp * self.tp * self.pp != size:
+            out.append(f"strategy.dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = "
+                       f"{self.dp * self.tp * self.pp} != world size {size} (cluster.nodes "
+                       f"{run.mesh.nodes} x cluster.devices {run.mesh.devices}): set strategy.dp=null to "
+                       "derive it, or change the degrees")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("strategy.sequence_parallel=true needs strategy.tp > 1 (it shards the norm "
+                       "regions over the tensor-parallel group): set strategy.tp or turn it off")
+        if run.precision == "16-mixed":
+            out.append("trainer.precision=16-mixed with DTensor/pipeline parallelism: no gradient "
+                       "scaler for DTensor gradients; allowed: 32, bf16-mixed")
+        if self.pp > 1:
+            out += self._pipeline_problems()
+        return out
+
+    def _pipeline_problems(self) -> list[str]:
+        out, need = [], SCHEDULES[self.schedule][1]
+        if self.stages is not None and self.stages % self.pp:
+            out.append(f"strategy.stages={self.stages} is not a multiple of strategy.pp={self.pp}: "
+                       "each pipeline rank holds the same number of stages")
+        v = self.virtual()
+        if need == 1 and v != 1:
+            out.append(f"strategy.schedule={self.schedule} runs one stage per rank, but "
+                       f"virtual_stages={v}: use interleaved_1f1b (or looped_bfs, interleaved_zb, "
+                       "zbv) for several, or set strategy.virtual_stages=1")
+        if need > 1 and v < 2:
+            out.append(f"strategy.schedule={self.schedule} needs >= 2 virtual stages per rank, "
+                       f"got {v}: set strategy.virtual_stages=2 or use schedule=1f1b")
+        if self.schedule == "zbv" and v != 2:
+            out.append(f"strategy.schedule=zbv places exactly 2 stages per rank (a V): "
+                       f"virtual_stages={v}; set it to 2")
+        if self.schedule != "gpipe" and self.microbatches < self.pp:
+            out.append(f"strategy.microbatches={self.microbatches} < strategy.pp={self.pp}: "
+                       f"{self.schedule} needs at least one micro-batch per stage in flight; set "
+                       f"strategy.microbatches>={self.pp} (or schedule=gpipe)")
+        if self.schedule in ("interleaved_1f1b", "interleaved_zb") and self.microbatches % self.pp:
+            out.append(f"strategy.microbatches={self.microbatches} must be a multiple of "
+                       f"strategy.pp={self.pp} for {self.schedule}: set microbatches="
+                       f"{max(self.pp, self.microbatches // self.pp * self.pp)}")
+        return out
+
+    def model_problems(self, model: Any) -> list[str]:
+        """Problems of this preset with the model's shape (``recipes.config.ModelConfig``)."""
+        cut = super().model_problems(model)
+        if cut:
+            return cut
+        out = []
+        if self.tp > 1:
+            for key in ("n_heads", "n_kv_heads", "hidden", "vocab_size"):
+                value = getattr(model, key, None)
+                if isinstance(value, int) and value % self.tp:
+                    out.append(f"model.{key}={value} is not divisible by strategy.tp={self.tp}: "
+                               f"tensor parallelism splits it over the tp ranks; choose tp "
+                               f"dividing {key} (or another model)")
+        if self.pp > 1:
+            n, stages = model.n_layers, self.n_stages()
+            if stages > n:
+                out.append(f"strategy.pp={self.pp} x virtual_stages={self.virtual()} = {stages} "
+                           f"stages > model.n_layers={n}: every stage needs a block; lower pp or "
+                           "virtual_stages")
+            if self.split is not None and (len(self.split) != stages or sum(self.split) != n
+                                           or min(self.split) < 1):
+                out.append(f"strategy.split={list(self.split)} must list {stages} stage sizes "
+                           f">= 1 summing to model.n_layers={n}")
+            if getattr(model, "tie_embeddings", False):
+                out.append("model.tie_embeddings=true with strategy.pp > 1: the embedding (first "
+                           "stage) and the head (last stage) would share one weight across ranks; "
+                           "set model.tie_embeddings=false")
+        return out
+
+    def footprint(self) -> FSDPFootprint:
+        # FSDP2 over the data-parallel ranks; TP and PP split what each replica holds (the
+        # planner divides by tp x pp).
+        return FSDPFootprint(reshard_after_forward=self.reshard_after_forward)
+
+    def plan(self, mesh: Mesh) -> ParallelPlan:
+        fsdp = FSDP2Plan(self.reshard_after_forward, reduce_fp32=True) if mesh.dp > 1 else None
+        return ParallelPlan(tp=self.tp, sequence_parallel=self.sequence_parallel,
+                            activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
+
+    def world_role(self, mesh: Mesh) -> str:
+        # A mesh dimension spanning every rank is the world group itself (torch reuses it).
+        if self.tp == mesh.size:
+            return "tensor"
+        if self.pp == mesh.size:
+            return "pipeline"
+        return "data-shard"
+
+
+__all__ = ["MESH_DIMS", "ParallelConfig"]

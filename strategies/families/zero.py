@@ -1,0 +1,333 @@
+"""DeepSpeed ZeRO (stages 1-3, CPU and NVMe offload): the config and what each rank holds.
+
+ZeRO-1 shards the optimizer state (fp32 master weights and Adam moments) over the data-parallel
+ranks, ZeRO-2 also the gradients, ZeRO-3 also the parameters (gathered per layer for forward and
+backward). Offload keeps the optimizer state (ZeRO-Offload) or the parameter shards too
+(ZeRO-Infinity) in CPU memory or on NVMe.
+
+The DeepSpeed config is generated from the typed keys below (``deepspeed_json``, plain data);
+``deepspeed_config`` is raw DeepSpeed JSON merged over it. Precedence, lowest first:
+
+1. the generated config (typed keys; with a ``Run``, for an engine that does not fill them
+   itself -- Accelerate's plugin, an exported JSON -- also the micro batch, accumulation,
+   clipping and precision sections);
+2. ``strategy.deepspeed_config``, deep-merged: nested mappings merge key by key, any other value
+   replaces the generated one. Keys with a typed owner are refused by ``problems()`` instead of
+   silently winning (``gradient_accumulation_steps``, ``train_batch_size``,
+   ``zero_optimization.stage``, ``zero_optimization.offload_*``: set the typed key);
+3. an engine that fills what is still missing itself (Lightning: accumulation, micro batch,
+   clipping and precision from the Trainer).
+
+The engine code (the DeepSpeed engine under each backend, ``zero.Init``, its CPU accelerator,
+counting what it holds) lives in backends/.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
+from strategies.checks import knob
+from strategies.footprint import CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic
+from strategies.run import Run
+
+STAGES = (1, 2, 3)
+OFFLOAD = ("none", "cpu", "nvme")
+_WHERE = {"none": DEVICE, "cpu": CPU, "nvme": NVME}
+# deepspeed_config keys that a typed key (or the batch arithmetic) owns: merging them would
+# create a second way to set one knob, and make the footprint lie about what ranks hold.
+_OWNED = {
+    "gradient_accumulation_steps": "set trainer.global_batch_size / trainer.micro_batch_size "
+                                   "(accumulation is derived)",
+    "train_batch_size": "set trainer.global_batch_size",
+    "zero_optimization.stage": "set strategy.stage",
+    "zero_optimization.offload_optimizer": "set strategy.offload_optimizer",
+    "zero_optimization.offload_param": "set strategy.offload_params",
+}
+
+
+@family("deepspeed")
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """DeepSpeed ZeRO data parallelism."""
+
+    stage: int = knob(2, choices=STAGES,
+                      fix="use 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    offload_optimizer: str = knob("none", choices=OFFLOAD)
+    """none | cpu | nvme: where optimizer state (fp32 master + moments) and its step live."""
+    offload_params: str = knob("none", choices=OFFLOAD)
+    """none | cpu | nvme: where parameter shards live between uses (stage 3 only)."""
+    nvme_path: str | None = knob(None, exists="dir",
+                                 fix="create it (mkdir -p) or point strategy.nvme_path at an NVMe mount")
+    """Directory for NVMe swap files (needed when an offload is nvme; must be writable)."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (DeepSpeed's overlap_comm)."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradients into one contiguous buffer (less fragmentation)."""
+    reduce_bucket_size: int = knob(200_000_000, min=1)
+    """Elements reduced per gradient bucket (all stages)."""
+    allgather_bucket_size: int = knob(200_000_000, min=1)
+    """Elements all-gathered per bucket after the step (stages 1 and 2)."""
+    prefetch_bucket_size: int = knob(50_000_000, min=1)
+    """Stage 3: elements of parameters fetched ahead of use (stage3_prefetch_bucket_size)."""
+    param_persistence_threshold: int = knob(100_000, min=0)
+    """Stage 3: parameters with fewer elements stay unsharded (stage3_param_persistence_threshold)."""
+    max_live_parameters: int = knob(1_000_000_000, min=1)
+    """Stage 3: most gathered parameter elements held at once (stage3_max_live_parameters)."""
+    max_reuse_distance: int = knob(1_000_000_000, min=0)
+    """Stage 3: keep a gathered parameter if reused within this many elements' worth of work."""
+    sub_group_size: int = knob(1_000_000_000, min=1)
+    """Elements per optimizer sub-group stepped at once (bounds offload/NVMe buffers)."""
+    pin_memory: bool = False
+    """Page-locked CPU buffers for offload (faster host<->GPU copies; needs CUDA)."""
+    param_buffer_count: int = knob(5, min=1)
+    """NVMe parameter offload: swap buffers per rank."""
+    param_buffer_size: int = knob(100_000_000, min=1)
+    """NVMe parameter offload: elements per swap buffer (>= the largest parameter)."""
+    optimizer_buffer_count: int = knob(4, min=1)
+    """NVMe optimizer offload: swap buffers per rank."""
+    aio_block_size: int = knob(1_048_576, min=1)
+    """NVMe async I/O block size in bytes (DeepSpeed aio.block_size)."""
+    aio_queue_depth: int = knob(8, min=1)
+    """NVMe async I/O queue depth (DeepSpeed aio.queue_depth)."""
+    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed JSON deep-merged over the generated config (see the module docstring)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # the engine's save_checkpoint (one optimizer shard per rank); LoRA while parameters are
+        # whole on every rank (ZeRO-3's partitioned parameters lose per-parameter requires_grad)
+        return Capabilities(checkpoint=DEEPSPEED, lora=self.stage <= 2, native_config="deepspeed")
+
+    # ---------------------------------------------------------------- validation
+    def problems(self, run: Run) -> list[str]:
+        out: list[str] = []
+        if self.offload_params != "none" and self.stage != 3:
+            out.append(f"strategy.offload_params={self.offload_params} needs strategy.stage=3 "
+                       f"(got {self.stage}): only ZeRO-3 shards parameters; use strategy=zero3_offload "
+                       "or set strategy.offload_params=none")
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            out += self._nvme_problems()
+        if self.pin_memory and run.accelerator == "cpu":
+            out.append("strategy.pin_memory=true needs CUDA (page-locked memory for host<->GPU "
+                       "copies): set strategy.pin_memory=false on cluster.accelerator=cpu")
+        if run.precision == "16-mixed" and run.accelerator == "cpu":
+            out.append("trainer.precision=16-mixed with DeepSpeed on CPU: its CPU accelerator has "
+                       "no fp16 loss scaling; use trainer.precision=32 or bf16-mixed, or "
+                       "cluster.accelerator=gpu")
+        for dotted, fix in _OWNED.items():
+            if _has(self.deepspeed_config, dotted):
+                out.append(f"strategy.deepspeed_config.{dotted} is set, but that knob has a typed "
+                           f"owner: remove it from deepspeed_config and {fix}")
+        return out
+
+    def _nvme_problems(self) -> list[str]:
+        where = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
+        why = " and ".join(f"strategy.{k}=nvme" for k in where)
+        if not self.nvme_path:
+            return [f"strategy.nvme_path={self.nvme_path!r} but {why} needs a directory for swap "
+                    "files: set strategy.nvme_path=/path/on/nvme (it must exist and be writable)"]
+        path = Path(self.nvme_path)
+        out = []  # (that the directory exists is the field's own check)
+        if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            out.append(f"strategy.nvme_path={self.nvme_path!r} is not writable by this user "
+                       f"({why}): fix its permissions or choose another directory")
+        if not libaio_available():
+            out.append(f"{why} needs Linux libaio to build DeepSpeed's async_io op, and it is not "
+                       "installed: apt-get install -y libaio-dev, or set the offload to cpu")
+        return out
+
+    # ---------------------------------------------------------------- footprint
+    def footprint(self) -> ZeroFootprint:
+        s, zero = self.stage, self.deepspeed_json().get("zero_optimization", {})
+        contiguous = zero.get("contiguous_gradients", self.contiguous_gradients)
+        return ZeroFootprint(
+            stage=s,
+            optimizer=SHARDED,
+            grads=SHARDED if s >= 2 else REPLICATED,
+            params=SHARDED if s >= 3 else REPLICATED,
+            optimizer_offload=_WHERE.get(self.offload_optimizer, DEVICE),
+            params_offload=_WHERE.get(self.offload_params, DEVICE),
+            reshard_after_forward=s >= 3,
+            live_params=self.max_live_parameters,
+            offload_grad_buffer=s >= 3 and self.offload_optimizer != "none",
+            # contiguous_gradients buffers, allocated at the configured size (stage_1_and_2's
+            # setup_buckets: a second one with overlap_comm; stage3: one), raw JSON merged in
+            reduce_bucket=int(zero.get("reduce_bucket_size", self.reduce_bucket_size)),
+            reduce_buckets=(0 if not contiguous
+                            else 1 if s >= 3 or not zero.get("overlap_comm", self.overlap_comm) else 2),
+            prefetch=int(zero.get("stage3_prefetch_bucket_size", self.prefetch_bucket_size)) if s >= 3 else 0,
+        )
+
+    # ---------------------------------------------------------------- the engine's config
+    def deepspeed_json(self, run: Run | None = None) -> dict[str, Any]:
+        """The DeepSpeed config of this preset: plain dicts, lists and scalars. With ``run``, also
+        the micro batch, accumulation, clipping and precision (for engines that do not fill them;
+        Lightning does)."""
+        zero: dict[str, Any] = {
+            "stage": self.stage,
+            "overlap_comm": self.overlap_comm,
+            "contiguous_gradients": self.contiguous_gradients,
+            "reduce_bucket_size": self.reduce_bucket_size,
+            "sub_group_size": self.sub_group_size,
+        }
+        if self.stage < 3:
+            zero |= {"allgather_partitions": True, "allgather_bucket_size": self.allgather_bucket_size,
+                     "reduce_scatter": True}
+        else:
+            zero |= {"stage3_prefetch_bucket_size": self.prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": self.param_persistence_threshold,
+                     "stage3_max_live_parameters": self.max_live_parameters,
+                     "stage3_max_reuse_distance": self.max_reuse_distance}
+        if self.offload_optimizer != "none":
+            zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": self.pin_memory}
+            if self.offload_optimizer == "nvme":
+                zero["offload_optimizer"] |= {"nvme_path": self.nvme_path,
+                                              "buffer_count": self.optimizer_buffer_count}
+        if self.offload_params != "none":
+            zero["offload_param"] = {"device": self.offload_params, "pin_memory": self.pin_memory}
+            if self.offload_params == "nvme":
+                zero["offload_param"] |= {"nvme_path": self.nvme_path,
+                                          "buffer_count": self.param_buffer_count,
+                                          "buffer_size": self.param_buffer_size}
+        cfg: dict[str, Any] = {
+            "zero_optimization": zero,
+            # The optimizer is the recipe's torch optimizer (recipes/training.py), not DeepSpeed's.
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1,  # our report logs the loss; keep DeepSpeed quiet
+            "wall_clock_breakdown": False,
+        }
+        if run is not None:  # an explicit 0: DeepSpeed's default clips at 1.0
+            cfg |= {"train_micro_batch_size_per_gpu": run.micro_batch_size,
+                    "gradient_accumulation_steps": run.accumulation,
+                    "gradient_clipping": float(run.grad_clip)}
+            if run.precision in ("bf16-mixed", "16-mixed"):
+                cfg["bf16" if run.precision == "bf16-mixed" else "fp16"] = {"enabled": True}
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            cfg["aio"] = {"block_size": self.aio_block_size, "queue_depth": self.aio_queue_depth,
+                          "single_submit": False, "overlap_events": True, "thread_count": 1}
+        return _merge(cfg, _plain(self.deepspeed_config))
+
+
+@dataclass(frozen=True)
+class ZeroFootprint(Footprint):
+    """What DeepSpeed 0.19 allocates, measured: an fp32 master partition beside the working
+    parameters (even in fp32 runs), ZeRO-1/2 gradient buckets all-reduced (not reduce-scattered)
+    into fixed-size contiguous buffers, ZeRO-1's full gradients until the accumulation boundary,
+    ZeRO-3 keeping up to ``stage3_max_live_parameters`` gathered, the step's fp32 copy of the
+    gradient partition."""
+
+    master_weights: bool = True
+    stage: int = 2
+    live_params: int = 0
+    """ZeRO-3: parameters kept gathered (stage3_max_live_parameters); only what exceeds it is
+    released after forward and gathered again for backward."""
+    offload_grad_buffer: bool = False
+    """With the optimizer offloaded, ZeRO-3 keeps the reduced gradient partition in a host buffer
+    in the gradient dtype beside the fp32 gradient the host optimizer steps."""
+    reduce_bucket: int = 0
+    """Elements of each gradient-reduction buffer (reduce_bucket_size, contiguous_gradients)."""
+    reduce_buckets: int = 2
+    """How many such buffers exist (ZeRO-1/2: 2 with overlap_comm, else 1; ZeRO-3: 1)."""
+    prefetch: int = 0
+    """ZeRO-3: parameter elements gathered ahead of use (stage3_prefetch_bucket_size)."""
+
+    def held_grads(self, n: Sizes, split: int) -> int:
+        sb = n.bytes
+        if self.stage == 1:  # reduced at the accumulation boundary into this rank's partition
+            split = math.ceil(n.trainable * sb.grads / n.shard)
+        if self.optimizer_offload != DEVICE:
+            # the host optimizer steps an fp32 gradient partition (4 B/param whatever the
+            # precision); ZeRO-3 also keeps the reduced partition there in the gradient dtype
+            split = math.ceil(n.trainable * (4 + (sb.grads if self.offload_grad_buffer else 0)) / n.shard)
+        return split
+
+    def bucket_buffer(self, n: Sizes) -> float:
+        if not self.reduce_bucket:
+            return super().bucket_buffer(n)
+        used = n.dp > 1 or self.optimizer_offload != DEVICE
+        return self.reduce_bucket * self.reduce_buckets * n.bytes.grads if used else 0.0
+
+    def backward_extra(self, n: Sizes) -> float:
+        # ZeRO-1: full gradients until the boundary's reduction
+        return n.trainable * n.bytes.grads if self.stage == 1 and n.dp > 1 else 0.0
+
+    def prefetched(self, n: Sizes) -> float:
+        return min(self.prefetch / n.mp, n.params) if self.prefetch else n.unit
+
+    def kept_gathered(self, n: Sizes, gathered: float) -> float:
+        # what is reused soon stays gathered, up to stage3_max_live_parameters
+        return max(gathered, min(n.params, self.live_params / n.mp)) if self.reshard_after_forward else gathered
+
+    def step_extra(self, n: Sizes) -> float:
+        # the step's .to(fp32) of the gradient partition (on the host when offloaded)
+        if n.bytes.grads < 4 and self.optimizer_offload == DEVICE:
+            return n.trainable * 4 / n.shard
+        return 0.0
+
+    def bucket_size(self, n: Sizes) -> float:
+        return self.reduce_bucket * min(n.bytes.grads, 4) if self.reduce_bucket else self.bucket_bytes
+
+    def regathered(self, n: Sizes) -> float:
+        return max(0.0, n.params - self.live_params / n.mp)
+
+    def grad_reduction(self, n: Sizes, grad: float, bucket: float) -> list[Traffic]:
+        if self.stage < 3:  # measured: DeepSpeed 0.19 all-reduces ZeRO-1/2 buckets, each rank keeps its part
+            return [Traffic("grad_all_reduce", "all_reduce", n.shard, n.tp, grad, "backward",
+                            per_micro=self.grads == SHARDED, calls=grad / bucket)]
+        calls = grad / bucket if self.reduce_bucket else n.units
+        return [Traffic("grad_reduce_scatter", "reduce_scatter", n.shard, n.tp, grad, "backward",
+                        per_micro=True, calls=calls)]
+
+
+# -------------------------------------------------------------------- helpers
+def _plain(node: Any) -> Any:
+    """Hydra/OmegaConf containers -> plain dicts/lists (DeepSpeed and Lightning mutate and JSON them)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        return {str(k): _plain(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, anything else in ``over`` replaces ``base``."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def _has(cfg: Any, dotted: str) -> bool:
+    node = _plain(cfg)
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def libaio_available() -> bool:
+    """Linux libaio and its header, which DeepSpeed's async_io op compiles against (NVMe offload).
+    (Loaded by name rather than found with ``ctypes.util.find_library``, which runs ldconfig.)"""
+    import ctypes
+
+    if not Path("/usr/include/libaio.h").exists():
+        return False
+    for name in ("libaio.so.1", "libaio.so.1t64", "libaio.so"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False

@@ -1,0 +1,290 @@
+"""What a rank holds and sends under a preset: the footprint each family declares and the planner
+prices (planner/ reads footprints only through this protocol, so a new family adds its own).
+
+A ``Footprint`` answers, from ``Sizes`` (this rank's share of the model in elements, the bytes per
+element the precision and accounting give, the data-parallel and shard sizes):
+
+- ``states``: per-device bytes of parameters, gradients, fp32 master weights and optimizer
+  moments, with what offload moves to host memory or NVMe;
+- ``buffers``: the transients beside the states, through backward and at the optimizer step;
+- ``traffic``: the data-parallel collectives and offload copies of one optimizer step, as
+  ``Traffic`` (full payloads; the planner turns them into per-rank bytes and seconds, and adds
+  the tensor- and pipeline-parallel traffic, which follows from the mesh and the model);
+- ``notes``: what a user should know about the numbers.
+
+The base class is plain data parallelism: each state replicated or sharded over the shard
+group, optionally offloaded, gathered per unit when parameters are sharded. Families with an
+engine of their own subclass it next to their config (DDP's buckets and compression, DeepSpeed
+ZeRO's master weights and buffers, FSDP's root unit). Closed forms and sources: docs/PLANNER.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Where a state lives, and over how many ranks it is split.
+REPLICATED, SHARDED = "replicated", "sharded"
+DEVICE, CPU, NVME = "device", "cpu", "nvme"
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model-state category, and of what travels on the wire."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    """Adam's two moments."""
+    gather: float
+    """Bytes per parameter in a parameter all-gather (the compute dtype)."""
+    reduce: float
+    """Bytes per gradient element in the gradient all-reduce / reduce-scatter."""
+    activation: float
+    """Bytes per activation element."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the planner hands a footprint: one layout on one setup, in elements and bytes."""
+
+    params: float
+    """Parameters this rank's model-parallel part holds (the model / (tp x pp))."""
+    trainable: float
+    """Of those, the ones that train (LoRA: the adapters)."""
+    bytes: StateBytes
+    dp: int
+    shard: int
+    """Ranks a sharded state is split over (the mesh's dp_shard)."""
+    tp: int = 1
+    """Tensor-parallel degree: data-parallel peers are this many ranks apart."""
+    mp: int = 1
+    """tp x pp: how many ranks share one replica."""
+    unit: float = 0.0
+    """Elements of the largest unit gathered at once (a block or an embedding) on this rank."""
+    units: float = 1.0
+    """Units gathered per step: this rank's blocks and the root."""
+    blocks: float | None = None
+    """Parameters of this rank's blocks (what FSDP reshards); None when the shape is unknown."""
+    model: Any = None
+    """The model description (``planner.inputs.ModelDescription``); None: planner.params only."""
+    total_params: float = 0.0
+    """The whole model's parameters."""
+
+
+@dataclass(frozen=True)
+class States:
+    """Per-device bytes of model states; host/nvme: what this device's share moved off it."""
+
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optimizer: int = 0
+    host: int = 0
+    nvme: int = 0
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of collective of an optimizer step, before the planner prices it."""
+
+    name: str
+    op: str
+    """all_reduce | all_gather | reduce_scatter | send_recv | copy."""
+    ranks: int
+    stride: int
+    """Distance between neighbouring ranks of the group (a group spanning nodes is slower)."""
+    bytes: float
+    """The full payload (a ring all-reduce sends 2(N-1)/N of it per rank)."""
+    overlap: str
+    """forward | backward (hidden under that compute while it lasts) | none (exposed)."""
+    per_micro: bool = False
+    link: str | None = None
+    """host | nvme for offload copies; None: intra or inter node, from the group's extent."""
+    calls: float = 1.0
+    """Collectives launched per step (buckets, units), each paying the link's latency."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Plain data parallelism: each state replicated or sharded, optionally offloaded."""
+
+    params: str = REPLICATED
+    """replicated | sharded (ZeRO-3 / FULL_SHARD / fully_shard)."""
+    grads: str = REPLICATED
+    """replicated | sharded (ZeRO-2 and up)."""
+    optimizer: str = REPLICATED
+    """replicated | sharded (ZeRO-1 and up): fp32 master weights and moments."""
+    params_offload: str = DEVICE
+    """device | cpu | nvme: where the parameter shards live between uses."""
+    optimizer_offload: str = DEVICE
+    """device | cpu | nvme: where optimizer state (and the step, and its gradients) live."""
+    reshard_after_forward: bool = True
+    """With sharded parameters: free gathered units after forward (gather again for backward)."""
+    bucket_bytes: int = 25 * MiB
+    """Gradient bucket size: one reduction launch per bucket."""
+    reduce_fp32: bool | None = None
+    """Gradients are reduced in fp32 whatever the precision (True), in the low dtype (False);
+    None: the precision's usual reduce dtype."""
+    master_weights: bool = False
+    """The engine keeps its own fp32 copy of the parameters beside 16-bit working ones."""
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def sharded(self) -> bool:
+        return SHARDED in (self.params, self.grads, self.optimizer)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.params_offload != DEVICE or self.optimizer_offload != DEVICE
+
+    def state_bytes(self, sb: StateBytes, accounting: str) -> StateBytes:
+        """The bytes per element this engine really uses (the default: the precision's)."""
+        return sb
+
+    # ------------------------------------------------------------------ memory
+    def states(self, n: Sizes) -> States:
+        sb = n.bytes
+
+        def split(nbytes: float, state: str) -> int:
+            return math.ceil(nbytes / n.shard) if state == SHARDED else math.ceil(nbytes)
+
+        held = {"params": split(n.params * sb.params, self.params),
+                "grads": self.held_grads(n, split(n.trainable * sb.grads, self.grads)),
+                "master": split(n.trainable * sb.master, self.optimizer),
+                "optimizer": split(n.trainable * sb.optimizer, self.optimizer),
+                "host": 0, "nvme": 0}
+        # optimizer offload moves the gradient partition and the step too (ZeRO-Offload, CPUOffload)
+        where = {"params": self.params_offload, "grads": self.optimizer_offload,
+                 "master": self.optimizer_offload, "optimizer": self.optimizer_offload}
+        for key, place in where.items():
+            if place in (CPU, NVME):
+                held["host" if place == CPU else "nvme"] += held[key]
+                held[key] = 0
+        return States(**held)
+
+    def held_grads(self, n: Sizes, split: int) -> int:
+        """Gradient bytes held at the step (``split``: the state divided as declared)."""
+        return split
+
+    def buffers(self, n: Sizes) -> tuple[int, int]:
+        """Transients beside the states ``(backward, step)``: gradient buckets, gathered units
+        (the current and the prefetched one, and one unit's unsharded gradient), autocast's
+        16-bit weight copies; what exists at the optimizer step."""
+        sb = n.bytes
+        backward = step = self.bucket_buffer(n)
+        backward += self.backward_extra(n)
+        if self.params == SHARDED:
+            gathered = (n.unit + self.prefetched(n)) if self.reshard_after_forward else n.params
+            gathered = self.kept_gathered(n, gathered)
+            backward += gathered * sb.gather + n.unit * sb.reduce
+        elif sb.params > sb.gather:
+            backward += n.params * sb.gather  # autocast's bf16 weight copies, saved for backward
+        step += self.step_extra(n)
+        return int(backward), int(step)
+
+    def bucket_buffer(self, n: Sizes) -> float:
+        """Gradient buckets: one filling, one in flight."""
+        return 2 * self.bucket_bytes if n.dp > 1 or self.optimizer_offload != DEVICE else 0.0
+
+    def backward_extra(self, n: Sizes) -> float:
+        return 0.0
+
+    def prefetched(self, n: Sizes) -> float:
+        """Elements gathered ahead of use beside the current unit: one unit."""
+        return n.unit
+
+    def kept_gathered(self, n: Sizes, gathered: float) -> float:
+        return gathered
+
+    def step_extra(self, n: Sizes) -> float:
+        return 0.0
+
+    # ------------------------------------------------------------------ communication
+    def reduce_bytes(self, sb: StateBytes) -> float:
+        """Bytes per gradient element on the wire."""
+        return {True: 4, False: min(sb.reduce, 2)}.get(self.reduce_fp32, sb.reduce)
+
+    def grad_bytes(self, n: Sizes) -> float:
+        """The gradient payload of one reduction of every trainable parameter."""
+        return n.trainable * self.reduce_bytes(n.bytes)
+
+    def bucket_size(self, n: Sizes) -> float:
+        return self.bucket_bytes
+
+    def regathered(self, n: Sizes) -> float:
+        """Parameters gathered again for backward under ``reshard_after_forward``: all."""
+        return n.params
+
+    def traffic(self, n: Sizes) -> list[Traffic]:
+        sb, grad, bucket = n.bytes, self.grad_bytes(n), self.bucket_size(n)
+        stride, per_micro_grads = n.tp, self.grads == SHARDED
+        out: list[Traffic] = []
+        if not self.sharded:
+            out.append(Traffic("grad_all_reduce", "all_reduce", n.dp, stride, grad, "backward",
+                               calls=grad / bucket))
+        else:
+            out += self.grad_reduction(n, grad, bucket)
+            if n.shard < n.dp:  # HYBRID: the shards are all-reduced across the replica groups
+                out.append(Traffic("grad_all_reduce_replicas", "all_reduce", n.dp // n.shard,
+                                   stride * n.shard, grad / n.shard, "backward",
+                                   per_micro=per_micro_grads, calls=n.units))
+            if self.params == SHARDED:
+                out.append(Traffic("param_all_gather_forward", "all_gather", n.shard, stride,
+                                   n.params * sb.gather, "forward", per_micro=True, calls=n.units))
+                again = self.regathered(n)
+                if self.reshard_after_forward and again > 0:
+                    out.append(Traffic("param_all_gather_backward", "all_gather", n.shard, stride,
+                                       again * sb.gather, "backward", per_micro=True,
+                                       calls=n.units * again / n.params))
+            else:  # optimizer-sharded: updated parameter shards are gathered after the step
+                out.append(Traffic("param_all_gather", "all_gather", n.shard, stride,
+                                   n.params * sb.gather, "none"))
+        if self.optimizer_offload != DEVICE:
+            link = "host" if self.optimizer_offload == CPU else "nvme"
+            moved = grad / n.shard + n.params * sb.gather / n.shard  # gradients down, parameters up
+            if link == "nvme":  # the optimizer state is read and written back every step
+                moved += 2 * n.trainable * (sb.master + sb.optimizer) / n.shard
+            out.append(Traffic("optimizer_offload", "copy", 1, 1, moved, "none", link=link))
+        if self.params_offload != DEVICE:
+            link = "host" if self.params_offload == CPU else "nvme"
+            passes = 2 if self.reshard_after_forward else 1
+            out.append(Traffic("param_offload_fetch", "copy", 1, 1,
+                               passes * n.params * sb.params / n.shard, "none", per_micro=True,
+                               link=link))
+        return out
+
+    def grad_reduction(self, n: Sizes, grad: float, bucket: float) -> list[Traffic]:
+        """How sharded gradients are reduced: a reduce-scatter per unit (sharded parameters) or
+        per bucket."""
+        calls = n.units if self.params == SHARDED else grad / bucket
+        return [Traffic("grad_reduce_scatter", "reduce_scatter", n.shard, n.tp, grad, "backward",
+                        per_micro=self.grads == SHARDED, calls=calls)]
+
+    def notes(self, n: Sizes) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class FSDPFootprint(Footprint):
+    """torch FSDP (FSDP1 flat units, FSDP2 per-parameter): every state sharded; the root unit
+    (embeddings, final norm, head) is not resharded after forward, so only the blocks are
+    gathered again for backward."""
+
+    params: str = SHARDED
+    grads: str = SHARDED
+    optimizer: str = SHARDED
+
+    def regathered(self, n: Sizes) -> float:
+        return n.params if n.blocks is None else min(n.params, n.blocks)
+
+
+__all__ = ["CPU", "DEVICE", "FSDPFootprint", "Footprint", "MiB", "NVME", "REPLICATED", "SHARDED",
+           "Sizes", "StateBytes", "States", "Traffic"]

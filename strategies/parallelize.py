@@ -1,0 +1,230 @@
+"""Parallelism applied from outside to the plain single-device model, in the fixed order
+TP -> activation checkpointing -> FSDP2 (torchtitan's ``parallelize_*`` functions), from a
+family's plan (``ParallelPlan``, data) and what the model declares: its repeated block
+(``block_cls``), its Megatron ``tp_plan`` and where its blocks, embedding and head are
+(``tp_layout``). torch only (DTensor, ``fully_shard``, the checkpoint wrapper): every backend
+calls the same functions, after building the model and before its engine wraps it.
+
+Also here, because every backend needs them the same way: finding the model inside a wrapper
+module, giving a meta-built model's shards storage, and plain (unwrapped) state-dict keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Module-path pieces that wrappers insert; the plain model's state_dict has none of them.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class FSDP2Plan:
+    """``fully_shard`` over the data-parallel mesh: each block, then the model."""
+
+    reshard_after_forward: bool = True
+    """Free gathered block parameters after forward (the model's root stays gathered: it is
+    used last in forward and first in backward)."""
+    reduce_fp32: bool = True
+    """Under mixed precision, reduce-scatter gradients in fp32 (false: in the low dtype)."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What a preset applies to the plain model, in order; engines that wrap the model
+    themselves (DDP, FSDP1, DeepSpeed) wrap it after."""
+
+    tp: int = 1
+    """Tensor-parallel degree (the model's tp_plan over the tensor mesh)."""
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    fsdp: FSDP2Plan | None = None
+    """FSDP2 over the data-parallel mesh, or None."""
+
+
+def low_dtype(precision: str) -> Any:
+    """The 16-bit compute dtype of a mixed precision, None for fp32."""
+    import torch
+
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+
+
+def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh: Any = None,
+                precision: str = "32") -> Any:
+    """Apply ``plan`` to the plain model inside ``module`` (on every rank), in the fixed order."""
+    model, _ = find_model(module)
+    if plan.tp > 1:
+        apply_tp(model, tp_mesh, sequence_parallel=plan.sequence_parallel)
+    if plan.activation_checkpointing:
+        checkpoint_blocks(module)
+    if plan.fsdp is not None:
+        apply_fsdp2(module, dp_mesh, plan.fsdp, precision=precision)
+    return module
+
+
+def find_model(module: Any) -> tuple[Any, type | None]:
+    """The model inside ``module`` that declares its repeated block (``block_cls``, as
+    recipes/gpt.py does), and that class; ``(module, None)`` when nothing declares one (a user's
+    own module): strategies then treat the module as one unit."""
+    for m in module.modules():
+        block = getattr(type(m), "block_cls", None)
+        if isinstance(block, type):
+            return m, block
+    return module, None
+
+
+def checkpoint_blocks(module: Any) -> None:
+    """Recompute each block of the model inside ``module`` in backward (torch's wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    _, block = find_model(module)
+    if block is None:
+        raise ValueError("strategy.activation_checkpointing=true, but the model declares no "
+                         "block_cls to checkpoint: set block_cls on the model class")
+    apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, block))
+
+
+def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32") -> Any:
+    """``fully_shard`` each block of the model inside ``module``, then the model; ``mesh``: the
+    data-parallel DeviceMesh, 1-D, or 2-D (replicate, shard) for HSDP. A module that declares
+    no model (a user's own) is sharded child by child."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = low_dtype(precision)
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if plan.reduce_fp32 else low)
+    model, block = find_model(module)
+    if block is not None:
+        for m in model.modules():
+            if isinstance(m, block):
+                fully_shard(m, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
+    # The model (embeddings, final norm, output) is used last in forward and first in backward:
+    # resharding it after forward would only re-gather it at once.
+    roots = [model] if model is not module else [
+        c for c in module.children() if any(True for _ in c.parameters())]
+    for root in roots:
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return module
+
+
+def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
+    """Megatron column/row parallelism from the model's ``tp_plan`` on each block; the embedding
+    row-parallel (vocab rows split), the head column-parallel with replicated logits. With
+    sequence parallelism the residual stream between blocks is sharded along the sequence."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    sp = sequence_parallel
+    plan: dict[str, Any] = {}
+    for name, kind in type(model).tp_plan.items():
+        if kind == "column":
+            plan[name] = ColwiseParallel()
+        elif kind == "row":
+            plan[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+        else:
+            raise ValueError(f"{type(model).__name__}.tp_plan[{name!r}]={kind!r}: column or row")
+    if sp:
+        plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    # Where the blocks, the embedding and the head are: the model's ``tp_layout`` (dotted paths;
+    # a pipeline stage has some of them set to None).
+    where = type(model).tp_layout
+    blocks = model.get_submodule(where["blocks"])
+    for b in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
+        parallelize_module(b, mesh, plan)
+    top: dict[str, Any] = {}
+    if _present(model, where["embedding"]):
+        top[where["embedding"]] = RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Shard(1) if sp else Replicate())
+    if _present(model, where["head"]):
+        if sp:
+            top[where["norm"]] = SequenceParallel()
+        top[where["head"]] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                             output_layouts=Replicate())
+    parallelize_module(model, mesh, top)
+    return model
+
+
+def _present(model: Any, path: str) -> bool:
+    parent, _, name = path.rpartition(".")
+    return getattr(model.get_submodule(parent) if parent else model, name, None) is not None
+
+
+def materialize(module: Any, device: Any) -> None:
+    """After sharding a model built on the meta device: give its meta parameters real (local,
+    sharded) storage on ``device``, keep every tensor that was real already (LoRA adapters,
+    buffers), then let the model load its weights into the shards (a module with
+    ``pending_weights`` set has ``load_pretrained``, as recipes/hf.py's models do)."""
+    import torch
+
+    tensors = lambda: [*module.named_parameters(), *module.named_buffers()]  # noqa: E731
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    if not any(t.is_meta for _, t in tensors()):
+        return
+    with torch.no_grad():
+        keep = {n: local(t).detach().clone() for n, t in tensors() if not t.is_meta}
+        module.to_empty(device=device)
+        for n, t in tensors():
+            if n in keep:
+                local(t).copy_(keep[n])
+    for m in module.modules():
+        if getattr(m, "pending_weights", False):
+            m.load_pretrained()
+
+
+def plain_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Full fp32 CPU copies keyed as the plain model: wrapper pieces and ``prefix`` removed,
+    keys outside ``prefix`` dropped."""
+    out = {}
+    for k, v in state.items():
+        k = plain_key(k)
+        if k.startswith(prefix):
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k[len(prefix):]] = full.detach().float().cpu().clone()
+    return out
+
+
+def plain_key(key: str) -> str:
+    """A state-dict key as the plain model names it (wrappers' path pieces removed)."""
+    for piece in WRAPPER_PREFIXES:
+        key = key.replace(piece, "")
+    return key
+
+
+def clip_global_(params: list[Any], max_norm: float, groups: tuple[Any, ...] = ()) -> Any:
+    """Clip gradients to a global norm over DTensor gradients on any meshes and plain ones,
+    summing the squares over ``groups`` whose ranks hold disjoint parameters (pipeline stages)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: dict[Any, list[Any]] = {}
+    plain = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_mesh.setdefault((g.device_mesh, g.placements), []).append(g)
+        else:
+            plain.append(g)
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for group in [*by_mesh.values(), plain]:
+        if group:
+            n = torch.nn.utils.get_total_norm(group, 2.0)
+            n = n.full_tensor() if isinstance(n, DTensor) else n
+            sq = sq + n.float() ** 2
+    for g in groups:
+        dist.all_reduce(sq, group=g)
+    coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(float(coef) if isinstance(g, DTensor) else coef.to(g.dtype))
+    return sq.sqrt()
+
+
+__all__ = ["FSDP2Plan", "ParallelPlan", "apply_fsdp2", "apply_tp", "checkpoint_blocks", "clip_global_",
+           "find_model", "low_dtype", "materialize", "parallelize", "plain_key", "plain_state_dict"]

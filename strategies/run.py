@@ -1,0 +1,83 @@
+"""The run's facts, derived in one place from the validated config: the mesh (world and degrees,
+data-parallel size), the batch (accumulation), the precision and its regime, the checkpoint
+format. Validation (recipes/job.py), the planner (each preset it prices) and a strategy reached
+through Lightning's registry (from the world Lightning sets up) all call ``derive``; everything
+else reads the ``Run`` it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from strategies.mesh import Batch, Mesh
+
+if TYPE_CHECKING:
+    from strategies.base import StrategyConfig
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+REGIMES = ("32", "autocast", "bf16")
+
+
+def regime(precision: str, low_precision_weights: bool) -> str:
+    """What a precision means for the tensors a step holds: fp32 everything, torch autocast over
+    fp32 parameters, or 16-bit parameters (an engine that keeps bf16 weights beside an fp32
+    master copy, as DeepSpeed does)."""
+    if str(precision).startswith("32"):
+        return "32"
+    return "bf16" if low_precision_weights or str(precision).endswith("-true") else "autocast"
+
+
+@dataclass(frozen=True)
+class Run:
+    """What builders, the planner and the checkpoint code know about a run besides the config."""
+
+    mesh: Mesh
+    batch: Batch
+    accelerator: str = "cpu"
+    """cpu | gpu, after resolving ``auto``."""
+    precision: str = "32"
+    """32 | bf16-mixed | 16-mixed."""
+    regime: str = "32"
+    """32 | autocast | bf16 (``regime``): what the planner's activation calibration is keyed by."""
+    grad_clip: float = 0.0
+    checkpoint: str = "dcp"
+    """dcp | deepspeed: the format the family's engine writes (``Capabilities.checkpoint``)."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch.micro_size
+
+    @property
+    def accumulation(self) -> int:
+        return self.batch.accumulation
+
+    def problems(self) -> list[str]:
+        """The mesh arithmetic, then (when it holds) the batch arithmetic."""
+        return self.mesh.problems() or self.batch.problems()
+
+
+def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: str = "cpu",
+           precision: str = "32", global_batch: int = 1, micro_batch: int = 1,
+           grad_clip: float = 0.0) -> Run:
+    """The one derivation of a run's facts from a strategy, the cluster's shape and the trainer's
+    batch, precision and clipping (``accelerator`` already resolved: cpu or gpu)."""
+    mesh = strategy.mesh(nodes, devices)
+    batch = Batch(global_batch, micro_batch, mesh.dp, strategy.chunks())
+    caps = strategy.capabilities
+    return Run(mesh=mesh, batch=batch, accelerator="gpu" if accelerator == "gpu" else "cpu",
+               precision=str(precision),
+               regime=regime(str(precision), strategy.footprint().master_weights),
+               grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint)
+
+
+def derive_from(strategy: StrategyConfig, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
+    """``derive`` from the cluster and trainer groups as typed objects (``accelerator``: resolved,
+    else the cluster's own when it names one)."""
+    return derive(strategy, nodes=cluster.nodes, devices=cluster.devices,
+                  accelerator=accelerator or cluster.accelerator, precision=trainer.precision,
+                  global_batch=trainer.global_batch_size, micro_batch=trainer.micro_batch_size,
+                  grad_clip=trainer.grad_clip)
+
+
+__all__ = ["PRECISIONS", "REGIMES", "Run", "derive", "derive_from", "regime"]

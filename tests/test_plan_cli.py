@@ -1,0 +1,111 @@
+"""plan.py as a user runs it: the JSON contract, the reference numbers, the 70B answer in
+seconds, the messages, and ``strategy=auto`` end to end through train.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from planner import GB, MiB
+from recipes.config import describe
+from tests.conftest import ROOT
+
+
+
+def _plan_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "plan.py", *args, "callbacks=none"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.subprocess
+def test_cli_json_contract(tmp_path):
+    before = set(ROOT.iterdir())
+    proc = _plan_cli("model=llama_7b", "cluster=node_8x_a100_80g", "planner.format=json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    assert set(out) >= {"model", "cluster", "world_size", "accounting", "plans",
+                        "recommendation"}
+    assert out["model"] == "llama_7b" and out["world_size"] == 8
+    assert set(out["recommendation"]) == {"strategy", "reason", "micro_batch_size"}
+    for p in out["plans"]:
+        assert set(p) >= {"strategy", "fits", "memory", "communication", "bubble_fraction",
+                          "step_seconds"}
+        assert set(p["memory"]) == {"params", "grads", "master", "optimizer", "activations",
+                                    "buffers", "step", "total", "host", "nvme"}
+        assert all(isinstance(v, int) for v in p["memory"].values())
+        assert set(p["communication"]) == {"bytes_per_step", "seconds_per_step", "by_collective"}
+    assert set(ROOT.iterdir()) == before  # no outputs/, .hydra/ or log file
+
+
+@pytest.mark.subprocess
+def test_cli_params_only_reference_numbers():
+    proc = _plan_cli("planner.params=1e10", "planner.accounting=mixed16", "cluster.devices=8",
+                     "planner.format=json", "strategy=ddp")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)["plans"][0]
+    m = plan["memory"]
+    assert m["params"] + m["grads"] + m["master"] + m["optimizer"] == 160 * GB
+    assert m["activations"] == 0 and m["buffers"] == 2 * 25 * MiB  # DDP's two buckets
+    assert m["total"] == 160 * GB + m["buffers"]
+
+
+@pytest.mark.subprocess
+def test_cli_70b_answers_in_seconds():
+    start = time.monotonic()
+    proc = _plan_cli("model=llama_70b", "cluster=slurm_8x8_h100")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start < 20
+    assert "recommendation:" in proc.stdout and "assumptions:" in proc.stdout
+
+
+@pytest.mark.subprocess
+def test_cli_not_fit_message():
+    proc = _plan_cli("model=llama_7b", "cluster=node_8x_a100_80g", "strategy=ddp",
+                     "trainer.precision=bf16-mixed", "trainer.micro_batch_size=1",
+                     "trainer.global_batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "does not fit on node_8x_a100_80g: needs 152.9 GB per device, has 80.0 GB" in text
+
+
+@pytest.mark.subprocess
+def test_plan_py_prints_the_contradiction_without_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "plan.py", "model=gpt_nano", "planner.trainable=1000000"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "planner.trainable=1,000,000 exceeds" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_strategy_auto_runs_the_recommended_preset_and_says_why(tmp_path):
+    from planner import plan_all
+    from recipes.config import compose
+    from tests.conftest import TINY, run_cli
+
+    overrides = (*TINY, "trainer.max_steps=2", "cluster.devices=2", "trainer.global_batch_size=8")
+    cfg = compose([*overrides, "strategy=auto"])
+    expected = plan_all(cfg, describe(cfg.model)).recommendation.strategy
+    run = run_cli("train.py", *overrides, "strategy=auto", out=tmp_path / "auto")
+    r = run.report
+    assert r["strategy"] == expected != "auto"
+    assert r["plan"]["chosen_by"].startswith(f"strategy=auto chose {expected}: ")
+    assert r["world_size"] == 2
+
+
+@pytest.mark.subprocess
+def test_plan_py_prints_the_command_that_runs_the_recommendation():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "plan.py", "model=llama_7b", "cluster=node_8x_h100"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
+    assert "python train.py model=llama_7b cluster=node_8x_h100 strategy=" in line
