@@ -72,6 +72,8 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     chosen backend's build and fit, and a clean exit from the process group."""
     import observers
 
+    from checkpoints.interrupt import Interrupted
+
     backend = get(job.backend)
     ok = False
     try:
@@ -79,6 +81,9 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
         outcome = backend.fit(built)
         ok = True
         return outcome
+    except Interrupted:
+        ok = True  # every rank stopped after the same step: the barrier meets
+        raise
     finally:
         teardown(ok)
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from recipes.config import ModelConfig
     from recipes.job import Job
 
-__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Handles", "for_launch", "load", "resolve", "save",
-           "shapes"]
+__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Handles", "Interrupt", "Interrupted", "for_launch",
+           "interruption", "load", "resolve", "save", "shapes", "start"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -38,6 +38,10 @@ def __getattr__(name: str) -> Any:
         from checkpoints.state import Handles
 
         return Handles
+    if name in ("Interrupt", "Interrupted", "interruption"):
+        from checkpoints import interrupt
+
+        return interrupt.current if name == "interruption" else getattr(interrupt, name)
     raise AttributeError(name)
 
 
@@ -81,10 +85,11 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
 
 
 def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
-    """The job with ``trainer.resume_from`` resolved to one checkpoint path (or None), checked
-    whole before any process starts -- every file, the model's shapes, whether this preset can
-    continue from it -- so every rank resumes from the same one. ``cleanup``: this process (the
-    launcher, or rank 0 under torchrun) removes what interrupted saves left."""
+    """The checkpoint ``trainer.resume_from`` means, checked whole before any process starts --
+    every file, the model's shapes, whether this preset can continue from it. A path stays that
+    path; ``auto`` stays ``auto``, so a restarted worker finds the newest checkpoint again (its
+    ranks agree on it: ``start``). ``cleanup``: this process (the launcher, or rank 0 under
+    torchrun) removes what interrupted saves left."""
     import dataclasses
 
     from strategies import ConfigError
@@ -101,6 +106,8 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])
+    if resume_from == AUTO:
+        return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
     return dataclasses.replace(job, trainer=trainer)
 
@@ -146,6 +153,14 @@ def save(h: Handles, job: Job, run_dir: str | Path, step: int) -> Path:
         shutil.rmtree(temp)
     state._barrier()
     state.save(h, temp)
+    # COMPLETE only when every rank's files are here (a run directory not shared between nodes
+    # would leave them elsewhere): rank 0 looks, every rank hears the answer
+    files = {str(p.relative_to(temp)) for p in temp.rglob("*") if p.is_file()} if h.rank == 0 else set()
+    absent = _from_rank0(store.missing_ranks(files, h.world_size) if h.rank == 0 else None)
+    if absent:
+        raise CheckpointError(f"{temp}: rank(s) {', '.join(map(str, absent))} wrote their files "
+                              "elsewhere: the run directory is not one directory for every rank; set "
+                              "hydra.run.dir to a path on a filesystem all nodes share")
     if h.rank == 0:
         _write_config(temp, job)
         store.commit(temp, final, _meta(h, job, step))
@@ -154,6 +169,71 @@ def save(h: Handles, job: Job, run_dir: str | Path, step: int) -> Path:
         log.info("checkpoint: %s", final)
     state._barrier()
     return final
+
+
+def start(job: Job, run_dir: str | Path, *, rank: int, world_size: int, device: Any = None
+          ) -> Checkpoint | None:
+    """Every rank, once the process group exists, before the first step: check that a
+    multi-node job's run directory is one directory for every rank, then agree on the checkpoint
+    to resume (``trainer.resume_from``; ``auto``: rank 0 finds the newest complete one -- again
+    on every restart of the workers -- and the others take its answer)."""
+    if job.mesh.nodes > 1:
+        _check_shared(Path(run_dir), rank, world_size)
+    resume_from = job.trainer.resume_from
+    if resume_from is None:
+        return None
+    answer: tuple[str | None, str | None] = (None, None)
+    if rank == 0:
+        try:
+            found = resolve(resume_from, run_dir, cleanup=False)
+            answer = (str(found.path) if found else None, None)
+        except CheckpointError as e:
+            answer = (None, str(e))
+    path, error = _from_rank0(answer)
+    if error:
+        raise CheckpointError(error)
+    return read(path) if path else None
+
+
+def _from_rank0(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (itself without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _check_shared(run_dir: Path, rank: int, world_size: int) -> None:
+    """Rank 0 writes a token into the run directory; every rank must read it there."""
+    import socket
+    import uuid
+
+    import torch.distributed as dist
+
+    token = _from_rank0(uuid.uuid4().hex if rank == 0 else None)
+    marker = run_dir / f".shared-{token}"
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    dist.barrier()
+    seen: list[Any] = [None] * world_size
+    dist.all_gather_object(seen, (marker.is_file(), socket.gethostname()))
+    dist.barrier()
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = [(r, host) for r, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        from strategies import ConfigError
+
+        who = ", ".join(f"rank {r} on {host}" for r, host in blind)
+        raise ConfigError(f"hydra.run.dir={run_dir} is not one directory for every node: {who} "
+                          "cannot read the file rank 0 wrote there. Every rank writes its "
+                          "checkpoint files into the run directory and rank 0 completes them, so "
+                          "it must be on a filesystem all nodes share: set hydra.run.dir=<shared "
+                          "path> (the same on every node)")
 
 
 def load(h: Handles, ckpt: Checkpoint) -> int:

@@ -146,4 +146,15 @@ def read(path: str | Path) -> Checkpoint:
         int(meta["step"])
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path / META} is corrupt ({e})") from None
+    absent = missing_ranks(set(files), int(meta["world_size"])) if "world_size" in meta else []
+    if absent:
+        raise CheckpointError(f"{path} lacks the files of rank(s) {', '.join(map(str, absent))} of "
+                              f"{meta.get('world_size')} (rng/rank<r>.pt): they were written into "
+                              "another directory, not shared with rank 0's; resume from a "
+                              "checkpoint every rank wrote")
     return Checkpoint(path, meta)
+
+
+def missing_ranks(files: set[str], world_size: int) -> list[int]:
+    """Ranks whose own file (``rng/rank<r>.pt``, every rank writes one) is not among ``files``."""
+    return [r for r in range(world_size) if f"rng/rank{r}.pt" not in files]

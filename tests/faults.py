@@ -1,10 +1,12 @@
 """Run train.py with a fault injected -- test-only code, nothing in the product reads it.
 
-    python tests/faults.py [--kill-at STEP --rank R [--once FILE]] [--slow-save STEP --seconds S]
-                           [--note FILE] -- <train.py overrides>
+    python tests/faults.py [--kill-at STEP --rank R [--once FILE]] [--signal-at STEP --signum NAME]
+                           [--slow-save STEP --seconds S] [--note FILE] -- <train.py overrides>
 
 --kill-at: rank R SIGKILLs itself right after optimizer step STEP (with --once, only if FILE does
 not exist yet, which it then creates: under torchrun's restarts the fault happens once).
+--signal-at: rank R sends itself signal NAME (USR1, TERM) right after optimizer step STEP; the
+other ranks get none.
 --slow-save: the save of STEP sleeps S seconds after the payload is written, before the commit.
 --note: where to write "<event> <unix time>" lines (kill, saving), for the test to watch.
 The patches are made before train.py runs, so ranks forked by our launcher inherit them; under
@@ -39,6 +41,8 @@ def main() -> None:
     p.add_argument("--kill-at", type=int)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--once")
+    p.add_argument("--signal-at", type=int)
+    p.add_argument("--signum", default="USR1")
     p.add_argument("--slow-save", type=int)
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--note")
@@ -61,6 +65,19 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         Observers.step_end = killing_step_end
+
+    if args.signal_at is not None:
+        from observers.base import Observers
+
+        signalled_step_end = Observers.step_end
+
+        def signalling_step_end(self, engine, step, loss):
+            signalled_step_end(self, engine, step, loss)
+            if step == args.signal_at and engine.rank == args.rank:
+                _note(args.note, f"signal{engine.rank}")
+                os.kill(os.getpid(), getattr(signal, f"SIG{args.signum}"))
+
+        Observers.step_end = signalling_step_end
 
     if args.slow_save is not None:
         from checkpoints import state

@@ -184,6 +184,50 @@ def test_a_killed_rank_ends_the_job_within_the_timeout(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["lightning", "accelerate"])
+def test_a_signal_to_one_rank_stops_every_rank_after_its_step_and_the_resume_is_exact(
+        cached, tmp_path, backend):
+    """SIGUSR1 (Slurm's warning before the time limit) reaches rank 1 alone after step 4: both
+    ranks finish step 4, agree to stop, save it together and exit 128 + 10 with the checkpoint
+    named, no report written (checkpoint_every=3 would not have saved 4). Run again: it resumes
+    there, and the run ends bitwise equal to the uninterrupted one."""
+    straight = _straight(cached, "ddp", backend)
+    token, out = uuid.uuid4().hex, tmp_path / "run"
+    overrides = (*EQUIV, *PRESETS["ddp"], CKPT3, f"backend={backend}", QUIET)
+    proc = subprocess.run(_faulty(("--signal-at", "4", "--rank", "1", "--signum", "USR1"), *overrides, out=out),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(token))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGUSR1, log[-4000:]
+    assert "stopped by SIGUSR1" in log and "saved a checkpoint" in log, log[-4000:]
+    assert (out / "checkpoints" / "step4" / "COMPLETE").is_file(), log[-4000:]
+    assert not (out / "report.json").exists() and GLOO_ABORT not in log
+    assert not _processes_with(token)
+    resumed = run_cli("train.py", *TINY, *overrides, out=out)  # resume_from=auto
+    assert "at step 4: model and optimizer" in resumed.log
+    assert resumed.losses == straight.losses[4:]
+    _same_params(straight.params(), resumed.params())
+
+
+@pytest.mark.multiprocess
+def test_cluster_torchrun_restarts_resume_from_the_checkpoint(cached, tmp_path):
+    """cluster=torchrun with cluster.max_restarts=1 (our launcher is the agent): rank 1 is killed
+    after step 4 once; the restarted workers find the step-3 checkpoint themselves (the agent's
+    decision before launch was "none yet") and the run ends equal to the uninterrupted one."""
+    straight = _straight(cached, "ddp")
+    token, once, out = uuid.uuid4().hex, tmp_path / "killed-once", tmp_path / "run"
+    cmd = _faulty(("--kill-at", "4", "--rank", "1", "--once", str(once)), *EQUIV, *PRESETS["ddp"],
+                  CKPT3, QUIET, "cluster=torchrun", "cluster.nodes=1", "cluster.max_restarts=1", out=out)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(token))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert once.exists() and "at step 3: model and optimizer" in log, log[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["losses"] == straight.losses[3:]
+    _same_params(straight.params(), torch.load(out / "params.pt", map_location="cpu"))
+    assert not _processes_with(token)
+
+
+@pytest.mark.multiprocess
 def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(reference, tmp_path):
     """checkpoint_every=2; the step-4 save is slowed after its files are written and the whole
     job is SIGKILLed then. The resume ignores and removes the half-written step 4, continues

@@ -12,6 +12,7 @@ before the step, as on every other path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,12 +67,31 @@ def _prepare(acc: Any, job: Job, model: torch.nn.Module) -> tuple[Any, torch.opt
     return model, raw, opt
 
 
-def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
-    """Run this rank; returns the report (every rank gets its copy)."""
+@dataclass
+class Prepared:
+    """One rank's engine, prepared: what the loop steps."""
+
+    acc: Any
+    builder: families.Builder
+    model: Any
+    opt: Any
+    """The optimizer as Accelerate prepared it."""
+    engine_opt: Any
+    """The optimizer the engine steps (DeepSpeed: its ZeRO optimizer)."""
+    sched: Any
+    handles: Any
+    """What the checkpoint code reads and restores."""
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.acc.distributed_type.name == "DEEPSPEED"
+
+
+def prepare(job: Job) -> Prepared:
+    """The Accelerator (it joins the process group), then the model and optimizer."""
     t, run = job.trainer, job.run
-    block = getattr(training.model_class(job.model), "block_cls", None)
     builder = families.builder(job.strategy, run)
-    kwargs = builder.kwargs(block)
+    kwargs = builder.kwargs(getattr(training.model_class(job.model), "block_cls", None))
     acc = accelerator(kwargs, on_cpu=run.accelerator == "cpu", world_size=job.mesh.size,
                       timeout=job.cluster.collective_timeout,
                       mixed_precision=MIXED[run.precision],
@@ -80,23 +100,40 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
              type(kwargs.get("fsdp_plugin") or kwargs.get("deepspeed_plugin") or acc).__name__)
     with builder.model_context(kwargs):
         model = training.build_model(job.model, t.seed, gather=builder.gather_parameters)
-    model = builder.parallelize(model)
-    model, raw_opt, opt = _prepare(acc, job, model)
-    deepspeed = acc.distributed_type.name == "DEEPSPEED"
-    engine_opt = model.optimizer if deepspeed else raw_opt
+    model, raw_opt, opt = _prepare(acc, job, builder.parallelize(model))
+    engine_opt = model.optimizer if acc.distributed_type.name == "DEEPSPEED" else raw_opt
     builder.repair(model, engine_opt)
     sched = training.build_scheduler(raw_opt, t)
-    ckpt_handles = checkpoints.Handles(model=model, optimizer=raw_opt, scheduler=sched,
-                                       rank=acc.process_index, world_size=acc.num_processes,
-                                       format=run.checkpoint)
-    start = 0
-    ckpt = checkpoints.resolve(t.resume_from, out, cleanup=False)
-    if ckpt is not None:
-        start = checkpoints.load(ckpt_handles, ckpt)
-    engine = AccelerateEngine(acc, model, [engine_opt], builder)
+    handles = checkpoints.Handles(model=model, optimizer=raw_opt, scheduler=sched,
+                                  rank=acc.process_index, world_size=acc.num_processes,
+                                  format=run.checkpoint)
+    return Prepared(acc, builder, model, opt, engine_opt, sched, handles)
+
+
+def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
+    """Run this rank; returns the report (every rank gets its copy). On SIGUSR1/SIGTERM every
+    rank finishes its step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py)."""
+    p = prepare(job)
+    ckpt = checkpoints.start(job, out, rank=p.acc.process_index, world_size=p.acc.num_processes,
+                             device=p.acc.device)
+    start = checkpoints.load(p.handles, ckpt) if ckpt is not None else 0
+    saved: tuple[int, Path | None] = (start, ckpt.path) if ckpt is not None else (-1, None)
+
+    def save(step: int) -> Path:
+        nonlocal saved
+        if saved[0] != step:
+            saved = (step, checkpoints.save(p.handles, job, out, step))
+        return saved[1]
+
+    return _loop(job, out, observers, p, start, save, checkpoints.interruption().install())
+
+
+def _loop(job: Job, out: Path, observers: Observers, p: Prepared, start: int,
+          save: Callable[[int], Path], interrupt: Any) -> dict[str, Any]:
+    t, acc, model, opt = job.trainer, p.acc, p.model, p.opt
+    engine = AccelerateEngine(acc, model, [p.engine_opt], p.builder)
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
-
     data, val = build_datasets(job.data, job.model, t.seed)
     validator = None if val is None else evaluation.Validator(
         val, micro_batch=job.batch.per_step, val_every=t.val_every, max_steps=t.max_steps)
@@ -117,7 +154,7 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
                 loss = training.loss(model, (tokens, targets))
                 observers.forward_end(engine, step)
                 micro.append(loss.detach().float())
-                if deepspeed:
+                if p.deepspeed:
                     _deepspeed_backward(acc, model, loss, lambda: observers.before_optimizer_step(engine, step))
                 else:
                     acc.backward(loss)
@@ -127,19 +164,21 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
                             acc.clip_grad_norm_(model.parameters(), t.grad_clip)
                     opt.step()  # a no-op until the accumulation boundary
                     opt.zero_grad()
-        sched.step()
+        p.sched.step()
         observers.step_work_end(engine, step)
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
         observers.step_end(engine, step + 1, loss)
         if validator is not None and step + 1 in validator.due:
             observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1))
         if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
-            checkpoints.save(ckpt_handles, job, out, step + 1)
+            save(step + 1)
+        if signum := interrupt.requested(acc.device):
+            raise checkpoints.Interrupted(signum, step + 1, save(step + 1))
     report = observers.train_end(engine)
     if t.export_params:
         from observers.files import atomic_torch_save
 
-        params = builder.full_state_dict(model)
+        params = p.builder.full_state_dict(model)
         if acc.is_main_process:
             atomic_torch_save(params, out / "params.pt")
     acc.wait_for_everyone()

@@ -41,20 +41,42 @@ def set_global_step(trainer: L.Trainer, step: int) -> None:
 
 
 class Checkpointing(L.Callback):
-    """Save every ``trainer.checkpoint_every`` optimizer steps; restore ``trainer.resume_from``."""
+    """Save every ``trainer.checkpoint_every`` optimizer steps; restore ``trainer.resume_from``;
+    stop cleanly on SIGUSR1/SIGTERM (checkpoints/interrupt.py): after the step every rank is in,
+    all save together and the run raises ``Interrupted``."""
 
     def __init__(self, job: Job, out: Path):
         self.job, self.out = job, out
-        self._saved = -1
+        self._saved: tuple[int, Path | None] = (-1, None)
+        self._checked = -1
+        self.interrupt = checkpoints.interruption()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # after Lightning registered its own signal handlers (its SIGTERM handler would raise on
+        # one rank in the middle of a step): ours only set a flag. Lightning restores, at its
+        # teardown, the handlers it found: ours, installed first by the backend.
+        self.interrupt.install()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        ckpt = checkpoints.resolve(self.job.trainer.resume_from, self.out, cleanup=False)
+        ckpt = checkpoints.start(self.job, self.out, rank=trainer.global_rank,
+                                 world_size=trainer.world_size, device=trainer.strategy.root_device)
         if ckpt is not None:
             set_global_step(trainer, checkpoints.load(handles(trainer, self.job), ckpt))
-            self._saved = ckpt.step
+            self._saved = (ckpt.step, ckpt.path)
+        self._checked = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, every = trainer.global_step, self.job.trainer.checkpoint_every
-        if every and step % every == 0 and step != self._saved:  # once per optimizer step
-            checkpoints.save(handles(trainer, self.job), self.job, self.out, step)
-            self._saved = step
+        if step == self._checked:  # inside an accumulation window: no optimizer step yet
+            return
+        self._checked = step
+        if every and step % every == 0:
+            self._save(trainer, step)
+        signum = self.interrupt.requested(trainer.strategy.root_device)
+        if signum:
+            raise checkpoints.Interrupted(signum, step, self._save(trainer, step))
+
+    def _save(self, trainer: L.Trainer, step: int) -> Path:
+        if self._saved[0] != step:
+            self._saved = (step, checkpoints.save(handles(trainer, self.job), self.job, self.out, step))
+        return self._saved[1]

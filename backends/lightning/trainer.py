@@ -46,10 +46,18 @@ class Built:
 
 def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
     """The Trainer of the job (no process is started until ``fit``)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
     t = job.trainer
     strategy = families.build(job.strategy, job.run)
     set_timeout(strategy, job.cluster.collective_timeout)
+    # Under Slurm, resume has one owner: our checkpoints (the Checkpointing callback stops every
+    # rank after a step on SIGUSR1/SIGTERM and saves). Lightning's auto-requeue would save its own
+    # hpc checkpoint from a signal handler (a barrier that can deadlock, Lightning#21406) and
+    # restore it over ours on the next attempt.
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
     return L.Trainer(
+        plugins=plugins,
         accelerator=job.run.accelerator,
         devices=job.mesh.devices,
         num_nodes=job.mesh.nodes,
@@ -89,6 +97,9 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
 
 
 def fit(built: Built) -> Outcome:
+    import checkpoints
+
+    checkpoints.interruption().install()  # before Lightning's: its teardown restores ours
     job, trainer = built.job, built.trainer
     with warnings.catch_warnings():
         # The module's validation_step is reached through strategy.validation_step by the
