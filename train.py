@@ -52,16 +52,13 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
 
 def train(job: Job, predicted: dict, out: Path) -> None:
     """Start the ranks (or be one), train, and log where the report is."""
-    if job.mesh.size > 1 and not launchers.launched():
-        try:
-            outcome = launchers.run_local_ranks(job, out, predicted)
-        except launchers.RankLost as e:
-            if job.sweep:  # a failed row of the sweep report; the sweep goes on
-                raise
-            log.error("%s", e)
-            sys.exit(1)
-    else:
-        outcome = backends.run(job, out, predicted)
+    try:
+        outcome = launchers.run(job, out, predicted)
+    except (launchers.RankLost, launchers.Stopped) as e:
+        if job.sweep:  # a failed row of the sweep report; the sweep goes on
+            raise
+        log.error("%s", e)
+        sys.exit(getattr(e, "code", 1))
     r = outcome.report
     if outcome.rank == 0 and r.get("losses"):
         where = f", report {out / 'report.json'}" if job.callbacks.report else ""

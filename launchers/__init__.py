@@ -16,12 +16,33 @@ import re
 from typing import TYPE_CHECKING
 
 from launchers import sagemaker, slurm
-from launchers.local import RankLost, launched, restart_problem, run_local_ranks
+from launchers.local import RankLost, Stopped, launched, restart_problem, run_local_ranks, stopped
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from backends import Outcome
     from recipes.job import Job
 
-__all__ = ["RankLost", "check", "launched", "restart_problem", "run_local_ranks"]
+__all__ = ["RankLost", "Stopped", "check", "launched", "restart_problem", "run", "run_local_ranks"]
+
+
+def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
+    """Start this node's ranks (plain ``python train.py`` with several processes), or be the one
+    rank this process is. A run stopped on a signal (every rank saved) raises ``Stopped``; under
+    Slurm, the attempt ends without a result for submitit (the requeued attempt writes it)."""
+    if job.mesh.size > 1 and not launched():
+        return run_local_ranks(job, out, plan)
+    from backends import run as run_rank
+    from checkpoints.interrupt import Interrupted
+
+    try:
+        return run_rank(job, out, plan)
+    except Interrupted as e:
+        code = stopped(e)
+        if slurm.in_job():
+            slurm.leave_without_result(str(e))
+        raise Stopped(str(e), code) from None
 
 ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 

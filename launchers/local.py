@@ -21,6 +21,8 @@ are spawned, since a forked process cannot use CUDA once its parent has.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -73,11 +75,14 @@ PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Tim
 
 def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from backends import run
+    from checkpoints.interrupt import Interrupted
     from recipes.cli import rank_aware_logging
 
     rank_aware_logging()
     try:
         return run(job, out, plan)
+    except Interrupted as e:  # every rank saved after the same step: end with the signal's code
+        sys.exit(stopped(e))
     except Exception as e:
         # A survivor's collective fails within milliseconds of a peer's death. Torch's agent
         # records one failure per check, the lowest rank among those gone by then; waiting two
@@ -104,6 +109,32 @@ class RankLost(RuntimeError):
     """A rank died or failed; the launcher stopped the others."""
 
 
+class Stopped(RuntimeError):
+    """Every rank stopped on a signal after saving its checkpoint (``code``: 128 + the signal)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def stopped(e: Any) -> int:
+    """After ``checkpoints.Interrupted`` (every rank saved after the same step): rank 0 says so,
+    and under Slurm requeues the job on SIGUSR1 (its time limit is near); the exit code is
+    128 + the signal. The requeued or restarted job resumes through trainer.resume_from=auto."""
+    import logging
+    import signal
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        log = logging.getLogger("train")
+        if e.signum == signal.SIGUSR1 and slurm.in_job():
+            slurm.requeue()
+            log.warning("%s; requeued Slurm job %s: the next attempt resumes from it", e,
+                        os.environ.get("SLURM_JOB_ID"))
+        else:
+            log.warning("%s; run the same command again to resume from it (trainer.resume_from=auto)", e)
+    return 128 + e.signum
+
+
 def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     """Start this node's ranks, wait for them and return local rank 0's outcome (its ``rank`` is
     the global one). When a rank dies, torch's agent notices within ``monitor_interval`` and
@@ -113,6 +144,8 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rdzv = rendezvous(job)
+    if rdzv.max_restarts:  # restarted workers must not read the attempt before's peers (pytorch#135712)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(min_nodes=rdzv.nodes, max_nodes=rdzv.nodes, nproc_per_node=job.mesh.devices,
                           run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
                           max_restarts=rdzv.max_restarts, monitor_interval=MONITOR_SECONDS,
@@ -121,13 +154,31 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
         outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
         return outcomes[min(outcomes)]
     except ChildFailedError as e:
-        raise RankLost(_lost(e, job.mesh.size)) from None
+        codes = {f.exitcode for f in e.failures.values()}
+        if len(codes) == 1 and codes <= {128 + signal.SIGUSR1, 128 + signal.SIGTERM}:
+            name = signal.Signals(codes.pop() - 128).name
+            raise Stopped(f"stopped by {name}: every rank finished its step and saved a checkpoint; "
+                          "run the same command again to resume (trainer.resume_from=auto)",
+                          128 + signal.Signals[name]) from None
+        raise RankLost(_lost(e, job.mesh.size, rdzv.nodes)) from None
 
 
-def _lost(e: Any, world: int) -> str:
+def _lost(e: Any, world: int, nodes: int = 1) -> str:
     """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
-    stopped end by SIGTERM and are not the cause)."""
-    import signal
+    stopped end by SIGTERM and are not the cause). On one node of several, when every failure
+    here is a peer gone, the lost rank is on another node: say that, not this node's own."""
+
+    def message(f: Any) -> str:
+        msg = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
+        return "" if msg in (None, "<NONE>") else str(msg).strip()
+
+    if nodes > 1:
+        mine = sorted(e.failures.items())
+        if mine and all(f.exitcode > 0 and any(p in message(f) for p in PEER_GONE) for _, f in mine):
+            first = message(mine[0][1]).splitlines()[-1][:300]
+            return (f"a rank on another node was lost: this node's ranks {[r for r, _ in mine]} of "
+                    f"{world} stopped when their peers vanished ({first}); the other node's log "
+                    "names the lost rank")
 
     def how(code: int) -> str:
         if code < 0:
@@ -145,9 +196,8 @@ def _lost(e: Any, world: int) -> str:
     failures = sorted(e.failures.items(), key=lambda rf: (kind(rf[1].exitcode), rf[1].timestamp))
     rank, first = failures[0]
     detail = ""
-    if first.exitcode > 0 and first.message and first.message != "<NONE>":
-        msg = first.message if isinstance(first.message, str) else first.message.get("message", "")
-        detail = f": {str(msg).strip().splitlines()[-1][:500]}" if msg else ""
+    if first.exitcode > 0 and message(first):
+        detail = f": {message(first).splitlines()[-1][:500]}"
     others = sorted({r for r, _ in failures} - {rank})
     return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
             "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))

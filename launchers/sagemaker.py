@@ -7,8 +7,12 @@ source directory SageMaker unpacks (the repository, uploaded by the SDK). Inside
 train.py reads SageMaker's environment (``in_container``, ``environment``): one node per
 instance, ``cluster.devices`` ranks per node started by launchers/local.py, the c10d rendezvous
 at SageMaker's master host. The run directory is ``/opt/ml/checkpoints/run``, which SageMaker
-syncs with ``cluster.sagemaker.checkpoint_s3_uri`` (checkpoints and report survive the job, and
-a restarted job finds them); ``/opt/ml/model`` and ``/opt/ml/output`` go to ``output_path``.
+syncs with ``cluster.sagemaker.checkpoint_s3_uri`` (default ``<output_path>/checkpoints``; a
+job with neither is refused: its checkpoints and report would vanish with it), so a restarted
+job finds them; ``/opt/ml/model`` and ``/opt/ml/output`` go to ``output_path``. Data comes in
+through input channels (``cluster.sagemaker.inputs``, name -> S3 URI, mounted at
+``/opt/ml/input/data/<name>``): a ``data.path`` there is checked against the declared channels on
+the submitting machine, and for existence in the container.
 
 The SDK is an optional extra (``pip install -e ".[sagemaker]"``), imported by ``submit`` only.
 """
@@ -22,6 +26,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+CHANNELS_DIR = "/opt/ml/input/data"
+"""Where SageMaker mounts each input channel (``cluster.sagemaker.inputs``): <here>/<channel>."""
 CODE_DIR = "/opt/ml/input/data/code"
 """Where SageMaker unpacks the source directory (the command runs there)."""
 RUN_DIR = "/opt/ml/checkpoints/run"
@@ -76,6 +82,48 @@ def problems(nodes: int, devices: int, accelerator: str) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------- before submission
+def channel_of(path: Any) -> str | None:
+    """The input channel a container path is in (/opt/ml/input/data/<channel>/...), or None."""
+    parts = str(path).split("/")
+    root = CHANNELS_DIR.split("/")
+    if path is None or parts[:len(root)] != root or len(parts) <= len(root):
+        return None
+    return parts[len(root)]
+
+
+def checkpoint_destination(s: Any) -> str | None:
+    """Where the run directory is synced: checkpoint_s3_uri, else <output_path>/checkpoints."""
+    if s.checkpoint_s3_uri:
+        return s.checkpoint_s3_uri
+    return f"{s.output_path.rstrip('/')}/checkpoints" if s.output_path else None
+
+
+def submission_problems(cluster: Any, data: Any) -> list[str]:
+    """What would make the job lose its results or miss its data, checked on the submitting
+    machine: a checkpoint destination, and every container data path in a declared channel."""
+    s, out = cluster.sagemaker, []
+    if checkpoint_destination(s) is None:
+        out.append("cluster.sagemaker.checkpoint_s3_uri=null and cluster.sagemaker.output_path=null: "
+                   "the run directory (checkpoints, report.json) would vanish with the job; set "
+                   "cluster.sagemaker.output_path=s3://<bucket>/<prefix> (checkpoints go to its "
+                   "checkpoints/) or cluster.sagemaker.checkpoint_s3_uri=s3://<bucket>/<prefix>")
+    for key in ("path", "val_path", "tokenizer"):
+        value = getattr(data, key, None)
+        channel = channel_of(value)
+        if value is not None and str(value).startswith(CHANNELS_DIR) and channel not in s.inputs:
+            out.append(f"data.{key}={value} is in channel {channel!r}, which cluster.sagemaker.inputs "
+                       f"does not declare (declared: {', '.join(s.inputs) or 'none'}): add "
+                       f"+cluster.sagemaker.inputs.{channel}=s3://<bucket>/<prefix>")
+    return out
+
+
+def container_path(path: str) -> bool:
+    """A path of the container's input channels: checked there, not on the submitting machine
+    (``strategies.checks.paths_elsewhere``; ``submission_problems`` checks its channel)."""
+    return channel_of(path) is not None
+
+
 # --------------------------------------------------------------------------- building the job
 def host_command(overrides: list[str]) -> str:
     """What every host runs, in CODE_DIR: our dependencies (the PyTorch image has torch), then
@@ -100,8 +148,10 @@ def job_arguments(cluster: Any, overrides: list[str], source_dir: str) -> dict[s
                     "volume_size_in_gb": s.volume_gb},
         "stopping_condition": {"max_runtime_in_seconds": s.max_run_s},
         "output_data_config": {"s3_output_path": s.output_path} if s.output_path else None,
-        "checkpoint_config": ({"s3_uri": s.checkpoint_s3_uri, "local_path": CHECKPOINT_DIR}
-                              if s.checkpoint_s3_uri else None),
+        "checkpoint_config": ({"s3_uri": checkpoint_destination(s), "local_path": CHECKPOINT_DIR}
+                              if checkpoint_destination(s) else None),
+        "input_data_config": [{"channel_name": name, "data_source": uri}
+                              for name, uri in sorted(s.inputs.items())] or None,
         "environment": {"OMP_NUM_THREADS": "1"},
     }
 
@@ -122,6 +172,7 @@ def build(args: dict[str, Any]) -> Any:
     from sagemaker.train.configs import (
         CheckpointConfig,
         Compute,
+        InputData,
         OutputDataConfig,
         SourceCode,
         StoppingCondition,
@@ -139,6 +190,8 @@ def build(args: dict[str, Any]) -> Any:
                                if args["output_data_config"] else None),
         "checkpoint_config": (CheckpointConfig(**args["checkpoint_config"])
                               if args["checkpoint_config"] else None),
+        "input_data_config": ([InputData(**c) for c in args["input_data_config"]]
+                              if args["input_data_config"] else None),
     }
     rest = {k: v for k, v in args.items() if k not in built and v is not None}
     return ModelTrainer(**{k: v for k, v in built.items() if v is not None}, **rest)

@@ -9,9 +9,11 @@ srun starts the tasks and every task is one rank.
   account, QOS, constraint, and SIGUSR1 before the time limit -- so the cluster config is the one
   place these are set.
 - In the job, ``srun_task`` / ``export_torch_env``: ranks and addresses come from Lightning's
-  ``SLURMEnvironment`` (the Lightning backend uses it as is, with its auto-requeue: on SIGUSR1 it
-  saves ``hpc_ckpt_<n>.ckpt`` in the run directory and runs ``scontrol requeue``; the requeued job
-  resumes from it); torch's ``env://`` variables are exported from it for every other engine.
+  ``SLURMEnvironment`` (its auto-requeue off: resume has one owner, our checkpoints); torch's
+  ``env://`` variables are exported from it for every other engine. On SIGUSR1 every rank stops
+  after its step and saves (checkpoints/interrupt.py); ``requeue`` puts the job back in the queue
+  and the next attempt resumes from the checkpoint.
+- ``client_problems``: sbatch, and an sacct that answers (submitit polls it for every job).
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def world_problems(size: int) -> list[str]:
             "allocation"]
 
 
+def in_job() -> bool:
+    """This process runs inside a Slurm job."""
+    return "SLURM_JOB_ID" in os.environ
+
+
+def requeue() -> None:
+    """Put this job back in the queue (its next attempt resumes from the checkpoint just saved);
+    Slurm then ends this attempt."""
+    job = os.environ["SLURM_JOB_ID"]
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        log.error("scontrol requeue %s failed: %s", job, done.stderr.strip())
+
+
 def stopped_by_slurm(error: BaseException) -> bool:
     """``error`` is how Lightning ends training after Slurm's SIGTERM (a requeue, a preemption,
     a cancel) inside a Slurm job."""
@@ -67,12 +83,11 @@ def stopped_by_slurm(error: BaseException) -> bool:
     return isinstance(error, SIGTERMException)
 
 
-def leave_without_result() -> None:
+def leave_without_result(why: str = "stopped by Slurm (SIGTERM)") -> None:
     """End this attempt of the job with no result for submitit: a requeued job runs again (and
-    resumes from the checkpoint Lightning saved) and its next attempt writes the result; a
-    cancelled one is reported by submitit as cancelled. (Returning would report a result.)"""
-    log.warning("stopped by Slurm (SIGTERM): this attempt ends without a result; a requeued job "
-                "resumes from its checkpoint")
+    resumes from the checkpoint saved) and its next attempt writes the result; a cancelled one
+    is reported by submitit as cancelled. (Returning would report a result.)"""
+    log.warning("%s: this attempt ends without a result; a requeued job resumes from its checkpoint", why)
     logging.shutdown()
     os._exit(143)
 
@@ -97,6 +112,27 @@ def _partitions() -> dict[str, dict[str, Any]] | None:
         p["nodes"] += int(nodes)
         p["gpus"] = max(p["gpus"], gpus)
     return parts
+
+
+def client_problems() -> list[str]:
+    """The Slurm client submitit needs: sbatch to submit, and sacct answering job states (it
+    polls sacct; without an accounting database sacct fails and submitit would wait forever)."""
+    missing = [c for c in ("sbatch", "sacct", "scontrol") if shutil.which(c) is None]
+    if missing:
+        return [f"hydra/launcher=submitit_slurm needs the Slurm client on PATH ({', '.join(missing)} "
+                "not found): run from a Slurm login node, or install slurm-client"]
+    try:
+        done = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"sacct did not answer ({e}): submitit reads job states from it"]
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()[:1]
+        return [f"sacct cannot answer job states here ({said[0] if said else f'exit {done.returncode}'}): "
+                "submitit polls sacct for every job and would wait forever. Enable Slurm accounting "
+                "(AccountingStorageType=accounting_storage/slurmdbd), or put an sacct that answers "
+                "from scontrol on PATH (tests/slurm/bin/sacct is one)"]
+    return []
 
 
 SHAPE = ("cluster", "cluster.nodes", "cluster.devices", "cluster.slurm.cpus_per_task")
@@ -149,7 +185,7 @@ def request(cfg: DictConfig) -> dict[str, Any]:
     """The launcher's keys (hydra-submitit-launcher's SlurmQueueConf) that ``cluster`` decides."""
     c, s = cfg.cluster, cfg.cluster.slurm
     extra: dict[str, Any] = {"requeue": True}
-    if s.requeue_signal_s:  # Lightning's auto-requeue listens for SIGUSR1 (submitit's own is USR2)
+    if s.requeue_signal_s:  # our ranks stop, save and requeue on SIGUSR1 (submitit's own is USR2)
         extra["signal"] = f"USR1@{s.requeue_signal_s}"
     req: dict[str, Any] = {"nodes": c.nodes, "tasks_per_node": c.devices, "cpus_per_task": s.cpus_per_task,
                            "timeout_min": s.time_min, "array_parallelism": s.array_parallelism,
@@ -169,11 +205,19 @@ class SlurmSubmission(Callback):
             return
         from strategies import ConfigError
 
-        found = problems(config)
+        found = client_problems() or problems(config)
         if found:
             log.error("%s", ConfigError(found))
             sys.exit(2)
+        # a job that ends without a result is a failed row (hydra_plugins/stratagem/slurm_launcher.py;
+        # registered by hand: Hydra's scan of hydra_plugins misses an editable install's packages)
+        from hydra.core.plugins import Plugins
+
+        from hydra_plugins.stratagem.slurm_launcher import SlurmLauncher
+
+        Plugins.instance().register(SlurmLauncher)
         with open_dict(config.hydra.launcher):
+            config.hydra.launcher._target_ = f"{SlurmLauncher.__module__}.{SlurmLauncher.__name__}"
             for key, value in request(config).items():
                 if key == "additional_parameters":
                     value = {**value, **config.hydra.launcher.get("additional_parameters", {})}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -48,12 +49,17 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
     """Run one job of a sweep: its status is recorded, and no error escapes to end the sweep.
     ``SystemExit`` (a configuration error's exit 2) is a failed job like any other; Slurm's
     SIGTERM (a requeue) is not a result at all (slurm.leave_without_result)."""
+    from launchers.local import Stopped
+
     try:
         result = job()
     except WillNotFit as e:
         log.warning("skipped: %s", e)
         record(out, SKIPPED, str(e), e.plan)
         return None
+    except Stopped as e:  # a signal for the sweep, not this job's fault: the sweep stops too
+        record(out, FAILED, str(e))
+        raise SystemExit(e.code) from None
     except (Exception, SystemExit) as e:  # noqa: BLE001  (a failed job is a row, the sweep goes on)
         if slurm.stopped_by_slurm(e):
             slurm.leave_without_result()
@@ -89,9 +95,14 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
                          "reason": status.get("reason")}
     if report is None and r["status"] == OK:
         r["status"], r["reason"] = FAILED, "no report.json (the job did not finish)"
-    cfg = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
-    r["strategy"] = cfg.strategy.name
-    r["world_size"] = cfg.cluster.nodes * cfg.cluster.devices
+    config = job_dir / ".hydra" / "config.yaml"
+    if config.exists():
+        cfg = OmegaConf.load(config)
+        r["strategy"] = cfg.strategy.name
+        r["world_size"] = cfg.cluster.nodes * cfg.cluster.devices
+    else:  # a job that never started (cancelled in the queue)
+        r["strategy"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")), "?")
+        r["world_size"] = None
     plan = status.get("plan") or (report or {}).get("plan") or {}
     r["predicted_fits"] = plan.get("fits")
     if report is None:
@@ -226,8 +237,54 @@ def write(sweep: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def points(config: DictConfig) -> list[list[str]] | None:
+    """The sweep's jobs as override lists, as Hydra's basic sweeper will expand them (None: another
+    sweeper, which expands its own)."""
+    sweeper = str(config.hydra.sweeper.get("_target_", ""))
+    if not sweeper.endswith("BasicSweeper"):
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def preflight(config: DictConfig) -> list[tuple[list[str], list[str]]]:
+    """Every point of the sweep composed and validated as its job will be (torch-free, before
+    anything is started or queued): (point, its problems) for the invalid ones."""
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+    from strategies import ConfigError
+
+    bad = []
+    for point in points(config) or []:
+        try:
+            validate(compose(point), depth=RUN)
+        except ConfigError as e:
+            bad.append((point, e.problems))
+        except Exception as e:  # noqa: BLE001  (Hydra refuses to compose it)
+            bad.append((point, [str(e).splitlines()[0]]))
+    return bad
+
+
 class SweepReport(Callback):
-    """Hydra callback (conf/hydra/default.yaml): after a multirun, the comparison report."""
+    """Hydra callback (conf/hydra/default.yaml): before a multirun starts or queues anything,
+    every point is validated (one message for all, exit 2); after it, the comparison report, and
+    exit 1 when any job failed."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from recipes import cli
+
+        cli.started()  # (the sweep composed: from here a failure is not a configuration error)
+        bad = preflight(config)
+        if bad:
+            lines = [f"{len(bad)} of the sweep's jobs cannot run; nothing was started:"]
+            for point, found in bad:
+                lines.append(f"  {' '.join(point)}")
+                lines += [f"    - {p}" for p in found]
+            log.error("%s", "\n".join(lines))
+            sys.exit(cli.CONFIG_ERROR)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
@@ -235,3 +292,5 @@ class SweepReport(Callback):
         counts = {s: sum(r["status"] == s for r in rows) for s in (OK, SKIPPED, FAILED)}
         log.info("sweep report: %s (%d ok, %d skipped, %d failed)", sweep / "sweep_report.md",
                  counts[OK], counts[SKIPPED], counts[FAILED])
+        if counts[FAILED]:
+            sys.exit(1)
