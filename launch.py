@@ -3,7 +3,8 @@
     python launch.py cluster=sagemaker_p5_2node strategy=fsdp model=llama_7b --dry-run
     python launch.py cluster=sagemaker_p5_2node strategy=fsdp model=llama_7b \\
         cluster.sagemaker.role=arn:aws:iam::<account>:role/<role> \\
-        cluster.sagemaker.output_path=s3://<bucket>/stratagem cluster.sagemaker.checkpoint_s3_uri=s3://<bucket>/ckpt
+        cluster.sagemaker.output_path=s3://<bucket>/stratagem \\
+        +cluster.sagemaker.inputs.train=s3://<bucket>/data data=jsonl data.path=/opt/ml/input/data/train/corpus.jsonl
 
 Takes train.py's overrides, checks the run they describe as train.py would (not this machine),
 asks the planner whether it fits, then builds the SageMaker training job (launchers/sagemaker.py)
@@ -44,6 +45,8 @@ def main(argv: list[str]) -> None:
                        "launch step: run python train.py ... (Slurm: python train.py -m "
                        "hydra/launcher=submitit_slurm ...); launch.py submits cluster.launcher=sagemaker "
                        "clusters, e.g. cluster=sagemaker_p5_2node")
+        if job.cluster.launcher == "sagemaker":
+            out += sagemaker.submission_problems(job.cluster, job.data)
         verdict = preflight(job.cfg, job.model)
         if not verdict.fits and job.cfg.planner.enforce:
             out.append(verdict.message() + " (set planner.enforce=false to submit anyway)")
@@ -52,7 +55,10 @@ def main(argv: list[str]) -> None:
                        "pip install -e '.[sagemaker]' (or add --dry-run to see the job without it)")
         return out
 
-    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
+    from strategies.checks import paths_elsewhere
+
+    with paths_elsewhere(sagemaker.container_path):
+        job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
     args = sagemaker.job_arguments(job.cluster, overrides, str(ROOT))
     if dry:
         print(sagemaker.dry_run(args, job.cluster.nodes))

@@ -194,6 +194,11 @@ class SageMakerConfig:
     region: str | None = free(None, "an AWS region; None: the SDK's default")
     output_path: str | None = free(None, "s3://bucket/prefix for the job's output")
     checkpoint_s3_uri: str | None = free(None, "s3://bucket/prefix synced with /opt/ml/checkpoints")
+    """Where checkpoints and the report go; None: <output_path>/checkpoints (one of the two must
+    be set, or they vanish with the job)."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """Input channels: name -> s3:// URI, mounted at /opt/ml/input/data/<name> on every host
+    (point data.path there: /opt/ml/input/data/<name>/<file>)."""
     max_run_s: int = knob(86400, min=1)
     """The job's time limit, seconds."""
     volume_gb: int = knob(100, min=1)
@@ -464,6 +469,22 @@ GROUP_SCHEMAS: dict[str, type] = {
 }
 
 
+def run_name(nodes: Any, launcher: Any, endpoint: Any = None) -> str:
+    """A run directory's name under outputs/: the same on every process of one job. Each process
+    of a job composes its own config, so a clock time differs between nodes (and srun tasks)
+    started a second apart: a multi-node torchrun job is named by its rendezvous endpoint, a Slurm
+    srun step by its job id (the same after a requeue: the next attempt finds the checkpoints);
+    anything else by the date and time."""
+    import datetime
+    import os
+
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    if launcher == "torchrun" and int(nodes) > 1 and endpoint:
+        return "torchrun-" + "".join(c if c.isalnum() or c in "-." else "-" for c in str(endpoint))
+    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+
+
 def _store() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
@@ -471,6 +492,12 @@ def _store() -> None:
         from recipes.hf_config import resolve
 
         OmegaConf.register_new_resolver("hf", resolve)
+    if not OmegaConf.has_resolver("instance"):  # conf/cluster/sagemaker_*.yaml: an instance's numbers
+        from recipes.hardware import instance
+
+        OmegaConf.register_new_resolver("instance", instance)
+    if not OmegaConf.has_resolver("run_name"):  # conf/hydra/default.yaml: hydra.run.dir
+        OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     cs.store(name="logger_schema", node=LoggerConfig)  # opt-in groups: typed per file
     cs.store(name="export_schema", node=ExportConfig)
 

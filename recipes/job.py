@@ -174,7 +174,8 @@ def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
     if data.path is None and name != "text":
         out.append(f"data={name} needs data.path (null now): set data.path={example}"
                    + (" or a directory of *.bin shards" if name == "tokens" else ""))
-    inputs = [(k, v) for k, v in (("data.path", data.path), ("data.val_path", data.val_path)) if v]
+    inputs = [(k, v) for k, v in (("data.path", data.path), ("data.val_path", data.val_path))
+              if v and not checks.elsewhere(v)]
     for key, value in inputs:
         p = Path(value).expanduser()
         if name == "tokens":
@@ -206,7 +207,7 @@ def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
         out.append(f"data={name} needs a tokenizer, and data.tokenizer is null (the model has no "
                    "model.path to take one from): set data.tokenizer=<a tokenizer directory or "
                    "tokenizer.json>")
-    if data.tokenized and data.tokenizer is not None:
+    if data.tokenized and data.tokenizer is not None and not checks.elsewhere(data.tokenizer):
         out += _tokenizer_problems(data.tokenizer, model, tokenizer_info)
     return out
 

@@ -15,12 +15,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 # Fields that name things rather than set them: nothing to check.
 NAMES = frozenset({"name", "family"})
+
+_ELSEWHERE: ContextVar[Callable[[str], bool] | None] = ContextVar("elsewhere", default=None)
+
+
+@contextmanager
+def paths_elsewhere(where: Callable[[str], bool]) -> Iterator[None]:
+    """While validating a job that will run on another machine (a SageMaker container): the paths
+    ``where`` accepts exist there, not here; their existence is not checked on this machine."""
+    token = _ELSEWHERE.set(where)
+    try:
+        yield
+    finally:
+        _ELSEWHERE.reset(token)
+
+
+def elsewhere(path: Any) -> bool:
+    """``path`` lives on the machine the job will run on (``paths_elsewhere``)."""
+    where = _ELSEWHERE.get()
+    return bool(where and path is not None and where(str(path)))
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,8 @@ class Check:
         if self.choices is not None and (value in self.choices or self.exists is None):
             return None if value in self.choices else f"is not one of {self.allowed()}"
         if self.exists is not None:  # (with choices: a path is the other allowed kind of value)
+            if elsewhere(value):
+                return None
             path = Path(str(value)).expanduser()
             ok = {"file": path.is_file, "dir": path.is_dir}.get(self.exists, path.exists)()
             kind = {"file": "a file", "dir": "a directory"}.get(self.exists, "a path")
