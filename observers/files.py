@@ -1,5 +1,7 @@
 """Atomic writes: a temp file in the same directory, then a rename, so a reader (or a resumed
-run) never sees half a file and a failed run leaves nothing behind."""
+run) never sees half a file and a failed run leaves nothing behind. The file gets the mode a
+plain ``open`` would give it (0666 less the umask), not the temp file's private 0600: a report or
+a converted model copied to a shared directory stays readable by the team."""
 
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ def _atomic(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
