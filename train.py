@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 import backends
+import checkpoints
 import launchers
 import launchers.sweep
 import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
@@ -34,7 +35,6 @@ log = logging.getLogger("train")
 def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     """Choose (strategy=auto), validate, plan and find the checkpoint to resume: every
     configuration error before any process starts."""
-    import checkpoints
     import planner
 
     cfg, chosen = planner.resolve_auto(cfg, recipes.config.describe(cfg.model))
@@ -89,6 +89,9 @@ def main(cfg: DictConfig) -> None:
         job, predicted = prepare(cfg, None, out)
     except (ConfigError, WillNotFit) as e:
         cli.fail(e, log)
+    except checkpoints.Finished as e:  # a re-run (or a requeue) of a run that is done
+        log.info("%s", e)
+        return
     train(job, predicted, out)
 
 

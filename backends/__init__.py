@@ -71,7 +71,6 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     """One rank of the job (or the whole job, when it has one process): the observers, the
     chosen backend's build and fit, and a clean exit from the process group."""
     import observers
-
     from checkpoints.interrupt import Interrupted
 
     backend = get(job.backend)

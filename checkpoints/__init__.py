@@ -8,12 +8,15 @@ checkpoint ``trainer.resume_from`` means, checked before any process starts), ``
         meta.json        step (the data position), world size, strategy, backend, payload kind,
                          LR scheduler state, the model's parameter shapes, the resolved config
         config.yaml      the resolved config, for people
+        history.json     the run's record so far (losses, validations): a resumed run reports
+                         the whole run, from step 1
         dcp/ | deepspeed/  model + optimizer, as torch DCP or DeepSpeed wrote them
         rng/rank<r>.pt   each rank's RNG states
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -26,11 +29,15 @@ if TYPE_CHECKING:
     from recipes.config import ModelConfig
     from recipes.job import Job
 
-__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Handles", "Interrupt", "Interrupted", "for_launch",
+__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "due", "Interrupt", "Interrupted", "for_launch",
            "interruption", "load", "resolve", "save", "shapes", "start"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
+
+
+class Finished(Exception):
+    """The checkpoint to resume is at (or past) ``trainer.max_steps``: nothing is left to run."""
 
 
 def __getattr__(name: str) -> Any:
@@ -89,7 +96,9 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     every file, the model's shapes, whether this preset can continue from it. A path stays that
     path; ``auto`` stays ``auto``, so a restarted worker finds the newest checkpoint again (its
     ranks agree on it: ``start``). ``cleanup``: this process (the launcher, or rank 0 under
-    torchrun) removes what interrupted saves left."""
+    torchrun) removes what interrupted saves left. Raises ``Finished`` when ``auto`` finds a
+    checkpoint already at ``trainer.max_steps`` (a re-run, or a requeue after the last step; a
+    path at or past it only loads: the run trains nothing and exports what it loaded)."""
     import dataclasses
 
     from strategies import ConfigError
@@ -103,6 +112,9 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     why = ckpt and refusal(ckpt, job)
     if why:
         raise ConfigError(f"trainer.resume_from={resume_from}: {why}")
+    if resume_from == AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
+        raise Finished(f"already finished at step {ckpt.step} ({ckpt.path}); raise "
+                       f"trainer.max_steps (now {job.trainer.max_steps}) to continue")
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])
@@ -143,9 +155,18 @@ def _check_shapes(ckpt: Checkpoint, want: dict[str, list[int]]) -> None:
                                   "resume with the model.* settings it was trained with")
 
 
-def save(h: Handles, job: Job, run_dir: str | Path, step: int) -> Path:
+def due(trainer: Any, step: int) -> bool:
+    """Whether the checkpoint of optimizer step ``step`` is to be saved: every
+    ``trainer.checkpoint_every`` steps, and the final one (``trainer.save_last``)."""
+    every = trainer.checkpoint_every
+    return bool(every and step % every == 0) or (trainer.save_last and step == trainer.max_steps)
+
+
+def save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str, Any] | None = None
+         ) -> Path:
     """Every rank, collectively: write the checkpoint of ``step`` under a temporary name; rank 0
-    then marks it complete and renames it, and prunes to ``trainer.keep_last``."""
+    then marks it complete and renames it, and prunes to ``trainer.keep_last``. ``history``: the
+    run's record so far (``Observers.history``), which a resumed run continues."""
     from checkpoints import state, store
 
     temp, final = store.temp_for(run_dir, step), store.path_for(run_dir, step)
@@ -163,6 +184,7 @@ def save(h: Handles, job: Job, run_dir: str | Path, step: int) -> Path:
                               "hydra.run.dir to a path on a filesystem all nodes share")
     if h.rank == 0:
         _write_config(temp, job)
+        (temp / store.HISTORY).write_text(json.dumps(history or {}) + "\n")
         store.commit(temp, final, _meta(h, job, step))
         for p in store.prune(run_dir, job.trainer.keep_last):
             log.info("removed checkpoint %s (trainer.keep_last=%d)", p, job.trainer.keep_last)

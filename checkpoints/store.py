@@ -23,6 +23,7 @@ from observers.files import atomic_write_text
 DIRNAME = "checkpoints"
 MARKER = "COMPLETE"
 META = "meta.json"
+HISTORY = "history.json"
 TMP = ".tmp-"
 _STEP = re.compile(r"step(\d+)")
 
@@ -116,6 +117,12 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.meta["step"])
+
+    def history(self) -> dict[str, Any]:
+        """The run's record up to this step (``history.json``: the losses, validations, ... the
+        observers carry across a resume); empty for a checkpoint written without one."""
+        f = self.path / HISTORY
+        return json.loads(f.read_text()) if f.is_file() else {}
 
 
 def read(path: str | Path) -> Checkpoint:

@@ -25,6 +25,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoints
 from launchers import slurm
 from observers.files import atomic_write_text
 from planner import WillNotFit
@@ -56,6 +57,10 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
     except WillNotFit as e:
         log.warning("skipped: %s", e)
         record(out, SKIPPED, str(e), e.plan)
+        return None
+    except checkpoints.Finished as e:  # this job was done before (a re-run, a requeue): its report stands
+        log.info("%s", e)
+        record(out, OK)
         return None
     except Stopped as e:  # a signal for the sweep, not this job's fault: the sweep stops too
         record(out, FAILED, str(e))

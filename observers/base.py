@@ -3,6 +3,7 @@
 A backend calls the hub (``Observers``) at these moments of the loop and hands it an ``Engine``
 (what observers may look at of the running engine):
 
+    resume(step, path, history)           (a resumed run, before train_start: the record so far)
     train_start
       step_start
         forward_start, forward_end        (each micro-batch: around the forward pass)
@@ -15,6 +16,10 @@ A backend calls the hub (``Observers``) at these moments of the loop and hands i
 keys it returns from ``report()``; the hub merges them (a key owned twice is an error, so the
 order observers are registered in does not matter) and rank 0 writes ``report.json``
 atomically. Hooks run on every rank; an observer may use collectives in ``on_train_end``.
+
+A run that resumes continues one record: each checkpoint carries ``Observers.history()`` (what
+every observer's ``history`` returns: losses, validations), and a resumed run hands it back
+through ``on_resume``, so report.json covers the whole run from step 1 with ``resumed_from``.
 """
 
 from __future__ import annotations
@@ -51,6 +56,15 @@ class Engine(Protocol):
 class Observer:
     """Override the hooks you need. ``step`` counts optimizer steps: at ``on_step_start`` the
     index of the step beginning (0-based), at ``on_step_end`` the number completed."""
+
+    def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
+        """A resumed run, before ``on_train_start``: ``history`` is what ``history`` returned
+        when the checkpoint of ``step`` was saved (empty for a checkpoint without one)."""
+
+    def history(self) -> dict[str, Any]:
+        """What this observer's record needs to continue after a resume (JSON; saved with
+        every checkpoint, on rank 0). Keys are owned as report keys are."""
+        return {}
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         """``step``: optimizer steps already done (a resumed run starts past 0)."""
@@ -99,6 +113,15 @@ class Observers:
         for o in self.observers:
             getattr(o, hook)(*args)
 
+    def resume(self, engine: Engine, step: int, path: Path, history: dict[str, Any]) -> None:
+        """The run continues the checkpoint at ``path`` (step ``step``) and its record."""
+        self.meta["resumed_from"] = {"step": step, "path": str(path)}
+        self._each("on_resume", engine, step, history)
+
+    def history(self) -> dict[str, Any]:
+        """Every observer's record so far, for the checkpoint being saved."""
+        return self._merged("history")
+
     def train_start(self, engine: Engine, step: int) -> None:
         self._each("on_train_start", engine, step)
 
@@ -126,16 +149,21 @@ class Observers:
     def train_end(self, engine: Engine) -> dict[str, Any]:
         """Finish every observer, merge their keys after ``meta``; rank 0 writes the report."""
         self._each("on_train_end", engine)
-        report = dict(self.meta)
-        owner: dict[str, str] = {}
-        for o in self.observers:
-            for key, value in o.report().items():
-                if key in owner or key in self.meta:
-                    raise ValueError(f"report key {key!r} is written by both "
-                                     f"{owner.get(key, 'the run meta')} and {type(o).__name__}")
-                owner[key] = type(o).__name__
-                report[key] = value
+        report = {"resumed_from": None, **self.meta, **self._merged("report", taken=set(self.meta))}
         if self.report_path is not None and engine.rank == 0:
             atomic_write_text(self.report_path, json.dumps(report, indent=2) + "\n")
         self._each("on_report", engine, report)
         return report
+
+    def _merged(self, method: str, taken: set[str] = frozenset()) -> dict[str, Any]:
+        """Every observer's ``method()`` in one dict; a key owned twice is an error."""
+        merged: dict[str, Any] = {}
+        owner = dict.fromkeys(taken, "the run meta")
+        for o in self.observers:
+            for key, value in getattr(o, method)().items():
+                if key in owner:
+                    raise ValueError(f"{method} key {key!r} is written by both {owner[key]} and "
+                                     f"{type(o).__name__}")
+                owner[key] = type(o).__name__
+                merged[key] = value
+        return merged

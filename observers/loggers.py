@@ -7,16 +7,24 @@ profiles become tables at the end).
 Every step logs ``loss``, ``step_seconds`` and ``tokens_per_second``; each validation
 ``val_loss`` and ``val_perplexity`` (csv: the same file, its own row). Secrets stay out: the
 config logged is the job's config (no environment), and wandb is given its settings explicitly.
+
+A resumed run continues the same record: metrics.csv keeps its rows up to the checkpoint's step
+and appends; TensorBoard purges the events after that step (a run killed past its last
+checkpoint logged steps it now runs again); wandb resumes the run whose id the run directory
+keeps (``wandb-run-id``), where W&B itself ignores steps it already has.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from observers.base import Engine, Observer
+from observers.files import atomic_write_text
 
 
 class StepLogger(Observer):
@@ -26,6 +34,10 @@ class StepLogger(Observer):
         self.tokens_per_step = tokens_per_step
         self.rank0 = False
         self._t0 = 0.0
+        self.resumed: int | None = None  # the checkpoint's step, when this run resumed
+
+    def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
+        self.resumed = step
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         self.rank0 = engine.rank == 0
@@ -63,13 +75,22 @@ class CSVLog(StepLogger):
         self._file: Any = None
         self._writer: Any = None
 
+    COLUMNS = ("step", "loss", "step_seconds", "tokens_per_second", "val_loss", "val_perplexity")
+
+    def open(self) -> None:
+        kept: list[dict[str, str]] = []
+        if self.resumed is not None and self.path.is_file():
+            with open(self.path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if int(r["step"]) <= self.resumed]
+        head = io.StringIO()
+        writer = csv.DictWriter(head, fieldnames=list(self.COLUMNS), restval="", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(kept)
+        atomic_write_text(self.path, head.getvalue())  # the header and the rows kept, then append
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115  (closed in close())
+        self._writer = csv.DictWriter(self._file, fieldnames=list(self.COLUMNS), restval="")
+
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        if self._writer is None:
-            self._file = open(self.path, "w", newline="")  # noqa: SIM115  (closed in close())
-            columns = ["step", "loss", "step_seconds", "tokens_per_second", "val_loss",
-                       "val_perplexity"]
-            self._writer = csv.DictWriter(self._file, fieldnames=columns, restval="")
-            self._writer.writeheader()
         self._writer.writerow({"step": step, **scalars})
         self._file.flush()
 
@@ -87,7 +108,8 @@ class TensorBoardLog(StepLogger):
     def open(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(self.dir))
+        purge = None if self.resumed is None else self.resumed + 1
+        self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=purge)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -107,9 +129,15 @@ class WandbLog(StepLogger):
     def open(self) -> None:
         import wandb
 
+        kept = self.out / "wandb-run-id"
+        resume = self.resumed is not None and kept.is_file()
+        run_id = kept.read_text().strip() if resume else uuid.uuid4().hex[:12]
         self._run = wandb.init(project=self.project, mode=self.mode, dir=str(self.out),
                                config=self.config, group=self.group, reinit="finish_previous",
+                               id=run_id, resume="allow" if resume else None,
                                settings=wandb.Settings(console="off", x_disable_stats=True))
+        if not resume:
+            atomic_write_text(kept, run_id + "\n")
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._run.log({_tag(k): v for k, v in scalars.items()}, step=step)

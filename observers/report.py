@@ -3,7 +3,9 @@
 Report keys (documented in README): ``steps``, ``losses``, ``final_loss``, ``wall_seconds``,
 ``tokens_per_second``, ``validation`` (one ``{step, loss, perplexity, samples}`` per validation;
 empty without a validation split). The backend computes each step's loss (the mean over all its
-micro-batches on all data-parallel ranks) and hands it to ``on_step_end``.
+micro-batches on all data-parallel ranks) and hands it to ``on_step_end``. A resumed run starts
+from the record its checkpoint carries: ``losses`` and ``validation`` cover the whole run;
+``wall_seconds`` and ``tokens_per_second`` this attempt.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ class LossLog(Observer):
         self.losses: list[float] = []
         self.validation: list[dict[str, Any]] = []
         self._start = self._end = 0.0
+        self._first = 0  # losses recorded before this attempt
+
+    def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
+        # the record up to the checkpoint's step; a later kill may have logged more, which the
+        # resumed run computes again
+        self.losses = [float(x) for x in history.get("losses", [])][:step]
+        self.validation = [v for v in history.get("validation", []) if v["step"] <= step]
+        self._first = len(self.losses)
+
+    def history(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "validation": list(self.validation)}
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         self._start = time.perf_counter()
@@ -34,8 +47,8 @@ class LossLog(Observer):
         self._end = time.perf_counter()
 
     def report(self) -> dict[str, Any]:
-        wall = self._end - self._start
+        wall, ran = self._end - self._start, len(self.losses) - self._first
         return {"steps": len(self.losses), "losses": self.losses,
                 "final_loss": self.losses[-1] if self.losses else None, "wall_seconds": wall,
                 "validation": self.validation,
-                "tokens_per_second": len(self.losses) * self.tokens_per_step / wall if wall > 0 else 0.0}
+                "tokens_per_second": ran * self.tokens_per_step / wall if wall > 0 else 0.0}

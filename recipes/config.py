@@ -276,6 +276,9 @@ class TrainerConfig:
     """Write the final full parameters to params.pt (rank 0), for comparison and export."""
     checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
+    save_last: bool = True
+    """Also save a complete checkpoint at the final step, whatever checkpoint_every says (what
+    convert.py exports, and what a re-run finds: "already finished")."""
     keep_last: int = knob(0, min=0)
     """Keep only the newest N complete checkpoints (older ones are deleted after a save); 0 keeps all."""
     val_every: int = knob(0, min=0)

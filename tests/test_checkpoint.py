@@ -19,6 +19,7 @@ resumed run switches the measuring observers off (``callbacks=none``).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -89,7 +90,8 @@ def test_resume_is_exact(cached, train, tmp_path, preset, backend):
     shutil.copytree(step3, tmp_path / "resumed" / "checkpoints" / "step3")
     resumed = train(*EQUIV, *PRESETS[preset], CKPT3, f"backend={backend}", QUIET, name="resumed")
     assert "resumed from" in resumed.log and "at step 3: model and optimizer" in resumed.log
-    assert resumed.losses == straight.losses[3:]  # the same floats, not merely close
+    assert resumed.losses == straight.losses  # the same floats, not merely close; the whole run
+    assert resumed.report["resumed_from"] == {"step": 3, "path": str(resumed.out / "checkpoints" / "step3")}
     _same_params(straight.params(), resumed.params())
     assert (resumed.out / "checkpoints" / "step6" / "COMPLETE").is_file()
 
@@ -114,8 +116,9 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
     ddp = train(*EQUIV, "strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=4",
                 f"trainer.resume_from={step3}", QUIET, name="ddp2")
     assert "optimizer state does not carry over" in ddp.log
-    assert_losses_close(zero3.losses[3:4], ddp.losses[:1], rtol=1e-6)
-    assert len(ddp.losses) == 3 and ddp.losses[-1] < ddp.losses[0]
+    assert ddp.losses[:3] == zero3.losses[:3]  # the record of the run it continues
+    assert_losses_close(zero3.losses[3:4], ddp.losses[3:4], rtol=1e-6)
+    assert len(ddp.losses) == 6 and ddp.losses[-1] < ddp.losses[3]
 
 
 @pytest.mark.multiprocess
@@ -131,7 +134,8 @@ def test_fsdp2_on_2_resumes_as_single(cached, train, tmp_path):
     single = train(*EQUIV, *PRESETS["single"], "backend=accelerate", f"trainer.resume_from={step3}",
                    QUIET, name="single")
     assert "model and optimizer (DCP, resharded from 2 ranks)" in single.log
-    assert_losses_close(fsdp2.losses[3:], single.losses, rtol=1e-6)
+    assert single.losses[:3] == fsdp2.losses[:3]
+    assert_losses_close(fsdp2.losses[3:], single.losses[3:], rtol=1e-6)
     assert_params_close(fsdp2.params(), single.params(), rtol=1e-5)
 
 
@@ -204,9 +208,53 @@ def test_a_signal_to_one_rank_stops_every_rank_after_its_step_and_the_resume_is_
     assert not _processes_with(token)
     resumed = run_cli("train.py", *TINY, *overrides, out=out)  # resume_from=auto
     assert "at step 4: model and optimizer" in resumed.log
-    assert resumed.losses == straight.losses[4:]
+    assert resumed.losses == straight.losses
     _same_params(straight.params(), resumed.params())
 
+
+
+HISTORY = (*EQUIV, *PRESETS["single"], "trainer.checkpoint_every=4", "data.val_fraction=0.1",
+           "trainer.val_every=2", QUIET)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("logger", ["csv", "wandb", pytest.param("tensorboard", marks=pytest.mark.slow)])
+def test_a_resumed_run_keeps_one_history(tmp_path, logger):
+    """Killed after step 5 (its last checkpoint at step 4), then run again: report.json covers
+    steps 1-6 with resumed_from, the validations of steps 2 and 4 come from the checkpoint; the
+    logger's record is one run: metrics.csv lists each step once, W&B resumes the same run id,
+    TensorBoard purges what step 5 logged before the kill. A second re-run starts nothing."""
+    token, out = uuid.uuid4().hex, tmp_path / "run"
+    overrides = (*HISTORY, f"logger={logger}")
+    env = {**_env(token), "WANDB_MODE": "offline"}
+    straight = run_cli("train.py", *TINY, *overrides, out=tmp_path / "straight", env={"WANDB_MODE": "offline"})
+    proc = subprocess.run(_faulty(("--kill-at", "5", "--rank", "0"), *overrides, out=out), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and not (out / "report.json").exists(), proc.stderr[-3000:]
+    resumed = run_cli("train.py", *TINY, *overrides, out=out, env={"WANDB_MODE": "offline"})
+    r = resumed.report
+    assert r["losses"] == straight.losses and r["steps"] == 6
+    assert r["resumed_from"] == {"step": 4, "path": str(out / "checkpoints" / "step4")}
+    assert [v["step"] for v in r["validation"]] == [2, 4, 6]
+    assert r["validation"] == straight.report["validation"]
+    assert straight.report["resumed_from"] is None
+    if logger == "csv":
+        rows = list(csv.DictReader((out / "metrics.csv").open()))
+        assert [int(x["step"]) for x in rows if x["loss"]] == [1, 2, 3, 4, 5, 6]
+        assert [int(x["step"]) for x in rows if x["val_loss"]] == [2, 4, 6]
+        assert [float(x["loss"]) for x in rows if x["loss"]] == pytest.approx(straight.losses, rel=1e-6)
+    if logger == "wandb":
+        kept = (out / "wandb-run-id").read_text().strip()
+        runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+        assert len(runs) == 2 and all(name.endswith(f"-{kept}") for name in runs), (kept, runs)
+    if logger == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard")).Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    again = run_cli("train.py", *TINY, *overrides, out=out, env={"WANDB_MODE": "offline"})
+    assert "already finished at step 6" in again.log and "raise trainer.max_steps" in again.log
+    assert "Initializing distributed" not in again.log and again.report == r  # the report stands
 
 @pytest.mark.multiprocess
 def test_cluster_torchrun_restarts_resume_from_the_checkpoint(cached, tmp_path):
@@ -222,7 +270,7 @@ def test_cluster_torchrun_restarts_resume_from_the_checkpoint(cached, tmp_path):
     assert proc.returncode == 0, log[-5000:]
     assert once.exists() and "at step 3: model and optimizer" in log, log[-5000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["losses"] == straight.losses[3:]
+    assert report["losses"] == straight.losses
     _same_params(straight.params(), torch.load(out / "params.pt", map_location="cpu"))
     assert not _processes_with(token)
 
@@ -254,7 +302,7 @@ def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(reference, tm
     assert "removed an interrupted checkpoint save" in resumed.log
     assert f"resumed from {ckpts / 'step2'} at step 2" in resumed.log
     assert not (ckpts / ".tmp-step4").exists()
-    assert resumed.losses == straight.losses[2:]
+    assert resumed.losses == straight.losses
     _same_params(straight.params(), resumed.params())
 
 
@@ -275,7 +323,7 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(cached, tmp_path):
     assert once.exists() and "at step 3: model and optimizer" in log, log[-5000:]
     assert GLOO_ABORT not in log
     report = json.loads((out / "report.json").read_text())
-    assert report["losses"] == straight.losses[3:]
+    assert report["losses"] == straight.losses
     _same_params(straight.params(), torch.load(out / "params.pt", map_location="cpu"))
     assert not _processes_with(token)
 
@@ -308,6 +356,34 @@ def _damaged(good: Path, tmp_path: Path, rel: str, how: str) -> Path:
         f.unlink()
     return path
 
+
+
+@pytest.mark.unit
+def test_when_a_checkpoint_is_due():
+    import checkpoints
+    from recipes.config import TrainerConfig
+
+    steps = lambda **kw: [s for s in range(1, 11) if checkpoints.due(TrainerConfig(max_steps=10, **kw), s)]  # noqa: E731
+    assert steps() == [10]  # save_last: the final model is always there to convert
+    assert steps(checkpoint_every=3) == [3, 6, 9, 10]
+    assert steps(checkpoint_every=5, save_last=False) == [5, 10] and steps(save_last=False) == []
+
+
+@pytest.mark.unit
+def test_written_files_are_as_readable_as_the_umask_allows(tmp_path):
+    """Temp file + rename must not leave the temp file's private 0600: a teammate reads the
+    report or a converted model copied to a shared directory."""
+    from observers.files import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "report.json", "{}")
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "private.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "private.json").stat().st_mode & 0o777 == 0o600
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
 @pytest.mark.parametrize(("rel", "how", "says"), [

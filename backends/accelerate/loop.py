@@ -122,16 +122,18 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     def save(step: int) -> Path:
         nonlocal saved
         if saved[0] != step:
-            saved = (step, checkpoints.save(p.handles, job, out, step))
+            saved = (step, checkpoints.save(p.handles, job, out, step, observers.history()))
         return saved[1]
 
-    return _loop(job, out, observers, p, start, save, checkpoints.interruption().install())
+    engine = AccelerateEngine(p.acc, p.model, [p.engine_opt], p.builder)
+    if ckpt is not None:
+        observers.resume(engine, ckpt.step, ckpt.path, ckpt.history())
+    return _loop(job, out, observers, p, engine, start, save, checkpoints.interruption().install())
 
 
-def _loop(job: Job, out: Path, observers: Observers, p: Prepared, start: int,
+def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: AccelerateEngine, start: int,
           save: Callable[[int], Path], interrupt: Any) -> dict[str, Any]:
     t, acc, model, opt = job.trainer, p.acc, p.model, p.opt
-    engine = AccelerateEngine(acc, model, [p.engine_opt], p.builder)
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
     data, val = build_datasets(job.data, job.model, t.seed)
@@ -170,9 +172,9 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, start: int,
         observers.step_end(engine, step + 1, loss)
         if validator is not None and step + 1 in validator.due:
             observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1))
-        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
+        if checkpoints.due(t, step + 1):
             save(step + 1)
-        if signum := interrupt.requested(acc.device):
+        if step + 1 < t.max_steps and (signum := interrupt.requested(acc.device)):
             raise checkpoints.Interrupted(signum, step + 1, save(step + 1))
     report = observers.train_end(engine)
     if t.export_params:

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 import lightning as L
 
 import checkpoints
+from backends.lightning.bridge import LightningEngine
 from backends.lightning.module import MODEL_PREFIX
 
 if TYPE_CHECKING:
+    from observers import Observers
     from recipes.job import Job
 
 
@@ -41,12 +43,13 @@ def set_global_step(trainer: L.Trainer, step: int) -> None:
 
 
 class Checkpointing(L.Callback):
-    """Save every ``trainer.checkpoint_every`` optimizer steps; restore ``trainer.resume_from``;
+    """Save every ``trainer.checkpoint_every`` optimizer steps and the last; restore ``trainer.resume_from``;
     stop cleanly on SIGUSR1/SIGTERM (checkpoints/interrupt.py): after the step every rank is in,
-    all save together and the run raises ``Interrupted``."""
+    all save together and the run raises ``Interrupted``. Each checkpoint carries the observers'
+    record (``Observers.history``); a resumed run hands it back to them."""
 
-    def __init__(self, job: Job, out: Path):
-        self.job, self.out = job, out
+    def __init__(self, job: Job, out: Path, observers: Observers):
+        self.job, self.out, self.observers = job, out, observers
         self._saved: tuple[int, Path | None] = (-1, None)
         self._checked = -1
         self.interrupt = checkpoints.interruption()
@@ -63,20 +66,24 @@ class Checkpointing(L.Callback):
         if ckpt is not None:
             set_global_step(trainer, checkpoints.load(handles(trainer, self.job), ckpt))
             self._saved = (ckpt.step, ckpt.path)
+            self.observers.resume(LightningEngine(trainer), ckpt.step, ckpt.path, ckpt.history())
         self._checked = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step, every = trainer.global_step, self.job.trainer.checkpoint_every
+        step = trainer.global_step
         if step == self._checked:  # inside an accumulation window: no optimizer step yet
             return
         self._checked = step
-        if every and step % every == 0:
+        if checkpoints.due(self.job.trainer, step):
             self._save(trainer, step)
+        if step >= self.job.trainer.max_steps:  # done: the run ends and reports as usual
+            return
         signum = self.interrupt.requested(trainer.strategy.root_device)
         if signum:
             raise checkpoints.Interrupted(signum, step, self._save(trainer, step))
 
     def _save(self, trainer: L.Trainer, step: int) -> Path:
         if self._saved[0] != step:
-            self._saved = (step, checkpoints.save(handles(trainer, self.job), self.job, self.out, step))
+            self._saved = (step, checkpoints.save(handles(trainer, self.job), self.job, self.out, step,
+                                                  self.observers.history()))
         return self._saved[1]
