@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -58,8 +59,10 @@ def test_a_regular_install_trains_and_plans_from_elsewhere(tmp_path):
     source.mkdir()
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / part, source / part)
-    for part in ("strategies", "planner", "recipes", "observers", "checkpoints", "backends",
-                 "launchers", "conf"):
+    # every directory pyproject's packages come from (a package added there is copied too)
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = {tool["package-dir"].get(p, p.replace(".", "/")).split("/")[0] for p in tool["packages"]}
+    for part in sorted(tops):
         shutil.copytree(ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
     # the wheel `pip install .` would build, installed into a fresh environment that sees the
     # dependencies (torch, Lightning, ...) but not the checkout
