@@ -52,6 +52,16 @@ class Engine(Protocol):
         """Bytes of params | grads | optimizer this rank holds right now (local shards), counted
         where the engine keeps them."""
 
+    def grad_norm(self) -> float | None:
+        """After a step: the global L2 norm of its gradients before clipping (across shards,
+        meshes and pipeline stages; every rank has it); None where the engine does not say."""
+
+
+def learning_rate(engine: Engine) -> float:
+    """The learning rate the coming optimizer step uses (ask before it: the scheduler moves it
+    after). Every group shares the schedule: the first group's."""
+    return float(engine.optimizers[0].param_groups[0]["lr"])
+
 
 class Observer:
     """Override the hooks you need. ``step`` counts optimizer steps: at ``on_step_start`` the

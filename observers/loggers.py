@@ -4,7 +4,7 @@
 sweep is the wandb group; offline unless ``logger.mode=online``; the memory and communication
 profiles become tables at the end).
 
-Every step logs ``loss``, ``step_seconds`` and ``tokens_per_second``; each validation
+Every step logs ``loss``, ``lr``, ``grad_norm`` (before clipping), ``tokens_seen``, ``step_seconds`` and ``tokens_per_second``; each validation
 ``val_loss`` and ``val_perplexity`` (csv: the same file, its own row). Secrets stay out: the
 config logged is the job's config (no environment), and wandb is given its settings explicitly.
 
@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, learning_rate
 from observers.files import atomic_write_text
 
 
@@ -33,7 +33,7 @@ class StepLogger(Observer):
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
         self.rank0 = False
-        self._t0 = 0.0
+        self._t0 = self._lr = 0.0
         self.resumed: int | None = None  # the checkpoint's step, when this run resumed
 
     def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
@@ -47,10 +47,16 @@ class StepLogger(Observer):
     def on_step_start(self, engine: Engine, step: int) -> None:
         self._t0 = time.perf_counter()
 
+    def on_before_optimizer_step(self, engine: Engine, step: int) -> None:
+        self._lr = learning_rate(engine)
+
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         if self.rank0:
             seconds = time.perf_counter() - self._t0
-            self.write(step, {"loss": loss, "step_seconds": seconds,
+            norm = engine.grad_norm()
+            self.write(step, {"loss": loss, "lr": self._lr, "tokens_seen": step * self.tokens_per_step,
+                              **({"grad_norm": norm} if norm is not None else {}),
+                              "step_seconds": seconds,
                               "tokens_per_second": self.tokens_per_step / max(seconds, 1e-9)})
 
     def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
@@ -75,7 +81,8 @@ class CSVLog(StepLogger):
         self._file: Any = None
         self._writer: Any = None
 
-    COLUMNS = ("step", "loss", "step_seconds", "tokens_per_second", "val_loss", "val_perplexity")
+    COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_seen", "step_seconds", "tokens_per_second", "val_loss",
+               "val_perplexity")
 
     def open(self) -> None:
         kept: list[dict[str, str]] = []

@@ -1,7 +1,7 @@
 """The run's record: the global-batch loss of every optimizer step, and the loop's wall time.
 
-Report keys (documented in README): ``steps``, ``losses``, ``final_loss``, ``wall_seconds``,
-``tokens_per_second``, ``validation`` (one ``{step, loss, perplexity, samples}`` per validation;
+Report keys (documented in README): ``steps``, ``losses``, ``lrs`` (the learning rate of each
+step), ``grad_norms`` (each step's global gradient norm before clipping), ``final_loss``, ``wall_seconds``, ``tokens_per_second``, ``validation`` (one ``{step, loss, perplexity, samples}`` per validation;
 empty without a validation split). The backend computes each step's loss (the mean over all its
 micro-batches on all data-parallel ranks) and hands it to ``on_step_end``. A resumed run starts
 from the record its checkpoint carries: ``losses`` and ``validation`` cover the whole run;
@@ -13,13 +13,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, learning_rate
 
 
 class LossLog(Observer):
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
         self.losses: list[float] = []
+        self.lrs: list[float] = []
+        self.grad_norms: list[float | None] = []
+        self._lr = 0.0
         self.validation: list[dict[str, Any]] = []
         self._start = self._end = 0.0
         self._first = 0  # losses recorded before this attempt
@@ -28,17 +31,25 @@ class LossLog(Observer):
         # the record up to the checkpoint's step; a later kill may have logged more, which the
         # resumed run computes again
         self.losses = [float(x) for x in history.get("losses", [])][:step]
+        self.lrs = [float(x) for x in history.get("lrs", [])][:step]
+        self.grad_norms = list(history.get("grad_norms", []))[:step]
         self.validation = [v for v in history.get("validation", []) if v["step"] <= step]
         self._first = len(self.losses)
 
     def history(self) -> dict[str, Any]:
-        return {"losses": list(self.losses), "validation": list(self.validation)}
+        return {"losses": list(self.losses), "lrs": list(self.lrs), "grad_norms": list(self.grad_norms),
+                "validation": list(self.validation)}
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         self._start = time.perf_counter()
 
+    def on_before_optimizer_step(self, engine: Engine, step: int) -> None:
+        self._lr = learning_rate(engine)
+
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         self.losses.append(float(loss))
+        self.lrs.append(self._lr)
+        self.grad_norms.append(engine.grad_norm())
 
     def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
         self.validation.append(dict(metrics))
@@ -48,7 +59,8 @@ class LossLog(Observer):
 
     def report(self) -> dict[str, Any]:
         wall, ran = self._end - self._start, len(self.losses) - self._first
-        return {"steps": len(self.losses), "losses": self.losses,
+        return {"steps": len(self.losses), "losses": self.losses, "lrs": self.lrs,
+                "grad_norms": self.grad_norms,
                 "final_loss": self.losses[-1] if self.losses else None, "wall_seconds": wall,
                 "validation": self.validation,
                 "tokens_per_second": ran * self.tokens_per_step / wall if wall > 0 else 0.0}

@@ -23,6 +23,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 # A backend is a file of conf/backend/ (and a module of backends/): the files are the choices.
 BACKENDS = tuple(sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml")))
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULERS = ("constant", "cosine", "linear")
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -259,13 +260,28 @@ class TrainerConfig:
     micro_batch_size: int = knob(8, min=1)
     """Samples per forward/backward on one rank."""
     optimizer: str = knob("adamw", choices=OPTIMIZERS)
-    """adamw (betas 0.9/0.95, eps 1e-8) | sgd (plain; momentum below)."""
+    """adamw (betas and eps below) | sgd (plain; momentum below)."""
     lr: float = knob(3e-3, above=0.0)
+    """The peak learning rate (after warm-up, before decay)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's (beta1, beta2), each in [0, 1)."""
+    eps: float = knob(1e-8, above=0.0)
+    """AdamW's epsilon."""
     momentum: float = knob(0.0, min=0.0, below=1.0)
     """SGD momentum (0: plain SGD). Ignored by adamw."""
     weight_decay: float = knob(0.0, min=0.0)
+    no_decay: bool = True
+    """Exempt norms, biases and embeddings from weight decay (every parameter with fewer than
+    two dimensions, and every embedding table); false: decay every parameter."""
     warmup_steps: int = knob(0, min=0)
-    """Linear learning-rate warm-up, in optimizer steps (then constant)."""
+    """Linear learning-rate warm-up, in optimizer steps (then the scheduler's shape)."""
+    scheduler: str = knob("constant", choices=SCHEDULERS)
+    """After warm-up: constant | cosine | linear decay to lr x min_lr_ratio at decay_steps
+    (then held there)."""
+    min_lr_ratio: float = knob(0.0, min=0.0, max=1.0)
+    """The final learning rate of a cosine or linear decay, as a fraction of lr."""
+    decay_steps: int | None = knob(None, min=1)
+    """The step at which the decay reaches lr x min_lr_ratio; None: trainer.max_steps."""
     precision: str = knob("32", choices=PRECISIONS)
     seed: int = knob(1234, min=0)
     grad_clip: float = knob(0.0, min=0.0)

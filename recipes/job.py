@@ -139,6 +139,30 @@ def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
             f"remove +{prefix}.{k}=..." for k in sorted(set(node) - known)]
 
 
+def _trainer_problems(t: TrainerConfig, strategy: StrategyConfig) -> list[str]:
+    """The optimizer and schedule settings that only make sense together."""
+    out = []
+    betas = list(t.betas)
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        out.append(f"trainer.betas={betas}: AdamW takes two numbers, each >= 0 and < 1; set "
+                   "trainer.betas=[0.9,0.95] (the default) or e.g. [0.9,0.999]")
+    end = t.decay_steps or t.max_steps
+    if t.scheduler != "constant" and end <= t.warmup_steps:
+        key = f"trainer.decay_steps={t.decay_steps}" if t.decay_steps else f"trainer.max_steps={t.max_steps}"
+        out.append(f"trainer.scheduler={t.scheduler} decays between trainer.warmup_steps={t.warmup_steps} "
+                   f"and {key}, which leaves no steps to decay over: set trainer.decay_steps (or "
+                   f"trainer.max_steps) above {t.warmup_steps}, or trainer.scheduler=constant")
+    if t.decay_steps is not None and t.scheduler == "constant":
+        out.append(f"trainer.decay_steps={t.decay_steps} with trainer.scheduler=constant does nothing: "
+                   "set trainer.scheduler=cosine or linear, or remove trainer.decay_steps")
+    if t.no_decay and t.weight_decay > 0 and not strategy.capabilities.param_groups:
+        out.append(f"trainer.no_decay=true (no weight decay for norms, biases, embeddings) needs "
+                   f"per-parameter optimizer groups, and strategy={strategy.name} hands the optimizer "
+                   "flat parameters (strategy.use_orig_params=false): set trainer.no_decay=false, "
+                   "or trainer.weight_decay=0")
+    return out
+
+
 def _logger_problems(logger: LoggerConfig | None) -> list[str]:
     if logger is None or logger.name not in LOGGER_PACKAGES:
         return []
@@ -266,6 +290,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
             problems.append(f"model.vocab_size={model.vocab_size}: byte tokens of data=text need "
                             ">= 256; set model.vocab_size=256 or use data=synthetic")
     problems += _logger_problems(objs["logger"])
+    if not bad["trainer"] and not bad["strategy"]:
+        problems += _trainer_problems(t, strategy)
     if not bad["data"]:
         problems += data_problems(objs["data"], None if bad["model"] else model)
     world_ok = c.nodes >= 1 and c.devices >= 1

@@ -6,7 +6,8 @@ exactly the same recipe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,9 +15,6 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from recipes.config import ModelConfig, TrainerConfig
-
-ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8
-
 
 def model_class(shape: ModelConfig) -> type[torch.nn.Module]:
     """The class ``build_model`` builds (its ``block_cls`` tells strategies what to wrap):
@@ -56,22 +54,71 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_optimizer(params: Any, t: TrainerConfig) -> torch.optim.Optimizer:
-    """``trainer.optimizer``: AdamW, or plain SGD (momentum ``trainer.momentum``). SGD keeps every
-    gradient-scale error visible: AdamW divides a constant scale out of its update."""
+def no_decay_names(model: torch.nn.Module) -> frozenset[str]:
+    """Names (in the plain model) of the parameters ``trainer.no_decay`` exempts from weight
+    decay: every parameter with fewer than two dimensions (norm scales, biases) and every
+    embedding table. Read from the plain model, before an engine flattens or partitions it."""
+    embeddings = {f"{m_name}.{p_name}".lstrip(".")
+                  for m_name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+                  for p_name, _ in m.named_parameters(recurse=False)}
+    # ZeRO-3 partitions parameters as it builds them: its ds_shape is the full shape
+    return frozenset(n for n, p in model.named_parameters()
+                     if len(getattr(p, "ds_shape", p.shape)) < 2 or n in embeddings)
+
+
+def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], t: TrainerConfig,
+                 plain: Iterable[str], no_decay: frozenset[str]) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: one, or (``trainer.no_decay`` with weight decay) the
+    decayed and the exempt ones. ``named``: the parameters as the engine names them (wrappers
+    add prefixes: ``module.``, ``_fsdp_wrapped_module.``, a LightningModule's attribute); each is
+    matched to the longest plain-model name it ends with. A parameter that matches none (a flat
+    parameter mixing several) is an error, never silently decayed."""
+    named = list(named)
+    if not (t.no_decay and t.weight_decay > 0):
+        return [{"params": [p for _, p in named], "weight_decay": t.weight_decay}]
+    plain = sorted(set(plain), key=len, reverse=True)
+    groups: dict[bool, list[torch.nn.Parameter]] = {True: [], False: []}
+    for name, p in named:
+        bare = ".".join(x for x in name.split(".") if x not in WRAPPER_SEGMENTS)
+        match = next((q for q in plain if bare == q or bare.endswith("." + q)), None)
+        if match is None:
+            raise ValueError(f"parameter {name!r} is none of the model's own (a flat parameter?): "
+                             "trainer.no_decay cannot tell its weight decay; set trainer.no_decay=false")
+        groups[match in no_decay].append(p)
+    return [{"params": groups[False], "weight_decay": t.weight_decay},
+            {"params": groups[True], "weight_decay": 0.0}]
+
+
+WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module",
+                              "_orig_mod", "module"})
+"""Name segments that engines' wrappers insert (FSDP1, activation checkpointing, Lightning's
+forward redirection, torch.compile, DDP / DeepSpeed)."""
+
+
+def build_optimizer(groups: list[dict[str, Any]], t: TrainerConfig) -> torch.optim.Optimizer:
+    """``trainer.optimizer`` over ``param_groups``: AdamW (``trainer.betas``, ``trainer.eps``), or
+    plain SGD (momentum ``trainer.momentum``). SGD keeps every gradient-scale error visible:
+    AdamW divides a constant scale out of its update."""
     if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=t.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS,
-                             weight_decay=t.weight_decay)
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
 
 
-def lr_factor(t: TrainerConfig):
-    """Multiplier of the base learning rate at optimizer step ``s``: linear warm-up over
-    ``trainer.warmup_steps`` steps, then constant."""
-    warm = t.warmup_steps
+def lr_factor(t: TrainerConfig) -> Callable[[int], float]:
+    """Multiplier of ``trainer.lr`` for the optimizer step after ``s`` steps: linear warm-up over
+    ``trainer.warmup_steps`` steps, then ``trainer.scheduler``: constant, or a cosine / linear
+    decay to ``trainer.min_lr_ratio`` reached at ``trainer.decay_steps`` (default max_steps) and
+    held after it."""
+    warm, floor = t.warmup_steps, t.min_lr_ratio
+    end = t.decay_steps or t.max_steps
 
     def factor(s: int) -> float:
-        return min(1.0, (s + 1) / (warm + 1))
+        if s < warm or t.scheduler == "constant":
+            return min(1.0, (s + 1) / (warm + 1))
+        progress = min(1.0, (s - warm) / max(1, end - warm))
+        if t.scheduler == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1 - (1 - floor) * progress
 
     return factor
 

@@ -55,6 +55,9 @@ class Capabilities:
     cuts_model: bool = False
     """It cuts the model at modules the model must declare (pipeline stages, sequence-parallel
     norms): models that declare none (model=hf) are refused."""
+    param_groups: bool = True
+    """Its optimizer sees each parameter on its own, so parameters can get their own settings
+    (no weight decay for norms, biases and embeddings: trainer.no_decay)."""
 
 
 @dataclass

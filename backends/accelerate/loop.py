@@ -2,8 +2,8 @@
 backend (recipes/training.py), the same data order, observers and report.
 
 Per optimizer step: ``accumulation`` micro-batches under ``accelerator.accumulate`` (DDP's
-``no_sync`` and the 1/accumulation scale come from Accelerate), clipping with
-``accelerator.clip_grad_norm_``, then the optimizer and the LR schedule. DeepSpeed does the
+``no_sync`` and the 1/accumulation scale come from Accelerate), the global gradient norm and
+clipping with ``accelerator.clip_grad_norm_``, then the optimizer and the LR schedule. DeepSpeed does the
 accumulation, clipping and step inside its engine: the loop calls the engine's own
 ``backward``/``step`` (what Accelerate's wrapper calls) so the observers see the gradients
 before the step, as on every other path.
@@ -12,6 +12,7 @@ before the step, as on every other path.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +42,14 @@ class AccelerateEngine:
     model: Any
     optimizers: list[Any]
     builder: families.Builder
+    norm: Any = None
+    """The last step's global gradient norm before clipping (Accelerate's or DeepSpeed's)."""
 
     def held_bytes(self, what: str) -> int:
         return self.builder.held_bytes(self.model, self.optimizers, what)
+
+    def grad_norm(self) -> float | None:
+        return None if self.norm is None else float(self.norm)
 
     @property
     def rank(self) -> int:
@@ -54,15 +60,21 @@ class AccelerateEngine:
         return self.acc.num_processes
 
 
-def _prepare(acc: Any, job: Job, model: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer, Any]:
-    """(prepared model, the torch optimizer the recipe built, the prepared optimizer)."""
+def _prepare(acc: Any, job: Job, model: torch.nn.Module, names: tuple[list[str], frozenset[str]]
+             ) -> tuple[Any, torch.optim.Optimizer, Any]:
+    """(prepared model, the torch optimizer the recipe built, the prepared optimizer).
+    ``names``: the plain model's parameter names and those exempt from weight decay."""
+    def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return training.build_optimizer(training.param_groups(m.named_parameters(), job.trainer, *names),
+                                        job.trainer)
+
     if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
         # FSDP1: the optimizer must hold the wrapped (flat) parameters -- prepared together with
         # use_orig_params=False, it keeps the originals and the model never changes.
         model = acc.prepare(model)
-        raw = training.build_optimizer(model.parameters(), job.trainer)
+        raw = optimizer(model)
         return model, raw, acc.prepare(raw)
-    raw = training.build_optimizer(model.parameters(), job.trainer)
+    raw = optimizer(model)
     model, opt = acc.prepare(model, raw)
     return model, raw, opt
 
@@ -100,7 +112,8 @@ def prepare(job: Job) -> Prepared:
              type(kwargs.get("fsdp_plugin") or kwargs.get("deepspeed_plugin") or acc).__name__)
     with builder.model_context(kwargs):
         model = training.build_model(job.model, t.seed, gather=builder.gather_parameters)
-    model, raw_opt, opt = _prepare(acc, job, builder.parallelize(model))
+    names = ([n for n, _ in model.named_parameters()], training.no_decay_names(model))
+    model, raw_opt, opt = _prepare(acc, job, builder.parallelize(model), names)
     engine_opt = model.optimizer if acc.distributed_type.name == "DEEPSPEED" else raw_opt
     builder.repair(model, engine_opt)
     sched = training.build_scheduler(raw_opt, t)
@@ -158,12 +171,13 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
                 micro.append(loss.detach().float())
                 if p.deepspeed:
                     _deepspeed_backward(acc, model, loss, lambda: observers.before_optimizer_step(engine, step))
+                    engine.norm = model.get_global_grad_norm()  # the engine's, before its clipping
                 else:
                     acc.backward(loss)
                     if acc.sync_gradients:
                         observers.before_optimizer_step(engine, step)
-                        if t.grad_clip:
-                            acc.clip_grad_norm_(model.parameters(), t.grad_clip)
+                        # the global norm (inf: measured, not clipped), across shards
+                        engine.norm = acc.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
                     opt.step()  # a no-op until the accumulation boundary
                     opt.zero_grad()
         p.sched.step()

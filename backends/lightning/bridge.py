@@ -48,6 +48,10 @@ class LightningEngine:
     def held_bytes(self, what: str) -> int:
         return self.trainer.strategy.held_bytes(what)
 
+    def grad_norm(self) -> float | None:
+        measured = getattr(self.trainer.strategy, "grad_norm", None)
+        return measured() if measured is not None else None
+
 
 class ObserverBridge(L.Callback):
     def __init__(self, observers: Observers, validator: Validator | None = None):

@@ -31,6 +31,7 @@ class CausalLM(L.LightningModule):
         super().__init__()
         self.shape, self.trainer_cfg = shape, trainer_cfg
         self.model: torch.nn.Module | None = None
+        self._names: tuple[list[str], frozenset[str]] = ([], frozenset())  # plain; no decay
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -38,6 +39,7 @@ class CausalLM(L.LightningModule):
             self.model = training.build_model(self.shape, self.trainer_cfg.seed,
                                               meta=getattr(strategy, "builds_on_meta", False),
                                               gather=getattr(strategy, "gather_parameters", None))
+            self._names = ([n for n, _ in self.model.named_parameters()], training.no_decay_names(self.model))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = training.loss(self.model, batch)
@@ -50,18 +52,20 @@ class CausalLM(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:
-        # Strategies whose gradients span several meshes or pipeline stages clip themselves.
-        clip = getattr(self.trainer.strategy, "clip_global_norm", None)
-        if clip is not None and gradient_clip_val:
-            clip(optimizer, float(gradient_clip_val))
+        # Our strategies measure the global norm (logged as grad_norm) and clip, each where its
+        # gradients live (shards, meshes, pipeline stages); another strategy: Lightning's way.
+        clip = getattr(self.trainer.strategy, "clip_grad_norm", None)
+        if clip is not None:
+            clip(optimizer, float(gradient_clip_val or 0.0))
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         # The wrapped model's parameters: FSDP1 with use_orig_params=False registers the root
         # unit's flat parameter on the wrapper, not on this module.
-        params = self.trainer.model.parameters() if self._trainer is not None else self.parameters()
-        opt = training.build_optimizer(params, self.trainer_cfg)
+        named = self.trainer.model.named_parameters() if self._trainer is not None else self.named_parameters()
+        opt = training.build_optimizer(training.param_groups(named, self.trainer_cfg, *self._names),
+                                       self.trainer_cfg)
         sched = training.build_scheduler(opt, self.trainer_cfg)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -65,6 +65,22 @@ class PresetStrategy:
     def engine_settings(self) -> dict[str, Any]:
         return {}
 
+    # ------------------------------------------------------------------ the step
+    _grad_norm: Any = None
+
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
+        """Measure the global gradient norm, then clip to ``max_norm`` (> 0), from the module's
+        ``configure_gradient_clipping``: over the optimizer's parameters as the engine holds them
+        (a family whose gradients are sharded or staged overrides it)."""
+        from strategies.parallelize import clip_global_
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._grad_norm = clip_global_(params, max_norm)
+
+    def grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm, before clipping."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
     # ------------------------------------------------------------------ measurement and export
     def held_bytes(self, what: str) -> int:
         """Bytes of params | grads | optimizer this rank holds right now (local shards)."""

@@ -10,6 +10,7 @@ policy, from the same block class), so its parallelize plan is empty.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from strategies.base import Capabilities, StrategyConfig, family
@@ -54,6 +55,12 @@ class FSDPConfig(StrategyConfig):
     """Rate-limit all-gathers so at most two units are unsharded at once (bounds peak memory)."""
     state_dict_type: str = knob("sharded", choices=STATE_DICT_TYPES)
     """Checkpoint format: sharded (a directory, one DCP shard per rank) | full (one file; GPU only)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # use_orig_params=false hands the optimizer flat parameters: one per unit, mixing norms,
+        # biases and weights
+        return dataclasses.replace(self.CAPABILITIES, param_groups=self.use_orig_params)
 
     @property
     def hybrid(self) -> bool:

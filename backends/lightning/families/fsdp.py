@@ -7,7 +7,7 @@ place that works around them (no torch or Lightning globals are patched):
    and FSDP1 then tries CUDA);
 3. the hybrid (replicate, shard) mesh is built on the root device's type (Lightning hard-codes
    "cuda");
-4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_``.
+4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_`` (``clip_grad_norm``).
 What the preset leaves to the run: the hybrid mesh shape comes from the world Lightning sets up
 (``setup_environment``), the wrap and checkpointing policies from the model's declared block
 class (``_setup_model``).
@@ -15,6 +15,7 @@ class (``_setup_model``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -33,16 +34,11 @@ from strategies.parallelize import find_model
 _DEFERRED_MESH = ("replicate", "shard")
 
 
-class _RootClippingFSDPPrecision(FSDPPrecision):
-    """FSDPPrecision that clips by norm through the root FSDP unit (Lightning refuses, as it has
-    no reference to the root) and autocasts on the device type actually in use."""
+class _DeviceAutocastFSDPPrecision(FSDPPrecision):
+    """FSDPPrecision that autocasts on the device type actually in use (clipping: the
+    strategy's ``clip_grad_norm``, through the root unit)."""
 
     root: Any = None
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: float | int) -> None:
-        if self.root is None:
-            return super().clip_grad_by_norm(optimizer, clip_val)
-        self.root.clip_grad_norm_(clip_val)  # global norm across all shards
 
     def forward_context(self):
         if "mixed" in self.precision and self.root is not None:
@@ -79,8 +75,8 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
-        if isinstance(plugin, FSDPPrecision) and not isinstance(plugin, _RootClippingFSDPPrecision):
-            plugin = _RootClippingFSDPPrecision(plugin.precision, scaler=plugin.scaler)
+        if isinstance(plugin, FSDPPrecision) and not isinstance(plugin, _DeviceAutocastFSDPPrecision):
+            plugin = _DeviceAutocastFSDPPrecision(plugin.precision, scaler=plugin.scaler)
         FSDPStrategy.precision_plugin.fset(self, plugin)
 
     def mesh_shape(self) -> tuple[int, int] | None:
@@ -129,6 +125,10 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
             _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         self.precision_plugin.root = model
         return model
+
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
+        """Through the root unit, which sums the shards' squares (inf: measure only)."""
+        self._grad_norm = self.model.clip_grad_norm_(max_norm if max_norm > 0 else math.inf)
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)

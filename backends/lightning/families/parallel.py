@@ -4,7 +4,7 @@ Without a pipeline, Lightning's own loop runs after the preset's plan (TP, check
 over the data-parallel sub-mesh) is applied to the model ``configure_model`` built. With one,
 this rank's stages replace the module's model and each ``training_step`` runs the whole schedule
 (backends/lightning/pipeline.py). Gradient clipping uses the global norm over every mesh and
-stage (``clip_global_norm``, reached through the module's ``configure_gradient_clipping``).
+stage (``clip_grad_norm``, reached through the module's ``configure_gradient_clipping``).
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def clip_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip to the global norm: over DTensor gradients of every mesh, and summed over the
-        pipeline stages (Lightning's clipping takes one rank's plain gradients)."""
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
+        """The global norm over DTensor gradients of every mesh, summed over the pipeline stages
+        (Lightning's clipping takes one rank's plain gradients); clipped when ``max_norm`` > 0."""
         params = [q for g in optimizer.param_groups for q in g["params"]]
-        clip_global_(params, clip_val, (self.pipeline.group,) if self.pipeline else ())
+        self._grad_norm = clip_global_(params, max_norm, (self.pipeline.group,) if self.pipeline else ())
 
     def pipeline_report(self) -> dict[str, Any] | None:
         return None if self.pipeline is None else self.pipeline.report()

@@ -96,6 +96,13 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
         kwargs.setdefault("scale_wrt_gas", False)  # Lightning already divided by accumulation
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
+        """DeepSpeed measures and clips in its own step (the config's gradient_clipping)."""
+
+    def grad_norm(self) -> float | None:
+        norm = self.model.get_global_grad_norm()  # the engine's, before clipping
+        return None if norm is None else float(norm)
+
     def held_bytes(self, what: str) -> int:
         return ds.held_bytes(self.model, self.optimizers[0] if self.optimizers else None, what)
 
