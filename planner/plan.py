@@ -142,7 +142,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     params = su.params / mp
     trainable = (su.trainable if su.trainable is not None else su.params) / mp
     accumulation = run.batch.accumulation
-    micro = strategy.pipeline_microbatches()
+    micro = strategy.for_batch(t.global_batch_size, t.micro_batch_size, dp).pipeline_microbatches()
     if pp > 1:  # planner.microbatches: a pipeline's micro-batches (others keep the batch's)
         m = o.microbatches or micro or max(accumulation, pp)
         per_step = m * accumulation if micro and not o.microbatches else m

@@ -117,7 +117,7 @@ def largest_micro_batch(c: Candidate, su: Setup) -> int | None:
     trainer's is already the largest. Fewer accumulation steps: larger, more efficient kernels."""
     t = su.trainer
     base = plan_candidate(c, su)
-    per_rank = t.global_batch_size // (base.dp * c.config.chunks())
+    per_rank = t.global_batch_size // (base.dp * c.run(su).batch.chunks)
     options = [m for m in range(per_rank, t.micro_batch_size, -1) if per_rank % m == 0]
     for m in options:  # largest first; memory grows with the micro batch
         p = plan_candidate(c, dataclasses.replace(su, trainer=dataclasses.replace(t, micro_batch_size=m)))

@@ -298,6 +298,9 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
+    mesh = strategy.mesh(c.nodes, c.devices) if world_ok else None
+    if mesh is not None and not mesh.problems():  # what the preset derives from the batch, kept
+        strategy = strategy.for_batch(t.global_batch_size, t.micro_batch_size, mesh.dp)
     run = derive_from(strategy, c, t, accelerator=accelerator)
     world_ok = world_ok and not run.mesh.problems()
     if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)

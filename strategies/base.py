@@ -97,6 +97,15 @@ class StrategyConfig:
         """Pipeline micro-batches one engine step is cut into; None without a pipeline."""
         return None
 
+    def for_batch(self, global_batch: int, micro_batch: int, dp: int) -> StrategyConfig:
+        """This preset with what it derives from the trainer's batch filled in (a pipeline's
+        micro-batch count); itself when it derives nothing."""
+        return self
+
+    def underived(self) -> bool:
+        """``for_batch`` found nothing the batch allows (the preset's problems say why)."""
+        return False
+
     def chunks(self) -> int:
         """Micro-batches one engine step's batch is cut into inside the strategy; the data
         loader serves trainer.micro_batch_size x this."""

@@ -58,12 +58,18 @@ class Run:
 
 
 def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: str = "cpu",
-           precision: str = "32", global_batch: int = 1, micro_batch: int = 1,
+           precision: str = "32", global_batch: int | None = None, micro_batch: int = 1,
            grad_clip: float = 0.0) -> Run:
     """The one derivation of a run's facts from a strategy, the cluster's shape and the trainer's
-    batch, precision and clipping (``accelerator`` already resolved: cpu or gpu)."""
+    batch, precision and clipping (``accelerator`` already resolved: cpu or gpu). Without
+    ``global_batch`` (a Lightning Trainer given the preset by name): one micro-batch per step,
+    and nothing derived from the batch."""
     mesh = strategy.mesh(nodes, devices)
-    batch = Batch(global_batch, micro_batch, mesh.dp, strategy.chunks())
+    if global_batch is not None and mesh.dp >= 1:
+        strategy = strategy.for_batch(global_batch, micro_batch, mesh.dp)
+    # (a count the batch could not give is the preset's problem to explain, not the batch's)
+    chunks = 1 if global_batch is not None and strategy.underived() else strategy.chunks()
+    batch = Batch(global_batch or micro_batch * mesh.dp * chunks, micro_batch, mesh.dp, chunks)
     caps = strategy.capabilities
     return Run(mesh=mesh, batch=batch, accelerator="gpu" if accelerator == "gpu" else "cpu",
                precision=str(precision),

@@ -92,7 +92,8 @@ CASES: dict[str, Case] = {
     # micro 1-2 x 4 micro-batches x accumulation for a 2-stage pipeline, micro 2 x 2 on 2 replicas
     "tp": Case(("strategy=tp", *TWO, "trainer.micro_batch_size=8"), 2, 8),
     "tp-sp": Case(("strategy=tp", *TWO, "trainer.micro_batch_size=4", "strategy.sequence_parallel=true"), 2, 4),
-    "gpipe": Case(("strategy=pipeline", *TWO, "strategy.schedule=gpipe", "trainer.micro_batch_size=1"), 2, 1),
+    "gpipe": Case(("strategy=pipeline", *TWO, "strategy.schedule=gpipe", "trainer.micro_batch_size=1",
+                   "strategy.microbatches=4"), 2, 1),
     "1f1b": Case(("strategy=pipeline", *TWO, "strategy.schedule=1f1b", "trainer.micro_batch_size=2"), 2, 2),
     "fsdp_tp": Case(("strategy=fsdp_tp", *FOUR, "trainer.micro_batch_size=4"), 4, 4),
     "pp_dp": Case(("strategy=pp_dp", *FOUR, "trainer.micro_batch_size=2", "strategy.microbatches=2"), 4, 2),

@@ -96,6 +96,57 @@ def test_bf16_hook_refused_on_cpu_before_launch():
         validate(cfg)
 
 
+# Presets that need CUDA (NCCL's bf16 hook, a GPU to offload from) or that the planner picks.
+GPU_ONLY = {"ddp_bf16_compress", "fsdp_offload", "zero_infinity", "auto"}
+
+
+@pytest.mark.parametrize("name", sorted(set(strategies.names()) - GPU_ONLY))
+def test_every_preset_validates_with_every_other_setting_at_its_default(name):
+    """The smallest world each preset's mesh accepts, nothing else set: it must validate (a
+    pipeline derives its micro-batches from the default batch)."""
+    problems = {}
+    for devices in (1, 2, 4, 8):
+        cfg = compose([f"strategy={name}", f"cluster.devices={devices}", "cluster.accelerator=cpu",
+                       "cluster.oversubscribe=true"])
+        try:
+            validate(cfg)
+            return
+        except ConfigError as e:
+            problems[devices] = e.problems
+    pytest.fail(f"{name} validates at no world size with the default trainer: {problems}")
+
+
+@pytest.mark.parametrize(("schedule", "micro", "expected"), [
+    ("1f1b", 2, 4), ("gpipe", 1, 8), ("1f1b", 8, None), ("interleaved_1f1b", 2, 4),
+    ("interleaved_1f1b", 4, 2), ("gpipe", 8, 1), ("1f1b", 3, None)])
+def test_pipeline_microbatches_derive_from_the_batch(schedule, micro, expected):
+    """global 8 on one pipeline replica of pp=2: the step's samples / micro_batch_size, when the
+    schedule runs that many (1f1b: >= pp; interleaved: a multiple of pp); else a clear error."""
+    cfg = compose(["strategy=pipeline", "cluster.devices=2", "cluster.accelerator=cpu",
+                   "model.n_layers=4", f"strategy.schedule={schedule}",
+                   "trainer.global_batch_size=8", f"trainer.micro_batch_size={micro}"])
+    if expected is None:
+        with pytest.raises(ConfigError, match="micro_batch_size|not divisible"):
+            validate(cfg)
+        return
+    job = validate(cfg)
+    assert job.strategy.microbatches == expected
+    assert job.batch.micro_size * job.batch.chunks * job.batch.accumulation == 8
+
+
+def test_pipeline_batch_error_names_every_factor():
+    """3d on 8 processes with the default batch: 16 / (8 x dp 2) = 1 micro-batch, but 1f1b on 2
+    stages needs 2 -- the message says so and names the micro-batch size that runs."""
+    cfg = compose(["strategy=3d", "cluster.devices=8", "cluster.accelerator=cpu",
+                   "cluster.oversubscribe=true"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    msg = str(e.value)
+    for part in ("global_batch_size(16)", "micro_batch_size(8)", "data-parallel size(2)",
+                 "pp=2 needs 2", "trainer.micro_batch_size=4"):
+        assert part in msg, msg
+
+
 # --- the strategy registry: YAML files, family schemas and Lightning agree ---------------------
 
 def test_every_preset_joins_lightnings_registry_without_replacing_its_own():

@@ -12,7 +12,8 @@ from recipes.job import validate
 from strategies import ConfigError
 from strategies.pipeline import balanced_split
 from tests.cases import CASES as ALL
-from tests.conftest import EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close, by_optimizer
+from tests.conftest import (EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close, by_optimizer,
+                            run_cli)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -217,3 +218,12 @@ def test_balanced_split_by_parameter_count():
     assert balanced_split([1.0] * 8, first=2, last=0, stages=2) == [3, 5]
     assert balanced_split([1.0] * 8, first=2, last=2, stages=4) == [1, 3, 3, 1]
     assert sum(balanced_split([3.0, 1, 1, 1, 1, 3], first=1, last=1, stages=3)) == 6
+
+
+@pytest.mark.multiprocess
+def test_pipeline_runs_with_the_default_trainer(tmp_path):
+    """README's command, nothing else set: the default batch (16 / micro 8) gives 2 micro-batches."""
+    run = run_cli("train.py", "strategy=pipeline", "cluster.devices=2", "model=gpt_nano",
+                  "trainer.max_steps=2", out=tmp_path / "run", timeout=300)
+    assert run.report["pipeline"]["microbatches"] == 2
+    assert len(run.losses) == 2

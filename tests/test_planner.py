@@ -405,7 +405,7 @@ def test_fsdp2_reduce_fp32_doubles_the_reduce_scatter():
 @pytest.mark.unit
 def test_planner_microbatches_only_move_pipelines():
     base = ("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
-    a, b = _plans(*base), _plans(*base, "planner.microbatches=16")
+    a, b = _plans(*base), _plans(*base, "planner.microbatches=4")  # (null derives 16)
     assert a["ddp"].communication.bytes_per_step == b["ddp"].communication.bytes_per_step
     assert a["zero3"].communication.bytes_per_step == b["zero3"].communication.bytes_per_step
     assert a["pipeline"].bubble_fraction != b["pipeline"].bubble_fraction

@@ -49,8 +49,10 @@ class ParallelConfig(StrategyConfig):
     schedule: str = knob("1f1b", choices=tuple(SCHEDULES))
     """Pipeline schedule (torch's): gpipe, 1f1b, or with virtual stages interleaved_1f1b,
     looped_bfs, interleaved_zb, zbv."""
-    microbatches: int = knob(4, min=1)
-    """Pipeline micro-batches per training step (each of trainer.micro_batch_size samples)."""
+    microbatches: int | None = knob(None, min=1)
+    """Pipeline micro-batches per engine step (each of trainer.micro_batch_size samples); None:
+    derived from the batch -- every sample of the step in one schedule (global / (micro x dp))
+    when the schedule allows that many, else the most that divide it (``for_batch``)."""
     virtual_stages: int | None = knob(None, min=1)
     """Model stages per pipeline rank; None: 1, or 2 for the schedules that need several."""
     stages: int | None = knob(None, min=1)
@@ -85,7 +87,25 @@ class ParallelConfig(StrategyConfig):
         return self.pp * self.virtual()
 
     def pipeline_microbatches(self) -> int | None:
-        return self.microbatches if self.pp > 1 else None
+        # (None left: no batch to derive it from -- a Lightning Trainer given the preset by
+        # name: one micro-batch per stage, the fewest every schedule runs)
+        return (self.microbatches or self.pp) if self.pp > 1 else None
+
+    def for_batch(self, global_batch: int, micro_batch: int, dp: int) -> ParallelConfig:
+        if self.pp == 1 or self.microbatches is not None or micro_batch < 1 or dp < 1:
+            return self
+        n = global_batch // (micro_batch * dp) if global_batch % (micro_batch * dp) == 0 else 0
+        fits = [d for d in range(n, 0, -1) if n % d == 0 and self._runs(d)]
+        return dataclasses.replace(self, microbatches=fits[0]) if fits else self
+
+    def underived(self) -> bool:
+        return self.pp > 1 and self.microbatches is None
+
+    def _runs(self, microbatches: int) -> bool:
+        """The schedule runs this many micro-batches per step."""
+        if self.schedule in ("interleaved_1f1b", "interleaved_zb") and microbatches % self.pp:
+            return False
+        return self.schedule == "gpipe" or microbatches >= self.pp
 
     def problems(self, run: Run) -> list[str]:
         out = []
@@ -102,11 +122,26 @@ class ParallelConfig(StrategyConfig):
             out.append("trainer.precision=16-mixed with DTensor/pipeline parallelism: no gradient "
                        "scaler for DTensor gradients; allowed: 32, bf16-mixed")
         if self.pp > 1:
-            out += self._pipeline_problems()
+            out += self._pipeline_problems(run)
         return out
 
-    def _pipeline_problems(self) -> list[str]:
+    def _pipeline_problems(self, run: Run) -> list[str]:
         out, need = [], SCHEDULES[self.schedule][1]
+        b = run.batch
+        if (self.microbatches is None and not b.problems()
+                and self.for_batch(b.global_size, b.micro_size, b.dp).underived()):
+            # null found no count the schedule runs: say why, in the batch's terms
+            n = b.global_size // (b.micro_size * b.dp)
+            least = self.pp if self.schedule != "gpipe" else 1
+            micro = max(1, b.global_size // (b.dp * least))
+            out.append(f"strategy.microbatches=null derives the pipeline's micro-batches from the batch: "
+                       f"global_batch_size({b.global_size}) / (micro_batch_size({b.micro_size}) x "
+                       f"data-parallel size({b.dp})) = {n} per step, and strategy.schedule={self.schedule} "
+                       f"with pp={self.pp} needs {least} or more"
+                       + (f" (a multiple of {self.pp})" if self.schedule.startswith("interleaved") else "")
+                       + f": set trainer.micro_batch_size={micro} or less, or raise "
+                       f"trainer.global_batch_size, or set strategy.microbatches")
+            return out
         if self.stages is not None and self.stages % self.pp:
             out.append(f"strategy.stages={self.stages} is not a multiple of strategy.pp={self.pp}: "
                        "each pipeline rank holds the same number of stages")
@@ -121,6 +156,8 @@ class ParallelConfig(StrategyConfig):
         if self.schedule == "zbv" and v != 2:
             out.append(f"strategy.schedule=zbv places exactly 2 stages per rank (a V): "
                        f"virtual_stages={v}; set it to 2")
+        if self.microbatches is None:
+            return out
         if self.schedule != "gpipe" and self.microbatches < self.pp:
             out.append(f"strategy.microbatches={self.microbatches} < strategy.pp={self.pp}: "
                        f"{self.schedule} needs at least one micro-batch per stage in flight; set "
