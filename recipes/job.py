@@ -298,6 +298,11 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
+        lg = objs["logger"]
+        if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
+            from observers.loggers import wandb_online_problems
+
+            problems += wandb_online_problems()
     mesh = strategy.mesh(c.nodes, c.devices) if world_ok else None
     if mesh is not None and not mesh.problems():  # what the preset derives from the batch, kept
         strategy = strategy.for_batch(t.global_batch_size, t.micro_batch_size, mesh.dp)
@@ -307,7 +312,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += run.problems()
     if depth >= LAUNCH and world_ok:
         problems += _device_problems(run.accelerator, run.mesh, c.oversubscribe)
-    if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
+    if depth >= RUN and world_ok and not bad["strategy"]:  # (the planner reports each preset's problems itself)
         problems += strategy.problems(run)
         if not bad["model"]:
             problems += strategy.model_problems(model) + _lora_problems(strategy, model)

@@ -91,6 +91,8 @@ HAND_PICKED = [
     (("strategy=zero_infinity", "cluster.devices=2", "trainer.global_batch_size=8",
       "trainer.micro_batch_size=4"), "strategy.nvme_path"),
     (("trainer.lr=inf",), "trainer.lr"),
+    # a knob's bad value on a world where the preset's run-level checks run (was a KeyError)
+    (("strategy=pipeline", "cluster.devices=2", "strategy.schedule=zigzag"), "strategy.schedule='zigzag'"),
 ]
 if importlib.util.find_spec("wandb") is None:
     HAND_PICKED.append((("logger=wandb",), "pip install"))
@@ -128,6 +130,29 @@ def test_bad_value_is_one_clear_error(overrides, needle):
         assert needle in str(e) or needle in repr(e.__cause__), f"{type(e).__name__}: {e}"
         return
     pytest.fail(f"{overrides} was accepted")
+
+
+@pytest.mark.unit
+def test_wandb_online_without_credentials_or_network_is_one_clear_error(tmp_path, monkeypatch):
+    """wandb.init would raise its UsageError in every rank (no key) or wait on the network."""
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "netrc").write_text("machine example.com login u password p\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    cfg = compose([*BASE, "logger=wandb", "logger.mode=online"])
+    with pytest.raises(ConfigError, match="logger.mode=online: no W&B credentials .* logger.mode=offline"):
+        validate(cfg)
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    (tmp_path / "netrc").write_text("machine 127.0.0.1 login user password key\n")
+    with pytest.raises(ConfigError, match=f"cannot reach the W&B server 127.0.0.1:{port}"):
+        validate(cfg)
+    validate(compose([*BASE, "logger=wandb", "logger.mode=offline"]))  # offline needs neither
 
 
 def _cli(*overrides: str) -> subprocess.CompletedProcess:
