@@ -68,6 +68,10 @@ def train(job: Job, predicted: dict, out: Path) -> None:
 
             log.info("predicted vs measured (rank 0):\n%s",
                      "\n".join(summary_lines(r["predicted_vs_measured"])))
+    if outcome.rank == 0 and job.trainer.save_hf:
+        from checkpoints.convert import final_hf
+
+        log.info("Hugging Face model: %s", final_hf(out, job.trainer.max_steps))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base=None)

@@ -57,3 +57,23 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -
     from recipes.hf import save_hf
 
     return save_hf(full_model(ckpt), shape, out, merge_lora=merge_lora)
+
+
+def final_hf(run_dir: str | Path, step: int) -> Path:
+    """``trainer.save_hf``: the run's final checkpoint as ``<run_dir>/hf`` (rank 0, after the
+    last save). A longer re-run replaces it whole: the new directory is written beside it and
+    swapped in."""
+    import shutil
+
+    from checkpoints.store import path_for
+
+    run_dir = Path(run_dir)
+    dest, fresh, old = run_dir / "hf", run_dir / f".hf-step{step}", run_dir / ".hf-old"
+    for p in (fresh, old):
+        shutil.rmtree(p, ignore_errors=True)
+    to_hf(path_for(run_dir, step), fresh)
+    if dest.exists():
+        dest.rename(old)
+    fresh.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest

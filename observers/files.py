@@ -32,6 +32,16 @@ def _umask() -> int:
     return mask
 
 
+def plain_modes(directory: str | Path) -> None:
+    """Give every file under ``directory`` the mode a plain ``open`` would (a library that
+    writes through its own temp files -- safetensors under transformers' save_pretrained --
+    leaves them 0600)."""
+    mode = 0o666 & ~_umask()
+    for p in Path(directory).rglob("*"):
+        if p.is_file():
+            os.chmod(p, mode)
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """``write(tmp)`` writes the file at a temporary name; it then replaces ``path`` at once."""
     _atomic(path, write)

@@ -295,6 +295,9 @@ class TrainerConfig:
     save_last: bool = True
     """Also save a complete checkpoint at the final step, whatever checkpoint_every says (what
     convert.py exports, and what a re-run finds: "already finished")."""
+    save_hf: bool = False
+    """model=hf: also write the final model as a Hugging Face directory, <output>/hf (what
+    ``convert.py --to hf`` writes: LoRA merged, the tokenizer beside it)."""
     keep_last: int = knob(0, min=0)
     """Keep only the newest N complete checkpoints (older ones are deleted after a save); 0 keeps all."""
     val_every: int = knob(0, min=0)

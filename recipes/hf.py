@@ -249,6 +249,21 @@ def model_class(path: str) -> type[HFCausalLM]:
     return cls
 
 
+def _restore_generation(model: Any, path: str) -> None:
+    """Training builds the model with ``use_cache=False`` (no KV cache to keep); the export gets
+    the source model's own setting back (True unless its config says otherwise), and its
+    generation_config.json when it has one, so ``generate()`` on the export uses the cache."""
+    from transformers import AutoConfig, GenerationConfig
+
+    source = locate(path)
+    use_cache = getattr(AutoConfig.from_pretrained(source, local_files_only=True), "use_cache", True)
+    model.config.use_cache = use_cache
+    if (source / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source, local_files_only=True)
+    elif model.generation_config is not None:
+        model.generation_config.use_cache = use_cache
+
+
 def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, merge_lora: bool) -> Path:
     """Write ``state`` (the plain model's full state dict, keys ``hf.…``) as a directory that
     ``AutoModelForCausalLM.from_pretrained`` loads: config, safetensors weights, and the
@@ -273,9 +288,13 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
     else:
         peft_model.save_pretrained(str(tmp / "adapter"))
         base = peft_model.unload()
+    _restore_generation(base, shape.path)
     base.save_pretrained(str(tmp))
     for f in locate(shape.path).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) and f.is_file():
             shutil.copy2(f, tmp / f.name)
+    from observers.files import plain_modes
+
+    plain_modes(tmp)
     tmp.rename(out)  # (onto nothing, or an empty directory)
     return out

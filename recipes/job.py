@@ -173,6 +173,18 @@ def _logger_problems(logger: LoggerConfig | None) -> list[str]:
     return []
 
 
+def _save_hf_problems(t: TrainerConfig, model: ModelConfig) -> list[str]:
+    if not t.save_hf:
+        return []
+    if model.name != "hf":
+        return [f"trainer.save_hf=true writes a Hugging Face directory of a model=hf run (model="
+                f"{model.name} now): remove it (convert.py --to full exports the built-in models)"]
+    if not t.save_last:
+        return ["trainer.save_hf=true exports the final checkpoint, and trainer.save_last=false "
+                "saves none: set trainer.save_last=true"]
+    return []
+
+
 def _lora_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
     """LoRA (frozen base weights next to trainable adapters) on a preset whose engine keeps
     per-parameter requires_grad (``capabilities.lora``)."""
@@ -316,6 +328,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += strategy.problems(run)
         if not bad["model"]:
             problems += strategy.model_problems(model) + _lora_problems(strategy, model)
+    if not bad["model"] and not bad["trainer"]:
+        problems += _save_hf_problems(t, model)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
               callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, run=run,
               backend=objs["backend"].name)

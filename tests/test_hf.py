@@ -113,6 +113,9 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     assert "model.lora.target_modules: lm_head" in problems(*hf, "model.lora.rank=4",
                                                             "model.lora.target_modules=[lm_head]")
     assert "applies to model=hf only" in problems("model=gpt_nano", "model.lora.rank=4")
+    assert "trainer.save_hf=true writes a Hugging Face directory of a model=hf run" in problems(
+        "model=gpt_nano", "trainer.save_hf=true")
+    assert "set trainer.save_last=true" in problems(*hf, "trainer.save_hf=true", "trainer.save_last=false")
 
 
 @pytest.mark.subprocess
@@ -222,6 +225,12 @@ def test_lora_trains_adapters_only_equally_and_exports_merged(runs, llama, tmp_p
 
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in k for k in exported.state_dict())
+    # generate() keeps its KV cache: the export carries the source's use_cache (true), not the
+    # false that training builds the model with
+    assert exported.config.use_cache is True and exported.generation_config.use_cache is True
+    for name in ("config.json", "generation_config.json"):
+        if (out / name).exists():
+            assert json.loads((out / name).read_text()).get("use_cache", True) is True, name
     cfg = compose([*HF, "model=hf", f"model.path={llama}", *LORA])
     trained = training.build_model(describe(cfg.model), 0)
     trained.load_state_dict(params)
