@@ -30,6 +30,10 @@ BASE = ("model=gpt_nano", "cluster.accelerator=cpu", "trainer.max_steps=1")
 FAMILY_PRESET = {}
 for _name in strategies.names():
     FAMILY_PRESET.setdefault(strategies.load(_name).family, _name)
+# ... on a world where the preset's run-level checks run (3d needs 8 ranks; a 2-stage pipeline
+# of the same family runs on 2): a bad knob must not crash them
+FAMILY_PRESET["parallel"] = "pipeline"
+WORLD = {"parallel": ("cluster.devices=2",)}
 
 
 def _bad_value(check: checks.Check, kind: str, rng: random.Random) -> str:
@@ -54,7 +58,7 @@ def _field_cases(rng: random.Random) -> list[tuple[tuple[str, ...], str]]:
     """(overrides, the key the error must name) for every declared field."""
     out = []
     targets = [(group, schema, ()) for group, schema in GROUP_SCHEMAS.items()]
-    targets += [("strategy", strategies.families()[f], (f"strategy={p}",))
+    targets += [("strategy", strategies.families()[f], (f"strategy={p}", *WORLD.get(f, ())))
                 for f, p in FAMILY_PRESET.items()]
     for group, schema, select in targets:
         if group == "logger":
