@@ -54,9 +54,12 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -
         raise CheckpointError(f"{ckpt.path}: a checkpoint of model={model.get('name')}; --to hf "
                               "converts model=hf runs (use --to full for the built-in models)")
     shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+    from observers.files import plain_modes
     from recipes.hf import save_hf
 
-    return save_hf(full_model(ckpt), shape, out, merge_lora=merge_lora)
+    path = save_hf(full_model(ckpt), shape, out, merge_lora=merge_lora)
+    plain_modes(path)  # (safetensors' own temp file leaves the weights 0600)
+    return path
 
 
 def final_hf(run_dir: str | Path, step: int) -> Path:

@@ -44,7 +44,7 @@ def _dcp_quietly() -> Iterator[None]:
     """DCP without a process group (one process, or convert.py) is what we mean: its warning
     that it assumes a single process says nothing a user must act on. Scoped to our DCP calls."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
         yield
 
 DCP, DEEPSPEED = "dcp", "deepspeed"

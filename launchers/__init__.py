@@ -31,6 +31,9 @@ def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
     """Start this node's ranks (plain ``python train.py`` with several processes), or be the one
     rank this process is. A run stopped on a signal (every rank saved) raises ``Stopped``; under
     Slurm, the attempt ends without a result for submitit (the requeued attempt writes it)."""
+    from backends.common import quiet
+
+    quiet.install()  # (this process too: it exports trainer.save_hf after the ranks)
     if job.mesh.size > 1 and not launched():
         return run_local_ranks(job, out, plan)
     from backends import run as run_rank

@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import csv
 import io
-import netrc
-import os
-import socket
 import time
 import uuid
-from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Any
 
@@ -128,38 +124,6 @@ class TensorBoardLog(StepLogger):
 
     def close(self, report: dict[str, Any]) -> None:
         self._writer.close()
-
-
-def wandb_online_problems(env: dict[str, str] | None = None, *, timeout: float = 3.0) -> list[str]:
-    """What ``logger.mode=online`` needs before any rank starts (else wandb.init fails in every
-    rank with a traceback, or waits on the network): credentials where wandb looks for them
-    (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, a netrc entry for the server), and the server
-    reachable (a TCP connect, ``timeout`` seconds)."""
-    env = os.environ if env is None else env
-    base = env.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    url = urlsplit(base if "://" in base else f"https://{base}")
-    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
-    fix = "run `wandb login` (or set WANDB_API_KEY), or use logger.mode=offline and `wandb sync` later"
-    if not (env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(host, env)):
-        return [f"logger.mode=online: no W&B credentials for {host} (no WANDB_API_KEY, no netrc "
-                f"entry); {fix}"]
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return [f"logger.mode=online: cannot reach the W&B server {host}:{port} ({e}); "
-                f"use logger.mode=offline and `wandb sync <run dir>/wandb` when online"]
-    return []
-
-
-def _netrc_has(host: str, env: dict[str, str]) -> bool:
-    paths = [env["NETRC"]] if env.get("NETRC") else [os.path.expanduser(f"~/{n}") for n in (".netrc", "_netrc")]
-    for path in paths:
-        try:
-            if netrc.netrc(path).authenticators(host):
-                return True
-        except (OSError, netrc.NetrcParseError):
-            continue
-    return False
 
 
 class WandbLog(StepLogger):

@@ -293,8 +293,5 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
     for f in locate(shape.path).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) and f.is_file():
             shutil.copy2(f, tmp / f.name)
-    from observers.files import plain_modes
-
-    plain_modes(tmp)
     tmp.rename(out)  # (onto nothing, or an empty directory)
     return out

@@ -185,6 +185,43 @@ def _save_hf_problems(t: TrainerConfig, model: ModelConfig) -> list[str]:
     return []
 
 
+def wandb_online_problems(env: dict[str, str] | None = None, *, timeout: float = 3.0) -> list[str]:
+    """What ``logger.mode=online`` needs before any rank starts (else wandb.init fails in every
+    rank with a traceback, or waits on the network): credentials where wandb looks for them
+    (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, a netrc entry for the server), and the server
+    reachable (a TCP connect, ``timeout`` seconds)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    env = os.environ if env is None else env
+    base = env.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    url = urlsplit(base if "://" in base else f"https://{base}")
+    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+    fix = "run `wandb login` (or set WANDB_API_KEY), or use logger.mode=offline and `wandb sync` later"
+    if not (env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(host, env)):
+        return [f"logger.mode=online: no W&B credentials for {host} (no WANDB_API_KEY, no netrc "
+                f"entry); {fix}"]
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return [f"logger.mode=online: cannot reach the W&B server {host}:{port} ({e}); "
+                f"use logger.mode=offline and `wandb sync <run dir>/wandb` when online"]
+    return []
+
+
+def _netrc_has(host: str, env: dict[str, str]) -> bool:
+    paths = [env["NETRC"]] if env.get("NETRC") else [os.path.expanduser(f"~/{n}") for n in (".netrc", "_netrc")]
+    import netrc
+
+    for path in paths:
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return True
+        except (OSError, netrc.NetrcParseError):
+            continue
+    return False
+
+
 def _lora_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
     """LoRA (frozen base weights next to trainable adapters) on a preset whose engine keeps
     per-parameter requires_grad (``capabilities.lora``)."""
@@ -312,8 +349,6 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         accelerator = resolve_accelerator(accelerator)
         lg = objs["logger"]
         if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
-            from observers.loggers import wandb_online_problems
-
             problems += wandb_online_problems()
     mesh = strategy.mesh(c.nodes, c.devices) if world_ok else None
     if mesh is not None and not mesh.problems():  # what the preset derives from the batch, kept
@@ -324,7 +359,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += run.problems()
     if depth >= LAUNCH and world_ok:
         problems += _device_problems(run.accelerator, run.mesh, c.oversubscribe)
-    if depth >= RUN and world_ok and not bad["strategy"]:  # (the planner reports each preset's problems itself)
+    if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += strategy.problems(run)
         if not bad["model"]:
             problems += strategy.model_problems(model) + _lora_problems(strategy, model)

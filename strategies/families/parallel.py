@@ -76,7 +76,7 @@ class ParallelConfig(StrategyConfig):
         return Mesh(nodes, devices, tp=self.tp, pp=self.pp)
 
     def virtual(self) -> int:
-        need = SCHEDULES[self.schedule][1]
+        need = SCHEDULES[self.schedule][1] if self.schedule in SCHEDULES else 1
         if self.virtual_stages is not None:
             return self.virtual_stages
         if self.stages is not None and self.pp >= 1 and self.stages % self.pp == 0:
@@ -126,6 +126,8 @@ class ParallelConfig(StrategyConfig):
         return out
 
     def _pipeline_problems(self, run: Run) -> list[str]:
+        if self.schedule not in SCHEDULES:  # (the knob's own check names it)
+            return []
         out, need = [], SCHEDULES[self.schedule][1]
         b = run.batch
         if (self.microbatches is None and not b.problems()
