@@ -311,27 +311,34 @@ class TrainerConfig:
     there is none) | a checkpoint directory | null: start fresh."""
 
 
-DATASETS = ("text", "synthetic", "jsonl", "parquet", "tokens")
+DATASETS = ("text", "synthetic", "jsonl", "parquet", "chat", "tokens")
+TRAIN_ON = ("assistant", "all")
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
 @dataclass
 class DataConfig:
-    """What the model reads (recipes/data.py builds it; recipes/tokenize.py tokenizes and caches
-    jsonl, parquet and text files once)."""
+    """What the model reads (recipes/data.py builds it; recipes/tokens.py tokenizes and caches
+    jsonl, parquet, chat and text inputs once)."""
 
     name: str = knob("text", choices=DATASETS)
     """text (a UTF-8 file: byte tokens, or tokenized with data.tokenizer) | synthetic (random
-    tokens, for benchmarks) | jsonl | parquet (records tokenized with data.tokenizer) | tokens
+    tokens, for benchmarks) | jsonl | parquet (records tokenized with data.tokenizer) | chat
+    (jsonl/parquet conversations rendered with the tokenizer's chat template) | tokens
     (pre-tokenized uint16/uint32 memmap shards)."""
-    path: str | None = knob(None, exists="any",
-                            fix="point data.path at an existing file (or, for data=tokens, a "
-                                "directory of *.bin shards), or data.path=null for the bundled "
-                                "corpus (data=text only)")
-    """The input: a file (text, jsonl, parquet, tokens) or a directory of *.bin shards (tokens);
-    None: the bundled corpus (text only)."""
+    path: str | None = free(None, "a file, a directory, a glob or a save_to_disk directory; "
+                                  "its existence and contents are checked before launch "
+                                  "(recipes/tokens.py data_problems)")
+    """The input: a file, a directory of them, a glob (``/data/*.parquet``), or (tokenized
+    kinds) a ``datasets`` ``save_to_disk`` directory; None: the bundled corpus (text only)."""
     field: str = free("text", "a key of the jsonl records or a parquet column, checked before launch")
     """The record key (jsonl) or column (parquet) holding each document's text."""
+    messages_field: str = free("messages", "a key of the chat records, checked before launch")
+    """data=chat: the record key / column holding the conversation, a list of
+    ``{role, content}`` messages."""
+    train_on: str = knob("assistant", choices=TRAIN_ON)
+    """data=chat: which tokens the loss counts: assistant (the assistant turns as the chat
+    template renders them, end-of-turn included; every other target is ignored) | all."""
     tokenizer: str | None = knob(None, exists="any",
                                  fix="point data.tokenizer at a tokenizer directory (one "
                                      "AutoTokenizer.from_pretrained loads) or a tokenizer.json file")
@@ -344,10 +351,9 @@ class DataConfig:
     val_fraction: float = knob(0.0, min=0.0, below=1.0)
     """Hold out this fraction of the samples (the last windows of the token stream) for
     validation; 0: none (unless data.val_path)."""
-    val_path: str | None = knob(None, exists="any",
-                                fix="point data.val_path at an existing file of the same kind as "
-                                    "data.path, or null")
-    """A separate validation input of the same kind as data.path (wins over val_fraction)."""
+    val_path: str | None = free(None, "like data.path, checked before launch")
+    """A separate validation input of the same kind (and forms) as data.path (wins over
+    val_fraction)."""
     val_samples: int | None = knob(256, min=1)
     """Validate on at most this many held-out samples (the first ones: the same set on every
     world size); None: all."""
@@ -357,8 +363,8 @@ class DataConfig:
 
     @property
     def tokenized(self) -> bool:
-        """Read through a tokenizer (recipes/tokenize.py): jsonl, parquet, or text with one."""
-        return self.name in ("jsonl", "parquet") or (self.name == "text" and self.tokenizer is not None)
+        """Read through a tokenizer (recipes/tokens.py): jsonl, parquet, chat, or text with one."""
+        return self.name in ("jsonl", "parquet", "chat") or (self.name == "text" and self.tokenizer is not None)
 
     @property
     def validates(self) -> bool:
@@ -396,7 +402,7 @@ class CallbacksConfig:
     compare: bool = True
     """The planner's prediction next to what was measured (state, activations, communication)."""
     plots: bool = True
-    """memory.png and communication.png in the run directory (matplotlib)."""
+    """loss.png, memory.png and communication.png in the run directory (matplotlib)."""
 
 
 @dataclass

@@ -6,12 +6,15 @@ r-th contiguous slice of that global batch, cut into micro-batches. So the union
 step k is the same set whatever the data-parallel size or accumulation — the property the
 equivalence tests stand on. Resuming at step s starts the stream at s (no skipped batches).
 
-Token streams (the bundled text's bytes, a tokenized jsonl/parquet/text cache from
+Token streams (the bundled text's bytes, a tokenized jsonl/parquet/chat/text cache from
 recipes/tokens.py, pre-tokenized shards) are cut into non-overlapping ``seq_len + 1`` windows
 (stride ``seq_len``: a window's last token is the next one's first, so every token is read once
-as input and once as target). Validation holds out the last windows of the stream
-(``data.val_fraction``) or reads ``data.val_path``; ``ValidationBatches`` serves the same fixed
-held-out samples on every world size.
+as input and once as target). A chat stream's loss mask (recipes/tokens.py) is cut the same way:
+a target the loss does not count is ``IGNORE``, which every backend's loss skips
+(recipes/training.py ``token_loss``, recipes/evaluation.py). Packed documents are not isolated
+from each other: a window's tokens attend to the earlier documents in it. Validation holds out
+the last windows of the stream (``data.val_fraction``) or reads ``data.val_path``;
+``ValidationBatches`` serves the same fixed held-out samples on every world size.
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ log = logging.getLogger(__name__)
 CORPUS = Path(__file__).parent / "assets" / "corpus.txt"
 
 
+IGNORE = -100  # a target cross entropy skips (torch's default ignore_index)
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens over one or more flat token arrays
-    (numpy memmaps or arrays; windows never cross arrays), as int64 (inputs, targets)."""
+    (numpy memmaps or arrays; windows never cross arrays), as int64 (inputs, targets).
+    ``masks``: per array, None or a same-length 0/1 array; a target whose token is 0 there is
+    ``IGNORE``. ``n_loss``: per array, its count of 1s (known from the cache; else counted)."""
 
-    def __init__(self, arrays: list[Any], seq_len: int, *, what: str = "data"):
+    def __init__(self, arrays: list[Any], seq_len: int, *, what: str = "data",
+                 masks: list[Any] | None = None, n_loss: list[int | None] | None = None):
         self.arrays, self.seq_len = list(arrays), seq_len
+        self.masks = list(masks) if masks is not None else [None] * len(self.arrays)
+        self.n_loss = list(n_loss) if n_loss is not None else [None] * len(self.arrays)
         counts = [max(0, (len(a) - 1) // seq_len) for a in self.arrays]
         self.starts = list(itertools.accumulate(counts, initial=0))
         if len(self) < 1:
@@ -53,7 +64,37 @@ class TokenWindows(Dataset):
         a = bisect.bisect_right(self.starts, i) - 1
         j = (i - self.starts[a]) * self.seq_len
         chunk = torch.from_numpy(np.asarray(self.arrays[a][j : j + self.seq_len + 1], dtype=np.int64))
-        return chunk[:-1], chunk[1:]
+        x, y = chunk[:-1], chunk[1:]
+        if self.masks[a] is not None:
+            counted = torch.from_numpy(np.asarray(self.masks[a][j + 1 : j + self.seq_len + 1], dtype=bool))
+            y = y.masked_fill(~counted, IGNORE)
+        return x, y
+
+    def counts(self, first: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(targets, targets the loss counts) of windows ``first .. stop - 1``: the targets of
+        consecutive windows of one array are one contiguous run of its tokens."""
+        stop = len(self) if stop is None else stop
+        tokens = loss = 0
+        for a, arr in enumerate(self.arrays):
+            lo, hi = max(first, self.starts[a]), min(stop, self.starts[a + 1])
+            if lo >= hi:
+                continue
+            n = (hi - lo) * self.seq_len
+            tokens += n
+            mask = self.masks[a]
+            if mask is None:
+                loss += n
+                continue
+            i, j = (lo - self.starts[a]) * self.seq_len + 1, (hi - self.starts[a]) * self.seq_len + 1
+            if self.n_loss[a] is not None and n > len(arr) // 2:  # the smaller read: the rest
+                loss += self.n_loss[a] - _ones(mask, 0, i) - _ones(mask, j, len(arr))
+            else:
+                loss += _ones(mask, i, j)
+        return tokens, loss
+
+
+def _ones(mask: Any, i: int, j: int, chunk: int = 1 << 26) -> int:
+    return sum(int(np.count_nonzero(mask[k : min(j, k + chunk)])) for k in range(i, j, chunk))
 
 
 class TextDataset(TokenWindows):
@@ -122,24 +163,42 @@ class GlobalBatchSampler:
 
 
 def shards(path: str | Path) -> list[Path]:
-    """``data=tokens``: the file, or a directory's ``*.bin`` files in name order."""
-    p = Path(path).expanduser()
-    return sorted(p.glob("*.bin")) if p.is_dir() else [p]
+    """``data=tokens``: the file, a directory's ``*.bin`` files, or a glob's files, in name order."""
+    from recipes.tokens import resolve_inputs
+
+    return list(resolve_inputs("tokens", path).files)
 
 
-def _stream(data_cfg, path: str | Path | None, seq_len: int) -> Dataset:
-    """The windows of one input (``data.path`` or ``data.val_path``)."""
+def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
+    """The windows of one input (``data.path`` or ``data.val_path``, named by ``key``). Token
+    ids past ``model.vocab_size`` are refused here (the embedding would raise an IndexError)."""
+    seq_len, vocab = shape.seq_len, shape.vocab_size
     if data_cfg.name == "tokens":
-        arrays = [np.memmap(f, dtype=data_cfg.dtype, mode="r") for f in shards(path)]
-        return TokenWindows(arrays, seq_len, what=f"data.path={path}")
+        from recipes.tokens import shard_id_problem
+
+        files = shards(path)
+        problem = shard_id_problem(key, path, files, data_cfg.dtype, vocab, data_cfg.cache_dir)
+        if problem:
+            raise ValueError(problem)
+        arrays = [np.memmap(f, dtype=data_cfg.dtype, mode="r") for f in files]
+        return TokenWindows(arrays, seq_len, what=f"{key}={path}")
     if data_cfg.tokenized:
         from recipes.tokens import token_file
 
-        stream = token_file(kind=data_cfg.name, path=path or CORPUS, field=data_cfg.field,
-                            tokenizer=data_cfg.tokenizer, cache_dir=data_cfg.cache_dir)
-        log.info("data: %s -> %d tokens, %d documents (%s, %s)", path or CORPUS, stream.n_tokens,
-                 stream.n_docs, stream.path.name, "tokenized" if stream.built else "cached")
-        return TokenWindows([stream.array()], seq_len, what=f"data.path={path}")
+        chat = data_cfg.name == "chat"
+        stream = token_file(kind=data_cfg.name, path=path or CORPUS,
+                            field=data_cfg.messages_field if chat else data_cfg.field,
+                            tokenizer=data_cfg.tokenizer, cache_dir=data_cfg.cache_dir,
+                            train_on=data_cfg.train_on)
+        log.info("data: %s -> %d tokens (%d in the loss), %d documents (%s, %s)", path or CORPUS,
+                 stream.n_tokens, stream.n_loss_tokens, stream.n_docs, stream.path.name,
+                 "tokenized" if stream.built else "cached")
+        if stream.max_id >= vocab:
+            raise ValueError(f"{key}={path}: token id {stream.max_id} (data.tokenizer={data_cfg.tokenizer} "
+                             f"has {stream.vocab_size} ids) but model.vocab_size={vocab}: set "
+                             f"model.vocab_size>={stream.max_id + 1} or use the model's own tokenizer")
+        return TokenWindows([stream.array()], seq_len, what=f"{key}={path}", masks=[stream.mask()],
+                            n_loss=[stream.n_loss_tokens])
     return TextDataset(path, seq_len)
 
 
@@ -150,10 +209,10 @@ def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]
     if data_cfg.name == "synthetic":
         full: Dataset = SyntheticDataset(data_cfg.num_samples, shape.seq_len, shape.vocab_size, seed)
     else:
-        full = _stream(data_cfg, data_cfg.path, shape.seq_len)
+        full = _stream(data_cfg, data_cfg.path, shape, "data.path")
     train, val = full, None
     if data_cfg.val_path is not None:
-        val = _stream(data_cfg, data_cfg.val_path, shape.seq_len)
+        val = _stream(data_cfg, data_cfg.val_path, shape, "data.val_path")
     elif data_cfg.val_fraction > 0:
         n = len(full)
         held = max(1, round(n * data_cfg.val_fraction))
@@ -171,7 +230,20 @@ def build_dataset(data_cfg, shape, seed: int) -> Dataset:
     return build_datasets(data_cfg, shape, seed)[0]
 
 
-IGNORE = -100  # a target cross entropy skips (torch's default ignore_index)
+def data_facts(dataset: Dataset) -> dict[str, int | None]:
+    """report.json's ``data``: the training set's ``tokens`` (targets: samples x seq_len) and
+    ``loss_tokens``, those the loss counts (fewer than tokens only for data=chat with
+    data.train_on=assistant)."""
+    first, stop = 0, None
+    if isinstance(dataset, Subset) and isinstance(dataset.indices, range) and dataset.indices.step == 1:
+        first, stop, dataset = dataset.indices.start, dataset.indices.stop, dataset.dataset
+    if isinstance(dataset, TokenWindows):
+        tokens, loss = dataset.counts(first, stop)
+    elif isinstance(dataset, SyntheticDataset):
+        tokens = loss = ((stop if stop is not None else len(dataset)) - first) * dataset.seq_len
+    else:  # (not one of build_datasets')
+        return {"tokens": None, "loss_tokens": None}
+    return {"tokens": tokens, "loss_tokens": loss}
 
 
 class ValidationBatches:

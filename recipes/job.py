@@ -14,7 +14,6 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -232,81 +231,13 @@ def _lora_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
             f"{able}; choose one of them, or model.lora.rank=0 for a full fine-tune"]
 
 
-SUFFIXES = {"jsonl": ".jsonl", "parquet": ".parquet", "text": ".txt", "tokens": ".bin"}
-
-
 def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
-    """What the data keys name, read cheaply (JSON files, a parquet schema, file sizes; no
-    tokenizer is loaded): inputs, the record field, the tokenizer's EOS and vocabulary."""
-    from recipes.tokens import missing_field, tokenizer_info
+    """What the data keys name, read cheaply (recipes/tokens.py's ``data_problems``): the inputs
+    (a file, directory, glob or save_to_disk directory), the record fields, the tokenizer's EOS,
+    vocabulary and chat template, the largest id of pre-tokenized shards (cached per shard)."""
+    from recipes.tokens import data_problems as problems
 
-    name, out = data.name, []
-    if name == "synthetic":
-        return out
-    example = f"/path/to/data{SUFFIXES[name]}"
-    if data.path is None and name != "text":
-        out.append(f"data={name} needs data.path (null now): set data.path={example}"
-                   + (" or a directory of *.bin shards" if name == "tokens" else ""))
-    inputs = [(k, v) for k, v in (("data.path", data.path), ("data.val_path", data.val_path))
-              if v and not checks.elsewhere(v)]
-    for key, value in inputs:
-        p = Path(value).expanduser()
-        if name == "tokens":
-            files = sorted(p.glob("*.bin")) if p.is_dir() else [p]
-            if not files:
-                out.append(f"{key}={value}: a directory without *.bin shards: point it at a .bin "
-                           "file or a directory of them (flat uint16/uint32 token arrays)")
-            size = 2 if data.dtype == "uint16" else 4
-            out += [f"{key}: {f} has {f.stat().st_size} bytes, not a multiple of {size} "
-                    f"(data.dtype={data.dtype}): set data.dtype to the shards' type (uint16, uint32)"
-                    for f in files if f.stat().st_size % size]
-            continue
-        if p.is_dir():
-            out.append(f"{key}={value} is a directory; data={name} reads one file: set "
-                       f"{key}={example}")
-            continue
-        if name in ("jsonl", "parquet"):
-            try:
-                keys = missing_field(name, p, data.field)
-            except Exception as e:  # noqa: BLE001  (not JSON, not parquet)
-                out.append(f"{key}={value}: not readable as {name} ({str(e).splitlines()[0]}): "
-                           f"point {key} at a {SUFFIXES[name]} file or choose data=<its kind>")
-                continue
-            if keys is not None:
-                out.append(f"data.field={data.field!r} is not a {'key' if name == 'jsonl' else 'column'} "
-                           f"of {value}'s records (it has: {', '.join(map(str, keys)) or 'none'}): "
-                           f"set data.field=<one of them>")
-    if name in ("jsonl", "parquet") and data.tokenizer is None:
-        out.append(f"data={name} needs a tokenizer, and data.tokenizer is null (the model has no "
-                   "model.path to take one from): set data.tokenizer=<a tokenizer directory or "
-                   "tokenizer.json>")
-    if data.tokenized and data.tokenizer is not None and not checks.elsewhere(data.tokenizer):
-        out += _tokenizer_problems(data.tokenizer, model, tokenizer_info)
-    return out
-
-
-def _tokenizer_problems(path: str, model: ModelConfig | None, info_of) -> list[str]:
-    p = Path(path).expanduser()
-    if p.is_dir() and not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        return [f"data.tokenizer={path}: the directory has no tokenizer.json or "
-                "tokenizer_config.json (data.tokenizer defaults to model.path): point it at a "
-                "tokenizer saved with save_pretrained, or data.tokenizer=null for byte tokens "
-                "(data=text)"]
-    try:
-        info = info_of(p)
-    except Exception as e:  # noqa: BLE001  (not JSON)
-        return [f"data.tokenizer={path}: unreadable tokenizer.json ({str(e).splitlines()[0]}): "
-                "point it at a tokenizer saved with save_pretrained or tokenizers' save()"]
-    out = []
-    vocab = getattr(model, "vocab_size", None)
-    if info.vocab_size is not None and isinstance(vocab, int) and info.vocab_size > vocab:
-        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but model.vocab_size="
-                   f"{vocab}: its ids would index past the embedding; set model.vocab_size>="
-                   f"{info.vocab_size} or use the model's own tokenizer")
-    if info.vocab_size is not None and info.eos_id is None:
-        out.append(f"data.tokenizer={path} names no EOS token (documents are packed with EOS "
-                   "between them): set eos_token in its tokenizer_config.json")
-    return out
+    return problems(data, model)
 
 
 CONFIG, RUN, LAUNCH = 0, 1, 2

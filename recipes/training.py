@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from recipes.data import IGNORE  # a target the loss does not count (data=chat's masked ones)
+
 if TYPE_CHECKING:
     from recipes.config import ModelConfig, TrainerConfig
 
@@ -50,8 +52,13 @@ def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of logits, in fp32 (also a pipeline's last stage's loss)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross entropy of logits, in fp32, over the targets that are not
+    ``IGNORE`` (data=chat's masked ones; 0, not NaN, when a micro-batch has none); also each
+    pipeline micro-batch's loss on the last stage. Every engine averages these per-micro-batch
+    means over micro-batches and ranks, so runs that share trainer.micro_batch_size agree."""
+    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                            reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
 
 
 def no_decay_names(model: torch.nn.Module) -> frozenset[str]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from recipes.config import DataConfig, compose
-from recipes.data import CORPUS, IGNORE, TokenWindows, ValidationBatches, build_datasets
+from recipes.data import CORPUS, IGNORE, TokenWindows, ValidationBatches, build_datasets, data_facts
 from recipes.job import CONFIG, validate
 from strategies import ConfigError
 from tests.conftest import ROOT, TINY, run_cli
@@ -124,15 +124,18 @@ def test_token_shards(tmp_path):
     (tmp_path / "s").mkdir()
     a.tofile(tmp_path / "s" / "000.bin")
     b.tofile(tmp_path / "s" / "001.bin")
-    train, val = build_datasets(_data(name="tokens", path=str(tmp_path / "s"), dtype="uint32"),
-                                SHAPE, 0)
+    shape = SimpleNamespace(seq_len=16, vocab_size=70050)  # the ids reach 70049
+    kw = {"dtype": "uint32", "cache_dir": str(tmp_path / "c")}
+    train, val = build_datasets(_data(name="tokens", path=str(tmp_path / "s"), **kw), shape, 0)
     assert val is None and len(train) == 3 + 2
     x, y = train[0]
     assert x.tolist() == a[:16].tolist() and y.tolist() == a[1:17].tolist()
     assert train[3][0].tolist() == b[:16].tolist()
-    one = build_datasets(_data(name="tokens", path=str(tmp_path / "s" / "001.bin"),
-                               dtype="uint32"), SHAPE, 0)[0]
+    one = build_datasets(_data(name="tokens", path=str(tmp_path / "s" / "001.bin"), **kw), shape, 0)[0]
     assert len(one) == 2
+    glob = build_datasets(_data(name="tokens", path=str(tmp_path / "s" / "0*.bin"), **kw), shape, 0)[0]
+    assert len(glob) == 5 and glob[3][0].tolist() == b[:16].tolist()
+    assert data_facts(train) == {"tokens": 5 * 16, "loss_tokens": 5 * 16}
 
 
 @pytest.mark.unit

@@ -25,7 +25,7 @@ import checkpoints
 from backends.accelerate import MIXED, families
 from backends.accelerate.state import accelerator
 from recipes import evaluation, training
-from recipes.data import GlobalBatchSampler, build_datasets
+from recipes.data import GlobalBatchSampler, build_datasets, data_facts
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -150,6 +150,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
     data, val = build_datasets(job.data, job.model, t.seed)
+    observers.meta["data"] = data_facts(data)
     validator = None if val is None else evaluation.Validator(
         val, micro_batch=job.batch.per_step, val_every=t.val_every, max_steps=t.max_steps)
     sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,

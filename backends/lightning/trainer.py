@@ -8,7 +8,6 @@ environment and never uses its own launcher, which would re-run the command line
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +23,7 @@ from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
 from backends.lightning.preset import PRECISION, set_timeout
 from observers.files import atomic_torch_save
-from recipes.data import build_datasets
+from recipes.data import build_datasets, data_facts
 from recipes.evaluation import Validator
 
 if TYPE_CHECKING:
@@ -82,6 +81,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
 def build(job: Job, out: Path, observers: Observers) -> Built:
     t = job.trainer
     train, val = build_datasets(job.data, job.model, t.seed)
+    observers.meta["data"] = data_facts(train)
     validator = None if val is None else Validator(val, micro_batch=job.batch.per_step,
                                                    val_every=t.val_every, max_steps=t.max_steps)
     bridge = ObserverBridge(observers, validator)
@@ -101,12 +101,9 @@ def fit(built: Built) -> Outcome:
 
     checkpoints.interruption().install()  # before Lightning's: its teardown restores ours
     job, trainer = built.job, built.trainer
-    with warnings.catch_warnings():
-        # The module's validation_step is reached through strategy.validation_step by the
-        # bridge, not by Lightning's validation loop (limit_val_batches=0), which would
-        # otherwise say it is skipped.
-        warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
-        trainer.fit(built.module, datamodule=built.data)
+    # (Lightning's note that its validation loop is skipped is filtered in backends/common/quiet.py:
+    # the module's validation_step is reached through strategy.validation_step by the bridge.)
+    trainer.fit(built.module, datamodule=built.data)
     if job.trainer.export_params:
         params = trainer.strategy.full_state_dict(prefix=MODEL_PREFIX)
         if trainer.global_rank == 0:
