@@ -24,6 +24,7 @@ import checkpoints
 import launchers
 import launchers.sweep
 import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
+from observers.report import closing
 from recipes import cli
 from recipes.job import Job, validate
 from strategies import ConfigError
@@ -61,13 +62,8 @@ def train(job: Job, predicted: dict, out: Path) -> None:
         sys.exit(getattr(e, "code", 1))
     r = outcome.report
     if outcome.rank == 0 and r.get("losses"):
-        where = f", report {out / 'report.json'}" if job.callbacks.report else ""
-        log.info("done: %d steps, final loss %.4f%s", r["steps"], r["final_loss"], where)
-        if r.get("predicted_vs_measured"):
-            from observers.compare import summary_lines
-
-            log.info("predicted vs measured (rank 0):\n%s",
-                     "\n".join(summary_lines(r["predicted_vs_measured"])))
+        for message in closing(r, out / "report.json" if job.callbacks.report else None):
+            log.info("%s", message)
     if outcome.rank == 0 and job.trainer.save_hf:
         from checkpoints.convert import final_hf
 
@@ -100,4 +96,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, __doc__)

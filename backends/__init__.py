@@ -71,8 +71,10 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     """One rank of the job (or the whole job, when it has one process): the observers, the
     chosen backend's build and fit, and a clean exit from the process group."""
     import observers
+    from backends.common import quiet
     from checkpoints.interrupt import Interrupted
 
+    quiet.install()  # third-party console noise, filtered in one place (backends/common/quiet.py)
     backend = get(job.backend)
     ok = False
     try:

@@ -1,6 +1,7 @@
-"""Plots of the profiles, PNG in the run directory, drawn by rank 0 from the finished report:
-``memory.png`` (bytes by category per rank, predicted beside) and ``communication.png``
-(collective bytes per step by kind and group)."""
+"""Plots of the run, PNG in the run directory, drawn by rank 0 from the finished report:
+``loss.png`` (the loss of every optimizer step, each validation's loss on it), ``memory.png``
+(bytes by category per rank, predicted beside) and ``communication.png`` (collective bytes per
+step by kind and group)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,32 @@ class Plots(Observer):
         import matplotlib
 
         matplotlib.use("Agg")
+        if report.get("losses"):
+            loss_plot(report["losses"], report.get("validation") or [], self.out / "loss.png")
         if report.get("memory", {}).get("ranks"):
             memory_plot(report["memory"], self.out / "memory.png")
         if report.get("communication", {}).get("by_group"):
             communication_plot(report["communication"]["by_group"], self.out / "communication.png")
+
+
+def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(losses) + 1), losses, label="train (global batch)")
+    if validation:
+        ax.plot([v["step"] for v in validation], [v["loss"] for v in validation], "o-",
+                label="validation")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (token cross entropy)")
+    ax.set_title("loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def memory_plot(memory: dict[str, Any], path: Path) -> None:

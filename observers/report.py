@@ -6,14 +6,22 @@ empty without a validation split). The backend computes each step's loss (the me
 micro-batches on all data-parallel ranks) and hands it to ``on_step_end``. A resumed run starts
 from the record its checkpoint carries: ``losses`` and ``validation`` cover the whole run;
 ``wall_seconds`` and ``tokens_per_second`` this attempt.
+
+On the console (rank 0): each validation as it is computed, and at the end (``closing``, which
+train.py logs) the planner's prediction beside what was measured, then ``summary``, the run's last
+line: steps, final loss, validation loss, tokens/s, peak memory, the report.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from observers.base import Engine, Observer, learning_rate
+
+log = logging.getLogger(__name__)
 
 
 class LossLog(Observer):
@@ -53,6 +61,9 @@ class LossLog(Observer):
 
     def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
         self.validation.append(dict(metrics))
+        if engine.rank == 0:
+            log.info("validation at step %d: loss %.4f, perplexity %.2f (%d samples)", step,
+                     metrics["loss"], metrics["perplexity"], metrics.get("samples", 0))
 
     def on_train_end(self, engine: Engine) -> None:
         self._end = time.perf_counter()
@@ -64,3 +75,44 @@ class LossLog(Observer):
                 "final_loss": self.losses[-1] if self.losses else None, "wall_seconds": wall,
                 "validation": self.validation,
                 "tokens_per_second": ran * self.tokens_per_step / wall if wall > 0 else 0.0}
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.0f} MiB"
+
+
+def peak_memory(report: dict[str, Any]) -> str | None:
+    """The largest peak of any rank: CUDA allocated on GPU, else the process's resident memory;
+    None without the memory observer."""
+    ranks = (report.get("memory") or {}).get("ranks") or []
+    cuda = [max(p["allocated"] for p in r["cuda"].values()) for r in ranks if r.get("cuda")]
+    if cuda:
+        return f"{_bytes(max(cuda))} CUDA allocated"
+    rss = [r["peak_rss"] for r in ranks if r.get("peak_rss")]
+    return f"{_bytes(max(rss))} RSS" if rss else None
+
+
+def summary(report: dict[str, Any], path: Path | None = None) -> str:
+    """The run in one line: steps, final loss, the last validation loss, tokens/s (global), peak
+    memory (the largest of any rank) and where the report is."""
+    parts = [f"done: {report['steps']} steps", f"final loss {report['final_loss']:.4f}"]
+    if report.get("validation"):
+        parts.append(f"val loss {report['validation'][-1]['loss']:.4f}")
+    # the median step's (the throughput observer's) when measured: the first step's start-up aside
+    rate = (report.get("throughput") or {}).get("tokens_per_second") or report.get("tokens_per_second", 0)
+    parts.append(f"{rate:,.0f} tokens/s")
+    if (peak := peak_memory(report)) is not None:
+        parts.append(f"peak memory {peak}")
+    if path is not None:
+        parts.append(f"report {path}")
+    return ", ".join(parts)
+
+
+def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
+    """What rank 0 logs at the end of a run: the planner's prediction beside what was measured
+    (a table), then ``summary`` -- the last line."""
+    from observers.compare import summary_lines
+
+    table = report.get("predicted_vs_measured")
+    return (["predicted vs measured (rank 0):\n" + "\n".join(summary_lines(table))] if table else []) \
+        + [summary(report, path)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -34,13 +35,15 @@ def normalize(argv: list[str]) -> list[str]:
 
 def rank_aware_logging() -> None:
     """Rank 0 logs at INFO; other ranks only warnings and errors, prefixed with their rank.
-    (Launchers start ranks > 0 with RANK or LOCAL_RANK set.)"""
+    (Launchers start ranks > 0 with RANK or LOCAL_RANK set.) The root's handlers take the level
+    too: libraries that set their own loggers' level (Lightning: INFO) still propagate to them."""
     rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
     if rank == 0:
         return
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     for handler in root.handlers:
+        handler.setLevel(logging.WARNING)
         handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
 
 
@@ -56,9 +59,10 @@ def fail(error: Exception, log: logging.Logger) -> None:
     sys.exit(CONFIG_ERROR)
 
 
-def or_exit(step: Callable[[], T]) -> T:
+def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
     """Run a composition or validation step outside a Hydra app (plan.py): a configuration
-    error is printed as Hydra would print it, without a traceback, and exits 2."""
+    error is printed as Hydra would print it, without a traceback, and exits 2; with the
+    overrides composed (``argv``), a mistyped key gets its likely spelling."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -69,6 +73,9 @@ def or_exit(step: Callable[[], T]) -> T:
     except (ConfigError, HydraException, OmegaConfBaseException) as e:
         cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
         print(f"{e}{cause}", file=sys.stderr)
+        if argv is not None:
+            for line in suggestions(argv):
+                print(line, file=sys.stderr)
         sys.exit(CONFIG_ERROR)
 
 
@@ -83,32 +90,193 @@ def query(argv: list[str], doc: str) -> tuple[object, set[str], list[str]] | Non
     from recipes.config import compose_chosen
 
     argv = normalize(argv)
-    cfg, chosen = or_exit(lambda: compose_chosen(argv))
+    cfg, chosen = or_exit(lambda: compose_chosen(argv), argv)
     return cfg, chosen, argv
 
 
 def groups_help() -> str:
-    """The config groups and their options, as files of conf/ (what ``--help`` lists)."""
+    """The config groups a user picks from and their options, as files of conf/ (what ``--help``
+    lists): the groups of the root schema, not the internal ones (``strategy_model``,
+    ``cluster_trainer``: applied by themselves). ``*`` marks conf/train.yaml's default."""
     from dataclasses import fields
 
-    from recipes.config import TrainConfig
+    from recipes.config import TrainConfig, _default_choices
 
-    lines = ["config groups (group=option; group=null switches an opt-in group off):"]
+    defaults = _default_choices()
+    lines = ["config groups (group=option; * the default; group=null switches an opt-in group off):"]
     public = {f.name for f in fields(TrainConfig)}
-    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name in public):
-        options = ", ".join(sorted(f.stem for f in group.glob("*.yaml")))
-        lines.append(f"  {group.name}: {options}")
+    groups = sorted((p for p in CONF_DIR.iterdir() if p.is_dir() and p.name in public),
+                    key=lambda p: (GROUP_ORDER.index(p.name) if p.name in GROUP_ORDER else len(GROUP_ORDER), p.name))
+    width = max(len(g.name) for g in groups) + 4
+    for group in groups:
+        options = [f.stem + ("*" if defaults.get(group.name) == f.stem else "")
+                   for f in sorted(group.glob("*.yaml"))]
+        off = [] if defaults.get(group.name, "None") not in ("None", "null") else ["(off unless chosen)"]
+        lines += textwrap.wrap(" ".join([f"{o}," for o in options[:-1]] + options[-1:] + off), 100,
+                               initial_indent=f"  {group.name + ':':<{width - 2}}",
+                               subsequent_indent=" " * width, break_on_hyphens=False)
     return "\n".join(lines)
 
 
-def run(main: Callable[[], None]) -> None:
-    """Run a ``@hydra.main`` app. Hydra reports a config that fails to compose (an unknown
-    option or key, a wrong type) and exits 1; before the task function started, that is a
-    configuration error like any other, so it exits 2."""
+# The order --help lists the groups in: what a run is, then how it runs, then the rest.
+GROUP_ORDER = ("model", "strategy", "cluster", "backend", "data", "trainer", "callbacks", "logger",
+               "planner", "experiment", "export", "paths")
+
+# The keys most runs set, with what each means (``--help``); tests/test_console.py keeps every one
+# a key of the composed config.
+COMMON_KEYS: tuple[tuple[str, str], ...] = (
+    ("trainer.max_steps", "optimizer steps"),
+    ("trainer.global_batch_size", "samples per optimizer step (= micro x data-parallel x accumulation)"),
+    ("trainer.micro_batch_size", "samples per forward pass, per rank (accumulation is derived)"),
+    ("trainer.lr", "peak learning rate (trainer.optimizer=adamw | sgd, trainer.scheduler)"),
+    ("trainer.precision", "32 | bf16-mixed | 16-mixed"),
+    ("trainer.val_every", "validate every N steps (0: at the end), given a validation split"),
+    ("trainer.checkpoint_every", "save a checkpoint every N steps (the last one is saved anyway)"),
+    ("trainer.resume_from", "auto (newest checkpoint in the run dir) | a checkpoint dir | null"),
+    ("cluster.devices", "processes per node (plain python train.py starts them)"),
+    ("cluster.nodes", "nodes (cluster=torchrun, Slurm or SageMaker start them)"),
+    ("cluster.accelerator", "auto | cpu | gpu"),
+    ("data.path", "your own data (data=text | jsonl | parquet | tokens)"),
+    ("data.val_fraction", "hold out this fraction of the windows for validation"),
+    ("model.path", "a Hugging Face model directory (model=hf)"),
+    ("callbacks.progress_bar", "the progress bar on rank 0"),
+    ("planner.enforce", "refuse a run predicted not to fit"),
+)
+
+EXAMPLES = (
+    ("python train.py model=gpt_nano trainer.max_steps=20", "a small run on this machine"),
+    ("python train.py strategy=ddp cluster.devices=2", "two processes, DDP"),
+    ("python train.py strategy=zero3 cluster.devices=2 model=gpt_nano", "DeepSpeed ZeRO-3"),
+    ("python train.py data.val_fraction=0.05 trainer.val_every=20", "with validation"),
+    ("python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2", "a sweep, compared in a report"),
+    ("python train.py --cfg job strategy=fsdp", "print the composed config, run nothing"),
+    ("python plan.py model=llama_7b cluster=node_8x_a100_80g", "will it fit, before any run"),
+)
+
+
+def _key_defaults() -> dict[str, object]:
+    """Each common key's value in the default composition, read from conf/'s YAML (no Hydra
+    composition, no torch: ``--help`` answers at once)."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import _default_choices
+
+    choices, out = _default_choices(), {}
+    for key, _ in COMMON_KEYS:
+        group, _, rest = key.partition(".")
+        path = CONF_DIR / group / f"{choices.get(group)}.yaml"
+        if not path.is_file():
+            continue
+        node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        for part in rest.split("."):
+            node = node.get(part, "") if isinstance(node, dict) else ""
+        if node != "" and not (isinstance(node, str) and "${" in node):
+            out[key] = node
+    return out
+
+
+def help_page(doc: str) -> str:
+    """``python train.py --help``: what the script does, the groups and their options, the common
+    keys with their defaults, examples, and where the rest is written down."""
+    defaults = _key_defaults()
+    usage = doc.strip().splitlines()[0]
+    def shown(value: object) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    keys = [f"{key}={shown(defaults.get(key))}" for key, _ in COMMON_KEYS]
+    width = max(map(len, keys)) + 2
+    lines = ["usage: python train.py [group=option ...] [key=value ...] [-m] [--cfg job]", "",
+             usage, "", groups_help(), "",
+             "common keys (key=value, shown with their default; any key of `python train.py --cfg job` works):"]
+    lines += [f"  {k:<{width}}{what}" for k, (_, what) in zip(keys, COMMON_KEYS)]
+    lines += ["", "examples:"]
+    width = max(len(cmd) for cmd, _ in EXAMPLES) + 2
+    lines += [f"  {cmd:<{width}}# {what}" for cmd, what in EXAMPLES]
+    readme = CONF_DIR.parent / "README.md"
+    lines += ["", f"more: README.md ({readme if readme.is_file() else 'in the repository'}): every group, "
+              "key and report field; docs/ARCHITECTURE.md; Hydra's own flags: --hydra-help"]
+    return "\n".join(lines)
+
+
+def _flat_keys(node: object, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return []
+    out = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        out += [key, *_flat_keys(v, key + ".")]
+    return out
+
+
+def _has_key(node: object, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def suggestions(argv: list[str]) -> list[str]:
+    """For each override whose key the config does not have (``trainer.max_step=3``), the closest
+    key that exists (``did you mean trainer.max_steps?``), from the config composed with the same
+    group choices; nothing when there is no close one, or the groups themselves do not compose."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    from recipes.config import compose
+
+    groups, keys = [], []
+    for arg in normalize([a for a in argv if not a.startswith("-")]):
+        key, eq, _ = arg.partition("=")
+        key = key.lstrip("+~")
+        if not eq or key.startswith("hydra"):
+            continue
+        if "." not in key and (CONF_DIR / key).is_dir():
+            groups.append(arg)
+        else:
+            keys.append(key)
+    if not keys:
+        return []
+    try:
+        cfg = OmegaConf.to_container(compose(groups), resolve=False)
+    except Exception:  # the groups themselves are the error: Hydra said so
+        return []
+    group_names = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    out = []
+    for key in keys:
+        if _has_key(cfg, key):
+            continue
+        parent, _, leaf = key.rpartition(".")
+        if not parent:  # a group or a top-level key
+            close = difflib.get_close_matches(key, sorted(group_names | set(cfg)), n=1, cutoff=0.6)
+        elif _has_key(cfg, parent):  # a key of a node that exists: among its keys
+            node = cfg
+            for part in parent.split("."):
+                node = node[part]
+            names = list(node) if isinstance(node, dict) else []
+            close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
+        else:  # the node itself is mistyped: among every key
+            close = difflib.get_close_matches(key, _flat_keys(cfg), n=1, cutoff=0.6)
+        if close:
+            out.append(f"{key}: no such key; did you mean {close[0]}?")
+    return out
+
+
+def run(main: Callable[[], None], doc: str = "") -> None:
+    """Run a ``@hydra.main`` app. ``-h``/``--help`` prints our page (``help_page``), not Hydra's.
+    Hydra reports a config that fails to compose (an unknown option or key, a wrong type) and
+    exits 1; before the task function started, that is a configuration error like any other, so
+    it exits 2, after the likely spelling of a mistyped key (``suggestions``)."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(help_page(doc))
+        return
     sys.argv[1:] = normalize(sys.argv[1:])
     try:
         main()
     except SystemExit as e:
         if e.code == 1 and not _started:
+            for line in suggestions(sys.argv[1:]):
+                print(line, file=sys.stderr)
             sys.exit(CONFIG_ERROR)
         raise

@@ -1,0 +1,165 @@
+"""The one place where third-party console noise is filtered: what Lightning, DeepSpeed, torch and
+Accelerate print on every run that tells the user nothing they can act on.
+
+``install()`` is called by ``backends.run`` in every process that trains (each rank, whichever
+launcher started it, and the single process of a one-process run) before the engine builds
+anything. Every entry is scoped -- a warning by its exact message (and, where the engine
+attributes it to its own module, that module), a log record by its logger and text, a logger by
+its name -- and says why it is noise. Nothing else is touched: there is no global warnings filter
+(``warnings.simplefilter("ignore")``), so a new warning still shows. ``STRATAGEM_QUIET=0`` in the
+environment turns all of this off (everything the engines print comes back).
+
+Besides the filters, one cause is fixed here: Lightning's top package adds its own console handler
+to the ``lightning`` logger while its subpackages' records also propagate to the root logger, where
+Hydra's console and ``train.log`` handlers are; every Lightning INFO line was printed twice. Its
+handler is removed when the root has handlers, so each line is printed once, in Hydra's format, and
+lands in ``train.log``.
+
+Ranks other than 0 log warnings and errors only (``recipes.cli.rank_aware_logging``). A few
+warnings our own code provokes around one call are silenced there, around that call
+(``observers/comm.py``: re-registering its counting kernels; ``checkpoints/state.py``: reading a
+checkpoint without a process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+
+from strategies.hooks import after_import
+
+
+@dataclass(frozen=True)
+class Noise:
+    """A warning to ignore: ``message`` matches the start of its text (a regular expression, as
+    ``warnings.filterwarnings`` takes it); ``module``, when given, the module it is attributed to."""
+
+    message: str
+    why: str
+    module: str = ""
+    category: type[Warning] = Warning
+
+
+WARNINGS: tuple[Noise, ...] = (
+    Noise(r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+          "torch 2.13 deprecates LeafSpec; Lightning 2.6's own pytree helper still uses it "
+          "(once per rank, per run)", module=r"lightning\."),
+    Noise(r"The `srun` command is available on your system but is not used",
+          "Lightning's Slurm hint, printed per Trainer whenever srun is on the PATH; the launch is "
+          "ours (cluster.launcher), and a run under srun is recognised without it"),
+    Noise(r"You defined a `validation_step` but have no `val_dataloader`",
+          "validation is the observers' bridge, not Lightning's loop (limit_val_batches=0)"),
+    Noise(r"Since DeepSpeed handles gradient clipping internally",
+          "our module routes clipping to the strategy, which has DeepSpeed clip in its own step "
+          "(the config's gradient_clipping); nothing is skipped"),
+    Noise(r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+          "DeepSpeed's ZeRO calls these torch collectives on every step", category=FutureWarning),
+    Noise(r"Please use DTensor instead and we are deprecating ShardedTensor",
+          "torch's FSDP1 state dicts use ShardedTensor internally", module=r"torch\.distributed\.fsdp\."),
+    Noise(r"`_get_pg_default_device` will be deprecated",
+          "torch's FSDP1 calls its own deprecated helper", module=r"torch\.distributed\.fsdp\."),
+    Noise(r"Multiple backends are registered with this ProcessGroup",
+          "the same helper, on a gloo process group on CPU", module=r"torch\.distributed\.fsdp\."),
+    Noise(r"OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 1",
+          "Accelerate's note on its CPU state, per rank"),
+)
+
+# logger -> a regular expression searched in the message: those records are dropped.
+RECORDS: dict[str, tuple[str, str]] = {
+    "lightning.pytorch.utilities.rank_zero": (
+        r"💡 Tip: .*(litlogger|litmodels)", "Lightning's adverts for its cloud logger and model registry"),
+    "DeepSpeed": (
+        r"Setting accelerator to CPU", "DeepSpeed's notice that it found no GPU when imported on a "
+        "CPU run (or for a checkpoint export): the accelerator is cluster.accelerator's"),
+    "accelerate.utils.dataclasses": (
+        r"sharding_strategy is deprecated in favor of reshard_after_forward",
+        "Accelerate's FSDP plugin with fsdp_version=1 (FSDP1 presets) still reads sharding_strategy"),
+}
+
+# logger -> the lowest level shown.
+LEVELS: dict[str, tuple[int, str]] = {
+    "compilers": (logging.WARNING, "distutils' compiler (setuptools), with which DeepSpeed's op builders "
+                                   "probe for libaio and friends: every gcc command line at INFO"),
+}
+
+# A line printed (``print``) by DeepSpeed when its CPU shared-memory collective op has loaded.
+DEEPSPEED_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
+
+
+def enabled() -> bool:
+    return os.environ.get("STRATAGEM_QUIET", "1") != "0"
+
+
+class _Drop(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def install() -> None:
+    """Apply every filter above in this process (idempotent); fix Lightning's second handler
+    once Lightning is imported, DeepSpeed's print once its communication backend is."""
+    if not enabled():
+        return
+    for n in WARNINGS:
+        warnings.filterwarnings("ignore", message=n.message, category=n.category, module=n.module)
+    for name, (pattern, _) in RECORDS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Drop(pattern))
+    for name, (level, _) in LEVELS.items():
+        logging.getLogger(name).setLevel(level)
+    after_import("lightning", then="backends.common.quiet:lightning_once")
+    after_import("deepspeed.comm.torch", then="backends.common.quiet:deepspeed_prints")
+    after_import("transformers", then="backends.common.quiet:transformers_bars")
+
+
+def lightning_once() -> None:
+    """Drop the console handler ``lightning/__init__.py`` adds to the ``lightning`` logger when
+    the root logger has handlers (Hydra's): Lightning's records propagate there already."""
+    lightning = logging.getLogger("lightning")
+    if not logging.getLogger().handlers:
+        return
+    for handler in list(lightning.handlers):
+        if type(handler) is logging.StreamHandler:
+            lightning.removeHandler(handler)
+
+
+def transformers_bars() -> None:
+    """transformers' tqdm bars ("Loading weights", "Writing model shards") for a model of a few
+    shards, drawn per rank into the log: off, through transformers' own switch."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def deepspeed_prints() -> None:
+    """DeepSpeed's torch backend prints ``DeepSpeed <op> built successfully`` on every rank when it
+    loads its shared-memory op: that line is dropped, anything else it prints passes."""
+    import deepspeed.comm.torch as ds_torch
+
+    build = ds_torch.build_shm_op
+    if getattr(build, "_quiet", False):
+        return
+
+    @functools.wraps(build)
+    def quiet_build():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            op = build()
+        sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                 if not DEEPSPEED_BUILT.match(line)))
+        return op
+
+    quiet_build._quiet = True
+    ds_torch.build_shm_op = quiet_build

@@ -1,0 +1,169 @@
+"""What a user reads: ``--help`` is our page, a mistyped key gets its likely spelling, and a run's
+console says each thing once -- no third-party adverts or deprecation noise, the validation loss
+when it is computed, and a last line with the validation loss, tokens/s and peak memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import warnings
+from collections import Counter
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+# --------------------------------------------------------------------- --help
+@pytest.mark.subprocess
+def test_help_is_our_page_not_hydras():
+    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    page = proc.stdout
+    assert "powered by Hydra" not in page and "== Config ==" not in page  # Hydra's generic page
+    for internal in ("cluster_trainer", "strategy_model", "_schema"):
+        assert internal not in page, internal
+    # the groups a user picks from, with their options and the default marked
+    assert re.search(r"^  model:\s+.*gpt_nano, gpt_small\*", page, re.M), page
+    assert re.search(r"^  strategy:\s+3d, auto, ddp,", page, re.M), page
+    assert re.search(r"^  logger:\s+csv, tensorboard, wandb \(off unless chosen\)", page, re.M), page
+    # the common keys with their defaults, examples, where the rest is
+    assert re.search(r"^  trainer\.max_steps=60\s+optimizer steps", page, re.M), page
+    assert re.search(r"^  cluster\.devices=1\s", page, re.M), page
+    assert "examples:" in page and "python train.py strategy=ddp cluster.devices=2" in page
+    assert "README.md" in page
+
+
+@pytest.mark.unit
+def test_every_common_key_of_the_help_is_a_key():
+    from omegaconf import OmegaConf
+
+    from recipes.cli import COMMON_KEYS
+    from recipes.config import compose
+
+    cfg = compose([])
+    missing = [k for k, _ in COMMON_KEYS if OmegaConf.select(cfg, k, default="<missing>",
+                                                             throw_on_resolution_failure=False) == "<missing>"]
+    assert missing == []
+
+
+# --------------------------------------------------------------------- did you mean
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, expected", [
+    (["trainer.max_step=3"], ["trainer.max_step: no such key; did you mean trainer.max_steps?"]),
+    (["cluster.devise=2", "trainer.max_steps=3"], ["cluster.devise: no such key; did you mean cluster.devices?"]),
+    (["stratgy=ddp"], ["stratgy: no such key; did you mean strategy?"]),
+    # the group chosen decides the keys: FSDP's own
+    (["strategy=fsdp", "strategy.sharding_strategi=FULL_SHARD"],
+     ["strategy.sharding_strategi: no such key; did you mean strategy.sharding_strategy?"]),
+    (["trainer.max_steps=3", "strategy=ddp", "hydra.run.dir=x"], []),
+    (["trainer.zzzzzz=3"], []),  # nothing close: Hydra's message alone
+], ids=["key", "second-key", "group", "preset-key", "all-fine", "nothing-close"])
+def test_suggestions(argv, expected):
+    from recipes.cli import suggestions
+
+    assert suggestions(argv) == expected
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("script", ["train.py", "plan.py"])
+def test_a_mistyped_key_gets_did_you_mean(tmp_path, script):
+    run = run_cli(script, "model=gpt_nano", "trainer.max_step=3", out=tmp_path / "bad", check=False)
+    assert run.proc.returncode == 2, run.log
+    assert "did you mean trainer.max_steps?" in run.proc.stderr, run.log
+    assert "Traceback" not in run.log
+    assert not (tmp_path / "bad").exists()
+
+
+# --------------------------------------------------------------------- the noise filter
+@pytest.mark.unit
+def test_the_noise_filter_is_scoped(monkeypatch):
+    """Every filter names the message it drops; a warning it does not name still shows."""
+    from backends.common import quiet
+
+    assert all(n.message and n.why for n in quiet.WARNINGS)
+    monkeypatch.setattr(quiet, "after_import", lambda *a, **k: None)  # (no import hooks from a test)
+    loggers = {name: logging.getLogger(name) for name in [*quiet.RECORDS, *quiet.LEVELS]}
+    saved = {name: (list(lg.filters), lg.level) for name, lg in loggers.items()}
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet.install()
+            warnings.warn("The `srun` command is available on your system but is not used. HINT: ...")
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+            warnings.warn("a warning nobody filtered", UserWarning)
+            warnings.warn("`torch.distributed.something_else` is deprecated", FutureWarning)
+        assert [str(w.message) for w in seen] == ["a warning nobody filtered",
+                                                  "`torch.distributed.something_else` is deprecated"]
+        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        tip = logging.LogRecord(rank_zero.name, logging.INFO, __file__, 1,
+                                "💡 Tip: For seamless cloud logging ... try installing [litlogger](...)", None, None)
+        info = logging.LogRecord(rank_zero.name, logging.INFO, __file__, 1, "GPU available: False", None, None)
+        assert not rank_zero.filter(tip) and rank_zero.filter(info)
+    finally:
+        for name, (filters, level) in saved.items():
+            loggers[name].filters[:] = filters
+            loggers[name].setLevel(level)
+
+
+# --------------------------------------------------------------------- the console of real runs
+CONSOLE_RUNS = {
+    "single": (),
+    "ddp": ("strategy=ddp", "cluster.devices=2"),
+    "zero2": ("strategy=zero2", "cluster.devices=2"),
+}
+PREFIX = re.compile(r"^(\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - |(INFO|WARNING|ERROR): |\[rank \d+\] [A-Z]+ \S+: )")
+
+
+def _messages(log: str) -> list[str]:
+    """Each printed line without its logging prefix (time, logger, level), so a line printed by
+    two handlers in two formats counts twice; blank lines and rules (-----) aside."""
+    lines = (PREFIX.sub("", line).strip() for line in log.splitlines())
+    return [line for line in lines if line.strip("-= ")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", CONSOLE_RUNS)
+def test_the_console_says_each_thing_once(tmp_path, name):
+    run = run_cli("train.py", "model=gpt_nano", "trainer.max_steps=3", "cluster.accelerator=cpu",
+                  "data.val_fraction=0.1", *CONSOLE_RUNS[name], out=tmp_path / name, timeout=240)
+    log = run.log
+    twice = [line for line, n in Counter(_messages(log)).items() if n > 1]
+    assert twice == [], f"printed more than once: {twice}\n{log}"
+    assert "litlogger" not in log and "💡 Tip" not in log, log  # Lightning's advert
+    assert "_pytree" not in log and "LeafSpec" not in log, log  # the per-rank deprecation
+    assert "compilers.C" not in log and "gcc " not in log and "built successfully" not in log, log  # DeepSpeed's probes
+    assert "FutureWarning" not in log and "`srun`" not in log, log
+    assert not re.search(r"site-packages/\S+\.py:\d+: ", log), f"a library's warning reached the console:\n{log}"
+    assert "[rank 1] INFO" not in log, log  # other ranks: warnings and errors only
+    validation = run.report["validation"]
+    assert len(validation) == 1
+    assert f"validation at step 3: loss {validation[0]['loss']:.4f}" in log, log
+    last = run.proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"done: 3 steps, final loss \d+\.\d{4}, val loss \d+\.\d{4}, [\d,]+ tokens/s, "
+                     r"peak memory [\d.,]+ [MG]iB (RSS|CUDA allocated), report ", last), last
+    assert f"val loss {validation[0]['loss']:.4f}" in last
+    assert (run.out / "loss.png").stat().st_size > 0 and (run.out / "memory.png").is_file()
+
+
+@pytest.mark.unit
+def test_the_summary_line():
+    from observers.report import summary
+
+    report = {"steps": 3, "final_loss": 5.61321, "tokens_per_second": 1000.0,
+              "throughput": {"tokens_per_second": 12345.6},
+              "validation": [{"step": 3, "loss": 5.56994, "perplexity": 262.4, "samples": 256}],
+              "memory": {"ranks": [{"rank": 0, "peak_rss": 400 * 2**20}, {"rank": 1, "peak_rss": 450 * 2**20}]}}
+    assert summary(report) == ("done: 3 steps, final loss 5.6132, val loss 5.5699, 12,346 tokens/s, "
+                               "peak memory 450 MiB RSS")
+    gpu = {**report, "validation": [], "memory": {"ranks": [
+        {"rank": 0, "peak_rss": 1, "cuda": {"forward": {"allocated": 3 * 2**30, "reserved": 0},
+                                            "backward": {"allocated": 5 * 2**30, "reserved": 0}}}]}}
+    assert summary(gpu, ROOT / "report.json") == (f"done: 3 steps, final loss 5.6132, 12,346 tokens/s, "
+                                                  f"peak memory 5.0 GiB CUDA allocated, report {ROOT / 'report.json'}")
