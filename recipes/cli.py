@@ -136,7 +136,7 @@ COMMON_KEYS: tuple[tuple[str, str], ...] = (
     ("cluster.devices", "processes per node (plain python train.py starts them)"),
     ("cluster.nodes", "nodes (cluster=torchrun, Slurm or SageMaker start them)"),
     ("cluster.accelerator", "auto | cpu | gpu"),
-    ("data.path", "your own data (data=text | jsonl | parquet | tokens)"),
+    ("data.path", "your own data: a file, directory or glob (data=text | jsonl | parquet | chat | tokens)"),
     ("data.val_fraction", "hold out this fraction of the windows for validation"),
     ("model.path", "a Hugging Face model directory (model=hf)"),
     ("callbacks.progress_bar", "the progress bar on rank 0"),

@@ -291,7 +291,8 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
     _restore_generation(base, shape.path)
     base.save_pretrained(str(tmp))
     for f in locate(shape.path).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) and f.is_file():
+        if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens",
+                              "chat_template")) and f.is_file():
             shutil.copy2(f, tmp / f.name)
     tmp.rename(out)  # (onto nothing, or an empty directory)
     return out

@@ -436,3 +436,57 @@ def test_masked_loss_equal_under_pipeline_and_ddp(chat_tokenizer, tmp_path):
     ref = runs["single"].losses
     for name in ("pipeline", "ddp"):
         assert_losses_close(ref, runs[name].losses, rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_chat_lora_under_zero2_equals_one_process_and_saves_a_model_that_generates(chat_tokenizer, tmp_path):
+    """The fine-tuner's journey: chat data, LoRA, ZeRO-2 on 2 ranks -- the same losses and
+    parameters as one process (SGD, the same micro-batch size) -- and trainer.save_hf's
+    directory loads with from_pretrained, renders a chat prompt and generates with its KV cache,
+    giving the trained model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes import training
+    from recipes.config import describe
+    from tests.conftest import assert_losses_close, assert_params_close
+
+    src = _jsonl(tmp_path / "chats.jsonl", _conversations(40))
+    model = _chat_llama(tmp_path, chat_tokenizer)
+    lora = ("model.lora.rank=4", "model.lora.alpha=8")
+    common = (*[o for o in TINY if not o.startswith("model=")], "model=hf", f"model.path={model}",
+              "model.seq_len=32", *lora, "data=chat", f"data.path={src}", f"data.cache_dir={tmp_path / 'cache'}",
+              "data.val_fraction=0", "trainer.max_steps=3", "trainer.global_batch_size=8",
+              "trainer.micro_batch_size=4", "trainer.optimizer=sgd", "trainer.lr=0.5", "trainer.grad_clip=0",
+              "trainer.export_params=true")
+    one = run_cli("train.py", *common, "strategy=single", out=tmp_path / "single", timeout=300)
+    zero2 = run_cli("train.py", *common, "strategy=zero2", "cluster.devices=2", "trainer.save_hf=true",
+                    out=tmp_path / "zero2", timeout=400)
+    assert_losses_close(one.losses, zero2.losses, rtol=1e-5)
+    assert_params_close(one.params(), zero2.params(), rtol=1e-5)
+    assert zero2.report["data"]["loss_tokens"] < zero2.report["data"]["tokens"]
+
+    out = zero2.out / "hf"
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044 & ~_umask()  # as the umask allows
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in k for k in exported.state_dict())
+    tok = AutoTokenizer.from_pretrained(out)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "In the beginning"}],
+                                     add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    generated = exported.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=True)
+    assert generated.shape[1] == prompt.shape[1] + 4
+    assert exported.config.use_cache is True
+
+    cfg = compose([*common, "strategy=single"])
+    trained = training.build_model(describe(cfg.model), 0)
+    trained.load_state_dict(zero2.params())
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=prompt).logits, trained(prompt), rtol=1e-4, atol=1e-5)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
