@@ -21,16 +21,30 @@ def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
     cfg, groups, argv = composed
-    from planner import plan_all
+    from planner import plan_all, resolve_auto
     from planner.render import render
     from recipes.config import describe
     from recipes.job import CONFIG, validate
-    from strategies.presets import names
+    from strategies.presets import AUTO, names
 
     cli.or_exit(lambda: validate(cfg, depth=CONFIG))
     chosen = "strategy" in groups
+    why = None
+    if chosen and cfg.strategy.get("name") == AUTO:  # exactly what train.py strategy=auto runs
+        cfg, why = cli.or_exit(lambda: resolve_auto(cfg, describe(cfg.model)))
     report = cli.or_exit(lambda: plan_all(cfg, describe(cfg.model), chosen=chosen))
+    if why:
+        report.recommendation.reason = why
     render(report, cfg.planner.format, detailed=chosen)
+    if why and cfg.planner.format != "json":
+        print(why)
+    if chosen and (problems := report.plans[0].problems):  # a layout that cannot run here
+        what = "cannot run on" if report.plans[0].blocking else "is incomplete for"
+        print(f"strategy={report.plans[0].strategy} {what} {report.cluster} "
+              f"({len(problems)} problem(s)):", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        sys.exit(2)
     rec = report.recommendation.strategy
     if not chosen and cfg.planner.format != "json" and rec in names():
         keep = argv  # (no strategy among them: the composition did not choose one)

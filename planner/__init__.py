@@ -18,7 +18,7 @@ from planner.communication import (Collective, Communication, all_gather_bytes, 
                                    ring_all_reduce_bytes, transfer_seconds)
 from planner.inputs import Candidate, ModelDescription, Setup, candidate
 from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
-from planner.recommend import largest_micro_batch, planned_candidates, rank, recommend
+from planner.recommend import MOVE_UP, largest_micro_batch, nothing_fits, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, gb, model_states, state_bytes
 from strategies.footprint import StateBytes
@@ -45,7 +45,7 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
                                     for n in names()]
     cands = [candidate(p) for p in presets] + megatron
     plans = [plan_candidate(c, su) for c in cands]
-    rec = recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
+    rec = _recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
     if rec.strategy and not chosen:
         best = next(c for c in cands if c.name == rec.strategy)
         if (micro := largest_micro_batch(best, su)) is not None:
@@ -59,6 +59,28 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
                   assumptions=assumptions(su), batch=_batch(su))
+
+
+def _recommend(plans: list[Plan]) -> Recommendation:
+    """What strategy=auto runs: the best runnable preset that fits with margin (a tight one only
+    when nothing else fits, and saying so); planned-only layouts are named apart."""
+    runnable = [p for p in plans if not p.planned_only]
+    rec = recommend(runnable, roomy=True)
+    if rec.strategy is None:
+        rec = recommend(runnable)
+    planned = [p for p in plans if p.planned_only and p.fits and not p.problems]
+    if rec.strategy is None:
+        would = (f"; the planned-only {', '.join(p.strategy for p in planned)} would (no preset runs "
+                 "them yet)" if planned else "")
+        rec.reason = nothing_fits(runnable) + would
+        return rec
+    ours = next(p for p in plans if p.strategy == rec.strategy)
+    faster = min(planned, key=lambda p: p.step_seconds, default=None)
+    if faster is not None and faster.step_seconds * MOVE_UP < ours.step_seconds:
+        rec.reason += (f"; planned only (listed apart): {faster.strategy} would be "
+                       f"{ours.step_seconds / faster.step_seconds:.2f}x faster (step ~ "
+                       f"{faster.step_seconds:.3g} s), with a TP/PP implementation")
+    return rec
 
 
 def _batch(su: Setup) -> str:
@@ -105,8 +127,12 @@ def choose(cfg: Any, model: ModelDescription) -> tuple[StrategyConfig, str]:
     rec = report.recommendation
     chosen = next((p for p in report.plans if p.strategy == rec.strategy), None)
     if chosen is None or chosen.planned_only:
-        raise ConfigError(f"strategy=auto: no runnable preset fits ({rec.strategy or 'none'}: "
-                          f"{rec.reason}); choose strategy=<preset> (python plan.py ranks them)")
+        raise ConfigError(f"strategy=auto: no runnable preset fits on {report.cluster}: {rec.reason}; "
+                          "choose strategy=<preset> (python plan.py ranks them)")
+    if chosen.tight:
+        raise ConfigError(f"strategy=auto: no runnable preset fits with margin on {report.cluster}: "
+                          f"{rec.strategy} is the best and {rec.reason}; choose it yourself "
+                          f"(strategy={rec.strategy}) or lower planner.reserve_GB")
     picked = load(rec.strategy)
     if picked.capabilities.degrees:  # at the degrees it was planned with
         picked = picked.with_degrees(**{d: getattr(chosen, d) for d in picked.capabilities.degrees})

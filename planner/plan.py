@@ -7,6 +7,7 @@ sources: docs/PLANNER.md; the reference documents' worked numbers are tests.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from planner.activations import activation_bytes, estimated_unit
@@ -63,6 +64,13 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hint: str | None = None
+    memory_fits: bool = True
+    """The memory verdict alone (device, host, NVMe); ``fits`` also needs a layout that can run."""
+    lossy: bool = False
+    """Gradient compression that changes the numbers (fp16/bf16 casts, PowerSGD, top-k, ...)."""
+    stalled: list[str] = field(default_factory=list)
+    """Links of 0 GB/s this layout's collectives need (step ~ inf): never recommended. (Not a
+    problem: 0 is also the cluster keys' "unknown", and the run itself is possible.)"""
 
     @property
     def margin(self) -> int:
@@ -73,8 +81,32 @@ class Plan:
     def runnable(self) -> bool:
         return not self.problems and not self.planned_only
 
+    @property
+    def blocking(self) -> list[str]:
+        """Problems that make the layout impossible here (the mesh, the batch, the model)."""
+        return [p for p in self.problems if not incomplete(p)]
+
+    @property
+    def missing(self) -> list[str]:
+        """Problems that only say a setting the layout needs is unset (``strategy.nvme_path``)."""
+        return [p for p in self.problems if incomplete(p)]
+
+    @property
+    def tight(self) -> bool:
+        return self.fits and self.margin < self.reserve
+
+    @property
+    def verdict(self) -> str:
+        """cannot run | does not fit | tight | fits (an unset setting is reported apart)."""
+        if self.blocking:
+            return "cannot run"
+        return "does not fit" if not self.fits else "tight" if self.tight else "fits"
+
     def summary(self) -> str:
         """One line: the preset, memory against capacity, communication and step time."""
+        if self.blocking:
+            return (f"plan: {self.strategy} cannot run on {self.cluster} ({self.world_size} devices): "
+                    + "; ".join(self.blocking))
         if not self.fits:
             verdict = f"does NOT fit, short {gb(-self.margin)}"
         elif self.margin < self.reserve:
@@ -82,15 +114,19 @@ class Plan:
                        "CUDA context, NCCL and fragmentation typically take")
         else:
             verdict = f"fits with {gb(self.margin)} to spare"
+        stalled = f" ({'; '.join(self.stalled)})" if self.stalled else ""
         return (f"plan: {self.strategy} on {self.cluster} ({self.world_size} devices): "
                 f"{gb(self.memory.total)} of {gb(self.device_bytes)} per device ({verdict}); "
                 f"comm {gb(self.communication.bytes_per_step)}/step; "
-                f"step ~ {self.step_seconds:.3g} s")
+                f"step ~ {self.step_seconds:.3g} s{stalled}")
 
     def message(self) -> str:
         """The verdict line: the summary if it fits, else needs / has and the cheapest preset."""
+        if self.blocking:
+            return self.summary() + (f"; {self.hint}" if self.hint else "")
         if self.fits:
-            return self.summary()
+            missing = f"; but the config is incomplete: {'; '.join(self.missing)}" if self.missing else ""
+            return self.summary() + missing
         if self.memory.total > self.device_bytes:
             need = f"needs {gb(self.memory.total)} per device, has {gb(self.device_bytes)}"
         else:  # host memory or NVMe is what overflows
@@ -119,6 +155,24 @@ class Report:
     assumptions: list[str] = field(default_factory=list)
     batch: str = ""
     """The batch and precision the plans assume (the trainer group's, or the cluster's defaults)."""
+
+
+def incomplete(problem: str) -> bool:
+    """A problem that only names an unset setting (``strategy.nvme_path=None but ...``): the
+    layout is possible here once it is set, and its memory verdict stands."""
+    return re.match(r"^[\w.]+=None\b", problem) is not None
+
+
+LINKS = {"intra": "cluster.intra_node_GBps", "inter": "cluster.inter_node_GBps",
+         "host": "planner.host_link_GBps", "nvme": "planner.nvme_GBps"}
+
+
+def lossy(fp: object) -> bool:
+    """Whether a footprint's gradient exchange is approximate (compression hooks, PowerSGD,
+    top-k, int8, local SGD / DiLoCo): such a layout must win by LOSSY_WIN, never on a tie."""
+    return bool(getattr(fp, "grad_ratio", 1.0) < 1 or getattr(fp, "powersgd_rank", 0)
+                or getattr(fp, "topk_ratio", 0) or getattr(fp, "int8", False)
+                or getattr(fp, "sync_every", 0) or getattr(fp, "diloco", False))
 
 
 # ----------------------------------------------------------------------------- planning
@@ -195,8 +249,24 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     notes += fp.notes(sizes)
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
-    return Plan(strategy=c.name, fits=fits, memory=mem, communication=comm,
-                bubble_fraction=bubble, step_seconds=compute / (1 - bubble) + exposed,
+    step = compute / (1 - bubble) + exposed
+    stalled: list[str] = []
+    if not math.isfinite(step):
+        dead = {}
+        for name, x in comm.by_collective.items():
+            if not math.isfinite(x.seconds):
+                dead.setdefault(x.group, []).append(name)
+        for group, names in dead.items():
+            key = LINKS.get(group, group)
+            stalled.append(f"{key}={su.link_GBps(group) if group in LINKS else 0:g}: "
+                           f"{', '.join(names)} over a 0 GB/s link never completes (step ~ inf); set "
+                           f"{key} to the link's bandwidth in GB/s")
+        notes[:0] = stalled
+    memory_fits = fits
+    fits = fits and not any(not incomplete(p) for p in problems)
+    return Plan(strategy=c.name, fits=fits, memory_fits=memory_fits, lossy=lossy(fp), stalled=stalled,
+                memory=mem, communication=comm,
+                bubble_fraction=bubble, step_seconds=step,
                 compute_seconds=compute, exposed_seconds=exposed, cluster=cl.name,
                 world_size=mesh.size, device_bytes=device_bytes, tp=tp, pp=pp, dp=dp,
                 shard=shard, microbatches=m, activation_checkpointing=ckpt,

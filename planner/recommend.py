@@ -13,6 +13,7 @@ from strategies.families.megatron import MegatronConfig
 
 TOLERANCE = 0.05  # steps within 5% of the fastest count as equally fast
 MOVE_UP = 1.2     # a heavier rung of the ladder must be this much faster to be recommended
+LOSSY_WIN = 1.2   # lossy gradient compression must be this much faster than the best exact layout
 RUNGS = ("replicated", "sharded data parallel", "tensor parallel", "pipeline / 3D", "offload")
 
 
@@ -51,15 +52,59 @@ def _fitting_pp(su: Setup, tp: int) -> int:
 
 
 # ----------------------------------------------------------------------------- ranking
-def recommend(plans: list[Plan]) -> Recommendation:
-    """Walk the ladder: the lowest rung with a fitting layout, unless a heavier rung (short of
-    offload) is MOVE_UP times faster. Within a rung: the fastest, and among layouts within
-    TOLERANCE of it, the one leaving the most memory free, then the one moving fewest bytes."""
-    ok = [p for p in plans if p.fits and not p.problems]
+def recommend(plans: list[Plan], roomy: bool = False) -> Recommendation:
+    """Walk the ladder over the exact layouts (``_ladder``); a lossy one (gradient compression)
+    only when it is LOSSY_WIN times faster than that choice, or when no exact layout fits.
+    ``roomy``: only layouts that fit with margin (not tight)."""
+    ok = [p for p in plans if _ok(p, roomy)]
     if not ok:
-        need = min(plans, key=lambda p: p.memory.total, default=None)
-        why = f"; the smallest need is {need.strategy}'s {gb(need.memory.total)}" if need else ""
-        return Recommendation(None, f"nothing fits{why}")
+        return Recommendation(None, nothing_fits(plans))
+    exact = _ladder([p for p in plans if not p.lossy], roomy)
+    lossy = _ladder([p for p in plans if p.lossy], roomy)
+    if lossy.strategy is None:
+        return exact
+    step = {p.strategy: p.step_seconds for p in ok}
+    if exact.strategy is None:
+        lossy.reason += "; lossy gradient compression: no exact layout fits"
+        return lossy
+    if step[lossy.strategy] * LOSSY_WIN < step[exact.strategy]:
+        lossy.reason += (f"; lossy gradient compression, {step[exact.strategy] / step[lossy.strategy]:.2f}x "
+                         f"faster than the exact {exact.strategy} (it must win by {LOSSY_WIN:g}x)")
+        return lossy
+    return exact
+
+
+def nothing_fits(plans: list[Plan]) -> str:
+    """Why nothing can be recommended: the memory, or (when some layout's memory fits) what
+    stops the layouts that fit from running here (the batch arithmetic, the mesh)."""
+    if not plans:
+        return "nothing to plan"
+    roomy = [p for p in plans if p.memory_fits and p.blocking]
+    if roomy and not any(p.memory_fits and not p.blocking for p in plans):
+        first = min(roomy, key=lambda p: p.memory.total)
+        return (f"nothing can run here: the layouts that fit in memory cannot run "
+                f"({first.strategy}: {first.blocking[0]})")
+    stalled = [p for p in plans if p.fits and not p.problems and p.stalled]
+    if stalled:
+        first = min(stalled, key=lambda p: p.memory.total)
+        return f"nothing can be timed here: every layout that fits needs a 0 GB/s link ({first.stalled[0]})"
+    need = min(plans, key=lambda p: p.memory.total)
+    return (f"nothing fits; the smallest need is {need.strategy}'s {gb(need.memory.total)} per device, "
+            f"has {gb(need.device_bytes)}")
+
+
+def _ok(p: Plan, roomy: bool = False) -> bool:
+    return p.fits and not p.problems and not p.stalled and not (roomy and p.tight)
+
+
+def _ladder(plans: list[Plan], roomy: bool = False) -> Recommendation:
+    """The lowest rung with a fitting layout, unless a heavier rung (short of offload) is MOVE_UP
+    times faster -- or as fast (within TOLERANCE) while the lower one is tight. Within a rung:
+    the fastest, and among layouts within TOLERANCE of it, the one leaving the most memory free,
+    then the one moving fewest bytes."""
+    ok = [p for p in plans if _ok(p, roomy)]
+    if not ok:
+        return Recommendation(None, "nothing fits")
     best, why = None, ""
     for rung in range(4):
         top = best_of([p for p in ok if p.rung == rung])
@@ -72,11 +117,20 @@ def recommend(plans: list[Plan]) -> Recommendation:
                    f"faster than {best.strategy} (step ~ {top.step_seconds:.3g} s vs "
                    f"{best.step_seconds:.3g} s)")
             best = top
+        elif best.tight and not top.tight and top.step_seconds <= best.step_seconds * (1 + TOLERANCE):
+            why = (f"{best.strategy} would leave only {gb(best.margin)} free (under the "
+                   f"{gb(best.reserve)} reserve); {top.strategy} ({RUNGS[rung]}) is as fast (step ~ "
+                   f"{top.step_seconds:.3g} s vs {best.step_seconds:.3g} s) with "
+                   f"{gb(top.margin)} free")
+            best = top
     if best is None:
         best = best_of([p for p in ok if p.rung == 4])
         moved = best.memory.host + best.memory.nvme
         why = (f"nothing fits in device memory without offload; {best.strategy} moves "
                f"{gb(moved)} per device to host/NVMe (step ~ {best.step_seconds:.3g} s)")
+    if best.tight:
+        why += (f"; tight: {gb(best.margin)} free, under planner.reserve_GB ({gb(best.reserve)}) "
+                "for the CUDA context, NCCL and fragmentation")
     if best.planned_only:
         why += "; planned only: needs a TP/PP implementation"
     return Recommendation(best.strategy, why)
@@ -87,7 +141,7 @@ def best_of(plans: list[Plan]) -> Plan | None:
         return None
     fastest = min(p.step_seconds for p in plans)
     near = [p for p in plans if p.step_seconds <= fastest * (1 + TOLERANCE)]
-    return min(near, key=lambda p: (p.memory.total, p.communication.bytes_per_step, p.strategy))
+    return min(near, key=lambda p: (p.tight, p.memory.total, p.communication.bytes_per_step, p.strategy))
 
 
 def _why_first(top: Plan, plans: list[Plan]) -> str:
@@ -96,18 +150,35 @@ def _why_first(top: Plan, plans: list[Plan]) -> str:
                 f"per device): no sharding needed; {top.strategy} is the fastest "
                 f"(step ~ {top.step_seconds:.3g} s)")
     rep = [p for p in plans if p.rung == 0 and not p.problems]
-    lead = (f"replicated needs {gb(min(p.memory.total for p in rep))} per device, has "
-            f"{gb(top.device_bytes)}, so the state must be sharded" if rep
-            else "no replicated layout runs here")
+    need = gb(min(p.memory.total for p in rep)) if rep else ""
+    tight = [p for p in rep if p.tight]
+    if tight:
+        lead = (f"replicated fits only tightly ({tight[0].strategy}: {gb(tight[0].margin)} free, under "
+                f"the {gb(tight[0].reserve)} reserve)")
+    elif rep and top.shard <= 1:  # nothing is sharded over one rank: the engine holds less
+        lead = (f"replicated needs {need} per device, has {gb(top.device_bytes)}; with one "
+                f"data-parallel rank nothing is sharded, but {top.strategy}'s engine holds the "
+                f"same states in less ({gb(top.memory.total)}: e.g. DeepSpeed's bf16 parameters "
+                "+ fp32 master instead of torch AMP's fp32 parameters and bf16 copies)")
+    elif rep:
+        lead = f"replicated needs {need} per device, has {gb(top.device_bytes)}, so the state must be sharded"
+    else:
+        lead = "no replicated layout runs here"
     return (f"{lead}; {top.strategy} is the fastest {RUNGS[top.rung]} layout that fits "
             f"(step ~ {top.step_seconds:.3g} s, {gb(top.memory.total)} per device, "
             f"{gb(top.communication.bytes_per_step)} moved per step)")
 
 
 def rank(plans: list[Plan], rec: Recommendation) -> list[Plan]:
-    """Recommended first, then fitting layouts by step time, then the rest by memory."""
-    return sorted(plans, key=lambda p: (p.strategy != rec.strategy, not (p.fits and not p.problems),
-                                        p.step_seconds if p.fits else p.memory.total, p.strategy))
+    """Recommended first, then runnable fitting layouts by step time (tight ones after), then the
+    planned-only ones that fit, apart; then the rest by memory (what cannot run here last)."""
+    def group(p: Plan) -> int:
+        if p.strategy == rec.strategy:
+            return 0
+        if p.fits and not p.problems:
+            return 3 if p.planned_only else 2 if p.tight else 1
+        return 4 if not p.blocking else 5
+    return sorted(plans, key=lambda p: (group(p), p.step_seconds if p.fits else p.memory.total, p.strategy))
 
 
 # ----------------------------------------------------------------------------- micro batch

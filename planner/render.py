@@ -41,7 +41,11 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "exposed_seconds": p.exposed_seconds,
         "device_memory": p.device_bytes,
         "margin": p.margin,
-        "tight": p.fits and p.margin < p.reserve,
+        "tight": p.tight,
+        "verdict": p.verdict,
+        "memory_fits": p.memory_fits,
+        "runnable": p.runnable,
+        "incomplete": list(p.missing),
         "tp": p.tp, "pp": p.pp, "dp": p.dp, "shard": p.shard,
         "microbatches": p.microbatches,
         "activation_checkpointing": p.activation_checkpointing,
@@ -95,23 +99,40 @@ def _ranked(con: Any, r: Report) -> None:
     from rich.table import Table
 
     t = Table(title="per device, ranked (GB = 1e9 bytes)", title_justify="left")
-    for col in ("#", "strategy", "fits", "total", "free", "activations", "host/NVMe",
+    for col in ("#", "strategy", "fits", "runs", "total", "free", "activations", "host/NVMe",
                 "comm/step", "step", "notes"):
-        t.add_column(col, justify="right" if col not in ("strategy", "notes", "fits") else "left")
+        t.add_column(col, justify="right" if col not in ("strategy", "notes", "fits", "runs") else "left")
     for i, p in enumerate(r.plans, 1):
         name = p.strategy + (" *" if p.strategy == r.recommendation.strategy else "")
-        fits = "[green]yes[/]" if p.fits and not p.problems else "[red]no[/]"
-        notes = "; ".join([*p.problems, *p.notes])
-        if p.tp > 1 or p.pp > 1:
+        fits, runs = _columns(p)
+        if p.blocking:
+            notes = f"cannot run on {r.world_size} device(s): " + "; ".join([*p.blocking, *p.notes])
+        else:
+            notes = "; ".join([*p.problems, *p.notes])
+        if (p.tp > 1 or p.pp > 1) and not p.blocking:
             notes = f"tp={p.tp} pp={p.pp} dp={p.dp}; " + notes
         off = p.memory.host + p.memory.nvme
-        t.add_row(str(i), name, fits, gb(p.memory.total), gb(p.margin) if p.fits else "-",
+        t.add_row(str(i), name, fits, runs, "-" if p.blocking else gb(p.memory.total),
+                  gb(p.margin) if p.memory_fits and not p.blocking else "-",
                   gb(p.memory.activations), gb(off) if off else "-",
-                  gb(p.communication.bytes_per_step), _secs(p.step_seconds),
+                  gb(p.communication.bytes_per_step), "-" if p.blocking else _secs(p.step_seconds),
                   notes[:70] + ("..." if len(notes) > 70 else ""))
     con.print(t)
     rec = r.recommendation
     con.print(f"[bold]recommendation:[/] {rec.strategy or 'none'} -- {rec.reason}")
+
+
+def _columns(p: Plan) -> tuple[str, str]:
+    """The table's two verdicts, apart: memory (yes, tight, no; '-' when the layout cannot run
+    here at all) and whether it runs (yes, no, incomplete: a setting it needs is unset, planned
+    only)."""
+    if p.blocking:
+        return "-", "[red]no[/]"
+    fits = ("[yellow]tight[/]" if p.memory_fits and p.margin < p.reserve else "[green]yes[/]"
+            if p.memory_fits else "[red]no[/]")
+    runs = ("[yellow]incomplete[/]" if p.missing else "planned only" if p.planned_only
+            else "[green]yes[/]")
+    return fits, runs
 
 
 def _breakdown(con: Any, p: Plan) -> None:
@@ -152,4 +173,4 @@ def _breakdown(con: Any, p: Plan) -> None:
               f"step ~ {_secs(p.step_seconds)}")
     for line in [*p.problems, *p.notes]:
         con.print(f"[yellow]note:[/] {line}")
-    con.print(("[green]" if p.fits else "[red]") + p.message() + "[/]")
+    con.print(("[green]" if p.fits and not p.problems else "[red]") + p.message() + "[/]")

@@ -256,7 +256,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
                        f"remove +{k}=..." for k in unknown]
     strategy = as_config(cfg.strategy)
     bad["strategy"] = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
-                       + checks.problems(strategy, "strategy"))
+                       + checks.problems(strategy, "strategy") + strategy.value_problems())
     if strategy.family != type(strategy).FAMILY:
         bad["strategy"].append(f"strategy.family={strategy.family!r}: set by the preset's schema "
                                f"({type(strategy).FAMILY}), not a knob; remove the override")
@@ -284,6 +284,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     mesh = strategy.mesh(c.nodes, c.devices) if world_ok else None
     if mesh is not None and not mesh.problems():  # what the preset derives from the batch, kept
         strategy = strategy.for_batch(t.global_batch_size, t.micro_batch_size, mesh.dp)
+    if not bad["model"] and not bad["strategy"]:  # ... and from the model (DeepSpeed's "auto" sizes)
+        strategy = strategy.for_model(model.dim)
     run = derive_from(strategy, c, t, accelerator=accelerator)
     world_ok = world_ok and not run.mesh.problems()
     if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)

@@ -102,6 +102,11 @@ class StrategyConfig:
         micro-batch count); itself when it derives nothing."""
         return self
 
+    def for_model(self, hidden: int) -> StrategyConfig:
+        """This preset with what it derives from the model's hidden size filled in (DeepSpeed's
+        "auto" bucket sizes); itself when it derives nothing."""
+        return self
+
     def underived(self) -> bool:
         """``for_batch`` found nothing the batch allows (the preset's problems say why)."""
         return False
@@ -113,6 +118,11 @@ class StrategyConfig:
 
     def problems(self, run: Run) -> list[str]:
         """Every problem with this preset on this run, as sentences naming key, value and fix."""
+        return []
+
+    def value_problems(self) -> list[str]:
+        """Values no knob declares a range for (raw engine JSON) that are wrong whatever the run:
+        checked at compose with the knobs' own ranges (plan.py and train.py alike)."""
         return []
 
     def model_problems(self, model: Any) -> list[str]:

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from recipes.config import compose
+from recipes.job import validate
 from strategies.families.zero import libaio_available
 from tests.cases import CASES, P, SHARD_ALL
 from tests.conftest import EQUIV, OPTIMIZERS, ROOT, assert_losses_close, assert_params_close, by_optimizer
@@ -307,3 +309,15 @@ def test_every_preset_yaml_has_a_launch_line_and_commented_keys():
         for line in lines:
             if line and not line.startswith(("#", " ", "-", "defaults:", "name:")):
                 assert "#" in line, f"{path.name}: key without a comment: {line!r}"
+
+
+@pytest.mark.unit
+def test_auto_bucket_sizes_reach_the_engine_as_numbers():
+    """DeepSpeed takes no "auto" (Accelerate and transformers fill it from the hidden size):
+    the job's DeepSpeed config carries the numbers either backend hands the engine."""
+    job = validate(compose(["strategy=zero3", "model=gpt_nano", "cluster.accelerator=cpu",
+                            "+strategy.deepspeed_config.zero_optimization.reduce_bucket_size=auto",
+                            "+strategy.deepspeed_config.zero_optimization.stage3_prefetch_bucket_size=auto"]))
+    h = job.model.dim
+    zero = job.strategy.deepspeed_json(job.run)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (h * h, int(0.9 * h * h))

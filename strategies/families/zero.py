@@ -24,6 +24,7 @@ counting what it holds) lives in backends/.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -47,6 +48,15 @@ _OWNED = {
     "zero_optimization.stage": "set strategy.stage",
     "zero_optimization.offload_optimizer": "set strategy.offload_optimizer",
     "zero_optimization.offload_param": "set strategy.offload_params",
+}
+AUTO = "auto"
+# zero_optimization keys DeepSpeed's integrations fill from the model's hidden size when "auto"
+# (accelerate's Accelerator._prepare_deepspeed, transformers' integrations/deepspeed.py):
+# key -> (elements for hidden size h, the least value, the typed key it overrides)
+_HIDDEN_AUTO = {
+    "reduce_bucket_size": (lambda h: h * h, 1, "reduce_bucket_size"),
+    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), 0, "prefetch_bucket_size"),
+    "stage3_param_persistence_threshold": (lambda h: 10 * h, 0, "param_persistence_threshold"),
 }
 
 
@@ -126,6 +136,21 @@ class ZeroConfig(StrategyConfig):
                            f"owner: remove it from deepspeed_config and {fix}")
         return out
 
+    def value_problems(self) -> list[str]:
+        """Raw ``deepspeed_config.zero_optimization`` sizes: an integer in range or "auto"."""
+        zero = _plain(self.deepspeed_config).get("zero_optimization", {})
+        out = []
+        for key, (rule, least, typed) in _HIDDEN_AUTO.items():
+            if (not isinstance(zero, dict) or key not in zero or zero[key] == AUTO
+                    or _count(zero[key], least) is not None):
+                continue
+            out.append(f"strategy.deepspeed_config.zero_optimization.{key}={zero[key]!r}: must be "
+                       f"an integer >= {least} (elements) or \"auto\" (filled from the model's "
+                       f"hidden size h, as Accelerate does: {_AUTO_RULE[key]}); set it to e.g. "
+                       f"{_default(typed)} or \"auto\", or remove it "
+                       f"and set strategy.{typed}")
+        return out
+
     def _nvme_problems(self) -> list[str]:
         where = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
         why = " and ".join(f"strategy.{k}=nvme" for k in where)
@@ -158,11 +183,27 @@ class ZeroConfig(StrategyConfig):
             offload_grad_buffer=s >= 3 and self.offload_optimizer != "none",
             # contiguous_gradients buffers, allocated at the configured size (stage_1_and_2's
             # setup_buckets: a second one with overlap_comm; stage3: one), raw JSON merged in
-            reduce_bucket=int(zero.get("reduce_bucket_size", self.reduce_bucket_size)),
+            reduce_bucket=_or(_count(zero.get("reduce_bucket_size"), 1), self.reduce_bucket_size),
             reduce_buckets=(0 if not contiguous
                             else 1 if s >= 3 or not zero.get("overlap_comm", self.overlap_comm) else 2),
-            prefetch=int(zero.get("stage3_prefetch_bucket_size", self.prefetch_bucket_size)) if s >= 3 else 0,
+            prefetch=(_or(_count(zero.get("stage3_prefetch_bucket_size"), 0), self.prefetch_bucket_size)
+                      if s >= 3 else 0),
+            # "auto" sizes: filled from the model's hidden size when planned (value_problems
+            # reports any other unusable value, and the typed key stands in meanwhile)
+            auto=frozenset(k for k in _HIDDEN_AUTO if zero.get(k) == AUTO
+                           and (s >= 3 or not k.startswith("stage3"))),
         )
+
+    def for_model(self, hidden: int) -> ZeroConfig:
+        """``"auto"`` sizes in deepspeed_config.zero_optimization filled as Accelerate fills them
+        (DeepSpeed itself takes no "auto"): the engine of either backend gets numbers."""
+        raw = _plain(self.deepspeed_config)
+        zero = raw.get("zero_optimization")
+        if not isinstance(zero, dict) or not any(zero.get(k) == AUTO for k in _HIDDEN_AUTO):
+            return self
+        zero = {k: (_HIDDEN_AUTO[k][0](hidden) if k in _HIDDEN_AUTO and v == AUTO else v)
+                for k, v in zero.items()}
+        return dataclasses.replace(self, deepspeed_config={**raw, "zero_optimization": zero})
 
     # ---------------------------------------------------------------- the engine's config
     def deepspeed_json(self, run: Run | None = None) -> dict[str, Any]:
@@ -237,6 +278,24 @@ class ZeroFootprint(Footprint):
     """How many such buffers exist (ZeRO-1/2: 2 with overlap_comm, else 1; ZeRO-3: 1)."""
     prefetch: int = 0
     """ZeRO-3: parameter elements gathered ahead of use (stage3_prefetch_bucket_size)."""
+    auto: frozenset = frozenset()
+    """zero_optimization keys set to "auto": sized from the model's hidden size as Accelerate
+    fills them (reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2)."""
+
+    def _sized(self, key: str, n: Sizes, configured: int) -> int:
+        return _HIDDEN_AUTO[key][0](hidden_size(n)) if key in self.auto else configured
+
+    def _reduce_bucket(self, n: Sizes) -> int:
+        return self._sized("reduce_bucket_size", n, self.reduce_bucket)
+
+    def _prefetch(self, n: Sizes) -> int:
+        return self._sized("stage3_prefetch_bucket_size", n, self.prefetch)
+
+    def notes(self, n: Sizes) -> list[str]:
+        h = hidden_size(n)
+        return [f"zero_optimization.{k}=auto: {_AUTO_RULE[k]} = {_HIDDEN_AUTO[k][0](h):,} elements "
+                f"(h={h:,}{'' if n.model is not None else ', estimated from the parameter count'}; "
+                "as Accelerate fills it)" for k in _HIDDEN_AUTO if k in self.auto]
 
     def held_grads(self, n: Sizes, split: int) -> int:
         sb = n.bytes
@@ -252,14 +311,14 @@ class ZeroFootprint(Footprint):
         if not self.reduce_bucket:
             return super().bucket_buffer(n)
         used = n.dp > 1 or self.optimizer_offload != DEVICE
-        return self.reduce_bucket * self.reduce_buckets * n.bytes.grads if used else 0.0
+        return self._reduce_bucket(n) * self.reduce_buckets * n.bytes.grads if used else 0.0
 
     def backward_extra(self, n: Sizes) -> float:
         # ZeRO-1: full gradients until the boundary's reduction
         return n.trainable * n.bytes.grads if self.stage == 1 and n.dp > 1 else 0.0
 
     def prefetched(self, n: Sizes) -> float:
-        return min(self.prefetch / n.mp, n.params) if self.prefetch else n.unit
+        return min(self._prefetch(n) / n.mp, n.params) if self._prefetch(n) else n.unit
 
     def kept_gathered(self, n: Sizes, gathered: float) -> float:
         # what is reused soon stays gathered, up to stage3_max_live_parameters
@@ -272,7 +331,8 @@ class ZeroFootprint(Footprint):
         return 0.0
 
     def bucket_size(self, n: Sizes) -> float:
-        return self.reduce_bucket * min(n.bytes.grads, 4) if self.reduce_bucket else self.bucket_bytes
+        return (self._reduce_bucket(n) * min(n.bytes.grads, 4) if self.reduce_bucket
+                else self.bucket_bytes)
 
     def regathered(self, n: Sizes) -> float:
         return max(0.0, n.params - self.live_params / n.mp)
@@ -287,6 +347,36 @@ class ZeroFootprint(Footprint):
 
 
 # -------------------------------------------------------------------- helpers
+_AUTO_RULE = {"reduce_bucket_size": "h^2", "stage3_prefetch_bucket_size": "0.9 x h^2",
+              "stage3_param_persistence_threshold": "10 x h"}
+
+
+def _default(typed: str) -> Any:
+    return next(f.default for f in ZeroConfig.__dataclass_fields__.values() if f.name == typed)
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _count(value: Any, least: int) -> int | None:
+    """A DeepSpeed element count as an int (integral floats such as 5e8 too); None when absent,
+    "auto" (the footprint sizes it from the model) or unusable (``value_problems`` says so)."""
+    if value is None or value == AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        return None
+    return int(value) if int(value) >= least else None
+
+
+def hidden_size(n: Sizes) -> int:
+    """The model's hidden size (what Accelerate reads from ``model.config.hidden_size``); with
+    planner.params alone, estimated as 128 x layers, L = (P / (12 x 128^2))^(1/3)."""
+    if n.model is not None and getattr(n.model, "dim", None):
+        return int(n.model.dim)
+    return int(128 * max(1.0, (n.total_params / (12 * 128**2)) ** (1 / 3)))
+
+
 def _plain(node: Any) -> Any:
     """Hydra/OmegaConf containers -> plain dicts/lists (DeepSpeed and Lightning mutate and JSON them)."""
     from omegaconf import OmegaConf
