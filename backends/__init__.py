@@ -8,6 +8,7 @@ Every backend module provides the ``Backend`` protocol below as module-level fun
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -91,12 +92,56 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
 
 def teardown(ok: bool) -> None:
     """Leave no process group behind: gloo aborts at exit without barrier + destroy."""
-    import gc
-
     import torch.distributed as dist
 
-    gc.collect()
+    collect_here()
     if dist.is_available() and dist.is_initialized():
         if ok:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def teardown_at_exit() -> None:
+    """``teardown`` for a process that trained outside ``run``: a Lightning user's own script after
+    ``import strategies`` (``backends/lightning/registry.py`` registers this with ``atexit``), with
+    our presets or Lightning's own strategies. Lightning destroys its process group at exit for
+    NCCL only, and a plain script leaves its Trainer (module, DDP wrapper, optimizer, tensors) as
+    cyclic garbage; both would otherwise reach interpreter finalization. There, a collection that
+    some other thread runs (rank 0 always has one: Lightning's child-process observer) frees torch
+    tensors with the GIL released; finalization kills that thread on its way back (pthread_exit),
+    and the forced unwind through torch's C++ frames is std::terminate -- "terminate called
+    without an active exception", SIGABRT, exit 134. So, from ``atexit`` (the main thread, before
+    finalization begins): the garbage collected here, then the process group destroyed (with the
+    garbage gone, nothing else holds it: its gloo threads are joined here). No barrier: a rank
+    leaving on an error would wait at it for its peers until the collective timeout; destroying
+    is local. Nothing to do when no process group is left (``run`` tore it down; one process)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    collect_here()
+    dist.destroy_process_group()
+
+
+def collect_here(wait_s: float = 10.0) -> None:
+    """``gc.collect()`` in the calling thread. While another thread is collecting, ``gc.collect()``
+    returns at once without collecting; then wait (up to ``wait_s``) for that collection to end --
+    it may be freeing the run's tensors -- and collect here."""
+    import gc
+    import threading
+    import time
+
+    me, ran = threading.get_ident(), []
+
+    def started(phase: str, info: dict) -> None:
+        if phase == "start" and threading.get_ident() == me:
+            ran.append(True)
+
+    gc.callbacks.append(started)
+    try:
+        deadline = time.monotonic() + wait_s
+        gc.collect()
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.005)  # the GIL to the collecting thread
+            gc.collect()
+    finally:
+        gc.callbacks.remove(started)

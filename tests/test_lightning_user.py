@@ -86,3 +86,32 @@ def test_registry_builds_what_train_py_builds_once_set_up(preset, tmp_path):
     both = json.loads(out.read_text())
     assert both["ours"] == both["theirs"], both
     assert both["ours"]["preset"]["name"] == preset
+
+
+PLAIN = ROOT / "tests" / "lightning_plain_script.py"
+
+
+@pytest.mark.parametrize("variant, runs", [
+    pytest.param("--collector", 3, id="collector-x3"),
+    pytest.param("--collector", 20, id="collector-x20", marks=pytest.mark.slow),
+    pytest.param("", 20, id="plain-x20", marks=pytest.mark.slow),
+])
+def test_plain_lightning_ddp_exits_cleanly(variant, runs):
+    """A plain Lightning script after ``import strategies``, with Lightning's own
+    ``Trainer(strategy="ddp")`` on 2 CPU processes and no cleanup of its own, exits 0 without an
+    abort on either rank (tests/lightning_plain_script.py). ``--collector`` hands the run's garbage
+    to a background thread as the main thread exits: without the exit teardown that
+    ``import strategies`` registers (backends.teardown_at_exit) every run aborted (12 of 12)."""
+    failed = []
+    for i in range(runs):
+        try:
+            proc = subprocess.run([sys.executable, str(PLAIN), *filter(None, [variant])], check=False,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                  stdin=subprocess.DEVNULL,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"run {i + 1} timed out after 120 s (a hang at exit?):\n{(e.stderr or b'')[-3000:]!r}")
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or GLOO_ABORT in log:
+            failed.append(f"run {i + 1}: exit {proc.returncode}\n{log[-2000:]}")
+    assert not failed, f"{len(failed)} of {runs} runs aborted or failed:\n" + "\n".join(failed)

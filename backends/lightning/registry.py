@@ -11,6 +11,7 @@ Lightning's own entries are never replaced: a preset whose name Lightning alread
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 PREFIX = "stratagem_"
@@ -43,9 +44,15 @@ def entries() -> dict[str, str]:
 
 
 def register() -> None:
-    """Register every preset in Lightning's StrategyRegistry (idempotent)."""
+    """Register every preset in Lightning's StrategyRegistry (idempotent), and the exit teardown of
+    a user's own script: no process group and none of the run's garbage left to interpreter
+    finalization, whichever strategy trained (``backends.teardown_at_exit``)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     for key, name in entries().items():
         StrategyRegistry.register(key, _factory(name), override=True,
                                   description=f"stratagem preset conf/strategy/{name}.yaml")
+    from backends import teardown_at_exit
+
+    atexit.unregister(teardown_at_exit)  # once, however often this is called
+    atexit.register(teardown_at_exit)
