@@ -127,7 +127,12 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
     engine loads only its own checkpoints of the same world size and backend (its fp32 master
-    weights and optimizer partitions have no other way in); torch presets load anything."""
+    weights and optimizer partitions have no other way in); torch presets load anything, except
+    those whose own state is not in a checkpoint (``resume_problem``: ddp's top-k, int8, local
+    SGD, DiLoCo)."""
+    why = getattr(job.strategy, "resume_problem", lambda: None)()
+    if why:
+        return why
     if job.run.checkpoint != "deepspeed":
         return None
     m = ckpt.meta

@@ -123,6 +123,7 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         "tokens_per_second": report.get("throughput", {}).get("tokens_per_second",
                                                               report.get("tokens_per_second")),
         "wall_seconds": report.get("wall_seconds"),
+        "step_seconds": report.get("throughput", {}).get("step_seconds"),
         "state_bytes_per_rank": [sum(x.get(k, 0) for k in ("params", "grads", "optimizer")) for x in ranks],
         "peak_memory_per_rank": [_peak(x) for x in ranks],
         # what rank 0 sends per step on a ring: the planner's unit (observers/compare.py)
@@ -159,7 +160,7 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-COLUMNS = ("job", "overrides", "status", "final loss", "tokens/s", "state MiB per rank",
+COLUMNS = ("job", "overrides", "status", "final loss", "tokens/s", "step s", "state MiB per rank",
            "peak MiB per rank", "comm MiB/step", "predicted: fits", "state MiB", "comm MiB/step")
 
 
@@ -176,7 +177,7 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
         lines.append("| " + " | ".join([
             r["job"], " ".join(f"`{o}`" for o in r["overrides"] if o not in common) or "-", r["status"],
             _num(r.get("final_loss"), ".4f"), _num(r.get("tokens_per_second"), ",.0f"),
-            _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
+            _num(r.get("step_seconds"), ".3f"), _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
             _mib(r.get("comm_bytes_per_step")), fits, _mib(r.get("predicted_state_bytes")),
             _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
     notes = [r for r in rows if r["status"] != OK]
@@ -191,8 +192,9 @@ def _one_line(text: str | None) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Four panels, one bar per job: tokens/s; model states (max over ranks) and communication per
-    step, each measured beside predicted; peak memory (max over ranks)."""
+    """Five panels, one bar per job: tokens/s; model states (max over ranks) and communication per
+    step, each measured beside predicted; peak memory (max over ranks); and the final loss against
+    the measured communication per step, one point per job (what each byte bought)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,7 +212,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             out.append((v or 0) / scale)
         return out
 
-    fig, axes = plt.subplots(1, 4, figsize=(5 + 2.8 * len(rows), 4))
+    fig, axes = plt.subplots(1, 5, figsize=(8 + 2.8 * len(rows), 4))
     w = 0.4
     axes[0].bar(x, get("tokens_per_second"))
     axes[0].set_title("tokens/s")
@@ -225,8 +227,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             ax.bar([i + w / 2 for i in x], get(predicted, scale), w, label="predicted")
             ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
-    for ax in axes:
+    for ax in axes[:4]:
         ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
+    done = [r for r in rows if r.get("final_loss") is not None and r.get("comm_bytes_per_step")]
+    for r in done:
+        axes[4].scatter(r["comm_bytes_per_step"] / 2**20, r["final_loss"])
+        axes[4].annotate(r["strategy"], (r["comm_bytes_per_step"] / 2**20, r["final_loss"]), fontsize=7)
+    if done:
+        axes[4].set_xscale("log")
+    axes[4].set_xlabel("communication per step, MiB (measured)", fontsize=8)
+    axes[4].set_title("final loss vs bytes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

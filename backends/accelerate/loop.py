@@ -163,6 +163,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     for step in range(start, t.max_steps):
         observers.step_start(engine, step)
         micro = []
+        p.builder.before_step(model)
         for _ in range(job.batch.accumulation):
             tokens, targets = (x.to(acc.device) for x in next(batches))
             with acc.accumulate(model):
@@ -180,6 +181,8 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
                         # the global norm (inf: measured, not clipped), across shards
                         engine.norm = acc.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
                     opt.step()  # a no-op until the accumulation boundary
+                    if acc.sync_gradients:  # (torch's averagers average parameters with gradients)
+                        p.builder.after_step(model)
                     opt.zero_grad()
         p.sched.step()
         observers.step_work_end(engine, step)

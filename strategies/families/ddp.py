@@ -1,20 +1,25 @@
 """DDP: every rank holds a full replica; gradients are all-reduced in buckets during backward.
 
-Gradient compression uses torch's DDP communication hooks (fp16/bf16 compression, PowerSGD),
-which each backend registers its way.
+Gradient compression uses torch's DDP communication hooks (fp16/bf16 compression, PowerSGD,
+8-bit quantization) and one of ours (top-k sparsification: torch has none), which each backend
+registers its way. Relaxed synchronization (``sync``: local SGD, DiLoCo) lets each rank step on
+its own gradients and averages the parameters every ``sync_every`` steps (torch's post-local-SGD
+hook and model averagers; DiLoCo adds an outer Nesterov step on the averaged delta).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from strategies.base import StrategyConfig, family
 from strategies.checks import knob
-from strategies.footprint import Footprint, MiB, Sizes
+from strategies.footprint import Footprint, MiB, Sizes, Traffic
 from strategies.run import Run
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "int8")
+SYNCS = ("every_step", "local_sgd", "diloco")
 
 
 @family("ddp")
@@ -23,12 +28,28 @@ class DDPConfig(StrategyConfig):
     """torch DistributedDataParallel."""
 
     comm_hook: str = knob("none", choices=HOOKS)
-    """Gradient compression: none | fp16 | bf16 | powersgd (torch DDP communication hooks)."""
+    """Gradient compression: none | fp16 | bf16 | powersgd | topk | int8 (DDP communication
+    hooks)."""
     powersgd_rank: int = knob(1, min=1)
     """PowerSGD matrix approximation rank (higher: more accurate, more traffic)."""
     powersgd_warmup_steps: int = knob(10, min=2, fix="torch's PowerSGD with error feedback needs "
                                       ">= 2: set strategy.powersgd_warmup_steps=2 or more")
     """Optimizer steps of plain all-reduce before PowerSGD starts (torch's start_powerSGD_iter)."""
+    topk_ratio: float = knob(0.01, above=0, max=1)
+    """comm_hook=topk: the fraction of each bucket's entries sent (largest magnitudes), with error
+    feedback (what is not sent is kept and added to the next step's gradient)."""
+    start_step: int = knob(10, min=0)
+    """Optimizer steps of plain all-reduce (synchronous DDP) before comm_hook=topk|int8 or
+    sync=local_sgd|diloco start."""
+    sync: str = knob("every_step", choices=SYNCS)
+    """every_step (DDP) | local_sgd (average parameters every sync_every steps) | diloco (an outer
+    Nesterov step on the averaged parameter delta every sync_every steps)."""
+    sync_every: int = knob(8, min=1)
+    """sync=local_sgd|diloco: local optimizer steps between parameter synchronizations (H)."""
+    outer_lr: float = knob(0.7, above=0)
+    """sync=diloco: the outer optimizer's learning rate (1 with no momentum: local SGD)."""
+    outer_momentum: float = knob(0.9, min=0, below=1)
+    """sync=diloco: the outer optimizer's (Nesterov) momentum."""
     bucket_cap_mb: int = knob(25, min=1)
     """Gradient bucket size in MiB: one all-reduce per full bucket, overlapped with backward."""
     static_graph: bool = False
@@ -43,11 +64,35 @@ class DDPConfig(StrategyConfig):
         if self.comm_hook == "bf16" and run.accelerator == "cpu":
             return ["strategy.comm_hook=bf16 needs NCCL: gloo (CPU) cannot all-reduce bf16; "
                     "use strategy=ddp_fp16_compress on CPU, or cluster.accelerator=gpu"]
+        if self.sync != "every_step" and self.comm_hook != "none":
+            return [(f"strategy.sync={self.sync} sends no gradients after strategy.start_step (each "
+                     f"rank steps on its own), so strategy.comm_hook={self.comm_hook} has nothing to "
+                     "compress: set strategy.comm_hook=none")]
         return []
+
+    def resume_problem(self) -> str | None:
+        """Why a checkpoint of this preset cannot be continued exactly (None: it can). The
+        checkpoint holds rank 0's parameters and optimizer only: top-k's and int8's per-rank
+        error-feedback residuals, local SGD's diverged replicas between synchronizations and
+        DiLoCo's outer parameters and momentum are not in it, so a resumed run would silently
+        differ. Refused instead."""
+        extra = {"topk": "top-k's error-feedback residuals", "int8": "int8's error-feedback residuals"
+                 }.get(self.comm_hook) or {"local_sgd": "local SGD's per-rank replicas between "
+                                           "synchronizations", "diloco": "DiLoCo's outer parameters "
+                                           "and momentum"}.get(self.sync)
+        if extra is None:
+            return None
+        return (f"strategy={self.name} keeps state the checkpoint does not hold ({extra}), so it "
+                "cannot resume exactly; start the run again without trainer.resume_from, or resume "
+                "with strategy=ddp")
 
     def footprint(self) -> DDPFootprint:
         powersgd = self.comm_hook == "powersgd"
-        return DDPFootprint(bucket_bytes=self.bucket_cap_mb * MiB,
+        return DDPFootprint(topk_ratio=self.topk_ratio if self.comm_hook == "topk" else 0.0,
+                            int8=self.comm_hook == "int8",
+                            sync_every=self.sync_every if self.sync != "every_step" else 0,
+                            diloco=self.sync == "diloco", start_step=self.start_step,
+                            bucket_bytes=self.bucket_cap_mb * MiB,
                             grad_ratio={"fp16": 0.5, "bf16": 0.5}.get(self.comm_hook, 1.0),
                             bucket_copy=not self.gradient_as_bucket_view,
                             powersgd_rank=self.powersgd_rank if powersgd else 0,
@@ -65,6 +110,34 @@ class DDPFootprint(Footprint):
     powersgd_rank: int = 0
     """The rank of the factors sent instead of each gradient matrix (0: no PowerSGD)."""
     powersgd_warmup: int = 0
+    topk_ratio: float = 0.0
+    """comm_hook=topk: the fraction of each bucket sent as (fp32 value, int32 index) pairs,
+    all-gathered (0: not top-k)."""
+    int8: bool = False
+    """comm_hook=int8: each bucket all-gathered as uint8 codes + its fp32 scale and zero point."""
+    sync_every: int = 0
+    """sync=local_sgd|diloco: a parameter all-reduce every this many steps (0: every step DDP)."""
+    diloco: bool = False
+    start_step: int = 0
+
+    def traffic(self, n: Sizes) -> list[Traffic]:
+        """After ``start_step``: top-k's all-gather of k (value, index) pairs per bucket, 8 bytes
+        each (the per-rank ring volume (N-1) x k x 8); int8's all-gather of one byte per element
+        plus each bucket's scale and zero point (N/8 of an fp32 all-reduce: a quarter at 2
+        ranks); local SGD and DiLoCo: one fp32 all-reduce of the parameters every H steps,
+        nothing in between."""
+        if not (self.topk_ratio or self.int8 or self.sync_every) or n.dp <= 1:
+            return super().traffic(n)
+        buckets = max(1, math.ceil(n.trainable * 4 / self.bucket_bytes))
+        if self.sync_every:
+            return [Traffic("param_average_all_reduce", "all_reduce", n.dp, n.tp, n.params * 4 / self.sync_every,
+                            "none", calls=1 / self.sync_every)]
+        if self.topk_ratio:
+            k = topk_count(n.trainable, self.topk_ratio, self.bucket_bytes)
+            return [Traffic("grad_topk_all_gather", "all_gather", n.dp, n.tp, n.dp * k * 8, "backward",
+                            calls=buckets)]
+        return [Traffic("grad_int8_all_gather", "all_gather", n.dp, n.tp, n.dp * (n.trainable + 8 * buckets),
+                        "backward", calls=buckets)]
 
     def grad_bytes(self, n: Sizes) -> float:
         reduce, r = self.reduce_bytes(n.bytes), self.grad_ratio
@@ -75,15 +148,28 @@ class DDPFootprint(Footprint):
 
     def bucket_buffer(self, n: Sizes) -> float:
         bucket = n.params * n.bytes.grads if self.bucket_copy and n.dp > 1 else super().bucket_buffer(n)
-        if self.powersgd_rank and n.dp > 1:
-            bucket += n.params * 4  # PowerSGD's fp32 error-feedback residual
+        if (self.powersgd_rank or self.topk_ratio or self.int8) and n.dp > 1:
+            bucket += n.trainable * 4  # the fp32 error-feedback residual (PowerSGD, top-k, int8)
+        if self.diloco and n.dp > 1:
+            bucket += n.params * 4 * 2  # DiLoCo's outer parameters and Nesterov momentum (fp32)
         return bucket
 
     def notes(self, n: Sizes) -> list[str]:
         if self.powersgd_rank and n.dp > 1:
             return [f"PowerSGD rank {self.powersgd_rank}: gradient traffic after its "
                     f"{self.powersgd_warmup} warm-up steps (plain all-reduce until then)"]
+        if (self.topk_ratio or self.int8 or self.sync_every) and n.dp > 1:
+            what = (f"top-k {self.topk_ratio:g}" if self.topk_ratio else "int8" if self.int8
+                    else f"{'DiLoCo' if self.diloco else 'local SGD'} every {self.sync_every} steps")
+            return [f"{what}: traffic after its {self.start_step} plain all-reduce steps"]
         return []
+
+
+def topk_count(elements: float, ratio: float, bucket_bytes: float) -> float:
+    """Entries top-k sends per step: ``max(1, int(ratio x bucket))`` per fp32 bucket."""
+    full, last = divmod(int(elements), max(1, int(bucket_bytes // 4)))
+    per = max(1, int(ratio * (bucket_bytes // 4)))
+    return full * per + (max(1, int(ratio * last)) if last else 0)
 
 
 def powersgd_ratio(shape: Any, params: float, rank: int) -> float:

@@ -49,6 +49,12 @@ class Builder:
     def repair(self, model: Any, optimizer: Any) -> None:
         """Fix-ups the engine needs once prepared."""
 
+    def before_step(self, model: Any) -> None:
+        """Before each optimizer step's micro-batches (ddp's relaxed synchronization)."""
+
+    def after_step(self, model: Any) -> None:
+        """After each optimizer step (ddp's local SGD / DiLoCo parameter synchronization)."""
+
     def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
         return torch_common.held_bytes(model, optimizers, what)
 

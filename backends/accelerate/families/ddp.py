@@ -1,10 +1,15 @@
-"""ddp and its compression presets on Accelerate: DDP kwargs and Accelerate's comm-hook enum."""
+"""ddp and its compression presets on Accelerate: DDP kwargs and Accelerate's comm-hook enum;
+top-k, int8, local SGD and DiLoCo (not in that enum) registered on the prepared model, and the
+relaxed presets' parameter synchronization around each optimizer step
+(backends/common/ddp_comm.py, the same code the Lightning strategy calls)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from backends.accelerate.families import Builder, builds
+from backends.common.ddp_comm import Synchronizer
+from backends.common.ddp_comm import comm_hook as efficient_hook
 from strategies.families.ddp import DDPConfig
 
 
@@ -17,10 +22,23 @@ class DDP(Builder):
         from accelerate.utils import DistributedDataParallelKwargs
 
         p = self.preset
-        hook = {"none": Hook.NO, "fp16": Hook.FP16, "bf16": Hook.BF16, "powersgd": Hook.POWER_SGD}
+        hook = {"none": Hook.NO, "fp16": Hook.FP16, "bf16": Hook.BF16, "powersgd": Hook.POWER_SGD,
+                "topk": Hook.NO, "int8": Hook.NO}  # ours: registered in repair
         state = ({"matrix_approximation_rank": p.powersgd_rank,
                   "start_powerSGD_iter": p.powersgd_warmup_steps} if p.comm_hook == "powersgd" else {})
         return {"kwargs_handlers": [DistributedDataParallelKwargs(
             bucket_cap_mb=p.bucket_cap_mb, static_graph=p.static_graph,
             find_unused_parameters=p.find_unused_parameters, comm_hook=hook[p.comm_hook],
             gradient_as_bucket_view=p.gradient_as_bucket_view, comm_state_option=state)]}
+
+    def repair(self, model: Any, optimizer: Any) -> None:
+        hook, state = efficient_hook(self.preset)
+        if hook is not None and hasattr(model, "register_comm_hook"):  # DDP-wrapped (world > 1)
+            model.register_comm_hook(state, hook)
+        self.sync = Synchronizer(self.preset, nodes=self.run.mesh.nodes, devices=self.run.mesh.devices)
+
+    def before_step(self, model: Any) -> None:
+        getattr(self, "sync", None) and self.sync.before_step(model)
+
+    def after_step(self, model: Any) -> None:
+        getattr(self, "sync", None) and self.sync.after_step(model)

@@ -1,5 +1,7 @@
 """ddp and its compression presets on Lightning: its DDPStrategy with the preset's hook and
-buckets; the preset's plan (activation checkpointing) applied before DDP wraps the model."""
+buckets; the preset's plan (activation checkpointing) applied before DDP wraps the model; the
+relaxed presets' parameter synchronization after each optimizer step (backends/common/ddp_comm.py,
+the same code the Accelerate loop calls)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from backends.common.ddp_comm import Synchronizer
+from backends.common.ddp_comm import comm_hook as efficient_hook
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.ddp import DDPConfig
@@ -21,6 +25,9 @@ def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:
         return default_hooks.fp16_compress_hook, None
     if preset.comm_hook == "bf16":
         return default_hooks.bf16_compress_hook, None
+    hook, state = efficient_hook(preset)  # top-k, int8, local SGD, DiLoCo
+    if hook is not None:
+        return hook, state
     if preset.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None,
                                             matrix_approximation_rank=preset.powersgd_rank,
@@ -40,6 +47,20 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
                          find_unused_parameters=preset.find_unused_parameters,
                          gradient_as_bucket_view=preset.gradient_as_bucket_view)
         self.preset = preset
+        self._sync = Synchronizer(preset)
+
+    def _enable_model_averaging(self) -> None:
+        """Lightning would average with its own PeriodicModelAverager for the post-local-SGD hook;
+        local SGD, its hierarchical form and DiLoCo run ours instead (``optimizer_step``), the
+        same objects the Accelerate loop steps."""
+        self._model_averager = None
+        self._sync = Synchronizer(self.preset, nodes=self.num_nodes, devices=self.num_processes)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self._sync.before_step(self.model)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._sync.after_step(self.model)
+        return out
 
     def _setup_model(self, model: Any) -> Any:
         return super()._setup_model(parallelize(model, self.preset.plan(self.run().mesh)))

@@ -1,0 +1,280 @@
+"""What both backends run for the ddp family's communication-efficient presets (engine-neutral
+torch; each backend registers it its way): the DDP communication hooks (``comm_hook``) and the
+post-step parameter synchronization of relaxed presets (``sync``).
+
+- ``topk`` (ours: torch has no sparsification hook): each bucket, plus what the previous steps
+  did not send (error feedback), sends its ``k = max(1, int(ratio x numel))`` largest-magnitude
+  entries as (fp32 value, int32 index) pairs in one ``all_gather_into_tensor``; every rank adds
+  all ranks' pairs into a dense bucket and divides by the world size. What is not sent stays in
+  this rank's residual, so sent + retained equals the gradient plus the old residual, exactly
+  (``topk_split``). ``start_step`` steps of torch's plain all-reduce first (as PowerSGD's).
+- ``int8``: torch's per-tensor affine quantization (``MinMaxObserver``'s scale and zero point
+  per bucket, the rounding of its ``quantization_pertensor_hook``) with error feedback: the
+  residual is added to the bucket before it is quantized, and what rounding drops is kept for
+  the next step. One all-gather per bucket of the uint8 codes with the scale and zero point.
+- ``local_sgd``: torch's ``post_localSGD_hook`` (plain all-reduce for ``start_step`` steps, then
+  no gradient traffic) and ``PeriodicModelAverager`` (parameters averaged every ``sync_every``
+  steps after each optimizer step); with several nodes ``HierarchicalModelAverager`` (every step
+  within each node, the whole world every ``sync_every`` steps).
+- ``diloco`` (Douillard et al. 2023): the same hook; every ``sync_every`` steps the parameters
+  are averaged (torch's ``average_parameters``: one fp32 all-reduce), and an outer SGD with
+  Nesterov momentum steps the outer copy along the averaged delta (outer - average), which the
+  replicas then take.
+
+Residuals are kept per parameter, not per bucket: DDP rebuilds its buckets after the first step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _world(group: Any) -> Any:
+    return group if group is not None else dist.group.WORLD
+
+
+class _Feedback:
+    """Per-parameter error-feedback residuals, gathered into and scattered out of a bucket."""
+
+    def __init__(self, start_step: int, process_group: Any = None):
+        self.process_group, self.start_step = process_group, start_step
+        self.iter = 0
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def warm(self, bucket: Any) -> bool:
+        """True while plain all-reduce runs (counts optimizer steps on the last bucket)."""
+        warm = self.iter < self.start_step
+        if bucket.is_last():
+            self.iter += 1
+        return warm
+
+    def residual(self, bucket: Any) -> torch.Tensor:
+        params = bucket.parameters()
+        buf = bucket.buffer()
+        if sum(p.numel() for p in params) != buf.numel():  # padded buckets: not handled
+            raise RuntimeError("DDP bucket layout with padding: error feedback cannot map it")
+        parts = [self.residuals.get(id(p)) for p in params]
+        if all(r is None for r in parts):
+            return torch.zeros_like(buf)
+        return torch.cat([torch.zeros(p.numel(), dtype=buf.dtype, device=buf.device) if r is None else r
+                          for p, r in zip(params, parts)])
+
+    def keep(self, bucket: Any, retained: torch.Tensor) -> None:
+        offset = 0
+        for p in bucket.parameters():
+            self.residuals[id(p)] = retained[offset:offset + p.numel()]
+            offset += p.numel()
+
+    def residual_norm(self) -> float:
+        return float(sum(r.double().pow(2).sum() for r in self.residuals.values()) ** 0.5) \
+            if self.residuals else 0.0
+
+
+def topk_split(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, indices, retained) of ``acc``'s ``k`` largest magnitudes: ``retained`` is ``acc``
+    with the sent entries zeroed, so dense(values, indices) + retained == acc bit for bit."""
+    _, idx = acc.abs().topk(k, sorted=False)
+    values = acc[idx]
+    retained = acc.clone()
+    retained[idx] = 0
+    return values, idx, retained
+
+
+class TopKState(_Feedback):
+    def __init__(self, ratio: float, start_step: int, process_group: Any = None):
+        super().__init__(start_step, process_group)
+        self.ratio = ratio
+        self.check: list[float] = []
+        """With ``record`` on: per bucket and step, max |sent + retained - (gradient + old
+        residual)| (0 by construction; tests read it)."""
+        self.record = False
+
+
+def topk_hook(state, bucket):  # no annotations: torch checks them against dist.GradBucket
+    """Top-k sparsified gradient averaging with error feedback (module docstring)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    group = _world(state.process_group)
+    if state.warm(bucket):
+        return default_hooks.allreduce_hook(group, bucket)
+    buf, n = bucket.buffer(), group.size()
+    acc = buf + state.residual(bucket)
+    k = max(1, int(state.ratio * acc.numel()))
+    values, idx, retained = topk_split(acc, k)
+    state.keep(bucket, retained)
+    if state.record:
+        sent = torch.zeros_like(acc)
+        sent[idx] = values
+        state.check.append(float((sent + retained - acc).abs().max()))
+    packed = torch.cat([values, idx.to(torch.int32).view(values.dtype)])
+    out = packed.new_empty(n * packed.numel())
+    fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
+
+    def decode(_fut: Any) -> torch.Tensor:
+        rows = out.view(n, 2 * k)
+        vals, ids = rows[:, :k].reshape(-1), rows[:, k:].contiguous().view(torch.int32).reshape(-1)
+        dense = torch.zeros_like(buf)
+        dense.index_put_((ids.long(),), vals, accumulate=True)
+        return dense.div_(n)
+
+    return fut.then(decode)
+
+
+class Int8State(_Feedback):
+    def __init__(self, start_step: int, process_group: Any = None):
+        super().__init__(start_step, process_group)
+        self.max_scale = 0.0
+        """The largest quantization step (scale) this rank used: the averaged gradient is off by
+        at most the mean of the ranks' scales / 2 per element, before error feedback."""
+
+
+def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes, [scale, zero point] as fp32) of ``x``: torch's per-tensor affine
+    quantization as its ``quantization_pertensor_hook`` does it (``MinMaxObserver``'s qparams,
+    its ``_quantize_per_tensor_backend``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as q
+
+    obs = torch.ao.quantization.MinMaxObserver().to(x.device)
+    obs(x)
+    s, z = obs.calculate_qparams()
+    sz = torch.cat([s.reshape(1).float(), z.reshape(1).float()]).to(x.device)
+    return q._quantize_per_tensor_backend(x, sz[0], sz[1]), sz
+
+
+def int8_dequantize(codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as q
+
+    return q._dequantize_per_tensor_backend(codes, sz[0], sz[1])
+
+
+def int8_hook(state, bucket):  # no annotations: torch checks them against dist.GradBucket
+    """8-bit per-bucket quantized averaging with error feedback (module docstring). torch's
+    ``quantization_pertensor_hook`` would fit but fails in torch 2.13 (it indexes the all-gather
+    future's first tensor as the list of every rank's scale and zero point), so this is its
+    quantization with one all-gather per bucket: the codes and the 8 bytes of scale and zero
+    point packed together."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    group = _world(state.process_group)
+    if state.warm(bucket):
+        return default_hooks.allreduce_hook(group, bucket)
+    buf, n = bucket.buffer(), group.size()
+    acc = buf + state.residual(bucket)
+    codes, sz = int8_quantize(acc)
+    state.keep(bucket, acc - int8_dequantize(codes, sz))
+    state.max_scale = max(state.max_scale, float(sz[0]))
+    packed = torch.cat([codes, sz.view(torch.uint8)])
+    out = packed.new_empty(n * packed.numel())
+    fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
+
+    def decode(_fut: Any) -> torch.Tensor:
+        rows = out.view(n, -1)
+        total = torch.zeros_like(buf)
+        for r in range(n):
+            total += int8_dequantize(rows[r, :-8], rows[r, -8:].contiguous().view(torch.float32))
+        return total.div_(n)
+
+    return fut.then(decode)
+
+
+def comm_hook(preset: Any) -> tuple[Any, Any]:
+    """The hook and state for the ddp family's communication-efficient settings, or (None, None)
+    (fp16, bf16 and PowerSGD are each backend's own)."""
+    if preset.sync != "every_step":
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pl
+
+        # no gradient traffic after start_step (the subgroup is unused without the local all-reduce)
+        state = pl.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD,
+                                     start_localSGD_iter=preset.start_step,
+                                     post_local_gradient_allreduce=False)
+        return pl.post_localSGD_hook, state
+    if preset.comm_hook == "topk":
+        return topk_hook, TopKState(preset.topk_ratio, preset.start_step)
+    if preset.comm_hook == "int8":
+        return int8_hook, Int8State(preset.start_step)
+    return None, None
+
+
+class DiLoCo:
+    """The outer loop: every ``sync_every`` local steps, average the replicas and take an outer
+    SGD step (Nesterov momentum) along outer - average; the replicas continue from the result."""
+
+    def __init__(self, sync_every: int, start_step: int, lr: float, momentum: float,
+                 process_group: Any = None):
+        self.sync_every, self.start_step, self.group = sync_every, start_step, process_group
+        self.lr, self.momentum = lr, momentum
+        self.step = 0
+        self.outer: list[torch.Tensor] | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def before_step(self, params: list[torch.nn.Parameter]) -> None:
+        if self.outer is None and self.step >= self.start_step:  # replicas still equal here
+            self.outer = [p.detach().clone().float() for p in params]
+            self.optimizer = torch.optim.SGD(self.outer, lr=self.lr, momentum=self.momentum,
+                                             nesterov=self.momentum > 0)
+
+    def after_step(self, params: list[torch.nn.Parameter]) -> None:
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+        self.step += 1
+        if self.outer is None or (self.step - self.start_step) % self.sync_every:
+            return
+        average_parameters(iter(params), _world(self.group))
+        with torch.no_grad():
+            for o, p in zip(self.outer, params):
+                o.grad = o - p.float()
+            self.optimizer.step()
+            for o, p in zip(self.outer, params):
+                p.copy_(o)
+
+
+class Synchronizer:
+    """Post-optimizer-step parameter synchronization of ``sync=local_sgd|diloco``; a no-op for
+    every other setting. Engines call ``before_step`` / ``after_step`` around each optimizer step."""
+
+    def __init__(self, preset: Any, nodes: int = 1, devices: int = 1):
+        self.preset, self.nodes, self.devices = preset, nodes, devices
+        self._impl: Any = None
+
+    @property
+    def active(self) -> bool:
+        return getattr(self.preset, "sync", "every_step") != "every_step" and dist.is_initialized() \
+            and dist.get_world_size() > 1
+
+    def _make(self) -> Any:
+        p = self.preset
+        if p.sync == "diloco":
+            return DiLoCo(p.sync_every, p.start_step, p.outer_lr, p.outer_momentum)
+        from torch.distributed.algorithms.model_averaging import averagers
+        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+            HierarchicalModelAverager,
+        )
+
+        if self.nodes > 1 and p.sync_every > 1:
+            periods = OrderedDict([(1, self.devices), (p.sync_every, dist.get_world_size())])
+            return HierarchicalModelAverager(periods, warmup_steps=p.start_step)
+        return averagers.PeriodicModelAverager(period=p.sync_every, warmup_steps=p.start_step)
+
+    def before_step(self, model: Any) -> None:
+        if not self.active:
+            return
+        if self._impl is None:
+            self._impl = self._make()
+        if isinstance(self._impl, DiLoCo):
+            self._impl.before_step(_trainable(model))
+
+    def after_step(self, model: Any) -> None:
+        if not self.active:
+            return
+        if isinstance(self._impl, DiLoCo):
+            self._impl.after_step(_trainable(model))
+        else:
+            self._impl.average_parameters(iter(_trainable(model)))
+
+
+def _trainable(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
