@@ -182,8 +182,8 @@ def int8_hook(state, bucket):  # no annotations: torch checks them against dist.
 
 
 def comm_hook(preset: Any) -> tuple[Any, Any]:
-    """The hook and state for the ddp family's communication-efficient settings, or (None, None)
-    (fp16, bf16 and PowerSGD are each backend's own)."""
+    """The hook and state for the ddp family's compressing and relaxed settings (PowerSGD,
+    top-k, int8, local SGD, DiLoCo), or (None, None) (fp16 and bf16 are each backend's own)."""
     if preset.sync != "every_step":
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pl
 
@@ -192,11 +192,37 @@ def comm_hook(preset: Any) -> tuple[Any, Any]:
                                      start_localSGD_iter=preset.start_step,
                                      post_local_gradient_allreduce=False)
         return pl.post_localSGD_hook, state
+    if preset.comm_hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=preset.powersgd_rank,
+                                 start_powerSGD_iter=preset.powersgd_warmup_steps)
+        return one_bucket_at_a_time(ps.powerSGD_hook), state
     if preset.comm_hook == "topk":
         return topk_hook, TopKState(preset.topk_ratio, preset.start_step)
     if preset.comm_hook == "int8":
         return int8_hook, Int8State(preset.start_step)
     return None, None
+
+
+def one_bucket_at_a_time(hook: Any) -> Any:
+    """``hook`` with each bucket's collectives issued only after the previous bucket's are done,
+    on gloo. PowerSGD issues its second and third all-reduce of a bucket from its futures'
+    callbacks, which gloo runs on its own threads: with several buckets (gpt_small: 2) the
+    buckets' chains interleave in a different order on each rank -- a collective mismatch ("Received
+    data size doesn't match expected size", SIGABRT) at its first compressed step. NCCL orders them
+    on its stream; gloo gets the order DDP launches the buckets in, the same on every rank."""
+    pending: list[Any] = []
+
+    def ordered(state, bucket):  # no annotations: torch checks them against dist.GradBucket
+        if pending and dist.get_backend(state.process_group) == "gloo":
+            pending[0].wait()
+        fut = hook(state, bucket)
+        pending[:] = [fut]
+        return fut
+
+    ordered.__name__ = ordered.__qualname__ = getattr(hook, "__name__", "hook")
+    return ordered
 
 
 class DiLoCo:

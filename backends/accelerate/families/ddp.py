@@ -22,14 +22,12 @@ class DDP(Builder):
         from accelerate.utils import DistributedDataParallelKwargs
 
         p = self.preset
-        hook = {"none": Hook.NO, "fp16": Hook.FP16, "bf16": Hook.BF16, "powersgd": Hook.POWER_SGD,
-                "topk": Hook.NO, "int8": Hook.NO}  # ours: registered in repair
-        state = ({"matrix_approximation_rank": p.powersgd_rank,
-                  "start_powerSGD_iter": p.powersgd_warmup_steps} if p.comm_hook == "powersgd" else {})
+        hook = {"none": Hook.NO, "fp16": Hook.FP16, "bf16": Hook.BF16, "powersgd": Hook.NO,
+                "topk": Hook.NO, "int8": Hook.NO}  # ours (backends/common/ddp_comm.py): in repair
         return {"kwargs_handlers": [DistributedDataParallelKwargs(
             bucket_cap_mb=p.bucket_cap_mb, static_graph=p.static_graph,
             find_unused_parameters=p.find_unused_parameters, comm_hook=hook[p.comm_hook],
-            gradient_as_bucket_view=p.gradient_as_bucket_view, comm_state_option=state)]}
+            gradient_as_bucket_view=p.gradient_as_bucket_view)]}
 
     def repair(self, model: Any, optimizer: Any) -> None:
         hook, state = efficient_hook(self.preset)

@@ -19,21 +19,13 @@ from strategies.parallelize import parallelize
 
 def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:
     """torch's DDP communication hook and its state for ``strategy.comm_hook``."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if preset.comm_hook == "fp16":
         return default_hooks.fp16_compress_hook, None
     if preset.comm_hook == "bf16":
         return default_hooks.bf16_compress_hook, None
-    hook, state = efficient_hook(preset)  # top-k, int8, local SGD, DiLoCo
-    if hook is not None:
-        return hook, state
-    if preset.comm_hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None,
-                                            matrix_approximation_rank=preset.powersgd_rank,
-                                            start_powerSGD_iter=preset.powersgd_warmup_steps)
-        return powerSGD_hook.powerSGD_hook, state
-    return None, None
+    return efficient_hook(preset)  # PowerSGD, top-k, int8, local SGD, DiLoCo
 
 
 @builds(DDPConfig)
