@@ -364,3 +364,33 @@ def test_powersgd_with_several_buckets_keeps_the_collective_order(tmp_path, back
                       "trainer.max_steps=12", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                       f"backend={backend}", "cluster.accelerator=cpu", out=tmp_path / f"run{i}", timeout=300)
         assert len(run.losses) == 12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_local_sgd_on_two_nodes_averages_hierarchically_as_one_node_does(tmp_path, cached):
+    """Two torchrun "nodes" of one process each on loopback take torch's
+    HierarchicalModelAverager (within a node every step, the world every sync_every steps);
+    with one process per node that is the one-node PeriodicModelAverager's schedule, so the run
+    equals the local 2-process local_sgd run (SGD: a missed or extra average moves the losses).
+    start_step is a multiple of sync_every: torch's hierarchical averager counts its period from
+    step 0, the periodic one from the warm-up's end (with start_step=1 they differ from step 3)."""
+    import json
+    import os
+
+    import torch
+
+    from tests.test_launch import _free_port, _node_command, _nodes
+
+    common = (*SGD, "strategy=local_sgd", "strategy.sync_every=2", "strategy.start_step=2",
+              "trainer.micro_batch_size=4")
+    local = cached(*common, "cluster.devices=2")
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs, logs = _nodes(_node_command(*common, port=port), (tmp_path, tmp_path), env)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    run = next((tmp_path / "outputs").iterdir())
+    report = json.loads((run / "report.json").read_text())
+    assert report["config"]["cluster"]["nodes"] == 2
+    assert_losses_close(local.losses, report["losses"], rtol=1e-6)
+    assert_params_close(local.params(), torch.load(run / "params.pt"), rtol=1e-6)

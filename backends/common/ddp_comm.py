@@ -280,6 +280,9 @@ class Synchronizer:
             HierarchicalModelAverager,
         )
 
+        # (torch's two averagers count differently: the periodic one averages when (step -
+        # start_step) % H == 0, the hierarchical one when step % H == 0 -- the same steps when
+        # start_step is a multiple of H, which the presets' defaults (10 and 8) are not)
         if self.nodes > 1 and p.sync_every > 1:
             periods = OrderedDict([(1, self.devices), (p.sync_every, dist.get_world_size())])
             return HierarchicalModelAverager(periods, warmup_steps=p.start_step)
