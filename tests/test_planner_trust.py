@@ -5,7 +5,6 @@ plan.py shows, never lossy compression on a tie."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
