@@ -146,7 +146,11 @@ def transformers_bars() -> None:
 def deepspeed_prints() -> None:
     """DeepSpeed's torch backend prints ``DeepSpeed <op> built successfully`` on every rank when it
     loads its shared-memory op: that line is dropped, anything else it prints passes."""
-    import deepspeed.comm.torch as ds_torch
+    import importlib
+
+    # (not ``import deepspeed.comm.torch as ...``: that reads the attribute ``torch`` of
+    # deepspeed.comm, which is the torch package itself once deepspeed.comm's star import ran)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
 
     build = ds_torch.build_shm_op
     if getattr(build, "_quiet", False):

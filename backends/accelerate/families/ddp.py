@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from backends.accelerate.families import Builder, builds
-from backends.common.ddp_comm import Synchronizer
-from backends.common.ddp_comm import comm_hook as efficient_hook
 from strategies.families.ddp import DDPConfig
 
 
@@ -30,7 +28,9 @@ class DDP(Builder):
             gradient_as_bucket_view=p.gradient_as_bucket_view)]}
 
     def repair(self, model: Any, optimizer: Any) -> None:
-        hook, state = efficient_hook(self.preset)
+        from backends.common.ddp_comm import Synchronizer, comm_hook  # (torch: not at export.py's import)
+
+        hook, state = comm_hook(self.preset)
         if hook is not None and hasattr(model, "register_comm_hook"):  # DDP-wrapped (world > 1)
             model.register_comm_hook(state, hook)
         self.sync = Synchronizer(self.preset, nodes=self.run.mesh.nodes, devices=self.run.mesh.devices)
