@@ -44,7 +44,14 @@ def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (token cross entropy)")
-    ax.set_title("loss")
+    _save(fig, ax, "loss", path)
+
+
+def _save(fig: Any, ax: Any, title: str, path: Path) -> None:
+    """Title, legend, write and close: how every plot here ends."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -69,11 +76,7 @@ def memory_plot(memory: dict[str, Any], path: Path) -> None:
         ax.bar([b[0] for b in bars], values, bottom=bottom, label=cat)
         bottom = [x + v for x, v in zip(bottom, values)]
     ax.set_ylabel("MiB")
-    ax.set_title("memory held per rank")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, ax, "memory held per rank", path)
 
 
 def communication_plot(by_group: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
