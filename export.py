@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
             "export=null: choose what to write: export=accelerate (an accelerate launch config "
             "YAML) or export=deepspeed (the DeepSpeed JSON)")))
     job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
-    from backends.accelerate.export import accelerate_config, deepspeed_config
+    from backends.accelerate.export import deepspeed_config
     from observers.files import atomic_write_text
 
     stem = f"{job.strategy.name}-{job.cluster.name}"
@@ -54,12 +54,12 @@ def main(argv: list[str]) -> None:
         atomic_write_text(ds_file, json.dumps(deepspeed_config(job), indent=2) + "\n")
         written.append(ds_file)
     if kind == "accelerate":
-        import yaml
+        from backends.accelerate.export import accelerate_yaml, node_instructions
 
-        text = yaml.safe_dump(accelerate_config(job, str(ds_file.resolve()) if ds_file else None),
-                              sort_keys=False)
-        atomic_write_text(out, text)
+        atomic_write_text(out, accelerate_yaml(job, str(out), str(ds_file.resolve()) if ds_file else None))
         written.append(out)
+        for line in node_instructions(job, str(out)):  # (stderr: stdout is the list of files)
+            print(line, file=sys.stderr)
     for path in written:
         print(path)
 

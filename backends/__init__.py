@@ -41,6 +41,9 @@ class Backend(Protocol):
     def fit(self, built: Any) -> Outcome:
         """Train (starting the ranks if the engine does), export what the job asks for."""
 
+    # optional: ``load_engine()`` imports the engine (``get`` calls it, so the import is counted as
+    # import time in report.json's ``startup``, wherever it happens)
+
 
 def names() -> list[str]:
     """The backends: the stems of ``conf/backend/*.yaml``."""
@@ -58,7 +61,13 @@ def get(name: str) -> Backend:
     """The backend module named ``name`` (imported now; its engine with it)."""
     if name not in names():
         raise ConfigError(_unknown(name))
-    return importlib.import_module(f"backends.{name}")
+    from observers import startup
+
+    with startup.span("import"):  # (report.json's startup: the engine's import is import time)
+        module = importlib.import_module(f"backends.{name}")
+        if hasattr(module, "load_engine"):  # the engine itself, which the backend imports lazily
+            module.load_engine()
+    return module
 
 
 def check(job: Job) -> list[str]:
@@ -74,12 +83,16 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     import observers
     from backends.common import quiet
     from checkpoints.interrupt import Interrupted
+    from observers import startup
 
+    startup.adopt()  # a rank our launcher started continues its timeline (report.json's startup)
+    startup.mark("rendezvous")  # (starting the ranks)
     quiet.install()  # third-party console noise, filtered in one place (backends/common/quiet.py)
     backend = get(job.backend)
     ok = False
     try:
         built = backend.build(job, out, observers.build(job, out, plan))
+        startup.mark("model_build")  # (the engine's objects; the model itself where the engine builds it)
         outcome = backend.fit(built)
         ok = True
         return outcome

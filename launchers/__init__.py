@@ -6,6 +6,8 @@ trains one rank; a launcher decides where and how many (``cluster.launcher``).
 - ``torchrun``: the same on every node of a multi-node job, meeting at ``cluster.rdzv_endpoint``.
 - ``slurm``: a Hydra multirun through hydra-submitit-launcher, one Slurm task per rank (slurm.py).
 - ``sagemaker``: ``launch.py`` builds the SageMaker job; in the container, one node per instance.
+- ``ray``: the ranks as Ray Train workers on ``cluster.ray.address`` (ray.py; Ray imported there only).
+- ``k8s``: ``launch.py`` writes and applies a Kubeflow PyTorchJob (k8s.py); in a pod, torchrun.
 - already launched (``torchrun``, ``accelerate launch``, ``srun``): this process is a rank.
 - ``sweep.py``: a multirun's comparison report.
 """
@@ -32,8 +34,14 @@ def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
     rank this process is. A run stopped on a signal (every rank saved) raises ``Stopped``; under
     Slurm, the attempt ends without a result for submitit (the requeued attempt writes it)."""
     from backends.common import quiet
+    from observers import startup
 
+    startup.mark("checkpoint_load")  # (since the plan: which checkpoint, checked whole; startup)
     quiet.install()  # (this process too: it exports trainer.save_hf after the ranks)
+    if job.cluster.launcher == "ray" and not launched():  # the ranks are Ray Train workers
+        from launchers import ray
+
+        return ray.run(job, out, plan)
     if job.mesh.size > 1 and not launched():
         return run_local_ranks(job, out, plan)
     from backends import run as run_rank
@@ -46,6 +54,33 @@ def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
         if slurm.in_job():
             slurm.leave_without_result(str(e))
         raise Stopped(str(e), code) from None
+
+def outside_world_problems(nodes: int, devices: int) -> list[str]:
+    """Under torchrun or ``accelerate launch``: the job's world against the launcher's (nodes and
+    devices follow it unless set: conf/cluster/local.yaml); a mismatch would fail or hang in the
+    first collective, so it is one error before any."""
+    import os
+
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    if world == nodes * devices and local == devices:
+        return []
+    who = "accelerate launch" if any(k.startswith("ACCELERATE_") for k in os.environ) else "torchrun"
+    return [f"{who} started WORLD_SIZE={world} processes, LOCAL_WORLD_SIZE={local} per node, but "
+            f"cluster.nodes={nodes} x cluster.devices={devices}: leave cluster.nodes and "
+            f"cluster.devices unset (they follow {who}'s environment), or set them to "
+            f"cluster.nodes={max(world // max(local, 1), 1)} cluster.devices={local}, or start "
+            f"{who} with {devices} process(es) per node on {nodes} node(s)"]
+
+
+def accelerate_single_cpu_process() -> bool:
+    """``accelerate launch --cpu --num_processes N`` (N > 1) without mpirun: its simple launcher
+    starts this one process, with MASTER_ADDR set for the others it never starts."""
+    import os
+
+    return ("ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ
+            and "WORLD_SIZE" not in os.environ)
+
 
 ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
@@ -65,9 +100,22 @@ def check(job: Job) -> list[str]:
                     "cluster.rdzv_endpoint=10.0.0.1:29500"]
         return []
     if slurm.srun_task():
-        return slurm.world_problems(size)
+        return slurm.world_problems(size, c.devices)
     if launched():
-        return []
+        return outside_world_problems(c.nodes, c.devices)
+    if accelerate_single_cpu_process() and size == 1:
+        return ["`accelerate launch` was asked for more than one process but started this one alone "
+                "(on CPU it starts several only through mpirun, --mpirun_hostfile), and "
+                "cluster.devices=1: set cluster.devices=<N> (this process then starts the N ranks), or "
+                "start them with `accelerate launch --multi_gpu --num_processes <N> train.py ...` "
+                "(torchrun underneath; it runs on CPU too)"]
+    if c.launcher == "ray":
+        from launchers import ray
+
+        return ray.problems(c)
+    if c.launcher == "k8s":
+        return [f"cluster.launcher=k8s: the ranks start in the pods of a Kubeflow PyTorchJob; "
+                f"submit it with python launch.py cluster={c.name} ... (--dry-run to see it first)"]
     if c.launcher == "slurm" and size > 1:
         return [f"cluster.launcher=slurm: each of the {size} ranks is a Slurm task; submit with "
                 f"python train.py -m hydra/launcher=submitit_slurm cluster={c.name} ... (a sweep of "

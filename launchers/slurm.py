@@ -49,14 +49,17 @@ def export_torch_env() -> None:
         os.environ.setdefault(key, str(value))
 
 
-def world_problems(size: int) -> list[str]:
-    """The srun step against the job's world (a rank of a mismatched step would hang or fail)."""
+def world_problems(size: int, devices: int | None = None) -> list[str]:
+    """The srun step against the job's world (a rank of a mismatched step would hang or fail);
+    ``devices``: the job's ranks per node, against the step's tasks per node."""
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
-    if tasks == size:
+    nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    if tasks == size and (devices is None or tasks // nodes == devices):
         return []
-    return [f"srun started {tasks} task(s) but cluster.nodes x cluster.devices = {size}: start one "
-            "task per rank (srun --ntasks-per-node=<cluster.devices>), or set the cluster to the "
-            "allocation"]
+    return [f"srun started {tasks} task(s) on {nodes} node(s) but cluster.nodes x cluster.devices = "
+            f"{size}{'' if devices is None else f' ({devices} per node)'}: leave cluster.nodes and "
+            "cluster.devices unset under srun (they follow its SLURM_* environment), or start one "
+            "task per rank (srun --ntasks-per-node=<cluster.devices>)"]
 
 
 def in_job() -> bool:

@@ -1,6 +1,15 @@
 """A Hydra sweep (``train.py -m ...``) as a strategy comparison: every job leaves a status in its
 own directory, and after the last job the sweep directory gets ``sweep_report.md``,
-``sweep_report.json`` (``{"rows": [...]}``, one row per job) and ``sweep_report.png``.
+``sweep_report.json`` (``{"rows": [...], "pick": ...}``, one row per job), ``sweep_report.png``
+and ``sweep_losses.png`` (every job's loss curve on one axis). The rows put the median step time
+(first step excluded), the time to the first step and the peak memory beside the planner's
+prediction; the closing line (``pick``) names the job to choose and why: the fastest that fits
+with margin at the best final loss.
+
+Before anything is started or queued, every point is composed, validated and planned
+(``preflight``: ``SweepReport`` for a basic sweep, ``refuse`` for a launcher's batch): one
+report lists each point that cannot run -- its configuration errors, or "will not fit" -- and
+the sweep exits 2 starting nothing; ``+preflight=false`` skips it.
 
 A job of a sweep never ends the sweep: a run the planner predicts will not fit is *skipped*
 with the planner's reason (unless ``planner.enforce=false``), a run that fails is a row with its
@@ -17,8 +26,10 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +62,7 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
     ``SystemExit`` (a configuration error's exit 2) is a failed job like any other; Slurm's
     SIGTERM (a requeue) is not a result at all (slurm.leave_without_result)."""
     from launchers.local import Stopped
+    from observers import startup
 
     try:
         result = job()
@@ -72,6 +84,8 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
         log.error("job failed: %s\n%s", reason, traceback.format_exc())
         record(out, FAILED, f"{type(e).__name__}: {reason}")
         return None
+    finally:
+        startup.restart()  # the next job's start-up begins here (report.json's startup)
     record(out, OK)
     return result
 
@@ -102,6 +116,8 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         r["status"], r["reason"] = FAILED, "no report.json (the job did not finish)"
     config = job_dir / ".hydra" / "config.yaml"
     if config.exists():
+        import recipes.config  # noqa: F401  (the resolvers of its interpolations: ${launched:...})
+
         cfg = OmegaConf.load(config)
         r["strategy"] = cfg.strategy.name
         r["world_size"] = cfg.cluster.nodes * cfg.cluster.devices
@@ -110,6 +126,8 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         r["world_size"] = None
     plan = status.get("plan") or (report or {}).get("plan") or {}
     r["predicted_fits"] = plan.get("fits")
+    r["predicted_tight"] = plan.get("tight")
+    r["device_memory"] = plan.get("device_memory")
     if report is None:
         if plan.get("memory"):
             r["predicted_device_bytes"] = plan["memory"]["total"]
@@ -132,6 +150,9 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         "predicted_comm_bytes_per_step": pvm.get("communication", {}).get("predicted",
                                                                           plan.get("communication", {}).get("bytes_per_step")),
         "predicted_step_seconds": plan.get("step_seconds"),
+        # from the process's start to the end of the first optimizer step (observers/startup.py)
+        "first_step_seconds": (report.get("startup") or {}).get("total"),
+        "losses": report.get("losses"),
     })
     return r
 
@@ -160,8 +181,9 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-COLUMNS = ("job", "overrides", "status", "final loss", "tokens/s", "step s", "state MiB per rank",
-           "peak MiB per rank", "comm MiB/step", "predicted: fits", "state MiB", "comm MiB/step")
+COLUMNS = ("job", "overrides", "status", "final loss", "tokens/s", "step s (median)", "first step s",
+           "state MiB per rank", "peak MiB per rank", "comm MiB/step", "predicted: fits", "step s",
+           "state MiB", "comm MiB/step")
 
 
 def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
@@ -177,14 +199,53 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
         lines.append("| " + " | ".join([
             r["job"], " ".join(f"`{o}`" for o in r["overrides"] if o not in common) or "-", r["status"],
             _num(r.get("final_loss"), ".4f"), _num(r.get("tokens_per_second"), ",.0f"),
-            _num(r.get("step_seconds"), ".3f"), _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
-            _mib(r.get("comm_bytes_per_step")), fits, _mib(r.get("predicted_state_bytes")),
-            _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
+            _num(r.get("step_seconds"), ".3g"), _num(r.get("first_step_seconds"), ".1f"),
+            _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
+            _mib(r.get("comm_bytes_per_step")), fits, _num(r.get("predicted_step_seconds"), ".3g"),
+            _mib(r.get("predicted_state_bytes")), _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
     notes = [r for r in rows if r["status"] != OK]
     if notes:
         lines += ["", "## Not run or failed", ""]
         lines += [f"- job {r['job']} ({r['status']}): {_one_line(r.get('reason'))}" for r in notes]
+    if any(r.get("losses") for r in rows):
+        lines += ["", "![the loss of every job](sweep_losses.png)"]
+    lines += ["", pick(rows, common)]
     return "\n".join(lines) + "\n"
+
+
+LOSS_TOLERANCE = 0.01
+"""Final losses within this fraction of the best count as equal when picking."""
+
+
+def pick(rows: list[dict[str, Any]], common: set[str] = frozenset()) -> str:
+    """The closing line: the job to choose and why -- the fastest median step among the jobs that
+    finished, reach the best final loss (within ``LOSS_TOLERANCE``) and fit with margin (the
+    planner's verdict not tight, the measured peak under the device's memory); a tight or lossy
+    job only when nothing else qualifies, and saying so."""
+    done = [r for r in rows if r["status"] == OK and r.get("final_loss") is not None
+            and r.get("step_seconds")]
+    if not done:
+        return "pick: none -- no job finished with a measured step time"
+    best_loss = min(r["final_loss"] for r in done)
+    equal = [r for r in done if r["final_loss"] <= best_loss + LOSS_TOLERANCE * abs(best_loss)]
+
+    def margin(r: dict[str, Any]) -> bool:
+        peak, device = max(r.get("peak_memory_per_rank") or [0], default=0), r.get("device_memory")
+        return r.get("predicted_fits") is not False and not r.get("predicted_tight") \
+            and not (device and peak and peak > device)
+
+    roomy = [r for r in equal if margin(r)]
+    best = min(roomy or equal, key=lambda r: r["step_seconds"])
+    what = " ".join(f"`{o}`" for o in best["overrides"] if o not in common) or best["strategy"]
+    why = (f"the fastest median step ({best['step_seconds']:.3g} s, first step excluded) among the "
+           f"{len(roomy or equal)} job(s) that"
+           + (" fit with margin and" if roomy else " (none fits with margin: this one is tight) and")
+           + f" reach the best final loss within {LOSS_TOLERANCE:.0%} ({best['final_loss']:.4f}; "
+           f"best {best_loss:.4f})")
+    left = [r for r in done if r not in equal]
+    if left:
+        why += "; " + ", ".join(f"job {r['job']} ended higher ({r['final_loss']:.4f})" for r in left)
+    return f"pick: job {best['job']} ({what}): {why}"
 
 
 def _one_line(text: str | None) -> str:
@@ -245,10 +306,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def write(sweep: Path) -> list[dict[str, Any]]:
     """The sweep report files for the jobs found under ``sweep``; returns the rows."""
     rows = collect(sweep)
-    atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows}, indent=1, default=str))
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
+    atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows, "pick": pick(rows, common)},
+                                                              indent=1, default=str))
     atomic_write_text(sweep / "sweep_report.md", markdown(rows, sweep))
     if rows:
         plot(rows, sweep / "sweep_report.png")
+    curves = {f"{r['job']}: " + (" ".join(o for o in r["overrides"] if o not in common) or r["strategy"]):
+              r["losses"] for r in rows if r.get("losses")}
+    if curves:
+        from observers.plots import losses_overlay
+
+        losses_overlay(curves, sweep / "sweep_losses.png")
     return rows
 
 
@@ -265,22 +334,119 @@ def points(config: DictConfig) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def preflight(config: DictConfig) -> list[tuple[list[str], list[str]]]:
-    """Every point of the sweep composed and validated as its job will be (torch-free, before
-    anything is started or queued): (point, its problems) for the invalid ones."""
-    from recipes.config import compose
+@dataclass
+class Point:
+    """One point of a sweep as preflight found it."""
+
+    overrides: list[str]
+    problems: list[str] = field(default_factory=list)
+    """Why it cannot run: its configuration errors, or the planner's "will not fit"."""
+    plan: str | None = None
+    """The planner's one line for a point that validated (or why it will not fit)."""
+    fits: bool | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Preflight:
+    """Every point of a sweep composed, validated and planned before anything starts."""
+
+    points: list[Point]
+    seconds: float = 0.0
+
+    @property
+    def bad(self) -> list[Point]:
+        return [p for p in self.points if p.problems]
+
+    def table(self) -> str:
+        """One line per point (its overrides that differ from the others'), then its problems."""
+        common = set.intersection(*(set(p.overrides) for p in self.points)) if self.points else set()
+        lines = []
+        for i, p in enumerate(self.points):
+            mine = " ".join(o for o in p.overrides if o not in common) or "(the base config)"
+            verdict = ("will not fit" if p.fits is False and p.problems else
+                       "invalid" if p.problems else "ok")
+            lines.append(f"  {i:>3}  {verdict:<12}  {mine}")
+            lines += [f"         - {x}" for x in p.problems]
+            if not p.problems and p.plan:
+                lines.append(f"         {p.plan}")
+        return "\n".join(lines)
+
+    def message(self, started: str = "started") -> str:
+        head = (f"preflight: {len(self.bad)} of the sweep's {len(self.points)} jobs cannot run; "
+                f"nothing was {started} (+preflight=false skips this check):" if self.bad else
+                f"preflight: all {len(self.points)} jobs of the sweep compose, validate and plan "
+                f"({self.seconds:.1f} s):")
+        return head + "\n" + self.table()
+
+
+def check_point(overrides: Sequence[str]) -> Point:
+    """One point composed, chosen (strategy=auto), validated at RUN depth and planned, as its job
+    will be (torch-free: the backend's own refusals and the resume check come at the job's start)."""
+    import planner
+    from recipes.config import compose, describe
     from recipes.job import RUN, validate
     from strategies import ConfigError
 
-    bad = []
-    for point in points(config) or []:
-        try:
-            validate(compose(point), depth=RUN)
-        except ConfigError as e:
-            bad.append((point, e.problems))
-        except Exception as e:  # noqa: BLE001  (Hydra refuses to compose it)
-            bad.append((point, [str(e).splitlines()[0]]))
-    return bad
+    t0 = time.perf_counter()
+    point = Point(list(overrides))
+    try:
+        cfg = compose(point.overrides)
+        cfg, _ = planner.resolve_auto(cfg, describe(cfg.model))
+        job = validate(cfg, depth=RUN)
+        result = planner.check(cfg, job.model)
+        point.fits, point.plan = result.fits, result.summary()
+    except WillNotFit as e:
+        point.fits, point.plan = False, str(e)
+        point.problems = [f"will not fit: {e}"]
+    except ConfigError as e:
+        point.problems = list(e.problems)
+    except Exception as e:  # noqa: BLE001  (Hydra refuses to compose it: an unknown key or option)
+        point.problems = [" ".join(str(e).split())[:600] or type(e).__name__]
+    point.seconds = time.perf_counter() - t0
+    return point
+
+
+def preflight(points: Sequence[Sequence[str]]) -> Preflight:
+    """Every point of a sweep (its override lists, as the launcher gets them) composed, validated
+    and planned before anything is started or queued; ``.bad`` are the points that cannot run and
+    ``.message()`` the report. Every launcher calls it: the local and Slurm sweeps through
+    ``SweepReport`` (all of a basic sweep's points at once), other launchers on the batch their
+    ``launch(job_overrides)`` receives (``refuse``)."""
+    t0 = time.perf_counter()
+    checked = [check_point(p) for p in points]
+    return Preflight(checked, time.perf_counter() - t0)
+
+
+_checked: set[tuple[str, ...]] = set()
+"""Points this process has preflighted already (a launcher's batch after SweepReport's sweep)."""
+
+
+def refuse(points: Sequence[Sequence[str]], config: DictConfig | None = None,
+           started: str = "started") -> Preflight | None:
+    """Preflight the points not checked yet in this process and exit 2 with the report when any
+    cannot run (before the caller starts or queues anything); ``config``: the sweep's, whose
+    ``preflight=false`` (``+preflight=false`` on the command line) skips the check. For launchers:
+    call it first thing in ``launch(job_overrides, ...)``."""
+    from recipes import cli
+
+    if config is not None and not enabled(config):
+        return None
+    todo = [list(p) for p in points if tuple(p) not in _checked]
+    if not todo:
+        return None
+    result = preflight(todo)
+    _checked.update(tuple(p) for p in todo)
+    if result.bad:
+        log.error("%s", result.message(started))
+        sys.exit(cli.CONFIG_ERROR)
+    log.info("%s", result.message(started))
+    return result
+
+
+def enabled(config: DictConfig) -> bool:
+    """The sweep's ``preflight`` key (``+preflight=false`` turns it off)."""
+    return bool(OmegaConf.select(config, "preflight", default=True))
 
 
 class SweepReport(Callback):
@@ -292,14 +458,13 @@ class SweepReport(Callback):
         from recipes import cli
 
         cli.started()  # (the sweep composed: from here a failure is not a configuration error)
-        bad = preflight(config)
-        if bad:
-            lines = [f"{len(bad)} of the sweep's jobs cannot run; nothing was started:"]
-            for point, found in bad:
-                lines.append(f"  {' '.join(point)}")
-                lines += [f"    - {p}" for p in found]
-            log.error("%s", "\n".join(lines))
-            sys.exit(cli.CONFIG_ERROR)
+        if not enabled(config):
+            log.warning("preflight=false: the sweep's points are checked only as each job starts")
+            return
+        jobs = points(config)
+        if jobs is not None:  # another sweeper: its launcher checks each batch (refuse)
+            queued = str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher")
+            refuse(jobs, started="queued" if queued else "started")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
@@ -307,5 +472,6 @@ class SweepReport(Callback):
         counts = {s: sum(r["status"] == s for r in rows) for s in (OK, SKIPPED, FAILED)}
         log.info("sweep report: %s (%d ok, %d skipped, %d failed)", sweep / "sweep_report.md",
                  counts[OK], counts[SKIPPED], counts[FAILED])
+        log.info("%s", json.loads((sweep / "sweep_report.json").read_text())["pick"])
         if counts[FAILED]:
             sys.exit(1)

@@ -1,7 +1,8 @@
 """Plots of the run, PNG in the run directory, drawn by rank 0 from the finished report:
 ``loss.png`` (the loss of every optimizer step, each validation's loss on it), ``memory.png``
 (bytes by category per rank, predicted beside) and ``communication.png`` (collective bytes per
-step by kind and group)."""
+step by kind and group); for a sweep, ``losses_overlay`` (every job's loss curve on one axis,
+launchers/sweep.py's ``sweep_losses.png``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,24 @@ def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (token cross entropy)")
     _save(fig, ax, "loss", path)
+
+
+def losses_overlay(curves: dict[str, list[float]], path: Path) -> None:
+    """Several runs' loss curves on one axis (a sweep: one line per job, labelled)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, marker="." if len(losses) < 30 else None,
+                label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (token cross entropy)")
+    _save(fig, ax, "loss of every job", path)
 
 
 def _save(fig: Any, ax: Any, title: str, path: Path) -> None:

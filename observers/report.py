@@ -94,15 +94,24 @@ def peak_memory(report: dict[str, Any]) -> str | None:
 
 def summary(report: dict[str, Any], path: Path | None = None) -> str:
     """The run in one line: steps, final loss, the last validation loss, tokens/s (global), peak
-    memory (the largest of any rank) and where the report is."""
+    memory (the largest of any rank), the start-up by its largest phases when it took longer than
+    the training (report key ``startup``, observers/startup.py) and where the report is."""
     parts = [f"done: {report['steps']} steps", f"final loss {report['final_loss']:.4f}"]
     if report.get("validation"):
         parts.append(f"val loss {report['validation'][-1]['loss']:.4f}")
     # the median step's (the throughput observer's) when measured: the first step's start-up aside
     rate = (report.get("throughput") or {}).get("tokens_per_second") or report.get("tokens_per_second", 0)
     parts.append(f"{rate:,.0f} tokens/s")
+    t = report.get("throughput") or {}
+    if t.get("mfu") is not None:
+        parts.append(f"MFU {t['mfu']:.1%} = {t['mfu_formula']}")
     if (peak := peak_memory(report)) is not None:
         parts.append(f"peak memory {peak}")
+    start, wall = report.get("startup"), report.get("wall_seconds")
+    if start and wall is not None and start["total"] > wall:  # the run was mostly its start
+        from observers.startup import line
+
+        parts.append(f"{line(start)} > training {wall:.1f} s")
     if path is not None:
         parts.append(f"report {path}")
     return ", ".join(parts)
@@ -114,5 +123,9 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
     from observers.compare import summary_lines
 
     table = report.get("predicted_vs_measured")
-    return (["predicted vs measured (rank 0):\n" + "\n".join(summary_lines(table))] if table else []) \
-        + [summary(report, path)]
+    lines = summary_lines(table) if table else []
+    planner = (report.get("config") or {}).get("planner") or {}
+    if table and "step_seconds" in table and not planner.get("calibrate", True):
+        lines.append(f"{'':>14} step_seconds from cluster.peak_tflops x planner.mfu, not this machine: "
+                     "planner.calibrate=true measures it")
+    return (["predicted vs measured:\n" + "\n".join(lines)] if lines else []) + [summary(report, path)]

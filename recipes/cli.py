@@ -23,9 +23,13 @@ _started = False
 
 
 def normalize(argv: list[str]) -> list[str]:
-    """``logger=null`` -> ``~logger`` for every config group (a folder of conf/)."""
+    """``logger=null`` -> ``~logger`` for every config group (a folder of conf/); the issue's
+    ``+preflight=false`` -> ``preflight=false`` (a key of the root schema, which Hydra's ``+``
+    would refuse to add again)."""
     out = []
     for arg in argv:
+        if arg.startswith("+preflight="):
+            arg = arg[1:]
         group, _, value = arg.partition("=")
         if value == "null" and "." not in group and (CONF_DIR / group).is_dir():
             arg = f"~{group}"
@@ -54,7 +58,10 @@ def started() -> None:
 
 
 def fail(error: Exception, log: logging.Logger) -> None:
-    """A configuration error found after composition: log it and exit 2."""
+    """A configuration error found after composition: log it and exit 2. Under an outside launcher
+    every rank finds the same error; rank 0 says it, the others exit quietly."""
+    if int(os.environ.get("RANK") or 0) != 0:
+        sys.exit(CONFIG_ERROR)
     log.error("%s", error)
     sys.exit(CONFIG_ERROR)
 
@@ -263,7 +270,7 @@ def suggestions(argv: list[str]) -> list[str]:
     return out
 
 
-def run(main: Callable[[], None], doc: str = "") -> None:
+def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | None = None) -> None:
     """Run a ``@hydra.main`` app. ``-h``/``--help`` prints our page (``help_page``), not Hydra's.
     Hydra reports a config that fails to compose (an unknown option or key, a wrong type) and
     exits 1; before the task function started, that is a configuration error like any other, so
@@ -272,6 +279,8 @@ def run(main: Callable[[], None], doc: str = "") -> None:
         print(help_page(doc))
         return
     sys.argv[1:] = normalize(sys.argv[1:])
+    if ready is not None:  # the script's imports are done; Hydra composes next (train.py: startup)
+        ready()
     try:
         main()
     except SystemExit as e:

@@ -189,7 +189,7 @@ def _unit_starts_no_process(request, monkeypatch):
 
 
 # --------------------------------------------------------------------- engines imported
-ENGINES = ("torch", "lightning", "accelerate", "deepspeed", "transformers", "wandb")
+ENGINES = ("torch", "lightning", "accelerate", "deepspeed", "transformers", "wandb", "ray", "kubernetes")
 _PROBE = """
 import atexit, runpy, sys
 def _report():

@@ -157,3 +157,38 @@ def test_export_refuses_a_bad_combination(tmp_path):
     assert proc.returncode == 2
     assert "export=deepspeed writes a DeepSpeed config, but strategy=fsdp" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.subprocess
+def test_exports_are_safe_at_scale(tmp_path):
+    """ZeRO-3 on 8 nodes of 8 GPUs: the YAML turns on zero3_init_flag (a script's from_pretrained
+    builds the model partitioned, not whole on every rank) and says, above its machine_rank: 0,
+    how each node passes its own rank and node 0's address (printed too); the offload JSON pins
+    host memory on a GPU cluster, not on CPU. Accelerate's own config class reads the YAML."""
+    proc = subprocess.run([sys.executable, str(ROOT / "export.py"), "strategy=zero3_offload",
+                           "cluster=slurm_8x8_h100", "export=accelerate"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ds_path, yaml_path = (tmp_path / p for p in proc.stdout.split())
+    text = yaml_path.read_text()
+    above = text.split("machine_rank: 0")[0]
+    assert "--machine_rank <0..7, this node's>" in above and "--main_process_ip <node 0's address>" in above
+    assert "--machine_rank <0..7, this node's>" in proc.stderr and "$SLURM_NODEID" in proc.stderr
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    cfg = load_config_from_file(str(yaml_path))
+    assert isinstance(cfg, ClusterConfig)
+    assert (cfg.num_machines, cfg.num_processes, cfg.machine_rank, cfg.main_process_port) == (8, 64, 0, 29500)
+    assert cfg.deepspeed_config == {"deepspeed_config_file": str(ds_path.resolve()), "zero3_init_flag": True}
+    zero = json.loads(ds_path.read_text())["zero_optimization"]
+    assert zero["offload_optimizer"]["pin_memory"] is True and zero["offload_param"]["pin_memory"] is True
+    # one node, ZeRO-2, CPU: no per-node instructions, no ZeRO-3 init, nothing pinned
+    proc = subprocess.run([sys.executable, str(ROOT / "export.py"), "strategy=zero2_offload", *TINY, *TWO,
+                           "export=accelerate"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ds_path, yaml_path = (tmp_path / p for p in proc.stdout.split())
+    cfg = load_config_from_file(str(yaml_path))
+    assert cfg.num_machines == 1 and cfg.deepspeed_config["zero3_init_flag"] is False
+    assert "--machine_rank" not in yaml_path.read_text() + proc.stderr
+    assert json.loads(ds_path.read_text())["zero_optimization"]["offload_optimizer"]["pin_memory"] is False

@@ -65,7 +65,7 @@ def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     t0 = time.perf_counter()
     single = run_cli("train.py", *TINY, *steps, "strategy=ddp", out=tmp_path / "single")
     one = time.perf_counter() - t0
-    _, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
+    run, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
     print(f"single 2-process run {one:.1f}s; sweep of 3 {elapsed:.1f}s")
     assert elapsed < 3 * one * 1.25, f"sweep {elapsed:.1f}s vs 3 x {one:.1f}s"
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
@@ -86,17 +86,29 @@ def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     md = (sweep / "sweep_report.md").read_text()
     assert all(f"`strategy={s}`" in md for s in ("ddp", "fsdp", "zero2"))
     assert (sweep / "sweep_report.png").read_bytes()[:4] == b"\x89PNG"
+    # what helps choose: median step (first excluded) and the time to the first step, measured,
+    # beside the predicted step; every loss curve on one plot; a closing line naming the pick
+    for r, rep in zip(rows, reports):
+        assert r["step_seconds"] == rep["throughput"]["step_seconds"] > 0
+        assert r["first_step_seconds"] == rep["startup"]["total"] > r["step_seconds"]
+        assert r["predicted_step_seconds"] > 0 and r["losses"] == rep["losses"]
+    assert (sweep / "sweep_losses.png").read_bytes()[:4] == b"\x89PNG"
+    pick = json.loads((sweep / "sweep_report.json").read_text())["pick"]
+    fastest = min(rows, key=lambda r: r["step_seconds"])  # the three reach the same loss
+    assert pick.startswith(f"pick: job {fastest['job']} (`strategy={fastest['strategy']}`): the fastest"), pick
+    assert "fit with margin" in pick and md.rstrip().endswith(pick) and pick in run.log
 
 
 @pytest.mark.multiprocess
 def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
-    """Job by job: too little memory -> skipped with the planner's reason; a resume file that is
-    not a checkpoint -> failed at run time with its error; the other job runs; every job is a
-    row, and the sweep's exit code says a row failed."""
+    """Job by job (the preflight off: it would refuse the sweep): too little memory -> skipped
+    with the planner's reason; a resume file that is not a checkpoint -> failed at run time with
+    its error; the other job runs; every job is a row, and the sweep's exit code says a row
+    failed."""
     garbage = tmp_path / "not_a_checkpoint"  # a directory, so it passes the config check
     garbage.mkdir()
     (garbage / "junk").write_text("not a checkpoint")
-    run, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true",
+    run, sweep, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true", "+preflight=false",
                            "cluster.device_memory_GB=1e-6,24", f"trainer.resume_from=null,{garbage}",
                            check=False)
     assert run.proc.returncode == 1, run.log[-3000:]
@@ -303,6 +315,10 @@ def test_slurm_sweep_is_an_array_of_two_task_jobs(slurm, tmp_path, cached):
     assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
     assert_losses_close(local.losses, reports[0]["losses"], rtol=1e-6)
     assert_losses_close(local.losses, reports[1]["losses"], rtol=1e-5)
+    for r in reports:  # start-up by phase under srun too (from each task's own process start)
+        s = r["startup"]
+        assert s["seconds"]["rendezvous"] > 0 and s["seconds"]["model_build"] > 0 and s["seconds"]["first_step"] > 0
+        assert sum(s["seconds"].values()) == pytest.approx(s["total"], abs=1e-3) and s["first_step_at"]
     for j in ("0", "1"):  # two srun tasks per job, each a rank
         tasks = sorted(sweep.glob(f".submitit/*_{j}/*_{j}_*_log.out"))
         assert len(tasks) == 2, tasks
@@ -454,7 +470,7 @@ def test_every_point_of_a_sweep_is_checked_before_any_job_starts(tmp_path):
                   "trainer.global_batch_size=16,15", f"hydra.sweep.dir={sweep}", out=tmp_path / "x",
                   check=False, timeout=120)
     assert run.proc.returncode == 2, run.log[-3000:]
-    assert "1 of the sweep's jobs cannot run; nothing was started" in run.log
+    assert "preflight: 1 of the sweep's 2 jobs cannot run; nothing was started" in run.log
     assert "trainer.global_batch_size=15 is not divisible" in run.log
     assert not list(sweep.glob("*/report.json")) and "Initializing distributed" not in run.log
 
@@ -621,3 +637,133 @@ def test_what_this_slurm_cannot_run_is_refused_before_submission(slurm, tmp_path
                   timeout=60)
     _refused(run, *needles)
     assert not (tmp_path / "sweep" / ".submitit").exists()
+
+
+# --------------------------------------------------------------------------- sweep preflight
+@pytest.mark.subprocess
+def test_a_sweep_with_an_invalid_point_and_one_that_will_not_fit_starts_nothing(tmp_path):
+    """Six points, each composed, validated and planned before any job starts: a model without
+    layers (invalid) and one too large for the memory given (will not fit, planner.enforce=true)
+    are both in the one report, the four others marked ok; exit 2, no job directory, no rank."""
+    sweep = tmp_path / "sweep"
+    run = run_cli("train.py", "-m", *TINY, "strategy=ddp", "cluster.devices=2", "planner.enforce=true",
+                  "cluster.device_memory_GB=0.2", "model.n_layers=1,2,3,4,0,400",
+                  f"hydra.sweep.dir={sweep}", out=tmp_path / "x", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "preflight: 2 of the sweep's 6 jobs cannot run; nothing was started" in run.log, run.log[-3000:]
+    assert "invalid       model.n_layers=0" in run.log and "model.n_layers=0: must be >= 1" in run.log
+    assert "will not fit  model.n_layers=400" in run.log and "planner.enforce=false" in run.log
+    assert run.log.count(" ok ") >= 4 and "Traceback" not in run.log
+    assert not list(sweep.glob("*/.hydra")) and "Initializing distributed" not in run.log
+
+
+@pytest.mark.subprocess
+def test_preflight_false_skips_the_check_and_each_job_fails_on_its_own(tmp_path):
+    """``+preflight=false`` (the issue's spelling): the points are checked only as each job
+    starts -- here both fail their validation, each a failed row."""
+    sweep = tmp_path / "sweep"
+    run = run_cli("train.py", "-m", *TINY, "strategy=ddp", "cluster.devices=2", "+preflight=false",
+                  "trainer.global_batch_size=15,13", f"hydra.sweep.dir={sweep}", out=tmp_path / "x",
+                  check=False, timeout=120)
+    assert run.proc.returncode == 1, run.log[-3000:]
+    assert "preflight: " not in run.log and "preflight=false" in run.log
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["failed", "failed"], rows
+
+
+# --------------------------------------------------------------------------- outside launchers
+def _outside(cmd: list[str], out: Path, *overrides: str, timeout: float = 300
+             ) -> tuple[subprocess.CompletedProcess, float]:
+    """Run an outside launcher's command line (torchrun, accelerate launch) on a tiny train.py run;
+    returns the process and the time it was started (seconds since the epoch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    proc = subprocess.run([*cmd, str(ROOT / "train.py"), *TINY, "strategy=ddp", "trainer.max_steps=2",
+                           *overrides, f"hydra.run.dir={out}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return proc, t0
+
+
+def _assert_startup(report: dict, started: float, within: float = 0.05) -> None:
+    """Every phase reported, and together they are the time from the launch to the end of the
+    first step measured from outside (the test's clock at the launch; the run's at that end)."""
+    s = report["startup"]
+    assert set(s["seconds"]) == {"import", "config", "plan", "rendezvous", "model_build",
+                                 "checkpoint_load", "first_step"}, s
+    assert all(v >= 0 for v in s["seconds"].values()) and s["seconds"]["import"] > 0
+    assert s["seconds"]["rendezvous"] > 0 and s["seconds"]["model_build"] > 0 and s["seconds"]["first_step"] > 0
+    measured = s["first_step_at"] - started
+    assert sum(s["seconds"].values()) == pytest.approx(s["total"], abs=1e-3)
+    assert s["total"] == pytest.approx(measured, rel=within), (s, measured)
+
+
+@pytest.mark.multiprocess
+def test_under_torchrun_the_world_comes_from_its_environment(tmp_path):
+    """``torchrun --nproc-per-node 2 train.py strategy=ddp`` (no cluster.devices): a 2-rank job
+    (it was Lightning's ValueError); its start-up by phase adds up to the time to the first step.
+    cluster.devices=1 against torchrun's 2 is one error before any collective, from rank 0."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    proc, t0 = _outside([*torchrun, "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"], tmp_path / "ok")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    report = json.loads((tmp_path / "ok" / "report.json").read_text())
+    assert report["world_size"] == 2 and [m["rank"] for m in report["memory"]["ranks"]] == [0, 1]
+    _assert_startup(report, t0)
+    proc, _ = _outside([*torchrun, "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"], tmp_path / "bad",
+                       "cluster.devices=1", timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "ValueError" not in log, log[-4000:]
+    said = "torchrun started WORLD_SIZE=2 processes, LOCAL_WORLD_SIZE=2 per node, but cluster.nodes=1 x cluster.devices=1"
+    assert log.count(said) == 1, log[-4000:]
+    assert "Initializing distributed" not in log and not (tmp_path / "bad" / "report.json").exists()
+
+
+@pytest.mark.subprocess
+def test_accelerate_launch_cpu_without_a_world_is_one_clear_error():
+    """``accelerate launch --num_processes 2 --cpu train.py strategy=ddp``: Accelerate's CPU
+    launcher starts this one process without a world size (several only through mpirun); the
+    run says so and how to get two ranks, before any process group (it was "the preset needs NO
+    on 1" from inside the Accelerate backend)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
+                           "--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+                           "no", str(ROOT / "train.py"), *TINY, "strategy=ddp", "backend=accelerate",
+                           "hydra.run.dir=/tmp/never"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180, stdin=subprocess.DEVNULL)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert log.count("`accelerate launch` was asked for more than one process but started this one") == 1, log[-3000:]
+    assert "cluster.devices=<N>" in log and "--multi_gpu --num_processes <N>" in log
+    assert "the preset needs" not in log and "Initializing distributed" not in log
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_accelerate_launch_multi_process_sets_the_world_for_the_accelerate_backend(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath, on CPU here) and no
+    cluster.devices: the Accelerate backend trains 2 ranks, its start-up by phase adding up."""
+    proc, t0 = _outside([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                         "--dynamo_backend", "no", "--main_process_port", str(_free_port())],
+                        tmp_path / "run", "backend=accelerate")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["world_size"] == 2 and report["engine"]["distributed_type"] == "MULTI_CPU"
+    _assert_startup(report, t0)
+
+
+# --------------------------------------------------------------------------- start-up by phase
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["lightning", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_startup_phases_add_up_to_the_time_to_the_first_step(tmp_path, backend):
+    """A real 2-rank run started by our launcher: report.json's ``startup`` names every phase, and
+    they sum to the time from the command's start to the end of the first step (measured from
+    outside) within 5%; the summary line shows the start-up, which took longer than training."""
+    out = tmp_path / "run"
+    t0 = time.time()
+    run = run_cli("train.py", *TINY, "strategy=ddp", "cluster.devices=2", "trainer.max_steps=2",
+                  f"backend={backend}", out=out)
+    _assert_startup(run.report, t0)
+    start, wall = run.report["startup"], run.report["wall_seconds"]
+    assert start["total"] > wall  # a 2-step run is mostly its start
+    assert f"start-up {start['total']:.1f} s (" in run.log and f"> training {wall:.1f} s" in run.log

@@ -35,6 +35,11 @@ class Built:
     observers: Observers
 
 
+def load_engine() -> None:
+    """Accelerate (with torch)."""
+    import accelerate  # noqa: F401
+
+
 def problems(job: Job) -> list[str]:
     from backends.accelerate import families
 

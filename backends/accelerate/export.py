@@ -41,19 +41,50 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
     }
     if w.nodes == 1:
         cfg["main_process_ip"] = "127.0.0.1"
+    else:  # node 0's address differs per job: each node passes it (node_instructions)
+        cfg["main_process_port"] = 29500
     if "deepspeed_plugin" in kwargs:
         if deepspeed_file is None:
             raise ValueError("a DeepSpeed preset's accelerate config points at its DeepSpeed JSON")
-        # precision lives in the JSON; Accelerate refuses it in both places
+        # precision lives in the JSON; Accelerate refuses it in both places. ZeRO-3: a script's
+        # from_pretrained builds the model partitioned (deepspeed.zero.Init) instead of whole on
+        # every rank (train.py builds under zero.Init itself and ignores the flag)
         return cfg | {"distributed_type": "DEEPSPEED",
                       "deepspeed_config": {"deepspeed_config_file": deepspeed_file,
-                                           "zero3_init_flag": False}}
+                                           "zero3_init_flag": job.strategy.stage == 3}}
     cfg["mixed_precision"] = MIXED[run.precision]
     if "fsdp_plugin" in kwargs:
         return cfg | {"distributed_type": "FSDP", "fsdp_config": _fsdp_section(kwargs["fsdp_plugin"])}
     # DDP: the launcher's multi-process path (also for CPU ranks: Accelerate's MULTI_CPU launch
     # starts one process); the preset's hooks and buckets are applied by train.py itself
     return cfg | {"distributed_type": "MULTI_GPU" if w.size > 1 else "NO"}
+
+
+def node_instructions(job: Job, path: str) -> list[str]:
+    """How each node of a multi-node job starts from the one YAML (it says node 0's rank): the
+    lines export.py prints and the YAML carries as a comment; none for one node."""
+    n = job.mesh.nodes
+    if n == 1:
+        return []
+    return [f"{n} nodes: run the same command on every node, each with its own rank and node 0's address:",
+            f"  accelerate launch --config_file {path} --machine_rank <0..{n - 1}, this node's> "
+            "--main_process_ip <node 0's address> --main_process_port 29500 train.py backend=accelerate "
+            "<the overrides you exported with>",
+            "  (the flags override the file's machine_rank: 0; under Slurm: --machine_rank $SLURM_NODEID "
+            "--main_process_ip $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))"]
+
+
+def accelerate_yaml(job: Job, path: str, deepspeed_file: str | None = None) -> str:
+    """``accelerate_config`` as the YAML file's text: a multi-node file says above
+    ``machine_rank`` how each node sets its own and node 0's address (``node_instructions``)."""
+    import yaml
+
+    text = yaml.safe_dump(accelerate_config(job, deepspeed_file), sort_keys=False)
+    notes = node_instructions(job, path)
+    if not notes:
+        return text
+    comment = "".join(f"# {line}\n" for line in notes)
+    return text.replace("machine_rank: 0\n", comment + "machine_rank: 0   # node 0's; each node passes its own\n", 1)
 
 
 def _offloads(plugin: Any) -> bool:

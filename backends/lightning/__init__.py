@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 
+def load_engine() -> None:
+    """Lightning, as this backend imports it (``torchmetrics_imports``)."""
+    from backends.lightning.torchmetrics_imports import import_lightning
+
+    import_lightning()
+
+
 def problems(job: Job) -> list[str]:
     from backends.lightning import families
 

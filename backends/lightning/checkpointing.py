@@ -19,6 +19,7 @@ import lightning as L
 import checkpoints
 from backends.lightning.bridge import LightningEngine
 from backends.lightning.module import MODEL_PREFIX
+from observers import startup
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -59,8 +60,10 @@ class Checkpointing(L.Callback):
         # one rank in the middle of a step): ours only set a flag. Lightning restores, at its
         # teardown, the handlers it found: ours, installed first by the backend.
         self.interrupt.install()
+        startup.mark("rendezvous")  # (Lightning's setup_environment: the process group)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        startup.mark("model_build")  # (configure_model, the strategy's wrapping, the optimizer)
         ckpt = checkpoints.start(self.job, self.out, rank=trainer.global_rank,
                                  world_size=trainer.world_size, device=trainer.strategy.root_device)
         if ckpt is not None:
@@ -68,6 +71,7 @@ class Checkpointing(L.Callback):
             self._saved = (ckpt.step, ckpt.path)
             self.observers.resume(LightningEngine(trainer), ckpt.step, ckpt.path, ckpt.history())
         self._checked = trainer.global_step
+        startup.mark("checkpoint_load")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -1,5 +1,6 @@
-"""hydra-submitit-launcher's Slurm launcher, with one change: a job that ends without a result is a
-failed row of the sweep, not the end of the sweep.
+"""hydra-submitit-launcher's Slurm launcher, with two changes: a job that ends without a result is a
+failed row of the sweep, not the end of the sweep; and no job is queued before every point of
+its batch passed the sweep's preflight (``launchers.sweep.refuse``).
 
 hydra-submitit-launcher 1.2 waits for each job's result in order and raises submitit's
 ``UncompletedJobError`` for a job that ended without one (``scancel``, the time limit, the
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 
 class SlurmLauncher(_SubmititSlurm):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from launchers.sweep import refuse
+
+        # every point of the batch composed, validated and planned before one is queued (a no-op
+        # for the points SweepReport checked already: all of a basic sweep's)
+        refuse(job_overrides, self.config, started="queued")
         with _failed_jobs_as_rows(Path(str(self.config.hydra.sweep.dir))):
             return super().launch(job_overrides, initial_job_idx)
 

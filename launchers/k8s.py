@@ -1,0 +1,146 @@
+"""Kubernetes: ``python launch.py cluster=k8s ...`` writes a Kubeflow ``PyTorchJob`` manifest and
+applies it with the ``kubernetes`` client (``pip install -e ".[k8s]"``); ``--dry-run`` prints it
+and needs neither the client nor a cluster.
+
+The job is one ``Master`` pod and ``cluster.nodes - 1`` ``Worker`` pods (the training operator
+accepts exactly one master and at least one worker when there are workers), each the container
+``pytorch`` of ``cluster.k8s.image`` running ``torchrun train.py <your overrides>
+hydra.run.dir=<run dir>`` in ``cluster.k8s.workdir``. ``spec.nprocPerNode`` is
+``cluster.devices``; the operator hands torchrun the rest through its ``PET_*`` variables (nodes,
+node rank, the master's address), so in a pod train.py is a rank torchrun started
+(``launchers.launched``). Each pod asks for ``cluster.devices`` of ``cluster.k8s.gpu_resource``
+(accelerator gpu), ``cluster.k8s.cpus`` and ``cluster.k8s.memory_GB``, and mounts
+``cluster.k8s.volume_claim`` (a ReadWriteMany claim every node sees) at ``mount_path``: the run
+directory <mount_path>/<job_name> (report.json, checkpoints) is on it, so it outlives the pods
+and a restarted pod resumes from it (``trainer.resume_from=auto``). With
+``cluster.max_restarts`` the job gets an ``elasticPolicy`` (c10d rendezvous, min = max = nodes,
+``maxRestarts``) and pods restart ``OnFailure``.
+
+The manifest is plain data (``manifest``); the ``kubernetes`` client is imported by ``apply``
+only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
+CONTAINER = "pytorch"  # the container name the training operator looks for
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def run_dir(k: Any) -> str:
+    """The run directory inside every pod (on the mounted claim)."""
+    return f"{k.mount_path.rstrip('/')}/{k.job_name}"
+
+
+def submission_problems(cluster: Any, overrides: list[str]) -> list[str]:
+    """What would make the job unacceptable to the operator or lose its results, before it is
+    written: the job's name, a claim for the run directory, absolute paths, a run directory of
+    the user's own."""
+    k, out = cluster.k8s, []
+    if not DNS1035.match(k.job_name):
+        out.append(f"cluster.k8s.job_name={k.job_name!r} is not a DNS-1035 label (the PyTorchJob's "
+                   "name: lowercase letters, digits and '-', starting with a letter, at most 63): "
+                   "set e.g. cluster.k8s.job_name=stratagem-run1")
+    if k.volume_claim is None:
+        out.append("cluster.k8s.volume_claim=null: the run directory (checkpoints, report.json) would "
+                   "vanish with the pods, and the nodes of a multi-node job must share it; set "
+                   "cluster.k8s.volume_claim=<a ReadWriteMany PersistentVolumeClaim in "
+                   f"namespace {k.namespace}>")
+    for key in ("mount_path", "workdir"):
+        if not str(getattr(k, key)).startswith("/"):
+            out.append(f"cluster.k8s.{key}={getattr(k, key)!r} is not an absolute path inside the "
+                       f"pods: set cluster.k8s.{key}=/<path>")
+    mine = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "hydra.run.dir"]
+    if mine:
+        out.append(f"{mine[0]}: in the pods the run directory is <cluster.k8s.mount_path>/"
+                   f"<cluster.k8s.job_name> ({run_dir(k)}); remove the override and set "
+                   "cluster.k8s.job_name instead")
+    return out
+
+
+def command(overrides: list[str], k: Any) -> list[str]:
+    """What every pod runs: torchrun (the operator's PET_* variables give it the nodes, this
+    node's rank and the master's address) over train.py with the overrides, each once."""
+    return ["torchrun", "train.py", *overrides, f"hydra.run.dir={run_dir(k)}"]
+
+
+def _pod(cluster: Any, overrides: list[str], gpu: bool) -> dict[str, Any]:
+    k = cluster.k8s
+    amounts = {"cpu": f"{k.cpus:g}", "memory": f"{k.memory_GB:g}G",
+               **({k.gpu_resource: str(cluster.devices)} if gpu else {})}
+    env = [{"name": "OMP_NUM_THREADS", "value": "1"}]
+    if cluster.max_restarts:  # restarted workers must not read the attempt before's peers (pytorch#135712)
+        env.append({"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"})
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if k.volume_claim is not None:
+        volumes.append({"name": "run", "persistentVolumeClaim": {"claimName": k.volume_claim}})
+        mounts.append({"name": "run", "mountPath": k.mount_path})
+    return {"spec": {"containers": [{
+        "name": CONTAINER,
+        "image": k.image,
+        "workingDir": k.workdir,
+        "command": command(overrides, k),
+        "env": env,
+        "resources": {"requests": dict(amounts), "limits": dict(amounts)},
+        "volumeMounts": mounts,
+    }], "volumes": volumes}}
+
+
+def manifest(cluster: Any, overrides: list[str], accelerator: str) -> dict[str, Any]:
+    """The PyTorchJob as plain data (what ``--dry-run`` prints and ``apply`` creates)."""
+    k, restarts = cluster.k8s, cluster.max_restarts
+    policy = "OnFailure" if restarts else "Never"
+    pod = _pod(cluster, overrides, accelerator == "gpu")
+    replicas = {"Master": {"replicas": 1, "restartPolicy": policy, "template": pod}}
+    if cluster.nodes > 1:
+        replicas["Worker"] = {"replicas": cluster.nodes - 1, "restartPolicy": policy, "template": pod}
+    spec: dict[str, Any] = {"nprocPerNode": str(cluster.devices), "pytorchReplicaSpecs": replicas,
+                            "runPolicy": {"cleanPodPolicy": "None",
+                                          **({"backoffLimit": restarts} if restarts else {})}}
+    if restarts and cluster.nodes > 1:  # (the operator wants a Worker replica with an elasticPolicy)
+        spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": cluster.nodes,
+                                 "maxReplicas": cluster.nodes, "maxRestarts": restarts}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+            "metadata": {"name": k.job_name, "namespace": k.namespace,
+                         "labels": {"app.kubernetes.io/created-by": "stratagem"}},
+            "spec": spec}
+
+
+def dry_run(job: dict[str, Any]) -> str:
+    """The manifest (JSON is YAML: ``kubectl apply -f`` takes it as printed) and each pod's command."""
+    lines = [f"Kubeflow {KIND} (kubectl apply -f <this JSON>):", json.dumps(job, indent=1), ""]
+    cmd = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+    lines.append(f"every pod runs ({job['spec']['nprocPerNode']} ranks each): {' '.join(cmd)}")
+    return "\n".join(lines)
+
+
+def apply(job: dict[str, Any]) -> str:
+    """Create the PyTorchJob in the cluster the kubeconfig (or the pod's service account) names;
+    its namespace/name."""
+    from kubernetes import client, config
+
+    try:
+        config.load_kube_config()
+    except Exception:  # noqa: BLE001  (inside a cluster: the service account)
+        config.load_incluster_config()
+    ns = job["metadata"]["namespace"]
+    client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+    return f"{ns}/{job['metadata']['name']}"
+
+
+def reachable() -> str | None:
+    """Why no cluster can be reached (None: a kubeconfig or an in-cluster service account)."""
+    import os
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    path = os.environ.get("KUBECONFIG", os.path.expanduser("~/.kube/config"))
+    if not any(os.path.isfile(p) for p in path.split(os.pathsep)):
+        return (f"no Kubernetes cluster configured (no kubeconfig at {path}, not in a pod): point "
+                "KUBECONFIG at one, or add --dry-run to print the manifest")
+    return None

@@ -1,0 +1,189 @@
+"""Start-up by phase: where the time from the process's start to the end of the first optimizer
+step goes (report key ``startup``).
+
+One timeline per process: each ``mark(phase)`` says that the time since the previous mark (the
+first: the process's start, read from ``/proc``) belonged to ``phase``, so the phases add up to
+the time to the first step by construction, and a phase may own several stretches (``import``:
+the entry point's modules, then the engine's inside the rank). The marks, in the order a run
+meets them:
+
+- ``import``: the interpreter and train.py's imports (``recipes.cli.run``'s ``ready``); the
+  engine's import wherever it happens (``backends.get``: a ``span``)
+- ``config``: Hydra's composition, strategy=auto's choice and validation (``train.py``)
+- ``plan``: the planner's check (``train.py``)
+- ``checkpoint_load``: which checkpoint to resume, checked whole (up to ``launchers.run``);
+  loading it into the model and optimizer (each backend)
+- ``rendezvous``: starting this node's ranks (our launcher; ``backends.run``) and joining the
+  process group (each backend: Lightning's ``setup_environment``, Accelerate's state)
+- ``model_build``: the engine's objects, the model, its wrapping and the optimizer
+- ``first_step``: the data loader's start and the first optimizer step (the ``StartupTimes``
+  observer)
+
+A rank started by our launcher continues its parent's timeline (inherited when forked, handed
+over in the environment, ``ENV``, when spawned); a rank of torchrun or ``accelerate launch``
+starts at its agent's start (the command's: the agent's own start-up and rendezvous until the
+rank's process starts count as ``rendezvous``), a task of srun at its own process's start. In a sweep run in one process, each job after the
+first starts at the end of the job before (``restart``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from observers.base import Engine, Observer
+
+PHASES = ("import", "config", "plan", "rendezvous", "model_build", "checkpoint_load", "first_step")
+T = TypeVar("T")
+ENV = "STRATAGEM_STARTUP"
+"""A spawned rank's inherited timeline: JSON ``{"pid", "start", "marks"}`` of its launcher."""
+
+
+def _now() -> float:
+    """The clock of the timeline: CLOCK_BOOTTIME, the clock of /proc's process start times (one
+    clock for every process of the machine)."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(clock) if clock is not None else time.monotonic()
+
+
+def _process_start(pid: int | str = "self") -> float | None:
+    """When a process started, on ``_now``'s clock (Linux: ``/proc/<pid>/stat``, field 22, in clock
+    ticks since boot); None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _initial() -> tuple[float, list[tuple[str, float]]]:
+    """The timeline's start: this process's; for a first-attempt rank of torchrun (or ``accelerate
+    launch``, which runs torchrun in its own process), its agent's -- the command the user ran --
+    with the agent's start-up and rendezvous until this process started as ``rendezvous``."""
+    own = _process_start() or _now()
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
+            and ENV not in env:
+        agent = _process_start(os.getppid())
+        if agent is not None and agent <= own:
+            return agent, [("rendezvous", own)]
+    return own, []
+
+
+_start, _marks = _initial()
+_spans: list[tuple[str, float, float]] = []
+
+
+def mark(phase: str) -> None:
+    """The time since the previous mark belonged to ``phase``."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown start-up phase {phase!r} (one of {PHASES})")
+    _marks.append((phase, _now()))
+
+
+def marked(phase: str) -> bool:
+    return any(p == phase for p, _ in _marks)
+
+
+def timed(phase: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, then ``mark(phase)``. A process that marked no import before (a
+    submitit task: unpickled, its config composed by the submitting process) marks it first."""
+    if not marked("import"):
+        mark("import")
+    result = fn(*args, **kwargs)
+    mark(phase)
+    return result
+
+
+@contextlib.contextmanager
+def span(phase: str) -> Iterator[None]:
+    """The block's time belongs to ``phase``, whatever the marks around it say (the engine's
+    import, wherever it happens)."""
+    t0 = _now()
+    try:
+        yield
+    finally:
+        _spans.append((phase, t0, _now()))
+
+
+def restart() -> None:
+    """A new job in this process (the next job of a sweep): its timeline starts now, with its
+    modules imported already."""
+    global _start, _marks, _spans
+    _start = _now()
+    _marks, _spans = [("import", _start)], []
+
+
+def hand_over() -> None:
+    """Put this process's timeline in the environment the ranks it starts inherit (``adopt``)."""
+    os.environ[ENV] = json.dumps({"pid": os.getpid(), "start": _start, "marks": _marks, "spans": _spans})
+
+
+def take_back() -> None:
+    os.environ.pop(ENV, None)
+
+
+def adopt() -> None:
+    """In a rank our launcher started: continue the launcher's timeline (a forked rank has it
+    already; a spawned one reads it from the environment)."""
+    global _start, _marks, _spans
+    raw = os.environ.get(ENV)
+    if not raw:
+        return
+    try:
+        handed = json.loads(raw)
+    except ValueError:
+        return
+    if handed.get("pid") == os.getpid():
+        return
+    _start, _marks = float(handed["start"]), [(str(p), float(t)) for p, t in handed["marks"]]
+    _spans = [(str(p), float(a), float(b)) for p, a, b in handed.get("spans", [])]
+
+
+def report() -> dict[str, Any]:
+    """``{"seconds": {phase: s}, "total": s, "first_step_at": epoch s}`` up to the first step's
+    end (before it: up to now, ``first_step_at`` None)."""
+    seconds = dict.fromkeys(PHASES, 0.0)
+    prev, end = _start, None
+    for phase, t in _marks:
+        inside = 0.0  # the spans' time within this stretch is theirs
+        for name, a, b in _spans:
+            overlap = max(min(b, t) - max(a, prev), 0.0)
+            seconds[name] += overlap
+            inside += overlap
+        seconds[phase] += max(t - prev - inside, 0.0)
+        prev = t
+        if phase == "first_step":
+            end = t
+            break
+    epoch = time.time() - _now()  # this clock's zero, in seconds since the epoch
+    return {"seconds": {k: round(v, 4) for k, v in seconds.items()}, "total": round(prev - _start, 4),
+            "started_at": round(epoch + _start, 3),
+            "first_step_at": None if end is None else round(epoch + end, 3)}
+
+
+def line(startup: dict[str, Any], top: int = 3) -> str:
+    """``start-up 12.3 s (model_build 5.1 s, import 4.0 s, rendezvous 2.2 s)``: the largest phases."""
+    biggest = sorted(startup["seconds"].items(), key=lambda kv: -kv[1])[:top]
+    return (f"start-up {startup['total']:.1f} s ("
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in biggest if v > 0) + ")")
+
+
+class StartupTimes(Observer):
+    """Marks the end of the first optimizer step of this attempt and reports the timeline."""
+
+    def __init__(self) -> None:
+        self._done = False
+
+    def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
+        if not self._done:
+            self._done = True
+            mark("first_step")
+
+    def report(self) -> dict[str, Any]:
+        return {"startup": report()}

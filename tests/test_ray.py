@@ -1,0 +1,205 @@
+"""cluster=ray: the ranks as Ray Train workers on a real Ray cluster on this machine (127.0.0.1).
+
+CI runs one case (ddp, with Ray started by the job itself, the default ``cluster.ray.address``);
+the rest (fsdp2, a killed worker, a restart from the checkpoint) run against a cluster started
+with ``ray start --head`` for the module (``pytest -m slow``). Every run is bounded by a timeout
+and each Ray instance is stopped by the test that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cases import EXACT, case
+from tests.conftest import (EQUIV, ROOT, TINY, assert_losses_close, assert_params_close, engines_loaded,
+                            run_cli)
+
+pytest.importorskip("ray.train", reason="pip install -e '.[ray]'")
+pytestmark = pytest.mark.timeout(600)
+
+# (a loopback test cluster: no token authentication)
+ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def _ray_run(tmp_path: Path, *overrides: str, name: str = "ray", timeout: float = 300, check: bool = True):
+    return run_cli("train.py", *TINY, "backend=lightning", *overrides, "cluster=ray", out=tmp_path / name,
+                   timeout=timeout, check=check, env=ENV)
+
+
+def _same_as_local(local, ray_run) -> None:
+    losses, params = EXACT
+    assert_losses_close(local.losses, ray_run.losses, rtol=losses)
+    assert_params_close(local.params(), ray_run.params(), rtol=params)
+
+
+@pytest.mark.unit
+def test_ray_is_imported_in_the_ray_launcher_only():
+    hits = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                  if not p.is_relative_to(ROOT / "tests") and ".venv" not in p.parts
+                  and re.search(r"^\s*(import ray\b|from ray\b)|import_module\([\"']ray", p.read_text(), re.M))
+    assert hits == ["launchers/ray.py"], hits
+
+
+@pytest.mark.unit
+def test_bad_ray_values_are_one_error_each():
+    import launchers
+    from recipes.config import compose
+    from recipes.job import validate
+    from strategies import ConfigError
+
+    base = ["cluster=ray", "strategy=ddp", "cluster.devices=2", "cluster.accelerator=cpu"]
+    for override, expected in [
+        ("cluster.ray.address=http://x", "cluster.ray.address='http://x' is not a Ray address; allowed: null"),
+        ("cluster.ray.cpus_per_worker=0", "cluster.ray.cpus_per_worker=0.0: must be > 0"),
+        ("cluster.nodes=2", "cluster.nodes=2 with cluster.ray.address=null: the Ray started for the job is "
+                            "this machine alone; set cluster.ray.address=<head>:6379")]:
+        extra = ["trainer.global_batch_size=32"] if override == "cluster.nodes=2" else []
+        with pytest.raises(ConfigError) as e:
+            validate(compose([*base, override, *extra]), extra=[launchers.check])
+        assert len(e.value.problems) == 1 and expected in e.value.problems[0], e.value.problems
+    for good in ("auto", "10.0.0.1:6379", "ray://head:10001"):
+        validate(compose([*base, f"cluster.ray.address={good}"]), extra=[launchers.check])
+
+
+@pytest.mark.subprocess
+def test_answers_about_a_ray_job_import_no_engine_and_no_ray(tmp_path):
+    argv = ("train.py", "--cfg", "job", "cluster=ray", "cluster.devices=2", "strategy=ddp")
+    proc, loaded = engines_loaded(*argv, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert loaded == [], f"{' '.join(argv)} imported {loaded}"
+
+
+@pytest.mark.multiprocess
+def test_ddp_on_ray_equals_the_local_run(cached, tmp_path):
+    """The default: Ray started for the job on this machine and stopped after it."""
+    local = cached(*EQUIV, *case("ddp"))
+    started = time.monotonic()
+    run = _ray_run(tmp_path, *EQUIV, *case("ddp"))
+    print(f"ray ddp run: {time.monotonic() - started:.1f} s")
+    assert "ray: 2 worker(s) on a Ray instance started here" in run.log
+    assert (tmp_path / "ray" / "checkpoints" / "step6").is_dir()  # where a local run puts them
+    assert run.report["world_size"] == 2
+    _same_as_local(local, run)
+
+
+# --------------------------------------------------------------------- a cluster of the module
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head():
+    """``ray start --head --block`` on 127.0.0.1 (its own temp dir); stopped by terminating that
+    process, which stops the cluster it started. Yields the address."""
+    port, tmp = _free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray_cli = Path(sys.executable).with_name("ray")
+    proc = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                             f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                             f"--temp-dir={tmp}", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert proc.poll() is None, "ray start --head failed"
+        time.sleep(0.5)
+    time.sleep(2)
+    try:
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset,backend", [("fsdp2", "lightning"), ("ddp", "accelerate")])
+def test_a_ray_cluster_trains_equal_to_the_local_run(cached, head, tmp_path, preset, backend):
+    local = cached(*EQUIV, *case(preset), f"backend={backend}")
+    run = _ray_run(tmp_path, *EQUIV, *case(preset), f"backend={backend}", f"cluster.ray.address={head}")
+    assert f"ray: 2 worker(s) on {head}" in run.log
+    _same_as_local(local, run)
+
+
+LONG = ("strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=4", "trainer.max_steps=300",
+        "trainer.global_batch_size=8", "trainer.lr=1e-3", "trainer.checkpoint_every=10",
+        "trainer.export_params=true", "cluster.collective_timeout=60")
+
+
+def _kill_rank_during(tmp_path: Path, head: str, rank: int, *overrides: str):
+    """Run train.py on the cluster; when the step-10 checkpoint is complete, SIGKILL the Ray
+    worker process of ``rank`` (its pid read from Ray's own start-up lines). Returns (the
+    process, its output, the seconds from the kill to its end, the killed pid)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "backend=lightning", "cluster=ray",
+           f"cluster.ray.address={head}", *LONG, *overrides, f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ENV},
+                            stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    killed, kill_time, deadline = None, None, time.monotonic() + 240
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and killed is None:
+            pids = [m.group(1) for ln in list(lines)
+                    for m in [re.search(rf"\(ip=[^,]*, pid=(\d+)\) world_rank={rank},", ln)] if m]
+            if pids and (out / "checkpoints" / "step10" / "COMPLETE").exists():
+                killed, kill_time = int(pids[-1]), time.monotonic()
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.1)
+        assert killed is not None, "never reached the step-10 checkpoint:\n" + "".join(lines)[-4000:]
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    reader.join(timeout=10)
+    return proc, "".join(lines), time.monotonic() - kill_time, killed
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_killed_ray_worker_ends_the_job_naming_its_rank(head, tmp_path):
+    proc, log, seconds, pid = _kill_rank_during(tmp_path, head, 1)
+    assert proc.returncode != 0, log[-4000:]
+    assert "lost rank 1 of 2" in log, log[-4000:]
+    assert seconds < 60, f"took {seconds:.0f} s to end after the kill (collective_timeout 60)"
+    assert "lost rank 1 of 2 -- its Ray worker process" in log and " died " in log, log[-4000:]
+    print(f"killed worker pid {pid}: the job ended {seconds:.1f} s later:",
+          next(ln for ln in log.splitlines() if "lost rank 1 of 2" in ln))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_ray_restart_resumes_with_the_straight_runs_losses(head, tmp_path):
+    straight = run_cli("train.py", *TINY, "backend=lightning", *LONG, out=tmp_path / "straight")
+    proc, log, _, _ = _kill_rank_during(tmp_path, head, 1, "cluster.max_restarts=1")
+    assert proc.returncode == 0, log[-5000:]
+    import json
+
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report.get("resumed_from"), "the run was meant to resume from a checkpoint"
+    assert_losses_close(straight.losses, report["losses"], rtol=1e-5)
