@@ -13,20 +13,21 @@ from observers.compare import Comparison
 from observers.memory import MemoryProfile
 from observers.progress import ProgressBar
 from observers.report import LossLog
+from observers.startup import StartupTimes
 from observers.throughput import Throughput
 
 if TYPE_CHECKING:
     from recipes.job import Job
 
 __all__ = ["Engine", "LossLog", "MemoryProfile", "Observer", "Observers", "ProgressBar",
-           "Throughput", "build"]
+           "StartupTimes", "Throughput", "build"]
 
 
 def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
     """The observers ``job.callbacks`` and ``job.logger`` select; ``plan``: the planner's
     prediction for this run (``planner.plan_dict``), reported next to what is measured."""
     cb, tokens = job.callbacks, job.tokens_per_step
-    chosen: list[Observer] = [LossLog(tokens)]
+    chosen: list[Observer] = [LossLog(tokens), StartupTimes()]
     if cb.progress_bar:
         chosen.append(ProgressBar(job.trainer.max_steps, tokens))
     memory = comm = None
@@ -39,12 +40,20 @@ def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
 
         comm = CommunicationProfile(job.strategy.world_role(job.mesh))
         chosen.append(comm)
+    throughput = None
     if cb.throughput:
-        chosen.append(Throughput(tokens, job.batch.global_size,
-                                 flops_per_token=job.model.flops_per_token(),
-                                 precision=job.run.precision))
+        compute = (plan or {}).get("compute") or {}
+        calibrated = "planner.calibrate" in str(compute.get("peak_source", ""))
+        throughput = Throughput(tokens, job.batch.global_size, flops_per_token=job.model.flops_per_token(),
+                                precision=job.run.precision,
+                                peak=(compute["peak_tflops"], compute["peak_source"]) if calibrated else None)
+        chosen.append(throughput)
+    if getattr(job.model, "is_moe", False):
+        from observers.moe import MoEStats
+
+        chosen.append(MoEStats())
     if cb.compare and plan is not None:
-        chosen.append(Comparison(plan, memory, comm))
+        chosen.append(Comparison(plan, memory, comm, throughput))
     if cb.plots:
         from observers.plots import Plots
 
@@ -53,8 +62,8 @@ def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
         chosen.append(_logger(job, out))
     meta = job.meta() | {"observers": [type(o).__name__ for o in chosen]}
     if plan is not None:
-        meta["plan"] = {k: plan[k] for k in ("fits", "communication", "step_seconds", "chosen_by")
-                        if k in plan}
+        meta["plan"] = {k: plan[k] for k in ("fits", "communication", "step_seconds", "chosen_by",
+                                             "tight", "margin", "device_memory") if k in plan}
     return Observers(chosen, meta=meta, report_path=out / "report.json" if cb.report else None)
 
 

@@ -25,7 +25,9 @@ the tensor. ``wire_bytes`` is what this rank sends on a ring (all-reduce 2(n-1)/
 and reduce-scatter (n-1)/n, send 1, recv 0): the planner's unit.
 
 Groups are named by role: a DeviceMesh dimension by its name (``shard`` -> data-shard,
-``replicate`` -> data-replicate, ``tp`` -> tensor, ``pp`` -> pipeline), the world group by
+``replicate`` -> data-replicate, ``tp`` -> tensor, ``pp`` -> pipeline, ``cp`` -> cp: ring
+attention's K/V send/recv), a group created with a role as its description likewise (``sp``:
+Ulysses' all-to-all, backends/common/deepspeed.py), the world group by
 what the strategy does on it (data-shard when it shards, else data-replicate).
 
 Report key ``communication``: ``per_step[kind] -> {count, bytes, wire_bytes, seconds}`` (rank 0,
@@ -76,7 +78,8 @@ _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1
          "recv": lambda n: 0.0}
 ROLES = {"shard": "data-shard", "dp_shard": "data-shard", "replicate": "data-replicate",
          "dp_replicate": "data-replicate", "data_parallel": "data", "dp": "data", "tp": "tensor",
-         "tensor_parallel": "tensor", "pp": "pipeline", "pipeline_parallel": "pipeline"}
+         "tensor_parallel": "tensor", "pp": "pipeline", "pipeline_parallel": "pipeline",
+         "cp": "cp", "sp": "sp"}
 
 _recorder: Recorder | None = None
 _install_lock = threading.Lock()
@@ -127,6 +130,8 @@ class Recorder:
             if desc.startswith("mesh_"):
                 dim = desc[len("mesh_"):]
                 self._labels[name] = ROLES.get(dim, dim)
+            elif desc in ROLES:  # a group we create with its role as description (Ulysses' sp)
+                self._labels[name] = ROLES[desc]
             elif name == "0" or desc == "default_pg":
                 self._labels[name] = self.world_role
             else:

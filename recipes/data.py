@@ -162,6 +162,29 @@ class GlobalBatchSampler:
         return self.steps * self.accumulation
 
 
+def sequence_shard(batch: Any, rank: int, degree: int) -> Any:
+    """This sequence-parallel rank's contiguous 1/degree of every tensor's sequence (dim 1):
+    the ranks of one sequence group read the same samples (Ulysses), each its shard."""
+    if degree <= 1:
+        return batch
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1] // degree
+        return x[:, rank * t:(rank + 1) * t].contiguous()
+    return type(batch)(cut(x) for x in batch)
+
+
+class SequenceShard:
+    """A DataLoader ``collate_fn``: the default collation, then ``sequence_shard``."""
+
+    def __init__(self, rank: int, degree: int):
+        self.rank, self.degree = rank, degree
+
+    def __call__(self, samples: list[Any]) -> Any:
+        from torch.utils.data import default_collate
+
+        return sequence_shard(default_collate(samples), self.rank, self.degree)
+
+
 def shards(path: str | Path) -> list[Path]:
     """``data=tokens``: the file, a directory's ``*.bin`` files, or a glob's files, in name order."""
     from recipes.tokens import resolve_inputs
@@ -252,8 +275,10 @@ class ValidationBatches:
     padded with a sample whose targets are all ``IGNORE``), so sharded models run matching
     collectives and the loss averages the same samples whatever the world size."""
 
-    def __init__(self, dataset: Dataset, *, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, dataset: Dataset, *, micro_batch: int, dp_rank: int, dp_size: int,
+                 seq: tuple[int, int] | None = None):
         self.dataset, self.micro_batch = dataset, micro_batch
+        self.seq = seq  # (rank, degree): this rank's sequence shard (Ulysses), or the whole
         n = len(dataset)
         per_rank = -(-n // dp_size)
         self.n_batches = -(-per_rank // micro_batch)
@@ -271,7 +296,7 @@ class ValidationBatches:
         for b in range(self.n_batches):
             xs, ys = zip(*(self._sample(i) for i in self.indices[b * self.micro_batch:
                                                                  (b + 1) * self.micro_batch]))
-            yield torch.stack(xs), torch.stack(ys)
+            yield sequence_shard((torch.stack(xs), torch.stack(ys)), *(self.seq or (0, 1)))
 
 
 def validation_steps(val_every: int, max_steps: int, start: int = 0) -> set[int]:

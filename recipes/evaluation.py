@@ -37,13 +37,15 @@ class Validator:
         self.due = validation_steps(val_every, max_steps)
 
     def run(self, step_fn: Callable[[tuple[torch.Tensor, torch.Tensor], int], torch.Tensor], *,
-            dp_rank: int, dp_size: int, device: Any, step: int) -> dict[str, Any]:
+            dp_rank: int, dp_size: int, device: Any, step: int,
+            seq: tuple[int, int] | None = None) -> dict[str, Any]:
         """``step_fn(batch, index)`` -> ``loss_sums`` of the batch; returns this validation's
-        record (the same on every rank)."""
+        record (the same on every rank). ``seq``: (rank, degree) of this rank's sequence shard
+        (Ulysses: the sums of a sequence group's shards add up to the samples' sums)."""
         import torch.distributed as dist
 
         batches = ValidationBatches(self.dataset, micro_batch=self.micro_batch, dp_rank=dp_rank,
-                                    dp_size=dp_size)
+                                    dp_size=dp_size, seq=seq)
         sums = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad():
             for i, (x, y) in enumerate(batches):

@@ -1,9 +1,11 @@
 """A decoder-only transformer as plain single-device PyTorch (Llama-style).
 
 RMSNorm, rotary position embeddings, causal attention through ``scaled_dot_product_attention``,
-SwiGLU MLP, optional grouped-query attention and tied embeddings. No parallelism code: the
-model declares, as data, its repeated block (``GPT.block_cls``) and which linear layers are
-column- or row-parallel (``GPT.tp_plan``); strategies apply themselves from outside.
+SwiGLU MLP, optional grouped-query attention and tied embeddings; with ``model.n_experts`` a
+top-k mixture of experts (``MoE``) in place of the MLP. No parallelism code: the model declares,
+as data, its repeated block (``GPT.block_cls``), which linear layers are column- or
+row-parallel (``GPT.tp_plan``) and where its experts are (``GPT.ep_plan``); strategies apply
+themselves from outside.
 
 The shape is ``recipes.config.ModelConfig`` (the same object the planner reads). Weights are
 initialised inside each module's constructor (never by a pass over the built
@@ -12,6 +14,7 @@ model), so construction under DeepSpeed's ``zero.Init`` or on the meta device st
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +51,24 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+class CoreAttention(nn.Module):
+    """Causal attention over (batch, seq, heads, head_dim) queries, keys and values: the part a
+    sequence-parallel strategy wraps (Ulysses' all-to-all around it; ring attention replaces
+    the SDPA call under torch's context_parallel). ``GPT.attention_core`` names it."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return y.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, s: ModelConfig):
         super().__init__()
@@ -56,42 +77,105 @@ class Attention(nn.Module):
         self.wk = nn.Linear(s.dim, s.n_kv_heads * s.head_dim, bias=False)
         self.wv = nn.Linear(s.dim, s.n_kv_heads * s.head_dim, bias=False)
         self.wo = nn.Linear(s.n_heads * s.head_dim, s.dim, bias=False)
-        self.dropout = s.dropout
+        self.core = CoreAttention(s.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism the projections hold a slice of the heads.
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q = apply_rope(q.transpose(1, 2), rope).transpose(1, 2)
+        k = apply_rope(k.transpose(1, 2), rope).transpose(1, 2)
+        return self.wo(self.core(q, k, v).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, s: ModelConfig):
+    def __init__(self, s: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(s.dim, s.hidden, bias=False)  # gate
-        self.w3 = nn.Linear(s.dim, s.hidden, bias=False)  # up
-        self.w2 = nn.Linear(s.hidden, s.dim, bias=False)  # down
+        hidden = hidden or s.hidden
+        self.w1 = nn.Linear(s.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(s.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, s.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked: (experts, in, out). Its input is one buffer
+    of slots per expert, (experts, slots, dim); under expert parallelism this module holds only
+    its rank's experts and the strategy's hooks exchange the slots around it (all-to-all)."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        # each expert initialised as nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        self.w1 = nn.Parameter((torch.rand(n, dim, hidden) * 2 - 1) * dim**-0.5)  # gate
+        self.w3 = nn.Parameter((torch.rand(n, dim, hidden) * 2 - 1) * dim**-0.5)  # up
+        self.w2 = nn.Parameter((torch.rand(n, hidden, dim) * 2 - 1) * hidden**-0.5)  # down
+
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        # DTensor weights (experts sharded over an expert-parallel mesh): this rank's experts
+        w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
+        return torch.bmm(F.silu(torch.bmm(slots, w1)) * torch.bmm(slots, w3), w2)
+
+
+class MoE(nn.Module):
+    """Top-k mixture of experts (Mixtral's routing, Switch/GShard's capacity and balancing loss),
+    each sequence one routing group: a softmax gate, each token's top_k experts with their
+    weights renormalized to sum to 1; each expert takes at most ``capacity`` assignments per
+    sequence (first the top-1 choices in token order, then the top-2, ...), the rest are dropped
+    (counted; the token keeps its residual). The load-balancing loss of a sequence is
+    n_experts x sum_e f_e x P_e (f_e: the share of its assignments routed to e, before
+    dropping; P_e: its mean gate probability), averaged over the sequences: a per-sequence
+    quantity, so a data-parallel split of the batch computes exactly what one process does."""
+
+    def __init__(self, s: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.capacity_factor = s.n_experts, s.top_k, s.capacity_factor
+        self.aux_loss_coef = s.aux_loss_coef
+        self.router = nn.Linear(s.dim, s.n_experts, bias=False)
+        self.experts = Experts(s.n_experts, s.dim, s.expert_hidden)
+        self.shared = (MLP(s, s.n_shared_experts * s.expert_hidden) if s.n_shared_experts else None)
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        e, k = self.n_experts, self.top_k
+        cap = math.ceil(self.capacity_factor * t * k / e)  # ModelConfig.capacity
+        probs = F.softmax(self.router(x).float(), dim=-1)  # (b, t, e)
+        top_p, top_i = probs.topk(k, dim=-1)
+        weights = (top_p / top_p.sum(-1, keepdim=True)).type_as(x)
+        # slot-major priority: every token's first choice before any second choice
+        choice = top_i.transpose(1, 2).reshape(b, k * t)  # (b, k*t)
+        onehot = F.one_hot(choice, e)  # (b, k*t, e)
+        position = (onehot.cumsum(1) - 1).gather(2, choice.unsqueeze(-1)).squeeze(-1)
+        kept = position < cap
+        f = onehot.float().mean(1)  # (b, e): share of the assignments, before dropping
+        self.aux_loss = (e * (f * probs.mean(1)).sum(-1)).mean()
+        self.stats = {"tokens": (onehot * kept.unsqueeze(-1)).sum((0, 1)).detach(),
+                      "dropped": (~kept).sum().detach(), "assignments": torch.tensor(b * k * t)}
+        seq = torch.arange(b, device=x.device).unsqueeze(1).expand(b, k * t)[kept]
+        tok = torch.arange(t, device=x.device).repeat(k).unsqueeze(0).expand(b, k * t)[kept]
+        exp, pos = choice[kept], position[kept]
+        w = weights.transpose(1, 2).reshape(b, k * t)[kept]
+        slots = x.new_zeros(e, b, cap, d).index_put((exp, seq, pos), x[seq, tok])
+        out = self.experts(slots.view(e, b * cap, d)).view(e, b, cap, d)
+        y = x.new_zeros(b * t, d).index_add(0, seq * t + tok, out[exp, seq, pos] * w.unsqueeze(-1))
+        y = y.view(b, t, d)
+        return y + self.shared(x) if self.shared is not None else y
+
+
 class Block(nn.Module):
     """One transformer layer: the unit of FSDP wrapping and activation checkpointing."""
 
-    def __init__(self, s: ModelConfig):
+    def __init__(self, s: ModelConfig, moe: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(s.dim, s.norm_eps)
         self.attn = Attention(s)
         self.mlp_norm = RMSNorm(s.dim, s.norm_eps)
-        self.mlp = MLP(s)
+        self.mlp = MoE(s) if moe else MLP(s)
         self.drop = nn.Dropout(s.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -116,6 +200,16 @@ class GPT(nn.Module):
     # layers, ``first`` runs only on the first stage, ``last`` only on the last.
     pp_plan = {"blocks": "layers", "first": ("tok_embeddings",), "last": ("norm", "output")}
 
+    # The attention core, relative to each block, that sequence parallelism wraps (Ulysses).
+    attention_core = "attn.core"
+    # (rank, degree) of this rank's sequence shard under Ulysses: the tokens it is handed are
+    # that shard, so its rotary angles start at rank x shard length. None: the whole sequence.
+    seq_shard: tuple[int, int] | None = None
+
+    # Mixture of experts, relative to each MoE block: the module holding the routed experts'
+    # stacked weights (dim 0: the expert), which expert parallelism splits over its ranks.
+    ep_plan = {"experts": "mlp.experts", "moe": "mlp"}
+
     def __init__(self, shape: ModelConfig):
         super().__init__()
         self.shape = shape
@@ -123,7 +217,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(shape.dropout)
         # A dict keyed by the layer's index: a pipeline stage deletes the layers it does not run
         # and the others keep their names (and state-dict keys).
-        self.layers = nn.ModuleDict({str(i): Block(shape) for i in range(shape.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(shape, moe=shape.is_moe and i >= shape.first_dense_layers)
+                                     for i in range(shape.n_layers)})
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
@@ -135,8 +230,12 @@ class GPT(nn.Module):
         # A pipeline stage has some of these set to None (see ``pp_plan``): the first stage
         # takes tokens, the others hidden states; only the last one returns logits.
         h = self.drop(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
+        rope = self.rope
+        if self.seq_shard is not None:
+            t = h.shape[1]
+            rope = rope[self.seq_shard[0] * t: (self.seq_shard[0] + 1) * t]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -46,9 +46,22 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
 
 
 def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross entropy of one micro-batch, computed in fp32."""
+    """Mean next-token cross entropy of one micro-batch, computed in fp32; a mixture-of-experts
+    model adds its load-balancing loss (``aux_loss``)."""
     tokens, targets = batch
-    return token_loss(model(tokens), targets)
+    out = token_loss(model(tokens), targets)
+    aux = aux_loss(model)
+    return out if aux is None else out + aux
+
+
+def aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
+    """The forward's load-balancing loss, summed over the MoE layers, each times its
+    model.aux_loss_coef; None for a dense model."""
+    from recipes.gpt import MoE
+
+    terms = [m.aux_loss_coef * m.aux_loss for m in model.modules()
+             if isinstance(m, MoE) and m.aux_loss is not None]
+    return torch.stack(terms).sum() if terms else None
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

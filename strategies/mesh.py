@@ -1,5 +1,14 @@
 """The one object that owns the process arithmetic -- nodes x devices = dp_replicate x dp_shard x
-tp x pp -- and the batch arithmetic (global = micro x chunks x dp x accumulation).
+cp x tp x pp -- and the batch arithmetic (global = micro x chunks x dp x accumulation).
+
+The sequence dimension ``cp`` is the ranks that read the *same* samples, each a shard of their
+sequence: torch's context parallelism (ring attention, ``strategy.cp``) or DeepSpeed Ulysses
+(``strategy.sp``, an all-to-all from sequence shards to head shards around attention). Both
+split the sequence the same way, so Ulysses' degree takes the same place in the arithmetic
+(``seq = cp x sp``; one of them is 1 in every preset): it divides the data-parallel degree
+(samples), and, as torchtitan folds cp into FSDP's shard group and DeepSpeed folds its sequence
+group into the data-parallel group, gradients are reduced (and sharded states split) over
+``dp x seq`` ranks (``dp_seq``).
 
 Every other module asks a ``Mesh`` (or a ``Batch``) instead of multiplying sizes itself, so an
 inconsistent layout fails here, before any process starts, with the arithmetic printed.
@@ -35,15 +44,33 @@ class Mesh:
     pp: int = 1
     shard: int | None = None
     """Ranks one sharded state is split over (HYBRID/HSDP); None: every data-parallel rank."""
+    cp: int = 1
+    """Context-parallel degree (ring attention): ranks sharing samples, each a sequence shard."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree: the same place in the arithmetic as cp (see above)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks each holding 1/ep of every MoE layer's experts, trading
+    tokens by all-to-all. It consumes no ranks of its own: it folds into dp_shard x cp as
+    torchtitan does (the ep group is ``ep`` neighbouring ranks of those), so it must divide them."""
 
     @property
     def size(self) -> int:
         return self.nodes * self.devices
 
     @property
+    def seq(self) -> int:
+        """The sequence degree: ranks that read the same samples, each a shard of the sequence."""
+        return self.cp * self.sp
+
+    @property
     def dp(self) -> int:
         """Data-parallel degree: the ranks that see different samples of one global batch."""
-        return max(1, self.size // max(1, self.tp * self.pp))  # (invalid degrees: problems() says)
+        return max(1, self.size // max(1, self.tp * self.pp * self.seq))  # (invalid: problems())
+
+    @property
+    def dp_seq(self) -> int:
+        """Ranks gradients are reduced over (and sharded states split over): dp x seq."""
+        return self.dp * self.seq
 
     @property
     def dp_shard(self) -> int:
@@ -55,12 +82,22 @@ class Mesh:
 
     def problems(self) -> list[str]:
         """The parallel arithmetic (nodes and devices >= 1 are the cluster fields' own checks)."""
-        if self.tp < 1 or self.pp < 1:
-            return [f"tp={self.tp}, pp={self.pp}: parallel degrees must be >= 1"]
-        if self.size % (self.tp * self.pp):
-            return [f"dp({self.size / (self.tp * self.pp):g}) * tp({self.tp}) * pp({self.pp}) "
+        if min(self.tp, self.pp, self.cp, self.sp) < 1:
+            return [f"tp={self.tp}, pp={self.pp}, cp={self.cp}, sp={self.sp}: parallel degrees "
+                    "must be >= 1"]
+        model = self.tp * self.pp * self.seq
+        if self.size % model:
+            seq = (f" * cp({self.cp})" if self.cp > 1 else "") + (f" * sp({self.sp})" if self.sp > 1 else "")
+            names = "tp * pp" + (" * cp" if self.cp > 1 else "") + (" * sp" if self.sp > 1 else "")
+            return [f"dp({self.size / model:g}){seq} * tp({self.tp}) * pp({self.pp}) "
                     f"!= world size {self.size} (nodes {self.nodes} x devices {self.devices}): "
-                    "choose tp * pp that divides the world size"]
+                    f"choose {names} that divides the world size"]
+        fold = self.dp_shard * self.seq
+        if self.ep < 1 or fold % self.ep:
+            return [f"strategy.ep={self.ep} must divide dp_shard({self.dp_shard}) * cp({self.seq}) "
+                    f"= {fold} (world size {self.size} / (tp({self.tp}) * pp({self.pp})); ep folds "
+                    "into the data-parallel ranks and takes none of its own): choose ep among "
+                    f"{', '.join(str(d) for d in range(1, fold + 1) if fold % d == 0)}"]
         return []
 
 

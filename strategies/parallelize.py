@@ -1,5 +1,5 @@
 """Parallelism applied from outside to the plain single-device model, in the fixed order
-TP -> activation checkpointing -> FSDP2 (torchtitan's ``parallelize_*`` functions), from a
+TP -> activation checkpointing -> compile -> FSDP2 (torchtitan's ``parallelize_*`` functions), from a
 family's plan (``ParallelPlan``, data) and what the model declares: its repeated block
 (``block_cls``), its Megatron ``tp_plan`` and where its blocks, embedding and head are
 (``tp_layout``). torch only (DTensor, ``fully_shard``, the checkpoint wrapper): every backend
@@ -38,8 +38,18 @@ class ParallelPlan:
     """Tensor-parallel degree (the model's tp_plan over the tensor mesh)."""
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile each block (trainer.compile), after TP and checkpointing, before FSDP."""
     fsdp: FSDP2Plan | None = None
     """FSDP2 over the data-parallel mesh, or None."""
+
+
+def plan_for(preset: Any, run: Any) -> ParallelPlan:
+    """The preset's plan on this run: its ``plan(mesh)`` with the run's facts that are not the
+    preset's own (``trainer.compile``)."""
+    import dataclasses
+
+    return dataclasses.replace(preset.plan(run.mesh), compile=bool(getattr(run, "compile", False)))
 
 
 def low_dtype(precision: str) -> Any:
@@ -57,6 +67,8 @@ def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh
         apply_tp(model, tp_mesh, sequence_parallel=plan.sequence_parallel)
     if plan.activation_checkpointing:
         checkpoint_blocks(module)
+    if plan.compile:
+        compile_blocks(module)
     if plan.fsdp is not None:
         apply_fsdp2(module, dp_mesh, plan.fsdp, precision=precision)
     return module
@@ -84,6 +96,27 @@ def checkpoint_blocks(module: Any) -> None:
         raise ValueError("strategy.activation_checkpointing=true, but the model declares no "
                          "block_cls to checkpoint: set block_cls on the model class")
     apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, block))
+
+
+def compile_blocks(module: Any) -> None:
+    """``torch.compile`` each block of the model inside ``module`` in place (``Module.compile``:
+    names, state-dict keys and the module tree stay the plain model's), the checkpoint wrapper
+    with it when blocks are checkpointed (torchtitan's order: the recomputation is compiled
+    too). FSDP2 wraps the compiled blocks after, so its gathers stay outside the graph."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    model, block = find_model(module)
+    if block is None:
+        raise ValueError("trainer.compile=true, but the model declares no block_cls to compile: "
+                         "set block_cls on the model class")
+    inside = set()
+    for m in model.modules():
+        if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, block):
+            inside.add(id(m._checkpoint_wrapped_module))
+            m.compile()
+    for m in model.modules():
+        if isinstance(m, block) and id(m) not in inside:
+            m.compile()
 
 
 def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32") -> Any:
@@ -233,4 +266,5 @@ def clip_global_(params: list[Any], max_norm: float, groups: tuple[Any, ...] = (
 
 
 __all__ = ["FSDP2Plan", "ParallelPlan", "apply_fsdp2", "apply_tp", "checkpoint_blocks", "clip_global_",
+           "compile_blocks", "plan_for",
            "find_model", "low_dtype", "materialize", "parallelize", "plain_key", "plain_state_dict"]

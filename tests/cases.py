@@ -35,10 +35,12 @@ class Case:
     """params / grads / optimizer each rank holds after a step, as a fraction of P (AdamW)."""
     shard: int = 1
     """Ranks a sharded state is split over (plain SGD holds 2 x P / shard less: no moments)."""
+    seq: int = 1
+    """Ranks that read the same samples, each a sequence shard (Ulysses' sp)."""
 
     @property
     def accumulation(self) -> int:
-        return 8 // (self.world * self.micro)
+        return 8 // (self.world // self.seq * self.micro)
 
     def held_with(self, optimizer: str) -> dict[str, float]:
         held = dict(self.held or {})
@@ -96,6 +98,12 @@ CASES: dict[str, Case] = {
                    "strategy.microbatches=4"), 2, 1),
     "1f1b": Case(("strategy=pipeline", *TWO, "strategy.schedule=1f1b", "trainer.micro_batch_size=2"), 2, 2),
     "fsdp_tp": Case(("strategy=fsdp_tp", *FOUR, "trainer.micro_batch_size=4"), 4, 4),
+    # sequence parallel (Ulysses, tests/test_sequence.py): sp 2 on 2 ranks is one data-parallel
+    # replica; ZeRO shards over every rank (dp x sp)
+    "ulysses": Case(("strategy=ulysses", *TWO, "trainer.micro_batch_size=4"), 2, 4, held=_ZERO12,
+                    shard=2, seq=2),
+    "zero3_ulysses": Case(("strategy=zero3_ulysses", *FOUR, "trainer.micro_batch_size=2", SHARD_ALL), 4, 2,
+                          shard=4, seq=2),
     "pp_dp": Case(("strategy=pp_dp", *FOUR, "trainer.micro_batch_size=2", "strategy.microbatches=2"), 4, 2),
 }
 

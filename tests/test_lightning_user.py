@@ -20,9 +20,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 SCRIPT = ROOT / "tests" / "lightning_user_script.py"
 # Not runnable on CPU as presets: NCCL bf16 all-reduce, pinned memory, an NVMe path to give.
 NOT_ON_CPU = {"ddp_bf16_compress", "fsdp_offload", "zero_infinity"}
-# TP and PP presets need a model that declares its tp_plan / pp_plan (a plain user module gets a
-# clear error naming them); tests/test_parallel.py trains them.
-PARALLEL = {n for n in strategies.names() if "tp" in strategies.load(n).capabilities.degrees}
+# TP and PP presets need a model that declares its tp_plan / pp_plan, Ulysses its attention core
+# (a plain user module gets a clear error naming them); tests/test_parallel.py and
+# tests/test_sequence.py train them.
+PARALLEL = {n for n in strategies.names() if "tp" in strategies.load(n).capabilities.degrees
+            or strategies.load(n).capabilities.cuts_model}
 CPU_PRESETS = [n for n in strategies.names() if n not in NOT_ON_CPU | PARALLEL | {"single"}]
 FULL_PARAMS = (16 * 64 + 64 + 64 * 64 + 64 + 64 + 1) * 4  # the script's model, fp32 bytes
 # fp16 compression rounds gradients to 11 bits; everything else is exact up to fp32 summation.

@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader
 import checkpoints
 from backends.accelerate import MIXED, families
 from backends.accelerate.state import accelerator
+from observers import startup
 from recipes import evaluation, training
-from recipes.data import GlobalBatchSampler, build_datasets, data_facts
+from recipes.data import GlobalBatchSampler, SequenceShard, build_datasets, data_facts
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -108,6 +109,7 @@ def prepare(job: Job) -> Prepared:
                       timeout=job.cluster.collective_timeout,
                       mixed_precision=MIXED[run.precision],
                       gradient_accumulation_steps=job.batch.accumulation)
+    startup.mark("rendezvous")  # (Accelerate's state: the process group)
     log.info("accelerate: %s x %d process(es), %s", acc.distributed_type.name, acc.num_processes,
              type(kwargs.get("fsdp_plugin") or kwargs.get("deepspeed_plugin") or acc).__name__)
     with builder.model_context(kwargs):
@@ -120,6 +122,7 @@ def prepare(job: Job) -> Prepared:
     handles = checkpoints.Handles(model=model, optimizer=raw_opt, scheduler=sched,
                                   rank=acc.process_index, world_size=acc.num_processes,
                                   format=run.checkpoint)
+    startup.mark("model_build")
     return Prepared(acc, builder, model, opt, engine_opt, sched, handles)
 
 
@@ -130,6 +133,7 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     ckpt = checkpoints.start(job, out, rank=p.acc.process_index, world_size=p.acc.num_processes,
                              device=p.acc.device)
     start = checkpoints.load(p.handles, ckpt) if ckpt is not None else 0
+    startup.mark("checkpoint_load")
     saved: tuple[int, Path | None] = (start, ckpt.path) if ckpt is not None else (-1, None)
 
     def save(step: int) -> Path:
@@ -153,11 +157,14 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     observers.meta["data"] = data_facts(data)
     validator = None if val is None else evaluation.Validator(
         val, micro_batch=job.batch.per_step, val_every=t.val_every, max_steps=t.max_steps)
+    dp_rank, dp_size = p.builder.data_rank(acc.process_index, acc.num_processes)
+    seq = p.builder.sequence_shard(acc.process_index)
     sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,
-                                 micro_batch=job.batch.per_step, dp_rank=acc.process_index,
-                                 dp_size=acc.num_processes, seed=t.seed, steps=t.max_steps,
+                                 micro_batch=job.batch.per_step, dp_rank=dp_rank,
+                                 dp_size=dp_size, seed=t.seed, steps=t.max_steps,
                                  start_step=start)
-    batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers))
+    batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers,
+                              collate_fn=SequenceShard(*seq) if seq else None))
     observers.train_start(engine, start)
     model.train()
     for step in range(start, t.max_steps):
@@ -189,7 +196,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
         observers.step_end(engine, step + 1, loss)
         if validator is not None and step + 1 in validator.due:
-            observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1))
+            observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1, p.builder))
         if checkpoints.due(t, step + 1):
             save(step + 1)
         if step + 1 < t.max_steps and (signum := interrupt.requested(acc.device)):
@@ -205,14 +212,17 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     return report
 
 
-def _validate(validator: evaluation.Validator, acc: Any, model: Any, step: int) -> dict[str, Any]:
+def _validate(validator: evaluation.Validator, acc: Any, model: Any, step: int,
+              builder: Any) -> dict[str, Any]:
     """The held-out loss through the prepared model (DDP, FSDP, a DeepSpeed engine), which
     applies the run's autocast itself."""
     model.eval()
     try:
         return validator.run(lambda batch, i: evaluation.loss_sums(model(batch[0]), batch[1]),
-                             dp_rank=acc.process_index, dp_size=acc.num_processes,
-                             device=acc.device, step=step)
+                             dp_rank=builder.data_rank(acc.process_index, acc.num_processes)[0],
+                             dp_size=builder.data_rank(acc.process_index, acc.num_processes)[1],
+                             device=acc.device, step=step,
+                             seq=builder.sequence_shard(acc.process_index))
     finally:
         model.train()
 

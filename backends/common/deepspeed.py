@@ -77,6 +77,61 @@ def full_state_dict(engine: Any, stage: int, prefix: str = "") -> dict[str, Any]
         return _plain_full_state_dict(module, prefix)
 
 
+def sequence_groups(sp: int) -> Any:
+    """This rank's Ulysses group: ``sp`` consecutive ranks (the innermost dimension, as tensor
+    parallelism's), every group created on every rank in the same order (torch's rule)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = None
+    for start in range(0, world, sp):
+        # (its description names it in the communication profile: observers/comm.py)
+        group = dist.new_group(list(range(start, start + sp)), group_desc="sp")
+        if start <= rank < start + sp:
+            mine = group
+    return mine
+
+
+def apply_ulysses(module: Any, sp: int) -> Any:
+    """DeepSpeed Ulysses on the plain model inside ``module``: each block's attention core (the
+    one the model names, ``attention_core``) inside DeepSpeed's ``DistributedAttention``, which
+    all-to-alls the (batch, seq/sp, heads, head_dim) queries, keys and values of this rank's
+    sequence shard into (batch, seq, heads/sp, head_dim), runs the core, and all-to-alls the
+    result back; the model's rotary angles start at this rank's shard (``seq_shard``). Gradients
+    are then averaged over every rank by the engine (sp peers' shards are parts of one mean)."""
+    if sp <= 1:
+        return module
+    import torch
+    import torch.distributed as dist
+    from deepspeed.sequence.layer import DistributedAttention
+
+    from strategies.parallelize import find_model
+
+    class UlyssesAttention(torch.nn.Module):
+        """DistributedAttention over the (batch, seq, heads, head_dim) layout (batch dim 0)."""
+
+        def __init__(self, core: Any, group: Any):
+            super().__init__()
+            self.inner = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
+
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            return self.inner(q.contiguous(), k.contiguous(), v.contiguous(), 0)
+
+    model, block = find_model(module)
+    path = getattr(type(model), "attention_core", None)
+    if block is None or path is None:
+        raise ValueError(f"strategy.sp={sp}: the model declares no attention_core for Ulysses to "
+                         "wrap (the built-in GPT does); use a built-in model or strategy.sp=1")
+    group = sequence_groups(sp)
+    parent_path, _, name = path.rpartition(".")
+    for m in model.modules():
+        if isinstance(m, block):
+            parent = m.get_submodule(parent_path) if parent_path else m
+            setattr(parent, name, UlyssesAttention(getattr(parent, name), group))
+    model.seq_shard = (dist.get_rank() % sp, sp)
+    return module
+
+
 # O_DIRECT, which DeepSpeed's async I/O op uses for every swap file, needs each transfer's memory
 # address aligned to the device's logical block size (512 B, or 4 KiB on some NVMe drives).
 _DIRECT_IO_ALIGN = 4096

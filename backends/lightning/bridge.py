@@ -105,7 +105,7 @@ class ObserverBridge(L.Callback):
         try:
             return self.validator.run(strategy.validation_step, dp_rank=dp["rank"],
                                       dp_size=dp["num_replicas"], device=strategy.root_device,
-                                      step=self._step)
+                                      step=self._step, seq=getattr(strategy, "sequence_shard", None))
         finally:
             model.train(was)
 

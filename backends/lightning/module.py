@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from recipes import evaluation, training
-from recipes.data import GlobalBatchSampler
+from recipes.data import GlobalBatchSampler, SequenceShard
 
 if TYPE_CHECKING:
     from recipes.config import ModelConfig, TrainerConfig
@@ -88,4 +88,7 @@ class GlobalBatchData(L.LightningDataModule):
             dp_rank=dp["rank"], dp_size=dp["num_replicas"], seed=self.seed, steps=self.steps,
             start_step=self.trainer.global_step,
         )
-        return DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers)
+        # Ulysses: this rank's sequence shard of its sequence group's samples
+        seq = getattr(strategy, "sequence_shard", None)
+        return DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
+                          collate_fn=SequenceShard(*seq) if seq else None)

@@ -27,6 +27,9 @@ class PresetStrategy:
     """Mixin for a Lightning strategy built from a preset: put it first in the bases."""
 
     preset: StrategyConfig
+    compile: bool = False
+    """trainer.compile (set by backends/lightning/trainer.py; a Trainer built by the user's
+    script compiles itself if it wants to)."""
 
     @classmethod
     def of(cls, preset: StrategyConfig, run: Run | None = None) -> Any:
@@ -42,7 +45,8 @@ class PresetStrategy:
         flag = str(getattr(self.precision_plugin, "precision", "32-true"))
         return derive(self.preset, nodes=getattr(self, "num_nodes", 1) or 1,
                       devices=getattr(self, "num_processes", 1) or 1,
-                      accelerator="cpu" if on_cpu else "gpu", precision=_OURS.get(flag, flag))
+                      accelerator="cpu" if on_cpu else "gpu", precision=_OURS.get(flag, flag),
+                      compile=self.compile)
 
     def check(self) -> None:
         """The preset's problems on the world Lightning runs: the same sentences train.py

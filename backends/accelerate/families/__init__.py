@@ -13,7 +13,7 @@ from typing import Any
 
 from backends.common import torch as torch_common
 from strategies import StrategyConfig
-from strategies.parallelize import parallelize
+from strategies.parallelize import parallelize, plan_for
 from strategies.run import Run
 
 _BUILDERS: dict[type, type[Builder]] = {}
@@ -44,10 +44,18 @@ class Builder:
 
     def parallelize(self, model: Any) -> Any:
         """The preset's plan on the plain model, before ``prepare`` wraps it."""
-        return parallelize(model, self.preset.plan(self.run.mesh), precision=self.run.precision)
+        return parallelize(model, plan_for(self.preset, self.run), precision=self.run.precision)
 
     def repair(self, model: Any, optimizer: Any) -> None:
         """Fix-ups the engine needs once prepared."""
+
+    def data_rank(self, rank: int, world: int) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size) of process ``rank``: which samples it reads."""
+        return rank, world
+
+    def sequence_shard(self, rank: int) -> tuple[int, int] | None:
+        """(rank, degree) of process ``rank``'s sequence shard (Ulysses), None: whole samples."""
+        return None
 
     def before_step(self, model: Any) -> None:
         """Before each optimizer step's micro-batches (ddp's relaxed synchronization)."""

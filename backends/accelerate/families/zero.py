@@ -42,6 +42,16 @@ class Zero(Builder):
     def gather_parameters(self) -> Any:
         return ds.gathered if self.preset.stage == 3 else None
 
+    def parallelize(self, model: Any) -> Any:
+        return ds.apply_ulysses(super().parallelize(model), self.preset.sp)
+
+    def data_rank(self, rank: int, world: int) -> tuple[int, int]:
+        sp = self.preset.sp  # Ulysses: a sequence group reads the same samples
+        return rank // sp, max(1, world // sp)
+
+    def sequence_shard(self, rank: int) -> tuple[int, int] | None:
+        return (rank % self.preset.sp, self.preset.sp) if self.preset.sp > 1 else None
+
     def repair(self, model: Any, optimizer: Any) -> None:
         ds.repair(optimizer)
 

@@ -14,7 +14,7 @@ from backends.common.ddp_comm import comm_hook as efficient_hook
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.ddp import DDPConfig
-from strategies.parallelize import parallelize
+from strategies.parallelize import parallelize, plan_for
 
 
 def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:
@@ -55,7 +55,7 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
         return out
 
     def _setup_model(self, model: Any) -> Any:
-        return super()._setup_model(parallelize(model, self.preset.plan(self.run().mesh)))
+        return super()._setup_model(parallelize(model, plan_for(self.preset, self.run())))
 
     def _register_ddp_hooks(self) -> None:
         """Lightning registers communication hooks on CUDA only and silently drops them

@@ -14,7 +14,7 @@ from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.fsdp2 import FSDP2Config
-from strategies.parallelize import materialize, parallelize
+from strategies.parallelize import materialize, parallelize, plan_for
 
 
 @builds(FSDP2Config)
@@ -56,7 +56,7 @@ class PresetModelParallelStrategy(PresetStrategy, ModelParallelStrategy):
 
         module, run = self.lightning_module, self.run()
         if not any(isinstance(p, DTensor) for p in module.parameters()):
-            parallelize(module, self.preset.plan(run.mesh), dp_mesh=self.dp_mesh(), precision=run.precision)
+            parallelize(module, plan_for(self.preset, run), dp_mesh=self.dp_mesh(), precision=run.precision)
         materialize(module, self.root_device)
         super().setup(trainer)
 

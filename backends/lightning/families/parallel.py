@@ -19,7 +19,7 @@ from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy
 from strategies import ConfigError
 from strategies.families.parallel import MESH_DIMS, ParallelConfig
-from strategies.parallelize import clip_global_, find_model, parallelize
+from strategies.parallelize import clip_global_, find_model, parallelize, plan_for
 
 
 @builds(ParallelConfig)
@@ -55,7 +55,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
                     f"are column/row parallel, or how to cut it into stages), as recipes/gpt.py's "
                     f"GPT does; {type(model).__name__} declares none: add {needed} to the model "
                     "class, or use a data-parallel preset")
-        plan, mesh = preset.plan(run.mesh), self.device_mesh
+        plan, mesh = plan_for(preset, run), self.device_mesh
         if preset.pp > 1:
             self.pipeline = Pipeline(module, preset, plan, mesh, device=self.root_device,
                                      precision=run.precision,

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.single import SingleConfig
-from strategies.parallelize import parallelize
+from strategies.parallelize import parallelize, plan_for
 from strategies.run import Run
 
 
@@ -34,5 +34,5 @@ class PresetSingleDeviceStrategy(PresetStrategy, SingleDeviceStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
-        parallelize(self.lightning_module, self.preset.plan(self.run().mesh))
+        parallelize(self.lightning_module, plan_for(self.preset, self.run()))
         super().setup(trainer)

@@ -25,7 +25,7 @@ from backends.common import deepspeed as ds
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.zero import ZeroConfig
-from strategies.parallelize import parallelize
+from strategies.parallelize import parallelize, plan_for
 from strategies.run import Run
 
 
@@ -73,7 +73,8 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         # activation checkpointing (torch's non-reentrant wrapper, which ZeRO-3's gather hooks
         # see through) before the engine registers its hooks
-        model = parallelize(model, self.preset.plan(self.run().mesh))
+        model = parallelize(model, plan_for(self.preset, self.run()))
+        model = ds.apply_ulysses(model, self.preset.sp)  # Ulysses' all-to-all around attention
         if not self._on_cpu:
             engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         else:
@@ -91,6 +92,18 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
             )
         ds.repair(ds_optimizer)  # (4)
         return engine, ds_optimizer
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Ulysses: the sp ranks of a sequence group read the same samples
+        sp = self.preset.sp
+        return {"num_replicas": max(1, self.world_size // sp), "rank": self.global_rank // sp}
+
+    @property
+    def sequence_shard(self) -> tuple[int, int] | None:
+        """(rank, degree) of this rank's sequence shard under Ulysses; None without it."""
+        sp = self.preset.sp
+        return (self.global_rank % sp, sp) if sp > 1 else None
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         kwargs.setdefault("scale_wrt_gas", False)  # Lightning already divided by accumulation

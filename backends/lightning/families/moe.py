@@ -1,0 +1,45 @@
+"""Expert parallelism on Lightning (strategies/families/moe.py): ``fsdp_ep`` is the FSDP2 builder
+with the experts split over the ep group first (strategies/experts.py, torchtitan's layout);
+``zero2_ep`` is refused before launch (its config's ``problems``); its builder here is
+the DeepSpeed one, so that it is reachable from Lightning's registry by name and refused there
+(``check``) with the same sentence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.lightning.families import builds
+from backends.lightning.families.fsdp2 import PresetModelParallelStrategy
+from backends.lightning.families.zero import CPUCapableDeepSpeedStrategy
+from strategies.experts import apply_ep_fsdp2
+from strategies.families.moe import FSDP2EPConfig, ZeroEPConfig
+from strategies.parallelize import find_model, parallelize, plan_for
+
+
+@builds(FSDP2EPConfig)
+class ExpertParallelFSDP2Strategy(PresetModelParallelStrategy):
+    """FSDP2 over every rank for the non-expert parameters; each MoE layer's experts split over
+    ``ep`` ranks and FSDP2-sharded over the ``dp / ep`` ranks holding the same ones."""
+
+    def setup(self, trainer: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        module, run = self.lightning_module, self.run()
+        if not any(isinstance(p, DTensor) for p in module.parameters()):
+            mesh, ep = run.mesh, self.preset.ep
+            ep_mesh = init_device_mesh(self.root_device.type, (mesh.dp // ep, ep),
+                                       mesh_dim_names=("ep_replicate", "ep"))
+            plan = plan_for(self.preset, run)
+            model, _ = find_model(module)
+            self.ep_group = apply_ep_fsdp2(model, ep, ep_mesh, mesh.dp, plan.fsdp, run.precision)
+            parallelize(module, plan, dp_mesh=self.dp_mesh(), precision=run.precision)
+        super().setup(trainer)
+
+    def engine_settings(self) -> dict[str, Any]:
+        return {**super().engine_settings(), "ep": self.preset.ep}
+
+
+@builds(ZeroEPConfig)
+class ExpertParallelDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
+    """Refused at ``check`` (strategies/families/moe.py says why)."""

@@ -1,0 +1,235 @@
+"""Mixture of experts and expert parallelism: the MoE GPT (routing, capacity, the balancing loss),
+its shapes and their problems, the planner's expert split and token all-to-all, and fsdp_ep on
+2 gloo ranks (ep=2) against the same MoE model on one process (zero2_ep: priced, refused for
+training by name).
+
+Equivalence: routing, capacity and the balancing loss are computed per sequence (each sequence
+is a routing group), so a data-parallel split of the batch decides exactly what one process
+decides, dropping included; the equivalence runs use gpt_moe_nano's capacity_factor 2.0 (no
+drops: every slot of a sequence fits) and a separate test shows drops are counted. Tolerance:
+losses 1e-5 relative; parameters 1e-5 with SGD, 1e-3 with AdamW (as tests/test_parallel.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from recipes.config import compose, describe
+from recipes.job import validate
+from strategies import ConfigError
+from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, run_cli
+
+MOE = ("model=gpt_moe_nano",)
+CPU = ("cluster.accelerator=cpu",)
+TWO = ("cluster.devices=2",)
+PARAMS_RTOL = {"sgd": 1e-5, "adamw": 1e-3}
+
+
+# ----------------------------------------------------------------------------- the model
+@pytest.mark.unit
+@pytest.mark.parametrize("name, total, experts", [
+    ("gpt_moe_nano", 72_096, 49_152),
+    ("mixtral_8x7b", 46_702_792_704, 45_097_156_608),  # 46.7B (Mixtral's paper)
+    ("deepseek_moe_16b", 16_375_728_128, 14_948_499_456),  # 16.4B (DeepSeek-MoE's paper)
+])
+def test_moe_shapes_count_their_parameters(name, total, experts):
+    shape = describe(compose([f"model={name}"]).model)
+    assert shape.num_params() == total and shape.expert_params() == experts
+
+
+@pytest.mark.unit
+def test_moe_model_matches_its_count_and_a_token_by_token_reference():
+    import torch
+
+    from recipes.training import build_model
+
+    shape = describe(compose([*MOE]).model)
+    model = build_model(shape, 1)
+    assert sum(p.numel() for p in model.parameters()) == shape.num_params()
+    moe = model.layers["0"].mlp
+    x = torch.randn(2, 32, 32)
+    y = moe(x)
+    probs = torch.softmax(moe.router(x), -1)
+    top_p, top_i = probs.topk(2, -1)
+    w = top_p / top_p.sum(-1, keepdim=True)
+    e = moe.experts
+    ref = torch.zeros_like(x)
+    for b in range(2):
+        for t in range(32):
+            for j in range(2):
+                i = top_i[b, t, j]
+                h = torch.nn.functional.silu(x[b, t] @ e.w1[i]) * (x[b, t] @ e.w3[i])
+                ref[b, t] += w[b, t, j] * (h @ e.w2[i])
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert int(moe.stats["dropped"]) == 0 and int(moe.stats["tokens"].sum()) == 2 * 32 * 2
+    # the balancing loss: n_experts x sum_e f_e P_e, 1 when perfectly balanced
+    assert float(moe.aux_loss.detach()) >= 1.0 - 1e-6
+
+
+@pytest.mark.unit
+def test_tokens_over_capacity_are_dropped_and_counted():
+    """capacity_factor 0.5: ceil(0.5 x 32 x 2 / 4) = 8 slots per expert and sequence, 32 of a
+    sequence's 64 assignments kept, the rest dropped (they keep their residual)."""
+    import torch
+
+    from recipes.training import build_model
+
+    shape = describe(compose([*MOE, "model.capacity_factor=0.5"]).model)
+    assert shape.capacity() == 8
+    model = build_model(shape, 1)
+    model(torch.randint(0, 256, (3, 32)))
+    stats = model.layers["0"].mlp.stats
+    assert stats["tokens"].tolist() == [24, 24, 24, 24]
+    assert int(stats["dropped"]) == 3 * 64 - 96
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides, needle", [
+    (("model.top_k=5",), "model.top_k=5 > model.n_experts=4"),
+    (("model.capacity_factor=0",), "model.capacity_factor=0.0: must be > 0"),
+    (("strategy=fsdp_ep", *TWO, "model.n_experts=3", "model.top_k=1"),
+     "model.n_experts=3 is not divisible by strategy.ep=2"),
+    (("strategy=fsdp_ep", "cluster.devices=3", "cluster.oversubscribe=true"),
+     "strategy.ep=2 must divide dp_shard(3) * cp(1) = 3"),
+    (("strategy=tp", *TWO), "strategy=tp with a mixture-of-experts model"),
+])
+def test_bad_moe_shapes_one_clear_error_each(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*MOE, *CPU, *overrides]))
+    assert len(e.value.problems) == 1 and needle in e.value.problems[0], e.value.problems
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
+def test_ep_presets_refuse_a_dense_model_by_name(preset):
+    with pytest.raises(ConfigError) as e:
+        validate(compose([f"strategy={preset}", *TWO, *CPU, "model=gpt_nano"]))
+    assert f"strategy={preset} shards the experts" in str(e.value)
+
+
+@pytest.mark.unit
+def test_zero2_ep_is_priced_and_refused_for_training_by_name():
+    validate(compose(["strategy=fsdp_ep", *TWO, *CPU, *MOE]))
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["strategy=zero2_ep", *TWO, *CPU, *MOE]))
+    assert e.value.problems == [p for p in e.value.problems if "strategy=zero2_ep is priced by the planner "
+                                "but trains on no backend yet" in p and "use strategy=fsdp_ep" in p]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp_ep"])
+def test_ep_presets_refused_by_accelerate_by_name(preset):
+    from backends import check
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose([f"strategy={preset}", *TWO, *CPU, *MOE, "backend=accelerate"]), extra=[check])
+    assert f"strategy={preset} (expert parallelism) is not supported by backend=accelerate" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the planner
+@pytest.mark.unit
+def test_planner_splits_experts_by_ep_and_prices_the_token_all_to_all():
+    """mixtral_8x7b on 8 GPUs, zero2_ep (replicated non-expert parameters, bf16): each rank holds
+    the experts' 45.1B parameters 1/ep; the all-to-all is 4 per MoE layer and micro-batch of
+    n_experts x micro x capacity x dim x 2 bytes, (ep-1)/ep of it sent per rank."""
+    shape = describe(compose(["model=mixtral_8x7b"]).model)
+    p2, p8 = _plan("zero2_ep", 2), _plan("zero2_ep", 8)
+    dense = shape.num_params() - shape.expert_params()
+    assert p8["memory"]["params"] == pytest.approx(2 * (dense + shape.expert_params() / 8), rel=1e-6)
+    assert p2["memory"]["params"] - p8["memory"]["params"] == pytest.approx(
+        2 * shape.expert_params() * (1 / 2 - 1 / 8), rel=1e-6)
+    a2a = p8["communication"]["by_collective"]["moe_all_to_all"]
+    cfg = compose(["model=mixtral_8x7b", "cluster=node_8x_h100"])
+    micro, accumulation = cfg.trainer.micro_batch_size, p8["microbatches"]
+    one = 8 * micro * shape.capacity() * shape.dim * 2
+    assert a2a["ranks"] == 8 and a2a["calls"] == 4 * 32 * accumulation
+    assert a2a["bytes"] == pytest.approx(4 * 32 * one * 7 / 8 * accumulation, rel=1e-6)
+
+
+def _plan(preset: str, ep: int) -> dict:
+    from planner import plan_dict, preflight
+
+    cfg = compose(["model=mixtral_8x7b", "cluster=node_8x_h100", f"strategy={preset}", f"strategy.ep={ep}"])
+    return plan_dict(preflight(cfg, describe(cfg.model)))
+
+
+# ----------------------------------------------------------------------------- equivalence
+@pytest.fixture(scope="module")
+def runs(cached):
+    def get(*overrides: str, optimizer: str = "sgd") -> object:
+        return cached(*EQUIV, *MOE, *OPTIMIZERS[optimizer], *overrides, timeout=300)
+
+    return get
+
+
+def _reference(runs, optimizer: str):
+    return runs("strategy=single", "trainer.micro_batch_size=8", optimizer=optimizer)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout, optimizer", [
+    ("ep2", "sgd"),
+    pytest.param("ep2", "adamw", marks=pytest.mark.slow),
+    pytest.param("dp4-ep2", "sgd", marks=pytest.mark.slow),
+])
+def test_ep_matches_the_moe_model_on_one_process(runs, layout, optimizer):
+    """ep=2 on 2 ranks (and on 4: two replicas of each expert, FSDP2-sharded between them):
+    losses and gathered final parameters equal one process's. With SGD a wrong expert-gradient
+    scale (divided by dp / ep instead of dp, or not at all) moves the losses by percents; the
+    report's moe key agrees with the reference's."""
+    world = {"ep2": (*TWO, "trainer.micro_batch_size=4"),
+             "dp4-ep2": ("cluster.devices=4", "cluster.oversubscribe=true", "trainer.micro_batch_size=2")}
+    run = runs("strategy=fsdp_ep", *world[layout], optimizer=optimizer)
+    ref = _reference(runs, optimizer)
+    assert_losses_close(ref.losses, run.losses, rtol=1e-5)
+    assert_params_close(ref.params(), run.params(), rtol=PARAMS_RTOL[optimizer])
+    moe, want = run.report["moe"], ref.report["moe"]
+    assert moe["dropped_tokens"] == want["dropped_tokens"] == 0
+    assert moe["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-5)
+    flat = [x for layer in moe["tokens_per_expert"] for x in layer]
+    assert flat == pytest.approx([x for layer in want["tokens_per_expert"] for x in layer], rel=1e-9)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_all_to_all_on_the_ep_group_as_planned(runs):
+    """Per step: 2 MoE layers x (dispatch + combine) x (forward + backward) all-to-alls on the
+    ep group, each of the whole capacity buffer (4 experts x 4 sequences x 32 slots x 32 dims x
+    4 bytes); what the planner predicted, within 2%."""
+    run = runs("strategy=fsdp_ep", *TWO, "trainer.micro_batch_size=4")
+    a2a = run.report["communication"]["by_group"]["ep"]["all_to_all"]
+    assert a2a["count"] == 2 * 4
+    assert a2a["bytes"] == 8 * 4 * 4 * 32 * 32 * 4
+    planned = run.report["plan"]["communication"]["by_collective"]["moe_all_to_all"]
+    assert planned["bytes"] == pytest.approx(a2a["wire_bytes"], rel=0.02)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_ep_checkpoint_resumes_exactly(runs):
+    """The DCP checkpoint holds every expert (the DTensors' full shapes); resuming at step 3
+    continues exactly (AdamW: the moments of each rank's experts come back to it)."""
+    full = runs("strategy=fsdp_ep", *TWO, "trainer.micro_batch_size=4", "trainer.checkpoint_every=3",
+                optimizer="adamw")
+    ckpt = full.out / "checkpoints" / "step3"
+    assert (ckpt / "COMPLETE").is_file(), sorted(full.out.rglob("*"))
+    resumed = runs("strategy=fsdp_ep", *TWO, "trainer.micro_batch_size=4", f"trainer.resume_from={ckpt}",
+                   optimizer="adamw")
+    assert resumed.losses[:3] == full.losses[:3]
+    assert_losses_close(full.losses[3:], resumed.losses[3:], rtol=1e-5)
+    assert_params_close(full.params(), resumed.params(), rtol=1e-5)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides, needle", [
+    (("model.n_experts=3", "model.top_k=1"), "model.n_experts=3 is not divisible by strategy.ep=2"),
+    (("model.top_k=5",), "model.top_k=5 > model.n_experts=4"),
+])
+def test_invalid_shapes_exit_2_before_launch(tmp_path, overrides, needle):
+    run = run_cli("train.py", *MOE, *CPU, "strategy=fsdp_ep", *TWO, *overrides, out=tmp_path / "run",
+                  check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert needle in run.log and "Initializing distributed" not in run.log

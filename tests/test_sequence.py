@@ -1,0 +1,228 @@
+"""Sequence parallelism: DeepSpeed Ulysses (``strategy.sp``: ulysses, zero3_ulysses) against the
+single-process reference on gloo -- losses and final parameters, the all-to-all each step sends
+on the ``sp`` group equal to the planner's, saved activations per rank divided by the degree at
+a long sequence -- and torch's context parallelism (``strategy.cp``: fsdp_cp, 3d's cp knob),
+refused before launch (on CPU: torch's ring attention handles only the CUDA attention
+kernels; probed, see strategies/families/parallel.py), priced by the planner. Every invalid
+shape is one clear error before launch, exit 2.
+
+Tolerances: losses 1e-5 relative (measured: 1e-7; the sequence shards' gradients are summed by
+the engine in another order), parameters 1e-5 with SGD and 1e-3 with AdamW (its sqrt(v)
+amplifies last-bit gradient differences, as in tests/test_parallel.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from recipes.config import compose
+from recipes.job import validate
+from strategies import ConfigError
+from tests.cases import CASES
+from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, by_optimizer, run_cli
+
+pytestmark = pytest.mark.timeout(900)
+RTOL = 1e-5
+PARAMS_RTOL = {"sgd": 1e-5, "adamw": 1e-3}
+CPU = ("cluster.accelerator=cpu", "model=gpt_nano")
+FOUR = ("cluster.devices=4", "cluster.oversubscribe=true")
+
+
+@pytest.fixture(scope="module")
+def runs(cached):
+    def get(*overrides: str, optimizer: str = "sgd", timeout: float = 400):
+        return cached(*EQUIV, *overrides, *OPTIMIZERS[optimizer], timeout=timeout)
+
+    return get
+
+
+def _reference(runs, optimizer: str):
+    return runs(*CASES["single"].overrides, optimizer=optimizer)
+
+
+def _equivalent(run, ref, optimizer: str) -> None:
+    assert_losses_close(ref.losses, run.losses, rtol=RTOL)
+    assert_params_close(ref.params(), run.params(), rtol=PARAMS_RTOL[optimizer])
+
+
+# ----------------------------------------------------------------------------- equivalence
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, optimizer", by_optimizer(["ulysses"], slow_adamw={"ulysses"}))
+def test_ulysses_matches_single_process_and_sends_what_the_planner_says(runs, name, optimizer):
+    """sp 2 on 2 ranks (one replica reading the same 8 samples, micro 4 x accumulation 2): the
+    sequence shards' all-to-alls before and after attention, then ZeRO's gradient mean over
+    both ranks, give the single process's losses and parameters. Per step each rank sends, on
+    the sp group, (sp-1)/sp of q, k, v and the output per layer in forward and again in backward
+    -- exactly the planner's ``sp_all_to_all``."""
+    c = CASES[name]
+    run = runs(*c.overrides, optimizer=optimizer)
+    r = run.report
+    assert (r["world_size"], r["accumulation"]) == (c.world, c.accumulation) == (2, 2)
+    _equivalent(run, _reference(runs, optimizer), optimizer)
+    sp = r["communication"]["by_group"]["sp"]["all_to_all"]
+    assert sp["count"] == 2 * 2 * 4 * 2  # accumulation x layers x (q, k, v, out) x (fwd, bwd)
+    planned = r["plan"]["communication"]["by_collective"]["sp_all_to_all"]
+    assert planned["ranks"] == 2
+    assert planned["bytes"] == pytest.approx(sp["wire_bytes"], rel=0.02)
+    # gpt_nano: (2 x dim 32 + 2 x kv 16) x micro 4 x seq 32 / 2 x fp32 x 2 layers x 2 passes x 2
+    assert sp["bytes"] == 96 * 4 * 16 * 4 * 2 * 2 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_zero3_ulysses_on_four_ranks_matches_single_process(runs, optimizer):
+    """dp 2 x sp 2 on 4 processes: samples split over the two sequence groups, parameters,
+    gradients and optimizer state sharded over all four ranks (ZeRO-3)."""
+    c = CASES["zero3_ulysses"]
+    run = runs(*c.overrides, optimizer=optimizer, timeout=600)
+    assert (run.report["world_size"], run.report["accumulation"]) == (4, c.accumulation) == (4, 2)
+    _equivalent(run, _reference(runs, optimizer), optimizer)
+    assert set(run.report["communication"]["by_group"]) >= {"sp", "data-shard"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ulysses_on_accelerate_matches_single_process(runs):
+    run = runs(*CASES["ulysses"].overrides, "backend=accelerate")
+    assert run.report["backend"] == "accelerate"
+    _equivalent(run, _reference(runs, "sgd"), "sgd")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["lightning", "accelerate"])
+def test_ulysses_validation_loss_equals_single_process(runs, backend):
+    """Held-out samples: each rank runs its sequence shard of the same samples; the summed
+    (token-loss, count) pairs give the single process's mean."""
+    val = ("data.val_fraction=0.05", "trainer.val_every=3")
+    ref = runs(*CASES["single"].overrides, *val)
+    run = runs(*CASES["ulysses"].overrides, *val, f"backend={backend}")
+    assert len(ref.report["validation"]) == len(run.report["validation"]) == 2
+    for a, b in zip(ref.report["validation"], run.report["validation"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+
+
+LONG = ("model.seq_len=2048", "data=synthetic", "trainer.max_steps=2", "trainer.global_batch_size=2",
+        "trainer.micro_batch_size=1", "trainer.optimizer=sgd", "trainer.lr=0.1", "trainer.grad_clip=0")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ulysses_divides_saved_activations_by_the_degree_at_a_long_sequence(runs, cached):
+    """gpt_nano at seq 2048: what a rank saves for backward (observers/memory.py) falls by sp
+    (+-10%), and the planner predicts the same division."""
+    single = cached(*LONG, "strategy=single")
+    uly = cached(*LONG, "strategy=ulysses", "cluster.devices=2")
+    one = single.report["memory"]["ranks"][0]["activations"]
+    for rank in uly.report["memory"]["ranks"]:
+        assert rank["activations"] == pytest.approx(one / 2, rel=0.10), (one, rank)
+    p1 = single.report["memory"]["predicted"]["activations"]
+    p2 = uly.report["memory"]["predicted"]["activations"]
+    assert p2 == pytest.approx(p1 / 2, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- before launch
+def _problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*CPU, *overrides]))
+    return str(e.value)
+
+
+@pytest.mark.unit
+def test_heads_not_divisible_by_the_ulysses_degree_is_one_clear_error():
+    msg = _problems("strategy=ulysses", *FOUR, "strategy.sp=4")  # gpt_nano: 4 heads, 2 KV heads
+    assert "model.n_kv_heads=2 is not divisible by strategy.sp=4" in msg, msg
+    assert "model.n_heads=4 is not divisible" not in msg  # 4 heads do divide 4
+
+
+@pytest.mark.unit
+def test_world_not_divisible_by_the_sequence_degree_prints_the_arithmetic():
+    msg = _problems("strategy=ulysses", "cluster.devices=3", "cluster.oversubscribe=true")
+    assert "dp(1.5) * sp(2) * tp(1) * pp(1) != world size 3" in msg, msg
+
+
+@pytest.mark.unit
+def test_sequence_not_divisible_by_two_cp_is_one_clear_error():
+    msg = _problems("strategy=fsdp_cp", "cluster.devices=2", "model.seq_len=30")
+    assert "model.seq_len=30 is not divisible by 2 x strategy.cp=2 = 4" in msg, msg
+
+
+@pytest.mark.unit
+def test_context_parallel_is_refused_on_cpu_naming_the_preset_and_the_reason():
+    for preset, extra in (("fsdp_cp", ()), ("3d", ("strategy.cp=2", "strategy.tp=1", "strategy.pp=1"))):
+        msg = _problems(f"strategy={preset}", "cluster.devices=2", *extra)
+        assert f"strategy={preset} (strategy.cp=2) cannot run on CPU" in msg, msg
+        assert "strategy=ulysses" in msg
+
+
+@pytest.mark.subprocess
+def test_invalid_sequence_shapes_exit_2_before_launch(tmp_path):
+    run = run_cli("train.py", *CPU, "model=gpt_nano", "strategy=ulysses", *FOUR, "strategy.sp=4",
+                  out=tmp_path / "heads", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-2000:]
+    assert "model.n_kv_heads=2 is not divisible by strategy.sp=4" in run.log
+    plan = run_cli("plan.py", *CPU, "model=gpt_nano", "strategy=fsdp_cp", "cluster.devices=2",
+                   "model.seq_len=30", out=tmp_path / "cp", check=False, timeout=120)
+    assert plan.proc.returncode == 2, plan.log[-2000:]
+    assert "not divisible by 2 x strategy.cp=2" in plan.log
+
+
+@pytest.mark.unit
+def test_sequence_shards_are_contiguous_and_cover_the_window():
+    import torch
+
+    from recipes.data import SequenceShard
+
+    x, y = torch.arange(16).view(2, 8), torch.arange(16).view(2, 8) + 1
+    parts = [SequenceShard(r, 2)([(x[0], y[0]), (x[1], y[1])]) for r in range(2)]
+    assert torch.equal(torch.cat([p[0] for p in parts], dim=1), x)
+    assert torch.equal(torch.cat([p[1] for p in parts], dim=1), y)
+
+
+# ----------------------------------------------------------------------------- the planner
+@pytest.mark.unit
+def test_planner_prices_ulysses_and_ring_attention():
+    """Ulysses: 4 x s x b x h / sp per layer (MHA), forward and backward, (sp-1)/sp of it sent;
+    ring attention: K and V passed cp - 1 times per layer forward; activations / degree."""
+    from planner import plan_all
+    from recipes.config import describe
+
+    def comm(*overrides):
+        cfg = compose(["cluster=node_8x_h100", "model=llama_7b", "model.seq_len=32768",
+                       "trainer.micro_batch_size=1", "trainer.global_batch_size=8", *overrides])
+        return plan_all(cfg, describe(cfg.model), chosen=True).plans[0]
+
+    s, b, h, layers, m = 32768, 1, 4096, 32, 8  # m: 8 micro-batches per step (dp 1), bf16
+    uly = comm("strategy=zero3_ulysses", "strategy.sp=8")
+    x = uly.communication.by_collective["sp_all_to_all"]
+    assert x.ranks == 8
+    assert x.bytes == pytest.approx(4 * s * b * h / 8 * 2 * layers * 2 * 7 / 8 * m, rel=1e-9)
+    z3 = comm("strategy=zero3")
+    assert uly.activations_full == pytest.approx(z3.activations_full / 8, rel=0.02)
+    ring = comm("strategy=fsdp_cp", "strategy.cp=8")
+    kv = 2 * h  # llama_7b: full-width K and V (no GQA)
+    y = ring.communication.by_collective["cp_kv_send_recv"]
+    assert y.bytes == pytest.approx(kv * b * s / 8 * 2 * layers * (7 * 2 + 8) * m, rel=1e-9)
+
+
+@pytest.mark.unit
+def test_masked_targets_with_sequence_shards_are_refused():
+    """Each shard averages its own counted targets: exact only for unmasked data."""
+    msg = _problems("strategy=ulysses", "cluster.devices=2", "data=chat")
+    assert "data.train_on=assistant with a sequence-parallel preset (strategy=ulysses)" in msg, msg
+
+
+@pytest.mark.unit
+def test_auto_takes_ulysses_at_the_degree_a_long_sequence_needs():
+    """llama_7b at 32k tokens on one 8 x H100 node: sharding alone leaves ~100 GB of activations
+    per device; the planner raises Ulysses' degree from its preset's 2 until it fits (sp 8) and
+    strategy=auto runs it there."""
+    from planner import choose
+    from recipes.config import describe
+
+    cfg = compose(["cluster=node_8x_h100", "model=llama_7b", "model.seq_len=32768",
+                   "trainer.micro_batch_size=1", "trainer.global_batch_size=8", "strategy=auto"])
+    picked, reason = choose(cfg, describe(cfg.model))
+    assert picked.name in ("ulysses", "zero3_ulysses") and picked.sp == 8, (picked.name, reason)
+    assert "sequence parallel" in reason
