@@ -28,6 +28,13 @@ def main(argv: list[str]) -> None:
     from strategies.presets import AUTO, names
 
     cli.or_exit(lambda: validate(cfg, depth=CONFIG))
+    if cfg.planner.calibrate:  # this machine measured once, in a subprocess (no torch here)
+        from planner.machine import ensure
+
+        try:
+            ensure(cfg)
+        except RuntimeError as e:
+            sys.exit(f"{e}")
     chosen = "strategy" in groups
     why = None
     if chosen and cfg.strategy.get("name") == AUTO:  # exactly what train.py strategy=auto runs
@@ -48,10 +55,12 @@ def main(argv: list[str]) -> None:
     rec = report.recommendation.strategy
     if not chosen and cfg.planner.format != "json" and rec in names():
         keep = argv  # (no strategy among them: the composition did not choose one)
-        print(f"run it: python train.py {' '.join([*keep, f'strategy={rec}'])}   (or strategy=auto)")
+        run = [f"strategy={rec}"] + (["strategy.activation_checkpointing=true"]
+                                     if report.recommendation.activation_checkpointing else [])
+        print(f"run it: python train.py {' '.join([*keep, *run])}   (or strategy=auto)")
         if (micro := report.recommendation.micro_batch_size) is not None:
             keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]
-            print(f"   or: python train.py {' '.join([*keep, f'strategy={rec}', f'trainer.micro_batch_size={micro}'])}"
+            print(f"   or: python train.py {' '.join([*keep, *run, f'trainer.micro_batch_size={micro}'])}"
                   "   (the largest micro batch that fits)")
 
 

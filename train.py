@@ -24,7 +24,7 @@ import checkpoints
 import launchers
 import launchers.sweep
 import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
-from observers.report import closing
+from observers import report, startup
 from recipes import cli
 from recipes.job import Job, validate
 from strategies import ConfigError
@@ -41,8 +41,8 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     cfg, chosen = planner.resolve_auto(cfg, recipes.config.describe(cfg.model))
     if chosen:
         log.info("%s", chosen)
-    job = validate(cfg, extra=[backends.check, launchers.check])
-    result = planner.check(cfg, job.model)
+    job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check])
+    result = startup.timed("plan", planner.check, cfg, job.model)  # (report.json's startup)
     log.info("%s", result.summary())
     predicted = planner.plan_dict(result) | ({"chosen_by": chosen} if chosen else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
@@ -62,7 +62,7 @@ def train(job: Job, predicted: dict, out: Path) -> None:
         sys.exit(getattr(e, "code", 1))
     r = outcome.report
     if outcome.rank == 0 and r.get("losses"):
-        for message in closing(r, out / "report.json" if job.callbacks.report else None):
+        for message in report.closing(r, out / "report.json" if job.callbacks.report else None):
             log.info("%s", message)
     if outcome.rank == 0 and job.trainer.save_hf:
         from checkpoints.convert import final_hf
@@ -96,4 +96,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main, __doc__)
+    cli.run(main, __doc__, ready=lambda: startup.mark("import"))

@@ -5,6 +5,9 @@
     presets    step time, state bytes and collective payload of every CPU preset
     scaling    step time and memory vs model size and world size, next to the planner
     gpu        MFU, memory predicted vs measured, the largest zero3_offload model (GPU only)
+    steptime   predicted vs measured step time after planner.calibrate=true (CPU presets)
+    longcontext  activations per rank and step time vs sequence length: single, ulysses 2, cp 2
+    moe        mixture of experts vs ep: assignments per expert, drops, all-to-all bytes vs planned
 
 Each writes its table into BENCHMARKS.md (between ``<!-- bench:<name> -->`` markers), except
 with ``--smoke`` (tiny, seconds, nothing written: what tests/test_bench.py runs).
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-NAMES = ["overhead", "startup", "presets", "scaling", "gpu"]
+NAMES = ["overhead", "startup", "presets", "scaling", "gpu", "longcontext", "moe", "steptime"]
 
 
 def main(argv: list[str]) -> None:

@@ -79,6 +79,12 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from recipes.cli import rank_aware_logging
 
     rank_aware_logging()
+    if job.run.accelerator == "cpu" and job.mesh.devices > 1:  # (forked: the parent's threads)
+        import torch
+
+        from strategies.run import cpu_threads
+
+        torch.set_num_threads(cpu_threads(job.mesh.devices))
     try:
         return run(job, out, plan)
     except Interrupted as e:  # every rank saved after the same step: end with the signal's code
@@ -150,6 +156,9 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
                           run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
                           max_restarts=rdzv.max_restarts, monitor_interval=MONITOR_SECONDS,
                           start_method="fork" if job.run.accelerator == "cpu" else "spawn")
+    from observers import startup
+
+    startup.hand_over()  # the ranks continue this process's start-up timeline
     try:
         outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
         return outcomes[min(outcomes)]
@@ -161,6 +170,8 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
                           "run the same command again to resume (trainer.resume_from=auto)",
                           128 + signal.Signals[name]) from None
         raise RankLost(_lost(e, job.mesh.size, rdzv.nodes)) from None
+    finally:
+        startup.take_back()
 
 
 def _lost(e: Any, world: int, nodes: int = 1) -> str:

@@ -1,8 +1,15 @@
 """Predicted next to measured: the planner's figures for this preset, model, batch and world
-beside what rank 0 measured. Report key ``predicted_vs_measured``: for ``state_bytes`` (params,
-grads, optimizer state incl. fp32 master, wherever they live but NVMe), ``activations`` (one
-micro-batch's saved tensors) and ``communication`` (bytes this rank sends per optimizer step on a
-ring: the planner's unit), ``{"predicted", "measured", "ratio"}`` (ratio = measured / predicted).
+beside what was measured. Report key ``predicted_vs_measured``: for ``state_bytes`` (params,
+grads, optimizer state incl. fp32 master, wherever they live but NVMe; rank 0), ``activations``
+(the most saved tensors any rank held at once in its first micro-batch's forward -- a
+pipeline's whole first schedule -- against the planner's busiest device), on a Linux host
+``step_growth`` (how far a step's RSS rises above what its update leaves -- activations, the loss
+backward, gathered units -- against the plan's ``memory.growth``; the largest rank) and ``peak``
+(the step's RSS above the process before the model was built against ``memory.total``: the
+runtime's own memory is not planned), ``communication``
+(bytes the busiest rank sends per optimizer step on a ring: the planner's unit) and
+``step_seconds`` (the planner's step time against the throughput observer's median step, the
+first excluded), ``{"predicted", "measured", "ratio"}`` (ratio = measured / predicted).
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ def predicted_state_bytes(memory: dict[str, int]) -> int:
 class Comparison(Observer):
     """Reads the memory and communication observers' results (whichever are on)."""
 
-    def __init__(self, plan: dict[str, Any], memory: Any = None, communication: Any = None):
+    def __init__(self, plan: dict[str, Any], memory: Any = None, communication: Any = None,
+                 throughput: Any = None):
         self.plan, self.memory, self.communication = plan, memory, communication
+        self.throughput = throughput
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -35,20 +44,30 @@ class Comparison(Observer):
             r0 = self.memory.ranks[0]
             held = sum(r0.get(k, 0) for k in ("params", "grads", "optimizer"))
             out["state_bytes"] = _row(predicted_state_bytes(mem), held)
-            out["activations"] = _row(mem["activations"], r0.get("activations"))
+            saved = [r["activations"] for r in self.memory.ranks if r.get("activations") is not None]
+            out["activations"] = _row(mem["activations"], max(saved) if saved else None)
+            grown = [r for r in self.memory.ranks if r.get("peak_rss_growth") is not None]
+            if grown and "growth" in mem:
+                out["step_growth"] = _row(mem["growth"], max(r["peak_rss_growth"] for r in grown))
+                out["peak"] = _row(mem["total"], max(r["peak_rss_run"] for r in grown))
         if self.communication is not None and self.communication.steps:
             sent = sum(v["wire_bytes"] for v in self.communication.per_step().values())
+            sent = max([sent, *(r["wire_bytes"] for r in self.communication.ranks or [])])
             out["communication"] = _row(self.plan["communication"]["bytes_per_step"], sent)
+        if self.throughput is not None and self.throughput.seconds and self.plan.get("step_seconds"):
+            out["step_seconds"] = _row(self.plan["step_seconds"], self.throughput.step_seconds())
         return {"predicted_vs_measured": out}
 
 
 def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
     """The comparison as a small table, for the end-of-run log."""
-    def mib(x: float | None) -> str:
-        return f"{x / 2**20:,.2f} MiB" if x is not None else "-"
+    def unit(name: str, x: float | None) -> str:
+        if x is None:
+            return "-"
+        return f"{x:,.3f} s" if name.endswith("seconds") else f"{x / 2**20:,.2f} MiB"
 
     lines = [f"{'':>14} {'predicted':>14} {'measured':>14} {'ratio':>7}"]
     for name, r in rows.items():
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
-        lines.append(f"{name:>14} {mib(r['predicted']):>14} {mib(r['measured']):>14} {ratio:>7}")
+        lines.append(f"{name:>14} {unit(name, r['predicted']):>14} {unit(name, r['measured']):>14} {ratio:>7}")
     return lines

@@ -5,17 +5,32 @@
   before the first optimizer step, parameters and optimizer state right after it.
 - ``activations``: bytes saved for backward by one micro-batch's forward pass (the first),
   counted with autograd's saved-tensor hooks (``strategies.memory.SavedTensors``): every
-  distinct storage saved, parameters and module buffers (and views of them) excluded. With
-  activation checkpointing it falls to the blocks' inputs.
+  distinct storage saved, parameters and module buffers (and views of them) excluded, at the
+  live peak (a pipeline's first schedule runs forward and backward of every micro-batch inside
+  that window: the most its chunks held at once). With activation checkpointing it falls to the
+  blocks' inputs.
 - ``peak_rss``: the process's peak resident memory.
+- ``peak_rss_growth``: how far a training step's resident memory rises above what the step
+  leaves behind -- its peak (reset at the step's start, Linux ``/proc/self/clear_refs``) minus
+  the RSS once its update is done, when every state exists and the transients are freed: the
+  activations, the loss backward, gathered units, the step's copies, less the gradients that do
+  not exist yet at backward's start (the planner's ``memory.growth``). ``peak_rss_run``: the same
+  peak above the RSS the process had before the model was built (the observer is made before the
+  backend builds anything): model, engine and step together, the planner's ``memory.total``
+  plus the runtime's own (gloo, DeepSpeed's CPU accelerator: tens to ~150 MB, as the CUDA
+  context on a GPU). Both skip the first step (one-time allocations, the optimizer state
+  appearing) when the run has more, and keep the largest later step; None where the kernel
+  offers no reset. RSS follows the live bytes only as far as the allocator returns freed memory
+  (glibc's default dynamic mmap threshold keeps freed 1-30 MB tensors in its heap), so the first
+  ``MEASURED_STEPS`` steps allocate exactly (``allocate_exactly``) and later ones as usual.
 - On GPU, ``cuda``: peak allocated and reserved bytes per phase -- forward, backward, optimizer
   step -- over the run (``torch.cuda`` peak counters, reset at each phase boundary), and on
   request (``callbacks.memory.snapshot=true``) a CUDA memory snapshot of the first steps per
   rank, ``memory_snapshot_rank<r>.pickle``, which https://pytorch.org/memory_viz opens.
 
 Report key ``memory``: ``{"ranks": [{"rank", "params", "grads", "optimizer", "activations",
-"peak_rss", ["cuda"]}, ...], "predicted": {...}}`` (bytes; ``predicted``: the planner's
-per-device numbers for the same preset, when planned).
+"peak_rss", "peak_rss_growth", "peak_rss_run", ["cuda"]}, ...], "predicted": {...}}`` (bytes;
+``predicted``: the planner's per-device numbers for the same preset, when planned).
 """
 
 from __future__ import annotations
@@ -34,6 +49,55 @@ PHASES = ("forward", "backward", "optimizer")
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def current_rss() -> int | None:
+    """Resident bytes now (Linux ``/proc/self/statm``); None elsewhere."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def allocate_exactly(exact: bool) -> None:
+    """glibc only (a no-op elsewhere): with ``exact``, tensors over 64 KiB get pages of their own
+    (``M_MMAP_THRESHOLD``, what ``MALLOC_MMAP_THRESHOLD_=65536`` sets) and the freed pages go back
+    to the kernel (``malloc_trim``), so RSS follows the live bytes; without, the threshold returns
+    to glibc's ceiling (32 MiB), where its default dynamic threshold ends up on a training loop."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return
+    libc.mallopt(-3, 65536 if exact else 32 << 20)  # M_MMAP_THRESHOLD
+    if exact:
+        libc.malloc_trim(0)
+
+
+MEASURED_STEPS = 4
+"""Steps whose RSS growth is measured (the first aside), allocating exactly (slower: a page
+fault per fresh page); later steps run at the allocator's usual speed."""
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak: the kernel sets the process's high-water mark to its current RSS
+    (Linux >= 4.0, ``echo 5 > /proc/self/clear_refs``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def all_gather(obj: Any) -> list[Any]:
@@ -76,6 +140,11 @@ class MemoryProfile(Observer):
         self._saved: SavedTensors | None = None
         self._cuda: CudaPhases | None = None
         self._phase: str | None = None
+        # RSS before the model exists (observers are made before the backend builds anything)
+        self._baseline = current_rss()
+        self._lifetime = 0  # the process's peak, across the per-step resets
+        self._step_peaks: list[tuple[int, int]] = []  # each step's peak over its end, over the baseline
+        self._resets = False
 
     def _held(self, engine: Engine, what: str) -> int:
         return engine.held_bytes(what)
@@ -93,6 +162,14 @@ class MemoryProfile(Observer):
             self._enter(None)
             if self.snapshot_steps:
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+
+    def on_step_start(self, engine: Engine, step: int) -> None:
+        if self._baseline is not None:
+            self._lifetime = max(self._lifetime, peak_rss())
+            self._resets = len(self._step_peaks) < MEASURED_STEPS
+            if self._resets:
+                allocate_exactly(True)
+                self._resets = reset_peak_rss()
 
     def on_forward_start(self, engine: Engine, step: int) -> None:
         self._enter("forward")
@@ -115,6 +192,12 @@ class MemoryProfile(Observer):
 
     def on_step_work_end(self, engine: Engine, step: int) -> None:
         self._enter(None)
+        if self._resets and self._baseline is not None:
+            peak = peak_rss()
+            allocate_exactly(True)  # (returns what the step freed)
+            self._step_peaks.append((peak - (current_rss() or peak), peak - self._baseline))
+            if len(self._step_peaks) == MEASURED_STEPS:
+                allocate_exactly(False)
         if "optimizer" not in self.held:
             self.held["params"] = self._held(engine, "params")
             self.held["optimizer"] = self._held(engine, "optimizer")
@@ -132,7 +215,10 @@ class MemoryProfile(Observer):
 
         if self.snapshot_steps and self._cuda is not None and torch.cuda.memory._snapshot()["segments"]:
             self._dump(engine)  # a run shorter than snapshot_steps
-        mine = {"rank": engine.rank, **self.held, "peak_rss": peak_rss()}
+        steady = self._step_peaks[1:] or self._step_peaks  # the first step aside, when others ran
+        mine = {"rank": engine.rank, **self.held, "peak_rss": max(self._lifetime, peak_rss()),
+                "peak_rss_growth": max((g for g, _ in steady), default=None),
+                "peak_rss_run": max((r for _, r in steady), default=None)}
         if self._cuda is not None:
             mine["cuda"] = self._cuda.peaks
         self.ranks = all_gather(mine)

@@ -5,7 +5,9 @@ Report key ``throughput``: ``step_seconds`` (median over the run's steps, the fi
 when there are others: it carries warm-up), ``tokens_per_second`` and ``samples_per_second`` at
 that median, ``tflops_per_second`` (model FLOPs: ``ModelConfig.flops_per_token`` x tokens, over
 the whole world) and ``mfu`` -- that rate over the devices' dense peak for the run's precision
-(``PEAK_TFLOPS``, by GPU name; None on CPU or an unlisted device) -- and ``steps_timed``.
+(``PEAK_TFLOPS``, by GPU name, or the matmul rate ``planner.calibrate`` measured on this
+machine; None on an uncalibrated CPU or an unlisted GPU) -- with ``peak_tflops`` and
+``mfu_formula``, the formula and the peak it divides by -- and ``steps_timed``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ def device_peak_tflops(precision: str) -> float | None:
 
 class Throughput(Observer):
     def __init__(self, tokens_per_step: int, samples_per_step: int, *, flops_per_token: float,
-                 precision: str = "32"):
+                 precision: str = "32", peak: tuple[float, str] | None = None):
+        """``peak``: (TFLOP/s per device, where it comes from) to compute MFU against, instead of
+        the GPU table (a calibrated machine's measured matmul rate)."""
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
-        self.flops_per_token, self.precision = flops_per_token, precision
+        self.flops_per_token, self.precision, self.peak = flops_per_token, precision, peak
         self.seconds: list[float] = []
         self.world_size = 1
         self._t0 = 0.0
@@ -64,9 +68,13 @@ class Throughput(Observer):
             return n / step if step > 0 else 0.0
 
         tflops = rate(self.tokens_per_step * self.flops_per_token) / 1e12
-        peak = device_peak_tflops(self.precision)
+        peak, source = self.peak or (device_peak_tflops(self.precision), "dense peak of the GPU model")
+        formula = (f"model FLOPs/s ({self.flops_per_token:,.0f} per token: 6 x matmul params + 12 x "
+                   f"layers x seq x dim, x tokens/s) / ({self.world_size} device(s) x "
+                   f"{peak:.3g} TFLOP/s, {source})") if peak else None
         return {"throughput": {
             "step_seconds": step, "tokens_per_second": rate(self.tokens_per_step),
             "samples_per_second": rate(self.samples_per_step), "tflops_per_second": tflops,
             "mfu": tflops / (peak * self.world_size) if peak else None,
+            "peak_tflops": peak, "mfu_formula": formula,
             "steps_timed": len(self.seconds[1:] or self.seconds)}}

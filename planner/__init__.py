@@ -10,6 +10,7 @@ plan (one layout: memory and time), recommend (candidates and the ladder), rende
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from planner.activations import (activation_bytes, boundary_activation_bytes, korthikanti_layer_bytes,
@@ -41,14 +42,18 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     su = Setup.of(cfg, model)
     own = as_config(cfg.strategy)
     megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
-    presets = [own] if chosen else [own if n == own.name else _degrees(load(n), megatron)
+    presets = [own] if chosen else [own if n == own.name else _ep_degree(_seq_degree(_degrees(load(n), megatron), su), su)
                                     for n in names()]
     cands = [candidate(p) for p in presets] + megatron
     plans = [plan_candidate(c, su) for c in cands]
     rec = _recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
+    ckpt = su
+    if not chosen and su.shape is not None and su.options.activation_checkpointing is None:
+        ckpt = dataclasses.replace(su, options=dataclasses.replace(su.options, activation_checkpointing=True))
+        _suggest_checkpointing(rec, plans, [plan_candidate(c, ckpt) for c in cands])
     if rec.strategy and not chosen:
         best = next(c for c in cands if c.name == rec.strategy)
-        if (micro := largest_micro_batch(best, su)) is not None:
+        if (micro := largest_micro_batch(best, ckpt if rec.activation_checkpointing else su)) is not None:
             rec.micro_batch_size = micro
             rec.reason += (f"; it also fits micro batch {micro} (trainer.micro_batch_size={micro}: "
                            f"fewer accumulation steps)")
@@ -83,6 +88,35 @@ def _recommend(plans: list[Plan]) -> Recommendation:
     return rec
 
 
+CHECKPOINTING = "strategy.activation_checkpointing=true"
+
+
+def _suggest_checkpointing(rec: Recommendation, plans: list[Plan], checkpointed: list[Plan]) -> None:
+    """Activation checkpointing when it changes the answer (``checkpointed``: the same layouts
+    with it): when nothing runnable fits without it, the best that fits with it becomes the
+    recommendation (``rec.activation_checkpointing``); when the recommendation is tight and a
+    layout fits with margin with it, or one is MOVE_UP times faster with it, the reason names it
+    (``rec.with_checkpointing``)."""
+    other = _recommend(checkpointed)
+    if other.strategy is None:
+        return
+    theirs = next(p for p in checkpointed if p.strategy == other.strategy)
+    mine = next((p for p in plans if p.strategy == rec.strategy), None)
+    if mine is None:
+        rec.strategy, rec.activation_checkpointing = other.strategy, True
+        rec.reason = (f"{rec.reason}; with activation checkpointing ({CHECKPOINTING}) {other.strategy} "
+                      f"fits: {other.reason}")
+        return
+    tight = mine.tight and not theirs.tight
+    if other.strategy != rec.strategy and (tight or theirs.step_seconds * MOVE_UP < mine.step_seconds):
+        rec.with_checkpointing = other.strategy
+        why = (f"with margin ({gb(theirs.margin)} free)" if tight else
+               f"{mine.step_seconds / theirs.step_seconds:.2f}x faster")
+        rec.reason += (f"; with activation checkpointing (strategy={other.strategy} {CHECKPOINTING}) "
+                       f"{other.strategy} fits {why}: {gb(theirs.memory.total)} per device, step ~ "
+                       f"{theirs.step_seconds:.3g} s")
+
+
 def _batch(su: Setup) -> str:
     t = su.trainer
     return (f"global batch {t.global_batch_size} x seq {su.seq_len}, micro batch {t.micro_batch_size}, "
@@ -92,7 +126,7 @@ def _batch(su: Setup) -> str:
 def _degrees(preset: StrategyConfig, megatron: list[Candidate]) -> StrategyConfig:
     """A TP / PP preset the user did not compose, at the degrees this cluster and model call
     for (``planner.tp``/``planner.pp``, else TP inside a node and the smallest fitting PP)."""
-    if not preset.capabilities.degrees:
+    if not {"tp", "pp"} <= set(preset.capabilities.degrees):  # (sequence / expert degrees stay)
         return preset
     derived = {c.name: c.config for c in megatron}
     tp = derived["megatron_tp"].tp if "megatron_tp" in derived else preset.tp
@@ -102,10 +136,42 @@ def _degrees(preset: StrategyConfig, megatron: list[Candidate]) -> StrategyConfi
     return preset.with_degrees(tp=tp if preset.tp > 1 else 1, pp=pp if preset.pp > 1 else 1)
 
 
+def _seq_degree(preset: StrategyConfig, su: Setup) -> StrategyConfig:
+    """A Ulysses preset the user did not compose, at the smallest sequence degree that fits:
+    degrees inside one node dividing the heads, KV heads and sequence (DeepSpeed keeps its
+    all-to-all within a node); the largest of them when none fits. Other presets as they are."""
+    if "sp" not in preset.capabilities.degrees or getattr(preset, "sp", 1) <= 1 or su.shape is None:
+        return preset
+    n = su.cluster.devices
+    options = [d for d in range(2, n + 1) if n % d == 0 and all(
+        getattr(su.shape, k) % d == 0 for k in ("n_heads", "n_kv_heads", "seq_len"))]
+    for d in options:
+        p = preset.with_degrees(sp=d)
+        if plan_candidate(candidate(p), su).fits:
+            return p
+    return preset.with_degrees(sp=options[-1]) if options else preset
+
+
+def _ep_degree(preset: StrategyConfig, su: Setup) -> StrategyConfig:
+    """An expert-parallel preset the user did not compose, at the expert degree that fits with
+    the shortest step: degrees inside one node (the token all-to-all stays on its links) that
+    divide the model's experts and the data-parallel ranks; the largest when none fits."""
+    if "ep" not in preset.capabilities.degrees or su.shape is None or not getattr(su.shape, "is_moe", False):
+        return preset
+    n, experts = su.cluster.devices, su.shape.n_experts
+    options = [d for d in range(1, n + 1) if n % d == 0 and experts % d == 0]
+    if not options:
+        return preset
+    plans = [(plan_candidate(candidate(preset.with_degrees(ep=d)), su), d) for d in options]
+    fitting = [(p.step_seconds, d) for p, d in plans if p.fits]
+    return preset.with_degrees(ep=min(fitting)[1] if fitting else options[-1])
+
+
 def _others(su: Setup, skip: Plan) -> list[Plan]:
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
     return [plan_candidate(candidate(p), su)
-            for p in (_degrees(load(n), megatron) for n in names()) if p.name != skip.strategy]
+            for p in (_seq_degree(_degrees(load(n), megatron), su) for n in names())
+            if p.name != skip.strategy]
 
 
 def _hint(plans: list[Plan]) -> str:
@@ -134,14 +200,23 @@ def choose(cfg: Any, model: ModelDescription) -> tuple[StrategyConfig, str]:
                           f"{rec.strategy} is the best and {rec.reason}; choose it yourself "
                           f"(strategy={rec.strategy}) or lower planner.reserve_GB")
     picked = load(rec.strategy)
-    if picked.capabilities.degrees:  # at the degrees it was planned with
-        picked = picked.with_degrees(**{d: getattr(chosen, d) for d in picked.capabilities.degrees})
+    planned = {d: getattr(chosen, d) for d in picked.capabilities.degrees if hasattr(chosen, d)}
+    if planned:  # at the degrees it was planned with (a sequence degree: chosen again, the same way)
+        picked = picked.with_degrees(**planned)
+    picked = _seq_degree(picked, Setup.of(cfg, model))
+    if rec.activation_checkpointing:  # it fits only so
+        picked = dataclasses.replace(picked, activation_checkpointing=True)
     return picked, rec.reason
 
 
 def resolve_auto(cfg: Any, model: ModelDescription) -> tuple[Any, str | None]:
     """The config with ``strategy=auto`` replaced by the planner's choice for this model,
-    cluster and batch, and why; any other strategy: the config as given, None."""
+    cluster and batch, and why; any other strategy: the config as given, None. train.py's first
+    planning step, so with ``planner.calibrate=true`` this machine is measured here first (once,
+    then cached: ``planner.machine.ensure``)."""
+    from planner import machine
+
+    machine.ensure(cfg)  # planner.calibrate=true: this machine measured once (a subprocess), cached
     if cfg.strategy.get("name") != AUTO:
         return cfg, None
     from omegaconf import OmegaConf, open_dict
@@ -170,18 +245,40 @@ def check(cfg: Any, model: ModelDescription) -> Plan:
     return result
 
 
+def mfu_formula(su: Setup) -> str:
+    """How compute time is priced, with the peak it divides by (printed wherever MFU appears)."""
+    from planner.plan import mfu, peak_flops
+
+    flops = ("(6 x matmul params + 12 x layers x seq x dim) x tokens" if su.shape is not None
+             else "6 x params x tokens")
+    if su.machine is not None:
+        peak = (f"the matmul rate measured on this machine, {peak_flops(su) / 1e12:.3g} TFLOP/s per "
+                f"process (planner.calibrate, precision {su.machine.precision})")
+        util = f"MFU {mfu(su):.2f}, what a transformer block reached of it there"
+    else:
+        peak = f"cluster.peak_tflops {su.cluster.peak_tflops:g} TFLOP/s per device"
+        util = f"planner.mfu {mfu(su):g}"
+    return f"{flops} / (devices x peak x MFU): peak = {peak}; {util}"
+
+
 def assumptions(su: Setup) -> list[str]:
-    acc = {"mixed16": "mixed16: 2 bf16 param + 2 bf16 grad + 4 fp32 master + 8 Adam = 16 B/param",
-           "mixed20": "mixed20: 2 bf16 param + 2 bf16 + 4 fp32 grad + 4 fp32 master + 8 Adam = 20 B/param",
+    acc = {"mixed16": "mixed16: 2 bf16 param + 2 bf16 grad + 4 fp32 master + 8 Adam = 16 B/param, the "
+                      "reference documents' model (states as the layout shards them; no engine buffers)",
+           "mixed20": "mixed20: 2 bf16 param + 2 bf16 + 4 fp32 grad + 4 fp32 master + 8 Adam = 20 B/param, "
+                      "the deep-dive's model (no engine buffers)",
            "actual": f"actual: what precision={su.trainer.precision} allocates (AdamW; torch AMP keeps "
                      "fp32 params, DeepSpeed bf16 params + fp32 master)"}[su.options.accounting]
-    out = [f"GB = 1e9 bytes, GiB = 2^30; memory is per device; accounting {acc}",
-           f"compute = 6 x params x tokens / (devices x peak x MFU {su.options.mfu:g}); activation "
-           "checkpointing adds one forward (8 x params x tokens)",
+    out = [*([su.hardware] if su.hardware else []),
+           f"GB = 1e9 bytes, GiB = 2^30; memory is per device; accounting {acc}",
+           f"compute = {mfu_formula(su)}; activation checkpointing adds one forward (x 4/3)"
+           + ("; step = compute / (1 - bubble) + exposed communication + the optimizer step "
+              "(AdamW's measured ns per parameter this device steps)" if su.machine is not None else ""),
            "collective time = bandwidth + latency (ring: 2(N-1)/N x bytes per rank for all-reduce, "
            "(N-1)/N for all-gather / reduce-scatter; groups spanning nodes run at inter_node_GBps; "
            f"each launch (bucket, unit, layer) pays 2 log2 N (all-reduce) or N-1 steps of "
-           f"{su.options.intra_latency_us:g} us inside a node, {su.options.inter_latency_us:g} us across)",
+           f"{su.options.intra_latency_us:g} us inside a node, {su.options.inter_latency_us:g} us across)"
+           + (f"; inside this node per operation as measured: {su.machine.describe()}"
+              if su.machine is not None else ""),
            "overlap: gradient all-reduce / reduce-scatter hide under backward, ZeRO-3/FSDP "
            "gathers under forward/backward (prefetch); ZeRO-1/2 post-step all-gather, TP "
            "all-reduces, pipeline sends and offload copies are exposed"]
@@ -195,17 +292,22 @@ def assumptions(su: Setup) -> list[str]:
         from planner.activations import calibration
 
         arch = getattr(su.shape, "architecture", "")
-        how = (f"calibrated for {arch} (planner/activations.json, traced per precision regime); "
-               "tensor-parallel layouts: Korthikanti et al. 2022" if arch in calibration()
+        how = (f"calibrated for {arch} (planner/activations.json, traced per precision regime, "
+               "with and without dropout, and under tensor and sequence parallelism)" if arch in calibration()
                else "Korthikanti et al. 2022 per layer")
         out.append(f"activations: {how}, SwiGLU/GQA terms, {attn}, "
-                   f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; fp32 logits for the loss")
-    out.append("planned-only TP / PP / 3D layouts use ZeRO-1 over data parallel; bubble "
-               "(P-1)/(m+P-1), 1F1B keeps min(P, m) micro-batches in flight on stage 0")
+                   f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; fp32 logits for the loss, "
+                   "whose backward adds 8 x seq x micro x vocab bytes at backward's start")
+    out.append("planned-only TP / PP / 3D layouts use ZeRO-1 over data parallel (activations: "
+               "Korthikanti et al.'s closed forms, what Megatron-LM saves); pipeline bubble: each "
+               "schedule's chunk order as torch runs it, simulated with a backward of twice the "
+               "forward (GPipe / 1F1B: (P-1)/(m+P-1); interleaved: (P-1)/(v m+P-1)); activations: "
+               "the chunks each rank's schedule keeps alive at once (1F1B: min(P, m) on stage 0, "
+               "GPipe: all m)")
     return out
 
 
-__all__ = ["ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Communication", "Memory",
+__all__ = ["mfu_formula", "ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Communication", "Memory",
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",

@@ -3,20 +3,23 @@ each footprint's own: strategies/footprint.py.)
 
 Activations come from the calibration of the model actually trained (``activations.json``:
 bytes saved per token by a block, a checkpointed block, the loss tail and the embedding, linear
-in the shape, traced by recipes/calibrate.py per precision regime) when its architecture is
-calibrated and no tensor parallelism splits it; otherwise from Korthikanti et al. 2022's closed
-forms, generalised to our shapes (the documented reference, and the fallback).
+in the shape, traced by recipes/calibrate.py per precision regime, with and without dropout,
+and under tensor parallelism with and without sequence parallelism) when its architecture is
+calibrated; otherwise from Korthikanti et al. 2022's closed forms, generalised to our shapes
+(the documented reference, the fallback, and what planned-only Megatron layouts use). A
+pipeline rank holds, at its peak, the micro-batch chunks its schedule keeps in flight
+(strategies.pipeline.peak_live), each the blocks of its stage.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from planner.inputs import ModelDescription
+from strategies.pipeline import balanced_split, peak_live, stage_owner
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
@@ -55,38 +58,100 @@ def calibration() -> dict[str, Any]:
     return json.loads((Path(__file__).with_name("activations.json")).read_text())
 
 
-def _per_token(coefficients: dict[str, float], shape: ModelDescription) -> float:
+def _per_token(coefficients: dict[str, float], shape: ModelDescription, tp: int = 1) -> float:
+    """Bytes per token: sum of coefficient x feature; a feature ``f/tp`` is split over ``tp``."""
     head_dim = shape.dim // shape.n_heads
     values = {"one": 1, "dim": shape.dim, "ffn": shape.hidden, "vocab": shape.vocab_size,
-              "kv_dim": shape.n_kv_heads * head_dim, "heads": shape.n_heads}
-    return sum(c * values[f] for f, c in coefficients.items())
+              "kv_dim": shape.n_kv_heads * head_dim, "heads": shape.n_heads,
+              "heads_seq": shape.n_heads * shape.seq_len}
+    return sum(c * values[f.removesuffix("/tp")] / (tp if f.endswith("/tp") else 1)
+               for f, c in coefficients.items())
+
+
+def calibrated(shape: ModelDescription, regime: str | None, tp: int = 1, sp: bool = False) -> dict | None:
+    """The traced table for this model, regime and layout (tensor parallel, sequence parallel,
+    dropout), or None: not calibrated."""
+    table = calibration().get(getattr(shape, "architecture", ""), {}).get(regime or "")
+    if not table:
+        return None
+    variant = "_".join(v for v, on in (("tp", tp > 1), ("sp", tp > 1 and sp),
+                                      ("dropout", shape.dropout > 0)) if on)
+    return table.get("variants", {}).get(variant) if variant else table
+
+
+def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bool = False,
+                     flash: bool = True, elem: float = 2, regime: str | None = None,
+                     seq: int = 1) -> tuple[float, float, float, float]:
+    """One micro-batch's bytes on one rank: a block's saved tensors, a checkpointed block's,
+    the loss tail's (final norm, head, fp32 cross entropy) and the embedding's -- calibrated
+    when ``regime`` names a traced precision regime of this architecture, else the closed
+    forms with ``elem`` bytes per element. ``seq``: the sequence degree (context parallel or
+    Ulysses): each rank keeps its 1/seq of the tokens (Ulysses' attention sees the whole sequence
+    but 1/seq of the heads: the same bytes)."""
+    s, b, h = shape.seq_len // max(1, seq), micro, shape.dim
+    table = calibrated(shape, regime, tp, sp)
+    if table:
+        return tuple(s * b * _per_token(table[p], shape, tp)  # type: ignore[return-value]
+                     for p in ("block", "checkpointed", "tail", "embedding"))
+    layer = layer_activation_bytes(s, b, h, shape.n_heads, ffn=shape.hidden,
+                                   kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
+                                   dropout=shape.dropout > 0, flash=flash, mlp_tensors=4, elem=elem)
+    block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
+    head = 4 * s * b * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
+    return layer, block_input, head, 0.0
+
+
+def stage_layers(shape: ModelDescription, stages: int, split: list[int] | None = None) -> list[int]:
+    """Blocks per pipeline stage: ``split``, or balanced by parameter count as the runner cuts
+    the model (the first stage also holds the embedding, the last the norm and head)."""
+    if split:
+        return list(split)
+    if stages > shape.n_layers:  # (a problem of the layout; plan one block a stage)
+        return [1] * stages
+    emb = shape.embedding_params()
+    return _balanced(shape.n_layers, shape.block_params(), emb, emb + shape.dim, stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced(n: int, block: int, first: int, last: int, stages: int) -> list[int]:
+    return balanced_split([float(block)] * n, first, last, stages)
 
 
 def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: int = 1,
-                     inflight: int = 1, sp: bool = False, ckpt: bool = False,
-                     flash: bool = True, elem: float = 2, regime: str | None = None) -> int:
-    """Activations of the busiest device for one micro-batch (``inflight`` under 1F1B):
-    calibrated when ``regime`` names a traced precision regime of this architecture and no
-    tensor parallelism splits the layers, else the closed forms with ``elem`` bytes."""
-    s, b, h = shape.seq_len, micro, shape.dim
-    table = calibration().get(getattr(shape, "architecture", ""), {}).get(regime or "")
-    if table and tp == 1:
-        tokens = s * b
-        layer, block_input, head, embed = (tokens * _per_token(table[p], shape)
-                                           for p in ("block", "checkpointed", "tail", "embedding"))
-    else:
-        layer = layer_activation_bytes(s, b, h, shape.n_heads, ffn=shape.hidden,
-                                       kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
-                                       dropout=shape.dropout > 0, flash=flash, mlp_tensors=4,
-                                       elem=elem)
-        block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
-        head = 4 * s * b * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
-        embed = 0.0
-    layers = math.ceil(shape.n_layers / pp)
-    kept = (block_input if ckpt else layer) * layers
-    recompute = layer if ckpt else 0.0                   # one block re-run in backward
-    first, last = embed + kept * inflight + recompute, kept + recompute + head
-    return int(max(first, last))
+                     sp: bool = False, ckpt: bool = False, flash: bool = True, elem: float = 2,
+                     regime: str | None = None, schedule: str = "1f1b", virtual: int = 1,
+                     microbatches: int = 1, split: list[int] | None = None, seq: int = 1,
+                     loss: float = 0.0) -> int:
+    """Activations of the busiest device: without a pipeline, one micro-batch through the
+    whole model; with ``pp`` stages (``virtual`` per rank), the most its ``schedule`` keeps
+    alive at once over ``microbatches`` micro-batches, each chunk its stage's blocks (and the
+    embedding on the first stage, the loss tail on the last). Checkpointing keeps each block's
+    input and re-runs one block in backward. ``loss``: bytes alive beside the activations of the
+    rank holding the head at backward's start (the loss backward, ``loss_backward_bytes``)."""
+    layer, block_input, head, embed = activation_parts(shape, micro=micro, tp=tp, sp=sp, flash=flash,
+                                                       elem=elem, regime=regime, seq=seq)
+    kept = block_input if ckpt else layer
+    recompute = layer if ckpt else 0.0
+    if pp <= 1:
+        return int(embed + kept * shape.n_layers + recompute + head + loss)
+    n = pp * virtual
+    layers = stage_layers(shape, n, split)
+
+    def chunk(stage: int) -> float:
+        return layers[stage] * kept + (embed if stage == 0 else 0.0) + (head if stage == n - 1 else 0.0)
+
+    live = peak_live(schedule, pp, virtual, max(1, microbatches), chunk)
+    last = stage_owner(schedule, n - 1, pp, virtual)  # the rank whose stage runs the loss
+    return int(max(max(live), live[last] + loss) + recompute)
+
+
+def loss_backward_bytes(shape: ModelDescription, *, micro: int, tp: int = 1) -> int:
+    """The loss's backward, on the stage holding the head: the gradient of the fp32 log-softmax
+    output and the fp32 logits' gradient, ``2 x 4 x s x b x V`` bytes (``/ tp`` with the
+    vocabulary split), alive at once while every saved tensor still is -- the start of backward,
+    the step's peak. Measured as the peak minus the saved tensors: exactly this in fp32, autocast
+    and bf16 (the loss is computed in fp32 in each)."""
+    return int(8 * shape.seq_len * micro * shape.vocab_size / tp)
 
 
 def estimated_unit(params: float) -> float:

@@ -12,6 +12,7 @@ from planner.activations import boundary_activation_bytes
 from planner.inputs import Setup
 from planner.states import GB
 from strategies.footprint import Sizes, StateBytes, Traffic
+from strategies.pipeline import sends_per_microbatch
 
 
 def ring_all_reduce_bytes(x: float, n: int) -> float:
@@ -47,6 +48,11 @@ def latency_steps(op: str, n: int) -> int:
     return 1
 
 
+# FSDP's per-micro-batch collectives that a pipeline schedule repeats its own way
+STAGED = ("param_all_gather_forward", "param_all_gather_backward", "grad_reduce_scatter",
+          "grad_all_reduce_replicas")
+
+
 @dataclass
 class Collective:
     op: str
@@ -74,58 +80,127 @@ class Communication:
 
 
 def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, pp: int, m: int,
-                  ckpt: bool) -> Communication:
+                  ckpt: bool, *, cp: int = 1, sp: int = 1, tp_sp: bool = False,
+                  pipeline: tuple[str, int] = ("1f1b", 1),
+                  boundary_elem: float | None = None,
+                  staged: tuple[float, float, int] | None = None) -> Communication:
     """Bytes each rank sends per optimizer step, by collective, and their time: bandwidth plus
     latency (alpha-beta: calls x steps x the link's latency, ``latency_steps``). ``traffic``: the
     footprint's data-parallel collectives and offload copies; tensor- and pipeline-parallel
-    traffic follows from the mesh and the model."""
+    traffic follows from the mesh and the model. ``cp``, ``sp``: context-parallel and Ulysses
+    degrees; ``tp_sp``: sequence parallelism under TP. ``m``: micro-batches per step; ``pipeline``:
+    the schedule and stages per rank; ``boundary_elem``: bytes per element of what crosses a
+    stage boundary (the residual stream: fp32 under autocast); ``staged``: under a pipeline,
+    FSDP's block gathers per schedule run in forward and backward and the runs per step
+    (strategies.pipeline.fsdp_gathers: the schedule, not each micro-batch, decides them)."""
     devices, shape, tp, dp = su.cluster.devices, su.shape, n.tp, n.dp
     out = Communication()
 
-    o = su.options
-    alpha = {"intra": getattr(o, "intra_latency_us", 0.0) * 1e-6,
-             "inter": getattr(o, "inter_latency_us", 0.0) * 1e-6}
+    def repeats(x: Traffic) -> float:
+        """How often a per-micro-batch collective runs per step."""
+        if not x.per_micro:
+            return 1
+        if staged is None or x.name not in STAGED:
+            return m
+        fwd, bwd, runs = staged
+        blocks = min(1.0, n.blocks / n.params) if n.blocks and n.params else 1.0
+        per_run = {"param_all_gather_forward": (1 - blocks) + blocks * fwd,  # the root once a run
+                   "param_all_gather_backward": bwd}.get(x.name, 1)
+        return per_run * runs
 
     def add(x: Traffic) -> None:
         if x.ranks <= 1 and x.op != "copy" or x.bytes <= 0:
             return
         per_rank = {"all_reduce": ring_all_reduce_bytes(x.bytes, x.ranks),
                     "all_gather": all_gather_bytes(x.bytes, x.ranks),
-                    "reduce_scatter": reduce_scatter_bytes(x.bytes, x.ranks)}.get(x.op, x.bytes)
-        per_rank *= m if x.per_micro else 1
-        calls = max(1, math.ceil(x.calls)) * (m if x.per_micro else 1)
+                    "reduce_scatter": reduce_scatter_bytes(x.bytes, x.ranks),
+                    "all_to_all": all_gather_bytes(x.bytes, x.ranks)}.get(x.op, x.bytes)
+        per_rank *= repeats(x)
+        calls = max(1, math.ceil(x.calls * repeats(x)))
         group = x.link or ("intra" if x.stride * (x.ranks - 1) < devices else "inter")
-        latency = calls * latency_steps(x.op, x.ranks) * alpha.get(group, 0.0)
+        latency = calls * latency_steps(x.op, x.ranks) * su.latency_seconds(group, x.op)
         out.by_collective[x.name] = Collective(x.op, group, x.ranks, int(per_rank),
-                                               transfer_seconds(per_rank, su.link_GBps(group)) + latency,
+                                               transfer_seconds(per_rank, su.link_GBps(group, x.op)) + latency,
                                                x.overlap, x.per_micro, calls, latency)
 
     for x in traffic:
         add(x)
+    residual = boundary_elem or sb.activation  # bytes per element of the residual stream
     if shape is not None and tp > 1:
-        # Row-parallel layers all-reduce their output in forward; column-parallel ones their
-        # input's gradient in backward, each separately (torch's DTensor TP does not fuse q, k,
-        # v: 2 forward + 5 backward per Llama block; Megatron's fused QKV would be 2 + 2).
-        # Recomputation repeats the forward ones. The embedding (row-parallel) all-reduces its
-        # output, the head (column-parallel) its input gradient; the replicated logits are
-        # all-gathered.
+        # Row-parallel layers reduce their output in forward (in the compute dtype: bf16 under
+        # autocast); column-parallel ones their input's gradient in backward (the residual
+        # stream's dtype: fp32 under autocast). torch's DTensor TP reduces q, k, v, gate and up
+        # input gradients separately (2 forward + 5 backward all-reduces per Llama block;
+        # Megatron's fused QKV: 2 + 2). The embedding (row-parallel) reduces its output, the
+        # head (column-parallel) its input gradient; the replicated logits are all-gathered.
+        # Recomputation repeats the forward ones. With sequence parallelism each block instead
+        # all-gathers its two norm outputs and reduce-scatters its two row outputs in forward,
+        # and the reverse in backward (the gathered input's gradient arrives as one
+        # reduce-scatter for q, k, v together): 4 + 4 half-collectives per block.
         fwd, bwd = getattr(shape, "tp_collectives", lambda: (2, 4))()
         layers = math.ceil(shape.n_layers / pp)
-        x = su.trainer.micro_batch_size * shape.seq_len * shape.dim * sb.activation
-        count = layers * (fwd * (2 if ckpt else 1) + bwd) + (2 if pp == 1 else 1)
-        add(Traffic("tp_all_reduce", "all_reduce", tp, 1, count * x, "none", per_micro=True, calls=count))
+        tokens = su.trainer.micro_batch_size * shape.seq_len * shape.dim
+        low, res = tokens * sb.activation, tokens * residual
+        ends = 2 if pp == 1 else 1  # the embedding's and the head's (one of them past pp = 1)
+        again = 2 if ckpt else 1
+        if tp_sp:
+            gathers = layers * (2 * res * again + 2 * low) + ends * res
+            scatters = layers * (2 * low * again + 2 * res) + ends * res
+            calls = layers * (2 * again + 2) + ends
+            add(Traffic("tp_all_gather", "all_gather", tp, 1, gathers, "none", per_micro=True, calls=calls))
+            add(Traffic("tp_reduce_scatter", "reduce_scatter", tp, 1, scatters, "none", per_micro=True,
+                        calls=calls))
+        else:
+            count = layers * (fwd * again + bwd) + ends
+            nbytes = layers * (fwd * again * low + bwd * res) + ends * res
+            add(Traffic("tp_all_reduce", "all_reduce", tp, 1, nbytes, "none", per_micro=True, calls=count))
         logits = su.trainer.micro_batch_size * shape.seq_len * shape.vocab_size * sb.activation
         add(Traffic("tp_logits_all_gather", "all_gather", tp, 1, logits, "none", per_micro=True))
     if shape is not None and pp > 1:
-        # one activation forward, one gradient back per boundary and micro-batch: the first and
-        # last stages send one of the two, the middle ones both
-        sp = su.options.sequence_parallel and tp > 1
-        x = boundary_activation_bytes(su.trainer.micro_batch_size, shape.seq_len, shape.dim, sb.activation)
-        add(Traffic("pp_send_recv", "send_recv", pp, tp * dp, (2 if pp > 2 else 1) * x / (tp if sp else 1),
-                    "none", per_micro=True, link="intra" if tp * dp < devices else "inter"))
+        # every stage boundary between two ranks carries each micro-batch's activation forward
+        # and its gradient back: the busiest rank's sends (strategies.pipeline counts them for
+        # the schedule's stage placement: 2v - 1 or 2v per rank looped, fewer in a V)
+        schedule, virtual = pipeline
+        sends = max(sends_per_microbatch(schedule, pp, virtual))
+        x = boundary_activation_bytes(su.trainer.micro_batch_size, shape.seq_len, shape.dim, residual)
+        add(Traffic("pp_send_recv", "send_recv", pp, tp * dp, sends * x / (tp if tp_sp else 1),
+                    "none", per_micro=True, link="intra" if tp * dp < devices else "inter",
+                    calls=sends))
+    if shape is not None and sp > 1:
+        add(ulysses_traffic(shape, su.trainer.micro_batch_size, sp, sb.activation, ckpt, pp))
+    if shape is not None and cp > 1:
+        add(ring_traffic(shape, su.trainer.micro_batch_size, cp, sb.activation, ckpt, pp))
     out.bytes_per_step = sum(x.bytes for x in out.by_collective.values())
     out.seconds_per_step = sum(x.seconds for x in out.by_collective.values())
     return out
+
+
+def ulysses_traffic(shape, micro: int, sp: int, elem: float, ckpt: bool, pp: int = 1) -> Traffic:
+    """DeepSpeed Ulysses per micro-batch: each layer all-to-alls its sequence shard's queries,
+    keys and values into head shards and the attention output back -- 4 x s x b x h / sp
+    elements with full heads (keys and values at the KV width under GQA) -- in forward, the same
+    again in backward, and once more in forward when blocks are recomputed. A rank sends
+    (sp - 1) / sp of each payload (``all_to_all``)."""
+    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
+    layers = math.ceil(shape.n_layers / pp)
+    per_layer = (2 * shape.dim + 2 * kv) * micro * shape.seq_len / sp * elem
+    passes = 3 if ckpt else 2
+    return Traffic("sp_all_to_all", "all_to_all", sp, 1, per_layer * layers * passes, "none",
+                   per_micro=True, calls=4 * layers * passes)
+
+
+def ring_traffic(shape, micro: int, cp: int, elem: float, ckpt: bool, pp: int = 1) -> Traffic:
+    """torch's context parallelism per micro-batch (ring attention): each layer passes its
+    sequence shard's keys and values to the other cp - 1 ranks in forward (torch 2.13 all-gathers
+    them once, ``_AllGatherRotater``: the same bytes a rank sends as cp - 1 ring passes), again
+    in backward, where the key and value gradients travel the ring back to their owners (cp
+    passes); recomputation repeats the forward's. From torch's source: CPU cannot run it."""
+    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
+    layers = math.ceil(shape.n_layers / pp)
+    chunk = 2 * kv * micro * shape.seq_len / cp * elem  # this rank's K and V
+    passes = (cp - 1) * (3 if ckpt else 2) + cp
+    return Traffic("cp_kv_send_recv", "send_recv", cp, 1, chunk * layers * passes, "none",
+                   per_micro=True, calls=layers * (3 if ckpt else 2))
 
 
 def exposed_seconds(comm: Communication, compute: float, m: int, ckpt: bool) -> float:

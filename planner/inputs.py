@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from planner.machine import Machine
 from planner.states import GB
 from strategies.base import StrategyConfig
 from strategies.footprint import Footprint
@@ -58,6 +59,10 @@ class Setup:
     options: Any
     """recipes.config.PlannerConfig."""
     model: ModelDescription
+    machine: Machine | None = None
+    """This machine as measured (``planner.calibrate=true`` on ``cluster=local``), else None."""
+    hardware: str | None = None
+    """What ``cluster.accelerator=auto`` found on this machine (its GPUs), for the assumptions."""
 
     @classmethod
     def of(cls, cfg: Any, model: ModelDescription) -> Setup:
@@ -67,7 +72,14 @@ class Setup:
         def obj(node: Any) -> Any:
             return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
 
-        su = cls(obj(cfg.cluster), obj(cfg.trainer), obj(cfg.planner), model)
+        from planner import machine
+
+        cluster, trainer = obj(cfg.cluster), obj(cfg.trainer)
+        # accelerator=auto: what this machine has (its GPUs through nvidia-smi, without torch)
+        hardware = cluster.hardware() if hasattr(cluster, "hardware") else None
+        cluster = cluster.planned() if hasattr(cluster, "planned") else cluster
+        measured = machine.load(cluster, trainer.precision) if machine.applies(cfg) else None
+        su = cls(cluster, trainer, obj(cfg.planner), model, measured, hardware)
         if problems := su.problems():
             from strategies.mesh import ConfigError
 
@@ -123,11 +135,22 @@ class Setup:
     def world_size(self) -> int:
         return self.cluster.nodes * self.cluster.devices
 
-    def link_GBps(self, group: str) -> float:
-        """Per-device bandwidth of a link: intra | inter (node), host (PCIe) or nvme."""
+    def link_GBps(self, group: str, op: str | None = None) -> float:
+        """Per-device bandwidth of a link: intra | inter (node), host (PCIe) or nvme; inside a
+        calibrated machine, what ``op`` measured."""
         c, o = self.cluster, self.options
+        if group == "intra" and self.machine is not None and (got := self.machine.link(op or "all_reduce")):
+            return got[0]
         return {"intra": c.intra_node_GBps, "inter": c.inter_node_GBps,
                 "host": o.host_link_GBps, "nvme": o.nvme_GBps}[group]
+
+    def latency_seconds(self, group: str, op: str) -> float:
+        """One step of a collective of kind ``op`` over ``group`` (the alpha of alpha-beta)."""
+        if group == "intra" and self.machine is not None and (got := self.machine.link(op)):
+            return got[1]
+        o = self.options
+        return {"intra": getattr(o, "intra_latency_us", 0.0),
+                "inter": getattr(o, "inter_latency_us", 0.0)}.get(group, 0.0) * 1e-6
 
     @property
     def host_bytes(self) -> int:
@@ -160,14 +183,15 @@ class Candidate:
         return derive_from(self.config, su.cluster, su.trainer)
 
     def rung(self, mesh: Mesh) -> int:
-        """The deep-dive's ladder: replicate, shard, TP inside a node, PP across, offload."""
+        """The deep-dive's ladder: replicate, shard, TP or a sequence degree inside a node, PP
+        across, offload."""
         fp = self.footprint
         if fp.offloaded:
             return 4
         if mesh.pp > 1:
             return 3
-        if mesh.tp > 1:
-            return 2
+        if mesh.tp > 1 or mesh.seq > 1:  # a sequence degree (cp, Ulysses) is model parallelism
+            return 2                    # too: taken when sharding alone does not fit (long sequences)
         return int(fp.sharded)
 
 

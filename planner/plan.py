@@ -10,11 +10,13 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from planner.activations import activation_bytes, estimated_unit
+from planner.activations import activation_bytes, estimated_unit, loss_backward_bytes
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, gb, state_bytes
-from strategies.footprint import SHARDED, Sizes
+from strategies.footprint import SHARDED, Footprint, Sizes
+from strategies.pipeline import bubble as pipeline_bubble
+from strategies.pipeline import fsdp_gathers
 
 
 # ----------------------------------------------------------------------------- results
@@ -32,8 +34,18 @@ class Memory:
     host: int = 0
     nvme: int = 0
     step: int = 0
-    """On the device at the optimizer step (states and the step's own transients); ``total`` is
-    the larger of this and forward/backward (states + activations + buffers)."""
+    """On the device once the activations are gone -- the end of backward (FSDP's root unit
+    reduced) and the optimizer step: states and those transients; ``total`` is the larger of
+    this and forward/backward (states + activations + buffers + loss; the gradients not yet
+    made when freed between steps and a step is one micro-batch)."""
+    loss: int = 0
+    """The loss's backward (the fp32 log-softmax and logits gradients, 8 x s x b x V bytes),
+    beside every saved activation at the start of backward: part of the forward/backward peak."""
+    growth: int = 0
+    """How far the peak rises above what a finished step leaves (every state, the persistent
+    buckets): activations, the loss backward and the transient buffers (gathered units,
+    autocast's weight copies) less the gradients not made yet, or the step's own transients;
+    the memory observer measures it as ``peak_rss_growth``."""
 
 
 @dataclass
@@ -46,6 +58,14 @@ class Plan:
     step_seconds: float
     compute_seconds: float = 0.0
     exposed_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    """The optimizer step's own time (calibrated machines only: AdamW's measured ns per parameter)."""
+    flops_per_step: float = 0.0
+    """Model FLOPs of one optimizer step over the world (``flops_per_step``)."""
+    peak_tflops: float = 0.0
+    """The per-device peak compute divides by (``peak_flops``), and where it comes from:"""
+    peak_source: str = ""
+    mfu: float = 0.0
     cluster: str = ""
     world_size: int = 1
     device_bytes: int = 0
@@ -68,6 +88,12 @@ class Plan:
     """The memory verdict alone (device, host, NVMe); ``fits`` also needs a layout that can run."""
     lossy: bool = False
     """Gradient compression that changes the numbers (fp16/bf16 casts, PowerSGD, top-k, ...)."""
+    mesh_fits: bool = True
+    """The layout's degrees divide this world; else its numbers are planned on an impossible
+    mesh (dp 0.5) and say nothing about memory here."""
+    checkpointed_total: int = 0
+    """The device peak with activation checkpointing on (``strategy.activation_checkpointing=
+    true``), when this plan runs without it; 0 when it already checkpoints (or has no shape)."""
     stalled: list[str] = field(default_factory=list)
     """Links of 0 GB/s this layout's collectives need (step ~ inf): never recommended. (Not a
     problem: 0 is also the cluster keys' "unknown", and the run itself is possible.)"""
@@ -142,6 +168,12 @@ class Recommendation:
     micro_batch_size: int | None = None
     """A larger micro batch the recommended preset still fits with (not tight), the largest;
     None: the trainer's is already the largest (or nothing fits)."""
+    activation_checkpointing: bool = False
+    """The recommended preset fits only with ``strategy.activation_checkpointing=true`` (nothing
+    runnable fits without it): the ``run it`` line sets it, ``strategy=auto`` turns it on."""
+    with_checkpointing: str | None = None
+    """A preset activation checkpointing would make the better answer (it fits with margin where
+    the recommendation is tight, or is MOVE_UP times faster), named in the reason."""
 
 
 @dataclass
@@ -175,9 +207,50 @@ def lossy(fp: object) -> bool:
                 or getattr(fp, "sync_every", 0) or getattr(fp, "diloco", False))
 
 
+def documents_footprint(fp: Footprint) -> Footprint:
+    """The reference documents' model of a layout (``planner.accounting=mixed16|mixed20``): each
+    state replicated or sharded as the layout declares, offloaded where it is, and nothing an
+    engine adds (ZeRO-1 as the paper counts it: full gradients, 4P + 12P/n; no buckets, no
+    step-time copies, no loss backward) -- the ZeRO paper's and the documents' worked numbers."""
+    return Footprint(params=fp.params, grads=fp.grads, optimizer=fp.optimizer,
+                     params_offload=fp.params_offload, optimizer_offload=fp.optimizer_offload)
+
+
 # ----------------------------------------------------------------------------- planning
+def flops_per_token(su: Setup) -> float:
+    """Model FLOPs to train on one token, forward and backward: the model's own count (PaLM's
+    MFU convention: 6 per matmul parameter, the input embedding's lookup excluded, plus
+    12 x layers x seq x dim for attention's scores and mixing), else 6 x parameters."""
+    per = getattr(su.shape, "flops_per_token", None)
+    return float(per()) if callable(per) else 6.0 * su.params
+
+
+def flops_per_step(su: Setup, ckpt: bool = False) -> float:
+    """FLOPs of one optimizer step over the whole world (checkpointing: one more forward)."""
+    return flops_per_token(su) * su.trainer.global_batch_size * su.seq_len * (8 / 6 if ckpt else 1)
+
+
+def peak_flops(su: Setup) -> float:
+    """FLOP/s per device the MFU divides by: the measured matmul rate on a calibrated machine,
+    else cluster.peak_tflops."""
+    return (su.machine.matmul_tflops if su.machine is not None else su.cluster.peak_tflops) * 1e12
+
+
+def peak_source(su: Setup) -> str:
+    if su.machine is not None:
+        return f"matmul measured on this machine (planner.calibrate, precision {su.machine.precision})"
+    return "cluster.peak_tflops"
+
+
+def mfu(su: Setup) -> float:
+    """Model-FLOPs utilisation: what a transformer block reached of the measured matmul rate on
+    a calibrated machine, else planner.mfu."""
+    return su.machine.efficiency if su.machine is not None else su.options.mfu
+
+
 def bubble_fraction(p: int, m: int) -> float:
-    """Idle fraction of a GPipe / 1F1B pipeline of ``p`` stages and ``m`` micro-batches."""
+    """Idle fraction of a GPipe / 1F1B pipeline of ``p`` stages and ``m`` micro-batches (the
+    closed form; ``strategies.pipeline.bubble`` simulates every schedule)."""
     return (p - 1) / (m + p - 1) if p > 1 else 0.0
 
 
@@ -196,38 +269,59 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     params = su.params / mp
     trainable = (su.trainable if su.trainable is not None else su.params) / mp
     accumulation = run.batch.accumulation
-    micro = strategy.for_batch(t.global_batch_size, t.micro_batch_size, dp).pipeline_microbatches()
-    if pp > 1:  # planner.microbatches: a pipeline's micro-batches (others keep the batch's)
-        m = o.microbatches or micro or max(accumulation, pp)
-        per_step = m * accumulation if micro and not o.microbatches else m
-    else:
-        m = per_step = accumulation
+    per_step = accumulation * run.batch.chunks  # micro-batches each replica runs per step
+    derived = strategy.for_batch(t.global_batch_size, t.micro_batch_size, dp)
+    schedule, virtual, split = derived.pipeline_schedule()
+    # a schedule's micro-batches: planner.microbatches (a what-if), the preset's, or the whole
+    # step in one schedule (Megatron's way); the traffic is the step's real micro-batches
+    m = (o.microbatches or derived.pipeline_microbatches() or max(per_step, pp)) if pp > 1 else per_step
     ac = strategy.activation_checkpointing
     ckpt = ac if o.activation_checkpointing is None else o.activation_checkpointing
     layers = (math.ceil(shape.n_layers / pp) if shape is not None
               else max(1.0, (su.params / (12 * 128**2)) ** (1 / 3)) / pp)
-    sizes = Sizes(params=params, trainable=trainable, bytes=sb, dp=dp, shard=shard, tp=tp, mp=mp,
+    # a sequence group (cp, Ulysses' sp) reduces gradients and splits sharded states with the
+    # data-parallel ranks (strategies/mesh.py): dp x seq of them
+    sizes = Sizes(params=params, trainable=trainable, bytes=sb, dp=dp * mesh.seq, shard=shard * mesh.seq,
+                  tp=tp, mp=mp,
                   unit=(unit_params(shape) if shape is not None else estimated_unit(su.params)) / mp,
                   units=layers + 1,
                   blocks=shape.n_layers * shape.block_params() / mp if shape is not None else None,
-                  model=shape, total_params=su.params)
+                  model=shape, total_params=su.params, micro=t.micro_batch_size,
+                  resident=cl.accelerator != "gpu")
     notes = []
 
-    held = fp.states(sizes)
+    documents = o.accounting != "actual"  # the reference documents' model: states alone
+    held = (documents_footprint(fp) if documents else fp).states(sizes)
     mem = Memory(params=held.params, grads=held.grads, master=held.master, optimizer=held.optimizer,
                  host=held.host, nvme=held.nvme)
     act_full = act_ckpt = 0
+    peak_full = peak_ckpt = 0  # activations at their peak phase, the loss backward included
+    # sequence parallelism under TP: the preset's own (planned-only layouts: planner's option)
+    tp_sp = tp > 1 and bool(getattr(strategy, "sequence_parallel", o.sequence_parallel))
     if shape is not None:
-        sp = o.sequence_parallel and tp > 1
-        kw = dict(micro=t.micro_batch_size, tp=tp, pp=pp, inflight=min(pp, m), sp=sp,
-                  flash=o.flash_attention, elem=sb.activation, regime=run.regime)
+        kw = dict(micro=t.micro_batch_size, tp=tp, pp=pp, sp=tp_sp, seq=mesh.seq, flash=o.flash_attention,
+                  elem=sb.activation, regime=None if c.planned_only else run.regime, schedule=schedule,
+                  virtual=virtual, microbatches=m, split=split)
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full
-    mem.buffers, step_buffers = fp.buffers(sizes)
+        if not documents:  # (the runnable TP presets replicate the logits: the whole vocabulary)
+            mem.loss = loss_backward_bytes(shape, micro=t.micro_batch_size,
+                                           tp=tp if c.planned_only else 1)
+        # the loss backward lives on the rank holding the head, beside every activation it saved
+        peak_full = activation_bytes(shape, ckpt=False, loss=mem.loss, **kw)
+        peak_ckpt = activation_bytes(shape, ckpt=True, loss=mem.loss, **kw)
+    mem.buffers, step_buffers = (0, 0) if documents else fp.buffers(sizes)
+    kept = 0 if documents else int(fp.bucket_buffer(sizes))  # allocated once, held between steps
     states = mem.params + mem.grads + mem.master + mem.optimizer
-    mem.step = states + step_buffers  # the optimizer step: activations are gone
-    mem.total = max(states + mem.activations + mem.buffers, mem.step)
+    # freed between steps (zero_grad(set_to_none)) and made again in backward: with one
+    # micro-batch per step none exist while every activation does
+    released = mem.grads if not documents and per_step == 1 and fp.grads_released(sizes) else 0
+    mem.step = states + step_buffers  # the end of backward and the optimizer step: no activations
+    backward = states - released + mem.buffers  # forward/backward, beside the activations
+    mem.total = max(backward + (peak_ckpt if ckpt else peak_full), mem.step)
+    mem.growth = mem.total - (states + kept)  # over what a finished step leaves: every state
+    checkpointed = max(backward + peak_ckpt, mem.step)  # with activation checkpointing
 
     device_bytes = cl.device_bytes()
     fits = mem.total <= device_bytes
@@ -239,17 +333,30 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         fits = False
         notes.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
 
-    comm = communication(fp.traffic(sizes), su, sb, sizes, pp, per_step, ckpt)
-    compute = 6 * su.params * t.global_batch_size * su.seq_len / (
-        mesh.size * cl.peak_tflops * 1e12 * o.mfu)
-    if ckpt:
-        compute *= 8 / 6  # one more forward per micro-batch
-    bubble = bubble_fraction(pp, m)
-    exposed = exposed_seconds(comm, compute, m, ckpt)
+    staged = None
+    if pp > 1 and not c.planned_only:  # FSDP2 under torch's pipelining: per schedule run
+        gathers = max(fsdp_gathers(schedule, pp, virtual, m, fp.reshard_after_forward), key=sum)
+        staged = (*gathers, max(1, per_step // m))
+    comm = communication(fp.traffic(sizes), su, sb, sizes, pp, per_step, ckpt, cp=mesh.cp, sp=mesh.sp,
+                         tp_sp=tp_sp, pipeline=(schedule, virtual), staged=staged,
+                         boundary_elem=4 if run.regime in ("32", "autocast") else 2)
+    compute = flops_per_step(su, ckpt) / (mesh.size * peak_flops(su) * mfu(su))
+    optimizer = 0.0
+    if su.machine is not None:  # AdamW's step over the moments this device holds
+        moments = trainable / (shard if fp.optimizer == SHARDED else 1)
+        optimizer = moments * su.machine.optimizer_ns_per_param * 1e-9
+    try:
+        bubble = pipeline_bubble(schedule, pp, virtual, m, recompute=ckpt)
+    except (RuntimeError, ValueError, KeyError):  # a schedule that cannot run (its problems say why)
+        bubble = bubble_fraction(pp, m)
+    exposed = exposed_seconds(comm, compute, per_step, ckpt)
     notes += fp.notes(sizes)
+    if mesh.seq > 1:  # the sequence degree the plan was made at (Ulysses' is chosen by the planner)
+        notes.insert(0, f"{'sp' if mesh.sp > 1 else 'cp'}={mesh.seq} dp={dp}: each rank holds "
+                        f"1/{mesh.seq} of the sequence")
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
-    step = compute / (1 - bubble) + exposed
+    step = compute / (1 - bubble) + exposed + optimizer
     stalled: list[str] = []
     if not math.isfinite(step):
         dead = {}
@@ -265,9 +372,13 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     memory_fits = fits
     fits = fits and not any(not incomplete(p) for p in problems)
     return Plan(strategy=c.name, fits=fits, memory_fits=memory_fits, lossy=lossy(fp), stalled=stalled,
+                checkpointed_total=checkpointed if shape is not None and not ckpt else 0,
+                mesh_fits=not mesh.problems(),
                 memory=mem, communication=comm,
                 bubble_fraction=bubble, step_seconds=step,
-                compute_seconds=compute, exposed_seconds=exposed, cluster=cl.name,
+                compute_seconds=compute, exposed_seconds=exposed, optimizer_seconds=optimizer,
+                flops_per_step=flops_per_step(su, ckpt), peak_tflops=peak_flops(su) / 1e12,
+                peak_source=peak_source(su), mfu=mfu(su), cluster=cl.name,
                 world_size=mesh.size, device_bytes=device_bytes, tp=tp, pp=pp, dp=dp,
                 shard=shard, microbatches=m, activation_checkpointing=ckpt,
                 activations_full=act_full, activations_checkpointed=act_ckpt,

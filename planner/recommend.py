@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 
 from planner.inputs import Candidate, Setup
 from planner.plan import Plan, Recommendation, plan_candidate
@@ -14,7 +15,7 @@ from strategies.families.megatron import MegatronConfig
 TOLERANCE = 0.05  # steps within 5% of the fastest count as equally fast
 MOVE_UP = 1.2     # a heavier rung of the ladder must be this much faster to be recommended
 LOSSY_WIN = 1.2   # lossy gradient compression must be this much faster than the best exact layout
-RUNGS = ("replicated", "sharded data parallel", "tensor parallel", "pipeline / 3D", "offload")
+RUNGS = ("replicated", "sharded data parallel", "tensor or sequence parallel", "pipeline / 3D", "offload")
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -79,16 +80,19 @@ def nothing_fits(plans: list[Plan]) -> str:
     stops the layouts that fit from running here (the batch arithmetic, the mesh)."""
     if not plans:
         return "nothing to plan"
-    roomy = [p for p in plans if p.memory_fits and p.blocking]
+    roomy = [p for p in plans if p.memory_fits and p.blocking and p.mesh_fits]
     if roomy and not any(p.memory_fits and not p.blocking for p in plans):
-        first = min(roomy, key=lambda p: p.memory.total)
+        # the problem most of them share (the batch, say: named by its key), then the smallest
+        keys = Counter(p.blocking[0].split(" ")[0] for p in roomy)
+        first = min(roomy, key=lambda p: (-keys[p.blocking[0].split(" ")[0]], p.memory.total))
         return (f"nothing can run here: the layouts that fit in memory cannot run "
                 f"({first.strategy}: {first.blocking[0]})")
     stalled = [p for p in plans if p.fits and not p.problems and p.stalled]
     if stalled:
         first = min(stalled, key=lambda p: p.memory.total)
         return f"nothing can be timed here: every layout that fits needs a 0 GB/s link ({first.stalled[0]})"
-    need = min(plans, key=lambda p: p.memory.total)
+    # (a layout that cannot run here has no need to name: its numbers may be on an impossible mesh)
+    need = min([p for p in plans if not p.blocking] or plans, key=lambda p: p.memory.total)
     return (f"nothing fits; the smallest need is {need.strategy}'s {gb(need.memory.total)} per device, "
             f"has {gb(need.device_bytes)}")
 
@@ -155,6 +159,9 @@ def _why_first(top: Plan, plans: list[Plan]) -> str:
     if tight:
         lead = (f"replicated fits only tightly ({tight[0].strategy}: {gb(tight[0].margin)} free, under "
                 f"the {gb(tight[0].reserve)} reserve)")
+    elif rep and top.rung >= 2:  # tensor / pipeline parallel: the model itself is split
+        lead = (f"replicated needs {need} per device, has {gb(top.device_bytes)}, so the model must "
+                f"be split")
     elif rep and top.shard <= 1:  # nothing is sharded over one rank: the engine holds less
         lead = (f"replicated needs {need} per device, has {gb(top.device_bytes)}; with one "
                 f"data-parallel rank nothing is sharded, but {top.strategy}'s engine holds the "
@@ -164,7 +171,8 @@ def _why_first(top: Plan, plans: list[Plan]) -> str:
         lead = f"replicated needs {need} per device, has {gb(top.device_bytes)}, so the state must be sharded"
     else:
         lead = "no replicated layout runs here"
-    return (f"{lead}; {top.strategy} is the fastest {RUNGS[top.rung]} layout that fits "
+    kind = f"{RUNGS[top.rung]} " if top.rung != 1 or top.shard > 1 else ""  # one rank shards nothing
+    return (f"{lead}; {top.strategy} is the fastest {kind}layout that fits "
             f"(step ~ {top.step_seconds:.3g} s, {gb(top.memory.total)} per device, "
             f"{gb(top.communication.bytes_per_step)} moved per step)")
 

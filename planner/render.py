@@ -11,8 +11,8 @@ from typing import Any
 from planner.plan import Plan, Report
 from planner.states import GB, GiB, gb
 
-MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "step", "total",
-               "host", "nvme")
+MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "loss", "step",
+               "total", "growth", "host", "nvme")
 
 
 def _finite(x: Any) -> Any:
@@ -39,6 +39,9 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "step_seconds": p.step_seconds,
         "compute_seconds": p.compute_seconds,
         "exposed_seconds": p.exposed_seconds,
+        "optimizer_seconds": p.optimizer_seconds,
+        "compute": {"flops_per_step": p.flops_per_step, "peak_tflops": p.peak_tflops,
+                    "peak_source": p.peak_source, "mfu": p.mfu},
         "device_memory": p.device_bytes,
         "margin": p.margin,
         "tight": p.tight,
@@ -51,6 +54,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "activation_checkpointing": p.activation_checkpointing,
         "activations_full": p.activations_full,
         "activations_checkpointed": p.activations_checkpointed,
+        "total_checkpointed": p.checkpointed_total or None,
         "planned_only": p.planned_only,
         "problems": list(p.problems),
         "notes": list(p.notes),
@@ -63,7 +67,9 @@ def report_dict(r: Report) -> dict[str, Any]:
             "accounting": r.accounting, "plans": [plan_dict(p) for p in r.plans],
             "recommendation": {"strategy": r.recommendation.strategy,
                                "reason": r.recommendation.reason,
-                               "micro_batch_size": r.recommendation.micro_batch_size},
+                               "micro_batch_size": r.recommendation.micro_batch_size,
+                               "activation_checkpointing": r.recommendation.activation_checkpointing,
+                               "with_checkpointing": r.recommendation.with_checkpointing},
             "assumptions": list(r.assumptions), "batch": r.batch}
 
 
@@ -81,12 +87,28 @@ def render(report: Report, fmt: str = "table", detailed: bool = False, file: Any
     con.print(f"[bold]{report.model}[/] on [bold]{report.cluster}[/] "
               f"({report.world_size} devices), accounting {report.accounting}; {report.batch}")
     if detailed:
-        _breakdown(con, report.plans[0])
+        _breakdown(con, report.plans[0], report.accounting)
     else:
         _ranked(con, report)
     con.print("[dim]assumptions:[/]")
     for a in report.assumptions:
         con.print(f"[dim]  - {a}[/]")
+
+
+ACCOUNTING_VIEW = {
+    "actual": "accounting actual: what the engines allocate, phase by phase",
+    "mixed16": "accounting mixed16: the reference documents' model (2+2+4+8 B/param states, no engine buffers)",
+    "mixed20": "accounting mixed20: the deep-dive's model (2+6+4+8 B/param states, no engine buffers)",
+}
+
+
+def checkpointing_fits(p: Plan) -> int:
+    """The device peak with activation checkpointing when only that makes ``p`` fit (a layout
+    that runs here, without checkpointing, short of memory on the device alone); else 0."""
+    if (p.blocking or p.memory_fits or not p.checkpointed_total or p.checkpointed_total > p.device_bytes
+            or p.memory.total <= p.device_bytes or any(n.startswith(("host", "NVMe")) for n in p.notes)):
+        return 0
+    return p.checkpointed_total
 
 
 def _secs(x: float) -> str:
@@ -98,7 +120,8 @@ def _secs(x: float) -> str:
 def _ranked(con: Any, r: Report) -> None:
     from rich.table import Table
 
-    t = Table(title="per device, ranked (GB = 1e9 bytes)", title_justify="left")
+    t = Table(title=f"per device, ranked (GB = 1e9 bytes); {ACCOUNTING_VIEW[r.accounting]}",
+              title_justify="left")
     for col in ("#", "strategy", "fits", "runs", "total", "free", "activations", "host/NVMe",
                 "comm/step", "step", "notes"):
         t.add_column(col, justify="right" if col not in ("strategy", "notes", "fits", "runs") else "left")
@@ -108,14 +131,18 @@ def _ranked(con: Any, r: Report) -> None:
         if p.blocking:
             notes = f"cannot run on {r.world_size} device(s): " + "; ".join([*p.blocking, *p.notes])
         else:
-            notes = "; ".join([*p.problems, *p.notes])
+            ckpt = checkpointing_fits(p)
+            notes = "; ".join([*([f"fits with checkpointing ({gb(ckpt)})"] if ckpt else []),
+                               *p.problems, *p.notes])
         if (p.tp > 1 or p.pp > 1) and not p.blocking:
             notes = f"tp={p.tp} pp={p.pp} dp={p.dp}; " + notes
         off = p.memory.host + p.memory.nvme
-        t.add_row(str(i), name, fits, runs, "-" if p.blocking else gb(p.memory.total),
-                  gb(p.margin) if p.memory_fits and not p.blocking else "-",
-                  gb(p.memory.activations), gb(off) if off else "-",
-                  gb(p.communication.bytes_per_step), "-" if p.blocking else _secs(p.step_seconds),
+        planned = not p.blocking  # (a layout that cannot run here has no numbers to show)
+        t.add_row(str(i), name, fits, runs, gb(p.memory.total) if planned else "-",
+                  gb(p.margin) if p.memory_fits and planned else "-",
+                  gb(p.memory.activations) if planned else "-", gb(off) if off and planned else "-",
+                  gb(p.communication.bytes_per_step) if planned else "-",
+                  _secs(p.step_seconds) if planned else "-",
                   notes[:70] + ("..." if len(notes) > 70 else ""))
     con.print(t)
     rec = r.recommendation
@@ -135,11 +162,11 @@ def _columns(p: Plan) -> tuple[str, str]:
     return fits, runs
 
 
-def _breakdown(con: Any, p: Plan) -> None:
+def _breakdown(con: Any, p: Plan, accounting: str = "actual") -> None:
     from rich.table import Table
 
     m = p.memory
-    t = Table(title=f"{p.strategy}: memory per device", title_justify="left")
+    t = Table(title=f"{p.strategy}: memory per device; {ACCOUNTING_VIEW[accounting]}", title_justify="left")
     for col in ("category", "GB", "GiB", "where"):
         t.add_column(col, justify="left" if col in ("category", "where") else "right")
     ckpt = "checkpointed" if p.activation_checkpointing else "no checkpointing"
@@ -147,10 +174,11 @@ def _breakdown(con: Any, p: Plan) -> None:
     rows = [("parameters", m.params), ("gradients", m.grads), ("fp32 master", m.master),
             ("optimizer moments", m.optimizer),
             (f"activations ({ckpt}; other: {gb(other)})", m.activations),
-            ("buffers (buckets, gathered units)", m.buffers)]
+            ("buffers (buckets, gathered units)", m.buffers),
+            ("loss backward (fp32 log-softmax and logits gradients)", m.loss)]
     for name, v in rows:
         t.add_row(name, f"{v / GB:,.2f}", f"{v / GiB:,.2f}", "device")
-    t.add_row("at the optimizer step (states + its transients)", f"{m.step / GB:,.2f}",
+    t.add_row("activations gone: end of backward, optimizer step", f"{m.step / GB:,.2f}",
               f"{m.step / GiB:,.2f}", "device")
     t.add_row("[bold]peak on device[/] (the larger phase)", f"{m.total / GB:,.2f}", f"{m.total / GiB:,.2f}",
               f"of {gb(p.device_bytes)}")
@@ -168,8 +196,9 @@ def _breakdown(con: Any, p: Plan) -> None:
     con.print(c)
     con.print(f"layout: tp={p.tp} pp={p.pp} dp={p.dp} shard group={p.shard}, "
               f"{p.microbatches} micro-batch(es) per step")
+    optimizer = f", optimizer step {_secs(p.optimizer_seconds)}" if p.optimizer_seconds else ""
     con.print(f"compute {_secs(p.compute_seconds)}, exposed communication "
-              f"{_secs(p.exposed_seconds)}, bubble {p.bubble_fraction:.1%}: "
+              f"{_secs(p.exposed_seconds)}{optimizer}, bubble {p.bubble_fraction:.1%}: "
               f"step ~ {_secs(p.step_seconds)}")
     for line in [*p.problems, *p.notes]:
         con.print(f"[yellow]note:[/] {line}")

@@ -21,6 +21,14 @@ Parts, bytes saved per token (per sequence position of one micro-batch):
 
 Regimes: ``32`` (fp32 parameters), ``autocast`` (fp32 parameters under torch autocast bf16:
 torch AMP families' bf16-mixed), ``bf16`` (bf16 parameters: DeepSpeed's bf16-mixed).
+
+Variants, each traced on its own (``VARIANTS``): the plain model above; ``dropout`` (dropout > 0:
+the dropout masks, and the attention kernel that keeps its s x s probabilities -- feature
+``heads_seq`` = heads x seq_len, per token); ``tp`` / ``tp_sp`` (tensor parallelism as
+strategies.parallelize applies it, without and with sequence parallelism; traced at tp = 2 and 4
+over a fake process group, so one process and no communication: every feature ``f`` then has a
+part kept whole on each rank and a part split over the tp ranks, ``f/tp``) and the same two
+with dropout. A pipeline stage saves what its blocks save: the planner combines these per stage.
 """
 
 from __future__ import annotations
@@ -40,15 +48,25 @@ OUT = Path(__file__).resolve().parents[1] / "planner" / "activations.json"
 REGIMES = ("32", "autocast", "bf16")
 BLOCK_FEATURES = ("one", "dim", "ffn", "kv_dim", "heads")
 TAIL_FEATURES = ("one", "dim", "vocab")
-SEQ, BATCH = 16, 2
+SEQ, BATCH, DROPOUT = 16, 2, 0.1
+TP = (2, 4)
 # Shapes that make the features independent: (dim, heads, kv_heads, ffn, vocab)
 SHAPES = [(32, 4, 4, 64, 64), (64, 4, 4, 64, 64), (32, 4, 2, 64, 64), (32, 8, 8, 64, 64),
           (32, 4, 4, 96, 128), (64, 8, 2, 160, 96)]
+# ... under tensor parallelism: every count divisible by the largest degree traced, and at least
+# two query and two key/value heads per rank there (with one, the attention output's reshape is
+# a view of what attention saved, not a copy: one b x s x h/tp tensor less than the fit says)
+TP_SHAPES = [(32, 8, 8, 64, 64), (64, 8, 8, 64, 64), (64, 16, 8, 64, 64), (32, 16, 16, 64, 64),
+             (32, 8, 8, 96, 128), (64, 16, 8, 160, 96)]
+# name -> (dropout, tensor parallel, sequence parallel)
+VARIANTS = {"dropout": (True, False, False), "tp": (False, True, False), "tp_sp": (False, True, True),
+            "tp_dropout": (True, True, False), "tp_sp_dropout": (True, True, True)}
 
 
-def _shape(dim: int, heads: int, kv: int, ffn: int, vocab: int) -> ModelConfig:
+def _shape(dim: int, heads: int, kv: int, ffn: int, vocab: int, *, seq: int = SEQ,
+           dropout: float = 0.0) -> ModelConfig:
     return ModelConfig(name="calibration", dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv,
-                       vocab_size=vocab, seq_len=SEQ, ffn_dim=ffn)
+                       vocab_size=vocab, seq_len=seq, ffn_dim=ffn, dropout=dropout)
 
 
 def _context(regime: str):
@@ -61,36 +79,57 @@ def _dtype(regime: str) -> torch.dtype:
     return torch.bfloat16 if regime == "bf16" else torch.float32
 
 
-def trace(shape: ModelConfig, regime: str) -> dict[str, float]:
-    """Bytes per token each part saves for backward, at this shape and regime."""
+@contextlib.contextmanager
+def fake_group(world: int):
+    """A process group of ``world`` ranks in this one process whose collectives move nothing
+    (torch's fake backend): DTensor tensor parallelism runs with the right local shapes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("recipes.calibrate traces tensor parallelism in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trace(shape: ModelConfig, regime: str, tp: int = 1, sp: bool = False) -> dict[str, float]:
+    """Bytes per token each part saves for backward, at this shape and regime (``tp`` > 1: on
+    one rank of that tensor-parallel degree, inside ``fake_group``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from recipes.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(shape).to(_dtype(regime))
-    tokens = torch.randint(shape.vocab_size, (BATCH, SEQ))
-    x = model.tok_embeddings(tokens)  # a non-leaf input, as in the model
+    if tp > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from strategies.parallelize import apply_tp
+
+        apply_tp(model, DeviceMesh("cpu", list(range(tp))), sequence_parallel=sp)
+    tokens = torch.randint(shape.vocab_size, (BATCH, shape.seq_len))
     out = {}
+    with _context(regime), SavedTensors(buffers=model.buffers()) as saved:
+        x = model.drop(model.tok_embeddings(tokens))  # a non-leaf input, as in the model
+    out["embedding"] = saved.bytes
     for part, block in (("block", model.layers["0"]), ("checkpointed", checkpoint_wrapper(model.layers["0"]))):
         with _context(regime), SavedTensors(buffers=model.buffers()) as saved:
-            block(x, model.rope)
-        out[part] = saved.bytes / (BATCH * SEQ)
-    h = model.tok_embeddings(tokens)
+            y = block(x, model.rope)
+        out[part] = saved.bytes
     with _context(regime), SavedTensors(buffers=model.buffers()) as saved:
-        logits = model.output(model.norm(h))
+        logits = model.output(model.norm(y))
         F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-    out["tail"] = saved.bytes / (BATCH * SEQ)
-    with _context(regime), SavedTensors(buffers=model.buffers()) as saved:
-        model.tok_embeddings(tokens)
-    out["embedding"] = saved.bytes / (BATCH * SEQ)
-    return out
+    out["tail"] = saved.bytes
+    return {k: v / (BATCH * shape.seq_len) for k, v in out.items()}
 
 
-def _features(shape: ModelConfig, names: tuple[str, ...]) -> list[float]:
+def _features(shape: ModelConfig, names: tuple[str, ...], tp: int = 1) -> list[float]:
     values = {"one": 1, "dim": shape.dim, "ffn": shape.hidden, "kv_dim": shape.n_kv_heads * shape.head_dim,
-              "heads": shape.n_heads, "vocab": shape.vocab_size}
-    return [float(values[n]) for n in names]
+              "heads": shape.n_heads, "vocab": shape.vocab_size, "heads_seq": shape.n_heads * shape.seq_len}
+    return [float(values[n.removesuffix("/tp")]) / (tp if n.endswith("/tp") else 1) for n in names]
 
 
 def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
@@ -103,17 +142,36 @@ def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
     return [round(c, 6) + 0.0 for c in coef.tolist()]
 
 
-def calibrate() -> dict[str, dict[str, dict[str, float]]]:
-    """regime -> part -> {feature: bytes per token per unit}."""
+def _calibrate(regime: str, dropout: bool = False, tp: bool = False, sp: bool = False) -> dict:
+    """part -> {feature: bytes per token per unit} for one regime and variant."""
+    p = DROPOUT if dropout else 0.0
+    table = TP_SHAPES if tp else SHAPES
+    shapes = [_shape(*s, dropout=p) for s in table]
+    if dropout:  # the attention probabilities grow with the sequence: trace two lengths
+        shapes += [_shape(*s, seq=2 * SEQ, dropout=p) for s in table[:2]]
+    degrees = TP if tp else (1,)
+    traces = [(s, t, trace(s, regime, t, sp)) for t in degrees for s in shapes]
+    out = {}
+    for part, names in (("embedding", ("one", "dim")), ("block", BLOCK_FEATURES), ("checkpointed", BLOCK_FEATURES),
+                        ("tail", TAIL_FEATURES)):
+        if dropout and part == "block":
+            names += ("heads_seq",)
+        if tp:  # a part kept whole on every rank, a part split over the tp ranks
+            names = tuple(itertools.chain.from_iterable((n, f"{n}/tp") for n in names))
+        rows = [(s, t, tr) for s, t, tr in traces if part == "block" or s.seq_len == SEQ]
+        coef = _fit([_features(s, names, t) for s, t, _ in rows], [tr[part] for _, _, tr in rows])
+        out[part] = {n: c for n, c in zip(names, coef) if c or not tp}
+    return out
+
+
+def calibrate(regimes: tuple[str, ...] = REGIMES) -> dict[str, dict]:
+    """regime -> part -> {feature: bytes per token per unit}, and regime -> "variants" ->
+    variant -> part -> the same."""
     out: dict = {}
-    for regime in REGIMES:
-        shapes = [_shape(*s) for s in SHAPES]
-        traces = [trace(s, regime) for s in shapes]
-        out[regime] = {}
-        for part, names in itertools.chain(((p, BLOCK_FEATURES) for p in ("block", "checkpointed")),
-                                           [("tail", TAIL_FEATURES), ("embedding", ("one",))]):
-            coef = _fit([_features(s, names) for s in shapes], [t[part] for t in traces])
-            out[regime][part] = dict(zip(names, coef))
+    with fake_group(max(TP)):
+        for regime in regimes:
+            out[regime] = _calibrate(regime)
+            out[regime]["variants"] = {name: _calibrate(regime, *flags) for name, flags in VARIANTS.items()}
     return out
 
 

@@ -9,6 +9,7 @@ families as ``<family>_schema``), not inside the groups, so ``--help`` lists onl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,45 @@ class ModelConfig:
     """Share the input embedding with the output projection."""
     norm_eps: float = knob(1e-5, above=0.0)
     rope_theta: float = knob(10000.0, above=0.0)
+    n_experts: int = knob(0, min=0)
+    """Mixture of experts: routed experts per MoE layer (recipes/gpt.py's MoE); 0: a dense MLP."""
+    top_k: int = knob(2, min=1)
+    """Experts each token is routed to (softmax gate, the top-k weights renormalized, as Mixtral)."""
+    capacity_factor: float = knob(1.25, above=0.0, fix="set model.capacity_factor > 0 (1.0: exactly the "
+                                  "balanced share; 1.25 is Switch's default)")
+    """Slots per expert and sequence = ceil(capacity_factor x seq_len x top_k / n_experts); the
+    assignments over it are dropped (the token keeps its residual) and counted."""
+    aux_loss_coef: float = knob(0.01, min=0.0)
+    """Weight of the load-balancing loss (Switch/GShard: n_experts x sum_e f_e x P_e per sequence)
+    added to the training loss."""
+    moe_ffn_dim: int | None = knob(None, min=1)
+    """Each expert's SwiGLU hidden size; None: model.ffn_dim (the dense MLP's)."""
+    n_shared_experts: int = knob(0, min=0)
+    """Experts every token goes through (DeepSeek-MoE), one MLP of n x moe_ffn_dim."""
+    first_dense_layers: int = knob(0, min=0)
+    """The first layers keep a dense MLP (DeepSeek-MoE: 1)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts."""
+        return max(0, self.n_layers - self.first_dense_layers) if self.is_moe else 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_dim or self.hidden
+
+    def expert_params(self) -> int:
+        """Parameters of the routed experts, all layers (what expert parallelism splits)."""
+        return self.moe_layers * self.n_experts * 3 * self.dim * self.expert_hidden
+
+    def capacity(self, seq_len: int | None = None) -> int:
+        """Expert slots per sequence (recipes/gpt.py's MoE)."""
+        t = seq_len or self.seq_len
+        return math.ceil(self.capacity_factor * t * self.top_k / max(1, self.n_experts))
 
     @property
     def is_hf(self) -> bool:
@@ -93,12 +133,18 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def block_params(self) -> int:
-        """Parameters of one transformer block (attention, SwiGLU MLP, two norms)."""
+    def block_params(self, moe: bool | None = None) -> int:
+        """Parameters of one transformer block (attention, SwiGLU MLP, two norms); of a MoE
+        model, a MoE block (router, routed and shared experts) unless ``moe=False``."""
         kv = self.n_kv_heads * self.head_dim
         attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
         bias = {"none": 0, "qkv": self.dim + 2 * kv, "all": 2 * self.dim + 2 * kv}[self.attention_bias]
-        return attn + bias + 3 * self.dim * self.hidden + 2 * self.dim
+        if self.is_moe and moe is not False:
+            e = self.expert_hidden
+            mlp = self.dim * self.n_experts + (self.n_experts + self.n_shared_experts) * 3 * self.dim * e
+        else:
+            mlp = 3 * self.dim * self.hidden
+        return attn + bias + mlp + 2 * self.dim
 
     def lora_params(self) -> int:
         """Parameters of the LoRA adapters (rank x (in + out) per targeted linear layer); 0
@@ -117,7 +163,26 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count of ``GPT(self)``, without building it."""
         embeddings = self.embedding_params() * (1 if self.tie_embeddings else 2)
-        return self.n_layers * self.block_params() + embeddings + self.dim
+        dense = self.n_layers - self.moe_layers
+        return (dense * self.block_params(moe=False) + self.moe_layers * self.block_params()
+                + embeddings + self.dim)
+
+    def moe_problems(self) -> list[str]:
+        """The mixture-of-experts keys together (a dense model: none)."""
+        if not self.is_moe:
+            return []
+        out = []
+        if self.is_hf:
+            out.append(f"model.n_experts={self.n_experts} applies to the built-in GPT (recipes/gpt.py), "
+                       "not model=hf: set model.n_experts=0")
+        if self.top_k > self.n_experts:
+            out.append(f"model.top_k={self.top_k} > model.n_experts={self.n_experts}: a token is "
+                       f"routed to top_k distinct experts; allowed: 1..{self.n_experts}. Set "
+                       f"model.top_k<={self.n_experts} or raise model.n_experts")
+        if self.first_dense_layers > self.n_layers:
+            out.append(f"model.first_dense_layers={self.first_dense_layers} > model.n_layers="
+                       f"{self.n_layers}: set it to at most n_layers")
+        return out
 
     def tp_collectives(self) -> tuple[int, int]:
         """All-reduces per block under tensor parallelism (forward, backward): recipes/gpt.py's
@@ -130,6 +195,8 @@ class ModelConfig:
         (PaLM, Chowdhery et al. 2022, app. B): 6 per parameter of every matmul (all but the input
         embedding, a lookup) plus 12 x layers x seq x dim for attention's scores and mixing."""
         matmul = self.num_params() - (0 if self.tie_embeddings else self.embedding_params())
+        if self.is_moe:  # a token runs through top_k of the routed experts (and the shared ones)
+            matmul -= self.expert_params() * (1 - self.top_k / self.n_experts)
         return 6 * matmul + 12 * self.n_layers * self.seq_len * self.dim
 
     def problems(self) -> list[str]:
@@ -143,6 +210,7 @@ class ModelConfig:
                        f"{self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
             out.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        out += self.moe_problems()
         if self.max_seq_len is not None and self.seq_len > self.max_seq_len:
             out.append(f"model.seq_len={self.seq_len} exceeds the model's max_position_embeddings "
                        f"{self.max_seq_len}: set model.seq_len<={self.max_seq_len}")
@@ -158,7 +226,7 @@ class ModelConfig:
         return out
 
 
-LAUNCHERS = ("local", "torchrun", "slurm", "sagemaker")
+LAUNCHERS = ("local", "torchrun", "slurm", "sagemaker", "ray", "k8s")
 
 
 @dataclass
@@ -208,6 +276,44 @@ class SageMakerConfig:
 
 
 @dataclass
+class RayConfig:
+    """``cluster.launcher=ray``: the Ray cluster whose Ray Train workers run the ranks
+    (launchers/ray.py, ``pip install -e ".[ray]"``)."""
+
+    address: str | None = free(None, "auto, host:port or ray://host:port; checked before launch "
+                                     "(launchers/ray.py problems)")
+    """None: start a Ray instance on this machine for the job (stopped after it) | auto: the
+    cluster ``ray start`` runs here | host:port (the head's GCS) | ray://host:port (Ray Client)."""
+    cpus_per_worker: float = knob(1.0, above=0.0)
+    """CPUs Ray reserves for each rank (its worker process)."""
+
+
+@dataclass
+class K8sConfig:
+    """``cluster.launcher=k8s``: the Kubeflow PyTorchJob launch.py writes and applies
+    (launchers/k8s.py, ``pip install -e ".[k8s]"``)."""
+
+    image: str = free("stratagem:latest", "a container image holding this repository, installed; "
+                                          "pulled by the cluster")
+    """The image every pod runs (the repository in ``workdir``, ``pip install -e .`` done)."""
+    namespace: str = free("default", "a Kubernetes namespace, checked by the cluster")
+    job_name: str = free("stratagem", "the PyTorchJob's name: lowercase letters, digits and '-' "
+                                      "(checked before launch)")
+    workdir: str = free("/workspace/stratagem", "the repository's path inside the image")
+    volume_claim: str | None = free(None, "a ReadWriteMany PersistentVolumeClaim's name")
+    """Mounted at ``mount_path`` on every pod: the run directory (report, checkpoints) every node
+    must see; None is refused (they would vanish with the pods)."""
+    mount_path: str = free("/mnt/stratagem", "an absolute path inside the pods")
+    """Where ``volume_claim`` is mounted; the run directory is <mount_path>/<job_name>."""
+    cpus: float = knob(8.0, above=0.0)
+    """CPUs each pod requests (and is limited to)."""
+    memory_GB: float = knob(64.0, above=0.0)
+    """Memory each pod requests (and is limited to), GB."""
+    gpu_resource: str = free("nvidia.com/gpu", "the cluster's GPU resource name")
+    """The extended resource a pod asks cluster.devices of (accelerator gpu)."""
+
+
+@dataclass
 class ClusterConfig:
     """Hardware as data: the launcher reads nodes, devices, accelerator and the launch keys, the
     planner the hardware."""
@@ -231,19 +337,40 @@ class ClusterConfig:
     """Allow more CPU processes than cores (tests of 4-rank meshes on a 2-core machine)."""
     launcher: str = knob("local", choices=LAUNCHERS)
     """How the ranks start: local (this machine), torchrun (one command per node, c10d
-    rendezvous), slurm (srun, through hydra/launcher=submitit_slurm), sagemaker (launch.py)."""
+    rendezvous), slurm (srun, through hydra/launcher=submitit_slurm), sagemaker (launch.py),
+    ray (Ray Train workers on cluster.ray.address), k8s (a Kubeflow PyTorchJob, launch.py)."""
     rdzv_endpoint: str | None = free(None, "host:port every node reaches (checked before launch)")
     """torchrun: the c10d rendezvous, host:port (needed with nodes > 1; node 0's address)."""
     max_restarts: int = knob(0, min=0)
-    """torchrun: restarts of the node's ranks after one fails, before the job fails."""
+    """torchrun, ray, k8s: restarts of the ranks after one fails (each resumes from
+    trainer.resume_from=auto), before the job fails."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sagemaker: SageMakerConfig = field(default_factory=SageMakerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)
     collective_timeout: float = knob(1800.0, above=0.0)
     """Seconds a collective waits for a lost peer before the job fails (gloo and NCCL)."""
 
     @property
     def size(self) -> int:
         return self.nodes * self.devices
+
+    def planned(self) -> ClusterConfig:
+        """This cluster as the planner sees it: ``accelerator=auto`` resolved to what this
+        machine has -- its GPUs, found without torch (recipes/hardware.py), or CPU processes."""
+        if self.accelerator != "auto":
+            return self
+        from recipes.hardware import local_gpus
+
+        return dataclasses.replace(self, accelerator="gpu" if local_gpus() else "cpu")
+
+    def hardware(self) -> str | None:
+        """What ``accelerator=auto`` found on this machine, for the plan's assumptions; None when
+        the cluster names its accelerator or the machine has no GPU."""
+        from recipes.hardware import describe_gpus, local_gpus
+
+        gpus = local_gpus() if self.accelerator == "auto" else ()
+        return f"cluster.accelerator=auto: this machine's {describe_gpus(gpus)}" if gpus else None
 
     def device_bytes(self) -> int:
         """Memory one process may use: a GPU's own, or a CPU node's share."""
@@ -290,6 +417,10 @@ class TrainerConfig:
     """Log the loss every N optimizer steps."""
     export_params: bool = False
     """Write the final full parameters to params.pt (rank 0), for comparison and export."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor), applied in the fixed order TP ->
+    activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. Presets whose
+    engine cannot run compiled blocks refuse it by name (FSDP1, ZeRO-3, tensor parallel)."""
     checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
     save_last: bool = True
@@ -471,6 +602,10 @@ class PlannerConfig:
     alpha of the alpha-beta cost: measure it with nccl-tests at small sizes)."""
     inter_latency_us: float = knob(8.0, min=0.0)
     """Latency of one step of a collective across nodes, microseconds (InfiniBand / RoCE)."""
+    calibrate: bool = False
+    """cluster=local: measure this machine once (matmul throughput, a transformer block's share
+    of it, AdamW's step, the process group's bandwidth and latency; a subprocess, cached in
+    ~/.cache/stratagem/machine per host, device, world and precision) and plan step time with it."""
 
 
 @dataclass
@@ -487,6 +622,9 @@ class TrainConfig:
     experiment: Any = None
     paths: PathsConfig = MISSING
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    preflight: bool = True
+    """A multirun composes, validates and plans every point before it starts or queues any job,
+    and starts none when one cannot run (launchers/sweep.py); ``+preflight=false`` skips that."""
 
 
 # cfg group -> its schema: what validation checks field by field.
@@ -524,6 +662,14 @@ def _store() -> None:
         from recipes.hardware import instance
 
         OmegaConf.register_new_resolver("instance", instance)
+    if not OmegaConf.has_resolver("launched"):  # conf/cluster/local.yaml: torchrun's / srun's world
+        from recipes.hardware import launched
+
+        OmegaConf.register_new_resolver("launched", launched)
+    if not OmegaConf.has_resolver("local"):  # conf/cluster/local.yaml: this machine's GPUs, no torch
+        from recipes.hardware import local
+
+        OmegaConf.register_new_resolver("local", local)
     if not OmegaConf.has_resolver("run_name"):  # conf/hydra/default.yaml: hydra.run.dir
         OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     cs.store(name="logger_schema", node=LoggerConfig)  # opt-in groups: typed per file

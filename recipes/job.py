@@ -256,7 +256,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
                        f"remove +{k}=..." for k in unknown]
     strategy = as_config(cfg.strategy)
     bad["strategy"] = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
-                       + checks.problems(strategy, "strategy") + strategy.value_problems())
+                       + checks.problems(strategy, "strategy", launch=depth >= LAUNCH)
+                       + strategy.value_problems())
     if strategy.family != type(strategy).FAMILY:
         bad["strategy"].append(f"strategy.family={strategy.family!r}: set by the preset's schema "
                                f"({type(strategy).FAMILY}), not a knob; remove the override")
@@ -292,10 +293,19 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += run.problems()
     if depth >= LAUNCH and world_ok:
         problems += _device_problems(run.accelerator, run.mesh, c.oversubscribe)
+        problems += strategy.launch_problems(run)
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += strategy.problems(run)
         if not bad["model"]:
             problems += strategy.model_problems(model) + _lora_problems(strategy, model)
+        if (run.mesh.seq > 1 and not bad["data"] and objs["data"].name == "chat"
+                and objs["data"].train_on != "all"):
+            # each sequence shard averages its own counted targets: equal to the micro-batch's
+            # mean only when every shard counts as many (unmasked data)
+            problems.append(f"data.train_on={objs['data'].train_on} with a sequence-parallel preset "
+                            f"(strategy={strategy.name}): each rank's loss is the mean over its shard's "
+                            "counted targets, which is the sequence's mean only when every shard counts "
+                            "the same number; use data.train_on=all, or a data-parallel preset")
     if not bad["model"] and not bad["trainer"]:
         problems += _save_hf_problems(t, model)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,

@@ -97,6 +97,12 @@ class StrategyConfig:
         """Pipeline micro-batches one engine step is cut into; None without a pipeline."""
         return None
 
+    def pipeline_schedule(self) -> tuple[str, int, list[int] | None]:
+        """The pipeline's schedule (strategies.pipeline.SCHEDULES), stages per rank and blocks
+        per stage (None: balanced) -- what the planner simulates; a layout that names none runs
+        1F1B, one stage a rank (Megatron's default)."""
+        return "1f1b", 1, None
+
     def for_batch(self, global_batch: int, micro_batch: int, dp: int) -> StrategyConfig:
         """This preset with what it derives from the trainer's batch filled in (a pipeline's
         micro-batch count); itself when it derives nothing."""
@@ -120,6 +126,12 @@ class StrategyConfig:
         """Every problem with this preset on this run, as sentences naming key, value and fix."""
         return []
 
+    def launch_problems(self, run: Run) -> list[str]:
+        """Problems of this preset with the machine that runs it (a directory, a system
+        library): checked at launch by train.py, never when planning (plan.py plans a cluster
+        from anywhere)."""
+        return []
+
     def value_problems(self) -> list[str]:
         """Values no knob declares a range for (raw engine JSON) that are wrong whatever the run:
         checked at compose with the knobs' own ranges (plan.py and train.py alike)."""
@@ -127,6 +139,12 @@ class StrategyConfig:
 
     def model_problems(self, model: Any) -> list[str]:
         """Problems of this preset with the model's shape (``recipes.config.ModelConfig``)."""
+        if getattr(model, "is_moe", False) and {"tp", "pp"} & set(self.capabilities.degrees) and (
+                getattr(self, "tp", 1) > 1 or getattr(self, "pp", 1) > 1):
+            return [f"strategy={self.name} with a mixture-of-experts model (model.n_experts="
+                    f"{model.n_experts}): tensor and pipeline parallelism are not built for MoE "
+                    "blocks (their tp_plan / pp_plan name a dense MLP); use strategy=fsdp_ep "
+                    "(expert parallelism) or a data-parallel preset"]
         if self.capabilities.cuts_model and getattr(model, "is_hf", False):
             return [f"strategy={self.name} with model=hf: it cuts the model at modules the "
                     "built-in GPT declares (pipeline stages, sequence-parallel norms); model=hf "
@@ -139,6 +157,16 @@ class StrategyConfig:
         from strategies.footprint import Footprint
 
         return Footprint()
+
+    def low_precision_weights(self, mesh: Mesh) -> bool:
+        """Under a mixed precision, forward and backward run on 16-bit weights (the activation
+        calibration's ``bf16`` regime, not autocast over fp32 weights): an engine keeping an
+        fp32 master copy beside 16-bit working weights (DeepSpeed), or FSDP gathering its
+        shards in its MixedPrecision ``param_dtype``."""
+        from strategies.footprint import SHARDED
+
+        fp = self.footprint()
+        return fp.master_weights or fp.params == SHARDED
 
     def plan(self, mesh: Mesh) -> ParallelPlan:
         """The parallelism applied to the plain model from outside, as data. The default only

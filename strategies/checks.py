@@ -60,6 +60,9 @@ class Check:
     """file | dir | any: the value is a path that must exist (with ``choices``: or one of them)."""
     fix: str | None = None
     """How to fix it, when the generic advice does not say enough."""
+    at_launch: bool = False
+    """The path is on the machine the job runs on: checked at launch (train.py), not when a
+    job is planned (plan.py), possibly from another machine."""
 
     def allowed(self) -> str:
         if self.choices is not None:
@@ -121,18 +124,19 @@ def _advice(key: str, f: dataclasses.Field, check: Check) -> str:
         else f"set {key} to one of {check.allowed()}"
 
 
-def problems(obj: Any, prefix: str) -> list[str]:
+def problems(obj: Any, prefix: str, *, launch: bool = True) -> list[str]:
     """Every declared rule that a field of the dataclass instance ``obj`` breaks, as sentences.
     A field whose value is None passes when its default is None or its type allows None
-    (optional knobs)."""
+    (optional knobs). ``launch``: also the rules checked only on the machine that runs the job
+    (``at_launch``)."""
     out = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):  # a nested section
-            out += problems(value, f"{prefix}.{f.name}")
+            out += problems(value, f"{prefix}.{f.name}", launch=launch)
             continue
         check = f.metadata.get("check")
-        if check is None:
+        if check is None or (check.at_launch and not launch):
             continue
         if value is None and (f.default is None or "None" in str(f.type)):
             continue

@@ -77,6 +77,12 @@ class Sizes:
     """The model description (``planner.inputs.ModelDescription``); None: planner.params only."""
     total_params: float = 0.0
     """The whole model's parameters."""
+    micro: int = 1
+    """Samples per micro-batch (token all-to-all payloads of expert parallelism)."""
+    resident: bool = False
+    """Memory is a CPU host's, counted as resident pages: an allocation costs only what is
+    written (``torch.empty``'s untouched tail takes no memory), where a GPU allocator reserves
+    all of it."""
 
 
 @dataclass(frozen=True)
@@ -174,17 +180,24 @@ class Footprint:
         """Gradient bytes held at the step (``split``: the state divided as declared)."""
         return split
 
+    def grads_released(self, n: Sizes) -> bool:
+        """Gradients are freed between steps (the optimizer's ``zero_grad(set_to_none=True)``) and
+        made again in backward, so with one micro-batch per step none exist while every
+        activation does (backward's start); False where an engine keeps them in its own buffers
+        (DeepSpeed's flat partitions, DDP's buckets)."""
+        return True
+
     def buffers(self, n: Sizes) -> tuple[int, int]:
         """Transients beside the states ``(backward, step)``: gradient buckets, gathered units
         (the current and the prefetched one, and one unit's unsharded gradient), autocast's
-        16-bit weight copies; what exists at the optimizer step."""
+        16-bit weight copies; what exists once the activations are gone (the end of backward,
+        the optimizer step)."""
         sb = n.bytes
         backward = step = self.bucket_buffer(n)
         backward += self.backward_extra(n)
         if self.params == SHARDED:
-            gathered = (n.unit + self.prefetched(n)) if self.reshard_after_forward else n.params
-            gathered = self.kept_gathered(n, gathered)
-            backward += gathered * sb.gather + n.unit * sb.reduce
+            gathered = self.kept_gathered(n, self.gathered(n))
+            backward += gathered * sb.gather + self.block(n) * sb.reduce
         elif sb.params > sb.gather:
             backward += n.params * sb.gather  # autocast's bf16 weight copies, saved for backward
         step += self.step_extra(n)
@@ -196,6 +209,15 @@ class Footprint:
 
     def backward_extra(self, n: Sizes) -> float:
         return 0.0
+
+    def gathered(self, n: Sizes) -> float:
+        """Elements gathered at once through backward: the current unit and the prefetched one,
+        or, not resharded after forward, every parameter."""
+        return (n.unit + self.prefetched(n)) if self.reshard_after_forward else n.params
+
+    def block(self, n: Sizes) -> float:
+        """Elements of the unit whose unsharded gradient is reduced while backward runs on."""
+        return n.unit
 
     def prefetched(self, n: Sizes) -> float:
         """Elements gathered ahead of use beside the current unit: one unit."""
@@ -244,12 +266,12 @@ class Footprint:
                     out.append(Traffic("param_all_gather_backward", "all_gather", n.shard, stride,
                                        again * sb.gather, "backward", per_micro=True,
                                        calls=n.units * again / n.params))
-            else:  # optimizer-sharded: updated parameter shards are gathered after the step
+            else:  # optimizer-sharded: the updated shards (trainable parameters) are gathered
                 out.append(Traffic("param_all_gather", "all_gather", n.shard, stride,
-                                   n.params * sb.gather, "none"))
+                                   n.trainable * sb.gather, "none"))
         if self.optimizer_offload != DEVICE:
             link = "host" if self.optimizer_offload == CPU else "nvme"
-            moved = grad / n.shard + n.params * sb.gather / n.shard  # gradients down, parameters up
+            moved = grad / n.shard + n.trainable * sb.gather / n.shard  # gradients down, updates up
             if link == "nvme":  # the optimizer state is read and written back every step
                 moved += 2 * n.trainable * (sb.master + sb.optimizer) / n.shard
             out.append(Traffic("optimizer_offload", "copy", 1, 1, moved, "none", link=link))
@@ -274,13 +296,43 @@ class Footprint:
 
 @dataclass(frozen=True)
 class FSDPFootprint(Footprint):
-    """torch FSDP (FSDP1 flat units, FSDP2 per-parameter): every state sharded; the root unit
-    (embeddings, final norm, head) is not resharded after forward, so only the blocks are
-    gathered again for backward."""
+    """torch FSDP (FSDP1 flat units, FSDP2 per-parameter): every state sharded, each block its own
+    unit. The root unit holds what no block does (embeddings, final norm, head): gathered whole
+    at forward's start and, not resharded after forward, held through backward, so only the
+    blocks are gathered again; its gradients are reduced last, once the activations are gone
+    (unsharded gradients and the flat copy reduce-scattered, beside its gathered parameters).
+    Gradients are reduce-scattered per unit: no DDP buckets."""
 
     params: str = SHARDED
     grads: str = SHARDED
     optimizer: str = SHARDED
+
+    def root(self, n: Sizes) -> float:
+        """Parameters of the root unit on this rank: what no block holds; 0 without a shape."""
+        return 0.0 if n.blocks is None else max(0.0, n.params - n.blocks)
+
+    def block(self, n: Sizes) -> float:
+        return n.unit if n.blocks is None else n.blocks / max(1.0, n.units - 1)
+
+    def gathered(self, n: Sizes) -> float:
+        if n.blocks is None or not self.reshard_after_forward:
+            return super().gathered(n)
+        return self.root(n) + 2 * self.block(n)  # the root, the current block, the next one
+
+    def prefetched(self, n: Sizes) -> float:
+        return self.block(n)
+
+    def bucket_buffer(self, n: Sizes) -> float:
+        return 0.0
+
+    def step_extra(self, n: Sizes) -> float:
+        # the root's reduce-scatter closes backward: its gathered parameters, its unsharded
+        # gradients (compute dtype) and the flat copy reduced (reduce dtype), its sharded
+        # gradient not yet made (what the states count for it)
+        root, sb = self.root(n), n.bytes
+        if not root or self.params_offload != DEVICE:
+            return 0.0
+        return max(0.0, root * (sb.gather + sb.gather + self.reduce_bytes(sb)) - root * sb.grads / n.shard)
 
     def regathered(self, n: Sizes) -> float:
         return n.params if n.blocks is None else min(n.params, n.blocks)

@@ -3,6 +3,7 @@ parameters, plain parameters, gradients and optimizer state. Shared storage is c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,40 +49,96 @@ def held_bytes(model: Any, optimizers: Iterable[Any], what: str) -> int:
     raise ValueError(f"held_bytes: what={what!r}; allowed params, grads, optimizer")
 
 
+# Autograd nodes of ops that only view or cast their one input: a tensor reached from a
+# parameter through these is that parameter.
+_PASS_THROUGH = {"TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                 "ExpandBackward0", "AliasBackward0", "UnsafeViewBackward0", "AsStridedBackward0",
+                 "ReshapeAliasBackward0", "ToCopyBackward0", "SliceBackward0", "SelectBackward0"}
+
+
+class _Saved:
+    """What autograd keeps instead of a counted tensor: the tensor, and a release of its count
+    when autograd lets go of it (after the backward that used it)."""
+
+    __slots__ = ("key", "owner", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int, owner: SavedTensors):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self) -> None:
+        self.owner._release(self.key)
+
+
 class SavedTensors:
-    """Bytes autograd saves for backward while active: every distinct storage saved, except
-    parameters (leaves that require grad, and views of them), copies of parameters (autocast's
-    low-precision weights: weight-shaped, not activations -- the planner counts them apart) and
-    the module buffers given (a RoPE table). What the memory observer reports as activations,
-    and what the planner's activation model is calibrated on (recipes/calibrate.py)."""
+    """Bytes autograd saves for backward while active, at their peak: every distinct storage
+    saved and not yet released by the backward that uses it, except parameters (and views and
+    copies of them: autocast's low-precision weights are weight-shaped, not activations -- the
+    planner counts them apart) and the module buffers given (a RoPE table). Over one forward
+    that is everything it saved; over a pipeline schedule, the most its micro-batches held at
+    once. What the memory observer reports as activations, and what the planner's activation
+    model is calibrated on (recipes/calibrate.py)."""
 
     def __init__(self, buffers: Iterable[torch.Tensor] = ()):
         self.skip = {local(b).untyped_storage().data_ptr() for b in buffers}
         self.storages: dict[int, int] = {}
+        """Live storages (key -> bytes)."""
+        self.live = self.peak = 0
+        self._refs: dict[int, int] = {}
+        self._lock = threading.Lock()
         self._hooks: Any = None
 
     @staticmethod
     def _is_parameter(t: torch.Tensor) -> bool:
+        """A parameter, or a view or cast of one (a transposed weight, DTensor's views of a
+        sharded weight, autocast's low-precision copy): reached from an ``nn.Parameter`` through
+        view and copy steps alone. A leaf that is no parameter (a pipeline stage's received
+        input, the token ids) is an activation."""
         base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad:
-            return True
-        fn = base.grad_fn  # a cast of a parameter (autocast's weight copy)
-        return (type(fn).__name__ == "ToCopyBackward0"
-                and any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n))
+        if base.is_leaf:
+            return isinstance(base, torch.nn.Parameter)
+        fn = base.grad_fn
+        while fn is not None and type(fn).__name__ in _PASS_THROUGH:
+            inputs = [n for n, _ in fn.next_functions if n is not None]
+            if len(inputs) != 1:
+                return False
+            fn = inputs[0]
+        return (type(fn).__name__ == "AccumulateGrad"
+                and isinstance(getattr(fn, "variable", None), torch.nn.Parameter))
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not self._is_parameter(t):
-            try:
-                storage = local(t).untyped_storage()
-                key, nbytes = storage.data_ptr() or id(storage), storage.nbytes()
-            except RuntimeError:  # a wrapper without real storage (a functional collective's
-                key, nbytes = id(t), t.numel() * t.element_size()  # pending result): its size
-            if key not in self.skip:
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device.type == "meta" or self._is_parameter(t):  # (meta tensors hold no memory)
+            return t
+        try:
+            storage = local(t).untyped_storage()
+            key, nbytes = storage.data_ptr() or id(storage), storage.nbytes()
+        except RuntimeError:  # a wrapper without real storage (a functional collective's
+            key, nbytes = id(t), t.numel() * t.element_size()  # pending result): its size
+        if key in self.skip:
+            return t
+        with self._lock:
+            refs = self._refs.get(key, 0)
+            self._refs[key] = refs + 1
+            if refs == 0:
                 self.storages[key] = nbytes
-        return t
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+        return _Saved(t, key, self)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            refs = self._refs.get(key, 0) - 1
+            if refs > 0:
+                self._refs[key] = refs
+            elif refs == 0:
+                del self._refs[key]
+                self.live -= self.storages.pop(key)
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
 
     def __enter__(self) -> SavedTensors:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
@@ -90,4 +147,5 @@ class SavedTensors:
 
     @property
     def bytes(self) -> int:
-        return sum(self.storages.values())
+        """The peak of the live saved bytes while active."""
+        return self.peak

@@ -22,7 +22,8 @@ REGIMES = ("32", "autocast", "bf16")
 def regime(precision: str, low_precision_weights: bool) -> str:
     """What a precision means for the tensors a step holds: fp32 everything, torch autocast over
     fp32 parameters, or 16-bit parameters (an engine that keeps bf16 weights beside an fp32
-    master copy, as DeepSpeed does)."""
+    master copy, as DeepSpeed does, or FSDP's MixedPrecision gathering bf16 weights:
+    ``StrategyConfig.low_precision_weights``)."""
     if str(precision).startswith("32"):
         return "32"
     return "bf16" if low_precision_weights or str(precision).endswith("-true") else "autocast"
@@ -43,6 +44,8 @@ class Run:
     grad_clip: float = 0.0
     checkpoint: str = "dcp"
     """dcp | deepspeed: the format the family's engine writes (``Capabilities.checkpoint``)."""
+    compile: bool = False
+    """trainer.compile: torch.compile each block (the plan's compile step)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -53,13 +56,27 @@ class Run:
         return self.batch.accumulation
 
     def problems(self) -> list[str]:
-        """The mesh arithmetic, then (when it holds) the batch arithmetic."""
-        return self.mesh.problems() or self.batch.problems()
+        """The mesh arithmetic, then (when it holds) the batch arithmetic; trainer.compile on CPU
+        without a C++ compiler (inductor compiles its kernels with one)."""
+        out = self.mesh.problems() or self.batch.problems()
+        if self.compile and self.accelerator == "cpu" and not cxx():
+            out = [*out, "trainer.compile=true on CPU needs a C++ compiler for inductor's kernels, "
+                         "and none was found (CXX, g++, c++): install one (apt-get install g++) "
+                         "or set trainer.compile=false"]
+        return out
+
+
+def cxx() -> str | None:
+    """The C++ compiler torch's inductor would use on CPU ($CXX, else g++ or c++), or None."""
+    import os
+    import shutil
+
+    return next((p for c in (os.environ.get("CXX"), "g++", "c++") if c and (p := shutil.which(c))), None)
 
 
 def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: str = "cpu",
            precision: str = "32", global_batch: int | None = None, micro_batch: int = 1,
-           grad_clip: float = 0.0) -> Run:
+           grad_clip: float = 0.0, compile: bool = False) -> Run:
     """The one derivation of a run's facts from a strategy, the cluster's shape and the trainer's
     batch, precision and clipping (``accelerator`` already resolved: cpu or gpu). Without
     ``global_batch`` (a Lightning Trainer given the preset by name): one micro-batch per step,
@@ -73,8 +90,8 @@ def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: s
     caps = strategy.capabilities
     return Run(mesh=mesh, batch=batch, accelerator="gpu" if accelerator == "gpu" else "cpu",
                precision=str(precision),
-               regime=regime(str(precision), strategy.footprint().master_weights),
-               grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint)
+               regime=regime(str(precision), strategy.low_precision_weights(mesh)),
+               grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint, compile=bool(compile))
 
 
 def derive_from(strategy: StrategyConfig, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
@@ -83,7 +100,21 @@ def derive_from(strategy: StrategyConfig, cluster: Any, trainer: Any, accelerato
     return derive(strategy, nodes=cluster.nodes, devices=cluster.devices,
                   accelerator=accelerator or cluster.accelerator, precision=trainer.precision,
                   global_batch=trainer.global_batch_size, micro_batch=trainer.micro_batch_size,
-                  grad_clip=trainer.grad_clip)
+                  grad_clip=trainer.grad_clip, compile=bool(getattr(trainer, "compile", False)))
 
 
-__all__ = ["PRECISIONS", "REGIMES", "Run", "derive", "derive_from", "regime"]
+def cpu_threads(local_ranks: int) -> int:
+    """Intra-op threads each CPU rank of a node computes with: ``OMP_NUM_THREADS`` when set,
+    else the cores this process may use shared evenly by the node's ranks (at least one; torchrun
+    gives every rank 1). Ranks that oversubscribe the cores spin against each other: a 2-stage
+    pipeline on 2 cores ran 7x slower with 2 threads a rank than with 1 (measured)."""
+    import os
+
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
+__all__ = ["PRECISIONS", "REGIMES", "Run", "cpu_threads", "derive", "derive_from", "regime"]

@@ -332,7 +332,7 @@ def test_preflight_fits_and_refuses():
     big = preflight(cfg, describe(cfg.model))
     assert not big.fits
     msg = big.message()
-    assert msg.startswith("does not fit on node_8x_a100_80g: needs 152.9 GB per device, "
+    assert msg.startswith("does not fit on node_8x_a100_80g: needs 154.0 GB per device, "
                           "has 80.0 GB")
     assert "preset" in msg
 
@@ -352,11 +352,13 @@ def test_activation_calibration_is_current():
     from planner.activations import calibration
     from recipes.calibrate import ARCHITECTURE, calibrate
 
-    assert calibration()[ARCHITECTURE] == calibrate()
+    # (one regime in full, variants included: the others are traced the same way, ~3x the time)
+    assert calibration()[ARCHITECTURE]["32"] == calibrate(("32",))["32"]
 
 
 def test_calibrated_activations_scale_with_the_shape():
-    """gpt_small, micro batch 1, fp32: every block term traced, per token, times tokens."""
+    """gpt_small, micro batch 1, fp32: every block term traced, per token, times tokens (and
+    the embedding's token ids)."""
     from planner.activations import calibration
 
     shape = model(dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, vocab_size=256,
@@ -364,7 +366,7 @@ def test_calibrated_activations_scale_with_the_shape():
     c = calibration()["gpt"]["32"]
     per = {"one": 1, "dim": 384, "ffn": 1024, "kv_dim": 384, "heads": 6, "vocab": 256}
     token = (6 * sum(v * per[k] for k, v in c["block"].items())
-             + sum(v * per[k] for k, v in c["tail"].items()))
+             + sum(v * per[k] for part in ("tail", "embedding") for k, v in c[part].items()))
     assert activation_bytes(shape, micro=1, regime="32") == int(128 * token)
     # checkpointing keeps each block's input and re-runs one block in backward
     ckpt = activation_bytes(shape, micro=1, regime="32", ckpt=True)

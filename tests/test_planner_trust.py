@@ -131,12 +131,21 @@ def test_when_only_the_batch_fails_the_reason_is_the_batch():
 def test_one_device_reason_does_not_claim_sharding():
     rec = _report("model=llama_7b", "cluster=h200_1x").recommendation
     assert rec.strategy and "so the state must be sharded" not in rec.reason, rec.reason
-    assert "nothing is sharded" in rec.reason
+    assert "nothing is sharded" in rec.reason and "sharded data parallel layout" not in rec.reason
+    small = _report("model=llama_1b", "cluster=h200_1x").recommendation
+    assert small.strategy == "ddp" and "no sharding needed" in small.reason, small.reason
+    # TP on one node of 8 with one data-parallel rank: the model is split, nothing is "sharded"
+    tp = _report("model=llama_7b", "cluster=node_8x_h100", "cluster.device_memory_GB=24",
+                 "trainer.global_batch_size=64").recommendation
+    assert "so the model must be split" in tp.reason and "DeepSpeed" not in tp.reason, tp.reason
+
+
+_TIGHT = ("model=llama_7b", "cluster=h200_1x", "cluster.device_memory_GB=139")  # fsdp: 2.2 GB free
 
 
 @pytest.mark.unit
 def test_table_separates_tight_incomplete_and_cannot_run():
-    report = _report("model=llama_7b", "cluster=h200_1x")
+    report = _report(*_TIGHT)
     plans = {p.strategy: p for p in report.plans}
     assert plans["fsdp"].tight
     text = _table(report)
@@ -156,7 +165,7 @@ def test_table_separates_tight_incomplete_and_cannot_run():
 def test_a_tight_recommendation_says_so():
     from planner import recommend
 
-    fsdp = _plans("model=llama_7b", "cluster=h200_1x")["fsdp"]
+    fsdp = _plans(*_TIGHT)["fsdp"]
     rec = recommend([fsdp])
     assert rec.strategy == "fsdp" and "tight" in rec.reason
 
@@ -233,3 +242,332 @@ def test_a_tight_layout_is_not_recommended_over_an_as_fast_roomy_one():
     assert tp.tight  # 78.4 of 80 GB, under the 3 GB reserve
     rec = recommend(planned)
     assert rec.strategy == "megatron_3d", rec.reason
+
+
+# ----------------------------------------------------------------------------- 6. the peak, phase by phase
+@pytest.mark.unit
+def test_the_loss_backward_is_in_the_peak_where_it_lives():
+    """Measured peak minus saved tensors is 8 x s x b x V bytes (the fp32 log-softmax and logits
+    gradients) at the start of backward: beside every activation, before any gradient exists
+    when a step is one micro-batch (zero_grad frees them)."""
+    from planner import plan_all
+    from recipes.config import compose
+
+    cfg = compose(["model=llama_1b", "cluster=h200_1x", "trainer.precision=bf16-mixed",
+                   "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "callbacks=none"])
+    m = describe(cfg.model)
+    plans = {p.strategy: p for p in plan_all(cfg, m).plans}
+    single = plans["single"].memory
+    assert single.loss == 8 * m.seq_len * 2 * m.vocab_size  # 4.2 GB at llama_1b's 128k vocabulary
+    states = single.params + single.grads + single.master + single.optimizer
+    # one micro-batch: the gradients are freed between steps, none at backward's start
+    assert single.total == states - single.grads + single.activations + single.buffers + single.loss
+    assert single.growth == single.total - states
+    # with accumulation the gradients of earlier micro-batches are there
+    acc = _plans("model=llama_1b", "cluster=h200_1x", "trainer.global_batch_size=4",
+                 "strategy=single")["single"].memory
+    acc_states = acc.params + acc.grads + acc.master + acc.optimizer
+    assert acc.total == acc_states + acc.activations + acc.buffers + acc.loss
+    # DeepSpeed keeps its gradient partitions in its own buffers: always counted
+    z = plans["zero2"].memory
+    assert z.total == z.params + z.grads + z.master + z.optimizer + z.activations + z.buffers + z.loss
+    # the documents' view has no engine transients
+    doc = _plans("model=llama_1b", "cluster=h200_1x", "planner.accounting=mixed16")["single"].memory
+    assert doc.loss == 0 and doc.buffers == 0
+
+
+@pytest.mark.unit
+def test_the_loss_backward_is_on_the_last_stage_and_split_only_by_vocabulary_parallel_tp():
+    plans = _plans(*_70B)
+    m = describe(_compose(_70B).model)
+    whole = 8 * m.seq_len * 1 * m.vocab_size
+    assert plans["megatron_tp"].memory.loss == whole // 8  # vocabulary-parallel cross entropy
+    assert plans["fsdp_tp"].memory.loss == whole  # the runnable TP presets replicate the logits
+    pipe = plans["pipeline"]  # stage 0 holds pp micro-batches in flight, the last one the loss
+    assert pipe.memory.loss == whole
+    states = sum(getattr(pipe.memory, k) for k in ("params", "grads", "master", "optimizer"))
+    assert pipe.memory.total < states + pipe.memory.activations + pipe.memory.buffers + whole
+
+
+@pytest.mark.unit
+def test_fsdp_is_planned_with_the_bf16_calibration_it_runs():
+    """FSDP1/FSDP2 gather bf16 weights (MixedPrecision param_dtype): the calibration's bf16
+    regime, as DeepSpeed, not autocast's over fp32 weights (measured 1.000 on CPU, autocast's
+    was 1.09x here and 1.21x at Llama shapes)."""
+    plans = _plans("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+    for name in ("fsdp", "fsdp2", "hsdp2", "fsdp_grad_op"):
+        assert plans[name].memory.activations == plans["zero3"].memory.activations, name
+    assert plans["ddp"].memory.activations > 1.15 * plans["fsdp"].memory.activations  # autocast
+    from strategies import derive_from, load
+
+    cfg = _compose(("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64"))
+    from omegaconf import OmegaConf
+
+    cl, t = OmegaConf.to_object(cfg.cluster), OmegaConf.to_object(cfg.trainer)
+    assert derive_from(load("fsdp"), cl, t).regime == "bf16"
+    assert derive_from(load("ddp"), cl, t).regime == "autocast"
+    # the TP/PP presets shard with FSDP2 only over dp > 1 (plan): dp 1 keeps fp32 weights
+    assert derive_from(load("tp").with_degrees(tp=8), cl, t).regime == "autocast"
+    assert derive_from(load("tp").with_degrees(tp=4), cl, t).regime == "bf16"
+
+
+@pytest.mark.unit
+def test_zero3_steps_one_sub_group_at_a_time():
+    """stage3's _prepare_fp32_grad_for_sub_group flattens and casts one sub_group_size (1e9
+    elements) at a time: llama_13b on 3 GPUs with checkpointing fits (it was 87.2 GB)."""
+    base = ("model=llama_13b", "cluster=node_8x_h100", "cluster.devices=3", "strategy=zero3",
+            "strategy.activation_checkpointing=true", "trainer.global_batch_size=3")
+    p = _plans(*base)["zero3"]
+    assert p.fits and 74e9 < p.memory.total < 78e9, p.memory.total
+    states = p.memory.params + p.memory.grads + p.memory.master + p.memory.optimizer
+    bucket = 200_000_000 * 2  # one reduce bucket (ZeRO-3), bf16
+    assert p.memory.step - states - bucket == 1_000_000_000 * (2 + 4)  # bf16 flatten + fp32 cast
+    small = _plans(*base, "strategy.sub_group_size=100000000")["zero3"]
+    assert p.memory.step - small.memory.step == 900_000_000 * 6
+    raw = _plans(*base, "+strategy.deepspeed_config.zero_optimization.sub_group_size=100000000")["zero3"]
+    assert raw.memory.step == small.memory.step
+
+
+@pytest.mark.unit
+def test_fsdp_plans_its_root_unit():
+    """Embeddings, final norm and head live in FSDP's root unit: gathered whole from forward to
+    the end of backward (not resharded after forward), beside the current and the next block;
+    reduced last, once the activations are gone (gathered parameters + unsharded gradients +
+    the flat copy reduce-scattered); no DDP buckets."""
+    from planner.inputs import unit_params
+
+    m = describe(_compose(BF16_1B).model)
+    p = _plans(*BF16_1B, "strategy=fsdp2", "strategy.reduce_fp32=false")["fsdp2"]
+    root = m.num_params() - m.n_layers * m.block_params()
+    assert root >= m.embedding_params() and unit_params(m) == m.embedding_params()
+    block = m.block_params()
+    assert p.memory.buffers == int((root + 2 * block) * 2 + block * 2)  # bf16 gathers and grads
+    states = p.memory.params + p.memory.grads + p.memory.master + p.memory.optimizer
+    root_grads = root * 4 / p.shard  # its sharded fp32 gradient, not made yet
+    assert p.memory.step - states == int(root * (2 + 2 + 2) - root_grads)
+
+
+# ----------------------------------------------------------------------------- 7. the documents' view
+def _doc(params: float, devices: int, nodes: int = 1, accounting: str = "mixed16"):
+    from planner import plan_all
+    from recipes.config import compose
+
+    cfg = compose([f"planner.params={params}", f"planner.accounting={accounting}",
+                   "cluster=node_8x_h100", f"cluster.nodes={nodes}", f"cluster.devices={devices}",
+                   f"trainer.global_batch_size={nodes * devices}", "trainer.micro_batch_size=1",
+                   "trainer.precision=bf16-mixed", "callbacks=none"])
+    report = plan_all(cfg, describe(cfg.model))
+    return report, {p.strategy: p.memory for p in report.plans}
+
+
+def _states(m) -> float:
+    return m.params + m.grads + m.master + m.optimizer
+
+
+@pytest.mark.unit
+def test_mixed16_is_the_documents_model_through_the_real_presets():
+    """distributed-training-math.txt, 10B on 8 workers: replicated 160 GB (20 + 20 + 40 + 80),
+    ZeRO-1 55 GB (20 + 20 + 15), ZeRO-2 37.5 GB, ZeRO-3 / FSDP 20 GB; the engine view's
+    buffers and step-time copies are not in it (ZeRO-1 was 37.5 with its full gradients moved
+    into buffers)."""
+    report, m = _doc(1e10, 8)
+    GB = 10**9
+    assert (m["ddp"].params, m["ddp"].grads, m["ddp"].master, m["ddp"].optimizer) == (
+        20 * GB, 20 * GB, 40 * GB, 80 * GB)
+    assert (m["zero1"].params, m["zero1"].grads, m["zero1"].master + m["zero1"].optimizer) == (
+        20 * GB, 20 * GB, 15 * GB)
+    assert (m["zero2"].params, m["zero2"].grads) == (20 * GB, 2.5 * GB)
+    for name, total in (("ddp", 160), ("single", 160), ("zero1", 55), ("zero2", 37.5), ("zero3", 20),
+                        ("fsdp", 20), ("fsdp2", 20)):
+        if name == "single":
+            continue  # (one process on 8 devices cannot run; its 160 GB is ddp's)
+        assert m[name].total == _states(m[name]) == total * GB, name
+        assert m[name].buffers == m[name].loss == 0 and m[name].step == m[name].total
+    assert "the reference documents' model" in _table(report)
+
+
+@pytest.mark.unit
+def test_every_worked_memory_number_of_the_reference_documents():
+    GB = 10**9
+    # ZeRO paper, Figure 1 (the overview's figure): 7.5B parameters on 64 GPUs, K = 12
+    _, m = _doc(7.5e9, 8, nodes=8)
+    assert m["ddp"].total == 120 * GB
+    assert m["zero1"].total == 31_406_250_000  # 2 + 2 + 12/64 bytes: "31.4GB"
+    assert m["zero2"].total == 16_640_625_000  # 2 + 14/64: "16.6GB"
+    assert m["zero3"].total == 1_875_000_000   # 16/64: "1.9GB"
+    # math: the 12B exercise on 8 workers; 7B at 16 B/param "about 112 GB", 14 GB of bf16 weights
+    _, m = _doc(12e9, 8)
+    assert m["ddp"].total == 192 * GB and m["zero3"].total == 24 * GB
+    _, m = _doc(7e9, 1)
+    assert m["single"].total == 112 * GB and m["single"].params == 14 * GB
+    # deep-dive: 20 B/param, "~140 GB" for 7B (mixed20)
+    _, m = _doc(7e9, 1, accounting="mixed20")
+    assert m["single"].total == 140 * GB
+    # overview: 10B, 20 + 20 + 80 + 40 = 160 GB of states; + ~20 activations + ~10 buffers
+    # (its estimates, given) = 190 GB, "~176 GiB"
+    _, m = _doc(1e10, 1)
+    assert (m["single"].params, m["single"].grads, m["single"].optimizer, m["single"].master) == (
+        20 * GB, 20 * GB, 80 * GB, 40 * GB)
+    assert int((m["single"].total + 20 * GB + 10 * GB) / 2**30) == 176
+    # notes: a 70B model is ~140 GB in bf16; ZeRO-3 over 80 GPUs takes its 280 GB of bf16
+    # parameters and gradients (the notes' "full model", 4 B/param) to ~3.5 GB per GPU
+    _, m = _doc(70e9, 8, nodes=10)
+    assert m["single"].params == 140 * GB if "single" in m else True
+    z3 = m["zero3"]
+    assert (z3.params + z3.grads) * 80 == 280 * GB and z3.params + z3.grads == 3.5 * GB
+
+
+# ----------------------------------------------------------------------------- 8. what users see at the end
+@pytest.mark.unit
+def test_lora_under_zero2_gathers_only_the_trainable_partitions():
+    """DeepSpeed's post-step all-gather sends the updated partitions: the trainable parameters
+    (measured 0.05 MiB where the frozen weights made it 0.30)."""
+    from planner import all_gather_bytes
+
+    trainable = 20_000_000
+    p = _plans(*BF16_1B, "strategy=zero2", f"planner.trainable={trainable}")["zero2"]
+    gather = p.communication.by_collective["param_all_gather"]
+    assert gather.bytes == int(all_gather_bytes(trainable * 2, p.shard))
+    full = _plans(*BF16_1B, "strategy=zero2")["zero2"].communication.by_collective["param_all_gather"]
+    assert full.bytes > 50 * gather.bytes
+
+
+# ----------------------------------------------------------------------------- 9. machine checks at launch
+@pytest.mark.unit
+def test_plan_py_plans_an_nvme_path_absent_on_this_machine(tmp_path):
+    """strategy.nvme_path is on the machine that runs the job: train.py checks it (LAUNCH),
+    plan.py (CONFIG) plans it from anywhere."""
+    from recipes.job import CONFIG, LAUNCH, validate
+    from strategies.mesh import ConfigError
+
+    over = ("model=llama_7b", "cluster=node_8x_h100", "strategy=zero_infinity",
+            f"strategy.nvme_path={tmp_path / 'on-the-cluster'}", "trainer.global_batch_size=64")
+    cfg = _compose(over)
+    validate(cfg, depth=CONFIG)
+    p = _plans(*over)["zero_infinity"]
+    assert not p.problems and p.fits, p.problems
+    with pytest.raises(ConfigError) as e:
+        validate(_compose((*over, "cluster.accelerator=cpu", "cluster.devices=2",
+                           "trainer.global_batch_size=2")), depth=LAUNCH)
+    assert "does not exist or is not a directory" in str(e.value)
+
+
+@pytest.mark.unit
+def test_zero_infinity_without_nvme_path_is_incomplete_not_out_of_memory():
+    report = _report("model=llama_1b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+    zi = next(p for p in report.plans if p.strategy == "zero_infinity")
+    assert zi.missing and not zi.blocking and zi.memory_fits
+    assert "does not fit" not in zi.message() and "config is incomplete" in zi.message()
+    assert "│ zero_infinity │ yes │ incomplete │" in _table(report)
+
+
+# ----------------------------------------------------------------------------- 10. checkpointing, micro batch
+@pytest.mark.unit
+def test_activation_checkpointing_is_suggested_when_it_changes_the_answer():
+    """llama_7b at micro batch 8 on one H200: nothing runs without checkpointing (210 GB of
+    activations); with it, a preset fits: the recommendation says so, the JSON and strategy=auto
+    turn it on."""
+    from planner import choose, plan_all, report_dict
+    from recipes.config import compose
+
+    over = ("model=llama_7b", "cluster=h200_1x", "trainer.precision=bf16-mixed",
+            "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "callbacks=none")
+    report = plan_all(cfg := compose(list(over)), describe(cfg.model))
+    rec = report.recommendation
+    assert rec.strategy and rec.activation_checkpointing, rec.reason
+    assert "strategy.activation_checkpointing=true" in rec.reason
+    plan = next(p for p in report.plans if p.strategy == rec.strategy)
+    assert not plan.fits and plan.checkpointed_total <= plan.device_bytes
+    assert "fits with checkpointing" in _table(report)
+    out = report_dict(report)
+    assert out["recommendation"]["activation_checkpointing"] is True
+    assert next(p for p in out["plans"] if p["strategy"] == rec.strategy)["total_checkpointed"] > 0
+    cfg = compose([*over, "strategy=auto"])
+    picked, _ = choose(cfg, describe(cfg.model))
+    assert picked.name == rec.strategy and picked.activation_checkpointing
+    # ... and never when the answer does not change
+    plain = _report("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64").recommendation
+    assert not plain.activation_checkpointing and plain.with_checkpointing is None
+    assert "activation checkpointing" not in plain.reason
+
+
+@pytest.mark.subprocess
+def test_plan_py_run_it_line_turns_checkpointing_on():
+    proc = _cli("model=llama_7b", "cluster=h200_1x", "trainer.micro_batch_size=8",
+                "trainer.global_batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("run it:"))
+    assert "strategy.activation_checkpointing=true" in line
+
+
+# ----------------------------------------------------------------------------- 11. this machine
+SMI_8xH100 = "NVIDIA H100 80GB HBM3, 81559 MiB\n" * 8
+
+
+@pytest.mark.unit
+def test_nvidia_smi_output_is_parsed_into_known_gpus():
+    from recipes.hardware import UNKNOWN_GPU_TFLOPS, describe_gpus, local, parse_nvidia_smi
+
+    gpus = parse_nvidia_smi(SMI_8xH100)
+    assert len(gpus) == 8 and all(g.known and g.peak_tflops == 989 for g in gpus)
+    assert gpus[0].memory == 81559 * 2**20
+    assert local("device_memory_GB", "auto", gpus) == pytest.approx(85.521)
+    assert local("peak_tflops", "auto", gpus) == 989
+    assert local("device_memory_GB", "cpu", gpus) == 24  # accelerator=cpu: the host's
+    assert local("device_memory_GB", "auto", ()) == 24 and local("peak_tflops", "auto", ()) == 0.2
+    names = {"NVIDIA A100-SXM4-40GB": 312, "NVIDIA A100 80GB PCIe": 312, "NVIDIA H100 PCIe": 756,
+             "NVIDIA H100 NVL": 835, "NVIDIA H200": 989, "NVIDIA L4": 121, "NVIDIA L40S": 362,
+             "NVIDIA A10G": 70, "Tesla V100-SXM2-16GB": 125, "NVIDIA GeForce RTX 4090": 165}
+    for name, peak in names.items():
+        assert parse_nvidia_smi(f"{name}, 1024 MiB")[0].peak_tflops == peak, name
+    odd = parse_nvidia_smi("NVIDIA Quantum Q1, 24576 MiB")
+    assert not odd[0].known and odd[0].peak_tflops == UNKNOWN_GPU_TFLOPS
+    assert "not in the table of known GPUs" in describe_gpus(odd)
+    assert len(parse_nvidia_smi(SMI_8xH100, visible="0,3")) == 2
+    assert parse_nvidia_smi(SMI_8xH100, visible="") == ()
+
+
+@pytest.mark.subprocess
+def test_plan_py_plans_this_machines_gpus(tmp_path):
+    """cluster=local (accelerator auto) on a box whose nvidia-smi reports 8 x H100: each device's
+    own 85.5 GB (81,559 MiB) and 989 TFLOP/s, not 24 GB of host memory shared by 8 processes
+    (3.0 GB); plan.py imports no torch to find out."""
+    import os
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in SMI_8xH100.splitlines()))
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    args = ("model=llama_1b", "cluster.devices=8", "strategy=fsdp", "trainer.global_batch_size=64")
+    proc = subprocess.run([sys.executable, "plan.py", *args, "callbacks=none"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "of 85.5 GB per device" in text and "of 3.0 GB" not in text
+    assert "this machine's 8 x NVIDIA H100 80GB HBM3 (81,559 MiB, 989 TFLOP/s each)" in text
+    # without GPUs: the CPU view, as before
+    bare = subprocess.run([sys.executable, "plan.py", *args, "callbacks=none"], cwd=ROOT,
+                          env={**os.environ, "PATH": str(tmp_path / "none")}, capture_output=True,
+                          text=True, timeout=120)
+    assert "has 3.0 GB" in " ".join(bare.stdout.split()), bare.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- 12. verdicts, verified
+@pytest.mark.unit
+def test_the_70b_pipeline_derives_its_micro_batches_from_the_batch():
+    """pp=8 on 64 GPUs: each replica has 64 micro-batches of accumulation, and the preset's
+    micro-batches follow the batch (no 'microbatches=4 < 8')."""
+    for name in ("pipeline", "pp_dp"):
+        p = _plans(*_70B)[name]
+        assert p.pp == 8 and p.microbatches == 64 and not p.problems, (name, p.problems)
+
+
+@pytest.mark.unit
+def test_tp_and_pp_rows_on_one_device_show_no_numbers():
+    report = _report("model=llama_7b", "cluster=h200_1x")
+    text = _table(report)
+    for name in ("tp", "pipeline", "3d"):
+        assert f"│ {name} │ - │ no │ - │ - │ - │ - │ - │ - │ cannot run on 1" in text, name
+    assert "inf" not in text.split("recommendation:")[0].replace("zero_infinity", "")
+    rec = report.recommendation
+    assert "sharded" not in rec.reason.split(";")[-1] and "3d" not in rec.reason, rec.reason

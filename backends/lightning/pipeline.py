@@ -22,7 +22,7 @@ from recipes import evaluation, training
 from recipes.data import IGNORE
 from strategies.families.parallel import ParallelConfig
 from strategies.parallelize import ParallelPlan, parallelize
-from strategies.pipeline import SCHEDULES, build_stage, split_model, stage_ids, stage_owner
+from strategies.pipeline import SCHEDULES, bubble, build_stage, split_model, stage_ids, stage_owner
 
 
 class TimedStage(PipelineStage):
@@ -46,6 +46,17 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed("backward_weight_one_chunk", *args, **kwargs)
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # torch's first schedule infers shapes by running the stage once on real tensors and
+        # keeps part of that graph: not the model's activations, so hidden from the memory
+        # observer's saved-tensor count (an inner pair of hooks that count nothing)
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 class Pipeline:
@@ -139,13 +150,18 @@ class Pipeline:
 
     def report(self) -> dict[str, Any]:
         """The schedule that ran and, per pipeline rank, the measured idle fraction (the
-        schedule's wall time not spent in this rank's chunks), next to (P-1)/(m+P-1).
-        Collective (gathers over the pipeline group)."""
+        schedule's wall time not spent in this rank's chunks), next to the schedule's own
+        bubble (``strategies.pipeline.bubble``: its chunk order simulated with a backward twice
+        the forward) and their ratio. Collective (gathers over the pipeline group)."""
         p = self.preset
         compute = sum(s.compute_seconds for s in self.stages)
         idle = max(0.0, 1 - compute / self.wall) if self.wall else 0.0
         per_stage: list[Any] = [None] * p.pp
         dist.all_gather_object(per_stage, round(idle, 4), group=self.group)
+        predicted = bubble(p.schedule, p.pp, p.virtual(), p.microbatches,
+                           recompute=p.activation_checkpointing)
+        mean = sum(per_stage) / len(per_stage)
         return {"schedule": p.schedule, "microbatches": p.microbatches, "stages": p.n_stages(),
                 "virtual_stages": p.virtual(), "schedule_steps": self.steps, "idle_fraction": per_stage,
-                "bubble_predicted": round((p.pp - 1) / (p.microbatches + p.pp - 1), 4)}
+                "bubble_predicted": round(predicted, 4), "idle_mean": round(mean, 4),
+                "idle_vs_predicted": round(mean / predicted, 3) if predicted else None}

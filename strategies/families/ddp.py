@@ -146,6 +146,10 @@ class DDPFootprint(Footprint):
             grad *= powersgd_ratio(n.model, n.total_params, self.powersgd_rank)
         return grad
 
+    def grads_released(self, n: Sizes) -> bool:
+        # with gradient_as_bucket_view the gradients are views of DDP's buckets, which stay
+        return self.bucket_copy or n.dp <= 1
+
     def bucket_buffer(self, n: Sizes) -> float:
         bucket = n.params * n.bytes.grads if self.bucket_copy and n.dp > 1 else super().bucket_buffer(n)
         if (self.powersgd_rank or self.topk_ratio or self.int8) and n.dp > 1:

@@ -71,6 +71,12 @@ class FSDPConfig(StrategyConfig):
 
     def problems(self, run: Run) -> list[str]:
         out = []
+        if run.compile:
+            out.append(f"trainer.compile=true with strategy={self.name} (FSDP1): FSDP1 wraps blocks "
+                       "by its auto-wrap policy and flattens their parameters into FlatParameters, "
+                       "so there is no point between checkpointing and sharding to compile a block "
+                       "(torch supports compiling FSDP2's per-parameter shards); use strategy=fsdp2, "
+                       "or set trainer.compile=false")
         if self.state_dict_type == "full" and run.accelerator == "cpu":
             out.append("strategy.state_dict_type=full: gathering a full FSDP1 state dict crashes rank 0 "
                        "on CPU (gloo); allowed on CPU: sharded. Set strategy.state_dict_type=sharded")

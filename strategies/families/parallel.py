@@ -62,18 +62,22 @@ class ParallelConfig(StrategyConfig):
     stage also holds the embedding, the last the head)."""
     reshard_after_forward: bool = True
     """FSDP2 over data parallel: free gathered block parameters after forward."""
+    cp: int = knob(1, min=1)
+    """Context-parallel degree (torch's context_parallel: ring attention over sequence shards,
+    causal chunks load-balanced): cp ranks read the same samples, each 2 of 2 x cp chunks of the
+    sequence; FSDP2 shards over dp x cp. model.seq_len must be divisible by 2 x cp."""
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(lora=False, degrees=("tp", "pp"),
-                            cuts_model=self.pp > 1 or self.sequence_parallel)
+                            cuts_model=self.pp > 1 or self.sequence_parallel or self.cp > 1)
 
     def with_degrees(self, **degrees: int) -> ParallelConfig:
         return dataclasses.replace(super().with_degrees(**degrees), dp=None)
 
     # ---------------------------------------------------------------- shape
     def mesh(self, nodes: int, devices: int) -> Mesh:
-        return Mesh(nodes, devices, tp=self.tp, pp=self.pp)
+        return Mesh(nodes, devices, tp=self.tp, pp=self.pp, cp=self.cp)
 
     def virtual(self) -> int:
         need = SCHEDULES[self.schedule][1] if self.schedule in SCHEDULES else 1
@@ -85,6 +89,9 @@ class ParallelConfig(StrategyConfig):
 
     def n_stages(self) -> int:
         return self.pp * self.virtual()
+
+    def pipeline_schedule(self) -> tuple[str, int, list[int] | None]:
+        return self.schedule, self.virtual(), list(self.split) if self.split else None
 
     def pipeline_microbatches(self) -> int | None:
         # (None left: no batch to derive it from -- a Lightning Trainer given the preset by
@@ -110,11 +117,22 @@ class ParallelConfig(StrategyConfig):
     def problems(self, run: Run) -> list[str]:
         out = []
         size = run.mesh.size
-        if self.dp is not None and self.dp * self.tp * self.pp != size:
-            out.append(f"strategy.dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = "
-                       f"{self.dp * self.tp * self.pp} != world size {size} (cluster.nodes "
+        if self.dp is not None and self.dp * self.cp * self.tp * self.pp != size:
+            cp = f" * cp({self.cp})" if self.cp > 1 else ""
+            out.append(f"strategy.dp({self.dp}){cp} * tp({self.tp}) * pp({self.pp}) = "
+                       f"{self.dp * self.cp * self.tp * self.pp} != world size {size} (cluster.nodes "
                        f"{run.mesh.nodes} x cluster.devices {run.mesh.devices}): set strategy.dp=null to "
                        "derive it, or change the degrees")
+        if self.cp > 1:
+            out.append(self._cp_refusal(run))
+        if run.compile and self.tp > 1:
+            # measured on torch 2.13 (CPU, gloo, strategy=tp): the compiled block's backward hands
+            # DTensor's redistribute a plain Tensor (AttributeError: no attribute '_local_tensor')
+            out.append(f"trainer.compile=true with strategy={self.name} (tensor parallel, tp={self.tp}): "
+                       "torch 2.13's compiled blocks fail in backward at the DTensor layer boundaries "
+                       "that tensor parallelism inserts (DTensor's redistribute gets a plain Tensor); "
+                       "compile runs with pipelines (tp=1), ddp, fsdp2, zero1/2 and ulysses; set "
+                       "trainer.compile=false")
         if self.sequence_parallel and self.tp == 1:
             out.append("strategy.sequence_parallel=true needs strategy.tp > 1 (it shards the norm "
                        "regions over the tensor-parallel group): set strategy.tp or turn it off")
@@ -124,6 +142,24 @@ class ParallelConfig(StrategyConfig):
         if self.pp > 1:
             out += self._pipeline_problems(run)
         return out
+
+    def _cp_refusal(self, run: Run) -> str:
+        """Why this run cannot train with context parallelism (python plan.py prices it)."""
+        if run.accelerator == "cpu":
+            # probed on torch 2.13 (gloo, 2 processes): SDPA on CPU dispatches to
+            # aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding rule
+            # (NotImplementedError); forced to the math kernel it fails with "aten.add.Tensor got
+            # mixed torch.Tensor and DTensor". torch's ring attention handles only the CUDA
+            # flash / efficient / cuDNN kernels.
+            return (f"strategy={self.name} (strategy.cp={self.cp}) cannot run on CPU: torch's "
+                    "context parallelism (ring attention) handles only the CUDA attention kernels "
+                    "(flash, memory-efficient, cuDNN); CPU attention "
+                    "(aten._scaled_dot_product_flash_attention_for_cpu) has no ring rule. Use "
+                    "strategy=ulysses (sequence parallelism that runs on CPU), run on "
+                    "cluster.accelerator=gpu, or price it with python plan.py")
+        return (f"strategy={self.name} (strategy.cp={self.cp}): the backends do not run torch's "
+                "context_parallel around forward and backward yet (python plan.py prices it); use "
+                "strategy=ulysses for sequence parallelism, or set strategy.cp=1")
 
     def _pipeline_problems(self, run: Run) -> list[str]:
         if self.schedule not in SCHEDULES:  # (the knob's own check names it)
@@ -176,6 +212,12 @@ class ParallelConfig(StrategyConfig):
         if cut:
             return cut
         out = []
+        seq_len = getattr(model, "seq_len", None)
+        if self.cp > 1 and isinstance(seq_len, int) and seq_len % (2 * self.cp):
+            out.append(f"model.seq_len={seq_len} is not divisible by 2 x strategy.cp={self.cp} = "
+                       f"{2 * self.cp}: torch's load balancing cuts the causal sequence into 2 x cp "
+                       f"chunks (each rank one early and one late); choose seq_len a multiple of "
+                       f"{2 * self.cp} or another cp")
         if self.tp > 1:
             for key in ("n_heads", "n_kv_heads", "hidden", "vocab_size"):
                 value = getattr(model, key, None)
@@ -201,11 +243,17 @@ class ParallelConfig(StrategyConfig):
 
     def footprint(self) -> FSDPFootprint:
         # FSDP2 over the data-parallel ranks; TP and PP split what each replica holds (the
-        # planner divides by tp x pp).
-        return FSDPFootprint(reshard_after_forward=self.reshard_after_forward)
+        # planner divides by tp x pp). Gradients are reduce-scattered in fp32 whatever the
+        # precision, as ``plan`` builds FSDP2 (reduce_fp32=True).
+        return FSDPFootprint(reshard_after_forward=self.reshard_after_forward, reduce_fp32=True)
+
+    def low_precision_weights(self, mesh: Mesh) -> bool:
+        # FSDP2's MixedPrecisionPolicy casts the weights only where it shards: dp > 1 (``plan``)
+        return mesh.dp > 1
 
     def plan(self, mesh: Mesh) -> ParallelPlan:
-        fsdp = FSDP2Plan(self.reshard_after_forward, reduce_fp32=True) if mesh.dp > 1 else None
+        # FSDP2 over dp x cp (torchtitan folds cp into the shard group)
+        fsdp = FSDP2Plan(self.reshard_after_forward, reduce_fp32=True) if mesh.dp_seq > 1 else None
         return ParallelPlan(tp=self.tp, sequence_parallel=self.sequence_parallel,
                             activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
 

@@ -34,6 +34,7 @@ from typing import Any
 from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
 from strategies.checks import knob
 from strategies.footprint import CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic
+from strategies.mesh import Mesh
 from strategies.run import Run
 
 STAGES = (1, 2, 3)
@@ -72,9 +73,10 @@ class ZeroConfig(StrategyConfig):
     """none | cpu | nvme: where optimizer state (fp32 master + moments) and its step live."""
     offload_params: str = knob("none", choices=OFFLOAD)
     """none | cpu | nvme: where parameter shards live between uses (stage 3 only)."""
-    nvme_path: str | None = knob(None, exists="dir",
+    nvme_path: str | None = knob(None, exists="dir", at_launch=True,
                                  fix="create it (mkdir -p) or point strategy.nvme_path at an NVMe mount")
-    """Directory for NVMe swap files (needed when an offload is nvme; must be writable)."""
+    """Directory for NVMe swap files (needed when an offload is nvme; must be writable on the
+    machine that runs the job: checked by train.py, not plan.py)."""
     overlap_comm: bool = True
     """Overlap gradient reduction with backward (DeepSpeed's overlap_comm)."""
     contiguous_gradients: bool = True
@@ -93,8 +95,9 @@ class ZeroConfig(StrategyConfig):
     """Stage 3: keep a gathered parameter if reused within this many elements' worth of work."""
     sub_group_size: int = knob(1_000_000_000, min=1)
     """Elements per optimizer sub-group stepped at once (bounds offload/NVMe buffers)."""
-    pin_memory: bool = False
-    """Page-locked CPU buffers for offload (faster host<->GPU copies; needs CUDA)."""
+    pin_memory: bool | None = None
+    """Page-locked CPU buffers for offload (faster host<->GPU copies; needs CUDA); None: on a GPU
+    run yes, on CPU no."""
     param_buffer_count: int = knob(5, min=1)
     """NVMe parameter offload: swap buffers per rank."""
     param_buffer_size: int = knob(100_000_000, min=1)
@@ -107,16 +110,45 @@ class ZeroConfig(StrategyConfig):
     """NVMe async I/O queue depth (DeepSpeed aio.queue_depth)."""
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed JSON deep-merged over the generated config (see the module docstring)."""
+    sp: int = knob(1, min=1)
+    """DeepSpeed Ulysses degree: sp ranks read the same samples, each a 1/sp shard of the
+    sequence; an all-to-all turns sequence shards into head shards around attention
+    (DistributedAttention). model.n_heads, n_kv_heads and seq_len must be divisible by it."""
 
     @property
     def capabilities(self) -> Capabilities:
         # the engine's save_checkpoint (one optimizer shard per rank); LoRA while parameters are
-        # whole on every rank (ZeRO-3's partitioned parameters lose per-parameter requires_grad)
-        return Capabilities(checkpoint=DEEPSPEED, lora=self.stage <= 2, native_config="deepspeed")
+        # whole on every rank (ZeRO-3's partitioned parameters lose per-parameter requires_grad);
+        # Ulysses replaces the attention core the built-in GPT declares (cuts_model), which a
+        # DeepSpeed JSON alone does not say (no native config)
+        return Capabilities(checkpoint=DEEPSPEED, lora=self.stage <= 2,
+                            native_config="deepspeed" if self.sp == 1 else None,
+                            degrees=("sp",), cuts_model=self.sp > 1)
+
+    def mesh(self, nodes: int, devices: int) -> Mesh:
+        return Mesh(nodes, devices, sp=self.sp)
+
+    def model_problems(self, model: Any) -> list[str]:
+        """Ulysses splits heads (after the all-to-all) and the sequence (before it) over sp."""
+        out = super().model_problems(model)
+        if self.sp > 1 and not out:
+            for key in ("n_heads", "n_kv_heads", "seq_len"):
+                value = getattr(model, key, None)
+                if isinstance(value, int) and value % self.sp:
+                    what = "sequence" if key == "seq_len" else "heads"
+                    out.append(f"model.{key}={value} is not divisible by strategy.sp={self.sp}: "
+                               f"Ulysses splits the {what} over the sp ranks; choose sp dividing "
+                               f"model.n_heads, model.n_kv_heads and model.seq_len (or another model)")
+        return out
 
     # ---------------------------------------------------------------- validation
     def problems(self, run: Run) -> list[str]:
         out: list[str] = []
+        if run.compile and self.stage == 3:
+            out.append(f"trainer.compile=true with strategy={self.name} (ZeRO-3): DeepSpeed gathers "
+                       "each partitioned parameter in hooks around every module's forward, which a "
+                       "compiled block would have to trace (DeepSpeed compiles only through its own "
+                       "engine.compile); use strategy=zero2 or fsdp2, or set trainer.compile=false")
         if self.offload_params != "none" and self.stage != 3:
             out.append(f"strategy.offload_params={self.offload_params} needs strategy.stage=3 "
                        f"(got {self.stage}): only ZeRO-3 shards parameters; use strategy=zero3_offload "
@@ -157,8 +189,16 @@ class ZeroConfig(StrategyConfig):
         if not self.nvme_path:
             return [f"strategy.nvme_path={self.nvme_path!r} but {why} needs a directory for swap "
                     "files: set strategy.nvme_path=/path/on/nvme (it must exist and be writable)"]
+        return []
+
+    def launch_problems(self, run: Run) -> list[str]:
+        """NVMe offload on the machine that runs it: a writable swap directory, Linux libaio."""
+        where = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
+        if not where or not self.nvme_path:
+            return []
+        why = " and ".join(f"strategy.{k}=nvme" for k in where)
         path = Path(self.nvme_path)
-        out = []  # (that the directory exists is the field's own check)
+        out = []  # (that the directory exists is the field's own check, at launch too)
         if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
             out.append(f"strategy.nvme_path={self.nvme_path!r} is not writable by this user "
                        f"({why}): fix its permissions or choose another directory")
@@ -192,6 +232,7 @@ class ZeroConfig(StrategyConfig):
             # reports any other unusable value, and the typed key stands in meanwhile)
             auto=frozenset(k for k in _HIDDEN_AUTO if zero.get(k) == AUTO
                            and (s >= 3 or not k.startswith("stage3"))),
+            sub_group=_or(_count(zero.get("sub_group_size"), 1), self.sub_group_size),
         )
 
     def for_model(self, hidden: int) -> ZeroConfig:
@@ -206,6 +247,10 @@ class ZeroConfig(StrategyConfig):
         return dataclasses.replace(self, deepspeed_config={**raw, "zero_optimization": zero})
 
     # ---------------------------------------------------------------- the engine's config
+    def pins(self, run: Run | None) -> bool:
+        """Whether offload buffers are page-locked: ``pin_memory``, or by default on a GPU run."""
+        return self.pin_memory if self.pin_memory is not None else run is not None and run.accelerator == "gpu"
+
     def deepspeed_json(self, run: Run | None = None) -> dict[str, Any]:
         """The DeepSpeed config of this preset: plain dicts, lists and scalars. With ``run``, also
         the micro batch, accumulation, clipping and precision (for engines that do not fill them;
@@ -226,12 +271,12 @@ class ZeroConfig(StrategyConfig):
                      "stage3_max_live_parameters": self.max_live_parameters,
                      "stage3_max_reuse_distance": self.max_reuse_distance}
         if self.offload_optimizer != "none":
-            zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": self.pin_memory}
+            zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": self.pins(run)}
             if self.offload_optimizer == "nvme":
                 zero["offload_optimizer"] |= {"nvme_path": self.nvme_path,
                                               "buffer_count": self.optimizer_buffer_count}
         if self.offload_params != "none":
-            zero["offload_param"] = {"device": self.offload_params, "pin_memory": self.pin_memory}
+            zero["offload_param"] = {"device": self.offload_params, "pin_memory": self.pins(run)}
             if self.offload_params == "nvme":
                 zero["offload_param"] |= {"nvme_path": self.nvme_path,
                                           "buffer_count": self.param_buffer_count,
@@ -281,6 +326,9 @@ class ZeroFootprint(Footprint):
     auto: frozenset = frozenset()
     """zero_optimization keys set to "auto": sized from the model's hidden size as Accelerate
     fills them (reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2)."""
+    sub_group: int = 1_000_000_000
+    """ZeRO-3: partition elements the optimizer steps at once (sub_group_size): its fp32
+    gradient copy exists for one sub-group at a time."""
 
     def _sized(self, key: str, n: Sizes, configured: int) -> int:
         return _HIDDEN_AUTO[key][0](hidden_size(n)) if key in self.auto else configured
@@ -307,11 +355,24 @@ class ZeroFootprint(Footprint):
             split = math.ceil(n.trainable * (4 + (sb.grads if self.offload_grad_buffer else 0)) / n.shard)
         return split
 
+    def grads_released(self, n: Sizes) -> bool:
+        return False  # reduced into flat partition buffers the engine keeps
+
     def bucket_buffer(self, n: Sizes) -> float:
         if not self.reduce_bucket:
             return super().bucket_buffer(n)
         used = n.dp > 1 or self.optimizer_offload != DEVICE
-        return self._reduce_bucket(n) * self.reduce_buckets * n.bytes.grads if used else 0.0
+        if not used:
+            return 0.0
+        bucket = self._reduce_bucket(n)
+        if not n.resident:  # (torch.empty of reduce_bucket_size elements each)
+            return bucket * self.reduce_buckets * n.bytes.grads
+        # on a host only the written pages: each bucket fills with at most the gradients
+        # reduced, and the second (overlap_comm) only once they overflow the first
+        reduced = n.trainable if self.stage < 3 else n.params  # ZeRO-3 reduces full gradients
+        written = min(bucket, reduced) + (min(bucket, max(0.0, reduced - bucket))
+                                          if self.reduce_buckets > 1 else 0.0)
+        return written * n.bytes.grads
 
     def backward_extra(self, n: Sizes) -> float:
         # ZeRO-1: full gradients until the boundary's reduction
@@ -322,13 +383,20 @@ class ZeroFootprint(Footprint):
 
     def kept_gathered(self, n: Sizes, gathered: float) -> float:
         # what is reused soon stays gathered, up to stage3_max_live_parameters
-        return max(gathered, min(n.params, self.live_params / n.mp)) if self.reshard_after_forward else gathered
+        if not self.reshard_after_forward:
+            return gathered
+        return min(n.params, max(gathered, self.live_params / n.mp))  # (never more than the model)
 
     def step_extra(self, n: Sizes) -> float:
         # the step's .to(fp32) of the gradient partition (on the host when offloaded)
-        if n.bytes.grads < 4 and self.optimizer_offload == DEVICE:
-            return n.trainable * 4 / n.shard
-        return 0.0
+        if self.optimizer_offload != DEVICE:
+            return 0.0
+        if self.stage >= 3:
+            # stage3's _prepare_fp32_grad_for_sub_group: flatten the sub-group's gradients (a
+            # copy in their dtype) and cast it to fp32, one sub_group_size at a time
+            part = min(n.trainable / n.shard, self.sub_group)
+            return part * (4 + (n.bytes.grads if n.bytes.grads < 4 else 0))
+        return n.trainable * 4 / n.shard if n.bytes.grads < 4 else 0.0
 
     def bucket_size(self, n: Sizes) -> float:
         return (self._reduce_bucket(n) * min(n.bytes.grads, 4) if self.reduce_bucket

@@ -1,0 +1,225 @@
+"""Measure this machine for the planner's step time (``planner.calibrate=true``), in a process
+of its own so that plan.py never imports torch:
+
+    python -m observers.machine --world 2 --precision 32 --accelerator cpu --out machine.json
+
+``world`` processes (gloo on CPU, NCCL on GPU), each with the thread count a run's rank gets
+(``strategies.run.cpu_threads``), measure together -- as a run's ranks compute together:
+
+- ``matmul_tflops``: dense matmul throughput in the run's dtype (fp32 for precision 32, bf16
+  for the mixed precisions) on the GEMMs of a reference transformer block (its d x d, d x ffn and
+  ffn x d projections over its tokens);
+- ``block_tflops`` and ``efficiency``: one block of recipes/gpt.py, forward and backward, at that
+  reference shape (CPU: dim 384, seq 128, micro batch 8, gpt_small's; GPU: dim 2048, seq 2048,
+  llama_1b's), in model FLOPs (6 per matmul parameter and token, 12 x seq x dim for attention)
+  per second, and that over ``matmul_tflops``: what norms, attention and elementwise work leave of
+  the matmul rate (the planner's MFU for this machine);
+- ``optimizer_ns_per_param``: AdamW's step with gradient clipping, per fp32 parameter;
+- ``collectives``: per operation (all_reduce, all_gather, reduce_scatter, send), the latency of
+  one step of it (a small message's time over the steps the planner's alpha-beta model counts:
+  2 log2 N for an all-reduce, N - 1 for a ring all-gather / reduce-scatter, 1 for a send) and
+  the bandwidth of the bytes each rank puts on the wire for a large one (the planner's unit).
+
+The JSON is what planner/machine.py reads (``Machine``); the planner keys it by host, device,
+world and precision under the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+SMALL = 1024  # bytes: a message whose time is latency
+LARGE = {"cpu": 16 * 2**20, "gpu": 256 * 2**20}
+# The reference block: (dim, heads, ffn, seq, micro batch)
+REFERENCE = {"cpu": (384, 6, 1024, 128, 8), "gpu": (2048, 16, 5632, 2048, 2)}
+
+
+def _timed(fn: Any, *, repeats: int, sync: Any) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _dtype(precision: str, accelerator: str) -> Any:
+    import torch
+
+    if str(precision).startswith("32"):
+        return torch.float32
+    return torch.float16 if precision == "16-mixed" and accelerator == "gpu" else torch.bfloat16
+
+
+def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: Any) -> dict[str, float]:
+    import torch
+
+    from recipes.config import ModelConfig
+    from recipes.gpt import Block, rope_table
+
+    dim, heads, ffn, seq, micro = REFERENCE[accelerator]
+    tokens, dtype = seq * micro, _dtype(precision, accelerator)
+    gemms = [(dim, dim), (dim, ffn), (ffn, dim)]
+    mats = [(torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+            for k, n in gemms]
+    flops = sum(2 * tokens * k * n for k, n in gemms)
+    barrier()
+    matmul = flops / _timed(lambda: [a @ b for a, b in mats], repeats=5, sync=sync) / 1e12
+
+    shape = ModelConfig(name="reference", dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads,
+                        vocab_size=256, seq_len=seq, ffn_dim=ffn)
+    block = Block(shape).to(device)
+    rope = rope_table(shape.head_dim, seq, shape.rope_theta).to(device)
+    x = torch.randn(micro, seq, dim, device=device, requires_grad=True)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+                else torch.autocast(device.type, enabled=False))
+
+    def step() -> None:
+        with autocast:
+            y = block(x, rope)
+        y.float().sum().backward()
+
+    model_flops = (6 * (shape.block_params() - 2 * dim) + 12 * seq * dim) * tokens
+    barrier()
+    block_tflops = model_flops / _timed(step, repeats=5, sync=sync) / 1e12
+
+    params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    barrier()
+    optimizer = _timed(update, repeats=5, sync=sync) / sum(p.numel() for p in params) * 1e9
+    return {"matmul_tflops": matmul, "block_tflops": block_tflops, "efficiency": block_tflops / matmul,
+            "optimizer_ns_per_param": optimizer}
+
+
+def _steps(op: str, n: int) -> int:
+    """As planner/communication.py's ``latency_steps``."""
+    return {"all_reduce": 2 * math.ceil(math.log2(n)), "all_gather": n - 1, "reduce_scatter": n - 1}.get(op, 1)
+
+
+def _collectives(accelerator: str, rank: int, world: int, device: Any, sync: Any,
+                 barrier: Any) -> dict[str, dict[str, float]]:
+    import torch
+    import torch.distributed as dist
+
+    # (torch 2.13 renamed the tensor forms; the GPU machines' 2.11 has the old names only)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def run(op: str, nbytes: int) -> Any:
+        n = max(world, nbytes // 4 // world * world)  # fp32 elements, divisible by the world
+        full = torch.ones(n, device=device)
+        part = torch.ones(n // world, device=device)
+        if op == "all_reduce":
+            return lambda: dist.all_reduce(full)
+        if op == "all_gather":
+            return lambda: gather(full, part)
+        if op == "reduce_scatter":
+            return lambda: scatter(part, full)
+        # send: rank 0 to rank 1, the others wait at the barrier
+        if rank == 0:
+            return lambda: dist.send(full, 1)
+        if rank == 1:
+            return lambda: dist.recv(full, 0)
+        return lambda: None
+
+    wire = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
+            "reduce_scatter": (world - 1) / world, "send": 1.0}
+    out = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        times = {}
+        for size in (SMALL, LARGE[accelerator]):
+            fn = run(op, size)
+            barrier()
+            times[size] = _timed(fn, repeats=20 if size == SMALL else 5, sync=sync)
+        small, large = times[SMALL], times[LARGE[accelerator]]
+        out[op] = {"latency_us": small / _steps(op, world) * 1e6,
+                   "GBps": wire[op] * LARGE[accelerator] / max(large - small, 1e-9) / 1e9}
+    return out
+
+
+def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, threads: int,
+          out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if accelerator == "cpu":
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    sync = torch.cuda.synchronize if accelerator == "gpu" else (lambda: None)
+    grouped = world > 1
+    if grouped:
+        dist.init_process_group("nccl" if accelerator == "gpu" else "gloo", rank=rank, world_size=world,
+                                init_method=f"tcp://127.0.0.1:{port}")
+    barrier = dist.barrier if grouped else (lambda: None)
+    try:
+        mine = _compute(accelerator, precision, device, sync, barrier)
+        collectives = _collectives(accelerator, rank, world, device, sync, barrier) if grouped else {}
+        every = [None] * world
+        if grouped:
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        if rank == 0:
+            result = {k: statistics.median(r[k] for r in every) for k in mine}
+            result |= {"collectives": collectives, "threads": threads, "torch": torch.__version__,
+                       "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()}
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+        if grouped:
+            barrier()
+    finally:
+        if grouped:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m observers.machine", description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--precision", default="32")
+    p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads per process on CPU (default: what a run's rank gets)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    from strategies.run import cpu_threads
+
+    threads = a.threads or cpu_threads(a.world)
+    if a.world == 1:
+        _rank(0, 1, 0, a.accelerator, a.precision, threads, a.out)
+        return
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(a.world, _free_port(), a.accelerator, a.precision, threads, a.out),
+                       nprocs=a.world, join=True, start_method="spawn")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

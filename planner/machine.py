@@ -1,0 +1,154 @@
+"""This machine as measured (``planner.calibrate=true``, ``cluster=local``): matmul throughput,
+what a transformer block leaves of it, AdamW's step per parameter, and the process group's
+bandwidth and latency per collective, measured once by ``python -m observers.machine`` in a
+subprocess (plan.py imports no torch) and cached under ``~/.cache/stratagem/machine``, one file
+per host, device, world size and precision. The planner prices ``cluster=local`` with these
+numbers instead of ``cluster.peak_tflops`` x ``planner.mfu``, ``cluster.intra_node_GBps`` and
+``planner.intra_latency_us``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CACHE = Path("~/.cache/stratagem/machine")
+ROOT = Path(__file__).resolve().parents[1]
+# planner's collective kinds -> the measured operation
+OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+       "send_recv": "send"}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What ``observers.machine`` measured (its JSON)."""
+
+    matmul_tflops: float
+    """Dense matmul throughput per process in the run's dtype, TFLOP/s (all processes busy)."""
+    efficiency: float
+    """A reference transformer block's model FLOP/s over ``matmul_tflops``: this machine's MFU."""
+    optimizer_ns_per_param: float
+    """AdamW's step with gradient clipping, nanoseconds per fp32 parameter."""
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    """op -> {"GBps": bytes on the wire per rank per second / 1e9, "latency_us": per step}."""
+    block_tflops: float = 0.0
+    threads: int = 1
+    world: int = 1
+    precision: str = "32"
+    device: str = ""
+    host: str = ""
+    measured: str = ""
+    path: str = ""
+
+    def link(self, op: str) -> tuple[float, float] | None:
+        """(GB/s, latency in seconds per step) of a collective kind; None: not measured."""
+        got = self.collectives.get(OPS.get(op, ""))
+        return (got["GBps"], got["latency_us"] * 1e-6) if got else None
+
+    def describe(self) -> str:
+        links = ", ".join(f"{op} {v['GBps']:.2g} GB/s + {v['latency_us']:.3g} us" for op, v in self.collectives.items())
+        return (f"measured on {self.host} ({self.device}, {self.world} process(es) x {self.threads} "
+                f"thread(s), precision {self.precision}, {self.measured}): matmul "
+                f"{self.matmul_tflops:.3g} TFLOP/s per process, a transformer block reaches "
+                f"{self.efficiency:.0%} of it, AdamW {self.optimizer_ns_per_param:.3g} ns/param"
+                + (f"; {links}" if links else "") + f" ({self.path})")
+
+
+def accelerator(cluster: Any) -> str:
+    """cpu | gpu: the cluster's, ``auto`` resolved by what this machine has."""
+    acc = str(getattr(cluster, "accelerator", "auto"))
+    return acc if acc in ("cpu", "gpu") else ("gpu" if gpu_name() else "cpu")
+
+
+def gpu_name() -> str | None:
+    """The first NVIDIA GPU's name (``nvidia-smi``, no torch), or None."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        done = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return names[0] if done.returncode == 0 and names else None
+
+
+def cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        m = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+        name = m.group(1).strip() if m else ""
+    except OSError:
+        name = ""
+    return f"{name or 'cpu'} x {os.cpu_count() or 1}"
+
+
+def key(cluster: Any, precision: str) -> dict[str, Any]:
+    from strategies.run import cpu_threads
+
+    acc, world = accelerator(cluster), int(cluster.nodes) * int(cluster.devices)
+    return {"host": socket.gethostname(), "device": (gpu_name() if acc == "gpu" else None) or cpu_name(),
+            "world": world, "precision": str(precision), "accelerator": acc,
+            "threads": cpu_threads(int(cluster.devices)) if acc == "cpu" else 0}
+
+
+def path(k: dict[str, Any]) -> Path:
+    name = f"{k['host']}-{k['device']}-w{k['world']}-t{k['threads']}-{k['precision']}"
+    return CACHE.expanduser() / (re.sub(r"[^\w.-]+", "_", name) + ".json")
+
+
+def applies(cfg: Any) -> bool:
+    """``planner.calibrate=true`` on ``cluster=local``."""
+    return bool(getattr(cfg.planner, "calibrate", False)) and str(cfg.cluster.name) == "local"
+
+
+def load(cluster: Any, precision: str) -> Machine | None:
+    """The cached measurement for this machine, world and precision, or None."""
+    k = key(cluster, precision)
+    p = path(k)
+    if not p.is_file():
+        return None
+    data = json.loads(p.read_text())
+    fields = Machine.__dataclass_fields__
+    return Machine(**{f: v for f, v in data.items() if f in fields},
+                   **{f: k[f] for f in ("world", "precision", "device") if f not in data}, path=str(p))
+
+
+def ensure(cfg: Any, *, measure: bool | None = None, force: bool = False) -> Machine | None:
+    """``planner.calibrate=true`` on ``cluster=local``: the cached measurement, measured now (in a
+    subprocess, ~20-40 s) when there is none and ``measure`` (None: unless this process is a rank
+    torchrun or srun started -- its peers would measure at the same time: it reads the cache);
+    None otherwise."""
+    if not applies(cfg):
+        return None
+    if measure is None:
+        measure = not all(v in os.environ for v in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
+    cluster, precision = cfg.cluster, str(cfg.trainer.precision)
+    k = key(cluster, precision)
+    p = path(k)
+    if (not force and p.is_file()) or not measure:
+        return load(cluster, precision)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    print(f"planner.calibrate=true: measuring this machine once ({k['world']} process(es), "
+          f"{k['accelerator']}, precision {precision}; ~30 s) into {p}", file=sys.stderr, flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "observers.machine", f"--world={k['world']}", f"--precision={precision}",
+           f"--accelerator={k['accelerator']}", f"--out={p}.tmp"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    if done.returncode != 0 or not Path(f"{p}.tmp").is_file():
+        raise RuntimeError(f"planner.calibrate=true: measuring this machine failed ({' '.join(cmd)}):\n"
+                           + (done.stderr or done.stdout)[-2000:])
+    data = json.loads(Path(f"{p}.tmp").read_text()) | {f: k[f] for f in ("world", "precision", "device")}
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    Path(f"{p}.tmp").unlink()
+    return load(cluster, precision)

@@ -1,0 +1,317 @@
+"""Issue 23, the planner's step time, traffic, pipelines and activations: each pipeline schedule
+simulated in the order torch runs it (bubble, chunks alive, sends), FSDP2 inside the TP/PP
+presets reducing in fp32, the traffic of the step's real micro-batches, activations calibrated
+under TP, pipelines and dropout, attention FLOPs, and a machine calibrated for ``cluster=local``;
+measured against real gloo runs where it is cheap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, TINY, run_cli
+from tests.test_planner import _compose, _plans, describe
+
+BF16_70B = ("model=llama_70b", "cluster=slurm_8x8_h100", "trainer.precision=bf16-mixed")
+PARALLEL = ("tp", "fsdp_tp", "3d", "pipeline", "pp_dp")
+
+
+# ----------------------------------------------------------------------------- 1. FSDP2 in fp32
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", PARALLEL)
+def test_fsdp2_inside_parallel_presets_reduces_in_fp32(preset):
+    """strategies/parallelize.py builds FSDP2 with reduce_dtype fp32 for these presets: the
+    reduce-scatter moves as many bytes at bf16-mixed as at fp32 (it was half)."""
+    key = "grad_reduce_scatter"
+    bf16 = _plans(*BF16_70B, f"strategy={preset}")[preset].communication.by_collective[key]
+    fp32 = _plans(*BF16_70B, f"strategy={preset}", "trainer.precision=32")[preset].communication.by_collective[key]
+    assert bf16.bytes == fp32.bytes > 0
+
+
+# ----------------------------------------------------------------------------- 2-4. schedules
+@pytest.mark.unit
+def test_schedule_orders_are_torchs():
+    """The chunk order of every multi-stage schedule equals torch's own ``pipeline_order`` (its
+    idle slots aside), and GPipe's its ``_get_pipeline_order``; 1F1B's runtime order is the
+    warm-up forwards then backward/forward pairs (torch's display order numbers the last
+    rank's forwards from 1, the runtime from 0)."""
+    import torch.distributed.pipelining.schedules as S
+
+    from strategies.pipeline import actions
+
+    classes = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
+               "interleaved_1f1b": S.ScheduleInterleaved1F1B,
+               "interleaved_zb": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}
+    kinds = ("F", "B", "I", "W")
+    checked = 0
+    for schedule, vs in (("gpipe", [1]), ("1f1b", [1]), ("looped_bfs", [2, 3]), ("interleaved_1f1b", [2, 3]),
+                         ("interleaved_zb", [2, 3]), ("zbv", [2])):
+        for pp in (2, 3, 4):
+            for m in range(1, 13):
+                for v in vs:
+                    if schedule != "gpipe" and m < pp:
+                        continue
+                    x = object.__new__(classes[schedule])
+                    x._n_microbatches, x._num_stages, x.pp_group_size = m, pp, pp
+                    x._stages, x.n_local_stages, x.num_stages = [None] * v, v, pp * v
+                    x.number_of_rounds = max(1, m // pp)
+                    x.microbatches_per_round = m // x.number_of_rounds
+                    if schedule.startswith("interleaved") and m % x.number_of_rounds:
+                        continue
+                    orders = (x._get_pipeline_order() if schedule in ("gpipe", "1f1b") else
+                              {r: x._calculate_single_rank_operations(r) for r in range(pp)})
+                    torch_order = [[(a.stage_index, a.computation_type.value, a.microbatch_index)
+                                    for a in orders[r] if a is not None and a.computation_type.value in kinds]
+                                   for r in range(pp)]
+                    ours = actions(schedule, pp, v, m)
+                    if schedule == "1f1b":
+                        torch_order, ours = torch_order[:-1], ours[:-1]
+                    assert ours == torch_order, (schedule, pp, v, m)
+                    checked += 1
+    assert checked > 150
+
+
+@pytest.mark.unit
+def test_each_schedule_has_its_bubble():
+    from strategies.pipeline import bubble
+
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            gpipe = (p - 1) / (m + p - 1)
+            assert bubble("gpipe", p, 1, m) == pytest.approx(gpipe)
+            assert bubble("1f1b", p, 1, m) == pytest.approx(gpipe)
+            for v in (2, 4):  # Narayanan et al.: the bubble shrinks by the virtual stages
+                assert bubble("interleaved_1f1b", p, v, m) == pytest.approx((p - 1) / (v * m + p - 1))
+                assert bubble("looped_bfs", p, v, m) == pytest.approx((p - 1) / (v * m + p - 1))
+            # zero bubble: backward split into input and weight gradients fills the ramps
+            assert bubble("interleaved_zb", p, 2, m) < bubble("interleaved_1f1b", p, 2, m)
+            assert bubble("zbv", p, 2, m) < bubble("interleaved_1f1b", p, 2, m)
+    # the plan and the run's report say the schedule's own
+    plan = _plans("model=gpt_nano", "model.n_layers=4", "strategy=pipeline", "cluster.devices=2",
+                  "strategy.schedule=interleaved_1f1b", "trainer.global_batch_size=8",
+                  "trainer.micro_batch_size=2")["pipeline"]
+    assert plan.microbatches == 8 and plan.bubble_fraction == pytest.approx(1 / (2 * 8 + 1))
+
+
+@pytest.mark.unit
+def test_virtual_stages_send_at_every_boundary():
+    """Each boundary between two ranks carries the activation forward and its gradient back per
+    micro-batch: 2v - 1 tensors from an end rank of a loop, 2v from a middle one; a V keeps its
+    turn on one rank."""
+    from strategies.pipeline import sends_per_microbatch
+
+    assert sends_per_microbatch("1f1b", 2, 1) == [1, 1]
+    assert sends_per_microbatch("1f1b", 4, 1) == [1, 2, 2, 1]
+    assert sends_per_microbatch("interleaved_1f1b", 2, 2) == [3, 3]
+    assert sends_per_microbatch("looped_bfs", 4, 2) == [3, 4, 4, 3]
+    assert sends_per_microbatch("zbv", 2, 2) == [2, 2]
+    base = ("model=gpt_nano", "model.n_layers=4", "strategy=pipeline", "cluster.devices=2",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=2")
+    one = _plans(*base)["pipeline"].communication.by_collective["pp_send_recv"].bytes
+    for schedule, sends in (("interleaved_1f1b", 3), ("looped_bfs", 3), ("interleaved_zb", 3), ("zbv", 2)):
+        got = _plans(*base, f"strategy.schedule={schedule}")["pipeline"].communication.by_collective
+        assert got["pp_send_recv"].bytes == sends * one, schedule
+
+
+@pytest.mark.unit
+def test_pipeline_traffic_follows_the_real_micro_batches():
+    """planner.microbatches is a what-if for the schedule (its bubble), not the step's traffic."""
+    base = ("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64")
+    a, b = _plans(*base), _plans(*base, "planner.microbatches=4")
+    for name in ("pipeline", "megatron_pp"):
+        if name not in a:
+            continue
+        assert (a[name].communication.by_collective["pp_send_recv"].bytes
+                == b[name].communication.by_collective["pp_send_recv"].bytes), name
+    assert a["pipeline"].bubble_fraction != b["pipeline"].bubble_fraction
+    # and a larger micro batch halves the micro-batches, not the bytes
+    c = _plans(*base, "trainer.micro_batch_size=2")["pipeline"].communication.by_collective["pp_send_recv"]
+    assert c.bytes == a["pipeline"].communication.by_collective["pp_send_recv"].bytes
+
+
+@pytest.mark.unit
+def test_fsdp2_under_a_pipeline_gathers_per_schedule():
+    """torch's stage keeps a backward's gather to the end of the schedule and reduce-scatters
+    once there: 1F1B gathers m + 1 times per stage, reduces once."""
+    from strategies.pipeline import fsdp_gathers
+
+    assert [sum(g) for g in fsdp_gathers("1f1b", 2, 1, 4)] == [5, 5]
+    assert [sum(g) for g in fsdp_gathers("gpipe", 2, 1, 4)] == [5, 5]
+    assert [sum(g) for g in fsdp_gathers("1f1b", 2, 1, 4, reshard_after_forward=False)] == [1, 1]
+    base = ("model=gpt_nano", "strategy=pp_dp", "cluster.devices=4", "cluster.oversubscribe=true",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=1")
+    one = _plans(*base, "strategy.microbatches=4")["pp_dp"].communication.by_collective
+    two = _plans(*base, "strategy.microbatches=2")["pp_dp"].communication.by_collective
+    assert two["grad_reduce_scatter"].bytes == 2 * one["grad_reduce_scatter"].bytes  # per schedule run
+
+
+# ----------------------------------------------------------------------------- 5, 6. activations
+@pytest.mark.unit
+def test_pipeline_activations_hold_what_the_schedule_keeps_alive():
+    from planner.activations import activation_bytes, activation_parts
+
+    cfg = _compose(("model=gpt_nano",))
+    shape = describe(cfg.model)  # 2 layers: one a stage
+    layer, _, head, embed = activation_parts(shape, micro=1, regime="32")
+    kw = dict(micro=1, pp=2, regime="32", microbatches=4)
+    assert activation_bytes(shape, schedule="gpipe", **kw) == int(4 * (layer + head))  # all m, last stage
+    assert activation_bytes(shape, schedule="1f1b", **kw) == int(max(2 * (layer + embed), layer + head))
+
+
+@pytest.mark.unit
+def test_tp_and_dropout_use_their_calibration():
+    from planner.activations import activation_parts, calibrated
+
+    cfg = _compose(("model=gpt_small",))
+    shape = describe(cfg.model)
+    assert calibrated(shape, "32", tp=2) is calibrated(shape, "32")["variants"]["tp"]
+    assert calibrated(shape, "32", tp=2, sp=True) is calibrated(shape, "32")["variants"]["tp_sp"]
+    closed = activation_parts(shape, micro=1, tp=2)[0]
+    ours = activation_parts(shape, micro=1, tp=2, regime="32")[0]
+    assert ours > 1.2 * closed  # our model saves more than Korthikanti's layer (fp32 norms, RoPE)
+    drop = _compose(("model=gpt_small", "model.dropout=0.1"))
+    assert activation_parts(describe(drop.model), micro=1, regime="32")[0] > 1.3 * activation_parts(
+        shape, micro=1, regime="32")[0]  # the masks and the attention probabilities dropout keeps
+
+
+def _measured(tmp_path, *overrides):
+    run = run_cli("train.py", *TINY, "data=synthetic", "trainer.max_steps=1", *overrides,
+                  out=tmp_path / "run", timeout=300)
+    return run.report
+
+
+ACT_CI = {("gpt_nano", "tp"), ("gpt_nano", "1f1b")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model, layout", [
+    (m, x) if (m, x) in ACT_CI else pytest.param(m, x, marks=pytest.mark.slow)
+    for m in ("gpt_nano", "gpt_small") for x in ("tp", "1f1b", "gpipe", "dropout")])
+def test_measured_activations_match_tp_pipelines_and_dropout(tmp_path, model, layout):
+    """The most saved tensors any rank held in its first micro-batch (a pipeline: its first
+    schedule) against the planner's busiest device, within 10%."""
+    extra = {"tp": ("strategy=tp", "trainer.global_batch_size=2", "trainer.micro_batch_size=2"),
+             "1f1b": ("strategy=pipeline", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"),
+             "gpipe": ("strategy=pipeline", "strategy.schedule=gpipe", "trainer.global_batch_size=8",
+                       "trainer.micro_batch_size=2"),
+             "dropout": ("strategy=tp", "model.dropout=0.1", "trainer.global_batch_size=2",
+                         "trainer.micro_batch_size=2")}[layout]
+    r = _measured(tmp_path, f"model={model}", "cluster.devices=2", "callbacks.communication=false", *extra)
+    row = r["predicted_vs_measured"]["activations"]
+    assert 0.9 <= row["ratio"] <= 1.1, row
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", pytest.param("zbv", marks=pytest.mark.slow),
+                                      pytest.param("looped_bfs", marks=pytest.mark.slow)])
+def test_virtual_stage_traffic_is_measured(tmp_path, schedule):
+    """Measured send bytes of the pipeline group equal the plan within 2% (2 ranks, 4 stages)."""
+    r = _measured(tmp_path, "model.n_layers=4", "strategy=pipeline", f"strategy.schedule={schedule}",
+                  "cluster.devices=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
+                  "trainer.max_steps=2")
+    sent = r["communication"]["by_group"]["pipeline"]["send"]["wire_bytes"]
+    planned = r["plan"]["communication"]["by_collective"]["pp_send_recv"]["bytes"]
+    assert sent == pytest.approx(planned, rel=0.02)
+    assert r["pipeline"]["bubble_predicted"] > 0 and r["pipeline"]["idle_vs_predicted"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_fsdp_tp_reduce_scatter_is_fp32_as_planned(tmp_path):
+    """fsdp_tp (tp 2 x dp 2) at bf16-mixed: the data group's reduce-scatter carries 4-byte
+    gradients, as many bytes as the plan says (within 1%, shard padding)."""
+    r = _measured(tmp_path, "strategy=fsdp_tp", "cluster.devices=4", "cluster.oversubscribe=true",
+                  "trainer.precision=bf16-mixed", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+                  "trainer.max_steps=2")
+    rs = r["communication"]["by_group"]["data"]["reduce_scatter"]
+    assert rs["wire_bytes"] == pytest.approx(
+        r["plan"]["communication"]["by_collective"]["grad_reduce_scatter"]["bytes"], rel=0.01)
+
+
+# ----------------------------------------------------------------------------- 7. attention FLOPs
+@pytest.mark.unit
+def test_compute_counts_attention():
+    """llama_7b at seq 4096: 12 x layers x seq x dim FLOPs per token beside 6 per matmul parameter
+    (PaLM's MFU convention): ~16% more than 6 x params, and exactly the model's own count."""
+    cfg = _compose(("model=llama_7b", "cluster=node_8x_h100", "strategy=fsdp"))
+    shape = describe(cfg.model)
+    p = _plans("model=llama_7b", "cluster=node_8x_h100", "strategy=fsdp")["fsdp"]
+    t = cfg.trainer
+    expected = (shape.flops_per_token() * t.global_batch_size * shape.seq_len
+                / (8 * cfg.cluster.peak_tflops * 1e12 * cfg.planner.mfu))
+    assert p.compute_seconds == pytest.approx(expected, rel=1e-9)
+    six_n = 6 * shape.num_params() * t.global_batch_size * shape.seq_len / (8 * cfg.cluster.peak_tflops * 1e12
+                                                                            * cfg.planner.mfu)
+    assert 1.12 < p.compute_seconds / six_n < 1.2
+
+
+# ----------------------------------------------------------------------------- 8. calibration
+MACHINE = {"matmul_tflops": 0.2, "efficiency": 0.5, "optimizer_ns_per_param": 10.0, "block_tflops": 0.1,
+           "threads": 1, "collectives": {"all_reduce": {"GBps": 1.0, "latency_us": 100.0},
+                                         "all_gather": {"GBps": 0.5, "latency_us": 50.0},
+                                         "reduce_scatter": {"GBps": 0.25, "latency_us": 50.0},
+                                         "send": {"GBps": 2.0, "latency_us": 20.0}}}
+
+
+def _cache(tmp_path, monkeypatch, *overrides):
+    from planner import machine
+
+    monkeypatch.setattr(machine, "CACHE", tmp_path / "machine")
+    cfg = _compose(overrides)
+    p = machine.path(machine.key(cfg.cluster, cfg.trainer.precision))
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps(MACHINE))
+    return p
+
+
+@pytest.mark.unit
+def test_a_calibrated_machine_prices_cluster_local(tmp_path, monkeypatch):
+    base = ("model=gpt_small", "cluster=local", "cluster.devices=2", "cluster.accelerator=cpu", "strategy=ddp")
+    _cache(tmp_path, monkeypatch, *base)
+    plain = _plans(*base)["ddp"]
+    p = _plans(*base, "planner.calibrate=true")["ddp"]
+    shape = describe(_compose(base).model)
+    flops = shape.flops_per_token() * 16 * shape.seq_len
+    assert p.compute_seconds == pytest.approx(flops / (2 * 0.2e12 * 0.5))
+    assert p.optimizer_seconds == pytest.approx(shape.num_params() * 10e-9)
+    ar = p.communication.by_collective["grad_all_reduce"]
+    assert ar.latency_seconds == pytest.approx(ar.calls * 2 * 100e-6)  # 2 log2(2) steps of 100 us
+    assert ar.seconds == pytest.approx(ar.bytes / 1e9 + ar.latency_seconds)
+    assert p.step_seconds != plain.step_seconds and p.peak_tflops == 0.2 and p.mfu == 0.5
+    from planner import plan_all
+
+    report = plan_all(_compose((*base, "planner.calibrate=true")), shape)
+    text = " ".join(report.assumptions)
+    assert "measured on this machine" in text and "(6 x matmul params + 12 x layers x seq x dim)" in text
+    # other clusters are never calibrated
+    assert _plans("model=gpt_small", "cluster=node_8x_h100", "planner.calibrate=true")["ddp"].optimizer_seconds == 0
+
+
+@pytest.mark.subprocess
+def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
+    """planner.calibrate=true: plan.py measures this machine once (a subprocess running
+    observers.machine: ~20 s on 2 cores), caches it under the user's cache directory, plans
+    with it, and itself imports no torch; the second call reads the cache."""
+    from tests.conftest import engines_loaded
+
+    env = {"HOME": str(tmp_path)}
+    args = ("plan.py", "model=gpt_nano", "cluster.devices=2", "cluster.accelerator=cpu", "strategy=ddp",
+            "planner.calibrate=true", "planner.format=json")
+    proc, loaded = engines_loaded(*args, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch" not in loaded, loaded
+    cached = list((tmp_path / ".cache" / "stratagem" / "machine").glob("*-w2-*-32.json"))
+    assert len(cached) == 1
+    m = json.loads(cached[0].read_text())
+    assert m["matmul_tflops"] > 0 and 0 < m["efficiency"] < 1.5 and m["optimizer_ns_per_param"] > 0
+    assert set(m["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    again = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**__import__("os").environ, **env})
+    plan = json.loads(again.stdout)["plans"][0]
+    assert plan["compute"]["peak_tflops"] == pytest.approx(m["matmul_tflops"])
+    assert "measuring this machine" not in again.stderr
