@@ -35,7 +35,7 @@ def test_help_is_our_page_not_hydras():
     assert re.search(r"^  logger:\s+csv, tensorboard, wandb \(off unless chosen\)", page, re.M), page
     # the common keys with their defaults, examples, where the rest is
     assert re.search(r"^  trainer\.max_steps=60\s+optimizer steps", page, re.M), page
-    assert re.search(r"^  cluster\.devices=1\s", page, re.M), page
+    assert re.search(r"^  cluster\.devices=null\s+processes per node \(null: 1, or what torchrun", page, re.M), page
     assert "examples:" in page and "python train.py strategy=ddp cluster.devices=2" in page
     assert "README.md" in page
 
@@ -147,7 +147,8 @@ def test_the_console_says_each_thing_once(tmp_path, name):
     assert f"validation at step 3: loss {validation[0]['loss']:.4f}" in log, log
     last = run.proc.stdout.strip().splitlines()[-1]
     assert re.search(r"done: 3 steps, final loss \d+\.\d{4}, val loss \d+\.\d{4}, [\d,]+ tokens/s, "
-                     r"peak memory [\d.,]+ [MG]iB (RSS|CUDA allocated), report ", last), last
+                     r"peak memory [\d.,]+ [MG]iB (RSS|CUDA allocated), "
+                     r"(start-up [\d.]+ s \([^)]*\) > training [\d.]+ s, )?report ", last), last
     assert f"val loss {validation[0]['loss']:.4f}" in last
     assert (run.out / "loss.png").stat().st_size > 0 and (run.out / "memory.png").is_file()
 

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 # A 2 x 8 GPU job: global batch = micro 8 x dp 16.
 OVERRIDES = ["cluster=k8s", "cluster.nodes=2", "cluster.devices=8", "strategy=fsdp", "model=llama_1b",
-             "trainer.global_batch_size=128", "trainer.max_steps=100",
+             "trainer.global_batch_size=128", "trainer.micro_batch_size=2", "trainer.max_steps=100",
              "cluster.k8s.image=registry.example/stratagem:1", "cluster.k8s.volume_claim=runs"]
 
 
@@ -138,7 +138,8 @@ def test_dry_run_command_carries_every_override_exactly_once():
     text = proc.stdout
     manifest = json.loads(text[text.index("{"):text.index("\n}\n") + 2])
     golden = ["torchrun", "train.py", "cluster=k8s", "cluster.nodes=2", "cluster.devices=8", "strategy=fsdp",
-              "model=llama_1b", "trainer.global_batch_size=128", "trainer.max_steps=100",
+              "model=llama_1b", "trainer.global_batch_size=128", "trainer.micro_batch_size=2",
+              "trainer.max_steps=100",
               "cluster.k8s.image=registry.example/stratagem:1", "cluster.k8s.volume_claim=runs",
               "hydra.run.dir=/mnt/stratagem/stratagem"]
     for replica in ("Master", "Worker"):

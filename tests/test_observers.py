@@ -164,7 +164,7 @@ def test_observers_off_intercept_nothing(tmp_path):
                   "cluster.devices=2", out=tmp_path / "off")
     r = run.report
     assert "communication" not in r and "throughput" not in r and "memory" not in r
-    assert r["observers"] == ["LossLog"]
+    assert r["observers"] == ["LossLog", "StartupTimes"]  # (the two every run reports: losses, start-up)
     code = ("import sys, torch, torch.distributed as dist; import observers; "
             "from recipes.config import compose; from recipes.job import validate; "
             "job = validate(compose(['callbacks=none', 'model=gpt_nano']), depth=1); "
