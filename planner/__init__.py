@@ -281,7 +281,10 @@ def assumptions(su: Setup) -> list[str]:
               if su.machine is not None else ""),
            "overlap: gradient all-reduce / reduce-scatter hide under backward, ZeRO-3/FSDP "
            "gathers under forward/backward (prefetch); ZeRO-1/2 post-step all-gather, TP "
-           "all-reduces, pipeline sends and offload copies are exposed"]
+           "all-reduces, pipeline sends and offload copies are exposed"
+           + ("; on this measured CPU machine nothing overlaps (gloo runs collectives on the "
+              "cores the compute uses)" if su.machine is not None and su.cluster.accelerator == "cpu"
+              else "")]
     if su.shape is None:
         out.append("planner.params: no activations or TP/PP traffic; buffers and launches use an "
                    "estimated block of P / L parameters, L = (P / (12 x 128^2))^(1/3) layers "
