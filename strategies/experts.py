@@ -49,18 +49,12 @@ def experts_of(model: Any) -> list[Any]:
 
 
 def ep_group(ep: int) -> tuple[Any, int]:
-    """This rank's expert-parallel group (``ep`` neighbouring ranks; every rank creates every
-    group, as torch requires) and its index in it. Its own process group even when it spans the
-    world, described ``mesh_ep`` so the communication profile names it ``ep``."""
-    import torch.distributed as dist
+    """This rank's expert-parallel group (``ep`` neighbouring ranks) and its index in it: its own
+    process group even when it spans the world, described ``mesh_ep`` so the communication
+    profile names it ``ep``."""
+    from strategies.parallelize import neighbour_group
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for start in range(0, world, ep):
-        g = dist.new_group(list(range(start, start + ep)), group_desc="mesh_ep")
-        if start <= rank < start + ep:
-            mine = g
-    return mine, rank % ep
+    return neighbour_group(ep, "mesh_ep")
 
 
 def shard_experts(experts: Any, ep: int, index: int, mesh: Any = None) -> None:

@@ -265,6 +265,21 @@ def clip_global_(params: list[Any], max_norm: float, groups: tuple[Any, ...] = (
     return sq.sqrt()
 
 
-__all__ = ["FSDP2Plan", "ParallelPlan", "apply_fsdp2", "apply_tp", "checkpoint_blocks", "clip_global_",
+def neighbour_group(size: int, desc: str) -> tuple[Any, int]:
+    """This rank's group of ``size`` consecutive ranks (the innermost dimension, as tensor
+    parallelism's) and its index in it; every rank creates every group in the same order
+    (torch's rule). ``desc`` names the group in the communication profile (observers/comm.py)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)), group_desc=desc)
+        if start <= rank < start + size:
+            mine = group
+    return mine, rank % size
+
+
+__all__ = ["neighbour_group", "FSDP2Plan", "ParallelPlan", "apply_fsdp2", "apply_tp", "checkpoint_blocks", "clip_global_",
            "compile_blocks", "plan_for",
            "find_model", "low_dtype", "materialize", "parallelize", "plain_key", "plain_state_dict"]

@@ -78,18 +78,11 @@ def full_state_dict(engine: Any, stage: int, prefix: str = "") -> dict[str, Any]
 
 
 def sequence_groups(sp: int) -> Any:
-    """This rank's Ulysses group: ``sp`` consecutive ranks (the innermost dimension, as tensor
-    parallelism's), every group created on every rank in the same order (torch's rule)."""
-    import torch.distributed as dist
+    """This rank's Ulysses group: ``sp`` consecutive ranks, described ``sp`` (its name in the
+    communication profile)."""
+    from strategies.parallelize import neighbour_group
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = None
-    for start in range(0, world, sp):
-        # (its description names it in the communication profile: observers/comm.py)
-        group = dist.new_group(list(range(start, start + sp)), group_desc="sp")
-        if start <= rank < start + sp:
-            mine = group
-    return mine
+    return neighbour_group(sp, "sp")[0]
 
 
 def apply_ulysses(module: Any, sp: int) -> Any:
