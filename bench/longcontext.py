@@ -8,9 +8,8 @@ prediction for the same run.
 
 Each point is ``train.py`` on gpt_nano (data=synthetic, one sample per step, 3 steps, fp32):
 measured activations are what rank 0 saves for backward (observers/memory.py), the prediction
-is the planner's (``memory.predicted.activations`` of the run's own report). cp 2 cannot run on
-CPU (torch's ring attention handles only CUDA attention kernels): its column is the planner's
-alone, priced with the same shapes.
+is the planner's (``memory.predicted.activations`` of the run's own report). cp 2 is torch's
+ring attention (fsdp_cp), on CPU through strategies/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from pathlib import Path
 from bench import common
 
 SEQS = [1024, 2048, 4096, 8192, 16384]
-LAYOUTS = {"single": ("strategy=single",), "ulysses 2": ("strategy=ulysses", "cluster.devices=2")}
+LAYOUTS = {"single": ("strategy=single",), "ulysses 2": ("strategy=ulysses", "cluster.devices=2"),
+           "cp 2": ("strategy=fsdp_cp", "cluster.devices=2")}
 
 
 def _base(seq: int) -> list[str]:
@@ -30,15 +30,6 @@ def _base(seq: int) -> list[str]:
             "trainer.max_steps=3", "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
             "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.warmup_steps=0", "trainer.precision=32",
             "cluster.accelerator=cpu", "planner.enforce=false", "trainer.save_last=false"]
-
-
-def _cp_predicted(seq: int) -> int:
-    """The planner's activations per rank for fsdp_cp (cp 2) on the same run."""
-    from planner import plan_all
-    from recipes.config import compose, describe
-
-    cfg = compose([*_base(seq), "strategy=fsdp_cp", "cluster.devices=2"])
-    return plan_all(cfg, describe(cfg.model), chosen=True).plans[0].memory.activations
 
 
 def _mib(x: float) -> str:
@@ -67,10 +58,9 @@ def main(argv: list[str]) -> None:
                 predicted = report["memory"]["predicted"]["activations"]
                 rows.append(f"| {seq} | {name} | {_mib(measured)} | {_mib(predicted)} | "
                             f"{measured / predicted:.2f} | {report['throughput']['step_seconds']:.3f} |")
-            if not a.smoke:
-                rows.append(f"| {seq} | cp 2 | refused on CPU | {_mib(_cp_predicted(seq))} | – | – |")
     notes = ("gpt_nano (dim 32, 2 layers, 4 heads / 2 KV heads), data=synthetic, micro batch 1, fp32, "
              "3 steps; activations: what rank 0 saves for backward (observers/memory.py), "
              "predicted: the planner's for the same run; step: median after the first; 2 ranks "
-             "share the 2 cores. cp 2: the planner's alone (torch's ring attention runs on CUDA only).")
+             "share the 2 cores. cp 2: torch's ring attention (fsdp_cp; on CPU through "
+             "strategies/context_parallel.py).")
     common.emit("longcontext", common.command_line(), notes, "\n".join(rows), smoke=a.smoke)

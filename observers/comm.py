@@ -17,7 +17,8 @@ registered: no collective is intercepted.
 
 The kernels stay registered for the life of the process once installed (torch 2.13 cannot
 remove an override of the functional collectives cleanly), inert outside a recorded step.
-Collectives on inference-mode tensors carry no Autograd key and are not seen (training has none).
+The functional collectives are also seen at their CPU and CUDA keys, where calls made below
+autograd arrive (inside a DTensor op handler: torch's ring attention) and inference-mode ones.
 
 Bytes: ``bytes`` is the payload -- the logical buffer, as nccl-tests counts it: all-reduce and
 broadcast the tensor, all-gather its output (world x input), reduce-scatter its input, send/recv
@@ -79,7 +80,7 @@ _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1
 ROLES = {"shard": "data-shard", "dp_shard": "data-shard", "replicate": "data-replicate",
          "dp_replicate": "data-replicate", "data_parallel": "data", "dp": "data", "tp": "tensor",
          "tensor_parallel": "tensor", "pp": "pipeline", "pipeline_parallel": "pipeline",
-         "cp": "cp", "sp": "sp"}
+         "cp": "cp", "context_parallel": "cp", "dp_cp": "data-shard", "sp": "sp"}
 
 _recorder: Recorder | None = None
 _install_lock = threading.Lock()
@@ -142,7 +143,10 @@ class Recorder:
                 self._labels[name] = self.world_role if pg.size() == size else f"group{name}"
         return self._labels[name]
 
-    def record(self, kind: str, pg: Any, inputs: list, outputs: list, work: Any = None) -> None:
+    def record(self, kind: str, pg: Any, inputs: list, outputs: list, work: Any = None,
+               sent: float | None = None) -> None:
+        """``sent``: the fraction of the payload this rank sends to others, where the call says
+        (an all-to-all's split sizes); else the ring's (``_WIRE``)."""
         n = pg.size() if pg is not None else 1
         if kind == "all_gather":
             payload = _nbytes(outputs) or _nbytes(inputs) * n
@@ -150,8 +154,9 @@ class Recorder:
             payload = _nbytes(inputs) or _nbytes(outputs) * n
         else:
             payload = max(_nbytes(inputs), _nbytes(outputs))
+        wire = payload * (sent if sent is not None else _WIRE.get(kind, lambda n: 1.0)(n))
         rec = {"kind": kind, "group": self.label(pg), "bytes": payload,
-               "wire_bytes": payload * _WIRE.get(kind, lambda n: 1.0)(n), "seconds": None}
+               "wire_bytes": wire, "seconds": None}
         with self._lock:
             self.records.append(rec)
         if work is not None:  # gloo completes futures for some collectives: time those
@@ -180,7 +185,12 @@ class Recorder:
         kind, g = _FUNCTIONAL[name]
         pg = _process_group(args[g] if len(args) > g else kwargs.get("group_name"))
         outputs = [] if kind in ("all_reduce", "broadcast", "send", "recv") else _flat(out)
-        self.record(kind, pg, _flat(args[0]), outputs)
+        sent = None
+        if name == "all_to_all_single" and pg is not None and len(args) > 2 and args[2]:
+            # uneven splits (a ring's permute sends everything to one peer): the rows not kept
+            splits = [int(x) for x in args[2]]
+            sent = 1 - splits[pg.rank()] / max(1, sum(splits))
+        self.record(kind, pg, _flat(args[0]), outputs, sent=sent)
 
     def start(self) -> None:
         with self._lock:
@@ -215,6 +225,26 @@ def _install() -> None:
 
         return run
 
+    composite = torch._C.DispatchKey.CompositeExplicitAutograd
+
+    def below(op: Any, note) -> Any:
+        # The functional collectives' real kernel is CompositeExplicitAutograd: a backend key's
+        # kernel sees the calls made below autograd (inside a DTensor op handler -- torch's
+        # ring attention), which skip the Autograd key; calls that passed it are noted there.
+        def run(*args, **kwargs):
+            level = getattr(depth, "n", 0)
+            depth.n = level + 1
+            try:
+                out = op._op_dk(composite, *args, **kwargs)
+            finally:
+                depth.n = level
+            rec = _recorder
+            if level == 0 and rec is not None and rec.active:
+                note(rec, args, kwargs, out)
+            return out
+
+        return run
+
     import warnings
 
     with warnings.catch_warnings():
@@ -225,9 +255,11 @@ def _install() -> None:
                                       lambda r, a, k, o, name=name: r.on_c10d(name, a, o)),
                          "Autograd", with_keyset=True)
         for name in _FUNCTIONAL:
-            libs[1].impl(name, kernel(getattr(torch.ops._c10d_functional, name).default,
-                                      lambda r, a, k, o, name=name: r.on_functional(name, a, k, o)),
-                         "Autograd", with_keyset=True)
+            op = getattr(torch.ops._c10d_functional, name).default
+            note = lambda r, a, k, o, name=name: r.on_functional(name, a, k, o)  # noqa: E731
+            libs[1].impl(name, kernel(op, note), "Autograd", with_keyset=True)
+            for key in ("CPU", "CUDA"):
+                libs[1].impl(name, below(op, note), key)
     _install.libs = libs  # keep the registrations alive
 
 

@@ -169,7 +169,7 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
     if shape is not None and sp > 1:
         add(ulysses_traffic(shape, su.trainer.micro_batch_size, sp, sb.activation, ckpt, pp))
     if shape is not None and cp > 1:
-        add(ring_traffic(shape, su.trainer.micro_batch_size, cp, sb.activation, ckpt, pp))
+        add(ring_traffic(shape, su.trainer.micro_batch_size, cp, sb.activation, ckpt, pp, tp))
     out.bytes_per_step = sum(x.bytes for x in out.by_collective.values())
     out.seconds_per_step = sum(x.seconds for x in out.by_collective.values())
     return out
@@ -189,18 +189,22 @@ def ulysses_traffic(shape, micro: int, sp: int, elem: float, ckpt: bool, pp: int
                    per_micro=True, calls=4 * layers * passes)
 
 
-def ring_traffic(shape, micro: int, cp: int, elem: float, ckpt: bool, pp: int = 1) -> Traffic:
+def ring_traffic(shape, micro: int, cp: int, elem: float, ckpt: bool, pp: int = 1,
+                 tp: int = 1) -> Traffic:
     """torch's context parallelism per micro-batch (ring attention): each layer passes its
     sequence shard's keys and values to the other cp - 1 ranks in forward (torch 2.13 all-gathers
     them once, ``_AllGatherRotater``: the same bytes a rank sends as cp - 1 ring passes), again
-    in backward, where the key and value gradients travel the ring back to their owners (cp
-    passes); recomputation repeats the forward's. From torch's source: CPU cannot run it."""
-    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
+    in backward, where the key and value gradients, accumulated in fp32 (torch's
+    ``convert_to_f32``), travel the ring back to their owners (cp all-to-all passes);
+    recomputation repeats the forward's. Under tensor parallelism a rank holds 1/tp of the heads.
+    Measured on gloo: exactly these bytes."""
+    kv = shape.n_kv_heads * (shape.dim // shape.n_heads) / tp
     layers = math.ceil(shape.n_layers / pp)
-    chunk = 2 * kv * micro * shape.seq_len / cp * elem  # this rank's K and V
-    passes = (cp - 1) * (3 if ckpt else 2) + cp
-    return Traffic("cp_kv_send_recv", "send_recv", cp, 1, chunk * layers * passes, "none",
-                   per_micro=True, calls=layers * (3 if ckpt else 2))
+    chunk = 2 * kv * micro * shape.seq_len / cp  # this rank's K and V, elements
+    gathers = 3 if ckpt else 2
+    per_layer = chunk * ((cp - 1) * gathers * elem + cp * 4)
+    return Traffic("cp_kv_send_recv", "send_recv", cp, 1, per_layer * layers, "none",
+                   per_micro=True, calls=layers * (gathers + cp))
 
 
 def exposed_seconds(comm: Communication, compute: float, m: int, ckpt: bool) -> float:

@@ -20,6 +20,7 @@ the last windows of the stream (``data.val_fraction``) or reads ``data.val_path`
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 from pathlib import Path
@@ -162,27 +163,44 @@ class GlobalBatchSampler:
         return self.steps * self.accumulation
 
 
-def sequence_shard(batch: Any, rank: int, degree: int) -> Any:
-    """This sequence-parallel rank's contiguous 1/degree of every tensor's sequence (dim 1):
-    the ranks of one sequence group read the same samples (Ulysses), each its shard."""
+def shard_index(length: int, rank: int, degree: int, balanced: bool = False) -> Any:
+    """The positions of a ``length``-token window that sequence-parallel rank ``rank`` of
+    ``degree`` holds: its contiguous 1/degree (Ulysses), or with ``balanced`` torch's head-tail
+    load balancing for causal ring attention (context parallelism): chunks ``rank`` and
+    ``2 x degree - 1 - rank`` of 2 x degree, from torch's own balancer."""
+    t = length // degree
+    if not balanced:
+        return slice(rank * t, (rank + 1) * t)
+    return _head_tail(length, degree)[rank * t:(rank + 1) * t]
+
+
+@functools.lru_cache(maxsize=8)
+def _head_tail(length: int, degree: int) -> torch.Tensor:
+    from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoadBalancer
+
+    return _HeadTailLoadBalancer(length, degree, "cpu")._generate_indices()[0]
+
+
+def sequence_shard(batch: Any, rank: int, degree: int, balanced: bool = False) -> Any:
+    """This sequence-parallel rank's part of every tensor's sequence (dim 1, ``shard_index``):
+    the ranks of one sequence group read the same samples, each its shard."""
     if degree <= 1:
         return batch
     def cut(x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1] // degree
-        return x[:, rank * t:(rank + 1) * t].contiguous()
+        return x[:, shard_index(x.shape[1], rank, degree, balanced)].contiguous()
     return type(batch)(cut(x) for x in batch)
 
 
 class SequenceShard:
     """A DataLoader ``collate_fn``: the default collation, then ``sequence_shard``."""
 
-    def __init__(self, rank: int, degree: int):
-        self.rank, self.degree = rank, degree
+    def __init__(self, rank: int, degree: int, balanced: bool = False):
+        self.rank, self.degree, self.balanced = rank, degree, balanced
 
     def __call__(self, samples: list[Any]) -> Any:
         from torch.utils.data import default_collate
 
-        return sequence_shard(default_collate(samples), self.rank, self.degree)
+        return sequence_shard(default_collate(samples), self.rank, self.degree, self.balanced)
 
 
 def shards(path: str | Path) -> list[Path]:
@@ -276,9 +294,9 @@ class ValidationBatches:
     collectives and the loss averages the same samples whatever the world size."""
 
     def __init__(self, dataset: Dataset, *, micro_batch: int, dp_rank: int, dp_size: int,
-                 seq: tuple[int, int] | None = None):
+                 seq: tuple[int, ...] | None = None):
         self.dataset, self.micro_batch = dataset, micro_batch
-        self.seq = seq  # (rank, degree): this rank's sequence shard (Ulysses), or the whole
+        self.seq = seq  # (rank, degree[, balanced]): this rank's sequence shard, or the whole
         n = len(dataset)
         per_rank = -(-n // dp_size)
         self.n_batches = -(-per_rank // micro_batch)

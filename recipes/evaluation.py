@@ -38,9 +38,9 @@ class Validator:
 
     def run(self, step_fn: Callable[[tuple[torch.Tensor, torch.Tensor], int], torch.Tensor], *,
             dp_rank: int, dp_size: int, device: Any, step: int,
-            seq: tuple[int, int] | None = None) -> dict[str, Any]:
+            seq: tuple[int, ...] | None = None) -> dict[str, Any]:
         """``step_fn(batch, index)`` -> ``loss_sums`` of the batch; returns this validation's
-        record (the same on every rank). ``seq``: (rank, degree) of this rank's sequence shard
+        record (the same on every rank). ``seq``: (rank, degree[, balanced]) of this rank's sequence shard
         (Ulysses: the sums of a sequence group's shards add up to the samples' sums)."""
         import torch.distributed as dist
 

@@ -202,9 +202,10 @@ class GPT(nn.Module):
 
     # The attention core, relative to each block, that sequence parallelism wraps (Ulysses).
     attention_core = "attn.core"
-    # (rank, degree) of this rank's sequence shard under Ulysses: the tokens it is handed are
-    # that shard, so its rotary angles start at rank x shard length. None: the whole sequence.
-    seq_shard: tuple[int, int] | None = None
+    # (rank, degree[, balanced]) of this rank's sequence shard (Ulysses: contiguous; context
+    # parallelism: torch's head-tail load balancing): the tokens it is handed are those
+    # positions (recipes.data.shard_index), so are its rotary angles. None: the whole sequence.
+    seq_shard: tuple[int, ...] | None = None
 
     # Mixture of experts, relative to each MoE block: the module holding the routed experts'
     # stacked weights (dim 0: the expert), which expert parallelism splits over its ranks.
@@ -232,8 +233,10 @@ class GPT(nn.Module):
         h = self.drop(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
         rope = self.rope
         if self.seq_shard is not None:
-            t = h.shape[1]
-            rope = rope[self.seq_shard[0] * t: (self.seq_shard[0] + 1) * t]
+            from recipes.data import shard_index
+
+            rank, degree, *balanced = self.seq_shard
+            rope = rope[shard_index(h.shape[1] * degree, rank, degree, *balanced)]
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

@@ -37,6 +37,8 @@ class ParallelPlan:
     tp: int = 1
     """Tensor-parallel degree (the model's tp_plan over the tensor mesh)."""
     sequence_parallel: bool = False
+    cp: int = 1
+    """Context-parallel degree (torch's ring attention over the cp mesh, strategies/context_parallel.py)."""
     activation_checkpointing: bool = False
     compile: bool = False
     """torch.compile each block (trainer.compile), after TP and checkpointing, before FSDP."""
@@ -60,11 +62,16 @@ def low_dtype(precision: str) -> Any:
 
 
 def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh: Any = None,
-                precision: str = "32") -> Any:
-    """Apply ``plan`` to the plain model inside ``module`` (on every rank), in the fixed order."""
+                cp_mesh: Any = None, precision: str = "32") -> Any:
+    """Apply ``plan`` to the plain model inside ``module`` (on every rank), in the fixed order
+    (context parallelism, which wraps only the attention cores, right after TP)."""
     model, _ = find_model(module)
     if plan.tp > 1:
         apply_tp(model, tp_mesh, sequence_parallel=plan.sequence_parallel)
+    if plan.cp > 1:
+        from strategies.context_parallel import apply_cp
+
+        apply_cp(model, cp_mesh)
     if plan.activation_checkpointing:
         checkpoint_blocks(module)
     if plan.compile:

@@ -104,6 +104,13 @@ CASES: dict[str, Case] = {
                     shard=2, seq=2),
     "zero3_ulysses": Case(("strategy=zero3_ulysses", *FOUR, "trainer.micro_batch_size=2", SHARD_ALL), 4, 2,
                           shard=4, seq=2),
+    # context parallel (torch's ring attention, tests/test_sequence.py): cp 2 on 2 ranks is one
+    # replica, FSDP2 over dp x cp; on 4: dp 2 x cp 2, and cp 2 x tp 2 (3d's cp knob)
+    "fsdp_cp": Case(("strategy=fsdp_cp", *TWO, "trainer.micro_batch_size=4"), 2, 4, held=_FSDP_HELD,
+                    shard=2, seq=2),
+    "fsdp_cp-dp": Case(("strategy=fsdp_cp", *FOUR, "trainer.micro_batch_size=2"), 4, 2, seq=2),
+    "3d-cp-tp": Case(("strategy=3d", *FOUR, "strategy.cp=2", "strategy.tp=2", "strategy.pp=1",
+                      "trainer.micro_batch_size=4"), 4, 4, seq=4),
     "pp_dp": Case(("strategy=pp_dp", *FOUR, "trainer.micro_batch_size=2", "strategy.microbatches=2"), 4, 2),
 }
 

@@ -97,7 +97,7 @@ def test_bf16_hook_refused_on_cpu_before_launch():
 
 
 # Presets that need CUDA (NCCL's bf16 hook, a GPU to offload from) or that the planner picks.
-GPU_ONLY = {"ddp_bf16_compress", "fsdp_offload", "zero_infinity", "auto", "fsdp_cp"}
+GPU_ONLY = {"ddp_bf16_compress", "fsdp_offload", "zero_infinity", "auto"}
 # Presets of a mixture-of-experts model (the default model is dense: they refuse it by name,
 # tests/test_moe.py): validated with model=gpt_moe_nano. zero2_ep is priced, and refused for
 # training by name (tests/test_moe.py).

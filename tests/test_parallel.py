@@ -123,11 +123,15 @@ def test_tp_all_reduces_on_the_tensor_group_as_planned(runs):
     assert set(groups) == {"tensor"}, groups  # one replica: no data-parallel traffic
     tensor = groups["tensor"]
     activation = 8 * 32 * 32 * 4  # micro x seq x dim x fp32
-    assert tensor["all_reduce"]["count"] == 2 * (2 + 5) + 2
-    assert tensor["all_reduce"]["bytes"] == tensor["all_reduce"]["count"] * activation
+    # ... and the gradient norm's two all-reduces of fp32 partial norms (clip_global_ on DTensor
+    # gradients, issued inside DTensor's dispatch, below autograd): tens of bytes, not planned
+    acts = 2 * (2 + 5) + 2
+    assert tensor["all_reduce"]["count"] == acts + 2
+    norms = tensor["all_reduce"]["bytes"] - acts * activation
+    assert 0 < norms < 256, norms
     planned = run.report["plan"]["communication"]["by_collective"]
     assert planned["tp_all_reduce"]["ranks"] == 2
-    assert planned["tp_all_reduce"]["bytes"] == tensor["all_reduce"]["wire_bytes"]
+    assert planned["tp_all_reduce"]["bytes"] == tensor["all_reduce"]["wire_bytes"] - norms
     assert planned["tp_logits_all_gather"]["bytes"] == tensor["all_gather"]["wire_bytes"]
 
 

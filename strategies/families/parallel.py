@@ -29,6 +29,7 @@ from strategies.pipeline import SCHEDULES
 from strategies.run import Run
 
 MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
+CP_DIM = "context_parallel"  # between data and pipeline when cp > 1: dp x cp is FSDP2's shard group
 
 
 @family("parallel")
@@ -79,6 +80,13 @@ class ParallelConfig(StrategyConfig):
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, tp=self.tp, pp=self.pp, cp=self.cp)
 
+    def device_mesh(self, mesh: Mesh) -> dict[str, int]:
+        """The DeviceMesh's dimensions, outermost first: (data, [context,] pipeline, tensor),
+        the tensor dimension innermost (neighbouring ranks), cp next to dp."""
+        sizes = {"data_parallel": mesh.dp, CP_DIM: mesh.cp, "pipeline_parallel": mesh.pp,
+                 "tensor_parallel": mesh.tp}
+        return {k: v for k, v in sizes.items() if k != CP_DIM or mesh.cp > 1}
+
     def virtual(self) -> int:
         need = SCHEDULES[self.schedule][1] if self.schedule in SCHEDULES else 1
         if self.virtual_stages is not None:
@@ -123,8 +131,11 @@ class ParallelConfig(StrategyConfig):
                        f"{self.dp * self.cp * self.tp * self.pp} != world size {size} (cluster.nodes "
                        f"{run.mesh.nodes} x cluster.devices {run.mesh.devices}): set strategy.dp=null to "
                        "derive it, or change the degrees")
-        if self.cp > 1:
-            out.append(self._cp_refusal(run))
+        if self.cp > 1 and self.pp > 1:
+            # measured (CPU, 4 ranks, 3d cp 2 x pp 2): the stages' attention runs without a cp mesh
+            out.append(f"strategy={self.name} with strategy.cp={self.cp} and strategy.pp={self.pp}: "
+                       "the pipeline's stages are not built with context parallelism; cp composes "
+                       "with tp and FSDP2 (set strategy.pp=1), pipelines run with strategy.cp=1")
         if run.compile and self.tp > 1:
             # measured on torch 2.13 (CPU, gloo, strategy=tp): the compiled block's backward hands
             # DTensor's redistribute a plain Tensor (AttributeError: no attribute '_local_tensor')
@@ -142,24 +153,6 @@ class ParallelConfig(StrategyConfig):
         if self.pp > 1:
             out += self._pipeline_problems(run)
         return out
-
-    def _cp_refusal(self, run: Run) -> str:
-        """Why this run cannot train with context parallelism (python plan.py prices it)."""
-        if run.accelerator == "cpu":
-            # probed on torch 2.13 (gloo, 2 processes): SDPA on CPU dispatches to
-            # aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding rule
-            # (NotImplementedError); forced to the math kernel it fails with "aten.add.Tensor got
-            # mixed torch.Tensor and DTensor". torch's ring attention handles only the CUDA
-            # flash / efficient / cuDNN kernels.
-            return (f"strategy={self.name} (strategy.cp={self.cp}) cannot run on CPU: torch's "
-                    "context parallelism (ring attention) handles only the CUDA attention kernels "
-                    "(flash, memory-efficient, cuDNN); CPU attention "
-                    "(aten._scaled_dot_product_flash_attention_for_cpu) has no ring rule. Use "
-                    "strategy=ulysses (sequence parallelism that runs on CPU), run on "
-                    "cluster.accelerator=gpu, or price it with python plan.py")
-        return (f"strategy={self.name} (strategy.cp={self.cp}): the backends do not run torch's "
-                "context_parallel around forward and backward yet (python plan.py prices it); use "
-                "strategy=ulysses for sequence parallelism, or set strategy.cp=1")
 
     def _pipeline_problems(self, run: Run) -> list[str]:
         if self.schedule not in SCHEDULES:  # (the knob's own check names it)
@@ -254,16 +247,18 @@ class ParallelConfig(StrategyConfig):
     def plan(self, mesh: Mesh) -> ParallelPlan:
         # FSDP2 over dp x cp (torchtitan folds cp into the shard group)
         fsdp = FSDP2Plan(self.reshard_after_forward, reduce_fp32=True) if mesh.dp_seq > 1 else None
-        return ParallelPlan(tp=self.tp, sequence_parallel=self.sequence_parallel,
+        return ParallelPlan(tp=self.tp, sequence_parallel=self.sequence_parallel, cp=self.cp,
                             activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
 
     def world_role(self, mesh: Mesh) -> str:
         # A mesh dimension spanning every rank is the world group itself (torch reuses it).
         if self.tp == mesh.size:
             return "tensor"
+        if self.cp == mesh.size:
+            return "cp"
         if self.pp == mesh.size:
             return "pipeline"
         return "data-shard"
 
 
-__all__ = ["MESH_DIMS", "ParallelConfig"]
+__all__ = ["CP_DIM", "MESH_DIMS", "ParallelConfig"]

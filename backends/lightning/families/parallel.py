@@ -18,7 +18,7 @@ from backends.lightning.families import builds
 from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy
 from strategies import ConfigError
-from strategies.families.parallel import MESH_DIMS, ParallelConfig
+from strategies.families.parallel import CP_DIM, ParallelConfig
 from strategies.parallelize import clip_global_, find_model, parallelize, plan_for
 
 
@@ -40,8 +40,9 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
 
         mesh = self.run().mesh
         self._data_parallel_size = mesh.dp
-        self._device_mesh = init_device_mesh(self.root_device.type, (mesh.dp, mesh.pp, mesh.tp),
-                                             mesh_dim_names=MESH_DIMS)
+        dims = self.preset.device_mesh(mesh)
+        self._device_mesh = init_device_mesh(self.root_device.type, tuple(dims.values()),
+                                             mesh_dim_names=tuple(dims))
         self.lightning_module._device_mesh = self._device_mesh
 
     # ---------------------------------------------------------- the model
@@ -61,9 +62,25 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
                                      precision=run.precision,
                                      accumulation=trainer.accumulate_grad_batches)
         else:
-            parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=mesh["data_parallel"],
-                        precision=run.precision)
+            parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=self._data_mesh(),
+                        cp_mesh=mesh[CP_DIM] if preset.cp > 1 else None, precision=run.precision)
         super().setup(trainer)  # optimizers over this rank's (stage) parameters
+
+    def _data_mesh(self) -> Any:
+        """FSDP2's mesh: the data-parallel ranks, with the cp ranks folded in (torchtitan's
+        dp_shard x cp: cp ranks hold different tokens of the same samples)."""
+        mesh = self.device_mesh
+        if self.preset.cp == 1:
+            return mesh["data_parallel"]
+        return mesh["data_parallel", CP_DIM]._flatten("dp_cp")
+
+    @property
+    def sequence_shard(self) -> tuple[int, int, bool] | None:
+        """(rank, degree, balanced) of this rank's sequence shard under context parallelism
+        (torch's head-tail load balancing); None without it."""
+        if self.preset.cp == 1:
+            return None
+        return (self.device_mesh[CP_DIM].get_local_rank(), self.preset.cp, True)
 
     # ---------------------------------------------------------- the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -100,8 +117,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         return None if self.pipeline is None else self.pipeline.report()
 
     def engine_settings(self) -> dict[str, Any]:
-        mesh = self.run().mesh
-        return {"mesh": dict(zip(MESH_DIMS, (mesh.dp, mesh.pp, mesh.tp)))}
+        return {"mesh": self.preset.device_mesh(self.run().mesh)}
 
     def full_state_dict(self, prefix: str = "") -> dict[str, Any]:
         if self.preset.pp > 1:
