@@ -1,7 +1,7 @@
 """Predicted against measured step time on this machine after ``planner.calibrate=true``: the
 presets single, ddp, fsdp2, zero2, zero3, tp and pipeline at gpt_small, 2 processes (single: 1).
 
-    python -m bench steptime                  # 6 steps each, the median step (first excluded)
+    python -m bench steptime                  # 12 steps each, the median step (first excluded)
     python -m bench steptime --smoke          # gpt_nano, ddp only, 3 steps, uncalibrated; nothing written
 
 Each run is ``train.py ... planner.calibrate=true``: the first run of a world size measures the
@@ -39,7 +39,7 @@ def run(preset: str, model: str, steps: int, out: Path, calibrate: bool = True) 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m bench steptime")
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
     a = p.parse_args(argv)
     presets, model, steps = (["ddp"], "gpt_nano", 3) if a.smoke else (PRESETS, "gpt_small", a.steps)
     rows = []

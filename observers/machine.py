@@ -15,6 +15,10 @@ of its own so that plan.py never imports torch:
   per second, and that over ``matmul_tflops``: what norms, attention and elementwise work leave of
   the matmul rate (the planner's MFU for this machine);
 - ``optimizer_ns_per_param``: AdamW's step with gradient clipping, per fp32 parameter;
+- ``tp_speedup`` (world > 1): a 2-block model's forward and backward, whole on every process
+  against tensor-parallel over all of them (``apply_tp``): what tensor parallelism over the
+  world really divides a rank's time by -- its all-reduces, DTensor's dispatch and the norms and
+  residuals TP does not split included (ideal: world);
 - ``collectives``: per operation (all_reduce, all_gather, reduce_scatter, send), the latency of
   one step of it (a small message's time over the steps the planner's alpha-beta model counts:
   2 log2 N for an all-reduce, N - 1 for a ring all-gather / reduce-scatter, 1 for a send) and
@@ -92,7 +96,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
 
     model_flops = (6 * (shape.block_params() - 2 * dim) + 12 * seq * dim) * tokens
     barrier()
-    block_tflops = model_flops / _timed(step, repeats=5, sync=sync) / 1e12
+    block_tflops = model_flops / _timed(step, repeats=15, sync=sync) / 1e12  # (5: +-12% run to run)
 
     params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(4)]
     for p in params:
@@ -107,6 +111,43 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
     optimizer = _timed(update, repeats=5, sync=sync) / sum(p.numel() for p in params) * 1e9
     return {"matmul_tflops": matmul, "block_tflops": block_tflops, "efficiency": block_tflops / matmul,
             "optimizer_ns_per_param": optimizer}
+
+
+def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, sync: Any,
+                     barrier: Any) -> float:
+    """How much faster a rank runs our model's forward and backward with tensor parallelism over
+    every process (strategies.parallelize.apply_tp: its all-reduces, DTensor's dispatch and the
+    parts TP does not split included) than the whole model alone, all processes busy at once:
+    the ideal is ``world``. A 2-block GPT at the reference block's shape."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from recipes.config import ModelConfig
+    from recipes.gpt import GPT
+    from strategies.parallelize import apply_tp
+
+    dim, heads, ffn, seq, micro = REFERENCE[accelerator]
+    shape = ModelConfig(name="reference", dim=dim, n_layers=2, n_heads=heads, n_kv_heads=heads,
+                        vocab_size=256, seq_len=seq, ffn_dim=ffn)
+    dtype = _dtype(precision, accelerator)
+    tokens = torch.randint(0, 256, (micro, seq), device=device)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+                else torch.autocast(device.type, enabled=False))
+
+    def timed(model: Any) -> float:
+        def step() -> None:
+            with autocast:
+                logits = model(tokens)
+            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+
+        barrier()
+        return _timed(step, repeats=10, sync=sync)
+
+    torch.manual_seed(0)
+    whole = timed(GPT(shape).to(device))
+    split = apply_tp(GPT(shape).to(device), init_device_mesh(device.type, (world,)))
+    return whole / timed(split)
 
 
 def _steps(op: str, n: int) -> int:
@@ -174,6 +215,8 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     barrier = dist.barrier if grouped else (lambda: None)
     try:
         mine = _compute(accelerator, precision, device, sync, barrier)
+        if grouped:
+            mine["tp_speedup"] = _tensor_parallel(accelerator, precision, world, device, sync, barrier)
         collectives = _collectives(accelerator, rank, world, device, sync, barrier) if grouped else {}
         every = [None] * world
         if grouped:

@@ -40,6 +40,9 @@ class Machine:
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     """op -> {"GBps": bytes on the wire per rank per second / 1e9, "latency_us": per step}."""
     block_tflops: float = 0.0
+    tp_speedup: float = 0.0
+    """A rank's forward and backward time, whole model over tensor-parallel over every process
+    (its all-reduces included; ideal: world); 0: not measured (one process, an older cache)."""
     threads: int = 1
     world: int = 1
     precision: str = "32"

@@ -341,6 +341,10 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                          tp_sp=tp_sp, pipeline=(schedule, virtual), staged=staged,
                          boundary_elem=4 if run.regime in ("32", "autocast") else 2)
     compute = flops_per_step(su, ckpt) / (mesh.size * peak_flops(su) * mfu(su))
+    measured_tp = (su.machine is not None and su.machine.tp_speedup > 0 and tp == su.machine.world
+                   and not c.planned_only)
+    if measured_tp:  # the calibration ran this very layout: TP over every process
+        compute *= tp / su.machine.tp_speedup
     optimizer = 0.0
     if su.machine is not None:  # AdamW's step over the moments this device holds
         moments = trainable / (shard if fp.optimizer == SHARDED else 1)
@@ -354,6 +358,9 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         # gloo runs each collective on the cores the compute uses: on a measured CPU machine
         # nothing hides under backward or forward (measured: fsdp2/zero2/zero3 1.4x with overlap)
         exposed = comm.seconds_per_step
+    if measured_tp:  # TP's own collectives are inside the measured speedup
+        exposed = max(0.0, exposed - sum(x.seconds for n, x in comm.by_collective.items()
+                                         if n.startswith("tp_")))
     notes += fp.notes(sizes)
     if mesh.seq > 1:  # the sequence degree the plan was made at (Ulysses' is chosen by the planner)
         notes.insert(0, f"{'sp' if mesh.sp > 1 else 'cp'}={mesh.seq} dp={dp}: each rank holds "

@@ -292,6 +292,29 @@ def test_a_calibrated_machine_prices_cluster_local(tmp_path, monkeypatch):
     assert _plans("model=gpt_small", "cluster=node_8x_h100", "planner.calibrate=true")["ddp"].optimizer_seconds == 0
 
 
+@pytest.mark.unit
+def test_tensor_parallel_over_the_measured_world_uses_its_measured_speedup(tmp_path, monkeypatch):
+    """tp over every calibrated process: a rank's compute is the whole model's divided by the
+    measured ``tp_speedup`` (not by tp), and TP's collectives, inside that measurement, are not
+    added again; at other tp degrees the ideal division and the priced collectives stay."""
+    from planner import machine
+
+    base = ("model=gpt_small", "cluster=local", "cluster.devices=2", "cluster.accelerator=cpu",
+            "strategy=tp", "planner.calibrate=true")
+    p = _cache(tmp_path, monkeypatch, *base)
+    ideal = _plans(*base)["tp"]
+    p.write_text(json.dumps({**MACHINE, "tp_speedup": 1.25}))
+    measured = _plans(*base)["tp"]
+    cfg = _compose(base)
+    assert machine.load(cfg.cluster, cfg.trainer.precision).tp_speedup == 1.25
+    assert measured.compute_seconds == pytest.approx(ideal.compute_seconds * 2 / 1.25)
+    tp_comm = sum(x.seconds for n, x in ideal.communication.by_collective.items() if n.startswith("tp_"))
+    assert tp_comm > 0
+    assert measured.exposed_seconds == pytest.approx(ideal.exposed_seconds - tp_comm)
+    assert _plans(*base, "strategy=ddp")["ddp"].compute_seconds == pytest.approx(
+        _plans(*base[:-2], "strategy=ddp", "planner.calibrate=true")["ddp"].compute_seconds)
+
+
 @pytest.mark.subprocess
 def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     """planner.calibrate=true: plan.py measures this machine once (a subprocess running
