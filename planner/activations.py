@@ -14,6 +14,7 @@ pipeline rank holds, at its peak, the micro-batch chunks its schedule keeps in f
 from __future__ import annotations
 
 import functools
+import math
 import json
 from pathlib import Path
 from typing import Any
@@ -58,12 +59,24 @@ def calibration() -> dict[str, Any]:
     return json.loads((Path(__file__).with_name("activations.json")).read_text())
 
 
+def moe_features(shape: ModelDescription) -> dict[str, float]:
+    """A mixture-of-experts block's features per token (recipes/calibrate.py's MOE_FEATURES):
+    every top-k assignment counted (none dropped: an upper bound)."""
+    t, e = shape.seq_len, shape.n_experts
+    slots = e * math.ceil(shape.capacity_factor * t * shape.top_k / e) / t
+    return {"experts": e, "k": shape.top_k, "k_dim": shape.top_k * shape.dim,
+            "slots_dim": slots * shape.dim, "slots_ffn": slots * shape.expert_hidden,
+            "shared_ffn": shape.n_shared_experts * shape.expert_hidden, "experts/seq": e / t}
+
+
 def _per_token(coefficients: dict[str, float], shape: ModelDescription, tp: int = 1) -> float:
     """Bytes per token: sum of coefficient x feature; a feature ``f/tp`` is split over ``tp``."""
     head_dim = shape.dim // shape.n_heads
     values = {"one": 1, "dim": shape.dim, "ffn": shape.hidden, "vocab": shape.vocab_size,
               "kv_dim": shape.n_kv_heads * head_dim, "heads": shape.n_heads,
               "heads_seq": shape.n_heads * shape.seq_len}
+    if getattr(shape, "is_moe", False):
+        values |= moe_features(shape)
     return sum(c * values[f.removesuffix("/tp")] / (tp if f.endswith("/tp") else 1)
                for f, c in coefficients.items())
 
@@ -91,8 +104,15 @@ def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bo
     s, b, h = shape.seq_len // max(1, seq), micro, shape.dim
     table = calibrated(shape, regime, tp, sp)
     if table:
-        return tuple(s * b * _per_token(table[p], shape, tp)  # type: ignore[return-value]
-                     for p in ("block", "checkpointed", "tail", "embedding"))
+        layer, block_input, head, embed = (s * b * _per_token(table[p], shape, tp)
+                                           for p in ("block", "checkpointed", "tail", "embedding"))
+        moe = calibration().get(getattr(shape, "architecture", ""), {}).get(regime or "", {}).get("moe_block")
+        if getattr(shape, "is_moe", False) and moe and tp == 1:
+            # a mixture-of-experts model: its MoE blocks save their own (the mean block here;
+            # a pipeline stage's share is counted per block by activation_bytes)
+            m = shape.moe_layers
+            layer = ((shape.n_layers - m) * layer + m * s * b * _per_token(moe, shape)) / shape.n_layers
+        return layer, block_input, head, embed
     layer = layer_activation_bytes(s, b, h, shape.n_heads, ffn=shape.hidden,
                                    kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
                                    dropout=shape.dropout > 0, flash=flash, mlp_tensors=4, elem=elem)

@@ -17,7 +17,8 @@ Parts, bytes saved per token (per sequence position of one micro-batch):
 - ``checkpointed``: the same block under activation checkpointing (only its input remains);
 - ``tail``: final norm, output projection and the fp32 cross entropy: ``c_one + c_dim * dim +
   c_vocab * vocab``;
-- ``embedding``: the token embedding (its indices).
+- ``embedding``: the token embedding (its indices);
+- ``moe_block``: a mixture-of-experts block (``MOE_FEATURES``).
 
 Regimes: ``32`` (fp32 parameters), ``autocast`` (fp32 parameters under torch autocast bf16:
 torch AMP families' bf16-mixed), ``bf16`` (bf16 parameters: DeepSpeed's bf16-mixed).
@@ -58,6 +59,23 @@ SHAPES = [(32, 4, 4, 64, 64), (64, 4, 4, 64, 64), (32, 4, 2, 64, 64), (32, 8, 8,
 # a view of what attention saved, not a copy: one b x s x h/tp tensor less than the fit says)
 TP_SHAPES = [(32, 8, 8, 64, 64), (64, 8, 8, 64, 64), (64, 16, 8, 64, 64), (32, 16, 16, 64, 64),
              (32, 8, 8, 96, 128), (64, 16, 8, 160, 96)]
+# A mixture-of-experts block (recipes/gpt.py's MoE; ``moe_block``): the attention half's
+# features and the router's (experts), the top-k assignments' (k, k_dim), the capacity slots'
+# (``slots`` = n_experts x capacity / seq_len per token: slots_dim, slots_ffn), the shared
+# experts' and a per-sequence term (experts/seq). Traced without dropped assignments
+# (capacity_factor >= n_experts / top_k): the planner counts every assignment, an upper bound.
+MOE_FEATURES = ("one", "dim", "kv_dim", "heads", "experts", "k", "k_dim", "slots_dim", "slots_ffn",
+                "shared_ffn", "experts/seq")
+# (dim, heads, kv_heads, expert ffn, experts, top_k, capacity_factor, shared experts)
+MOE_SHAPES = [(32, 4, 4, 48, 4, 2, 2.0, 0), (64, 4, 4, 48, 4, 2, 2.0, 0), (32, 4, 2, 48, 4, 2, 2.0, 0),
+              (32, 8, 8, 48, 4, 2, 2.0, 0), (32, 4, 4, 96, 4, 2, 2.0, 0), (32, 4, 4, 48, 8, 2, 4.0, 0),
+              (32, 4, 4, 48, 4, 1, 4.0, 0), (32, 4, 4, 48, 4, 2, 4.0, 0), (32, 4, 4, 48, 4, 2, 2.0, 1),
+              (64, 8, 2, 80, 8, 3, 4.0, 2), (32, 4, 4, 48, 6, 2, 3.0, 0), (48, 4, 4, 64, 4, 3, 2.0, 1),
+              (32, 4, 4, 48, 8, 4, 2.0, 0), (64, 4, 4, 32, 4, 1, 8.0, 0)]
+# autocast's MoE block is not exactly linear in these features (max residual 0.13% of a block,
+# measured): least squares within this bound; every other table is exact
+MOE_AUTOCAST_RESIDUAL = 0.005
+
 # name -> (dropout, tensor parallel, sequence parallel)
 VARIANTS = {"dropout": (True, False, False), "tp": (False, True, False), "tp_sp": (False, True, True),
             "tp_dropout": (True, True, False), "tp_sp_dropout": (True, True, True)}
@@ -127,17 +145,20 @@ def trace(shape: ModelConfig, regime: str, tp: int = 1, sp: bool = False) -> dic
 
 
 def _features(shape: ModelConfig, names: tuple[str, ...], tp: int = 1) -> list[float]:
+    from planner.activations import moe_features
+
     values = {"one": 1, "dim": shape.dim, "ffn": shape.hidden, "kv_dim": shape.n_kv_heads * shape.head_dim,
               "heads": shape.n_heads, "vocab": shape.vocab_size, "heads_seq": shape.n_heads * shape.seq_len}
+    values |= moe_features(shape) if shape.is_moe else {}
     return [float(values[n.removesuffix("/tp")]) / (tp if n.endswith("/tp") else 1) for n in names]
 
 
-def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
+def _fit(rows: list[list[float]], targets: list[float], tolerance: float = 1e-6) -> list[float]:
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(targets, dtype=torch.float64).unsqueeze(1)
     coef = torch.linalg.lstsq(a, b).solution.squeeze(1)
     residual = (a @ coef.unsqueeze(1) - b).abs().max().item()
-    if residual > 1e-6 * max(targets):
+    if residual > tolerance * max(targets):
         raise RuntimeError(f"activations are not linear in {rows}: residual {residual}")
     return [round(c, 6) + 0.0 for c in coef.tolist()]
 
@@ -164,6 +185,18 @@ def _calibrate(regime: str, dropout: bool = False, tp: bool = False, sp: bool = 
     return out
 
 
+def _calibrate_moe(regime: str) -> dict[str, float]:
+    """{feature: bytes per token per unit} of a mixture-of-experts block in one regime."""
+    shapes = [ModelConfig(name="calibration", dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, vocab_size=64,
+                          seq_len=seq, ffn_dim=64, n_experts=e, top_k=k, capacity_factor=cf,
+                          moe_ffn_dim=eh, n_shared_experts=shared)
+              for seq, table in ((SEQ, MOE_SHAPES), (2 * SEQ, MOE_SHAPES[:6]))
+              for d, h, kv, eh, e, k, cf, shared in table]
+    coef = _fit([_features(s, MOE_FEATURES) for s in shapes], [trace(s, regime)["block"] for s in shapes],
+                tolerance=MOE_AUTOCAST_RESIDUAL if regime == "autocast" else 1e-6)
+    return dict(zip(MOE_FEATURES, coef))
+
+
 def calibrate(regimes: tuple[str, ...] = REGIMES) -> dict[str, dict]:
     """regime -> part -> {feature: bytes per token per unit}, and regime -> "variants" ->
     variant -> part -> the same."""
@@ -171,6 +204,7 @@ def calibrate(regimes: tuple[str, ...] = REGIMES) -> dict[str, dict]:
     with fake_group(max(TP)):
         for regime in regimes:
             out[regime] = _calibrate(regime)
+            out[regime]["moe_block"] = _calibrate_moe(regime)
             out[regime]["variants"] = {name: _calibrate(regime, *flags) for name, flags in VARIANTS.items()}
     return out
 
