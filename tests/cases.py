@@ -109,6 +109,8 @@ CASES: dict[str, Case] = {
     "fsdp_cp": Case(("strategy=fsdp_cp", *TWO, "trainer.micro_batch_size=4"), 2, 4, held=_FSDP_HELD,
                     shard=2, seq=2),
     "fsdp_cp-dp": Case(("strategy=fsdp_cp", *FOUR, "trainer.micro_batch_size=2"), 4, 2, seq=2),
+    "3d-cp-pp": Case(("strategy=3d", *FOUR, "strategy.cp=2", "strategy.tp=1", "strategy.pp=2",
+                      "trainer.micro_batch_size=2"), 4, 2, seq=4),
     "3d-cp-tp": Case(("strategy=3d", *FOUR, "strategy.cp=2", "strategy.tp=2", "strategy.pp=1",
                       "trainer.micro_batch_size=4"), 4, 4, seq=4),
     "pp_dp": Case(("strategy=pp_dp", *FOUR, "trainer.micro_batch_size=2", "strategy.microbatches=2"), 4, 2),

@@ -131,11 +131,6 @@ class ParallelConfig(StrategyConfig):
                        f"{self.dp * self.cp * self.tp * self.pp} != world size {size} (cluster.nodes "
                        f"{run.mesh.nodes} x cluster.devices {run.mesh.devices}): set strategy.dp=null to "
                        "derive it, or change the degrees")
-        if self.cp > 1 and self.pp > 1:
-            # measured (CPU, 4 ranks, 3d cp 2 x pp 2): the stages' attention runs without a cp mesh
-            out.append(f"strategy={self.name} with strategy.cp={self.cp} and strategy.pp={self.pp}: "
-                       "the pipeline's stages are not built with context parallelism; cp composes "
-                       "with tp and FSDP2 (set strategy.pp=1), pipelines run with strategy.cp=1")
         if run.compile and self.tp > 1:
             # measured on torch 2.13 (CPU, gloo, strategy=tp): the compiled block's backward hands
             # DTensor's redistribute a plain Tensor (AttributeError: no attribute '_local_tensor')

@@ -60,7 +60,9 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         if preset.pp > 1:
             self.pipeline = Pipeline(module, preset, plan, mesh, device=self.root_device,
                                      precision=run.precision,
-                                     accumulation=trainer.accumulate_grad_batches)
+                                     accumulation=trainer.accumulate_grad_batches,
+                                     dp_mesh=self._data_mesh(),
+                                     cp_mesh=mesh[CP_DIM] if preset.cp > 1 else None)
         else:
             parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=self._data_mesh(),
                         cp_mesh=mesh[CP_DIM] if preset.cp > 1 else None, precision=run.precision)
