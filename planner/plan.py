@@ -263,7 +263,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     run = c.run(su)
     mesh = run.mesh
     problems = [*strategy.problems(run), *(strategy.model_problems(shape) if shape is not None else ()),
-                *run.problems()]
+                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ())]
     tp, pp, dp, shard = mesh.tp, mesh.pp, mesh.dp, mesh.dp_shard
     sb = fp.state_bytes(state_bytes(o.accounting, t.precision, master_weights=fp.master_weights,
                                     sharded_params=fp.params == SHARDED), o.accounting)

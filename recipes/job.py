@@ -306,6 +306,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
                             f"(strategy={strategy.name}): each rank's loss is the mean over its shard's "
                             "counted targets, which is the sequence's mean only when every shard counts "
                             "the same number; use data.train_on=all, or a data-parallel preset")
+        if not bad["model"]:
+            problems += run.mesh.model_problems(model, strategy.name)
     if not bad["model"] and not bad["trainer"]:
         problems += _save_hf_problems(t, model)
     job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,

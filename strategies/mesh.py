@@ -101,6 +101,19 @@ class Mesh:
         return []
 
 
+    def model_problems(self, model: object, preset: str) -> list[str]:
+        """What this layout cannot train of ``model`` (``recipes.config.ModelConfig``): a mixture
+        of experts routes each sequence as one group (its capacity and load-balancing loss are
+        per sequence, recipes/gpt.py), so no rank may hold a shard of a sequence."""
+        if self.seq > 1 and getattr(model, "is_moe", False):
+            return [f"model={getattr(model, 'name', '?')} (a mixture of experts) with a sequence-parallel "
+                    f"preset (strategy={preset}, sequence degree {self.seq}): the router's capacity and "
+                    "load-balancing loss are per sequence, and each rank would hold a shard of it, "
+                    "routing it alone; use a data- or expert-parallel preset (fsdp2, fsdp_ep) for MoE "
+                    "models"]
+        return []
+
+
 @dataclass(frozen=True)
 class Batch:
     """global = micro x chunks x dp x accumulation, with accumulation derived. ``chunks``: the

@@ -259,6 +259,15 @@ def test_planner_prices_ulysses_and_ring_attention():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("preset", ["ulysses", "fsdp_cp"])
+def test_moe_models_with_sequence_shards_are_refused(preset):
+    """A MoE routes and balances per sequence: a rank holding a shard of it would not."""
+    msg = _problems(f"strategy={preset}", "cluster.devices=2", "model=gpt_moe_nano")
+    assert "model=gpt_moe_nano (a mixture of experts) with a sequence-parallel preset" in msg, msg
+    assert "fsdp_ep" in msg
+
+
+@pytest.mark.unit
 def test_masked_targets_with_sequence_shards_are_refused():
     """Each shard averages its own counted targets: exact only for unmasked data."""
     msg = _problems("strategy=ulysses", "cluster.devices=2", "data=chat")
