@@ -14,12 +14,12 @@ pipeline rank holds, at its peak, the micro-batch chunks its schedule keeps in f
 from __future__ import annotations
 
 import functools
-import math
 import json
 from pathlib import Path
 from typing import Any
 
 from planner.inputs import ModelDescription
+from strategies.footprint import moe_features
 from strategies.pipeline import balanced_split, peak_live, stage_owner
 
 
@@ -57,16 +57,6 @@ def boundary_activation_bytes(micro: int, seq: int, hidden: int, elem: float = 2
 @functools.cache
 def calibration() -> dict[str, Any]:
     return json.loads((Path(__file__).with_name("activations.json")).read_text())
-
-
-def moe_features(shape: ModelDescription) -> dict[str, float]:
-    """A mixture-of-experts block's features per token (recipes/calibrate.py's MOE_FEATURES):
-    every top-k assignment counted (none dropped: an upper bound)."""
-    t, e = shape.seq_len, shape.n_experts
-    slots = e * math.ceil(shape.capacity_factor * t * shape.top_k / e) / t
-    return {"experts": e, "k": shape.top_k, "k_dim": shape.top_k * shape.dim,
-            "slots_dim": slots * shape.dim, "slots_ffn": slots * shape.expert_hidden,
-            "shared_ffn": shape.n_shared_experts * shape.expert_hidden, "experts/seq": e / t}
 
 
 def _per_token(coefficients: dict[str, float], shape: ModelDescription, tp: int = 1) -> float:

@@ -145,7 +145,7 @@ def trace(shape: ModelConfig, regime: str, tp: int = 1, sp: bool = False) -> dic
 
 
 def _features(shape: ModelConfig, names: tuple[str, ...], tp: int = 1) -> list[float]:
-    from planner.activations import moe_features
+    from strategies.footprint import moe_features
 
     values = {"one": 1, "dim": shape.dim, "ffn": shape.hidden, "kv_dim": shape.n_kv_heads * shape.head_dim,
               "heads": shape.n_heads, "vocab": shape.vocab_size, "heads_seq": shape.n_heads * shape.seq_len}

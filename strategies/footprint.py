@@ -338,5 +338,16 @@ class FSDPFootprint(Footprint):
         return n.params if n.blocks is None else min(n.params, n.blocks)
 
 
+def moe_features(shape: Any) -> dict[str, float]:
+    """A mixture-of-experts block's features per token (recipes/calibrate.py's MOE_FEATURES, the
+    planner's activations; ``shape``: a ``recipes.config.ModelConfig``): every top-k assignment
+    counted (none dropped: an upper bound)."""
+    t, e = shape.seq_len, shape.n_experts
+    slots = e * math.ceil(shape.capacity_factor * t * shape.top_k / e) / t
+    return {"experts": e, "k": shape.top_k, "k_dim": shape.top_k * shape.dim,
+            "slots_dim": slots * shape.dim, "slots_ffn": slots * shape.expert_hidden,
+            "shared_ffn": shape.n_shared_experts * shape.expert_hidden, "experts/seq": e / t}
+
+
 __all__ = ["CPU", "DEVICE", "FSDPFootprint", "Footprint", "MiB", "NVME", "REPLICATED", "SHARDED",
-           "Sizes", "StateBytes", "States", "Traffic"]
+           "Sizes", "StateBytes", "States", "Traffic", "moe_features"]
