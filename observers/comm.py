@@ -210,18 +210,21 @@ def _install() -> None:
     after = torch._C._after_autograd_keyset
     depth = threading.local()
 
+    def counted(call: Any, note: Any, args: tuple, kwargs: dict) -> Any:
+        level = getattr(depth, "n", 0)
+        depth.n = level + 1  # a functional collective calls a c10d one inside: count once
+        try:
+            out = call()
+        finally:
+            depth.n = level
+        rec = _recorder
+        if level == 0 and rec is not None and rec.active:
+            note(rec, args, kwargs, out)
+        return out
+
     def kernel(op: Any, note) -> Any:
         def run(keyset, *args, **kwargs):
-            level = getattr(depth, "n", 0)
-            depth.n = level + 1  # a functional collective calls a c10d one inside: count once
-            try:
-                out = op.redispatch(keyset & after, *args, **kwargs)
-            finally:
-                depth.n = level
-            rec = _recorder
-            if level == 0 and rec is not None and rec.active:
-                note(rec, args, kwargs, out)
-            return out
+            return counted(lambda: op.redispatch(keyset & after, *args, **kwargs), note, args, kwargs)
 
         return run
 
@@ -232,16 +235,7 @@ def _install() -> None:
         # kernel sees the calls made below autograd (inside a DTensor op handler -- torch's
         # ring attention), which skip the Autograd key; calls that passed it are noted there.
         def run(*args, **kwargs):
-            level = getattr(depth, "n", 0)
-            depth.n = level + 1
-            try:
-                out = op._op_dk(composite, *args, **kwargs)
-            finally:
-                depth.n = level
-            rec = _recorder
-            if level == 0 and rec is not None and rec.active:
-                note(rec, args, kwargs, out)
-            return out
+            return counted(lambda: op._op_dk(composite, *args, **kwargs), note, args, kwargs)
 
         return run
 
