@@ -15,7 +15,7 @@ of its own so that plan.py never imports torch:
   per second, and that over ``matmul_tflops``: what norms, attention and elementwise work leave of
   the matmul rate (the planner's MFU for this machine);
 - ``optimizer_ns_per_param``: AdamW's step with gradient clipping, per fp32 parameter;
-- ``tp_speedup`` (world > 1): a 2-block model's forward and backward, whole on every process
+- ``tp_speedup`` (world > 1 dividing the reference heads and ffn; else absent): a 2-block model's forward and backward, whole on every process
   against tensor-parallel over all of them (``apply_tp``): what tensor parallelism over the
   world really divides a rank's time by -- its all-reduces, DTensor's dispatch and the norms and
   residuals TP does not split included (ideal: world);
@@ -215,7 +215,8 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     barrier = dist.barrier if grouped else (lambda: None)
     try:
         mine = _compute(accelerator, precision, device, sync, barrier)
-        if grouped:
+        heads, ffn = REFERENCE[accelerator][1:3]
+        if grouped and heads % world == 0 and ffn % world == 0:  # (else: not measured, 0)
             mine["tp_speedup"] = _tensor_parallel(accelerator, precision, world, device, sync, barrier)
         collectives = _collectives(accelerator, rank, world, device, sync, barrier) if grouped else {}
         every = [None] * world

@@ -98,8 +98,8 @@ def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bo
                                            for p in ("block", "checkpointed", "tail", "embedding"))
         moe = calibration().get(getattr(shape, "architecture", ""), {}).get(regime or "", {}).get("moe_block")
         if getattr(shape, "is_moe", False) and moe and tp == 1:
-            # a mixture-of-experts model: its MoE blocks save their own (the mean block here;
-            # a pipeline stage's share is counted per block by activation_bytes)
+            # a mixture-of-experts model: its MoE blocks save their own; the mean block here
+            # (a pipeline stage is planned with it too, whichever of its blocks are MoE)
             m = shape.moe_layers
             layer = ((shape.n_layers - m) * layer + m * s * b * _per_token(moe, shape)) / shape.n_layers
         return layer, block_input, head, embed

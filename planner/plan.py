@@ -267,9 +267,9 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     tp, pp, dp, shard = mesh.tp, mesh.pp, mesh.dp, mesh.dp_shard
     sb = fp.state_bytes(state_bytes(o.accounting, t.precision, master_weights=fp.master_weights,
                                     sharded_params=fp.params == SHARDED), o.accounting)
-    if o.accounting == "actual" and getattr(t, "optimizer", "adamw") == "sgd":
+    if o.accounting == "actual" and t.optimizer == "sgd":
         # SGD keeps one momentum buffer, or nothing without momentum (AdamW: two moments)
-        sb = dataclasses.replace(sb, optimizer=sb.optimizer / 2 if getattr(t, "momentum", 0) else 0)
+        sb = dataclasses.replace(sb, optimizer=sb.optimizer / 2 if t.momentum else 0)
     mp = tp * pp
     params = su.params / mp
     trainable = (su.trainable if su.trainable is not None else su.params) / mp

@@ -333,8 +333,22 @@ def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     m = json.loads(cached[0].read_text())
     assert m["matmul_tflops"] > 0 and 0 < m["efficiency"] < 1.5 and m["optimizer_ns_per_param"] > 0
     assert set(m["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    assert m["tp_speedup"] > 0  # TP over both processes, measured
     again = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                            env={**__import__("os").environ, **env})
     plan = json.loads(again.stdout)["plans"][0]
     assert plan["compute"]["peak_tflops"] == pytest.approx(m["matmul_tflops"])
     assert "measuring this machine" not in again.stderr
+
+
+@pytest.mark.subprocess
+def test_calibration_at_a_world_tp_cannot_split_measures_the_rest(tmp_path):
+    """4 processes: the reference block's 6 heads do not split 4 ways, so no tp_speedup (a tp
+    plan there keeps the ideal division) -- and the calibration still measures everything else
+    (it crashed in apply_tp before)."""
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "observers.machine", "--world", "4", "--threads", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    m = json.loads(out.read_text())
+    assert "tp_speedup" not in m and m["block_tflops"] > 0 and set(m["collectives"]) >= {"all_reduce"}

@@ -67,7 +67,7 @@ class Pipeline:
     dict and checkpoints see exactly this rank's parameters under their global names."""
 
     def __init__(self, module: Any, preset: ParallelConfig, plan: ParallelPlan, mesh: Any, *,
-                 device: Any, precision: str, accumulation: int, dp_mesh: Any = None, cp_mesh: Any = None):
+                 device: Any, precision: str, accumulation: int, dp_mesh: Any, cp_mesh: Any = None):
         full = module.model
         pp_mesh = mesh["pipeline_parallel"]
         self.group, pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
@@ -80,8 +80,7 @@ class Pipeline:
             holder = torch.nn.Module()  # (parallelize finds the model inside a module)
             holder.model = build_stage(full, layers[i], first=i == 0, last=i == n - 1)
             parallelize(holder, plan, tp_mesh=mesh["tensor_parallel"],
-                        dp_mesh=dp_mesh if dp_mesh is not None else mesh["data_parallel"],
-                        cp_mesh=cp_mesh, precision=precision)
+                        dp_mesh=dp_mesh, cp_mesh=cp_mesh, precision=precision)
             stages.append(holder.model)
         module.model = build_stage(full, [j for i in ids for j in layers[i]],
                                    first=0 in ids, last=n - 1 in ids)

@@ -28,7 +28,6 @@ from strategies.parallelize import FSDP2Plan, ParallelPlan
 from strategies.pipeline import SCHEDULES
 from strategies.run import Run
 
-MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
 CP_DIM = "context_parallel"  # between data and pipeline when cp > 1: dp x cp is FSDP2's shard group
 
 
@@ -80,7 +79,7 @@ class ParallelConfig(StrategyConfig):
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, tp=self.tp, pp=self.pp, cp=self.cp)
 
-    def device_mesh(self, mesh: Mesh) -> dict[str, int]:
+    def mesh_dims(self, mesh: Mesh) -> dict[str, int]:
         """The DeviceMesh's dimensions, outermost first: (data, [context,] pipeline, tensor),
         the tensor dimension innermost (neighbouring ranks), cp next to dp."""
         sizes = {"data_parallel": mesh.dp, CP_DIM: mesh.cp, "pipeline_parallel": mesh.pp,
@@ -256,4 +255,4 @@ class ParallelConfig(StrategyConfig):
         return "data-shard"
 
 
-__all__ = ["CP_DIM", "MESH_DIMS", "ParallelConfig"]
+__all__ = ["CP_DIM", "ParallelConfig"]

@@ -40,7 +40,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
 
         mesh = self.run().mesh
         self._data_parallel_size = mesh.dp
-        dims = self.preset.device_mesh(mesh)
+        dims = self.preset.mesh_dims(mesh)
         self._device_mesh = init_device_mesh(self.root_device.type, tuple(dims.values()),
                                              mesh_dim_names=tuple(dims))
         self.lightning_module._device_mesh = self._device_mesh
@@ -61,11 +61,10 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
             self.pipeline = Pipeline(module, preset, plan, mesh, device=self.root_device,
                                      precision=run.precision,
                                      accumulation=trainer.accumulate_grad_batches,
-                                     dp_mesh=self._data_mesh(),
-                                     cp_mesh=mesh[CP_DIM] if preset.cp > 1 else None)
+                                     dp_mesh=self._data_mesh(), cp_mesh=self._cp_mesh())
         else:
             parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=self._data_mesh(),
-                        cp_mesh=mesh[CP_DIM] if preset.cp > 1 else None, precision=run.precision)
+                        cp_mesh=self._cp_mesh(), precision=run.precision)
         super().setup(trainer)  # optimizers over this rank's (stage) parameters
 
     def _data_mesh(self) -> Any:
@@ -76,13 +75,16 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
             return mesh["data_parallel"]
         return mesh["data_parallel", CP_DIM]._flatten("dp_cp")
 
+    def _cp_mesh(self) -> Any:
+        """The context-parallel ranks' mesh, or None without context parallelism."""
+        return self.device_mesh[CP_DIM] if self.preset.cp > 1 else None
+
     @property
     def sequence_shard(self) -> tuple[int, int, bool] | None:
         """(rank, degree, balanced) of this rank's sequence shard under context parallelism
         (torch's head-tail load balancing); None without it."""
-        if self.preset.cp == 1:
-            return None
-        return (self.device_mesh[CP_DIM].get_local_rank(), self.preset.cp, True)
+        cp = self._cp_mesh()
+        return None if cp is None else (cp.get_local_rank(), self.preset.cp, True)
 
     # ---------------------------------------------------------- the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +121,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         return None if self.pipeline is None else self.pipeline.report()
 
     def engine_settings(self) -> dict[str, Any]:
-        return {"mesh": self.preset.device_mesh(self.run().mesh)}
+        return {"mesh": self.preset.mesh_dims(self.run().mesh)}
 
     def full_state_dict(self, prefix: str = "") -> dict[str, Any]:
         if self.preset.pp > 1:
