@@ -142,7 +142,8 @@ def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32
                 fully_shard(m, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
     # The model (embeddings, final norm, output) is used last in forward and first in backward:
     # resharding it after forward would only re-gather it at once.
-    roots = [model] if model is not module else [
+    # (a module that declares no block, a user's own, child by child: one unit would gather all)
+    roots = [model] if block is not None else [
         c for c in module.children() if any(True for _ in c.parameters())]
     for root in roots:
         fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)

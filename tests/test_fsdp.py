@@ -144,3 +144,36 @@ def test_offload_layout():
     footprint = load("fsdp_offload").footprint()
     # FSDP1 CPUOffload moves parameter shards and gradients; the optimizer steps on the host.
     assert (footprint.params_offload, footprint.optimizer_offload) == ("cpu", "cpu")
+
+
+_BARE_MODEL = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from recipes.config import ModelConfig
+from recipes.gpt import GPT
+from strategies.parallelize import FSDP2Plan, apply_fsdp2
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+model = GPT(ModelConfig(name="t", dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=64, seq_len=8,
+                        ffn_dim=64))
+apply_fsdp2(model, init_device_mesh("cpu", (1,)), FSDP2Plan())
+assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.layers.values())
+model(torch.randint(0, 64, (2, 8))).sum().backward()
+print("ok")
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_a_model_passed_bare(tmp_path):
+    """The calibration hands apply_fsdp2 the GPT itself, not a module holding it: the model is
+    one unit over its blocks, as when wrapped (it was sharded child by child, and failed on the
+    blocks' container)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-c", _BARE_MODEL.format(store=tmp_path / "store")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
