@@ -5,7 +5,7 @@ presets single, ddp, fsdp2, zero2, zero3, tp and pipeline at gpt_small, 2 proces
     python -m bench steptime --smoke          # gpt_nano, ddp only, 3 steps, uncalibrated; nothing written
 
 Each run is ``train.py ... planner.calibrate=true``: the first run of a world size measures the
-machine once (observers/machine.py, cached under ~/.cache/stratagem/machine) and every run's
+machine once (backends/common/calibrate.py, cached under ~/.cache/stratagem/machine) and every run's
 report.json carries ``predicted_vs_measured.step_seconds``. The table goes to docs/PLANNER.md's
 step-time section (between ``<!-- bench:steptime -->`` markers).
 """

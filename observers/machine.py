@@ -58,7 +58,7 @@ def _timed(fn: Any, *, repeats: int, sync: Any) -> float:
     return statistics.median(times)
 
 
-def _dtype(precision: str, accelerator: str) -> Any:
+def compute_dtype(precision: str, accelerator: str) -> Any:
     import torch
 
     if str(precision).startswith("32"):
@@ -73,7 +73,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
     from recipes.gpt import Block, rope_table
 
     dim, heads, ffn, seq, micro = REFERENCE[accelerator]
-    tokens, dtype = seq * micro, _dtype(precision, accelerator)
+    tokens, dtype = seq * micro, compute_dtype(precision, accelerator)
     gemms = [(dim, dim), (dim, ffn), (ffn, dim)]
     mats = [(torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
             for k, n in gemms]
@@ -130,7 +130,7 @@ def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, 
     dim, heads, ffn, seq, micro = REFERENCE[accelerator]
     shape = ModelConfig(name="reference", dim=dim, n_layers=2, n_heads=heads, n_kv_heads=heads,
                         vocab_size=256, seq_len=seq, ffn_dim=ffn)
-    dtype = _dtype(precision, accelerator)
+    dtype = compute_dtype(precision, accelerator)
     tokens = torch.randint(0, 256, (micro, seq), device=device)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
                 else torch.autocast(device.type, enabled=False))
@@ -189,7 +189,7 @@ def _collectives(accelerator: str, rank: int, world: int, device: Any, sync: Any
         for size in (SMALL, LARGE[accelerator]):
             fn = run(op, size)
             barrier()
-            times[size] = _timed(fn, repeats=20 if size == SMALL else 5, sync=sync)
+            times[size] = _timed(fn, repeats=20 if size == SMALL else 11, sync=sync)
         small, large = times[SMALL], times[LARGE[accelerator]]
         out[op] = {"latency_us": small / _steps(op, world) * 1e6,
                    "GBps": wire[op] * LARGE[accelerator] / max(large - small, 1e-9) / 1e9}
@@ -197,7 +197,7 @@ def _collectives(accelerator: str, rank: int, world: int, device: Any, sync: Any
 
 
 def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, threads: int,
-          out: str) -> None:
+          out: str, engines: Any = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -210,6 +210,9 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     sync = torch.cuda.synchronize if accelerator == "gpu" else (lambda: None)
     grouped = world > 1
     if grouped:
+        # (as torchrun would set them: DeepSpeed's engine reads them)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if accelerator == "gpu" else "gloo", rank=rank, world_size=world,
                                 init_method=f"tcp://127.0.0.1:{port}")
     barrier = dist.barrier if grouped else (lambda: None)
@@ -219,6 +222,8 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
         if grouped and heads % world == 0 and ffn % world == 0:  # (else: not measured, 0)
             mine["tp_speedup"] = _tensor_parallel(accelerator, precision, world, device, sync, barrier)
         collectives = _collectives(accelerator, rank, world, device, sync, barrier) if grouped else {}
+        if grouped and engines is not None:  # (backends/common/calibrate.py: DeepSpeed's own work)
+            mine |= engines(accelerator, precision, world, rank, device, sync, barrier, mine, collectives)
         every = [None] * world
         if grouped:
             dist.all_gather_object(every, mine)
@@ -243,7 +248,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, engines: Any = None) -> None:
+    """``engines``: a top-level function measuring the engines on every rank (after the
+    collectives), its keys added to the JSON (backends/common/calibrate.py)."""
     p = argparse.ArgumentParser(prog="python -m observers.machine", description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--precision", default="32")
@@ -256,11 +263,11 @@ def main(argv: list[str] | None = None) -> None:
 
     threads = a.threads or cpu_threads(a.world)
     if a.world == 1:
-        _rank(0, 1, 0, a.accelerator, a.precision, threads, a.out)
+        _rank(0, 1, 0, a.accelerator, a.precision, threads, a.out, engines)
         return
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank, args=(a.world, _free_port(), a.accelerator, a.precision, threads, a.out),
+    mp.start_processes(_rank, args=(a.world, _free_port(), a.accelerator, a.precision, threads, a.out, engines),
                        nprocs=a.world, join=True, start_method="spawn")
 
 

@@ -1,7 +1,8 @@
 """This machine as measured (``planner.calibrate=true``, ``cluster=local``): matmul throughput,
-what a transformer block leaves of it, AdamW's step per parameter, and the process group's
-bandwidth and latency per collective, measured once by ``python -m observers.machine`` in a
-subprocess (plan.py imports no torch) and cached under ``~/.cache/stratagem/machine``, one file
+what a transformer block leaves of it, AdamW's step per parameter, the process group's
+bandwidth and latency per collective, and the engines' own work (ZeRO-2, ZeRO-3, FSDP2),
+measured once by ``python -m backends.common.calibrate`` (observers/machine.py and the engines)
+in a subprocess (plan.py imports no torch) and cached under ``~/.cache/stratagem/machine``, one file
 per host, device, world size and precision. The planner prices ``cluster=local`` with these
 numbers instead of ``cluster.peak_tflops`` x ``planner.mfu``, ``cluster.intra_node_GBps`` and
 ``planner.intra_latency_us``.
@@ -23,6 +24,9 @@ from typing import Any
 CACHE = Path("~/.cache/stratagem/machine")
 ROOT = Path(__file__).resolve().parents[1]
 # planner's collective kinds -> the measured operation
+FORMAT = 3
+"""The calibration's format: a cache written by an older one (without the engines' own work:
+1; without FSDP2's: 2) is measured again."""
 OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
        "send_recv": "send"}
 
@@ -43,6 +47,13 @@ class Machine:
     tp_speedup: float = 0.0
     """A rank's forward and backward time, whole model over tensor-parallel over every process
     (its all-reduces included; ideal: world); 0: not measured (one process, an older cache)."""
+    engine_ns_per_param_zero2: float = 0.0
+    """What DeepSpeed's ZeRO-2 engine adds per parameter and micro-batch beyond the priced
+    collectives and optimizer step (its hooks, bucket and flattening copies); 0: not measured."""
+    engine_ns_per_param_zero3: float = 0.0
+    """The same for ZeRO-3 (its per-module fetch and release hooks)."""
+    engine_ns_per_param_fsdp2: float = 0.0
+    """The same for torch FSDP2 (its per-block hooks, all-gather and reduce-scatter copies)."""
     threads: int = 1
     world: int = 1
     precision: str = "32"
@@ -62,6 +73,9 @@ class Machine:
                 f"thread(s), precision {self.precision}, {self.measured}): matmul "
                 f"{self.matmul_tflops:.3g} TFLOP/s per process, a transformer block reaches "
                 f"{self.efficiency:.0%} of it, AdamW {self.optimizer_ns_per_param:.3g} ns/param"
+                + (f", the engines' own work ZeRO-2 {self.engine_ns_per_param_zero2:.3g} / ZeRO-3 "
+                   f"{self.engine_ns_per_param_zero3:.3g} / FSDP2 {self.engine_ns_per_param_fsdp2:.3g} "
+                   "ns/param" if self.engine_ns_per_param_zero3 or self.engine_ns_per_param_zero2 else "")
                 + (f"; {links}" if links else "") + f" ({self.path})")
 
 
@@ -121,6 +135,8 @@ def load(cluster: Any, precision: str) -> Machine | None:
     if not p.is_file():
         return None
     data = json.loads(p.read_text())
+    if data.get("format", 1) < FORMAT:
+        return None
     fields = Machine.__dataclass_fields__
     return Machine(**{f: v for f, v in data.items() if f in fields},
                    **{f: k[f] for f in ("world", "precision", "device") if f not in data}, path=str(p))
@@ -138,20 +154,22 @@ def ensure(cfg: Any, *, measure: bool | None = None, force: bool = False) -> Mac
     cluster, precision = cfg.cluster, str(cfg.trainer.precision)
     k = key(cluster, precision)
     p = path(k)
-    if (not force and p.is_file()) or not measure:
-        return load(cluster, precision)
+    cached = None if force else load(cluster, precision)
+    if cached is not None or not measure:
+        return cached
     p.parent.mkdir(parents=True, exist_ok=True)
     print(f"planner.calibrate=true: measuring this machine once ({k['world']} process(es), "
           f"{k['accelerator']}, precision {precision}; ~30 s) into {p}", file=sys.stderr, flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "observers.machine", f"--world={k['world']}", f"--precision={precision}",
+    cmd = [sys.executable, "-m", "backends.common.calibrate", f"--world={k['world']}", f"--precision={precision}",
            f"--accelerator={k['accelerator']}", f"--out={p}.tmp"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     if done.returncode != 0 or not Path(f"{p}.tmp").is_file():
         raise RuntimeError(f"planner.calibrate=true: measuring this machine failed ({' '.join(cmd)}):\n"
                            + (done.stderr or done.stdout)[-2000:])
-    data = json.loads(Path(f"{p}.tmp").read_text()) | {f: k[f] for f in ("world", "precision", "device")}
+    data = (json.loads(Path(f"{p}.tmp").read_text()) | {f: k[f] for f in ("world", "precision", "device")}
+            | {"format": FORMAT})
     p.write_text(json.dumps(data, indent=1) + "\n")
     Path(f"{p}.tmp").unlink()
     return load(cluster, precision)

@@ -62,6 +62,9 @@ class Plan:
     exposed_seconds: float = 0.0
     optimizer_seconds: float = 0.0
     """The optimizer step's own time (calibrated machines only: AdamW's measured ns per parameter)."""
+    engine_seconds: float = 0.0
+    """The engine's own work beyond its collectives and optimizer step (calibrated machines
+    only: DeepSpeed ZeRO's and FSDP2's measured ns per parameter and micro-batch)."""
     flops_per_step: float = 0.0
     """Model FLOPs of one optimizer step over the world (``flops_per_step``)."""
     peak_tflops: float = 0.0
@@ -354,6 +357,13 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     if su.machine is not None:  # AdamW's step over the moments this device holds
         moments = trainable / (shard if fp.optimizer == SHARDED else 1)
         optimizer = moments * su.machine.optimizer_ns_per_param * 1e-9
+    engine = 0.0
+    if su.machine is not None and fp.engine and shard > 1 and not c.planned_only:
+        # DeepSpeed's or FSDP2's hooks and copies, measured against DDP on the calibrated world
+        # (the reference model's collectives and sharded step taken out), over this rank's
+        # parameters for each micro-batch it runs; an engine over one rank is not applied
+        # (parallel.py's FSDP2 at dp 1) or not measured (one process)
+        engine = params * getattr(su.machine, f"engine_ns_per_param_{fp.engine}", 0.0) * 1e-9 * per_step
     try:
         bubble = pipeline_bubble(schedule, pp, virtual, m, recompute=ckpt)
     except (RuntimeError, ValueError, KeyError):  # a schedule that cannot run (its problems say why)
@@ -372,7 +382,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                         f"1/{mesh.seq} of the sequence")
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
-    step = compute / (1 - bubble) + exposed + optimizer
+    step = compute / (1 - bubble) + exposed + optimizer + engine
     stalled: list[str] = []
     if not math.isfinite(step):
         dead = {}
@@ -393,6 +403,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 memory=mem, communication=comm,
                 bubble_fraction=bubble, step_seconds=step,
                 compute_seconds=compute, exposed_seconds=exposed, optimizer_seconds=optimizer,
+                engine_seconds=engine,
                 flops_per_step=flops_per_step(su, ckpt), peak_tflops=peak_flops(su) / 1e12,
                 peak_source=peak_source(su), mfu=mfu(su), cluster=cl.name,
                 world_size=mesh.size, device_bytes=device_bytes, tp=tp, pp=pp, dp=dp,

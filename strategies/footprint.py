@@ -241,6 +241,12 @@ class Footprint:
     def bucket_size(self, n: Sizes) -> float:
         return self.bucket_bytes
 
+    @property
+    def engine(self) -> str:
+        """The engine whose own per-parameter work the calibration measures (``zero2``,
+        ``zero3``: DeepSpeed's, ``fsdp2``: torch's); "": none beyond what the footprint prices."""
+        return ""
+
     def regathered(self, n: Sizes) -> float:
         """Parameters gathered again for backward under ``reshard_after_forward``: all."""
         return n.params
@@ -306,6 +312,13 @@ class FSDPFootprint(Footprint):
     params: str = SHARDED
     grads: str = SHARDED
     optimizer: str = SHARDED
+    fsdp2: bool = False
+    """FSDP2 (``fully_shard``), whose own per-parameter work the calibration measures; FSDP1's
+    is not measured."""
+
+    @property
+    def engine(self) -> str:
+        return "fsdp2" if self.fsdp2 else ""
 
     def root(self, n: Sizes) -> float:
         """Parameters of the root unit on this rank: what no block holds; 0 without a shape."""

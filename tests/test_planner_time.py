@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from planner.render import plan_dict
 from tests.conftest import ROOT, TINY, run_cli
 from tests.test_planner import _compose, _plans, describe
 
@@ -265,7 +266,7 @@ def _cache(tmp_path, monkeypatch, *overrides):
     cfg = _compose(overrides)
     p = machine.path(machine.key(cfg.cluster, cfg.trainer.precision))
     p.parent.mkdir(parents=True)
-    p.write_text(json.dumps(MACHINE))
+    p.write_text(json.dumps({**MACHINE, "format": machine.FORMAT}))
     return p
 
 
@@ -303,7 +304,7 @@ def test_tensor_parallel_over_the_measured_world_uses_its_measured_speedup(tmp_p
             "strategy=tp", "planner.calibrate=true")
     p = _cache(tmp_path, monkeypatch, *base)
     ideal = _plans(*base)["tp"]
-    p.write_text(json.dumps({**MACHINE, "tp_speedup": 1.25}))
+    p.write_text(json.dumps({**MACHINE, "format": machine.FORMAT, "tp_speedup": 1.25}))
     measured = _plans(*base)["tp"]
     cfg = _compose(base)
     assert machine.load(cfg.cluster, cfg.trainer.precision).tp_speedup == 1.25
@@ -315,10 +316,43 @@ def test_tensor_parallel_over_the_measured_world_uses_its_measured_speedup(tmp_p
         _plans(*base[:-2], "strategy=ddp", "planner.calibrate=true")["ddp"].compute_seconds)
 
 
+@pytest.mark.unit
+def test_deepspeeds_measured_engine_work_prices_zero_steps(tmp_path, monkeypatch):
+    """A calibrated machine's ``engine_ns_per_param_zero2``/``_zero3``/``_fsdp2`` (the engine's own
+    work per parameter and micro-batch) is added to that engine's step as ``engine_seconds``;
+    DDP has none, nor tp's FSDP2 over one data-parallel rank (not applied); a cache from before
+    the engines were measured (format 1) is not used."""
+    from planner import machine
+
+    base = ("model=gpt_small", "cluster=local", "cluster.devices=2", "cluster.accelerator=cpu",
+            "planner.calibrate=true")
+    p = _cache(tmp_path, monkeypatch, *base)
+    presets = ("ddp", "zero2", "zero3", "fsdp2", "tp")
+    before = {s: _plans(*base, f"strategy={s}")[s] for s in presets}
+    assert all(x.engine_seconds == 0 for x in before.values())
+    p.write_text(json.dumps({**MACHINE, "format": machine.FORMAT, "engine_ns_per_param_zero2": 7.0,
+                             "engine_ns_per_param_zero3": 11.0, "engine_ns_per_param_fsdp2": 5.0}))
+    after = {s: _plans(*base, f"strategy={s}")[s] for s in presets}
+    params = describe(_compose(base).model).num_params()
+    for s, ns in (("ddp", 0.0), ("zero2", 7.0), ("zero3", 11.0), ("fsdp2", 5.0), ("tp", 0.0)):
+        # each micro-batch the rank runs (global batch 16 at micro batch 1 over 2 ranks: 8)
+        assert after[s].engine_seconds == pytest.approx(params * ns * 1e-9 * after[s].microbatches)
+        assert after[s].step_seconds == pytest.approx(before[s].step_seconds + after[s].engine_seconds)
+    assert after["zero3"].microbatches == 8 and after["zero3"].engine_seconds > 0
+    assert plan_dict(after["zero3"])["engine_seconds"] == after["zero3"].engine_seconds
+    # twice the micro-batches per step: twice the hooks
+    acc = _plans(*base, "strategy=zero3", "trainer.global_batch_size=32")["zero3"]
+    assert acc.engine_seconds == pytest.approx(2 * after["zero3"].engine_seconds)
+    p.write_text(json.dumps({**MACHINE, "engine_ns_per_param_zero3": 11.0}))  # no format: 1
+    cfg = _compose(base)
+    assert machine.load(cfg.cluster, cfg.trainer.precision) is None
+    assert _plans(*base, "strategy=zero3")["zero3"].optimizer_seconds == 0  # priced uncalibrated
+
+
 @pytest.mark.subprocess
 def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     """planner.calibrate=true: plan.py measures this machine once (a subprocess running
-    observers.machine: ~20 s on 2 cores), caches it under the user's cache directory, plans
+    backends.common.calibrate: ~30 s on 2 cores), caches it under the user's cache directory, plans
     with it, and itself imports no torch; the second call reads the cache."""
     from tests.conftest import engines_loaded
 
@@ -334,6 +368,8 @@ def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     assert m["matmul_tflops"] > 0 and 0 < m["efficiency"] < 1.5 and m["optimizer_ns_per_param"] > 0
     assert set(m["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
     assert m["tp_speedup"] > 0  # TP over both processes, measured
+    assert m["format"] == 3  # ZeRO-2, ZeRO-3 and FSDP2 measured against DDP
+    assert all(m[f"engine_ns_per_param_{e}"] >= 0 for e in ("zero2", "zero3", "fsdp2"))
     again = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                            env={**__import__("os").environ, **env})
     plan = json.loads(again.stdout)["plans"][0]

@@ -54,7 +54,7 @@ class FSDP2Config(StrategyConfig):
 
     def footprint(self) -> FSDPFootprint:
         return FSDPFootprint(reshard_after_forward=self.reshard_after_forward,
-                             reduce_fp32=self.reduce_fp32)
+                             reduce_fp32=self.reduce_fp32, fsdp2=True)
 
     def plan(self, mesh: Mesh) -> ParallelPlan:
         return ParallelPlan(activation_checkpointing=self.activation_checkpointing,

@@ -232,7 +232,7 @@ class ParallelConfig(StrategyConfig):
         # FSDP2 over the data-parallel ranks; TP and PP split what each replica holds (the
         # planner divides by tp x pp). Gradients are reduce-scattered in fp32 whatever the
         # precision, as ``plan`` builds FSDP2 (reduce_fp32=True).
-        return FSDPFootprint(reshard_after_forward=self.reshard_after_forward, reduce_fp32=True)
+        return FSDPFootprint(reshard_after_forward=self.reshard_after_forward, reduce_fp32=True, fsdp2=True)
 
     def low_precision_weights(self, mesh: Mesh) -> bool:
         # FSDP2's MixedPrecisionPolicy casts the weights only where it shards: dp > 1 (``plan``)

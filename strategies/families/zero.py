@@ -402,6 +402,11 @@ class ZeroFootprint(Footprint):
         return (self._reduce_bucket(n) * min(n.bytes.grads, 4) if self.reduce_bucket
                 else self.bucket_bytes)
 
+    @property
+    def engine(self) -> str:
+        """ZeRO-1 and 2 share DeepSpeed's stage_1_and_2 optimizer: one measured overhead."""
+        return "zero3" if self.stage == 3 else "zero2"
+
     def regathered(self, n: Sizes) -> float:
         return max(0.0, n.params - self.live_params / n.mp)
 

@@ -1,0 +1,148 @@
+"""The machine benchmark that ``planner.calibrate=true`` runs, with the engines: what
+observers/machine.py measures (matmul, a block, AdamW, tensor parallelism, the collectives),
+then, on every rank of the same process group, the engines' own work: DeepSpeed's per ZeRO
+stage, torch FSDP2's.
+
+    python -m backends.common.calibrate --world 2 --precision 32 --accelerator cpu --out machine.json
+
+DeepSpeed's ZeRO-2 and ZeRO-3 engines and FSDP2 run against torch DDP on the same 2-block GPT (the
+reference block's shape), the same batch and every process: a whole step each (forward,
+backward, clipping, AdamW), interleaved round by round so that a slow moment of the machine slows
+every engine alike. What a stage adds beyond what the planner prices is the engine's own work --
+on CPU its Python hooks, bucket and flattening copies: ``engine_ns_per_param_zero2``,
+``_zero3`` and ``_fsdp2``, per parameter per micro-batch (measured with one). Priced and taken out: the
+collectives a stage sends beyond DDP's, as ZeroFootprint prices them at the presets' defaults
+(ZeRO-2 adds the post-step all-gather; ZeRO-3 reduce-scatters and gathers once, in forward --
+stage3_max_live_parameters keeps the parameters through backward -- instead of DDP's
+all-reduce; FSDP2 gathers in forward, the blocks again in backward, and reduce-scatters in
+fp32), at the bandwidths just measured; and the moments a sharded optimizer does not
+step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from observers import machine
+
+
+def engines(accelerator: str, precision: str, world: int, rank: int, device: Any, sync: Any, barrier: Any,
+            measured: dict[str, float], collectives: dict[str, dict[str, float]]) -> dict[str, float]:
+    import argparse
+
+    import torch
+    import torch.nn.functional as F
+
+    from backends.common import deepspeed as ds
+    from backends.common import quiet
+
+    quiet.install()  # (a failed calibration shows its error's tail, not the engines' notices)
+    from recipes.config import ModelConfig
+    from recipes.gpt import GPT
+    from strategies.families.zero import ZeroConfig
+
+    ds.select_accelerator(accelerator)
+    import deepspeed
+
+    dim, heads, ffn, seq, micro = machine.REFERENCE[accelerator]
+    shape = ModelConfig(name="reference", dim=dim, n_layers=2, n_heads=heads, n_kv_heads=heads,
+                        vocab_size=256, seq_len=seq, ffn_dim=ffn)
+    tokens = torch.randint(0, 256, (micro, seq), device=device)
+    dtype = machine.compute_dtype(precision, accelerator)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+                else torch.autocast(device.type, enabled=False))
+
+    def loss(model: Any) -> Any:
+        with autocast:
+            logits = model(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(GPT(shape).to(device))
+    params = sum(p.numel() for p in ddp.parameters())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+    def ddp_step() -> None:
+        loss(ddp).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    steps = {"ddp": ddp_step}
+    # FSDP2 as the fsdp2 preset applies it (each block, then the model; its defaults)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from strategies.parallelize import FSDP2Plan, apply_fsdp2, clip_global_
+
+    torch.manual_seed(0)
+    sharded = GPT(shape).to(device)
+    blocks = sum(p.numel() for p in sharded.layers.parameters())
+    apply_fsdp2(sharded, init_device_mesh(device.type, (world,)), FSDP2Plan(), precision=str(precision))
+    fsdp_opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+
+    def fsdp2_step() -> None:
+        loss(sharded).backward()
+        clip_global_(list(sharded.parameters()), 1.0)
+        fsdp_opt.step()
+        fsdp_opt.zero_grad()
+
+    steps["fsdp2"] = fsdp2_step
+    low = {"32": None, "16-mixed": "fp16"}.get(str(precision), "bf16")  # DeepSpeed's own low precision
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = GPT(shape).to(device)
+        config = ZeroConfig(stage=stage).deepspeed_json() | {
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+        if low:
+            config[low] = {"enabled": True}
+        engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=rank), config=config, model=model,
+                                          model_parameters=list(model.parameters()),
+                                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                          dist_init_required=False)
+
+        def zero_step(engine: Any = engine) -> None:
+            engine.backward(loss(engine))
+            engine.step()
+
+        steps[f"zero{stage}"] = zero_step
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for round_ in range(11):
+        for name, step in steps.items():
+            barrier()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            barrier()
+            if round_:  # (the first round warms up)
+                times[name].append(time.perf_counter() - t0)
+    t = {k: statistics.median(v) for k, v in times.items()}
+
+    def wire(op: str, elem: int) -> float:
+        """Seconds of one collective over the model's gradients or parameters, as priced."""
+        share = (2 if op == "all_reduce" else 1) * (world - 1) / world
+        return share * params * elem / (collectives[op]["GBps"] * 1e9)
+
+    elem = 4 if low is None else 2
+    priced = {"zero2": wire("all_gather", elem),
+              "zero3": wire("reduce_scatter", elem) + wire("all_gather", elem) - wire("all_reduce", 4),
+              # gathered in forward, the blocks again in backward, reduce-scattered in fp32
+              "fsdp2": (wire("all_gather", elem) * (1 + blocks / params) + wire("reduce_scatter", 4)
+                        - wire("all_reduce", 4))}
+    unstepped = measured["optimizer_ns_per_param"] * 1e-9 * params * (1 - 1 / world)
+    if rank == 0 and os.environ.get("STRATAGEM_CALIBRATION_DEBUG"):
+        print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",
+              {k: round(v * 1e3, 1) for k, v in priced.items()}, "unstepped ms", round(unstepped * 1e3, 1),
+              flush=True)
+    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - t["ddp"] - priced[k] + unstepped) / params * 1e9)
+            for k in priced}
+
+
+if __name__ == "__main__":
+    from backends.common import calibrate  # (the ranks unpickle it by this name, not __main__'s)
+
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    machine.main(sys.argv[1:], engines=calibrate.engines)
