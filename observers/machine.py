@@ -251,7 +251,8 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None, engines: Any = None) -> None:
     """``engines``: a top-level function measuring the engines on every rank (after the
     collectives), its keys added to the JSON (backends/common/calibrate.py)."""
-    p = argparse.ArgumentParser(prog="python -m observers.machine", description=__doc__.splitlines()[0])
+    prog = f"python -m {engines.__module__ if engines else 'observers.machine'}"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--precision", default="32")
     p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None, engines: Any = None) -> None:
         return
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank, args=(a.world, _free_port(), a.accelerator, a.precision, threads, a.out, engines),
+    mp.start_processes(_rank,
+                       args=(a.world, _free_port(), a.accelerator, a.precision, threads, a.out, engines),
                        nprocs=a.world, join=True, start_method="spawn")
 
 

@@ -33,7 +33,7 @@ OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter":
 
 @dataclass(frozen=True)
 class Machine:
-    """What ``observers.machine`` measured (its JSON)."""
+    """What the calibration measured (``backends.common.calibrate``'s JSON)."""
 
     matmul_tflops: float
     """Dense matmul throughput per process in the run's dtype, TFLOP/s (all processes busy)."""
@@ -159,10 +159,11 @@ def ensure(cfg: Any, *, measure: bool | None = None, force: bool = False) -> Mac
         return cached
     p.parent.mkdir(parents=True, exist_ok=True)
     print(f"planner.calibrate=true: measuring this machine once ({k['world']} process(es), "
-          f"{k['accelerator']}, precision {precision}; ~30 s) into {p}", file=sys.stderr, flush=True)
+          f"{k['accelerator']}, precision {precision}; about a minute) into {p}", file=sys.stderr,
+          flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "backends.common.calibrate", f"--world={k['world']}", f"--precision={precision}",
-           f"--accelerator={k['accelerator']}", f"--out={p}.tmp"]
+    cmd = [sys.executable, "-m", "backends.common.calibrate", f"--world={k['world']}",
+           f"--precision={precision}", f"--accelerator={k['accelerator']}", f"--out={p}.tmp"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     if done.returncode != 0 or not Path(f"{p}.tmp").is_file():

@@ -352,7 +352,7 @@ def test_deepspeeds_measured_engine_work_prices_zero_steps(tmp_path, monkeypatch
 @pytest.mark.subprocess
 def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     """planner.calibrate=true: plan.py measures this machine once (a subprocess running
-    backends.common.calibrate: ~30 s on 2 cores), caches it under the user's cache directory, plans
+    backends.common.calibrate: ~50 s on 2 cores), caches it under the user's cache directory, plans
     with it, and itself imports no torch; the second call reads the cache."""
     from tests.conftest import engines_loaded
 
