@@ -377,6 +377,7 @@ def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     assert "measuring this machine" not in again.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_calibration_at_a_world_tp_cannot_split_measures_the_rest(tmp_path):
     """4 processes: the reference block's 6 heads do not split 4 ways, so no tp_speedup (a tp
