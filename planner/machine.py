@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -79,24 +78,15 @@ class Machine:
                 + (f"; {links}" if links else "") + f" ({self.path})")
 
 
-def accelerator(cluster: Any) -> str:
-    """cpu | gpu: the cluster's, ``auto`` resolved by what this machine has."""
-    acc = str(getattr(cluster, "accelerator", "auto"))
-    return acc if acc in ("cpu", "gpu") else ("gpu" if gpu_name() else "cpu")
+def planned(cluster: Any) -> Any:
+    """The cluster as recipes' ClusterConfig resolves it (``accelerator=auto``: this machine's GPUs,
+    found without torch by recipes/hardware.py -- the one probe); a composed config node first
+    becomes that object."""
+    from omegaconf import OmegaConf
 
-
-def gpu_name() -> str | None:
-    """The first NVIDIA GPU's name (``nvidia-smi``, no torch), or None."""
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        done = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [line.strip() for line in done.stdout.splitlines() if line.strip()]
-    return names[0] if done.returncode == 0 and names else None
+    if OmegaConf.is_config(cluster):
+        cluster = OmegaConf.to_object(cluster)
+    return cluster.planned() if hasattr(cluster, "planned") else cluster
 
 
 def cpu_name() -> str:
@@ -112,8 +102,10 @@ def cpu_name() -> str:
 def key(cluster: Any, precision: str) -> dict[str, Any]:
     from strategies.run import cpu_threads
 
-    acc, world = accelerator(cluster), int(cluster.nodes) * int(cluster.devices)
-    return {"host": socket.gethostname(), "device": (gpu_name() if acc == "gpu" else None) or cpu_name(),
+    cluster = planned(cluster)
+    acc, world = ("gpu" if cluster.accelerator == "gpu" else "cpu"), int(cluster.nodes) * int(cluster.devices)
+    gpu = cluster.device_name() if acc == "gpu" and hasattr(cluster, "device_name") else None
+    return {"host": socket.gethostname(), "device": gpu or cpu_name(),
             "world": world, "precision": str(precision), "accelerator": acc,
             "threads": cpu_threads(int(cluster.devices)) if acc == "cpu" else 0}
 

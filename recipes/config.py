@@ -372,6 +372,14 @@ class ClusterConfig:
         gpus = local_gpus() if self.accelerator == "auto" else ()
         return f"cluster.accelerator=auto: this machine's {describe_gpus(gpus)}" if gpus else None
 
+    def device_name(self) -> str | None:
+        """This machine's first GPU's name (recipes/hardware.py), None without one: what a
+        calibration on a GPU machine is cached under (planner/machine.py)."""
+        from recipes.hardware import local_gpus
+
+        gpus = local_gpus()
+        return gpus[0].name if gpus else None
+
     def device_bytes(self) -> int:
         """Memory one process may use: a GPU's own, or a CPU node's share."""
         shared = self.accelerator != "gpu"

@@ -552,6 +552,30 @@ def test_plan_py_plans_this_machines_gpus(tmp_path):
     assert "has 3.0 GB" in " ".join(bare.stdout.split()), bare.stderr[-2000:]
 
 
+@pytest.mark.subprocess
+def test_a_gpu_machines_calibration_is_cached_under_the_gpu_planning_found(tmp_path, monkeypatch):
+    """One probe of this machine's GPUs (recipes/hardware.py) decides both what the plan runs on
+    and the name the calibration is cached under (planner/machine.py had a probe of its own)."""
+    from planner import machine
+    from recipes import hardware
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in SMI_8xH100.splitlines()))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    hardware.local_gpus.cache_clear()
+    try:
+        cfg = _compose(("cluster.devices=8",))  # cluster=local, accelerator auto
+        k = machine.key(cfg.cluster, "bf16-mixed")
+        assert (k["accelerator"], k["device"], k["world"], k["threads"]) == ("gpu", "NVIDIA H100 80GB HBM3", 8, 0)
+        monkeypatch.setenv("PATH", str(tmp_path / "none"))
+        hardware.local_gpus.cache_clear()
+        k = machine.key(_compose(("cluster.devices=8",)).cluster, "bf16-mixed")
+        assert k["accelerator"] == "cpu" and k["device"] == machine.cpu_name()
+    finally:
+        hardware.local_gpus.cache_clear()
+
+
 # ----------------------------------------------------------------------------- 12. verdicts, verified
 @pytest.mark.unit
 def test_the_70b_pipeline_derives_its_micro_batches_from_the_batch():
