@@ -22,10 +22,10 @@ from typing import Any
 
 CACHE = Path("~/.cache/stratagem/machine")
 ROOT = Path(__file__).resolve().parents[1]
-# planner's collective kinds -> the measured operation
 FORMAT = 3
 """The calibration's format: a cache written by an older one (without the engines' own work:
 1; without FSDP2's: 2) is measured again."""
+# planner's collective kinds -> the measured operation
 OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
        "send_recv": "send"}
 
@@ -74,7 +74,8 @@ class Machine:
                 f"{self.efficiency:.0%} of it, AdamW {self.optimizer_ns_per_param:.3g} ns/param"
                 + (f", the engines' own work ZeRO-2 {self.engine_ns_per_param_zero2:.3g} / ZeRO-3 "
                    f"{self.engine_ns_per_param_zero3:.3g} / FSDP2 {self.engine_ns_per_param_fsdp2:.3g} "
-                   "ns/param" if self.engine_ns_per_param_zero3 or self.engine_ns_per_param_zero2 else "")
+                   "ns/param" if self.engine_ns_per_param_zero2 or self.engine_ns_per_param_zero3
+                   or self.engine_ns_per_param_fsdp2 else "")
                 + (f"; {links}" if links else "") + f" ({self.path})")
 
 

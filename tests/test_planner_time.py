@@ -389,3 +389,18 @@ def test_calibration_at_a_world_tp_cannot_split_measures_the_rest(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads(out.read_text())
     assert "tp_speedup" not in m and m["block_tflops"] > 0 and set(m["collectives"]) >= {"all_reduce"}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_calibration_leaves_out_the_engines_a_precision_refuses(tmp_path):
+    """16-mixed on CPU: DeepSpeed has no fp16 loss scaling there and FSDP2 no scaler for DTensor
+    gradients (their presets refuse it), so the calibration measures the rest and no engine --
+    their plans then carry no engine term (0: not measured)."""
+    out = tmp_path / "m.json"
+    cmd = [sys.executable, "-m", "backends.common.calibrate", "--world", "2", "--threads", "1",
+           "--precision", "16-mixed", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    m = json.loads(out.read_text())
+    assert m["block_tflops"] > 0 and not [k for k in m if k.startswith("engine_ns_per_param")]

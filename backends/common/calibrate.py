@@ -16,7 +16,8 @@ collectives a stage sends beyond DDP's, as ZeroFootprint prices them at the pres
 stage3_max_live_parameters keeps the parameters through backward -- instead of DDP's
 all-reduce; FSDP2 gathers in forward, the blocks again in backward, and reduce-scatters in
 fp32), at the bandwidths just measured; and the moments a sharded optimizer does not
-step.
+step. Each engine is built as its preset builds it, at its defaults (``ZeroConfig.deepspeed_json``,
+``FSDP2Config.plan``); one its preset refuses here (16-mixed on CPU) is not measured.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     quiet.install()  # (a failed calibration shows its error's tail, not the engines' notices)
     from recipes.config import ModelConfig
     from recipes.gpt import GPT
+    from strategies.families.fsdp2 import FSDP2Config
     from strategies.families.zero import ZeroConfig
-
-    ds.select_accelerator(accelerator)
-    import deepspeed
+    from strategies.parallelize import apply_fsdp2, clip_global_
+    from strategies.run import derive
 
     dim, heads, ffn, seq, micro = machine.REFERENCE[accelerator]
     shape = ModelConfig(name="reference", dim=dim, n_layers=2, n_heads=heads, n_kv_heads=heads,
@@ -61,9 +62,15 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
             logits = model(tokens)
         return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
 
+    def run_of(strategy: Any) -> Any:
+        """The run a preset's builders would see here: one micro-batch per rank, clipping at 1."""
+        return derive(strategy, nodes=1, devices=world, accelerator=accelerator, precision=precision,
+                      global_batch=micro * world, micro_batch=micro, grad_clip=1.0)
+
     torch.manual_seed(0)
     ddp = torch.nn.parallel.DistributedDataParallel(GPT(shape).to(device))
     params = sum(p.numel() for p in ddp.parameters())
+    blocks = sum(p.numel() for p in ddp.module.layers.parameters())
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
     def ddp_step() -> None:
@@ -73,33 +80,37 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         opt.zero_grad()
 
     steps = {"ddp": ddp_step}
-    # FSDP2 as the fsdp2 preset applies it (each block, then the model; its defaults)
-    from torch.distributed.device_mesh import init_device_mesh
+    # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
+    # on CPU) is not measured (0: not priced).
+    fsdp2 = FSDP2Config()
+    if not fsdp2.problems(run_of(fsdp2)):
+        from torch.distributed.device_mesh import init_device_mesh
 
-    from strategies.parallelize import FSDP2Plan, apply_fsdp2, clip_global_
+        torch.manual_seed(0)
+        sharded = GPT(shape).to(device)
+        apply_fsdp2(sharded, init_device_mesh(device.type, (world,)), fsdp2.plan(fsdp2.mesh(1, world)).fsdp,
+                    precision=str(precision))
+        fsdp_opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
-    torch.manual_seed(0)
-    sharded = GPT(shape).to(device)
-    blocks = sum(p.numel() for p in sharded.layers.parameters())
-    apply_fsdp2(sharded, init_device_mesh(device.type, (world,)), FSDP2Plan(), precision=str(precision))
-    fsdp_opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+        def fsdp2_step() -> None:
+            loss(sharded).backward()
+            clip_global_(list(sharded.parameters()), 1.0)
+            fsdp_opt.step()
+            fsdp_opt.zero_grad()
 
-    def fsdp2_step() -> None:
-        loss(sharded).backward()
-        clip_global_(list(sharded.parameters()), 1.0)
-        fsdp_opt.step()
-        fsdp_opt.zero_grad()
-
-    steps["fsdp2"] = fsdp2_step
-    low = {"32": None, "16-mixed": "fp16"}.get(str(precision), "bf16")  # DeepSpeed's own low precision
+        steps["fsdp2"] = fsdp2_step
     for stage in (2, 3):
+        zero = ZeroConfig(stage=stage)
+        run = run_of(zero)
+        if zero.problems(run):
+            continue
+        ds.select_accelerator(run)
+        import deepspeed
+
         torch.manual_seed(0)
         model = GPT(shape).to(device)
-        config = ZeroConfig(stage=stage).deepspeed_json() | {
-            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
-        if low:
-            config[low] = {"enabled": True}
-        engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=rank), config=config, model=model,
+        engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=rank),
+                                          config=zero.deepspeed_json(run), model=model,
                                           model_parameters=list(model.parameters()),
                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                           dist_init_required=False)
@@ -126,12 +137,13 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         share = (2 if op == "all_reduce" else 1) * (world - 1) / world
         return share * params * elem / (collectives[op]["GBps"] * 1e9)
 
-    elem = 4 if low is None else 2
-    priced = {"zero2": wire("all_gather", elem),
+    elem = 4 if dtype == torch.float32 else 2
+    priced = {k: v for k, v in {  # (the engines measured here)
+              "zero2": wire("all_gather", elem),
               "zero3": wire("reduce_scatter", elem) + wire("all_gather", elem) - wire("all_reduce", 4),
               # gathered in forward, the blocks again in backward, reduce-scattered in fp32
               "fsdp2": (wire("all_gather", elem) * (1 + blocks / params) + wire("reduce_scatter", 4)
-                        - wire("all_reduce", 4))}
+                        - wire("all_reduce", 4))}.items() if k in t}
     unstepped = measured["optimizer_ns_per_param"] * 1e-9 * params * (1 - 1 / world)
     if rank == 0 and os.environ.get("STRATAGEM_CALIBRATION_DEBUG"):
         print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",

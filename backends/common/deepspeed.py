@@ -22,10 +22,9 @@ from strategies.run import Run
 from backends.common.torch import full_state_dict as _plain_full_state_dict
 
 
-def select_accelerator(run: Run | str) -> None:
-    """The one place DS_ACCELERATOR is set: DeepSpeed reads it once, at its first import.
-    ``run``: the run, or its accelerator (cpu | gpu; the calibration's)."""
-    if (run if isinstance(run, str) else run.accelerator) != "cpu":
+def select_accelerator(run: Run) -> None:
+    """The one place DS_ACCELERATOR is set: DeepSpeed reads it once, at its first import."""
+    if run.accelerator != "cpu":
         return
     if "deepspeed" in sys.modules:
         from deepspeed.accelerator import get_accelerator
