@@ -1,5 +1,5 @@
 """Observers: the run's record, memory and communication profiles, throughput, the planner's
-prediction beside what was measured, plots, loggers and the progress bar -- plain classes that
+prediction beside what was measured, plots, loggers and progress (a bar, or log lines) -- plain classes that
 every backend feeds through the same hooks (observers/base.py). The ``callbacks`` config group
 selects them; ``logger`` picks a logger."""
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from observers.base import Engine, Observer, Observers
 from observers.compare import Comparison
 from observers.memory import MemoryProfile
-from observers.progress import ProgressBar
+from observers.progress import Progress
 from observers.report import LossLog
 from observers.startup import StartupTimes
 from observers.throughput import Throughput
@@ -19,7 +19,7 @@ from observers.throughput import Throughput
 if TYPE_CHECKING:
     from recipes.job import Job
 
-__all__ = ["Engine", "LossLog", "MemoryProfile", "Observer", "Observers", "ProgressBar",
+__all__ = ["Engine", "LossLog", "MemoryProfile", "Observer", "Observers", "Progress",
            "StartupTimes", "Throughput", "build"]
 
 
@@ -28,8 +28,8 @@ def build(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Observers:
     prediction for this run (``planner.plan_dict``), reported next to what is measured."""
     cb, tokens = job.callbacks, job.tokens_per_step
     chosen: list[Observer] = [LossLog(tokens), StartupTimes()]
-    if cb.progress_bar:
-        chosen.append(ProgressBar(job.trainer.max_steps, tokens))
+    if cb.progress_bar or cb.log_every:  # the bar on a terminal, else a line every log_every steps
+        chosen.append(Progress(job.trainer.max_steps, tokens, bar=cb.progress_bar, log_every=cb.log_every))
     memory = comm = None
     if cb.memory.enabled:
         memory = MemoryProfile(plan and plan["memory"], out=out,

@@ -1,40 +1,198 @@
-"""A progress bar on rank 0, counted in optimizer steps (not micro-batches), with the loss and
-tokens/s of the last step. The same bar on every backend."""
+"""Progress on rank 0, counted in optimizer steps (not micro-batches); the same on every backend.
+
+- stdout a terminal (and ``callbacks.progress_bar``): a progress bar with the loss and tokens/s
+  of the last step.
+- otherwise (``python train.py > run.log``, nohup, Slurm, Kubernetes, CI): one log line every
+  ``callbacks.log_every`` steps, on the first step of the attempt and on the last, and at least
+  every ``HEARTBEAT_SECONDS``: the last step's line when a step ended since the line before, else
+  which step is running and for how long (a long step, a validation, a checkpoint), so a log file
+  never looks hung::
+
+      step 20/300 (7%) | loss 3.2145 | lr 3.00e-04 | 41,235 tok/s | 0.199 s/step | ETA 0:00:56 | mem 812 MiB RSS
+
+  step time and tokens/s are the means since the step line before; the ETA is the steps left times the
+  mean step of this attempt (its first step, which carries the warm-up, left out once there are
+  others); memory is rank 0's: the CUDA caching allocator's reserved bytes on GPU, the resident
+  set on CPU.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
 import time
+from datetime import timedelta
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, learning_rate
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 60.0
+"""The longest a log file goes without a progress line while training."""
 
 
-class ProgressBar(Observer):
-    def __init__(self, max_steps: int, tokens_per_step: int):
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.0f} MiB"
+
+
+def _clock(seconds: float) -> str:
+    return str(timedelta(seconds=round(max(seconds, 0.0))))
+
+
+def memory_now() -> str | None:
+    """This process's memory now, cheaply: CUDA reserved bytes once CUDA is in use, else the
+    resident set (None where neither is known)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"{_bytes(torch.cuda.memory_reserved())} CUDA reserved"
+    from observers.memory import current_rss
+
+    rss = current_rss()
+    return f"{_bytes(rss)} RSS" if rss is not None else None
+
+
+class Progress(Observer):
+    """The bar on a terminal, plain log lines elsewhere (module docstring); rank 0 only.
+
+    ``bar``: show the bar when stdout is a terminal (``callbacks.progress_bar``); ``log_every``:
+    a line every that many steps when the bar is not shown (0: no lines); ``interactive``: whether
+    stdout is a terminal (None: ask ``sys.stdout`` when training starts); ``heartbeat``: the
+    longest silence, in seconds."""
+
+    def __init__(self, max_steps: int, tokens_per_step: int, *, bar: bool = True, log_every: int = 10,
+                 interactive: bool | None = None, heartbeat: float = HEARTBEAT_SECONDS):
         self.max_steps, self.tokens_per_step = max_steps, tokens_per_step
+        self.bar, self.log_every, self.interactive, self.heartbeat = bar, log_every, interactive, heartbeat
         self._progress = self._task = None
         self._last = 0.0
+        # plain lines (written by the training thread and the heartbeat's, under the lock)
+        self._lines = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lr = 0.0
+        self._first = 0            # steps done before this attempt
+        self._step = 0             # steps done
+        self._loss: float | None = None
+        self._started = 0.0        # when this attempt's training started
+        self._ended = 0.0          # when the last step ended (or training started)
+        self._said = 0.0           # when the last line (of either kind) was logged
+        self._line = (0, 0.0)      # (step, time) of the last step line: the next line's means
+        self._timed: tuple[int, float] | None = None  # (step, time) the ETA's mean counts from
 
+    # ------------------------------------------------------------------ hooks
     def on_train_start(self, engine: Engine, step: int) -> None:
         if engine.rank != 0:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        interactive = sys.stdout.isatty() if self.interactive is None else self.interactive
+        now = time.perf_counter()
+        self._last = now
+        if interactive and self.bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn())
-        self._task = self._progress.add_task("train", total=self.max_steps, completed=step, status="")
-        self._progress.start()
-        self._last = time.perf_counter()
+            self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+            self._task = self._progress.add_task("train", total=self.max_steps, completed=step, status="")
+            self._progress.start()
+        elif self.log_every > 0:
+            self._first = self._step = step
+            self._started = self._ended = self._said = now
+            self._line, self._timed, self._loss = (step, now), None, None
+            self._lines = True
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
+            self._thread.start()
+
+    def on_before_optimizer_step(self, engine: Engine, step: int) -> None:
+        if self._lines:
+            self._lr = learning_rate(engine)
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
-        if self._progress is None:
-            return
         now = time.perf_counter()
-        rate = self.tokens_per_step / max(now - self._last, 1e-9)
-        self._last = now
-        self._progress.update(self._task, completed=step,
-                              status=f"loss {loss:.4f}  {rate:,.0f} tok/s")
+        if self._progress is not None:
+            rate = self.tokens_per_step / max(now - self._last, 1e-9)
+            self._last = now
+            self._progress.update(self._task, completed=step, status=f"loss {loss:.4f}  {rate:,.0f} tok/s")
+            return
+        if not self._lines:
+            return
+        with self._lock:
+            first = self._timed is None
+            self._step, self._loss, self._ended = step, float(loss), now
+            if first:  # the ETA's mean starts after this attempt's first step (its warm-up)
+                self._timed = (step, now)
+            if first or step % self.log_every == 0 or step >= self.max_steps:
+                self._say(self._step_line())
 
     def on_train_end(self, engine: Engine) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if self._lines:
+            with self._lock:
+                self._lines = False
+                if self._step > self._line[0]:  # stopped between lines (a signal): where it stopped
+                    self._say(self._step_line())
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # ------------------------------------------------------------------ lines
+    def _eta(self) -> float | None:
+        """Seconds left: the steps to go times this attempt's mean step (after its first; the
+        first alone while it is the only one)."""
+        left = self.max_steps - self._step
+        if left <= 0:
+            return 0.0
+        if self._timed is None:
+            return None
+        step, at = self._timed
+        if self._step > step:
+            return left * (self._ended - at) / (self._step - step)
+        return left * (at - self._started) / max(step - self._first, 1)
+
+    def _say(self, line: str, *, step_line: bool = True) -> None:
+        """Log ``line`` (the lock held); a step line starts the next one's means."""
+        log.info("%s", line)
+        self._said = time.perf_counter()
+        if step_line:
+            self._line = (self._step, self._ended)
+
+    def _step_line(self) -> str:
+        """The line after step ``self._step``: step time and tokens/s are the means since the step
+        of the line before."""
+        step, at = self._line
+        per = (self._ended - at) / (self._step - step) if self._step > step else 0.0
+        parts = [f"step {self._step}/{self.max_steps} ({self._step / max(self.max_steps, 1):.0%})",
+                 f"loss {self._loss:.4f}", f"lr {self._lr:.2e}",
+                 f"{self.tokens_per_step / per:,.0f} tok/s" if per > 0 else "- tok/s", f"{per:.3f} s/step"]
+        if (eta := self._eta()) is not None:
+            parts.append(f"ETA {_clock(eta)}")
+        if (mem := memory_now()) is not None:
+            parts.append(f"mem {mem}")
+        return " | ".join(parts)
+
+    def _beat(self) -> None:
+        """Nothing logged for ``heartbeat`` seconds: the line of the last step when one ended since
+        the line before, else which step is running and for how long (a long step, a validation,
+        a checkpoint)."""
+        while not self._stop.wait(min(self.heartbeat, 5.0)):
+            with self._lock:
+                now = time.perf_counter()
+                if not self._lines or now - self._said < self.heartbeat:
+                    continue
+                if self._step > self._line[0]:
+                    self._say(self._step_line())
+                    continue
+                since = "training started" if self._step == self._first else f"step {self._step} ended"
+                parts = [f"step {self._step + 1}/{self.max_steps} still running: {_clock(now - self._ended)} "
+                         f"since {since}"]
+                if self._loss is not None:
+                    parts.append(f"last loss {self._loss:.4f}")
+                if (eta := self._eta()) is not None:
+                    parts.append(f"ETA {_clock(eta)}")
+                if (mem := memory_now()) is not None:
+                    parts.append(f"mem {mem}")
+                self._say(" | ".join(parts), step_line=False)

@@ -146,7 +146,8 @@ COMMON_KEYS: tuple[tuple[str, str], ...] = (
     ("data.path", "your own data: a file, directory or glob (data=text | jsonl | parquet | chat | tokens)"),
     ("data.val_fraction", "hold out this fraction of the windows for validation"),
     ("model.path", "a Hugging Face model directory (model=hf)"),
-    ("callbacks.progress_bar", "the progress bar on rank 0"),
+    ("callbacks.progress_bar", "the progress bar on rank 0 (when stdout is a terminal)"),
+    ("callbacks.log_every", "otherwise a progress line every N steps and every 60 s (0: none)"),
     ("planner.enforce", "refuse a run predicted not to fit"),
 )
 

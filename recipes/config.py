@@ -530,7 +530,11 @@ class CallbacksConfig:
     """Observers (observers/), the same on every backend."""
 
     progress_bar: bool = True
-    """A progress bar on rank 0: optimizer steps, loss, tokens/s."""
+    """A progress bar on rank 0 when stdout is a terminal: optimizer steps, loss, tokens/s."""
+    log_every: int = knob(10, min=0)
+    """When stdout is not a terminal (a log file, nohup, Slurm, CI) or there is no bar: one log line
+    on rank 0 every this many optimizer steps, and at least every 60 s (step, loss, lr, tokens/s,
+    step time, ETA, memory); 0: none."""
     report: bool = True
     """Write report.json at the end of the run."""
     memory: MemoryObserverConfig = field(default_factory=MemoryObserverConfig)

@@ -168,3 +168,88 @@ def test_the_summary_line():
                                             "backward": {"allocated": 5 * 2**30, "reserved": 0}}}]}}
     assert summary(gpu, ROOT / "report.json") == (f"done: 3 steps, final loss 5.6132, 12,346 tokens/s, "
                                                   f"peak memory 5.0 GiB CUDA allocated, report {ROOT / 'report.json'}")
+
+
+# --------------------------------------------------------------------- progress in a log file
+PROGRESS_LINE = re.compile(r"step (\d+)/(\d+) \(\d+%\) \| loss \d+\.\d{4} \| lr \d\.\d\de[-+]\d\d \| [\d,]+ tok/s \| "
+                           r"\d+\.\d{3} s/step \| ETA \d+:\d\d:\d\d \| mem [\d.,]+ [MG]iB (RSS|CUDA reserved)$")
+
+
+class _Engine:
+    def __init__(self, rank: int = 0):
+        self.rank, self.world_size = rank, 1
+        self.optimizers = [type("Opt", (), {"param_groups": [{"lr": 3e-4}]})()]
+
+
+def _progress_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "observers.progress"]
+
+
+@pytest.mark.unit
+def test_progress_lines_every_log_every_steps_the_first_and_the_last(caplog):
+    from observers.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="observers.progress")
+    for rank, interactive, expected in ((0, False, [1, 3, 6, 7]), (1, False, []), (0, True, [])):
+        caplog.clear()
+        p, engine = Progress(7, 1024, log_every=3, interactive=interactive), _Engine(rank)
+        p.on_train_start(engine, 0)
+        for step in range(7):
+            p.on_step_start(engine, step)
+            p.on_before_optimizer_step(engine, step)
+            p.on_step_end(engine, step + 1, 2.5)
+        p.on_train_end(engine)
+        lines = _progress_lines(caplog)
+        assert [int(PROGRESS_LINE.search(x).group(1)) for x in lines] == expected, (rank, interactive, lines)
+    # a resumed run counts from its checkpoint: its first step is 5's successor
+    caplog.clear()
+    p, engine = Progress(7, 1024, log_every=3, interactive=False), _Engine()
+    p.on_train_start(engine, 5)
+    for step in (5, 6):
+        p.on_step_end(engine, step + 1, 2.5)
+    p.on_train_end(engine)
+    assert [int(PROGRESS_LINE.search(x).group(1)) for x in _progress_lines(caplog)] == [6, 7]
+
+
+@pytest.mark.unit
+def test_a_long_step_still_says_something_within_the_heartbeat(caplog):
+    import time
+
+    from observers.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="observers.progress")
+    p, engine = Progress(100, 1024, log_every=50, interactive=False, heartbeat=0.2), _Engine()
+    p.on_train_start(engine, 0)
+    p.on_step_end(engine, 1, 2.5)  # a line (the first step)
+    time.sleep(0.7)  # step 2 takes long: the heartbeat says so
+    p.on_step_end(engine, 2, 2.4)  # not due (log_every=50) ...
+    time.sleep(0.3)  # ... but the heartbeat gives its line
+    p.on_step_end(engine, 3, 2.3)
+    p.on_train_end(engine)  # stopped before max_steps: the line of where it stopped
+    lines = _progress_lines(caplog)
+    running = [x for x in lines if "still running" in x]
+    assert running and running[0].startswith("step 2/100 still running: 0:00:0"), lines
+    assert "since step 1 ended | last loss 2.5000 | ETA" in running[0], running
+    steps = [int(m.group(1)) for m in map(PROGRESS_LINE.search, lines) if m]
+    assert steps == [1, 2, 3], lines
+    assert not any("still running" in x for x in lines[lines.index(running[-1]) + 2:]), lines
+
+
+@pytest.mark.parametrize("backend, extra", [
+    pytest.param("lightning", (), marks=pytest.mark.subprocess, id="lightning"),
+    pytest.param("accelerate", ("strategy=ddp", "cluster.devices=2"), marks=pytest.mark.multiprocess,
+                 id="accelerate-ddp")])
+def test_a_run_logged_to_a_file_prints_progress_lines(tmp_path, backend, extra):
+    """``python train.py trainer.max_steps=30 > log``: no terminal, so no bar but a progress line
+    every callbacks.log_every (10) steps, from rank 0 only."""
+    log = tmp_path / "log"
+    cmd = [sys.executable, "train.py", "model=gpt_nano", "trainer.max_steps=30", f"backend={backend}", *extra,
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    steps = [int(m.group(1)) for m in map(PROGRESS_LINE.search, text.splitlines()) if m]
+    assert steps == [1, 10, 20, 30], text
+    assert "\x1b[" not in text and "━" not in text, text  # no bar, no terminal codes
