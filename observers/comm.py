@@ -2,23 +2,26 @@
 group, payload bytes, and time where the backend gives it -- whoever issues it.
 
 Mechanism (one, for every strategy and both backends): Python kernels registered through
-``torch.library`` on the Autograd dispatch key of torch's collective ops (``c10d::*``, what
-``torch.distributed`` and DDP's C++ reducer call; ``_c10d_functional::*``, what DTensor, FSDP2,
-tensor parallelism and compiled code call). Each kernel redispatches to the real one and, while
-a step is being recorded, notes the op. So DDP's bucketed all-reduce (and its compression
-hooks), FSDP1/FSDP2, DeepSpeed's torch backend, TP and pipeline send/recv are all seen, and only
-collectives pay (measured ~+50 us per collective while recording, ~+15 us installed but idle).
-Alternatives measured and why not: torch.profiler (no process group on gloo; reading events
-costs 0.1-2 s per step), a TorchDispatchMode such as CommDebugMode (every op pays: up to 4x
-step time on deep models), the flight recorder (no pipeline send/recv; gloo reports its
-reduce-scatter as all-reduce), wrapping ``torch.distributed`` functions (misses DDP's reducer,
-FSDP2 and DTensor). With the observer off (``callbacks.communication=false``) nothing is
-registered: no collective is intercepted.
+``torch.library`` on torch's collective ops -- the ``c10d::*`` ops (what ``torch.distributed``
+and DDP's C++ reducer call) at their Autograd dispatch key, the ``_c10d_functional::*`` ops (what
+DTensor, FSDP2, tensor parallelism and compiled code call) at their CPU and CUDA keys, below
+torch's own autograd formulas for them (``torch.library.register_autograd``, which a kernel of
+ours at the Autograd key would replace: torch 2.11 refuses that, 2.13 silently drops the
+formula). Each kernel calls the real one and, while a step is being recorded, notes the op. So
+DDP's bucketed all-reduce (and its compression hooks), FSDP1/FSDP2, DeepSpeed's torch backend,
+TP and pipeline send/recv, calls made below autograd (inside a DTensor op handler: torch's ring
+attention) and inference-mode ones are all seen, and only collectives pay (measured ~+50 us per
+collective while recording, ~+15 us installed but idle). Alternatives measured and why not:
+torch.profiler (no process group on gloo; reading events costs 0.1-2 s per step), a
+TorchDispatchMode such as CommDebugMode (every op pays: up to 4x step time on deep models), the
+flight recorder (no pipeline send/recv; gloo reports its reduce-scatter as all-reduce), wrapping
+``torch.distributed`` functions (misses DDP's reducer, FSDP2 and DTensor). With the observer off
+(``callbacks.communication=false``) nothing is registered: no collective is intercepted.
 
-The kernels stay registered for the life of the process once installed (torch 2.13 cannot
-remove an override of the functional collectives cleanly), inert outside a recorded step.
-The functional collectives are also seen at their CPU and CUDA keys, where calls made below
-autograd arrive (inside a DTensor op handler: torch's ring attention) and inference-mode ones.
+Which ops exist and where torch keeps its own kernels is asked of the running torch
+(``_install``), not read off its version; an op that cannot be observed without replacing one
+of torch's kernels is listed in the report (``unobserved``). The kernels stay registered for the
+life of the process once installed, inert outside a recorded step.
 
 Bytes: ``bytes`` is the payload -- the logical buffer, as nccl-tests counts it: all-reduce and
 broadcast the tensor, all-gather its output (world x input), reduce-scatter its input, send/recv
@@ -34,7 +37,7 @@ what the strategy does on it (data-shard when it shards, else data-replicate).
 Report key ``communication``: ``per_step[kind] -> {count, bytes, wire_bytes, seconds}`` (rank 0,
 averaged over optimizer steps, the first excluded when there are others: engines set up in it),
 ``by_group[group][kind]`` the same per group, ``ranks`` (every rank's per-step totals),
-``steps`` (how many were recorded) and ``mechanism``.
+``steps`` (how many were recorded), ``mechanism`` and ``unobserved``.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ from typing import Any
 
 from observers.base import Engine, Observer
 
-MECHANISM = ("torch.library kernels on the Autograd key of the c10d and _c10d_functional "
-             "collective ops (see observers/comm.py)")
+MECHANISM = ("torch.library kernels on the Autograd key of the c10d collective ops and the "
+             "CPU/CUDA keys of the _c10d_functional ones (see observers/comm.py)")
 
 # c10d ops: (kind, arg index of the input tensors, of the output tensors, of the process group)
 _C10D = {
@@ -121,6 +124,8 @@ class Recorder:
         self.records: list[dict[str, Any]] = []
         self._labels: dict[str, str] = {}
         self._lock = threading.Lock()
+        self.unobserved: list[str] = []
+        """Collective ops of this torch that cannot be observed without replacing its own kernel."""
 
     def label(self, pg: Any) -> str:
         if pg is None:
@@ -203,8 +208,33 @@ class Recorder:
             return list(self.records)
 
 
-def _install() -> None:
-    """Register the kernels once per process; they forward to ``_recorder`` while it records."""
+def _op(namespace: str, name: str) -> Any:
+    """The running torch's op ``namespace::name``, or None where this torch has no such op
+    (torch 2.11 has no functional isend/irecv)."""
+    import torch
+
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _taken(namespace: str, name: str, key: str) -> bool:
+    """Whether the running torch has its own kernel for the op at ``key``: a kernel of ours there
+    would replace it (torch registers the functional collectives' autograd formulas from Python,
+    ``torch.library.register_autograd``; torch 2.11 refuses to override them, 2.13 would drop
+    them), so the op is observed elsewhere or not at all."""
+    import torch
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", key)
+
+
+def _install() -> dict[str, str]:
+    """Register the kernels once per process; they forward to ``_recorder`` while it records.
+    Where each op is observed is asked of the running torch, not read off its version: the c10d
+    ops at the Autograd key (their real kernels are the backend keys'), the functional ones at
+    the CPU and CUDA keys below their real CompositeExplicitAutograd kernel (torch's own autograd
+    formulas stay in place above). Returns op -> where it is seen, or why not."""
     import torch
 
     after = torch._C._after_autograd_keyset
@@ -222,7 +252,7 @@ def _install() -> None:
             note(rec, args, kwargs, out)
         return out
 
-    def kernel(op: Any, note) -> Any:
+    def above(op: Any, note) -> Any:
         def run(keyset, *args, **kwargs):
             return counted(lambda: op.redispatch(keyset & after, *args, **kwargs), note, args, kwargs)
 
@@ -231,9 +261,8 @@ def _install() -> None:
     composite = torch._C.DispatchKey.CompositeExplicitAutograd
 
     def below(op: Any, note) -> Any:
-        # The functional collectives' real kernel is CompositeExplicitAutograd: a backend key's
-        # kernel sees the calls made below autograd (inside a DTensor op handler -- torch's
-        # ring attention), which skip the Autograd key; calls that passed it are noted there.
+        # Every call reaches a backend key: through torch's autograd formula, from inside a
+        # DTensor op handler (torch's ring attention), in inference mode.
         def run(*args, **kwargs):
             return counted(lambda: op._op_dk(composite, *args, **kwargs), note, args, kwargs)
 
@@ -241,20 +270,31 @@ def _install() -> None:
 
     import warnings
 
+    seen: dict[str, str] = {}
+    libs = [torch.library.Library("c10d", "IMPL"), torch.library.Library("_c10d_functional", "IMPL")]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-        libs = [torch.library.Library("c10d", "IMPL"), torch.library.Library("_c10d_functional", "IMPL")]
         for name in _C10D:
-            libs[0].impl(name, kernel(getattr(torch.ops.c10d, name).default,
-                                      lambda r, a, k, o, name=name: r.on_c10d(name, a, o)),
+            op = _op("c10d", name)
+            if op is None or _taken("c10d", name, "Autograd"):
+                seen[f"c10d::{name}"] = "not in this torch" if op is None else "not observed (torch's own Autograd kernel)"
+                continue
+            libs[0].impl(name, above(op, lambda r, a, k, o, name=name: r.on_c10d(name, a, o)),
                          "Autograd", with_keyset=True)
+            seen[f"c10d::{name}"] = "Autograd"
         for name in _FUNCTIONAL:
-            op = getattr(torch.ops._c10d_functional, name).default
+            op = _op("_c10d_functional", name)
+            if op is None or not _taken("_c10d_functional", name, "CompositeExplicitAutograd"):
+                seen[f"_c10d_functional::{name}"] = ("not in this torch" if op is None else
+                                                     "not observed (no CompositeExplicitAutograd kernel)")
+                continue
             note = lambda r, a, k, o, name=name: r.on_functional(name, a, k, o)  # noqa: E731
-            libs[1].impl(name, kernel(op, note), "Autograd", with_keyset=True)
-            for key in ("CPU", "CUDA"):
+            keys = [key for key in ("CPU", "CUDA") if not _taken("_c10d_functional", name, key)]
+            for key in keys:
                 libs[1].impl(name, below(op, note), key)
+            seen[f"_c10d_functional::{name}"] = "+".join(keys) or "not observed (torch's own backend kernels)"
     _install.libs = libs  # keep the registrations alive
+    return seen
 
 
 def recorder(world_role: str) -> Recorder:
@@ -262,8 +302,9 @@ def recorder(world_role: str) -> Recorder:
     global _recorder
     with _install_lock:
         if _recorder is None:
-            _install()
+            seen = _install()
             _recorder = Recorder(world_role)
+            _recorder.unobserved = sorted(op for op, where in seen.items() if where.startswith("not observed"))
         _recorder.world_role = world_role
     return _recorder
 
@@ -336,7 +377,8 @@ class CommunicationProfile(Observer):
     def report(self) -> dict[str, Any]:
         return {"communication": {"per_step": self.per_step(), "by_group": self.by_group(),
                                   "ranks": self.ranks, "steps": len(self.steps),
-                                  "mechanism": MECHANISM}}
+                                  "mechanism": MECHANISM,
+                                  "unobserved": self._rec.unobserved if self._rec else []}}
 
 
 def _totals(per_step: dict[str, dict[str, float]]) -> dict[str, float]:
