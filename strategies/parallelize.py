@@ -137,9 +137,8 @@ def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if plan.reduce_fp32 else low)
     model, block = find_model(module)
     if block is not None:
-        for m in model.modules():
-            if isinstance(m, block):
-                fully_shard(m, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
+        for m in _units(model, block):
+            fully_shard(m, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
     # The model (embeddings, final norm, output) is used last in forward and first in backward:
     # resharding it after forward would only re-gather it at once.
     # (a module that declares no block, a user's own, child by child: one unit would gather all)
@@ -148,6 +147,19 @@ def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32
     for root in roots:
         fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     return module
+
+
+def _units(model: Any, block: type) -> list[Any]:
+    """FSDP2's unit for each block: the checkpoint wrapper around it where blocks are
+    checkpointed (torchtitan's and Accelerate's placement), else the block. Sharded inside the
+    wrapper, the block's input cast (``MixedPrecisionPolicy.cast_forward_inputs``) would run
+    inside the checkpointed region, and torch 2.11 skips that cast when the block is
+    recomputed (2.13 does it): the rotary table saved in bf16 came back in fp32 and backward
+    failed."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    wrapped = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    return [wrapped.get(id(m), m) for m in model.modules() if isinstance(m, block)]
 
 
 def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
