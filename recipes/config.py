@@ -692,10 +692,28 @@ _store()
 
 
 def describe(model: Any) -> ModelConfig:
-    """The torch-free description of a composed ``cfg.model`` that the planner reads."""
+    """The torch-free description of a composed ``cfg.model`` that the planner reads; a value
+    that cannot be read (a ``${hf:...}`` shape of a ``model.path`` that holds no model, a missing
+    mandatory value) is a ``ConfigError`` in the resolver's own words, as validation says it."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    return OmegaConf.to_object(model) if OmegaConf.is_config(model) else model
+    if not OmegaConf.is_config(model):
+        return model
+    try:
+        return OmegaConf.to_object(model)
+    except OmegaConfBaseException as e:
+        from strategies.mesh import ConfigError
+
+        raise ConfigError(f"model: {unreadable(e)}") from None
+
+
+def unreadable(error: Exception) -> str:
+    """Why a config node could not be read, in the words of whoever raised it (a resolver's
+    message without OmegaConf's preamble and key listing)."""
+    import re
+
+    return re.sub(r"^\w+ raised while resolving interpolation: ", "", str(error).splitlines()[0])
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:

@@ -28,9 +28,14 @@ def hub_cache() -> Path:
     return Path(home) / "hub"
 
 
+FIX = ("point model.path at a directory written by save_pretrained (config.json + safetensors), or "
+       "a model id already downloaded (huggingface-cli download <id>)")
+
+
 def locate(path: str) -> Path:
     """The local directory of ``model.path``: the directory itself, or the cached snapshot of a
-    model id (``refs/main`` of huggingface_hub's cache layout)."""
+    model id (``refs/main`` of huggingface_hub's cache layout); a ValueError naming the key, the
+    value and the fix when it is neither."""
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         return p
@@ -40,10 +45,25 @@ def locate(path: str) -> Path:
         snap = repo / "snapshots" / ref.read_text().strip()
         if (snap / "config.json").is_file():
             return snap
-    raise ValueError(
-        f"model.path={path}: no config.json there, and no such model id in the local Hugging Face "
-        f"cache ({hub_cache()}); point model.path at a directory written by save_pretrained (config "
-        "+ safetensors), or download the model first (huggingface-cli download <id>)")
+    if p.is_dir():
+        raise ValueError(f"model.path={path}: the directory holds no model (no config.json there); {FIX}")
+    if p.exists():
+        raise ValueError(f"model.path={path} is a file, not a model directory; {FIX}")
+    raise ValueError(f"model.path={path}: no such directory, and no such model id in the local Hugging "
+                     f"Face cache ({hub_cache()}); {FIX}")
+
+
+def weights_problems(path: str) -> list[str]:
+    """``model.pretrained=true`` loads the safetensors weights beside config.json (recipes/hf.py):
+    their absence, found before launch rather than by every rank after it."""
+    where = locate(path)
+    if any(where.glob("*.safetensors")):
+        return []
+    other = sorted(f.name for f in where.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5"))
+    found = f"only {', '.join(other[:3])}" if other else "no weights at all"
+    return [f"model.path={path}: no *.safetensors weights there ({found}) and model.pretrained=true loads "
+            "them; save the model with save_pretrained (safetensors, transformers' default), or set "
+            "model.pretrained=false to start from random weights"]
 
 
 @functools.cache
@@ -81,6 +101,7 @@ def shape(path: str) -> dict[str, Any]:
 def resolve(path: Any, key: str) -> Any:
     """The ``${hf:<path>,<key>}`` resolver."""
     if path is None or str(path) in ("", "???"):
-        raise ValueError("model=hf needs model.path: a directory written by save_pretrained, or a "
-                         "model id in the local Hugging Face cache (model.path=/models/Llama-3.2-1B)")
+        raise ValueError("model=hf needs model.path, which is null: set it to a directory written by "
+                         "save_pretrained or a model id in the local Hugging Face cache "
+                         "(model.path=/models/Llama-3.2-1B)")
     return shape(str(path))[key]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataConfig, LoggerConfig,
-                            ModelConfig, TrainConfig, TrainerConfig)
+                            ModelConfig, TrainConfig, TrainerConfig, unreadable)
 from strategies import ConfigError, Run, StrategyConfig, as_config, checks, derive_from
 from strategies.presets import load, names
 
@@ -120,9 +119,7 @@ def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
         try:
             obj = OmegaConf.to_object(node)
         except Exception as e:  # noqa: BLE001  (a missing mandatory value, say)
-            # (a resolver's own words, without OmegaConf's preamble)
-            said = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(e).splitlines()[0])
-            problems[group].append(f"{group}: {said}")
+            problems[group].append(f"{group}: {unreadable(e)}")
             continue
         if not isinstance(obj, schema):
             obj = schema(**obj)
@@ -279,6 +276,10 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
+        if not bad["model"] and model.is_hf and model.pretrained:  # (plan.py plans a config.json alone)
+            from recipes.hf_config import weights_problems
+
+            problems += weights_problems(model.path)
         lg = objs["logger"]
         if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
             problems += wandb_online_problems()
