@@ -11,7 +11,10 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.experimental.callback import Callback
 
 from strategies.conf import CONF_DIR
 
@@ -64,6 +67,60 @@ def fail(error: Exception, log: logging.Logger) -> None:
         sys.exit(CONFIG_ERROR)
     log.error("%s", error)
     sys.exit(CONFIG_ERROR)
+
+
+def unwritable(key: str, directory: str | Path) -> str | None:
+    """Why this process cannot write the output directory ``directory`` (the value of ``key``),
+    in one sentence with the fix; None when it can. Probed for real, not by permission bits (root
+    ignores those, a read-only mount does not): a file is created and removed in the directory, or
+    in its nearest existing ancestor when it does not exist yet -- nothing is left behind."""
+    import tempfile
+
+    path = Path(directory).expanduser().absolute()
+    fix = f"point {key} at a directory this user can write ({key}=/path/to/runs/name)"
+    if not Path(directory).expanduser().is_absolute():
+        fix += f", or run from one: {directory} is relative to {Path.cwd()}"
+    here = path
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        return f"{key}={directory}: {here} is a file, not a directory; {fix}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".stratagem-probe-", dir=here)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        where = "write there" if here == path else f"create it in {here}"
+        return f"{key}={directory}: cannot {where}: {why}; {fix}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+class OutputDirectory(Callback):
+    """Hydra callback (conf/hydra/default.yaml): the run's (or the sweep's) output directory is
+    one this process can write, or one line saying why not and exit 2 -- before Hydra creates it,
+    which would end in its traceback (a read-only mount, a path through a file, no permission).
+    Under a launcher every rank finds the same; rank 0 says it."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config: Any, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        try:
+            directory = OmegaConf.select(config, key, throw_on_resolution_failure=True)
+        except Exception:  # noqa: BLE001  (Hydra resolves it itself next, and says what is wrong)
+            return
+        if directory is None or (problem := unwritable(key, str(directory))) is None:
+            return
+        if int(os.environ.get("RANK") or 0) == 0:
+            print(problem, file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
 
 
 def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
