@@ -55,8 +55,8 @@ def train(job: Job, predicted: dict, out: Path) -> None:
     """Start the ranks (or be one), train, and log where the report is."""
     try:
         outcome = launchers.run(job, out, predicted)
-    except (launchers.RankLost, launchers.Stopped) as e:
-        if job.sweep:  # a failed row of the sweep report; the sweep goes on
+    except (launchers.RankLost, launchers.Stopped, OSError) as e:  # (OSError: a full disk's one line)
+        if job.sweep or (isinstance(e, OSError) and not checkpoints.disk_full(e)):  # a sweep: a failed row
             raise
         log.error("%s", e)
         sys.exit(getattr(e, "code", 1))

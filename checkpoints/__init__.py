@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from recipes.config import ModelConfig
     from recipes.job import Job
 
-__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "due", "Interrupt", "Interrupted", "for_launch",
-           "interruption", "load", "resolve", "save", "shapes", "start"]
+__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "disk_full", "due", "Interrupt",
+           "Interrupted", "for_launch", "interruption", "load", "resolve", "save", "shapes", "start", "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -171,10 +171,87 @@ def save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str
          ) -> Path:
     """Every rank, collectively: write the checkpoint of ``step`` under a temporary name; rank 0
     then marks it complete and renames it, and prunes to ``trainer.keep_last``. ``history``: the
-    run's record so far (``Observers.history``), which a resumed run continues."""
-    from checkpoints import state, store
+    run's record so far (``Observers.history``), which a resumed run continues. A write that fails
+    (a full disk, a read-only one) is one ``OSError`` with its errno: what failed, on which ranks,
+    the fix (``write_error``) -- not torch DCP's nest of per-rank tracebacks."""
+    from checkpoints import store
 
     temp, final = store.temp_for(run_dir, step), store.path_for(run_dir, step)
+    try:
+        return _save(h, job, run_dir, step, history, temp, final)
+    except BaseException as e:  # (torch DCP's CheckpointException is a BaseException)
+        if (cause := write_error(e, temp)) is None:
+            raise
+        raise OSError(cause.errno, f"{cause.strerror}: saving the checkpoint of step {step} into {temp} "
+                      f"failed on {_ranks(e, h.rank)}; {_fix(cause.errno)}") from e
+
+
+def _fix(code: int) -> str:
+    import errno
+
+    if code in (errno.ENOSPC, errno.EDQUOT):  # (disk_full)
+        return ("free space there, keep fewer checkpoints (trainer.keep_last), or point hydra.run.dir at "
+                "a disk with room")
+    return "point hydra.run.dir at a directory every rank can write"
+
+
+def disk_full(error: BaseException) -> bool:
+    """A write refused for want of space: the disk, or the user's quota."""
+    import errno
+
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+FULL_BYTES = 1 << 20
+"""A filesystem with less than this free for unprivileged users counts as full after a write
+failed there without saying why (torch.save's "file write failed")."""
+
+
+def write_error(error: BaseException, where: Path) -> OSError | None:
+    """The OSError under a failed checkpoint write (``error``, its causes and torch DCP's per-rank
+    failures), or, when none says why (torch.save reports a full disk as a failed write only),
+    ENOSPC if the filesystem holding ``where`` is full now; None when the failure is no write
+    error."""
+    import errno
+    import os
+
+    if not isinstance(error, Exception) and not isinstance(getattr(error, "failures", None), dict):
+        return None  # an interrupt, a SystemExit: not a write's failure, whatever it interrupted
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno and not isinstance(e, ConnectionError):  # (a peer gone)
+            return e
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (error, trace)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    here = Path(where)
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:
+        fs = os.statvfs(here)
+    except OSError:
+        return None
+    if fs.f_bavail * fs.f_frsize < FULL_BYTES:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
+def _ranks(error: BaseException, rank: int) -> str:
+    """The ranks whose writes failed: torch DCP's collective save says; else this one."""
+    failures = getattr(error, "failures", None)
+    ranks = sorted(failures) if isinstance(failures, dict) and failures else [rank]
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str, Any] | None,
+          temp: Path, final: Path) -> Path:
+    from checkpoints import state, store
+
     if h.rank == 0 and temp.exists():
         shutil.rmtree(temp)
     state._barrier()
