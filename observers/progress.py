@@ -60,6 +60,10 @@ class Progress(Observer):
     stdout is a terminal (None: ask ``sys.stdout`` when training starts); ``heartbeat``: the
     longest silence, in seconds."""
 
+    _beating: Progress | None = None
+    """The observer whose heartbeat runs in this process: a job that failed (no train end) is
+    silenced when the next one starts, as a sweep's next job does."""
+
     def __init__(self, max_steps: int, tokens_per_step: int, *, bar: bool = True, log_every: int = 10,
                  interactive: bool | None = None, heartbeat: float = HEARTBEAT_SECONDS):
         self.max_steps, self.tokens_per_step = max_steps, tokens_per_step
@@ -89,10 +93,11 @@ class Progress(Observer):
         now = time.perf_counter()
         self._last = now
         if interactive and self.bar:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bar
 
-            self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+            self._progress = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn())
             self._task = self._progress.add_task("train", total=self.max_steps, completed=step, status="")
             self._progress.start()
         elif self.log_every > 0:
@@ -101,6 +106,9 @@ class Progress(Observer):
             self._line, self._timed, self._loss = (step, now), None, None
             self._lines = True
             self._stop.clear()
+            if Progress._beating is not None:  # a job of this process that failed (a sweep goes on)
+                Progress._beating._stop.set()
+            Progress._beating = self
             self._thread = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
             self._thread.start()
 
@@ -138,6 +146,8 @@ class Progress(Observer):
             self._stop.set()
             self._thread.join(timeout=5)
             self._thread = None
+        if Progress._beating is self:
+            Progress._beating = None
 
     # ------------------------------------------------------------------ lines
     def _eta(self) -> float | None:

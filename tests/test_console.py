@@ -233,6 +233,14 @@ def test_a_long_step_still_says_something_within_the_heartbeat(caplog):
     steps = [int(m.group(1)) for m in map(PROGRESS_LINE.search, lines) if m]
     assert steps == [1, 2, 3], lines
     assert not any("still running" in x for x in lines[lines.index(running[-1]) + 2:]), lines
+    # a job that fails never reaches its train end; the next job of the process (a sweep's) silences it
+    failed, engine = Progress(100, 1024, interactive=False, heartbeat=0.2), _Engine()
+    failed.on_train_start(engine, 0)
+    nxt = Progress(100, 1024, interactive=False, heartbeat=60)
+    nxt.on_train_start(engine, 0)
+    failed._thread.join(timeout=6)
+    assert not failed._thread.is_alive()
+    nxt.on_train_end(engine)
 
 
 @pytest.mark.parametrize("backend, extra", [
