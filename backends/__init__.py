@@ -81,7 +81,7 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     """One rank of the job (or the whole job, when it has one process): the observers, the
     chosen backend's build and fit, and a clean exit from the process group."""
     import observers
-    from backends.common import quiet
+    from backends.common import extensions, quiet
     from checkpoints.interrupt import Interrupted
     from observers import startup
 
@@ -91,9 +91,11 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     backend = get(job.backend)
     ok = False
     try:
-        built = backend.build(job, out, observers.build(job, out, plan))
-        startup.mark("model_build")  # (the engine's objects; the model itself where the engine builds it)
-        outcome = backend.fit(built)
+        # a C++ op built at first use (DeepSpeed's), or waited for, is said and timed (op_build)
+        with extensions.watch():
+            built = backend.build(job, out, observers.build(job, out, plan))
+            startup.mark("model_build")  # (the engine's objects; the model itself where the engine builds it)
+            outcome = backend.fit(built)
         ok = True
         return outcome
     except Interrupted:

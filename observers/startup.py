@@ -15,6 +15,9 @@ meets them:
   loading it into the model and optimizer (each backend)
 - ``rendezvous``: starting this node's ranks (our launcher; ``backends.run``) and joining the
   process group (each backend: Lightning's ``setup_environment``, Accelerate's state)
+- ``op_build``: building a C++ extension at its first use, or waiting for another process's
+  build of it (DeepSpeed's ops), wherever it happens: ``record``ed by the watcher that sees it
+  (``backends/common/extensions.py``)
 - ``model_build``: the engine's objects, the model, its wrapping and the optimizer
 - ``first_step``: the data loader's start and the first optimizer step (the ``StartupTimes``
   observer)
@@ -38,7 +41,8 @@ from typing import Any, TypeVar
 
 from observers.base import Engine, Observer
 
-PHASES = ("import", "config", "plan", "rendezvous", "model_build", "checkpoint_load", "first_step")
+PHASES = ("import", "config", "plan", "rendezvous", "op_build", "model_build", "checkpoint_load",
+          "first_step")
 T = TypeVar("T")
 ENV = "STRATAGEM_STARTUP"
 """A spawned rank's inherited timeline: JSON ``{"pid", "start", "marks"}`` of its launcher."""
@@ -49,6 +53,11 @@ def _now() -> float:
     clock for every process of the machine)."""
     clock = getattr(time, "CLOCK_BOOTTIME", None)
     return time.clock_gettime(clock) if clock is not None else time.monotonic()
+
+
+def now() -> float:
+    """The timeline's clock now (for ``record``)."""
+    return _now()
 
 
 def _process_start(pid: int | str = "self") -> float | None:
@@ -109,6 +118,15 @@ def span(phase: str) -> Iterator[None]:
         yield
     finally:
         _spans.append((phase, t0, _now()))
+
+
+def record(phase: str, start: float, end: float) -> None:
+    """The stretch from ``start`` to ``end`` (``now()``'s clock) belonged to ``phase``: a ``span``
+    that another thread saw (a build the extension watcher saw from its thread)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown start-up phase {phase!r} (one of {PHASES})")
+    if end > start:
+        _spans.append((phase, start, end))
 
 
 def restart() -> None:
