@@ -83,6 +83,7 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     import observers
     from backends.common import extensions, quiet
     from checkpoints.interrupt import Interrupted
+    from checkpoints.interrupt import current as interruption
     from observers import startup
 
     startup.adopt()  # a rank our launcher started continues its timeline (report.json's startup)
@@ -103,6 +104,7 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
         raise
     finally:
         teardown(ok)
+        interruption().release()  # Ctrl-C stops at a step boundary only while there are steps
 
 
 def teardown(ok: bool) -> None:

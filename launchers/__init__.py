@@ -31,8 +31,9 @@ __all__ = ["RankLost", "Stopped", "check", "launched", "restart_problem", "run",
 
 def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
     """Start this node's ranks (plain ``python train.py`` with several processes), or be the one
-    rank this process is. A run stopped on a signal (every rank saved) raises ``Stopped``; under
-    Slurm, the attempt ends without a result for submitit (the requeued attempt writes it)."""
+    rank this process is. A run stopped on a signal (Ctrl-C, SIGTERM, SIGUSR1: every rank saved)
+    raises ``Stopped``, which names the command that resumes; under Slurm, the attempt ends
+    without a result for submitit (the requeued attempt writes it)."""
     from backends.common import quiet
     from observers import startup
 
@@ -50,10 +51,10 @@ def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
     try:
         return run_rank(job, out, plan)
     except Interrupted as e:
-        code = stopped(e)
+        stop = stopped(e, out, job.trainer.resume_from)  # (names the command that resumes)
         if slurm.in_job():
             slurm.leave_without_result(str(e))
-        raise Stopped(str(e), code) from None
+        raise stop from None
 
 def outside_world_problems(nodes: int, devices: int) -> list[str]:
     """Under torchrun or ``accelerate launch``: the job's world against the launcher's (nodes and

@@ -74,10 +74,18 @@ PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Tim
 
 
 def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
+    import checkpoints
     from backends import run
     from checkpoints.interrupt import Interrupted
     from recipes.cli import rank_aware_logging
 
+    # Until the run takes its stop signals (checkpoints/interrupt.py, as training starts): Ctrl-C
+    # is the launcher's to pass on (it reached this process group's launcher too), SIGTERM ends
+    # this rank at once -- nothing is saved before the first step. Inherited from the launcher
+    # otherwise (forked), its handlers would be in force here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    checkpoints.interruption().announce = False  # the launcher says what a Ctrl-C does
     rank_aware_logging()
     if job.run.accelerator == "cpu" and job.mesh.devices > 1:  # (forked: the parent's threads)
         import torch
@@ -88,7 +96,7 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     try:
         return run(job, out, plan)
     except Interrupted as e:  # every rank saved after the same step: end with the signal's code
-        sys.exit(stopped(e))
+        sys.exit(stopped(e, out, resume=False).code)  # (the launcher names the checkpoint, how to resume)
     except Exception as e:
         # A survivor's collective fails within milliseconds of a peer's death. Torch's agent
         # records one failure per check, the lowest rank among those gone by then; waiting two
@@ -116,36 +124,172 @@ class RankLost(RuntimeError):
 
 
 class Stopped(RuntimeError):
-    """Every rank stopped on a signal after saving its checkpoint (``code``: 128 + the signal)."""
+    """Every rank stopped on a signal after saving its checkpoint (``code``: 128 + the signal);
+    the message names the checkpoint and the command that resumes from it."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
 
 
-def stopped(e: Any) -> int:
-    """After ``checkpoints.Interrupted`` (every rank saved after the same step): rank 0 says so,
-    and under Slurm requeues the job on SIGUSR1 (its time limit is near); the exit code is
-    128 + the signal. The requeued or restarted job resumes through trainer.resume_from=auto."""
-    import logging
-    import signal
+STOP_CODES = {128 + signal.SIGUSR1, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+"""A rank's exit after ``checkpoints.Interrupted``: every rank saved after the same step."""
 
-    if int(os.environ.get("RANK", "0")) == 0:
-        log = logging.getLogger("train")
-        if e.signum == signal.SIGUSR1 and slurm.in_job():
+
+def stopped(e: Any, out: Path, resume_from: str | None = "auto", resume: bool = True) -> Stopped:
+    """After ``checkpoints.Interrupted`` (every rank saved after the same step): the ``Stopped``
+    that ends this process with 128 + the signal, naming the checkpoint and (``resume``) the
+    command that resumes from it. Under Slurm, SIGUSR1 (its time limit is near) requeues the job
+    instead (rank 0), and the requeued attempt resumes through trainer.resume_from=auto."""
+    import logging
+
+    from launchers import resume as resuming
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if e.signum == signal.SIGUSR1 and slurm.in_job():
+        if rank0:
             slurm.requeue()
-            log.warning("%s; requeued Slurm job %s: the next attempt resumes from it", e,
-                        os.environ.get("SLURM_JOB_ID"))
-        else:
-            log.warning("%s; run the same command again to resume from it (trainer.resume_from=auto)", e)
-    return 128 + e.signum
+            logging.getLogger("train").warning(
+                "%s; requeued Slurm job %s: the next attempt resumes from it", e,
+                os.environ.get("SLURM_JOB_ID"))
+        return Stopped(str(e), 128 + e.signum)
+    how = f"; to resume: {resuming.command(out, resume_from)}" if resume and rank0 else ""
+    return Stopped(f"{e}{how}", 128 + e.signum)
+
+
+class _Stops:
+    """SIGINT and SIGTERM in the process that started the ranks, while they run. The agent's own
+    handlers are left out (``signals_to_handle``): on SIGINT it would pass a second SIGINT on to
+    ranks that got the terminal's Ctrl-C already -- a second Ctrl-C for them, which stops at
+    once -- and on SIGTERM it would kill ranks still saving after 30 s.
+
+    The first signal: the ranks are sent SIGTERM (they may not have had the signal: ``kill -INT``
+    of this process alone; a rank already stopping ignores it), each finishes its step, they save
+    together and exit (``_rank``); the agent then reports them. They have ``bound_s``
+    (cluster.collective_timeout) for it, then they are killed. A second Ctrl-C kills them at once.
+    This process ends with 128 + the first signal either way."""
+
+    def __init__(self, out: Path, job: Job):
+        from checkpoints.interrupt import SAME_PRESS_S
+
+        self.out, self.job, self.bound_s = out, job, float(job.cluster.collective_timeout)
+        self.window = SAME_PRESS_S
+        self.signum = 0
+        self._presses, self._first, self._pid, self._before = 0, 0.0, 0, {}
+
+    def __enter__(self) -> _Stops:
+        self._pid = os.getpid()
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM):
+            self._before[s] = signal.getsignal(s)
+        signal.signal(signal.SIGINT, self._signal)
+        signal.signal(signal.SIGTERM, self._signal)
+        signal.signal(signal.SIGALRM, self._too_long)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for s, handler in self._before.items():
+            signal.signal(s, handler)
+
+    def _signal(self, signum: int, frame: Any) -> None:
+        from checkpoints.interrupt import say
+
+        if os.getpid() != self._pid:  # a rank forked before it set its own (_rank, first thing)
+            if signum == signal.SIGTERM:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._presses and now - self._first < self.window:
+                return  # the same Ctrl-C, passed on
+            self._presses += 1
+            if self._presses > 1:
+                self._end("Ctrl-C again: stopped every rank at once, without a checkpoint of this step")
+            self._first = now
+        if self.signum:
+            return
+        self.signum = signum
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        say(f"{what}: every rank finishes its step and saves a checkpoint, then the run stops (within "
+            f"{self.bound_s:g} s, cluster.collective_timeout)" +
+            ("; Ctrl-C again to stop at once, without one" if signum == signal.SIGINT else ""))
+        self._send(signal.SIGTERM)
+        signal.setitimer(signal.ITIMER_REAL, self.bound_s)
+
+    def _too_long(self, signum: int, frame: Any) -> None:
+        self._end(f"the ranks did not stop within {self.bound_s:g} s (cluster.collective_timeout) of "
+                  f"the {signal.Signals(self.signum).name}: stopped them")
+
+    def _send(self, signum: int) -> None:
+        import multiprocessing
+
+        for p in multiprocessing.active_children():  # the ranks (torch starts them as such)
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _end(self, why: str) -> None:
+        from checkpoints.interrupt import exit_now, say
+
+        self._send(signal.SIGKILL)
+        say(f"{why}; {newest(self.out, self.job)}")
+        exit_now(128 + (self.signum or signal.SIGINT))
+
+    def outcome(self, codes: set[int]) -> Stopped:
+        """How the run ended after this process's signal (the ranks' exit codes: ``STOP_CODES``
+        when they saved together; a rank still starting when it came ends without saving)."""
+        if len(codes) == 1 and codes <= STOP_CODES:
+            return Stopped(_saved(self.signum, self.out, self.job), 128 + self.signum)
+        return Stopped(f"stopped by {_signal_name(self.signum)} before the ranks saved a checkpoint of "
+                       f"this step; {newest(self.out, self.job)}", 128 + self.signum)
+
+
+def _signal_name(signum: int) -> str:
+    return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name.removeprefix("step"))
+
+
+def _command(out: Path, job: Job) -> str:
+    from launchers import resume
+
+    return resume.command(out, job.trainer.resume_from)
+
+
+def newest(out: Path, job: Job) -> str:
+    """The newest complete checkpoint of the run in ``out`` and the command that resumes from it."""
+    from checkpoints.store import latest
+
+    ckpt = latest(out)
+    if ckpt is None:
+        return "no checkpoint was saved: the same command starts the run over"
+    return f"the newest checkpoint is {ckpt} (step {_step(ckpt)}); to resume from it: {_command(out, job)}"
+
+
+def _agent_options() -> dict[str, Any]:
+    """LaunchConfig's options for signals, where this torch has them (2.9+; asked of the class,
+    not of the version): the agent handles neither SIGINT nor SIGTERM (``_Stops`` does). An older
+    agent takes both over as it starts the ranks: it passes the signal on, kills the ranks 30 s
+    later and raises ``SignalException``; a rank counts the Ctrl-C it passes on as the terminal's
+    (checkpoints/interrupt.py, SAME_PRESS_S)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return {"signals_to_handle": "SIGHUP,SIGQUIT"} if "signals_to_handle" in names else {}
 
 
 def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     """Start this node's ranks, wait for them and return local rank 0's outcome (its ``rank`` is
     the global one). When a rank dies, torch's agent notices within ``monitor_interval`` and
     stops the others (no collective waits for it, no process is left); ``RankLost`` then names
-    the rank that was lost."""
+    the rank that was lost. Ctrl-C or SIGTERM here: every rank finishes its step and saves,
+    and ``Stopped`` names the checkpoint and the command that resumes (``_Stops``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -155,23 +299,41 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     config = LaunchConfig(min_nodes=rdzv.nodes, max_nodes=rdzv.nodes, nproc_per_node=job.mesh.devices,
                           run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
                           max_restarts=rdzv.max_restarts, monitor_interval=MONITOR_SECONDS,
-                          start_method="fork" if job.run.accelerator == "cpu" else "spawn")
+                          start_method="fork" if job.run.accelerator == "cpu" else "spawn",
+                          **_agent_options())
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     from observers import startup
 
     startup.hand_over()  # the ranks continue this process's start-up timeline
+    stops = _Stops(out, job)
     try:
-        outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
+        with stops:
+            outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
         return outcomes[min(outcomes)]
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if len(codes) == 1 and codes <= {128 + signal.SIGUSR1, 128 + signal.SIGTERM}:
-            name = signal.Signals(codes.pop() - 128).name
-            raise Stopped(f"stopped by {name}: every rank finished its step and saved a checkpoint; "
-                          "run the same command again to resume (trainer.resume_from=auto)",
-                          128 + signal.Signals[name]) from None
+        if stops.signum:  # this process was signalled (Ctrl-C, SIGTERM)
+            raise stops.outcome(codes) from None
+        if len(codes) == 1 and codes <= STOP_CODES:  # a rank was signalled: all saved together
+            signum = codes.pop() - 128
+            raise Stopped(_saved(signum, out, job), 128 + signum) from None
         raise RankLost(_lost(e, job.mesh.size, rdzv.nodes)) from None
+    except SignalException as e:  # an agent that handles signals itself passed it on and waited
+        raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
         startup.take_back()
+
+
+def _saved(signum: int, out: Path, job: Job) -> str:
+    """The ranks stopped on ``signum`` after saving together: the newest checkpoint is theirs."""
+    from checkpoints.store import latest
+
+    ckpt = latest(out)
+    if ckpt is None:  # (a save that failed ends a rank otherwise)
+        return f"stopped by {_signal_name(signum)}; {newest(out, job)}"
+    return (f"stopped by {_signal_name(signum)} after step {_step(ckpt)}: every rank finished its step and "
+            f"saved a checkpoint ({ckpt}); to resume: {_command(out, job)}")
 
 
 def _lost(e: Any, world: int, nodes: int = 1) -> str:

@@ -21,6 +21,7 @@ from strategies.conf import CONF_DIR
 T = TypeVar("T")
 
 CONFIG_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 _started = False
 
@@ -347,3 +348,6 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
                 print(line, file=sys.stderr)
             sys.exit(CONFIG_ERROR)
         raise
+    except KeyboardInterrupt:  # Ctrl-C before a run takes it (checkpoints/interrupt.py), or after
+        print("stopped by Ctrl-C", file=sys.stderr)
+        sys.exit(INTERRUPTED)

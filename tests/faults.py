@@ -1,13 +1,17 @@
 """Run train.py with a fault injected -- test-only code, nothing in the product reads it.
 
     python tests/faults.py [--kill-at STEP --rank R [--once FILE]] [--signal-at STEP --signum NAME]
-                           [--slow-save STEP --seconds S] [--note FILE] -- <train.py overrides>
+                           [--slow-save STEP --seconds S] [--pause-at STEP --rank R --seconds S]
+                           [--note FILE] -- <train.py overrides>
 
 --kill-at: rank R SIGKILLs itself right after optimizer step STEP (with --once, only if FILE does
 not exist yet, which it then creates: under torchrun's restarts the fault happens once).
 --signal-at: rank R sends itself signal NAME (USR1, TERM) right after optimizer step STEP; the
 other ranks get none.
 --slow-save: the save of STEP sleeps S seconds after the payload is written, before the commit.
+--pause-at: rank R, right after optimizer step STEP, notes "pause<R>" and waits up to S seconds
+for a stop signal to reach it (checkpoints/interrupt.py's flag): a test signals the job then, and
+the run stops after that known step.
 --note: where to write "<event> <unix time>" lines (kill, saving), for the test to watch.
 The patches are made before train.py runs, so ranks forked by our launcher inherit them; under
 torchrun every rank runs this file.
@@ -45,6 +49,7 @@ def main() -> None:
     p.add_argument("--signum", default="USR1")
     p.add_argument("--slow-save", type=int)
     p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--pause-at", type=int)
     p.add_argument("--note")
     args = p.parse_args(argv[:split])
     sys.path.insert(0, str(ROOT))
@@ -78,6 +83,22 @@ def main() -> None:
                 os.kill(os.getpid(), getattr(signal, f"SIG{args.signum}"))
 
         Observers.step_end = signalling_step_end
+
+    if args.pause_at is not None:
+        from checkpoints.interrupt import current
+        from observers.base import Observers
+
+        paused_step_end = Observers.step_end
+
+        def pausing_step_end(self, engine, step, loss):
+            paused_step_end(self, engine, step, loss)
+            if step == args.pause_at and engine.rank == args.rank:
+                _note(args.note, f"pause{engine.rank}")
+                deadline = time.time() + args.seconds
+                while not current().signum and time.time() < deadline:
+                    time.sleep(0.02)
+
+        Observers.step_end = pausing_step_end
 
     if args.slow_save is not None:
         from checkpoints import state

@@ -213,6 +213,158 @@ def test_a_signal_to_one_rank_stops_every_rank_after_its_step_and_the_resume_is_
 
 
 
+@pytest.mark.unit
+def test_the_resume_command_is_the_command_line_with_the_run_directory_pinned(monkeypatch, tmp_path):
+    """What a stopped run prints: its own command line as typed (``~logger`` back to the README's
+    ``logger=null``), without the run directory and checkpoint it named, then the run directory
+    (a default one is named by the clock) and ``trainer.resume_from=auto`` where the command line
+    or the config said otherwise."""
+    import shlex
+
+    from launchers import resume
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(ROOT)
+    out = ROOT / "outputs" / "2030-01-01" / "00-00-00"
+    monkeypatch.setattr(sys, "argv", ["train.py", "strategy=ddp", "~logger", "hydra.run.dir=elsewhere",
+                                      "model.name=two words"])
+    cmd = shlex.split(resume.command(out))
+    assert cmd[1:] == ["train.py", "strategy=ddp", "logger=null", "model.name=two words",
+                       "hydra.run.dir=outputs/2030-01-01/00-00-00"], cmd
+    monkeypatch.setattr(sys, "argv", ["train.py", "+trainer.resume_from=/old/step3"])
+    assert resume.command(tmp_path).endswith(f"train.py hydra.run.dir={tmp_path.resolve()} trainer.resume_from=auto")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert resume.command(tmp_path, None).endswith("trainer.resume_from=auto")  # (a config said null)
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "--config-name", "mine", "strategy=ddp,fsdp"])
+    assert shlex.split(resume.command(tmp_path))[1:4] == ["train.py", "--config-name", "mine"]
+
+
+def _ctrl_c_job(fault: tuple[str, ...], overrides: tuple[str, ...], out: Path, token: str,
+                log: Path) -> subprocess.Popen:
+    """The job in a process group of its own, as a terminal's foreground job: os.killpg(pid,
+    SIGINT) is Ctrl-C (the launcher and every rank get it)."""
+    return subprocess.Popen(_faulty(fault, *overrides, out=out), cwd=ROOT, env=_env(token),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _kill_group(job: subprocess.Popen) -> None:
+    """Whatever is left of the job's process group (a test that failed half-way)."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait(timeout=30)
+
+
+def _none_left(token: str) -> None:
+    time.sleep(0.5)
+    left = _processes_with(token)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "a process of the job was left behind"
+
+
+def _wait_for(note: Path, event: str, job: subprocess.Popen, log: Path, seconds: float = 240) -> None:
+    deadline = time.time() + seconds
+    while event not in _events(note):
+        if job.poll() is not None or time.time() > deadline:
+            _kill_group(job)
+            pytest.fail(f"no {event!r} (exit {job.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)
+
+
+def _resume_command(log: str) -> list[str]:
+    """The command the stopped run printed, to run as printed."""
+    import shlex
+
+    lines = [ln for ln in log.splitlines() if "to resume: " in ln]
+    assert len(lines) == 1, log[-4000:]
+    return shlex.split(lines[0].split("to resume: ", 1)[1])
+
+
+# CI: the default single process (Lightning's own Ctrl-C handling bypassed) and our launcher's ranks
+# on Lightning (its SIGTERM handler replaced); Accelerate's stop is the same step-boundary check
+# (proven in CI by the SIGUSR1 test above), its Ctrl-C here in the slow tier.
+CTRL_C = [("single", "lightning"), ("ddp", "lightning"),
+          pytest.param("ddp", "accelerate", marks=pytest.mark.slow)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("preset", "backend"), CTRL_C)
+def test_ctrl_c_saves_after_the_step_and_the_printed_command_resumes_exactly(
+        cached, reference, tmp_path, preset, backend):
+    """Ctrl-C (SIGINT to the job's process group: the launcher and every rank, as a terminal
+    sends it) while step 4 ends: every rank finishes the step, they save step 4 together and the
+    job exits 130 -- not Lightning's "Detected KeyboardInterrupt", exit 1 -- printing the command
+    that resumes. That command, run as printed, ends bitwise equal to the uninterrupted run. (The
+    single-process straight run saves no checkpoint of its own: step 4 is the Ctrl-C's.)"""
+    if preset == "single":
+        straight, overrides = reference("adamw"), (*EQUIV, *PRESETS["single"], QUIET)
+    else:
+        straight = _straight(cached, preset, backend)
+        overrides = (*EQUIV, *PRESETS[preset], CKPT3, f"backend={backend}", QUIET)
+    token, note, out, log = uuid.uuid4().hex, tmp_path / "note", tmp_path / "run", tmp_path / "log"
+    job = _ctrl_c_job(("--pause-at", "4", "--rank", "0", "--seconds", "120", "--note", str(note)),
+                      overrides, out, token, log)
+    try:
+        _wait_for(note, "pause0", job, log)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            _kill_group(job)
+    text = log.read_text()
+    assert job.returncode == 128 + signal.SIGINT, text[-4000:]
+    assert "Ctrl-C: " in text and "stopped by SIGINT" in text and "after step 4" in text, text[-4000:]
+    assert (out / "checkpoints" / "step4" / "COMPLETE").is_file(), text[-4000:]
+    assert not (out / "report.json").exists()
+    assert "KeyboardInterrupt" not in text and "Traceback" not in text and GLOO_ABORT not in text, text[-4000:]
+    _none_left(token)
+    cmd = _resume_command(text)
+    assert f"hydra.run.dir={out}" in cmd, cmd  # (a default run directory is named by the clock)
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    again = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, again[-4000:]
+    assert "at step 4: model and optimizer" in again, again[-4000:]
+    assert json.loads((out / "report.json").read_text())["losses"] == straight.losses
+    _same_params(straight.params(), torch.load(out / "params.pt", map_location="cpu"))
+
+
+@pytest.mark.multiprocess
+def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path):
+    """Ctrl-C, and again while the ranks save (the save slowed): every process ends within
+    seconds with 130, the half-written step 4 is left for the next run to remove, and the
+    message names the newest checkpoint (step 3) and the command that resumes from it."""
+    token, note, out, log = uuid.uuid4().hex, tmp_path / "note", tmp_path / "run", tmp_path / "log"
+    overrides = (*EQUIV, *PRESETS["ddp"], CKPT3, QUIET)
+    fault = ("--pause-at", "4", "--rank", "0", "--slow-save", "4", "--seconds", "120", "--note", str(note))
+    job = _ctrl_c_job(fault, overrides, out, token, log)
+    try:
+        _wait_for(note, "pause0", job, log)
+        os.killpg(job.pid, signal.SIGINT)
+        first = time.time()
+        _wait_for(note, "saving0", job, log, seconds=60)
+        time.sleep(max(0.0, first + 1.5 - time.time()))  # (a second press, not the first passed on)
+        os.killpg(job.pid, signal.SIGINT)
+        second = time.time()
+        job.wait(timeout=30)
+        took = time.time() - second
+    finally:
+        if job.poll() is None:
+            _kill_group(job)
+    text = log.read_text()
+    assert job.returncode == 128 + signal.SIGINT, text[-4000:]
+    assert took < 10, f"{took:.1f} s after the second Ctrl-C\n{text[-4000:]}"
+    assert "Ctrl-C again: stopped every rank at once" in text, text[-4000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / "step3" / "COMPLETE").is_file() and not (ckpts / "step4").exists()
+    assert f"the newest checkpoint is {ckpts / 'step3'}" in text and "to resume from it: " in text
+    _none_left(token)
+
+
 HISTORY = (*EQUIV, *PRESETS["single"], "trainer.checkpoint_every=4", "data.val_fraction=0.1",
            "trainer.val_every=2", QUIET)
 

@@ -127,8 +127,8 @@ def prepare(job: Job) -> Prepared:
 
 
 def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
-    """Run this rank; returns the report (every rank gets its copy). On SIGUSR1/SIGTERM every
-    rank finishes its step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py)."""
+    """Run this rank; returns the report (every rank gets its copy). On SIGUSR1/SIGTERM/SIGINT
+    every rank finishes its step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py)."""
     p = prepare(job)
     ckpt = checkpoints.start(job, out, rank=p.acc.process_index, world_size=p.acc.num_processes,
                              device=p.acc.device)

@@ -81,6 +81,11 @@ RECORDS: dict[str, tuple[str, str]] = {
     "accelerate.utils.dataclasses": (
         r"sharding_strategy is deprecated in favor of reshard_after_forward",
         "Accelerate's FSDP plugin with fsdp_version=1 (FSDP1 presets) still reads sharding_strategy"),
+    "torch.distributed.elastic.multiprocessing.api": (
+        r"^failed \(exitcode: (130|138|143)\)",
+        "torch's agent reports, with a traceback of its own, a rank that ended with 128 + SIGINT, "
+        "SIGUSR1 or SIGTERM: our ranks exit so only after every rank saved on a stop signal "
+        "(launchers/local.py), and the launcher says so, with the command that resumes"),
 }
 
 # logger -> the lowest level shown.

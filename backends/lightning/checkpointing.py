@@ -45,7 +45,7 @@ def set_global_step(trainer: L.Trainer, step: int) -> None:
 
 class Checkpointing(L.Callback):
     """Save every ``trainer.checkpoint_every`` optimizer steps and the last; restore ``trainer.resume_from``;
-    stop cleanly on SIGUSR1/SIGTERM (checkpoints/interrupt.py): after the step every rank is in,
+    stop cleanly on SIGUSR1/SIGTERM/SIGINT (checkpoints/interrupt.py): after the step every rank is in,
     all save together and the run raises ``Interrupted``. Each checkpoint carries the observers'
     record (``Observers.history``); a resumed run hands it back to them."""
 
@@ -56,11 +56,25 @@ class Checkpointing(L.Callback):
         self.interrupt = checkpoints.interruption()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # after Lightning registered its own signal handlers (its SIGTERM handler would raise on
-        # one rank in the middle of a step): ours only set a flag. Lightning restores, at its
-        # teardown, the handlers it found: ours, installed first by the backend.
-        self.interrupt.install()
         startup.mark("rendezvous")  # (Lightning's setup_environment: the process group)
+        # Lightning registers its own signal handlers after setup and on_fit_start, for the fit:
+        # its SIGTERM handler broadcasts from inside the handler -- while the other rank may be in
+        # another collective: a deadlock -- and makes the loop raise on the next batch. Ours (a
+        # flag) go in again the moment it has registered (its ``_signal_connector``; where a
+        # Lightning has none, at on_train_start). At its teardown Lightning restores the handlers
+        # it found: ours, installed first by the backend.
+        connector = getattr(trainer, "_signal_connector", None)
+        register = getattr(connector, "register_signal_handlers", None)
+        if register is not None and not getattr(register, "_then_ours", False):
+            def register_then_ours() -> None:
+                register()
+                self.interrupt.install()
+
+            register_then_ours._then_ours = True
+            connector.register_signal_handlers = register_then_ours
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.interrupt.install()  # (see setup)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         startup.mark("model_build")  # (configure_model, the strategy's wrapping, the optimizer)
