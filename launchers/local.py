@@ -166,7 +166,8 @@ class _Stops:
     The first signal: the ranks are sent SIGTERM (they may not have had the signal: ``kill -INT``
     of this process alone; a rank already stopping ignores it), each finishes its step, they save
     together and exit (``_rank``); the agent then reports them. They have ``bound_s``
-    (cluster.collective_timeout) for it, then they are killed. A second Ctrl-C kills them at once.
+    (cluster.collective_timeout) for it, then they are killed. A second Ctrl-C kills them at once,
+    and so does the first when no rank runs yet (a rendezvous still waiting for other nodes).
     This process ends with 128 + the first signal either way."""
 
     def __init__(self, out: Path, job: Job):
@@ -210,25 +211,30 @@ class _Stops:
         if self.signum:
             return
         self.signum = signum
+        if not self._send(signal.SIGTERM):  # (still meeting the other nodes, or all done)
+            self._end(f"stopped by {_signal_name(signum)}: no rank was running")
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         say(f"{what}: every rank finishes its step and saves a checkpoint, then the run stops (within "
             f"{self.bound_s:g} s, cluster.collective_timeout)" +
             ("; Ctrl-C again to stop at once, without one" if signum == signal.SIGINT else ""))
-        self._send(signal.SIGTERM)
         signal.setitimer(signal.ITIMER_REAL, self.bound_s)
 
     def _too_long(self, signum: int, frame: Any) -> None:
         self._end(f"the ranks did not stop within {self.bound_s:g} s (cluster.collective_timeout) of "
                   f"the {signal.Signals(self.signum).name}: stopped them")
 
-    def _send(self, signum: int) -> None:
+    def _send(self, signum: int) -> int:
+        """Signal the ranks (torch starts them as multiprocessing's children); how many."""
         import multiprocessing
 
-        for p in multiprocessing.active_children():  # the ranks (torch starts them as such)
+        sent = 0
+        for p in multiprocessing.active_children():
             try:
                 os.kill(p.pid, signum)
+                sent += 1
             except ProcessLookupError:
                 pass
+        return sent
 
     def _end(self, why: str) -> None:
         from checkpoints.interrupt import exit_now, say
