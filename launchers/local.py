@@ -86,6 +86,8 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     checkpoints.interruption().announce = False  # the launcher says what a Ctrl-C does
+    if os.environ.get(STOPPING):  # restarted (cluster.max_restarts) after the launcher was stopped
+        sys.exit(128 + int(os.environ[STOPPING]))
     rank_aware_logging()
     if job.run.accelerator == "cpu" and job.mesh.devices > 1:  # (forked: the parent's threads)
         import torch
@@ -132,6 +134,9 @@ class Stopped(RuntimeError):
         self.code = code
 
 
+STOPPING = "STRATAGEM_STOPPING"
+"""Set in the launcher's environment (so in ranks started after it) once it is stopped: a rank
+the agent restarts then (the stopped ranks' exits count as failures) ends at once."""
 STOP_CODES = {128 + signal.SIGUSR1, 128 + signal.SIGTERM, 128 + signal.SIGINT}
 """A rank's exit after ``checkpoints.Interrupted``: every rank saved after the same step."""
 
@@ -188,6 +193,7 @@ class _Stops:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        os.environ.pop(STOPPING, None)
         signal.setitimer(signal.ITIMER_REAL, 0)
         for s, handler in self._before.items():
             signal.signal(s, handler)
@@ -211,6 +217,7 @@ class _Stops:
         if self.signum:
             return
         self.signum = signum
+        os.environ[STOPPING] = str(signum)
         if not self._send(signal.SIGTERM):  # (still meeting the other nodes, or all done)
             self._end(f"stopped by {_signal_name(signum)}: no rank was running")
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
