@@ -88,10 +88,15 @@ class Pipeline:
         cls = getattr(schedules, SCHEDULES[preset.schedule][0])
         self.schedule = (cls(self.stages[0], preset.microbatches, loss_fn=self._loss)
                          if len(self.stages) == 1 else cls(self.stages, preset.microbatches, loss_fn=self._loss))
-        self.last = n - 1 in ids
+        # Only the rank holding the first stage hands the schedule its inputs (torch 2.11 refuses
+        # them on the others: shape inference there receives from the previous stage).
+        self.first, self.last = 0 in ids, n - 1 in ids
         owner = stage_owner(preset.schedule, n - 1, preset.pp, preset.virtual())
         self.last_rank = dist.get_global_rank(self.group, owner)
         self.wall, self.steps, self.evaluating = 0.0, 0, False
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x,) if self.first else ()
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.evaluating:  # the token-loss sum (padding targets are ignored)
@@ -112,7 +117,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         t = time.perf_counter()
         with context:
-            self.schedule.step(x, target=y, losses=losses)
+            self.schedule.step(*self._inputs(x), target=y, losses=losses)
         self.wall += time.perf_counter() - t
         self.steps += 1
         for q, before in zip(params, earlier):
@@ -138,7 +143,7 @@ class Pipeline:
         self.evaluating = True
         try:
             with context:
-                self.schedule.eval(x, target=y, losses=losses)
+                self.schedule.eval(*self._inputs(x), target=y, losses=losses)
         finally:
             self.evaluating = False
             for s, c in zip(self.stages, compute):
