@@ -266,11 +266,6 @@ def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]
     return train, val
 
 
-def build_dataset(data_cfg, shape, seed: int) -> Dataset:
-    """The training set (see ``build_datasets``)."""
-    return build_datasets(data_cfg, shape, seed)[0]
-
-
 def data_facts(dataset: Dataset) -> dict[str, int | None]:
     """report.json's ``data``: the training set's ``tokens`` (targets: samples x seq_len) and
     ``loss_tokens``, those the loss counts (fewer than tokens only for data=chat with

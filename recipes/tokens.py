@@ -243,14 +243,6 @@ def record_keys(inputs: Inputs) -> tuple[list[str], Any] | None:
     return None
 
 
-def missing_field(kind: str, path: str | Path, field: str) -> list[str] | None:
-    """The keys of the first record when it lacks ``field`` (None when it has it, or for text)."""
-    found = record_keys(resolve_inputs(kind, path))
-    if found is None:
-        return None
-    return None if field in found[0] else found[0]
-
-
 def _messages_problem(value: Any) -> str | None:
     """Why a record's messages are not a list of {role, content}, or None."""
     if not isinstance(value, list) or not value:

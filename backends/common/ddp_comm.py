@@ -69,10 +69,6 @@ class _Feedback:
             self.residuals[id(p)] = retained[offset:offset + p.numel()]
             offset += p.numel()
 
-    def residual_norm(self) -> float:
-        return float(sum(r.double().pow(2).sum() for r in self.residuals.values()) ** 0.5) \
-            if self.residuals else 0.0
-
 
 def topk_split(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values, indices, retained) of ``acc``'s ``k`` largest magnitudes: ``retained`` is ``acc``
