@@ -132,6 +132,7 @@ def test_who_holds_a_lock_and_who_builds_beside_it(tmp_path, monkeypatch):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_a_first_op_build_is_announced_and_is_its_own_startup_phase(tmp_path):
     """A ZeRO-2 run on CPU with an empty extensions folder compiles DeepSpeed's CPU collective
     (measured 104-214 s on 2 shared cores): the run says so as it begins, and report.json's
