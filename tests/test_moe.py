@@ -108,7 +108,13 @@ def test_ep_presets_refuse_a_dense_model_by_name(preset):
 
 
 @pytest.mark.unit
-def test_zero2_ep_is_priced_and_refused_for_training_by_name():
+def test_zero2_ep_is_planned_only_and_refused_for_training_by_name():
+    """plan.py prices zero2_ep as a planned-only layout; train.py's validation refuses it by name."""
+    import strategies
+
+    assert strategies.load("zero2_ep").capabilities.planned_only
+    assert not strategies.load("fsdp_ep").capabilities.planned_only
+    assert _plan("zero2_ep", 2)["planned_only"]
     validate(compose(["strategy=fsdp_ep", *TWO, *CPU, *MOE]))
     with pytest.raises(ConfigError) as e:
         validate(compose(["strategy=zero2_ep", *TWO, *CPU, *MOE]))

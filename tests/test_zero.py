@@ -303,9 +303,15 @@ assert type(StrategyRegistry.get('zero2_offload')).__name__ == 'CPUCapableDeepSp
 
 @pytest.mark.unit
 def test_every_preset_yaml_has_a_launch_line_and_commented_keys():
+    """A preset's header shows the command that uses it: train.py, or plan.py for a planned-only
+    preset (zero2_ep), which train.py refuses by name."""
+    import strategies
+
     for path in sorted((ROOT / "conf" / "strategy").glob("zero*.yaml")):
         lines = path.read_text().splitlines()
-        assert lines[0].startswith("#") and any(l.startswith("# python train.py") for l in lines[:4]), path
+        planned = strategies.load(path.stem).capabilities.planned_only
+        command = f"# python {'plan' if planned else 'train'}.py"
+        assert lines[0].startswith("#") and any(l.startswith(command) for l in lines[:6]), path
         for line in lines:
             if line and not line.startswith(("#", " ", "-", "defaults:", "name:")):
                 assert "#" in line, f"{path.name}: key without a comment: {line!r}"

@@ -6,8 +6,9 @@ Presets: ``fsdp_ep`` (FSDP2 over the non-expert parameters; the experts, sharded
 group, are FSDP2-sharded over the dp / ep ranks that hold the same experts -- torchtitan's
 layout) and ``zero2_ep`` (DeepSpeed ZeRO-2 over the non-expert parameters; expert gradients and
 optimizer state partitioned over the dp / ep ranks that hold the same experts, DeepSpeed's own
-expert-data-parallel groups): priced by the planner, refused for training (``problems``: its
-engine knows only its own MoE layer's parameters as experts). ``ep`` takes no ranks of its own: it folds into the data-parallel
+expert-data-parallel groups): planned only (``capabilities.planned_only``: plan.py prices it),
+refused for training by name (``problems``: its engine knows only its own MoE layer's
+parameters as experts). ``ep`` takes no ranks of its own: it folds into the data-parallel
 ranks (``Mesh``), which must be a multiple of it; the model's experts must divide by it.
 """
 
@@ -164,7 +165,7 @@ class ZeroEPConfig(ZeroConfig):
     @property
     def capabilities(self) -> Capabilities:
         return dataclasses.replace(super().capabilities, lora=False, degrees=("ep",),
-                                   native_config=None)
+                                   native_config=None, planned_only=True)
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, ep=self.ep)
