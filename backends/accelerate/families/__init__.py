@@ -7,16 +7,13 @@ of the engine around them. A family whose module only refuses (``problems``) is 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import pkgutil
 from typing import Any
 
 from backends.common import torch as torch_common
+from backends.common.builders import Builders
 from strategies import StrategyConfig
 from strategies.parallelize import parallelize, plan_for
 from strategies.run import Run
-
-_BUILDERS: dict[type, type[Builder]] = {}
 
 
 class Builder:
@@ -70,33 +67,16 @@ class Builder:
         return torch_common.full_state_dict(model)
 
 
-def builds(config_cls: type[StrategyConfig]):
-    """Class decorator: this ``Builder`` runs presets of ``config_cls`` on Accelerate."""
-
-    def register(builder: type[Builder]) -> type[Builder]:
-        _BUILDERS[config_cls] = builder
-        return builder
-
-    return register
-
-
-def _discover() -> None:
-    if not getattr(_discover, "done", False):
-        for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-            importlib.import_module(f"{__name__}.{module}")
-        _discover.done = True
+BUILDERS = Builders(__name__, __path__, "accelerate", ": use backend=lightning or another preset")
+builds = BUILDERS.builds
+"""Class decorator: this ``Builder`` runs presets of ``config_cls`` on Accelerate."""
 
 
 def builder(preset: StrategyConfig, run: Run) -> Builder | None:
-    _discover()
-    cls = next((_BUILDERS[c] for c in type(preset).__mro__ if c in _BUILDERS), None)
+    cls = BUILDERS.get(preset)
     return None if cls is None else cls(preset, run)
 
 
 def problems(preset: StrategyConfig, run: Run) -> list[str]:
     b = builder(preset, run)
-    if b is None:
-        return [f"strategy={preset.name} ({preset.family} family) has no builder in backend=accelerate"
-                + ("; it is planned only (python plan.py prices it)" if preset.capabilities.planned_only
-                   else ": use backend=lightning or another preset")]
-    return b.problems()
+    return BUILDERS.missing(preset) if b is None else b.problems()
