@@ -259,25 +259,49 @@ def bubble_fraction(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1) if p > 1 else 0.0
 
 
-def plan_candidate(c: Candidate, su: Setup) -> Plan:
-    """Memory, communication and step time of one candidate on one setup."""
-    cl, shape, t, o = su.cluster, su.shape, su.trainer, su.options
-    strategy, fp = c.config, c.footprint
-    run = c.run(su)
-    mesh = run.mesh
-    problems = [*strategy.problems(run), *(strategy.model_problems(shape) if shape is not None else ()),
-                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ())]
-    tp, pp, dp, shard = mesh.tp, mesh.pp, mesh.dp, mesh.dp_shard
+@dataclass(frozen=True)
+class _Layout:
+    """What one candidate derives on one setup before anything is priced: its run, the bytes of
+    each state, the per-device sizes, the micro-batches and the pipeline schedule."""
+
+    c: Candidate
+    su: Setup
+    run: object
+    sb: object
+    sizes: Sizes
+    per_step: int  # micro-batches each replica runs per step
+    schedule: object
+    virtual: int
+    split: object
+    m: int  # a schedule's micro-batches
+    ckpt: bool
+    tp_sp: bool
+    documents: bool  # the reference documents' model: states alone
+
+    @property
+    def mesh(self):
+        return self.run.mesh
+
+
+def _state_bytes(fp: Footprint, su: Setup):
+    o, t = su.options, su.trainer
     sb = fp.state_bytes(state_bytes(o.accounting, t.precision, master_weights=fp.master_weights,
                                     sharded_params=fp.params == SHARDED), o.accounting)
     if o.accounting == "actual" and t.optimizer == "sgd":
         # SGD keeps one momentum buffer, or nothing without momentum (AdamW: two moments)
         sb = dataclasses.replace(sb, optimizer=sb.optimizer / 2 if t.momentum else 0)
+    return sb
+
+
+def _layout(c: Candidate, su: Setup) -> _Layout:
+    shape, t, o = su.shape, su.trainer, su.options
+    strategy, fp = c.config, c.footprint
+    run = c.run(su)
+    mesh = run.mesh
+    tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
+    sb = _state_bytes(fp, su)
     mp = tp * pp
-    params = su.params / mp
-    trainable = (su.trainable if su.trainable is not None else su.params) / mp
-    accumulation = run.batch.accumulation
-    per_step = accumulation * run.batch.chunks  # micro-batches each replica runs per step
+    per_step = run.batch.accumulation * run.batch.chunks  # micro-batches each replica runs per step
     derived = strategy.for_batch(t.global_batch_size, t.micro_batch_size, dp)
     schedule, virtual, split = derived.pipeline_schedule()
     # a schedule's micro-batches: planner.microbatches (a what-if), the preset's, or the whole
@@ -289,65 +313,95 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
               else max(1.0, (su.params / (12 * 128**2)) ** (1 / 3)) / pp)
     # a sequence group (cp, Ulysses' sp) reduces gradients and splits sharded states with the
     # data-parallel ranks (strategies/mesh.py): dp x seq of them
-    sizes = Sizes(params=params, trainable=trainable, bytes=sb, dp=dp * mesh.seq, shard=shard * mesh.seq,
-                  tp=tp, mp=mp,
+    sizes = Sizes(params=su.params / mp,
+                  trainable=(su.trainable if su.trainable is not None else su.params) / mp,
+                  bytes=sb, dp=dp * mesh.seq, shard=mesh.dp_shard * mesh.seq, tp=tp, mp=mp,
                   unit=(unit_params(shape) if shape is not None else estimated_unit(su.params)) / mp,
                   units=layers + 1,
                   blocks=shape.n_layers * shape.block_params() / mp if shape is not None else None,
                   model=shape, total_params=su.params, micro=t.micro_batch_size,
-                  resident=cl.accelerator != "gpu")
-    notes = []
+                  resident=su.cluster.accelerator != "gpu")
+    # sequence parallelism under TP: the preset's own (planned-only layouts: planner's option)
+    tp_sp = tp > 1 and bool(getattr(strategy, "sequence_parallel", o.sequence_parallel))
+    return _Layout(c=c, su=su, run=run, sb=sb, sizes=sizes, per_step=per_step, schedule=schedule,
+                   virtual=virtual, split=split, m=m, ckpt=ckpt, tp_sp=tp_sp,
+                   documents=o.accounting != "actual")
 
-    documents = o.accounting != "actual"  # the reference documents' model: states alone
-    held = (documents_footprint(fp) if documents else fp).states(sizes)
+
+def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
+    """The per-device memory, the activations without and with checkpointing, and the total
+    with activation checkpointing."""
+    c, su, fp, sizes, ckpt = lo.c, lo.su, lo.c.footprint, lo.sizes, lo.ckpt
+    shape, micro, tp = su.shape, su.trainer.micro_batch_size, lo.mesh.tp
+    held = (documents_footprint(fp) if lo.documents else fp).states(sizes)
     mem = Memory(params=held.params, grads=held.grads, master=held.master, optimizer=held.optimizer,
                  host=held.host, nvme=held.nvme)
     act_full = act_ckpt = 0
     peak_full = peak_ckpt = 0  # activations at their peak phase, the loss backward included
-    # sequence parallelism under TP: the preset's own (planned-only layouts: planner's option)
-    tp_sp = tp > 1 and bool(getattr(strategy, "sequence_parallel", o.sequence_parallel))
     if shape is not None:
-        kw = dict(micro=t.micro_batch_size, tp=tp, pp=pp, sp=tp_sp, seq=mesh.seq, flash=o.flash_attention,
-                  elem=sb.activation, regime=None if c.planned_only else run.regime, schedule=schedule,
-                  virtual=virtual, microbatches=m, split=split)
+        kw = dict(micro=micro, tp=tp, pp=lo.mesh.pp, sp=lo.tp_sp, seq=lo.mesh.seq,
+                  flash=su.options.flash_attention, elem=lo.sb.activation,
+                  regime=None if c.planned_only else lo.run.regime, schedule=lo.schedule,
+                  virtual=lo.virtual, microbatches=lo.m, split=lo.split)
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full
-        if not documents:  # (the runnable TP presets replicate the logits: the whole vocabulary)
-            mem.loss = loss_backward_bytes(shape, micro=t.micro_batch_size,
-                                           tp=tp if c.planned_only else 1)
+        if not lo.documents:  # (the runnable TP presets replicate the logits: the whole vocabulary)
+            mem.loss = loss_backward_bytes(shape, micro=micro, tp=tp if c.planned_only else 1)
         # the loss backward lives on the rank holding the head, beside every activation it saved
         peak_full = activation_bytes(shape, ckpt=False, loss=mem.loss, **kw)
         peak_ckpt = activation_bytes(shape, ckpt=True, loss=mem.loss, **kw)
-    mem.buffers, step_buffers = (0, 0) if documents else fp.buffers(sizes)
-    kept = 0 if documents else int(fp.bucket_buffer(sizes))  # allocated once, held between steps
+    mem.buffers, step_buffers = (0, 0) if lo.documents else fp.buffers(sizes)
+    kept = 0 if lo.documents else int(fp.bucket_buffer(sizes))  # allocated once, held between steps
     states = mem.params + mem.grads + mem.master + mem.optimizer
     # freed between steps (zero_grad(set_to_none)) and made again in backward: with one
     # micro-batch per step none exist while every activation does
-    released = mem.grads if not documents and per_step == 1 and fp.grads_released(sizes) else 0
+    released = mem.grads if not lo.documents and lo.per_step == 1 and fp.grads_released(sizes) else 0
     mem.step = states + step_buffers  # the end of backward and the optimizer step: no activations
     backward = states - released + mem.buffers  # forward/backward, beside the activations
     mem.total = max(backward + (peak_ckpt if ckpt else peak_full), mem.step)
     mem.growth = mem.total - (states + kept)  # over what a finished step leaves: every state
     checkpointed = max(backward + peak_ckpt, mem.step)  # with activation checkpointing
+    return mem, act_full, act_ckpt, checkpointed
 
-    device_bytes = cl.device_bytes()
-    fits = mem.total <= device_bytes
+
+def _offload_problems(mem: Memory, su: Setup) -> list[str]:
+    """Host memory and NVMe the node lacks for what every device moved off it."""
+    cl, out = su.cluster, []
     if mem.host * cl.devices > su.host_bytes:
-        fits = False
-        notes.append(f"host memory: needs {gb(mem.host * cl.devices)} per node, "
-                     f"has {gb(su.host_bytes)}")
+        out.append(f"host memory: needs {gb(mem.host * cl.devices)} per node, "
+                   f"has {gb(su.host_bytes)}")
     if mem.nvme * cl.devices > su.nvme_bytes:
-        fits = False
-        notes.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
+        out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
+    return out
 
+
+@dataclass(frozen=True)
+class _Seconds:
+    comm: Communication
+    compute: float
+    optimizer: float
+    engine: float
+    bubble: float
+    exposed: float
+
+    @property
+    def step(self) -> float:
+        return self.compute / (1 - self.bubble) + self.exposed + self.optimizer + self.engine
+
+
+def _seconds(lo: _Layout) -> _Seconds:
+    """Communication, compute, the optimizer step, the engine's own cost, the pipeline bubble
+    and the communication left exposed, per step."""
+    c, su, fp, sizes, mesh, ckpt, m = lo.c, lo.su, lo.c.footprint, lo.sizes, lo.mesh, lo.ckpt, lo.m
+    tp, pp, shard, per_step = mesh.tp, mesh.pp, mesh.dp_shard, lo.per_step
     staged = None
     if pp > 1 and not c.planned_only:  # FSDP2 under torch's pipelining: per schedule run
-        gathers = max(fsdp_gathers(schedule, pp, virtual, m, fp.reshard_after_forward), key=sum)
+        gathers = max(fsdp_gathers(lo.schedule, pp, lo.virtual, m, fp.reshard_after_forward), key=sum)
         staged = (*gathers, max(1, per_step // m))
-    comm = communication(fp.traffic(sizes), su, sb, sizes, pp, per_step, ckpt, cp=mesh.cp, sp=mesh.sp,
-                         tp_sp=tp_sp, pipeline=(schedule, virtual), staged=staged,
-                         boundary_elem=4 if run.regime in ("32", "autocast") else 2)
+    comm = communication(fp.traffic(sizes), su, lo.sb, sizes, pp, per_step, ckpt, cp=mesh.cp, sp=mesh.sp,
+                         tp_sp=lo.tp_sp, pipeline=(lo.schedule, lo.virtual), staged=staged,
+                         boundary_elem=4 if lo.run.regime in ("32", "autocast") else 2)
     compute = flops_per_step(su, ckpt) / (mesh.size * peak_flops(su) * mfu(su))
     measured_tp = (su.machine is not None and su.machine.tp_speedup > 0 and tp == su.machine.world
                    and not c.planned_only)
@@ -355,7 +409,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         compute *= tp / su.machine.tp_speedup
     optimizer = 0.0
     if su.machine is not None:  # AdamW's step over the moments this device holds
-        moments = trainable / (shard if fp.optimizer == SHARDED else 1)
+        moments = sizes.trainable / (shard if fp.optimizer == SHARDED else 1)
         optimizer = moments * su.machine.optimizer_ns_per_param * 1e-9
     engine = 0.0
     if su.machine is not None and fp.engine and shard > 1 and not c.planned_only:
@@ -363,9 +417,10 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
         # (the reference model's collectives and sharded step taken out), over this rank's
         # parameters for each micro-batch it runs; an engine over one rank is not applied
         # (parallel.py's FSDP2 at dp 1) or not measured (one process)
-        engine = params * getattr(su.machine, f"engine_ns_per_param_{fp.engine}", 0.0) * 1e-9 * per_step
+        engine = (sizes.params * getattr(su.machine, f"engine_ns_per_param_{fp.engine}", 0.0) * 1e-9
+                  * per_step)
     try:
-        bubble = pipeline_bubble(schedule, pp, virtual, m, recompute=ckpt)
+        bubble = pipeline_bubble(lo.schedule, pp, lo.virtual, m, recompute=ckpt)
     except (RuntimeError, ValueError, KeyError):  # a schedule that cannot run (its problems say why)
         bubble = bubble_fraction(pp, m)
     exposed = exposed_seconds(comm, compute, per_step, ckpt)
@@ -376,38 +431,59 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     if measured_tp:  # TP's own collectives are inside the measured speedup
         exposed = max(0.0, exposed - sum(x.seconds for n, x in comm.by_collective.items()
                                          if n.startswith("tp_")))
-    notes += fp.notes(sizes)
+    return _Seconds(comm=comm, compute=compute, optimizer=optimizer, engine=engine, bubble=bubble,
+                    exposed=exposed)
+
+
+def _stalled(comm: Communication, su: Setup) -> list[str]:
+    """A sentence for each link of 0 GB/s that a collective needs (its step never ends)."""
+    dead = {}
+    for name, x in comm.by_collective.items():
+        if not math.isfinite(x.seconds):
+            dead.setdefault(x.group, []).append(name)
+    out = []
+    for group, names in dead.items():
+        key = LINKS.get(group, group)
+        out.append(f"{key}={su.link_GBps(group) if group in LINKS else 0:g}: "
+                   f"{', '.join(names)} over a 0 GB/s link never completes (step ~ inf); set "
+                   f"{key} to the link's bandwidth in GB/s")
+    return out
+
+
+def plan_candidate(c: Candidate, su: Setup) -> Plan:
+    """Memory, communication and step time of one candidate on one setup."""
+    cl, shape, o = su.cluster, su.shape, su.options
+    lo = _layout(c, su)
+    run, mesh = lo.run, lo.mesh
+    problems = [*c.config.problems(run), *(c.config.model_problems(shape) if shape is not None else ()),
+                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ())]
+    mem, act_full, act_ckpt, checkpointed = _memory(lo)
+    device_bytes = cl.device_bytes()
+    notes = _offload_problems(mem, su)
+    memory_fits = mem.total <= device_bytes and not notes
+    t = _seconds(lo)
+    notes += c.footprint.notes(lo.sizes)
     if mesh.seq > 1:  # the sequence degree the plan was made at (Ulysses' is chosen by the planner)
-        notes.insert(0, f"{'sp' if mesh.sp > 1 else 'cp'}={mesh.seq} dp={dp}: each rank holds "
+        notes.insert(0, f"{'sp' if mesh.sp > 1 else 'cp'}={mesh.seq} dp={mesh.dp}: each rank holds "
                         f"1/{mesh.seq} of the sequence")
     if c.planned_only:
         notes.append("planned only: no preset runs this layout yet")
-    step = compute / (1 - bubble) + exposed + optimizer + engine
-    stalled: list[str] = []
-    if not math.isfinite(step):
-        dead = {}
-        for name, x in comm.by_collective.items():
-            if not math.isfinite(x.seconds):
-                dead.setdefault(x.group, []).append(name)
-        for group, names in dead.items():
-            key = LINKS.get(group, group)
-            stalled.append(f"{key}={su.link_GBps(group) if group in LINKS else 0:g}: "
-                           f"{', '.join(names)} over a 0 GB/s link never completes (step ~ inf); set "
-                           f"{key} to the link's bandwidth in GB/s")
-        notes[:0] = stalled
-    memory_fits = fits
-    fits = fits and not any(not incomplete(p) for p in problems)
-    return Plan(strategy=c.name, fits=fits, memory_fits=memory_fits, lossy=lossy(fp), stalled=stalled,
+    step = t.step
+    stalled = [] if math.isfinite(step) else _stalled(t.comm, su)
+    notes[:0] = stalled
+    ckpt = lo.ckpt
+    return Plan(strategy=c.name, fits=memory_fits and not any(not incomplete(p) for p in problems),
+                memory_fits=memory_fits, lossy=lossy(c.footprint), stalled=stalled,
                 checkpointed_total=checkpointed if shape is not None and not ckpt else 0,
                 mesh_fits=not mesh.problems(),
-                memory=mem, communication=comm,
-                bubble_fraction=bubble, step_seconds=step,
-                compute_seconds=compute, exposed_seconds=exposed, optimizer_seconds=optimizer,
-                engine_seconds=engine,
+                memory=mem, communication=t.comm,
+                bubble_fraction=t.bubble, step_seconds=step,
+                compute_seconds=t.compute, exposed_seconds=t.exposed, optimizer_seconds=t.optimizer,
+                engine_seconds=t.engine,
                 flops_per_step=flops_per_step(su, ckpt), peak_tflops=peak_flops(su) / 1e12,
                 peak_source=peak_source(su), mfu=mfu(su), cluster=cl.name,
-                world_size=mesh.size, device_bytes=device_bytes, tp=tp, pp=pp, dp=dp,
-                shard=shard, microbatches=m, activation_checkpointing=ckpt,
+                world_size=mesh.size, device_bytes=device_bytes, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
+                shard=mesh.dp_shard, microbatches=lo.m, activation_checkpointing=ckpt,
                 activations_full=act_full, activations_checkpointed=act_ckpt,
                 planned_only=c.planned_only, rung=c.rung(mesh), problems=problems, notes=notes,
                 reserve=int(o.reserve_GB * GB) if cl.accelerator == "gpu" else 0)
