@@ -127,45 +127,12 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
         add(x)
     residual = boundary_elem or sb.activation  # bytes per element of the residual stream
     if shape is not None and tp > 1:
-        # Row-parallel layers reduce their output in forward (in the compute dtype: bf16 under
-        # autocast); column-parallel ones their input's gradient in backward (the residual
-        # stream's dtype: fp32 under autocast). torch's DTensor TP reduces q, k, v, gate and up
-        # input gradients separately (2 forward + 5 backward all-reduces per Llama block;
-        # Megatron's fused QKV: 2 + 2). The embedding (row-parallel) reduces its output, the
-        # head (column-parallel) its input gradient; the replicated logits are all-gathered.
-        # Recomputation repeats the forward ones. With sequence parallelism each block instead
-        # all-gathers its two norm outputs and reduce-scatters its two row outputs in forward,
-        # and the reverse in backward (the gathered input's gradient arrives as one
-        # reduce-scatter for q, k, v together): 4 + 4 half-collectives per block.
-        fwd, bwd = getattr(shape, "tp_collectives", lambda: (2, 4))()
-        layers = math.ceil(shape.n_layers / pp)
-        tokens = su.trainer.micro_batch_size * shape.seq_len * shape.dim
-        low, res = tokens * sb.activation, tokens * residual
-        ends = 2 if pp == 1 else 1  # the embedding's and the head's (one of them past pp = 1)
-        again = 2 if ckpt else 1
-        if tp_sp:
-            gathers = layers * (2 * res * again + 2 * low) + ends * res
-            scatters = layers * (2 * low * again + 2 * res) + ends * res
-            calls = layers * (2 * again + 2) + ends
-            add(Traffic("tp_all_gather", "all_gather", tp, 1, gathers, "none", per_micro=True, calls=calls))
-            add(Traffic("tp_reduce_scatter", "reduce_scatter", tp, 1, scatters, "none", per_micro=True,
-                        calls=calls))
-        else:
-            count = layers * (fwd * again + bwd) + ends
-            nbytes = layers * (fwd * again * low + bwd * res) + ends * res
-            add(Traffic("tp_all_reduce", "all_reduce", tp, 1, nbytes, "none", per_micro=True, calls=count))
-        logits = su.trainer.micro_batch_size * shape.seq_len * shape.vocab_size * sb.activation
-        add(Traffic("tp_logits_all_gather", "all_gather", tp, 1, logits, "none", per_micro=True))
+        for x in tp_traffic(shape, su.trainer.micro_batch_size, tp, pp, sb.activation, residual, ckpt,
+                            tp_sp):
+            add(x)
     if shape is not None and pp > 1:
-        # every stage boundary between two ranks carries each micro-batch's activation forward
-        # and its gradient back: the busiest rank's sends (strategies.pipeline counts them for
-        # the schedule's stage placement: 2v - 1 or 2v per rank looped, fewer in a V)
-        schedule, virtual = pipeline
-        sends = max(sends_per_microbatch(schedule, pp, virtual))
-        x = boundary_activation_bytes(su.trainer.micro_batch_size, shape.seq_len, shape.dim, residual)
-        add(Traffic("pp_send_recv", "send_recv", pp, tp * dp, sends * x / (tp if tp_sp else 1),
-                    "none", per_micro=True, link="intra" if tp * dp < devices else "inter",
-                    calls=sends))
+        add(pp_traffic(shape, su.trainer.micro_batch_size, tp, pp, dp, devices, residual, tp_sp,
+                       pipeline))
     if shape is not None and sp > 1:
         add(ulysses_traffic(shape, su.trainer.micro_batch_size, sp, sb.activation, ckpt, pp))
     if shape is not None and cp > 1:
@@ -173,6 +140,55 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
     out.bytes_per_step = sum(x.bytes for x in out.by_collective.values())
     out.seconds_per_step = sum(x.seconds for x in out.by_collective.values())
     return out
+
+
+def tp_traffic(shape, micro: int, tp: int, pp: int, elem: float, residual: float, ckpt: bool,
+               tp_sp: bool) -> list[Traffic]:
+    """Tensor parallelism's collectives per micro-batch: the blocks' all-reduces (or, with
+    sequence parallelism, their all-gathers and reduce-scatters) and the logits' all-gather.
+    ``elem``: bytes per element in the compute dtype; ``residual``: of the residual stream."""
+    # Row-parallel layers reduce their output in forward (in the compute dtype: bf16 under
+    # autocast); column-parallel ones their input's gradient in backward (the residual
+    # stream's dtype: fp32 under autocast). torch's DTensor TP reduces q, k, v, gate and up
+    # input gradients separately (2 forward + 5 backward all-reduces per Llama block;
+    # Megatron's fused QKV: 2 + 2). The embedding (row-parallel) reduces its output, the
+    # head (column-parallel) its input gradient; the replicated logits are all-gathered.
+    # Recomputation repeats the forward ones. With sequence parallelism each block instead
+    # all-gathers its two norm outputs and reduce-scatters its two row outputs in forward,
+    # and the reverse in backward (the gathered input's gradient arrives as one
+    # reduce-scatter for q, k, v together): 4 + 4 half-collectives per block.
+    fwd, bwd = getattr(shape, "tp_collectives", lambda: (2, 4))()
+    layers = math.ceil(shape.n_layers / pp)
+    tokens = micro * shape.seq_len * shape.dim
+    low, res = tokens * elem, tokens * residual
+    ends = 2 if pp == 1 else 1  # the embedding's and the head's (one of them past pp = 1)
+    again = 2 if ckpt else 1
+    if tp_sp:
+        gathers = layers * (2 * res * again + 2 * low) + ends * res
+        scatters = layers * (2 * low * again + 2 * res) + ends * res
+        calls = layers * (2 * again + 2) + ends
+        out = [Traffic("tp_all_gather", "all_gather", tp, 1, gathers, "none", per_micro=True, calls=calls),
+               Traffic("tp_reduce_scatter", "reduce_scatter", tp, 1, scatters, "none", per_micro=True,
+                       calls=calls)]
+    else:
+        count = layers * (fwd * again + bwd) + ends
+        nbytes = layers * (fwd * again * low + bwd * res) + ends * res
+        out = [Traffic("tp_all_reduce", "all_reduce", tp, 1, nbytes, "none", per_micro=True, calls=count)]
+    logits = micro * shape.seq_len * shape.vocab_size * elem
+    return out + [Traffic("tp_logits_all_gather", "all_gather", tp, 1, logits, "none", per_micro=True)]
+
+
+def pp_traffic(shape, micro: int, tp: int, pp: int, dp: int, devices: int, residual: float,
+               tp_sp: bool, pipeline: tuple[str, int]) -> Traffic:
+    """The pipeline's stage-boundary sends per micro-batch on the busiest rank."""
+    # every stage boundary between two ranks carries each micro-batch's activation forward
+    # and its gradient back: the busiest rank's sends (strategies.pipeline counts them for
+    # the schedule's stage placement: 2v - 1 or 2v per rank looped, fewer in a V)
+    schedule, virtual = pipeline
+    sends = max(sends_per_microbatch(schedule, pp, virtual))
+    x = boundary_activation_bytes(micro, shape.seq_len, shape.dim, residual)
+    return Traffic("pp_send_recv", "send_recv", pp, tp * dp, sends * x / (tp if tp_sp else 1),
+                   "none", per_micro=True, link="intra" if tp * dp < devices else "inter", calls=sends)
 
 
 def ulysses_traffic(shape, micro: int, sp: int, elem: float, ckpt: bool, pp: int = 1) -> Traffic:
