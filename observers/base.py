@@ -25,10 +25,15 @@ through ``on_resume``, so report.json covers the whole run from step 1 with ``re
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from observers.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from recipes.job import Job
 
 
 class Engine(Protocol):
@@ -177,3 +182,38 @@ class Observers:
                 owner[key] = type(o).__name__
                 merged[key] = value
         return merged
+
+
+# ------------------------------------------------------------------------------ the registry
+@dataclass
+class Selection:
+    """What an observer's factory decides from: the validated job (its ``callbacks`` and
+    ``logger`` groups select), the run directory, the planner's prediction for this run (None:
+    not planned), and the observers chosen before it, by registered name (``Comparison`` reads
+    the memory, communication and throughput observers)."""
+
+    job: Job
+    out: Path
+    plan: dict[str, Any] | None
+    chosen: dict[str, Observer] = field(default_factory=dict)
+
+
+Factory = Callable[[Selection], "Observer | None"]
+OBSERVERS: dict[str, tuple[int, Factory]] = {}
+"""name -> (order, factory); ``observers.build`` runs the factories of every module in
+``observers/`` by order."""
+
+
+def observer(name: str, order: int) -> Callable[[Factory], Factory]:
+    """Decorator for a module's factory: ``selection -> Observer`` when the job selects it, else
+    None. ``order``: where it stands in the report's ``observers`` list (and is fed: hooks run in
+    this order)."""
+
+    def register(factory: Factory) -> Factory:
+        if name in OBSERVERS and OBSERVERS[name][1].__module__ != factory.__module__:
+            raise ValueError(f"observer {name!r} is registered by both {OBSERVERS[name][1].__module__} "
+                             f"and {factory.__module__}")
+        OBSERVERS[name] = (order, factory)
+        return factory
+
+    return register

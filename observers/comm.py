@@ -47,7 +47,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, Selection, observer
 
 MECHANISM = ("torch.library kernels on the Autograd key of the c10d collective ops and the "
              "CPU/CUDA keys of the _c10d_functional ones (see observers/comm.py)")
@@ -385,3 +385,10 @@ def _totals(per_step: dict[str, dict[str, float]]) -> dict[str, float]:
     return {"bytes": sum(v["bytes"] for v in per_step.values()),
             "wire_bytes": sum(v["wire_bytes"] for v in per_step.values())}
 
+
+@observer("communication", order=40)
+def _selected(s: Selection) -> Observer | None:
+    """``callbacks.communication`` (off: nothing is intercepted)."""
+    if not s.job.callbacks.communication:
+        return None
+    return CommunicationProfile(s.job.strategy.world_role(s.job.mesh))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from observers.base import Observer
+from observers.base import Observer, Selection, observer
 
 
 def _row(predicted: float | None, measured: float | None) -> dict[str, Any]:
@@ -71,3 +71,12 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
         lines.append(f"{name:>14} {unit(name, r['predicted']):>14} {unit(name, r['measured']):>14} {ratio:>7}")
     return lines
+
+
+@observer("compare", order=70)
+def _selected(s: Selection) -> Observer | None:
+    """``callbacks.compare``, when the run was planned: beside the memory, communication and
+    throughput observers chosen before it."""
+    if not (s.job.callbacks.compare and s.plan is not None):
+        return None
+    return Comparison(s.plan, s.chosen.get("memory"), s.chosen.get("communication"), s.chosen.get("throughput"))

@@ -20,11 +20,31 @@ import csv
 import io
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from observers.base import Engine, Observer, learning_rate
+from observers.base import Engine, Observer, Selection, learning_rate, observer
 from observers.files import atomic_write_text
+
+LOGGERS: dict[str, Callable[[Selection], Observer]] = {}
+"""``logger.name`` -> the factory of its logger."""
+
+
+def logger(name: str) -> Callable[[Callable[[Selection], Observer]], Callable[[Selection], Observer]]:
+    """Decorator: this factory builds the logger ``logger=<name>`` selects (``conf/logger/<name>.yaml``)."""
+
+    def register(factory: Callable[[Selection], Observer]) -> Callable[[Selection], Observer]:
+        LOGGERS[name] = factory
+        return factory
+
+    return register
+
+
+@observer("logger", order=90)
+def _selected(s: Selection) -> Observer | None:
+    """The logger ``logger=`` picks, if any."""
+    return None if s.job.logger is None else LOGGERS[s.job.logger.name](s)
 
 
 class StepLogger(Observer):
@@ -106,6 +126,11 @@ class CSVLog(StepLogger):
             self._file.close()
 
 
+@logger("csv")
+def _csv(s: Selection) -> Observer:
+    return CSVLog(s.job.tokens_per_step, s.out)
+
+
 class TensorBoardLog(StepLogger):
     def __init__(self, tokens_per_step: int, out: Path):
         super().__init__(tokens_per_step)
@@ -124,6 +149,11 @@ class TensorBoardLog(StepLogger):
 
     def close(self, report: dict[str, Any]) -> None:
         self._writer.close()
+
+
+@logger("tensorboard")
+def _tensorboard(s: Selection) -> Observer:
+    return TensorBoardLog(s.job.tokens_per_step, s.out)
 
 
 class WandbLog(StepLogger):
@@ -155,6 +185,13 @@ class WandbLog(StepLogger):
         for name, (columns, rows) in profile_tables(report).items():
             self._run.log({name: wandb.Table(columns=columns, data=rows)})
         self._run.finish()
+
+
+@logger("wandb")
+def _wandb(s: Selection) -> Observer:
+    job = s.job
+    return WandbLog(job.tokens_per_step, s.out, project=job.logger.project, mode=job.logger.mode,
+                    config=job.meta()["config"], group=job.sweep)
 
 
 def _tag(key: str) -> str:

@@ -39,7 +39,7 @@ import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, Selection, observer
 
 if TYPE_CHECKING:
     from strategies.memory import SavedTensors
@@ -226,3 +226,13 @@ class MemoryProfile(Observer):
 
     def report(self) -> dict[str, Any]:
         return {"memory": {"ranks": self.ranks, "predicted": self.predicted}}
+
+
+@observer("memory", order=30)
+def _selected(s: Selection) -> Observer | None:
+    """``callbacks.memory.enabled`` (``snapshot``, ``snapshot_steps``: the CUDA snapshot)."""
+    cfg = s.job.callbacks.memory
+    if not cfg.enabled:
+        return None
+    return MemoryProfile(s.plan and s.plan["memory"], out=s.out,
+                         snapshot_steps=cfg.snapshot_steps if cfg.snapshot else 0)

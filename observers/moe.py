@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, Selection, observer
 
 
 def moe_layers(model: Any) -> list[Any]:
@@ -73,3 +73,9 @@ class MoEStats(Observer):
 
     def report(self) -> dict[str, Any]:
         return {"moe": self.merged} if self.merged else {}
+
+
+@observer("moe", order=60)
+def _selected(s: Selection) -> Observer | None:
+    """A MoE model's routing, whenever the model is one."""
+    return MoEStats() if getattr(s.job.model, "is_moe", False) else None

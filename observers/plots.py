@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, Selection, observer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 
@@ -110,3 +110,9 @@ def communication_plot(by_group: dict[str, dict[str, dict[str, float]]], path: P
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+@observer("plots", order=80)
+def _selected(s: Selection) -> Observer | None:
+    """``callbacks.plots``: loss.png, memory.png and communication.png."""
+    return Plots(s.out) if s.job.callbacks.plots else None

@@ -24,7 +24,7 @@ import threading
 import time
 from datetime import timedelta
 
-from observers.base import Engine, Observer, learning_rate
+from observers.base import Engine, Observer, Selection, learning_rate, observer
 
 log = logging.getLogger(__name__)
 
@@ -206,3 +206,13 @@ class Progress(Observer):
                 if (mem := memory_now()) is not None:
                     parts.append(f"mem {mem}")
                 self._say(" | ".join(parts), step_line=False)
+
+
+@observer("progress", order=20)
+def _selected(s: Selection) -> Observer | None:
+    """``callbacks.progress_bar`` or ``callbacks.log_every``: the bar on a terminal, else a line
+    every ``log_every`` steps."""
+    cb = s.job.callbacks
+    if not (cb.progress_bar or cb.log_every):
+        return None
+    return Progress(s.job.trainer.max_steps, s.job.tokens_per_step, bar=cb.progress_bar, log_every=cb.log_every)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from observers.base import Engine, Observer, learning_rate
+from observers.base import Engine, Observer, Selection, learning_rate, observer
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +129,9 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
         lines.append(f"{'':>14} step_seconds from cluster.peak_tflops x planner.mfu, not this machine: "
                      "planner.calibrate=true measures it")
     return (["predicted vs measured:\n" + "\n".join(lines)] if lines else []) + [summary(report, path)]
+
+
+@observer("report", order=0)
+def _selected(s: Selection) -> Observer:
+    """Always: the run's losses and wall time."""
+    return LossLog(s.job.tokens_per_step)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, Selection, observer
 
 PHASES = ("import", "config", "plan", "rendezvous", "op_build", "model_build", "checkpoint_load",
           "first_step")
@@ -205,3 +205,9 @@ class StartupTimes(Observer):
 
     def report(self) -> dict[str, Any]:
         return {"startup": report()}
+
+
+@observer("startup", order=10)
+def _selected(s: Selection) -> Observer:
+    """Always: each process's start-up timeline."""
+    return StartupTimes()

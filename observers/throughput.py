@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from observers.base import Engine, Observer
+from observers.base import Engine, Observer, Selection, observer
 
 # Dense peak TFLOP/s per device by name fragment: (16-bit tensor cores, fp32 as TF32).
 PEAK_TFLOPS = {"H200": (989.0, 494.5), "H100": (989.0, 494.5), "A100": (312.0, 156.0),
@@ -78,3 +78,16 @@ class Throughput(Observer):
             "mfu": tflops / (peak * self.world_size) if peak else None,
             "peak_tflops": peak, "mfu_formula": formula,
             "steps_timed": len(self.seconds[1:] or self.seconds)}}
+
+
+@observer("throughput", order=50)
+def _selected(s: Selection) -> Observer | None:
+    """``callbacks.throughput``; MFU against the peak ``planner.calibrate`` measured, if any."""
+    job = s.job
+    if not job.callbacks.throughput:
+        return None
+    compute = (s.plan or {}).get("compute") or {}
+    calibrated = "planner.calibrate" in str(compute.get("peak_source", ""))
+    return Throughput(job.tokens_per_step, job.batch.global_size, flops_per_token=job.model.flops_per_token(),
+                      precision=job.run.precision,
+                      peak=(compute["peak_tflops"], compute["peak_source"]) if calibrated else None)

@@ -23,6 +23,8 @@ from strategies.conf import CONF_DIR
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 # A backend is a file of conf/backend/ (and a module of backends/): the files are the choices.
 BACKENDS = tuple(sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml")))
+# A logger is a file of conf/logger/ (and an ``@logger`` of observers/loggers.py): the choices.
+LOGGERS = tuple(sorted(p.stem for p in (CONF_DIR / "logger").glob("*.yaml")))
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("constant", "cosine", "linear")
 
@@ -550,7 +552,7 @@ class CallbacksConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = knob("csv", choices=("csv", "tensorboard", "wandb"))
+    name: str = knob("csv", choices=LOGGERS)
     project: str = free("stratagem", "any wandb project name")
     """wandb: the project."""
     mode: str = knob("offline", choices=("online", "offline", "disabled"))
