@@ -1,7 +1,7 @@
 """The house: the import arrows docs/ARCHITECTURE.md draws (anywhere in a file, functions
 included), engine-neutral packages that import no engine (AST and grep), answers before imports
 (plan.py and ``--cfg job`` load no engine), Lightning registration in either import order, what
-a change touches (a throwaway family, preset and backend in a copy of the tree), and the package
+a change touches (a throwaway family, preset, backend, observer and logger in a copy of the tree), and the package
 data a regular install needs."""
 
 from __future__ import annotations
@@ -265,6 +265,106 @@ def test_a_new_family_preset_and_backend_touch_only_what_the_architecture_says(t
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_text(textwrap.dedent(text).lstrip())
     proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=tree, capture_output=True, text=True,
+                          timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
+                                            "HOME": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+_OBSERVER = '''
+"""A throwaway observer: counts optimizer steps into the report, on when callbacks.mine is."""
+from observers.base import Observer, Selection, observer
+
+
+class Mine(Observer):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, engine, step, loss):
+        self.steps += 1
+
+    def report(self):
+        return {"mine": {"steps": self.steps}}
+
+
+@observer("mine", order=75)  # after compare (70), before plots (80)
+def _selected(s: Selection):
+    return Mine() if s.job.callbacks.mine else None
+'''
+_MINE_FIELD = '''    mine: bool = False
+    """The throwaway observer (off unless a callbacks YAML turns it on)."""
+'''
+_LOGGER = '''
+"""A throwaway logger: logger=mine."""
+from observers.base import Observer, Selection
+from observers.loggers import logger
+
+
+class MineLog(Observer):
+    pass
+
+
+@logger("mine")
+def _mine(s: Selection):
+    return MineLog()
+'''
+_LOGGER_YAML = "defaults:\n  - /logger_schema@_here_\n  - _self_\nname: mine\n"
+_OBSERVER_CHECK = '''
+from pathlib import Path
+from types import SimpleNamespace
+
+import observers
+from recipes.config import compose
+from recipes.job import RUN, validate
+
+
+def chosen(*overrides):
+    job = validate(compose(["model=gpt_nano", *overrides]), depth=RUN)
+    return observers.build(job, Path("."), {"memory": {}})
+
+
+on = chosen()
+names = on.meta["observers"]
+assert names[names.index("Comparison") + 1:] == ["Mine", "Plots"], names
+assert "Mine" not in chosen("callbacks=none").meta["observers"]
+assert "Mine" not in chosen("callbacks.mine=false").meta["observers"]
+assert chosen("callbacks=none", "callbacks.mine=true").meta["observers"] == ["LossLog", "StartupTimes", "Mine"]
+mine = [o for o in on.observers if type(o).__name__ == "Mine"]
+hub = observers.Observers(mine)
+hub.step_end(SimpleNamespace(rank=0), 0, 1.0)
+assert hub.train_end(SimpleNamespace(rank=0)) == {"resumed_from": None, "mine": {"steps": 1}}
+assert chosen("logger=mine").meta["observers"][-1] == "MineLog"
+assert chosen("logger=csv").meta["observers"][-1] == "CSVLog"
+print("ok")
+'''
+# What an observer and a logger touch (docs/ARCHITECTURE.md's rows, when it has them, must say the same).
+OBSERVER_TOUCHES = ["observers/<observer>.py", "recipes/config.py", "conf/callbacks/default.yaml"]
+LOGGER_TOUCHES = ["observers/<logger>.py", "conf/logger/<logger>.yaml"]
+
+
+@pytest.mark.subprocess
+def test_a_new_observer_and_logger_touch_only_what_the_architecture_says(tmp_path):
+    """In a copy of the tree: a new observer is its module (an ``@observer`` factory), its key in
+    ``CallbacksConfig`` (off by default, so ``callbacks=none`` needs no line) and its line in
+    ``conf/callbacks/default.yaml``; a new logger is its module (an ``@logger`` factory) and its
+    YAML. Nothing else changes (no list of observers, loggers or logger names anywhere), and
+    they are selected, ordered and reported."""
+    touches = _touches()
+    assert touches.get("an observer", OBSERVER_TOUCHES) == OBSERVER_TOUCHES
+    assert touches.get("a logger", LOGGER_TOUCHES) == LOGGER_TOUCHES
+    tree = tmp_path / "tree"
+    for part in (*OURS, "conf"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "observers/mine.py").write_text(textwrap.dedent(_OBSERVER).lstrip())
+    (tree / "observers/minelog.py").write_text(textwrap.dedent(_LOGGER).lstrip())
+    (tree / "conf/logger/mine.yaml").write_text(_LOGGER_YAML)
+    config = (tree / "recipes/config.py").read_text()
+    anchor = "class CallbacksConfig:\n"
+    start = config.index(anchor)
+    end = config.index("\n\n\n", start)  # the end of the class
+    (tree / "recipes/config.py").write_text(config[:end + 1] + _MINE_FIELD + config[end + 1:])
+    with (tree / "conf/callbacks/default.yaml").open("a") as f:
+        f.write("mine: true           # the throwaway observer\n")
+    proc = subprocess.run([sys.executable, "-c", _OBSERVER_CHECK], cwd=tree, capture_output=True, text=True,
                           timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
                                             "HOME": str(tmp_path)})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
