@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from observers.base import OBSERVERS, Engine, Observer, Observers, Selection, observer
-from observers.compare import Comparison
 from observers.memory import MemoryProfile
 from observers.progress import Progress
 from observers.report import LossLog

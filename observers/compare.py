@@ -79,4 +79,5 @@ def _selected(s: Selection) -> Observer | None:
     throughput observers chosen before it."""
     if not (s.job.callbacks.compare and s.plan is not None):
         return None
-    return Comparison(s.plan, s.chosen.get("memory"), s.chosen.get("communication"), s.chosen.get("throughput"))
+    chosen = s.chosen.get
+    return Comparison(s.plan, chosen("memory"), chosen("communication"), chosen("throughput"))

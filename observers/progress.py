@@ -215,4 +215,5 @@ def _selected(s: Selection) -> Observer | None:
     cb = s.job.callbacks
     if not (cb.progress_bar or cb.log_every):
         return None
-    return Progress(s.job.trainer.max_steps, s.job.tokens_per_step, bar=cb.progress_bar, log_every=cb.log_every)
+    return Progress(s.job.trainer.max_steps, s.job.tokens_per_step, bar=cb.progress_bar,
+                    log_every=cb.log_every)

@@ -1,8 +1,8 @@
 """The house: the import arrows docs/ARCHITECTURE.md draws (anywhere in a file, functions
 included), engine-neutral packages that import no engine (AST and grep), answers before imports
 (plan.py and ``--cfg job`` load no engine), Lightning registration in either import order, what
-a change touches (a throwaway family, preset, backend, observer and logger in a copy of the tree), and the package
-data a regular install needs."""
+a change touches (a throwaway family, preset, backend, observer and logger in a copy of the
+tree), and the package data a regular install needs."""
 
 from __future__ import annotations
 
@@ -327,7 +327,8 @@ names = on.meta["observers"]
 assert names[names.index("Comparison") + 1:] == ["Mine", "Plots"], names
 assert "Mine" not in chosen("callbacks=none").meta["observers"]
 assert "Mine" not in chosen("callbacks.mine=false").meta["observers"]
-assert chosen("callbacks=none", "callbacks.mine=true").meta["observers"] == ["LossLog", "StartupTimes", "Mine"]
+only = chosen("callbacks=none", "callbacks.mine=true").meta["observers"]
+assert only == ["LossLog", "StartupTimes", "Mine"], only
 mine = [o for o in on.observers if type(o).__name__ == "Mine"]
 hub = observers.Observers(mine)
 hub.step_end(SimpleNamespace(rank=0), 0, 1.0)
