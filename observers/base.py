@@ -20,6 +20,10 @@ atomically. Hooks run on every rank; an observer may use collectives in ``on_tra
 A run that resumes continues one record: each checkpoint carries ``Observers.history()`` (what
 every observer's ``history`` returns: losses, validations), and a resumed run hands it back
 through ``on_resume``, so report.json covers the whole run from step 1 with ``resumed_from``.
+
+Which observers a run has is a registry, not a list: each module of ``observers/`` registers a
+factory with ``@observer(name, order)`` (``Selection`` -> its observer, or None when the job does
+not select it), and ``observers.build`` runs them all in order.
 """
 
 from __future__ import annotations
