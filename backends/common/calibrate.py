@@ -26,15 +26,13 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from observers import machine
 
 
 def engines(accelerator: str, precision: str, world: int, rank: int, device: Any, sync: Any, barrier: Any,
             measured: dict[str, float], collectives: dict[str, dict[str, float]]) -> dict[str, float]:
-    import argparse
-
     import torch
     import torch.nn.functional as F
 
@@ -44,9 +42,6 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     quiet.install()  # (a failed calibration shows its error's tail, not the engines' notices)
     from recipes.config import ModelConfig
     from recipes.gpt import GPT
-    from strategies.families.fsdp2 import FSDP2Config
-    from strategies.families.zero import ZeroConfig
-    from strategies.parallelize import apply_fsdp2, clip_global_
     from strategies.run import derive
 
     dim, heads, ffn, seq, micro = machine.REFERENCE[accelerator]
@@ -71,6 +66,27 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     ddp = torch.nn.parallel.DistributedDataParallel(GPT(shape).to(device))
     params = sum(p.numel() for p in ddp.parameters())
     blocks = sum(p.numel() for p in ddp.module.layers.parameters())
+    # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
+    # on CPU) is not measured (0: not priced).
+    steps = {"ddp": _ddp_step(ddp, loss),
+             **_fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, loss, run_of),
+             **_zero_steps(lambda: GPT(shape).to(device), rank, loss, run_of, ds)}
+    t = _median_seconds(steps, sync, barrier)
+    elem = 4 if dtype == torch.float32 else 2
+    priced = _priced(params, blocks, world, elem, collectives, t)
+    unstepped = measured["optimizer_ns_per_param"] * 1e-9 * params * (1 - 1 / world)
+    if rank == 0 and os.environ.get("STRATAGEM_CALIBRATION_DEBUG"):
+        print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",
+              {k: round(v * 1e3, 1) for k, v in priced.items()}, "unstepped ms", round(unstepped * 1e3, 1),
+              flush=True)
+    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - t["ddp"] - priced[k] + unstepped) / params * 1e9)
+            for k in priced}
+
+
+def _ddp_step(ddp: Any, loss: Callable[[Any], Any]) -> Callable[[], None]:
+    """torch DDP's whole step, the baseline every engine is measured against."""
+    import torch
+
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
     def ddp_step() -> None:
@@ -79,26 +95,48 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         opt.step()
         opt.zero_grad()
 
-    steps = {"ddp": ddp_step}
-    # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
-    # on CPU) is not measured (0: not priced).
+    return ddp_step
+
+
+def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: str,
+                loss: Callable[[Any], Any], run_of: Callable[[Any], Any]) -> dict[str, Callable[[], None]]:
+    """{"fsdp2": its whole step} as FSDP2Config builds it, or {} where the preset refuses."""
+    import torch
+
+    from strategies.families.fsdp2 import FSDP2Config
+    from strategies.parallelize import apply_fsdp2, clip_global_
+
     fsdp2 = FSDP2Config()
-    if not fsdp2.problems(run_of(fsdp2)):
-        from torch.distributed.device_mesh import init_device_mesh
+    if fsdp2.problems(run_of(fsdp2)):
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
 
-        torch.manual_seed(0)
-        sharded = GPT(shape).to(device)
-        apply_fsdp2(sharded, init_device_mesh(device.type, (world,)), fsdp2.plan(fsdp2.mesh(1, world)).fsdp,
-                    precision=str(precision))
-        fsdp_opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+    torch.manual_seed(0)
+    sharded = model()
+    apply_fsdp2(sharded, init_device_mesh(device.type, (world,)), fsdp2.plan(fsdp2.mesh(1, world)).fsdp,
+                precision=str(precision))
+    fsdp_opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
-        def fsdp2_step() -> None:
-            loss(sharded).backward()
-            clip_global_(list(sharded.parameters()), 1.0)
-            fsdp_opt.step()
-            fsdp_opt.zero_grad()
+    def fsdp2_step() -> None:
+        loss(sharded).backward()
+        clip_global_(list(sharded.parameters()), 1.0)
+        fsdp_opt.step()
+        fsdp_opt.zero_grad()
 
-        steps["fsdp2"] = fsdp2_step
+    return {"fsdp2": fsdp2_step}
+
+
+def _zero_steps(model: Callable[[], Any], rank: int, loss: Callable[[Any], Any],
+                run_of: Callable[[Any], Any], ds: Any) -> dict[str, Callable[[], None]]:
+    """{"zero2", "zero3": DeepSpeed's whole step} as ZeroConfig builds each, less those the
+    preset refuses."""
+    import argparse
+
+    import torch
+
+    from strategies.families.zero import ZeroConfig
+
+    steps = {}
     for stage in (2, 3):
         zero = ZeroConfig(stage=stage)
         run = run_of(zero)
@@ -108,11 +146,11 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         import deepspeed
 
         torch.manual_seed(0)
-        model = GPT(shape).to(device)
+        built = model()
         engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=rank),
-                                          config=zero.deepspeed_json(run), model=model,
-                                          model_parameters=list(model.parameters()),
-                                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                          config=zero.deepspeed_json(run), model=built,
+                                          model_parameters=list(built.parameters()),
+                                          optimizer=torch.optim.AdamW(built.parameters(), lr=1e-4),
                                           dist_init_required=False)
 
         def zero_step(engine: Any = engine) -> None:
@@ -120,6 +158,12 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
             engine.step()
 
         steps[f"zero{stage}"] = zero_step
+    return steps
+
+
+def _median_seconds(steps: dict[str, Callable[[], None]], sync: Any, barrier: Any) -> dict[str, float]:
+    """Each step's median seconds over 10 rounds (after one to warm up), interleaved round by
+    round so that a slow moment of the machine slows every engine alike."""
     times: dict[str, list[float]] = {k: [] for k in steps}
     for round_ in range(11):
         for name, step in steps.items():
@@ -130,27 +174,25 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
             barrier()
             if round_:  # (the first round warms up)
                 times[name].append(time.perf_counter() - t0)
-    t = {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _priced(params: int, blocks: int, world: int, elem: int, collectives: dict[str, dict[str, float]],
+            measured: dict[str, float]) -> dict[str, float]:
+    """Seconds of the collectives each measured engine sends beyond DDP's, as the planner prices
+    them at the bandwidths just measured."""
 
     def wire(op: str, elem: int) -> float:
         """Seconds of one collective over the model's gradients or parameters, as priced."""
         share = (2 if op == "all_reduce" else 1) * (world - 1) / world
         return share * params * elem / (collectives[op]["GBps"] * 1e9)
 
-    elem = 4 if dtype == torch.float32 else 2
-    priced = {k: v for k, v in {  # (the engines measured here)
-              "zero2": wire("all_gather", elem),
-              "zero3": wire("reduce_scatter", elem) + wire("all_gather", elem) - wire("all_reduce", 4),
-              # gathered in forward, the blocks again in backward, reduce-scattered in fp32
-              "fsdp2": (wire("all_gather", elem) * (1 + blocks / params) + wire("reduce_scatter", 4)
-                        - wire("all_reduce", 4))}.items() if k in t}
-    unstepped = measured["optimizer_ns_per_param"] * 1e-9 * params * (1 - 1 / world)
-    if rank == 0 and os.environ.get("STRATAGEM_CALIBRATION_DEBUG"):
-        print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",
-              {k: round(v * 1e3, 1) for k, v in priced.items()}, "unstepped ms", round(unstepped * 1e3, 1),
-              flush=True)
-    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - t["ddp"] - priced[k] + unstepped) / params * 1e9)
-            for k in priced}
+    return {k: v for k, v in {  # (the engines measured here)
+            "zero2": wire("all_gather", elem),
+            "zero3": wire("reduce_scatter", elem) + wire("all_gather", elem) - wire("all_reduce", 4),
+            # gathered in forward, the blocks again in backward, reduce-scattered in fp32
+            "fsdp2": (wire("all_gather", elem) * (1 + blocks / params) + wire("reduce_scatter", 4)
+                      - wire("all_reduce", 4))}.items() if k in measured}
 
 
 if __name__ == "__main__":
