@@ -9,7 +9,7 @@ equivalence tests stand on. Resuming at step s starts the stream at s (no skippe
 Token streams (the bundled text's bytes, a tokenized jsonl/parquet/chat/text cache from
 recipes/tokens.py, pre-tokenized shards) are cut into non-overlapping ``seq_len + 1`` windows
 (stride ``seq_len``: a window's last token is the next one's first, so every token is read once
-as input and once as target). A chat stream's loss mask (recipes/tokens.py) is cut the same way:
+as input and once as target). A chat stream's loss mask (recipes/chat_tokens.py) is cut the same way:
 a target the loss does not count is ``IGNORE``, which every backend's loss skips
 (recipes/training.py ``token_loss``, recipes/evaluation.py). Packed documents are not isolated
 from each other: a window's tokens attend to the earlier documents in it. Validation holds out
@@ -205,7 +205,7 @@ class SequenceShard:
 
 def shards(path: str | Path) -> list[Path]:
     """``data=tokens``: the file, a directory's ``*.bin`` files, or a glob's files, in name order."""
-    from recipes.tokens import resolve_inputs
+    from recipes.token_inputs import resolve_inputs
 
     return list(resolve_inputs("tokens", path).files)
 
@@ -215,7 +215,7 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
     ids past ``model.vocab_size`` are refused here (the embedding would raise an IndexError)."""
     seq_len, vocab = shape.seq_len, shape.vocab_size
     if data_cfg.name == "tokens":
-        from recipes.tokens import shard_id_problem
+        from recipes.token_checks import shard_id_problem
 
         files = shards(path)
         problem = shard_id_problem(key, path, files, data_cfg.dtype, vocab, data_cfg.cache_dir)

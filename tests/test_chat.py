@@ -323,7 +323,7 @@ def test_token_ids_past_the_vocabulary_fail_before_launch_once_per_shard(tmp_pat
     """data=tokens with an id >= model.vocab_size: an error naming the key, the value, the id and
     the fix, before launch and in build_datasets; each shard's largest id is read once (cached
     by path, size and mtime) and again only when the shard changes."""
-    from recipes import tokens
+    from recipes import token_checks as tokens  # (where the shards' largest ids are read)
 
     (tmp_path / "s").mkdir()
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "s" / "000.bin")

@@ -1,0 +1,179 @@
+"""Checks of the data keys before launch (``data_problems``, what recipes/job.py runs), read
+cheaply from what recipes/token_inputs.py finds: the inputs, the record field, the chat template,
+the tokenizer's EOS and vocabulary; and the largest token id of pre-tokenized shards
+(``data=tokens``): ``shard_max_ids`` reads each shard's once and caches it under the cache
+directory, keyed by the shard's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, Inputs, TokenizerInfo, _messages_problem,
+                                  chat_template_of, default_cache_dir, record_keys, resolve_inputs,
+                                  tokenizer_info)
+
+log = logging.getLogger("recipes.tokens")  # (the tokens cache's logger, as before the split)
+
+# ---------------------------------------------------------------------------- checks before launch
+def data_problems(data: Any, model: Any | None) -> list[str]:
+    """What the data keys name, read cheaply (JSON files, a parquet schema, file sizes, cached
+    shard statistics; no tokenizer is loaded): inputs, the record field, the chat template, the
+    tokenizer's EOS and vocabulary, the largest token id of pre-tokenized shards."""
+    from strategies import checks
+
+    name, out = data.name, []
+    if name == "synthetic":
+        return out
+    example = EXAMPLES[name]
+    if data.path is None and name != "text":
+        out.append(f"data={name} needs data.path (null now): set data.path={example}"
+                   + (" or a directory of *.bin shards" if name == "tokens" else ""))
+    vocab = getattr(model, "vocab_size", None)
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    for key, value in (("data.path", data.path), ("data.val_path", data.val_path)):
+        if not value or checks.elsewhere(value):
+            continue
+        try:
+            inputs = resolve_inputs(name, value)
+        except (ValueError, OSError) as e:
+            out.append(f"{key}={value}: {e}"
+                       + (", or data.path=null for the bundled corpus" if name == "text" and
+                          key == "data.path" and "does not exist" in str(e) else ""))
+            continue
+        if name == "tokens":
+            out += _shard_problems(key, value, inputs.files, data, vocab)
+        elif name == "text" and not data.tokenized:
+            if len(inputs.files) != 1 or inputs.disk is not None:
+                out.append(f"{key}={value}: data=text without a tokenizer reads one file's bytes: "
+                           f"point {key} at a file, or set data.tokenizer to tokenize a directory, "
+                           "glob or save_to_disk directory")
+        elif name in ("jsonl", "parquet", "chat") or inputs.disk is not None:
+            out += _record_problems(key, value, inputs, data)
+    if name in ("jsonl", "parquet", "chat") and data.tokenizer is None:
+        out.append(f"data={name} needs a tokenizer, and data.tokenizer is null (the model has no "
+                   "model.path to take one from): set data.tokenizer=<a tokenizer directory or "
+                   "tokenizer.json>")
+    if data.tokenized and data.tokenizer is not None and not checks.elsewhere(data.tokenizer):
+        out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat")
+    return out
+
+
+def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[str]:
+    chat = data.name == "chat"
+    field, knob = (data.messages_field, "data.messages_field") if chat else (data.field, "data.field")
+    try:
+        found = record_keys(inputs)
+    except Exception as e:  # noqa: BLE001  (not JSON, not parquet)
+        kind = inputs.loader if chat else data.name
+        return [f"{key}={value}: not readable as {kind} ({str(e).splitlines()[0]}): point {key} "
+                f"at {' / '.join(SUFFIXES[data.name])} files or choose data=<its kind>"]
+    if found is None:
+        return []
+    keys, record = found
+    what = "column" if inputs.loader in ("parquet", DISK) else "key"
+    if field not in keys:
+        return [f"{knob}={field!r} is not a {what} of {value}'s records (it has: "
+                f"{', '.join(map(str, keys)) or 'none'}): set {knob}=<one of them>"]
+    if chat and record is not None and (why := _messages_problem(record[field])) is not None:
+        return [f"{key}={value}: the first record's {field!r} is {why}: data=chat reads "
+                f"{knob} as a list of {{\"role\": ..., \"content\": ...}} messages"]
+    return []
+
+
+def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False,
+                       info_of: Callable[[Path], TokenizerInfo] = tokenizer_info) -> list[str]:
+    p = Path(path).expanduser()
+    if p.is_dir() and not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return [f"data.tokenizer={path}: the directory has no tokenizer.json or "
+                "tokenizer_config.json (data.tokenizer defaults to model.path): point it at a "
+                "tokenizer saved with save_pretrained, or data.tokenizer=null for byte tokens "
+                "(data=text)"]
+    try:
+        info = info_of(p)
+        template = chat_template_of(p) if chat else None
+    except Exception as e:  # noqa: BLE001  (not JSON)
+        return [f"data.tokenizer={path}: unreadable tokenizer files ({str(e).splitlines()[0]}): "
+                "point it at a tokenizer saved with save_pretrained or tokenizers' save()"]
+    out = []
+    if info.vocab_size is not None and vocab is not None and info.vocab_size > vocab:
+        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but model.vocab_size="
+                   f"{vocab}: its ids would index past the embedding; set model.vocab_size>="
+                   f"{info.vocab_size} or use the model's own tokenizer")
+    if info.vocab_size is not None and info.eos_id is None:
+        out.append(f"data.tokenizer={path} names no EOS token (documents are packed with EOS "
+                   "between them): set eos_token in its tokenizer_config.json")
+    if chat and template is None:
+        out.append(f"data.tokenizer={path} has no chat template (no chat_template in its "
+                   "tokenizer_config.json, no chat_template.jinja), and data=chat renders each "
+                   "conversation with it: point data.tokenizer at a tokenizer that has one (a chat "
+                   "model's directory), add a Jinja chat_template to its tokenizer_config.json (or "
+                   "a chat_template.jinja file), or use data=jsonl on pre-rendered text")
+    return out
+
+
+def _shard_problems(key: str, value: str, files: tuple[Path, ...], data: Any, vocab: int | None) -> list[str]:
+    size = 2 if data.dtype == "uint16" else 4
+    odd = [f"{key}: {f} has {f.stat().st_size} bytes, not a multiple of {size} "
+           f"(data.dtype={data.dtype}): set data.dtype to the shards' type (uint16, uint32)"
+           for f in files if f.stat().st_size % size]
+    if odd or vocab is None:
+        return odd
+    return [p for p in [shard_id_problem(key, value, files, data.dtype, vocab, data.cache_dir)] if p]
+
+
+def shard_id_problem(key: str, value: Any, files: Iterable[Path], dtype: str, vocab: int,
+                     cache_dir: str | Path | None) -> str | None:
+    """The error for the first shard holding an id >= ``vocab`` (None when all fit)."""
+    files = list(files)
+    for f, top in zip(files, shard_max_ids(files, dtype, cache_dir)):
+        if top >= vocab:
+            return (f"{key}={value}: shard {f.name} holds token id {top} but model.vocab_size={vocab} "
+                    f"(the embedding has ids 0..{vocab - 1}; training would fail with an IndexError): "
+                    f"set model.vocab_size>={top + 1}, or check data.dtype={dtype} and that the shards "
+                    "were made with the model's tokenizer")
+    return None
+
+
+# ---------------------------------------------------------------------------- shard statistics
+def shard_max_ids(files: Iterable[Path], dtype: str, cache_dir: str | Path | None = None) -> list[int]:
+    """The largest token id of each ``data=tokens`` shard (-1 for an empty one), read once and
+    cached in ``cache_dir`` (``shard-<hash>.json``: keyed by the shard's absolute path, size,
+    modification time and dtype; an unwritable cache only costs the re-read)."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    out = []
+    for f in files:
+        f = Path(f).expanduser()
+        st = f.stat()
+        key = hashlib.sha256(json.dumps([str(f.resolve()), st.st_size, st.st_mtime_ns, dtype]).encode())
+        entry = cache / f"shard-{key.hexdigest()[:24]}.json"
+        try:
+            out.append(int(json.loads(entry.read_text())["max_id"]))
+            continue
+        except (OSError, ValueError, KeyError):
+            pass
+        top = _max_id(f, dtype)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"max_id": top, "shard": str(f), "size": st.st_size, "dtype": dtype}))
+            os.replace(tmp, entry)
+        except OSError as e:
+            log.warning("could not cache %s's largest token id in %s: %s", f, cache, e)
+        out.append(top)
+    return out
+
+
+def _max_id(f: Path, dtype: str, chunk: int = 1 << 26) -> int:
+    import numpy as np
+
+    if f.stat().st_size < np.dtype(dtype).itemsize:
+        return -1
+    a = np.memmap(f, dtype=dtype, mode="r")
+    return max(int(a[i : i + chunk].max()) for i in range(0, len(a), chunk))

@@ -1,0 +1,207 @@
+"""What a data input is and what it holds, read cheaply (no heavy imports): ``resolve_inputs``
+(``data.path`` as a file, a directory of the kind's files in name order, a glob, or a
+``datasets.save_to_disk`` directory), ``tokenizer_info`` (vocabulary size and EOS from the
+tokenizer's JSON files), ``chat_template_of`` and ``record_keys`` (the first record or schema).
+recipes/token_checks.py builds the checks before launch on them; recipes/tokens.py the cache.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOADERS = {"jsonl": "json", "parquet": "parquet", "text": "text"}  # data.name -> datasets loader
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+SUFFIXES = {"jsonl": JSON_SUFFIXES, "parquet": (".parquet",), "text": (".txt",),
+            "chat": (*JSON_SUFFIXES, ".parquet"), "tokens": (".bin",)}
+"""A directory's files that an input of each kind reads."""
+EXAMPLES = {"jsonl": "/path/to/data.jsonl", "parquet": "/path/to/data.parquet", "text": "/path/to/data.txt",
+            "chat": "/path/to/chats.jsonl", "tokens": "/path/to/data.bin"}
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>")
+DISK = "disk"  # the loader of a save_to_disk directory
+GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def default_cache_dir() -> Path:
+    return Path("~/.cache/stratagem/tokens").expanduser()
+
+
+
+# ---------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class Inputs:
+    """What ``data.path`` names, resolved: the files to read, or a save_to_disk directory."""
+
+    files: tuple[Path, ...]
+    """The data files, in reading order (a save_to_disk directory: its files, for the cache key)."""
+    loader: str
+    """The ``datasets`` loader (json, parquet, text), or ``disk`` (``load_from_disk``)."""
+    disk: Path | None = None
+    """The save_to_disk Dataset directory (one split)."""
+
+
+def _is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _listing(p: Path, limit: int = 8) -> str:
+    names = sorted(f.name for f in p.iterdir())
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "") or "nothing"
+
+
+def resolve_inputs(kind: str, path: str | Path) -> Inputs:
+    """The files ``path`` names for ``data=<kind>``: a file; a directory's files with the kind's
+    suffixes (``SUFFIXES``), in name order; a glob's files in name order (``**`` recurses); or a
+    ``datasets.save_to_disk`` directory (a Dataset, or a DatasetDict's ``train`` split; not for
+    kind ``tokens``). ValueError says what is wrong (without the key: the caller names it)."""
+    raw = str(path)
+    p = Path(raw).expanduser()
+    disk = None
+    if p.is_dir():
+        if (p / "dataset_dict.json").is_file():
+            splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+            if "train" not in splits:
+                raise ValueError(f"a save_to_disk DatasetDict without a 'train' split (it has: "
+                                 f"{', '.join(splits) or 'none'}): point it at one split's directory")
+            p = p / "train"
+        if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
+            disk = p
+        if disk is not None:
+            if kind == "tokens":
+                raise ValueError("a save_to_disk directory holds records, not token shards: use "
+                                 "data=jsonl / parquet / chat with it, or a directory of *.bin shards")
+            files = tuple(sorted(f for f in p.rglob("*") if f.is_file()))
+            return Inputs(files, DISK, disk)
+        files = tuple(sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(SUFFIXES[kind])))
+        if not files:
+            raise ValueError(f"a directory without {' / '.join('*' + s for s in SUFFIXES[kind])} files "
+                             f"(it holds: {_listing(p)}): point it at a file, a directory of them, a glob "
+                             f"such as {p}/**/*{SUFFIXES[kind][0]}, or a save_to_disk directory")
+    elif p.is_file():
+        files = (p,)
+    elif _is_glob(raw):
+        files = tuple(sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file()))
+        if not files:
+            raise ValueError("the glob matches no file: check the pattern (** matches any depth)")
+    else:
+        raise ValueError("does not exist: point it at an existing file, a directory of them, a glob "
+                         "or (tokenized data) a save_to_disk directory")
+    return Inputs(files, _loader(kind, files))
+
+
+def _loader(kind: str, files: Iterable[Path]) -> str:
+    if kind != "chat":
+        return LOADERS.get(kind, kind)
+    kinds = {"parquet" if f.name.endswith(".parquet") else "json" for f in files}
+    if len(kinds) > 1:
+        raise ValueError("mixes parquet and JSON files: data=chat reads one kind per input; "
+                         "point it at a glob of one of them")
+    return kinds.pop()
+
+
+# ---------------------------------------------------------------------------- cheap reads
+@dataclass(frozen=True)
+class TokenizerInfo:
+    vocab_size: int | None
+    """Ids the tokenizer can produce (max id + 1), None when only the tokenizer itself knows."""
+    eos_id: int | None
+
+
+def _tokenizer_json(path: Path) -> Path | None:
+    p = path / "tokenizer.json" if path.is_dir() else path
+    return p if p.is_file() and p.suffix == ".json" else None
+
+
+def tokenizer_info(path: str | Path) -> TokenizerInfo:
+    """Vocabulary size and EOS id from the tokenizer's JSON files alone (no transformers)."""
+    path = Path(path).expanduser()
+    tj = _tokenizer_json(path)
+    if tj is None:
+        return TokenizerInfo(None, None)
+    spec = json.loads(tj.read_text())
+    ids = dict((spec.get("model") or {}).get("vocab") or {})
+    if isinstance((spec.get("model") or {}).get("vocab"), list):  # unigram: [[piece, score], ...]
+        ids = {piece: i for i, (piece, _) in enumerate(spec["model"]["vocab"])}
+    for t in spec.get("added_tokens") or []:
+        ids[t["content"]] = t["id"]
+    vocab = max(ids.values()) + 1 if ids else None
+    return TokenizerInfo(vocab, _eos_id(path, ids))
+
+
+def _eos_id(path: Path, ids: dict[str, int]) -> int | None:
+    """The EOS the tokenizer's config names, else a conventional EOS token in its vocabulary."""
+    if path.is_dir():
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            f = path / name
+            if f.is_file():
+                eos = json.loads(f.read_text()).get("eos_token")
+                eos = eos.get("content") if isinstance(eos, dict) else eos
+                if isinstance(eos, str) and eos in ids:
+                    return ids[eos]
+    return next((ids[n] for n in EOS_NAMES if n in ids), None)
+
+
+def chat_template_of(path: str | Path) -> str | None:
+    """The chat template a tokenizer directory carries (tokenizer_config.json's
+    ``chat_template``, chat_template.jinja or chat_template.json), None when it has none (a bare
+    tokenizer.json never has one)."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = path / name
+        if f.is_file():
+            t = json.loads(f.read_text()).get("chat_template")
+            if isinstance(t, list):  # named templates: [{name, template}, ...]
+                t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+            if isinstance(t, str) and t.strip():
+                return t
+    return None
+
+
+def _first_json_record(f: Path) -> Any:
+    opener = gzip.open if f.name.endswith(".gz") else open
+    with opener(f, "rt") as lines:
+        for line in lines:
+            if line.strip():
+                return json.loads(line)
+    return None
+
+
+def record_keys(inputs: Inputs) -> tuple[list[str], Any] | None:
+    """(the keys / columns of the input's records, the first JSON record or None), read from
+    the first file's first line, parquet schema or save_to_disk features; None when unknown
+    (text; a .json file holding one JSON document, which ``datasets`` reads whole)."""
+    if inputs.loader == DISK:
+        features = json.loads((inputs.disk / "dataset_info.json").read_text()).get("features") or {}
+        return list(features), None
+    first = inputs.files[0]
+    if inputs.loader == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(first).names, None
+    if inputs.loader == "json":
+        try:
+            record = _first_json_record(first)
+        except json.JSONDecodeError:
+            if first.name.endswith((".json", ".json.gz")):
+                return None  # not JSON lines: a whole JSON document
+            raise
+        return (list(record), record) if isinstance(record, dict) else ([], record)
+    return None
+
+
+def _messages_problem(value: Any) -> str | None:
+    """Why a record's messages are not a list of {role, content}, or None."""
+    if not isinstance(value, list) or not value:
+        return f"a {type(value).__name__}, not a non-empty list of messages"
+    bad = next((m for m in value if not (isinstance(m, dict) and "role" in m and "content" in m)), None)
+    return None if bad is None else f"holds {str(bad)[:80]!r}, not a {{role, content}} message"
