@@ -12,7 +12,8 @@ typo in a key fails at compose time. Fields declare their allowed values with ``
 - ``footprint()``: what each rank holds and sends (strategies/footprint.py), which the planner
   prices and the communication profile names groups by;
 - ``plan(mesh)``: the parallelism applied to the plain model from outside, as data
-  (strategies/parallelize.py applies it, in the fixed order TP -> checkpointing -> FSDP);
+  (strategies/parallelize.py applies it, in the fixed order TP -> context parallelism ->
+  activation checkpointing -> compile -> FSDP2);
 - ``capabilities``: what it can do (LoRA, activation checkpointing, its checkpoint format, the
   degrees a planner may choose for it, a native config, planned only).
 

@@ -1,6 +1,7 @@
 """Parallelism applied from outside to the plain single-device model, in the fixed order
-TP -> activation checkpointing -> compile -> FSDP2 (torchtitan's ``parallelize_*`` functions), from a
-family's plan (``ParallelPlan``, data) and what the model declares: its repeated block
+TP -> context parallelism -> activation checkpointing -> compile -> FSDP2 (torchtitan's
+``parallelize_*`` functions), from a family's plan (``ParallelPlan``, data) and what the model
+declares: its repeated block
 (``block_cls``), its Megatron ``tp_plan`` and where its blocks, embedding and head are
 (``tp_layout``). torch only (DTensor, ``fully_shard``, the checkpoint wrapper): every backend
 calls the same functions, after building the model and before its engine wraps it.
@@ -64,7 +65,8 @@ def low_dtype(precision: str) -> Any:
 def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh: Any = None,
                 cp_mesh: Any = None, precision: str = "32") -> Any:
     """Apply ``plan`` to the plain model inside ``module`` (on every rank), in the fixed order
-    (context parallelism, which wraps only the attention cores, right after TP)."""
+    TP -> context parallelism (which wraps only the attention cores) -> activation
+    checkpointing -> compile -> FSDP2."""
     model, _ = find_model(module)
     if plan.tp > 1:
         apply_tp(model, tp_mesh, sequence_parallel=plan.sequence_parallel)
