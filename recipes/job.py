@@ -12,15 +12,17 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataConfig, LoggerConfig,
-                            ModelConfig, TrainConfig, TrainerConfig, unreadable)
-from strategies import ConfigError, Run, StrategyConfig, as_config, checks, derive_from
-from strategies.presets import load, names
+from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataConfig, ExportConfig,
+                            LoggerConfig, ModelConfig, PathsConfig, PlannerConfig, TrainConfig,
+                            TrainerConfig, unreadable)
+from strategies import ConfigError, Run, StrategyConfig, as_config, checks
+from strategies.presets import AUTO, load, names
+from strategies.run import settle
 
 # logger name -> (module it needs, the extra that installs it)
 LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
@@ -28,8 +30,12 @@ LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "
 
 @dataclass(frozen=True)
 class Job:
+    """The validated run, as typed objects: after ``validate`` the only thing that flows (the
+    planner, the launchers, the backends, export.py and launch.py read these fields)."""
+
     cfg: DictConfig
-    """The composed config, as given (the report stores it resolved)."""
+    """The composed config, as given: what the report stores (resolved, ``meta``); nothing
+    downstream reads it."""
     model: ModelConfig
     trainer: TrainerConfig
     data: DataConfig
@@ -37,11 +43,31 @@ class Job:
     callbacks: CallbacksConfig
     logger: LoggerConfig | None
     strategy: StrategyConfig
+    """The preset as it runs: ``preset`` with what it derives from the batch and the model
+    filled in (``strategies.run.settle``)."""
     run: Run
-    """The run's facts (mesh, batch, precision, checkpoint format), derived once."""
+    """The run's facts (mesh, batch, precision, checkpoint format), derived once, with
+    ``strategy``."""
     backend: str
+    preset: StrategyConfig
+    """The preset as composed, or as ``strategy=auto`` chose it: what the planner prices
+    (DeepSpeed's "auto" sizes still "auto", so the plan says how they are filled)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    export: ExportConfig | None = None
+    """export.py's group (``export=null``: None)."""
+    paths: PathsConfig | None = None
+    """The run's root and output directories; None outside a Hydra run (a composed config in a
+    test, plan.py), where they cannot be resolved."""
+    auto: str | None = None
+    """Why ``strategy=auto`` chose ``preset`` (the planner's reason); None when the config
+    named the preset."""
     sweep: str | None = None
     """The Hydra sweep this job belongs to (its directory), None for a single run."""
+
+    @property
+    def chosen_by(self) -> str | None:
+        """``strategy=auto``'s choice in a sentence (logged, and the report's ``chosen_by``)."""
+        return None if self.auto is None else f"strategy=auto chose {self.preset.name}: {self.auto}"
 
     @property
     def mesh(self):
@@ -64,8 +90,16 @@ class Job:
             "global_batch_size": self.batch.global_size,
             "micro_batch_size": self.batch.micro_size,
             "accumulation": self.batch.accumulation,
-            "config": _resolved(self.cfg),
+            "config": self.config(),
         }
+
+    def config(self) -> dict[str, Any]:
+        """The composed config as plain data, interpolations resolved, with the preset
+        ``strategy=auto`` chose in place of ``auto``."""
+        out = _resolved(self.cfg)
+        if self.auto is not None:
+            out["strategy"] = OmegaConf.to_container(OmegaConf.structured(self.preset), resolve=True)
+        return out
 
 
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
@@ -240,12 +274,32 @@ def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
 CONFIG, RUN, LAUNCH = 0, 1, 2
 
 
+def _paths(cfg: DictConfig) -> PathsConfig | None:
+    """``cfg.paths`` as its dataclass; None where Hydra's ``${hydra:...}`` cannot be resolved
+    (outside a Hydra run)."""
+    node = cfg.get("paths")
+    if node is None:
+        return None
+    try:
+        obj = OmegaConf.to_object(node)
+    except Exception:  # noqa: BLE001  (InterpolationResolutionError outside a Hydra run)
+        return None
+    return obj if isinstance(obj, PathsConfig) else PathsConfig(**obj)
+
+
+Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
+"""``strategy=auto``'s step (``planner.choose``): the preset for a Job's typed groups, and why."""
+
+
 def validate(cfg: DictConfig, *, depth: int = LAUNCH,
-             extra: Iterable[Callable[[Job], list[str]]] = ()) -> Job:
+             extra: Iterable[Callable[[Job], list[str]]] = (), auto: Choose | None = None) -> Job:
     """Check everything that can be checked before a process starts; raise one ConfigError
     listing every problem. A check that divides by a field runs only when that field is valid
     (a zero n_heads is reported once, not again as a division by zero).
-    ``extra``: more checks of the built Job (the chosen backend's, from train.py)."""
+    ``extra``: more checks of the built Job (the chosen backend's, from train.py).
+    ``auto``: how ``strategy=auto`` chooses (``planner.choose``), a step over the typed groups:
+    the chosen preset is then checked and derived as if the config had named it. Without it
+    (or with a group the planner reads unreadable) ``auto`` stays a placeholder preset."""
     objs, bad = _objects(cfg)
     unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
     if unknown:  # ``+key=value`` adds keys the schema does not have
@@ -262,11 +316,18 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):
         raise ConfigError(problems)  # a group could not even be read
     model, t, c = objs["model"], objs["trainer"], objs["cluster"]
+    shape = [] if bad["model"] else model.problems()
     if not bad["model"]:
-        problems += model.problems()
+        problems += shape
         if objs["data"].name == "text" and not objs["data"].tokenized and model.vocab_size < 256:
             problems.append(f"model.vocab_size={model.vocab_size}: byte tokens of data=text need "
                             ">= 256; set model.vocab_size=256 or use data=synthetic")
+    preset, why = strategy, None
+    if (strategy.name == AUTO and auto is not None and not shape
+            and not any(bad.get(g) for g in ("model", "trainer", "cluster", "planner", "strategy"))):
+        # (the planner derives each candidate's run itself: this one is the placeholder's)
+        preset, why = auto(_job(cfg, objs, strategy, *settle(strategy, c, t, accelerator="cpu")))
+    strategy = preset
     problems += _logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
@@ -283,13 +344,10 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         lg = objs["logger"]
         if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
             problems += wandb_online_problems()
-    mesh = strategy.mesh(c.nodes, c.devices) if world_ok else None
-    if mesh is not None and not mesh.problems():  # what the preset derives from the batch, kept
-        strategy = strategy.for_batch(t.global_batch_size, t.micro_batch_size, mesh.dp)
-    if not bad["model"] and not bad["strategy"]:  # ... and from the model (DeepSpeed's "auto" sizes)
-        strategy = strategy.for_model(model.dim)
-    run = derive_from(strategy, c, t, accelerator=accelerator)
-    world_ok = world_ok and not run.mesh.problems()
+    strategy, run = settle(preset, c, t, accelerator=accelerator,
+                           hidden=model.dim if not bad["model"] and not bad["strategy"] else None)
+    # auto left unchosen (a group it reads has problems, reported): no preset to check yet
+    world_ok = world_ok and not run.mesh.problems() and preset.name != AUTO
     if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
         problems += run.problems()
     if depth >= LAUNCH and world_ok:
@@ -311,12 +369,20 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
             problems += run.mesh.model_problems(model, strategy.name)
     if not bad["model"] and not bad["trainer"]:
         problems += _save_hf_problems(t, model)
-    job = Job(cfg=cfg, model=model, trainer=t, data=objs["data"], cluster=c,
-              callbacks=objs["callbacks"], logger=objs["logger"], strategy=strategy, run=run,
-              backend=objs["backend"].name)
+    job = replace(_job(cfg, objs, preset, strategy, run), auto=why)
     if not problems:  # (a backend's checks assume a sound job)
         for check in extra:
             problems += check(job)
     if problems:
         raise ConfigError(problems)
     return job
+
+
+def _job(cfg: DictConfig, objs: dict[str, Any], preset: StrategyConfig, strategy: StrategyConfig,
+         run: Run) -> Job:
+    """The Job of the typed groups with ``preset``, settled as ``strategy`` with its ``run``."""
+    return Job(cfg=cfg, model=objs["model"], trainer=objs["trainer"], data=objs["data"],
+               cluster=objs["cluster"], callbacks=objs["callbacks"], logger=objs["logger"],
+               strategy=strategy, run=run, backend=objs["backend"].name, preset=preset,
+               planner=objs.get("planner") or PlannerConfig(), export=objs.get("export"),
+               paths=_paths(cfg))

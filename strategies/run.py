@@ -81,26 +81,47 @@ def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: s
     batch, precision and clipping (``accelerator`` already resolved: cpu or gpu). Without
     ``global_batch`` (a Lightning Trainer given the preset by name): one micro-batch per step,
     and nothing derived from the batch."""
+    return _settle(strategy, nodes=nodes, devices=devices, accelerator=accelerator, precision=precision,
+                   global_batch=global_batch, micro_batch=micro_batch, grad_clip=grad_clip,
+                   compile=compile)[1]
+
+
+def _settle(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: str, precision: str,
+            global_batch: int | None, micro_batch: int, grad_clip: float, compile: bool,
+            hidden: int | None = None) -> tuple[StrategyConfig, Run]:
     mesh = strategy.mesh(nodes, devices)
     if global_batch is not None and mesh.dp >= 1:
         strategy = strategy.for_batch(global_batch, micro_batch, mesh.dp)
+    if hidden is not None:  # ... and from the model (DeepSpeed's "auto" sizes)
+        strategy = strategy.for_model(hidden)
     # (a count the batch could not give is the preset's problem to explain, not the batch's)
     chunks = 1 if global_batch is not None and strategy.underived() else strategy.chunks()
     batch = Batch(global_batch or micro_batch * mesh.dp * chunks, micro_batch, mesh.dp, chunks)
     caps = strategy.capabilities
-    return Run(mesh=mesh, batch=batch, accelerator="gpu" if accelerator == "gpu" else "cpu",
-               precision=str(precision),
-               regime=regime(str(precision), strategy.low_precision_weights(mesh)),
-               grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint, compile=bool(compile))
+    return strategy, Run(mesh=mesh, batch=batch, accelerator="gpu" if accelerator == "gpu" else "cpu",
+                         precision=str(precision),
+                         regime=regime(str(precision), strategy.low_precision_weights(mesh)),
+                         grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint,
+                         compile=bool(compile))
 
 
 def derive_from(strategy: StrategyConfig, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
     """``derive`` from the cluster and trainer groups as typed objects (``accelerator``: resolved,
     else the cluster's own when it names one)."""
-    return derive(strategy, nodes=cluster.nodes, devices=cluster.devices,
-                  accelerator=accelerator or cluster.accelerator, precision=trainer.precision,
-                  global_batch=trainer.global_batch_size, micro_batch=trainer.micro_batch_size,
-                  grad_clip=trainer.grad_clip, compile=bool(getattr(trainer, "compile", False)))
+    return settle(strategy, cluster, trainer, accelerator=accelerator)[1]
+
+
+def settle(strategy: StrategyConfig, cluster: Any, trainer: Any, *, accelerator: str | None = None,
+           hidden: int | None = None) -> tuple[StrategyConfig, Run]:
+    """The preset as it runs and its ``Run``, in one derivation (validation's): the mesh once,
+    what the preset derives from the batch (a pipeline's micro-batch count) and, given the
+    model's ``hidden`` size, from the model (DeepSpeed's "auto" sizes) filled in, then the
+    run's facts of that preset."""
+    return _settle(strategy, nodes=cluster.nodes, devices=cluster.devices,
+                   accelerator=accelerator or cluster.accelerator, precision=trainer.precision,
+                   global_batch=trainer.global_batch_size, micro_batch=trainer.micro_batch_size,
+                   grad_clip=trainer.grad_clip, compile=bool(getattr(trainer, "compile", False)),
+                   hidden=hidden)
 
 
 def cpu_threads(local_ranks: int) -> int:
@@ -117,4 +138,4 @@ def cpu_threads(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
-__all__ = ["PRECISIONS", "REGIMES", "Run", "cpu_threads", "derive", "derive_from", "regime"]
+__all__ = ["PRECISIONS", "REGIMES", "Run", "cpu_threads", "derive", "derive_from", "regime", "settle"]
