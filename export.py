@@ -20,7 +20,10 @@ from recipes import cli
 
 
 def _problems(job) -> list[str]:
-    kind = job.cfg.export.name
+    if job.export is None:
+        return ["export=null: choose what to write: export=accelerate (an accelerate launch config "
+                "YAML) or export=deepspeed (the DeepSpeed JSON)"]
+    kind = job.export.name
     if kind == "deepspeed" and job.strategy.capabilities.native_config != "deepspeed":
         return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name} is a "
                 f"{job.strategy.family} preset: choose a zero* preset, or export=accelerate"]
@@ -34,19 +37,14 @@ def main(argv: list[str]) -> None:
         return
     cfg, _, _ = composed
     from recipes.job import RUN, validate
-    from strategies import ConfigError
 
-    if cfg.export is None:
-        cli.or_exit(lambda: (_ for _ in ()).throw(ConfigError(
-            "export=null: choose what to write: export=accelerate (an accelerate launch config "
-            "YAML) or export=deepspeed (the DeepSpeed JSON)")))
     job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
     from backends.accelerate.export import deepspeed_config
     from observers.files import atomic_write_text
 
     stem = f"{job.strategy.name}-{job.cluster.name}"
-    kind = cfg.export.name
-    out = Path(cfg.export.out or f"{stem}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}")
+    kind = job.export.name
+    out = Path(job.export.out or f"{stem}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}")
     written = []
     ds_file = None
     if job.strategy.capabilities.native_config == "deepspeed":

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
         print(__doc__ + "\n" + cli.groups_help())
         return
     from launchers import k8s, sagemaker
-    from planner import preflight
+    import planner
     from recipes.config import compose
     from recipes.job import RUN, validate
 
@@ -56,9 +56,10 @@ def main(argv: list[str]) -> None:
             out += sagemaker.submission_problems(job.cluster, job.data)
         if job.cluster.launcher == "k8s":
             out += k8s.submission_problems(job.cluster, overrides)
-        verdict = preflight(job.cfg, job.model)
-        if not verdict.fits and job.cfg.planner.enforce:
-            out.append(verdict.message() + " (set planner.enforce=false to submit anyway)")
+        try:
+            planner.check(job, to="submit")
+        except planner.WillNotFit as e:
+            out.append(str(e))
         if job.cluster.launcher == "k8s" and not dry:
             if importlib.util.find_spec("kubernetes") is None:
                 out.append("applying the PyTorchJob needs the kubernetes client, which is not "
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> None:
     from strategies.checks import paths_elsewhere
 
     with paths_elsewhere(sagemaker.container_path):
-        job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
+        job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=planner.choose))
     if job.cluster.launcher == "k8s":
         manifest = k8s.manifest(job.cluster, overrides, job.run.accelerator)
         if dry:

@@ -21,30 +21,25 @@ def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
     cfg, groups, argv = composed
-    from planner import plan_all, resolve_auto
+    from planner import choose, plan_all
+    from planner.machine import ensure
     from planner.render import render
-    from recipes.config import describe
     from recipes.job import CONFIG, validate
-    from strategies.presets import AUTO, names
+    from strategies.presets import names
 
-    cli.or_exit(lambda: validate(cfg, depth=CONFIG))
-    if cfg.planner.calibrate:  # this machine measured once, in a subprocess (no torch here)
-        from planner.machine import ensure
-
-        try:
-            ensure(cfg)
-        except RuntimeError as e:
-            sys.exit(f"{e}")
-    chosen = "strategy" in groups
-    why = None
-    if chosen and cfg.strategy.get("name") == AUTO:  # exactly what train.py strategy=auto runs
-        cfg, why = cli.or_exit(lambda: resolve_auto(cfg, describe(cfg.model)))
-    report = cli.or_exit(lambda: plan_all(cfg, describe(cfg.model), chosen=chosen))
-    if why:
-        report.recommendation.reason = why
-    render(report, cfg.planner.format, detailed=chosen)
-    if why and cfg.planner.format != "json":
-        print(why)
+    chosen = "strategy" in groups  # strategy=auto: chosen as train.py strategy=auto chooses
+    try:
+        job = cli.or_exit(lambda: validate(cfg, depth=CONFIG, auto=choose if chosen else None))
+        ensure(job)  # planner.calibrate=true: this machine measured once, in a subprocess (no torch here)
+    except RuntimeError as e:
+        sys.exit(f"{e}")
+    report = cli.or_exit(lambda: plan_all(job, chosen=chosen))
+    fmt = job.planner.format
+    if job.auto:
+        report.recommendation.reason = job.auto
+    render(report, fmt, detailed=chosen)
+    if job.auto and fmt != "json":
+        print(job.chosen_by)
     if chosen and (problems := report.plans[0].problems):  # a layout that cannot run here
         what = "cannot run on" if report.plans[0].blocking else "is incomplete for"
         print(f"strategy={report.plans[0].strategy} {what} {report.cluster} "
@@ -53,7 +48,7 @@ def main(argv: list[str]) -> None:
             print(f"  - {p}", file=sys.stderr)
         sys.exit(2)
     rec = report.recommendation.strategy
-    if not chosen and cfg.planner.format != "json" and rec in names():
+    if not chosen and fmt != "json" and rec in names():
         keep = argv  # (no strategy among them: the composition did not choose one)
         run = [f"strategy={rec}"] + (["strategy.activation_checkpointing=true"]
                                      if report.recommendation.activation_checkpointing else [])

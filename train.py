@@ -34,17 +34,16 @@ log = logging.getLogger("train")
 
 
 def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
-    """Choose (strategy=auto), validate, plan and find the checkpoint to resume: every
-    configuration error before any process starts."""
+    """Validate (strategy=auto: the planner chooses from the typed groups), plan and find the
+    checkpoint to resume: every configuration error before any process starts; then the Job flows."""
     import planner
 
-    cfg, chosen = planner.resolve_auto(cfg, recipes.config.describe(cfg.model))
-    if chosen:
-        log.info("%s", chosen)
-    job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check])
-    result = startup.timed("plan", planner.check, cfg, job.model)  # (report.json's startup)
+    job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check], auto=planner.choose)
+    if job.auto:
+        log.info("%s", job.chosen_by)
+    result = startup.timed("plan", planner.check, job)  # (report.json's startup)
     log.info("%s", result.summary())
-    predicted = planner.plan_dict(result) | ({"chosen_by": chosen} if chosen else {})
+    predicted = planner.plan_dict(result) | ({"chosen_by": job.chosen_by} if job.auto else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
     if first and launchers.restart_problem():
         log.warning("%s", launchers.restart_problem())

@@ -33,10 +33,10 @@ def _overrides(preset: str, devices: int, ep: int, factor: float) -> list[str]:
 
 def _planned(overrides: list[str]) -> float:
     from planner import plan_dict, preflight
-    from recipes.config import compose, describe
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
 
-    cfg = compose(overrides)
-    comm = plan_dict(preflight(cfg, describe(cfg.model)))["communication"]["by_collective"]
+    comm = plan_dict(preflight(validate(compose(overrides), depth=CONFIG)))["communication"]["by_collective"]
     return comm.get("moe_all_to_all", {}).get("bytes", 0.0)
 
 

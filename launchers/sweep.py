@@ -384,7 +384,7 @@ def check_point(overrides: Sequence[str]) -> Point:
     """One point composed, chosen (strategy=auto), validated at RUN depth and planned, as its job
     will be (torch-free: the backend's own refusals and the resume check come at the job's start)."""
     import planner
-    from recipes.config import compose, describe
+    from recipes.config import compose
     from recipes.job import RUN, validate
     from strategies import ConfigError
 
@@ -392,9 +392,8 @@ def check_point(overrides: Sequence[str]) -> Point:
     point = Point(list(overrides))
     try:
         cfg = compose(point.overrides)
-        cfg, _ = planner.resolve_auto(cfg, describe(cfg.model))
-        job = validate(cfg, depth=RUN)
-        result = planner.check(cfg, job.model)
+        job = validate(cfg, depth=RUN, auto=planner.choose)
+        result = planner.check(job)
         point.fits, point.plan = result.fits, result.summary()
     except WillNotFit as e:
         point.fits, point.plan = False, str(e)

@@ -1,11 +1,14 @@
 """The planner: will it fit, what will it cost, which strategy -- before any device is touched.
 
-Two entry points: ``plan_all(cfg, model)`` plans every preset of ``conf/strategy/`` plus the
-planned-only TP / PP / 3D layouts and recommends one; ``preflight(cfg, model)`` plans the
-composed run's own preset for train.py. ``model`` is the model recipe's torch-free description
-(``recipes.describe(cfg.model)``). Both return plain dataclasses; ``planner.render`` turns them
-into a table or JSON. By concern: inputs, states (model states), activations, communication,
-plan (one layout: memory and time), recommend (candidates and the ladder), render.
+Every entry point takes a validated ``recipes.job.Job`` (``planner.inputs.Inputs``: its groups
+as typed objects; the planner never reads a composed config): ``plan_all(job)`` plans every
+preset of ``conf/strategy/`` plus the planned-only TP / PP / 3D layouts and recommends one;
+``preflight(job)`` plans the job's own preset, ``check(job)`` refuses it when it will not fit
+(``planner.enforce``), ``choose(job)`` is ``strategy=auto``'s choice. The model is the job's
+torch-free description (``job.model``), or another one passed as ``model``. They return plain
+dataclasses; ``planner.render`` turns them into a table or JSON. By concern: inputs, states
+(model states), activations, communication, plan (one layout: memory and time), recommend
+(candidates and the ladder), render.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ from planner.activations import (activation_bytes, boundary_activation_bytes, ko
                                  layer_activation_bytes)
 from planner.communication import (Collective, Communication, all_gather_bytes, reduce_scatter_bytes,
                                    ring_all_reduce_bytes, transfer_seconds)
-from planner.inputs import Candidate, ModelDescription, Setup, candidate
+from planner.inputs import Candidate, Inputs, ModelDescription, Setup, candidate
 from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
 from planner.recommend import MOVE_UP, largest_micro_batch, nothing_fits, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, gb, model_states, state_bytes
 from strategies.footprint import StateBytes
-from strategies.base import StrategyConfig, as_config
-from strategies.presets import AUTO, load, names
+from strategies.base import StrategyConfig
+from strategies.presets import load, names
 
 
 class WillNotFit(Exception):
@@ -35,12 +38,12 @@ class WillNotFit(Exception):
         self.plan = plan
 
 
-def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Report:
-    """Plan every preset (the composed ``cfg.strategy`` with its overrides in place of its own
-    file) and the planned-only layouts; ``chosen``: only the composed preset. ``model``: the
-    model recipe's description of ``cfg.model`` (``recipes.describe``)."""
-    su = Setup.of(cfg, model)
-    own = as_config(cfg.strategy)
+def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool = False) -> Report:
+    """Plan every preset (the job's ``preset`` with its overrides in place of its own file) and
+    the planned-only layouts; ``chosen``: only the job's preset. ``model``: another description
+    of the model than ``job.model``."""
+    su = Setup.of(job, model)
+    own = job.preset
     megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
     presets = [own] if chosen else [own if n == own.name else _ep_degree(_seq_degree(_degrees(load(n), megatron), su), su)
                                     for n in names()]
@@ -60,7 +63,7 @@ def plan_all(cfg: Any, model: ModelDescription, *, chosen: bool = False) -> Repo
     for p in plans:
         if not p.fits:
             p.hint = _hint(plans if not chosen else _others(su, p))
-    name = f"{su.params:,} parameters" if su.shape is None else str(cfg.model.name)
+    name = f"{su.params:,} parameters" if su.shape is None else str(job.model.name)
     return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
                   assumptions=assumptions(su), batch=_batch(su))
@@ -184,12 +187,17 @@ def _hint(plans: list[Plan]) -> str:
     return "no preset fits: use more devices, a smaller micro batch or activation checkpointing"
 
 
-def choose(cfg: Any, model: ModelDescription) -> tuple[StrategyConfig, str]:
-    """``strategy=auto``: the recommended preset (TP/PP presets at the planned degrees), and why.
-    Raises ConfigError when no runnable preset fits."""
+def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[StrategyConfig, str]:
+    """``strategy=auto``: the recommended preset for the job's model, cluster and batch (TP/PP
+    presets at the planned degrees), and why; ``recipes.job.validate(..., auto=choose)`` then
+    checks and derives it as if the config had named it. With ``planner.calibrate=true`` this
+    machine is measured here first (once, then cached: ``planner.machine.ensure``). Raises
+    ConfigError when no runnable preset fits."""
+    from planner import machine
     from strategies.mesh import ConfigError
 
-    report = plan_all(cfg, model)
+    machine.ensure(job)  # planner.calibrate=true: this machine measured once (a subprocess), cached
+    report = plan_all(job, model)
     rec = report.recommendation
     chosen = next((p for p in report.plans if p.strategy == rec.strategy), None)
     if chosen is None or chosen.planned_only:
@@ -203,44 +211,29 @@ def choose(cfg: Any, model: ModelDescription) -> tuple[StrategyConfig, str]:
     planned = {d: getattr(chosen, d) for d in picked.capabilities.degrees if hasattr(chosen, d)}
     if planned:  # at the degrees it was planned with (a sequence degree: chosen again, the same way)
         picked = picked.with_degrees(**planned)
-    picked = _seq_degree(picked, Setup.of(cfg, model))
+    picked = _seq_degree(picked, Setup.of(job, model))
     if rec.activation_checkpointing:  # it fits only so
         picked = dataclasses.replace(picked, activation_checkpointing=True)
     return picked, rec.reason
 
 
-def resolve_auto(cfg: Any, model: ModelDescription) -> tuple[Any, str | None]:
-    """The config with ``strategy=auto`` replaced by the planner's choice for this model,
-    cluster and batch, and why; any other strategy: the config as given, None. train.py's first
-    planning step, so with ``planner.calibrate=true`` this machine is measured here first (once,
-    then cached: ``planner.machine.ensure``)."""
+def preflight(job: Inputs, model: ModelDescription | None = None) -> Plan:
+    """The plan of the job's own preset (``.fits``, ``.summary()``, ``.message()``); the cheapest
+    fitting preset is searched only when it does not fit."""
+    return plan_all(job, model, chosen=True).plans[0]
+
+
+def check(job: Inputs, *, to: str = "launch") -> Plan:
+    """The pre-launch check (train.py, a sweep's preflight, launch.py's submission): the plan of
+    the job's preset; raises ``WillNotFit`` when it is predicted not to fit and
+    ``planner.enforce`` is on (``to``: what ``planner.enforce=false`` would do anyway). The one
+    place that rule lives. With ``planner.calibrate=true`` this machine is measured first."""
     from planner import machine
 
-    machine.ensure(cfg)  # planner.calibrate=true: this machine measured once (a subprocess), cached
-    if cfg.strategy.get("name") != AUTO:
-        return cfg, None
-    from omegaconf import OmegaConf, open_dict
-
-    picked, reason = choose(cfg, model)
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        cfg.strategy = OmegaConf.structured(picked)
-    OmegaConf.set_readonly(cfg, False)
-    return cfg, f"strategy=auto chose {picked.name}: {reason}"
-
-
-def preflight(cfg: Any, model: ModelDescription) -> Plan:
-    """The plan of the composed run's own preset, for train.py (``.fits``, ``.summary()``,
-    ``.message()``); the cheapest fitting preset is searched only when it does not fit."""
-    return plan_all(cfg, model, chosen=True).plans[0]
-
-
-def check(cfg: Any, model: ModelDescription) -> Plan:
-    """train.py's pre-launch check: the plan of the run; raises ``WillNotFit`` when it is
-    predicted not to fit and ``planner.enforce`` is on."""
-    result = preflight(cfg, model)
-    if not result.fits and cfg.planner.enforce:
-        raise WillNotFit(result.message() + " (set planner.enforce=false to launch anyway)",
+    machine.ensure(job)
+    result = preflight(job)
+    if not result.fits and job.planner.enforce:
+        raise WillNotFit(result.message() + f" (set planner.enforce=false to {to} anyway)",
                          plan_dict(result))
     return result
 
@@ -316,7 +309,7 @@ __all__ = ["mfu_formula", "ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Colle
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",
-           "WillNotFit", "check", "resolve_auto",
+           "Inputs", "WillNotFit", "check",
            "choose", "largest_micro_batch", "plan_all", "plan_candidate", "plan_dict", "planned_candidates", "preflight", "rank", "recommend",
            "reduce_scatter_bytes", "report_dict", "ring_all_reduce_bytes", "state_bytes",
            "transfer_seconds"]

@@ -43,6 +43,21 @@ class ModelDescription(Protocol):
         """Parameters of one vocab x dim matrix."""
 
 
+class Inputs(Protocol):
+    """What the planner reads of a run: a validated ``recipes.job.Job`` (the planner imports
+    nothing from recipes/), its groups as typed objects -- never a composed config."""
+
+    model: ModelDescription
+    cluster: Any
+    """recipes.config.ClusterConfig: ``planned()``, ``hardware()``, the shape and the links."""
+    trainer: Any
+    """recipes.config.TrainerConfig: the batch and precision."""
+    planner: Any
+    """recipes.config.PlannerConfig: the planner's options (``enforce`` among them)."""
+    preset: StrategyConfig
+    """The preset as composed (or as strategy=auto chose it)."""
+
+
 def unit_params(model: ModelDescription) -> int:
     """The largest FSDP/ZeRO-3 unit: a transformer block or an embedding matrix."""
     return max(model.block_params(), model.embedding_params())
@@ -65,21 +80,16 @@ class Setup:
     """What ``cluster.accelerator=auto`` found on this machine (its GPUs), for the assumptions."""
 
     @classmethod
-    def of(cls, cfg: Any, model: ModelDescription) -> Setup:
-        """From a composed config (its groups as typed objects) and the model's description."""
-        from omegaconf import OmegaConf
-
-        def obj(node: Any) -> Any:
-            return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
-
+    def of(cls, job: Inputs, model: ModelDescription | None = None) -> Setup:
+        """From a validated job's typed groups (``recipes.job.Job``) and the model's description
+        (``model``: another description than the job's own, else ``job.model``)."""
         from planner import machine
 
-        cluster, trainer = obj(cfg.cluster), obj(cfg.trainer)
-        # accelerator=auto: what this machine has (its GPUs through nvidia-smi, without torch)
-        hardware = cluster.hardware() if hasattr(cluster, "hardware") else None
-        cluster = cluster.planned() if hasattr(cluster, "planned") else cluster
-        measured = machine.load(cluster, trainer.precision) if machine.applies(cfg) else None
-        su = cls(cluster, trainer, obj(cfg.planner), model, measured, hardware)
+        cluster, trainer = job.cluster, job.trainer
+        hardware = cluster.hardware()  # accelerator=auto: this machine's GPUs (nvidia-smi, no torch)
+        cluster = cluster.planned()
+        measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None
+        su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware)
         if problems := su.problems():
             from strategies.mesh import ConfigError
 

@@ -81,13 +81,8 @@ class Machine:
 
 def planned(cluster: Any) -> Any:
     """The cluster as recipes' ClusterConfig resolves it (``accelerator=auto``: this machine's GPUs,
-    found without torch by recipes/hardware.py -- the one probe); a composed config node first
-    becomes that object."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(cluster):
-        cluster = OmegaConf.to_object(cluster)
-    return cluster.planned() if hasattr(cluster, "planned") else cluster
+    found without torch by recipes/hardware.py -- the one probe)."""
+    return cluster.planned()
 
 
 def cpu_name() -> str:
@@ -105,7 +100,7 @@ def key(cluster: Any, precision: str) -> dict[str, Any]:
 
     cluster = planned(cluster)
     acc, world = ("gpu" if cluster.accelerator == "gpu" else "cpu"), int(cluster.nodes) * int(cluster.devices)
-    gpu = cluster.device_name() if acc == "gpu" and hasattr(cluster, "device_name") else None
+    gpu = cluster.device_name() if acc == "gpu" else None
     return {"host": socket.gethostname(), "device": gpu or cpu_name(),
             "world": world, "precision": str(precision), "accelerator": acc,
             "threads": cpu_threads(int(cluster.devices)) if acc == "cpu" else 0}
@@ -116,9 +111,9 @@ def path(k: dict[str, Any]) -> Path:
     return CACHE.expanduser() / (re.sub(r"[^\w.-]+", "_", name) + ".json")
 
 
-def applies(cfg: Any) -> bool:
-    """``planner.calibrate=true`` on ``cluster=local``."""
-    return bool(getattr(cfg.planner, "calibrate", False)) and str(cfg.cluster.name) == "local"
+def applies(job: Any) -> bool:
+    """``planner.calibrate=true`` on ``cluster=local`` (``job``: a validated Job, its groups typed)."""
+    return bool(job.planner.calibrate) and job.cluster.name == "local"
 
 
 def load(cluster: Any, precision: str) -> Machine | None:
@@ -135,16 +130,16 @@ def load(cluster: Any, precision: str) -> Machine | None:
                    **{f: k[f] for f in ("world", "precision", "device") if f not in data}, path=str(p))
 
 
-def ensure(cfg: Any, *, measure: bool | None = None, force: bool = False) -> Machine | None:
+def ensure(job: Any, *, measure: bool | None = None, force: bool = False) -> Machine | None:
     """``planner.calibrate=true`` on ``cluster=local``: the cached measurement, measured now (in a
     subprocess, ~20-40 s) when there is none and ``measure`` (None: unless this process is a rank
     torchrun or srun started -- its peers would measure at the same time: it reads the cache);
     None otherwise."""
-    if not applies(cfg):
+    if not applies(job):
         return None
     if measure is None:
         measure = not all(v in os.environ for v in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
-    cluster, precision = cfg.cluster, str(cfg.trainer.precision)
+    cluster, precision = job.cluster, str(job.trainer.precision)
     k = key(cluster, precision)
     p = path(k)
     cached = None if force else load(cluster, precision)

@@ -64,6 +64,14 @@ class Run:
         return torch.load(self.out / "params.pt", map_location="cpu")
 
 
+def typed(cfg):
+    """A composed config as the typed Job the planner reads (validated as plan.py validates:
+    what the config says, ``strategy=auto`` left unchosen)."""
+    from recipes.job import CONFIG, validate
+
+    return validate(cfg, depth=CONFIG)
+
+
 def run_cli(script: str, *overrides: str, out: Path, timeout: float = 240, check: bool = True,
             env: dict[str, str] | None = None) -> Run:
     """``python <script> overrides... hydra.run.dir=<out>`` in a subprocess, with a hard timeout."""

@@ -227,13 +227,13 @@ _CHECK = '''
 import strategies
 from backends import check
 from recipes.config import compose, describe
-from recipes.job import RUN, validate
+from recipes.job import CONFIG, RUN, validate
 from planner import plan_all
 
 job = validate(compose(["strategy=mine", "cluster.devices=2", "model=gpt_nano"]), depth=RUN)
 assert type(job.strategy).__name__ == "MineConfig" and job.strategy.flavour == 3, job.strategy
 assert job.run.mesh.size == 2 and check(job) == []
-report = plan_all(compose(["model=gpt_nano", "cluster.devices=2"]), describe(job.model))
+report = plan_all(validate(compose(["model=gpt_nano", "cluster.devices=2"]), depth=CONFIG))
 assert "mine" in [p.strategy for p in report.plans]
 from lightning.pytorch.strategies import StrategyRegistry
 assert type(StrategyRegistry.get("mine")).__name__ == "Mine"
@@ -391,6 +391,96 @@ def test_every_package_and_its_data_is_in_the_distribution():
     assert project["package-dir"]["stratagem_conf"] == "conf"
     data = project["package-data"]
     assert "activations.json" in data["planner"] and any(".yaml" in g for g in data["stratagem_conf"])
+
+
+# --------------------------------------------------------------------- after validate, the Job
+_COMPOSED = re.compile(r"\b(OmegaConf|DictConfig|ListConfig|omegaconf)\b")
+
+
+@pytest.mark.unit
+def test_the_planner_reads_no_composed_config():
+    """planner/ takes the validated Job's typed objects (``planner.inputs.Inputs``): no
+    omegaconf import (AST, functions included) and no OmegaConf/DictConfig name (grep)."""
+    files = sorted((ROOT / "planner").rglob("*.py"))
+    assert files
+    imports = {str(p.relative_to(ROOT)) for p in files if "omegaconf" in _imports(p)}
+    named = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
+             for i, line in enumerate(p.read_text().splitlines(), 1) if _COMPOSED.search(line)]
+    assert not imports and not named, (sorted(imports), named)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("script", ["launch.py", "export.py"])
+def test_launch_and_export_read_the_job_not_its_config(script):
+    """After ``validate`` they read the Job's typed fields: no ``.cfg`` attribute (AST), no
+    ``job.cfg`` (grep), and ``planner.enforce``'s rule only through ``planner.check``."""
+    path = ROOT / script
+    text = path.read_text()
+    attrs = [n.lineno for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Attribute) and n.attr == "cfg"]
+    assert not attrs and "job.cfg" not in text, attrs
+    assert ".enforce" not in text
+
+
+@pytest.mark.unit
+def test_the_enforce_rule_lives_in_the_planner_only():
+    """``planner.enforce`` is read (an ``.enforce`` attribute, AST) in one place: planner.check."""
+    hits = [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("*/**/*.py"))
+            if not {"tests", "bench", ".git"} & set(p.relative_to(ROOT).parts)
+            and any(isinstance(n, ast.Attribute) and n.attr == "enforce"
+                    for n in ast.walk(ast.parse(p.read_text())))]
+    assert hits == ["planner/__init__.py"], hits
+
+
+@pytest.mark.unit
+def test_strategy_auto_is_a_step_of_validation_over_typed_objects():
+    """validate(..., auto=planner.choose): the Job carries the chosen preset, the reason, the
+    settled strategy with its Run, and the groups downstream reads (planner, export, paths)."""
+    import planner
+    from recipes.config import ExportConfig, PlannerConfig, compose
+    from recipes.job import RUN, validate
+    from strategies.presets import AUTO
+
+    cfg = compose(["model=gpt_nano", "strategy=auto", "cluster.devices=2", "callbacks=none",
+                   "export=deepspeed"])
+    seen = []
+
+    def choose(job):
+        seen.append(job)
+        return planner.choose(job)
+
+    job = validate(cfg, depth=RUN, auto=choose)
+    assert len(seen) == 1 and seen[0].preset.name == AUTO and isinstance(seen[0].cluster, object)
+    assert job.preset.name not in (AUTO, "single") and job.strategy.name == job.preset.name
+    assert job.auto and job.chosen_by.startswith(f"strategy=auto chose {job.preset.name}: ")
+    assert job.run.mesh.size == 2 and job.meta()["config"]["strategy"]["name"] == job.preset.name
+    assert isinstance(job.planner, PlannerConfig) and isinstance(job.export, ExportConfig)
+    assert planner.check(job).strategy == job.preset.name
+    named = validate(compose(["model=gpt_nano", "strategy=ddp", "cluster.devices=2", "callbacks=none"]),
+                     depth=RUN, auto=choose)
+    assert len(seen) == 1 and named.auto is None and named.chosen_by is None and named.export is None
+
+
+@pytest.mark.unit
+def test_validation_derives_the_mesh_and_batch_once(monkeypatch):
+    """The preset's mesh and what it derives from the batch: one derivation (strategies.run.settle)
+    gives the Job its strategy and Run; no second one after it."""
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+    from strategies.families.parallel import ParallelConfig
+
+    calls = {"mesh": 0, "for_batch": 0}
+    for name in calls:
+        original = getattr(ParallelConfig, name)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(ParallelConfig, name, counted)
+    job = validate(compose(["model=gpt_nano", "strategy=pipeline", "cluster.devices=2", "callbacks=none",
+                            "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]), depth=RUN)
+    assert calls == {"mesh": 1, "for_batch": 1}, calls
+    assert job.strategy.microbatches and job.run.batch.chunks == job.strategy.microbatches
 
 
 def _product_files() -> list[Path]:

@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, typed
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(600)]
 
@@ -47,9 +47,10 @@ trainer.fit(Tiny())
 assert type(trainer.strategy).__name__ == "PresetModelParallelStrategy", trainer.strategy
 print("trained", trainer.global_step)
 
-from recipes.config import compose, describe
+from recipes.config import compose
+from recipes.job import CONFIG, validate
 cfg = compose(["model=llama_7b", "cluster=node_8x_h100"])
-report = planner.plan_all(cfg, describe(cfg.model))
+report = planner.plan_all(validate(cfg, depth=CONFIG))
 print("recommended", report.recommendation.strategy)
 """
 
@@ -84,9 +85,9 @@ def test_a_regular_install_trains_and_plans_from_elsewhere(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     from planner import plan_all
-    from recipes.config import compose, describe
+    from recipes.config import compose
 
     cfg = compose(["model=llama_7b", "cluster=node_8x_h100"])
-    expected = plan_all(cfg, describe(cfg.model)).recommendation.strategy
+    expected = plan_all(typed(cfg)).recommendation.strategy
     assert "trained 2" in proc.stdout
     assert f"recommended {expected}" in proc.stdout, proc.stdout

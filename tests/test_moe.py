@@ -17,7 +17,7 @@ import pytest
 from recipes.config import compose, describe
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, run_cli
+from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, run_cli, typed
 
 MOE = ("model=gpt_moe_nano",)
 CPU = ("cluster.accelerator=cpu",)
@@ -156,7 +156,7 @@ def _plan(preset: str, ep: int) -> dict:
     from planner import plan_dict, preflight
 
     cfg = compose(["model=mixtral_8x7b", "cluster=node_8x_h100", f"strategy={preset}", f"strategy.ep={ep}"])
-    return plan_dict(preflight(cfg, describe(cfg.model)))
+    return plan_dict(preflight(typed(cfg)))
 
 
 # ----------------------------------------------------------------------------- equivalence

@@ -11,8 +11,7 @@ import time
 import pytest
 
 from planner import GB
-from recipes.config import describe
-from tests.conftest import ROOT
+from tests.conftest import ROOT, typed
 
 
 
@@ -95,7 +94,7 @@ def test_strategy_auto_runs_the_recommended_preset_and_says_why(tmp_path):
 
     overrides = (*TINY, "trainer.max_steps=2", "cluster.devices=2", "trainer.global_batch_size=8")
     cfg = compose([*overrides, "strategy=auto"])
-    expected = plan_all(cfg, describe(cfg.model)).recommendation.strategy
+    expected = plan_all(typed(cfg)).recommendation.strategy
     run = run_cli("train.py", *overrides, "strategy=auto", out=tmp_path / "auto")
     r = run.report
     assert r["strategy"] == expected != "auto"

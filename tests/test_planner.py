@@ -19,6 +19,7 @@ from strategies.base import StrategyConfig
 from strategies.families.ddp import DDPFootprint
 from strategies.footprint import Footprint
 from strategies.mesh import Mesh
+from tests.conftest import typed
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +299,7 @@ def _emulated_presets(devices: int) -> list[Candidate]:
 def test_decision_table_on_layouts(row):
     overrides, accepted = ROWS[row]
     cfg = _compose(overrides)
-    su = Setup.of(cfg, describe(cfg.model))
+    su = Setup.of(typed(cfg))
     cands = _emulated_presets(su.cluster.devices) + planned_candidates(su)
     rec = recommend([plan_candidate(c, su) for c in cands])
     assert rec.strategy in accepted, rec.reason
@@ -311,7 +312,7 @@ def test_decision_table_on_presets(row):
 
     overrides, accepted = ROWS[row]
     cfg = _compose(overrides)
-    report = plan_all(cfg, describe(cfg.model))
+    report = plan_all(typed(cfg))
     rec = report.recommendation
     # the recommendation is a runnable preset; a planned-only layout of the row counts when the
     # reason names it, listed apart, as the faster one (175B: megatron_3d; the runnable 3d needs
@@ -325,11 +326,11 @@ def test_preflight_fits_and_refuses():
     from planner import preflight
 
     cfg = _compose(("model=gpt_small", "strategy=single"))
-    ok = preflight(cfg, describe(cfg.model))
+    ok = preflight(typed(cfg))
     assert ok.fits and ok.summary().startswith("plan: single on local")
     cfg = _compose(("model=llama_7b", "cluster=node_8x_a100_80g", "strategy=ddp",
                     "trainer.global_batch_size=8"))
-    big = preflight(cfg, describe(cfg.model))
+    big = preflight(typed(cfg))
     assert not big.fits
     msg = big.message()
     assert msg.startswith("does not fit on node_8x_a100_80g: needs 154.0 GB per device, "
@@ -378,7 +379,7 @@ def _plans(*overrides):
     from planner import plan_all
 
     cfg = _compose(overrides)
-    return {p.strategy: p for p in plan_all(cfg, describe(cfg.model)).plans}
+    return {p.strategy: p for p in plan_all(typed(cfg)).plans}
 
 
 @pytest.mark.unit
@@ -443,7 +444,7 @@ def test_plan_header_states_the_batch_and_precision_it_assumed():
     from planner import plan_all, report_dict
 
     cfg = _compose(("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64"))
-    r = report_dict(plan_all(cfg, describe(cfg.model)))
+    r = report_dict(plan_all(typed(cfg)))
     assert r["batch"] == "global batch 64 x seq 4096, micro batch 1, precision bf16-mixed"
 
 
@@ -578,7 +579,7 @@ def test_recommendation_suggests_the_largest_micro_batch_that_fits():
     def report(*extra, chosen=False):
         cfg = compose([*COMMON, "model=llama_7b", "cluster=node_8x_h100",
                        "trainer.global_batch_size=64", *extra])  # extra after COMMON's micro 1
-        return plan_all(cfg, describe(cfg.model), chosen=chosen)
+        return plan_all(typed(cfg), chosen=chosen)
 
     first = report()
     rec, planned = first.recommendation, first.plans[0]

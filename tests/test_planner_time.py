@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from planner.render import plan_dict
-from tests.conftest import ROOT, TINY, run_cli
+from tests.conftest import ROOT, TINY, run_cli, typed
 from tests.test_planner import _compose, _plans, describe
 
 BF16_70B = ("model=llama_70b", "cluster=slurm_8x8_h100", "trainer.precision=bf16-mixed")
@@ -264,7 +264,7 @@ def _cache(tmp_path, monkeypatch, *overrides):
 
     monkeypatch.setattr(machine, "CACHE", tmp_path / "machine")
     cfg = _compose(overrides)
-    p = machine.path(machine.key(cfg.cluster, cfg.trainer.precision))
+    p = machine.path(machine.key(typed(cfg).cluster, cfg.trainer.precision))
     p.parent.mkdir(parents=True)
     p.write_text(json.dumps({**MACHINE, "format": machine.FORMAT}))
     return p
@@ -286,7 +286,7 @@ def test_a_calibrated_machine_prices_cluster_local(tmp_path, monkeypatch):
     assert p.step_seconds != plain.step_seconds and p.peak_tflops == 0.2 and p.mfu == 0.5
     from planner import plan_all
 
-    report = plan_all(_compose((*base, "planner.calibrate=true")), shape)
+    report = plan_all(typed(_compose((*base, "planner.calibrate=true"))), shape)
     text = " ".join(report.assumptions)
     assert "measured on this machine" in text and "(6 x matmul params + 12 x layers x seq x dim)" in text
     # other clusters are never calibrated
@@ -307,7 +307,7 @@ def test_tensor_parallel_over_the_measured_world_uses_its_measured_speedup(tmp_p
     p.write_text(json.dumps({**MACHINE, "format": machine.FORMAT, "tp_speedup": 1.25}))
     measured = _plans(*base)["tp"]
     cfg = _compose(base)
-    assert machine.load(cfg.cluster, cfg.trainer.precision).tp_speedup == 1.25
+    assert machine.load(typed(cfg).cluster, cfg.trainer.precision).tp_speedup == 1.25
     assert measured.compute_seconds == pytest.approx(ideal.compute_seconds * 2 / 1.25)
     tp_comm = sum(x.seconds for n, x in ideal.communication.by_collective.items() if n.startswith("tp_"))
     assert tp_comm > 0
@@ -345,7 +345,7 @@ def test_deepspeeds_measured_engine_work_prices_zero_steps(tmp_path, monkeypatch
     assert acc.engine_seconds == pytest.approx(2 * after["zero3"].engine_seconds)
     p.write_text(json.dumps({**MACHINE, "engine_ns_per_param_zero3": 11.0}))  # no format: 1
     cfg = _compose(base)
-    assert machine.load(cfg.cluster, cfg.trainer.precision) is None
+    assert machine.load(typed(cfg).cluster, cfg.trainer.precision) is None
     assert _plans(*base, "strategy=zero3")["zero3"].optimizer_seconds == 0  # priced uncalibrated
 
 

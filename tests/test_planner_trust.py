@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, typed
 from tests.test_planner import BF16_1B, _compose, _plans, describe
 
 
@@ -73,7 +73,7 @@ def _report(*overrides):
     from planner import plan_all
 
     cfg = _compose(overrides)
-    return plan_all(cfg, describe(cfg.model))
+    return plan_all(typed(cfg))
 
 
 def _table(report) -> str:
@@ -121,7 +121,7 @@ def test_when_only_the_batch_fails_the_reason_is_the_batch():
 
     cfg = compose(["cluster=node_8x_h100", "trainer.global_batch_size=4", "trainer.micro_batch_size=8",
                    "callbacks=none"])
-    rec = plan_all(cfg, describe(cfg.model)).recommendation
+    rec = plan_all(typed(cfg)).recommendation
     assert rec.strategy is None and "smallest need" not in rec.reason
     assert "trainer.global_batch_size=4 is not divisible" in rec.reason, rec.reason
 
@@ -198,7 +198,7 @@ def test_strategy_auto_runs_what_fits_and_plan_py_shows_it():
     from planner import choose
 
     cfg = _compose((*_70B, "strategy=auto"))
-    picked, why = choose(cfg, describe(cfg.model))
+    picked, why = choose(typed(cfg))
     assert picked.name in {"fsdp_tp", "tp", "3d", "pipeline", "pp_dp"}, why
     report = _report(*_70B)
     assert report.recommendation.strategy == picked.name
@@ -256,7 +256,7 @@ def test_the_loss_backward_is_in_the_peak_where_it_lives():
     cfg = compose(["model=llama_1b", "cluster=h200_1x", "trainer.precision=bf16-mixed",
                    "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "callbacks=none"])
     m = describe(cfg.model)
-    plans = {p.strategy: p for p in plan_all(cfg, m).plans}
+    plans = {p.strategy: p for p in plan_all(typed(cfg), m).plans}
     single = plans["single"].memory
     assert single.loss == 8 * m.seq_len * 2 * m.vocab_size  # 4.2 GB at llama_1b's 128k vocabulary
     states = single.params + single.grads + single.master + single.optimizer
@@ -356,7 +356,7 @@ def _doc(params: float, devices: int, nodes: int = 1, accounting: str = "mixed16
                    "cluster=node_8x_h100", f"cluster.nodes={nodes}", f"cluster.devices={devices}",
                    f"trainer.global_batch_size={nodes * devices}", "trainer.micro_batch_size=1",
                    "trainer.precision=bf16-mixed", "callbacks=none"])
-    report = plan_all(cfg, describe(cfg.model))
+    report = plan_all(typed(cfg))
     return report, {p.strategy: p.memory for p in report.plans}
 
 
@@ -472,7 +472,7 @@ def test_activation_checkpointing_is_suggested_when_it_changes_the_answer():
 
     over = ("model=llama_7b", "cluster=h200_1x", "trainer.precision=bf16-mixed",
             "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "callbacks=none")
-    report = plan_all(cfg := compose(list(over)), describe(cfg.model))
+    report = plan_all(typed(compose(list(over))))
     rec = report.recommendation
     assert rec.strategy and rec.activation_checkpointing, rec.reason
     assert "strategy.activation_checkpointing=true" in rec.reason
@@ -483,7 +483,7 @@ def test_activation_checkpointing_is_suggested_when_it_changes_the_answer():
     assert out["recommendation"]["activation_checkpointing"] is True
     assert next(p for p in out["plans"] if p["strategy"] == rec.strategy)["total_checkpointed"] > 0
     cfg = compose([*over, "strategy=auto"])
-    picked, _ = choose(cfg, describe(cfg.model))
+    picked, _ = choose(typed(cfg))
     assert picked.name == rec.strategy and picked.activation_checkpointing
     # ... and never when the answer does not change
     plain = _report("model=llama_7b", "cluster=node_8x_h100", "trainer.global_batch_size=64").recommendation
@@ -566,11 +566,11 @@ def test_a_gpu_machines_calibration_is_cached_under_the_gpu_planning_found(tmp_p
     hardware.local_gpus.cache_clear()
     try:
         cfg = _compose(("cluster.devices=8",))  # cluster=local, accelerator auto
-        k = machine.key(cfg.cluster, "bf16-mixed")
+        k = machine.key(typed(cfg).cluster, "bf16-mixed")
         assert (k["accelerator"], k["device"], k["world"], k["threads"]) == ("gpu", "NVIDIA H100 80GB HBM3", 8, 0)
         monkeypatch.setenv("PATH", str(tmp_path / "none"))
         hardware.local_gpus.cache_clear()
-        k = machine.key(_compose(("cluster.devices=8",)).cluster, "bf16-mixed")
+        k = machine.key(typed(_compose(("cluster.devices=8",))).cluster, "bf16-mixed")
         assert k["accelerator"] == "cpu" and k["device"] == machine.cpu_name()
     finally:
         hardware.local_gpus.cache_clear()
@@ -602,11 +602,11 @@ def test_sgd_is_planned_with_its_own_state():
     """trainer.optimizer=sgd keeps no moments (one buffer with momentum): its plan holds 0 (or
     half) of AdamW's optimizer bytes -- measured equal under fsdp2 and zero2 (state_bytes 1.000)."""
     from planner import plan_all
-    from recipes.config import compose, describe
+    from recipes.config import compose
 
     def optimizer_bytes(*extra):
         cfg = compose(["model=gpt_small", "strategy=fsdp2", "cluster.devices=2", "cluster.accelerator=cpu", *extra])
-        return plan_all(cfg, describe(cfg.model), chosen=True).plans[0].memory.optimizer
+        return plan_all(typed(cfg), chosen=True).plans[0].memory.optimizer
 
     adamw = optimizer_bytes()
     assert adamw > 0

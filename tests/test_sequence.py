@@ -19,7 +19,7 @@ from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
 from tests.cases import CASES
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, by_optimizer, run_cli
+from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, by_optimizer, run_cli, typed
 
 pytestmark = pytest.mark.timeout(900)
 RTOL = 1e-5
@@ -255,12 +255,11 @@ def test_planner_prices_ulysses_and_ring_attention():
     """Ulysses: 4 x s x b x h / sp per layer (MHA), forward and backward, (sp-1)/sp of it sent;
     ring attention: K and V passed cp - 1 times per layer forward; activations / degree."""
     from planner import plan_all
-    from recipes.config import describe
 
     def comm(*overrides):
         cfg = compose(["cluster=node_8x_h100", "model=llama_7b", "model.seq_len=32768",
                        "trainer.micro_batch_size=1", "trainer.global_batch_size=8", *overrides])
-        return plan_all(cfg, describe(cfg.model), chosen=True).plans[0]
+        return plan_all(typed(cfg), chosen=True).plans[0]
 
     s, b, h, layers, m = 32768, 1, 4096, 32, 8  # m: 8 micro-batches per step (dp 1), bf16
     uly = comm("strategy=zero3_ulysses", "strategy.sp=8")
@@ -298,10 +297,9 @@ def test_auto_takes_ulysses_at_the_degree_a_long_sequence_needs():
     per device; the planner raises Ulysses' degree from its preset's 2 until it fits (sp 8) and
     strategy=auto runs it there."""
     from planner import choose
-    from recipes.config import describe
 
     cfg = compose(["cluster=node_8x_h100", "model=llama_7b", "model.seq_len=32768",
                    "trainer.micro_batch_size=1", "trainer.global_batch_size=8", "strategy=auto"])
-    picked, reason = choose(cfg, describe(cfg.model))
+    picked, reason = choose(typed(cfg))
     assert picked.name in ("ulysses", "zero3_ulysses") and picked.sp == 8, (picked.name, reason)
     assert "sequence parallel" in reason
