@@ -1,10 +1,10 @@
 """Parallelism applied from outside to the plain single-device model, in the fixed order
 TP -> context parallelism -> activation checkpointing -> compile -> FSDP2 (torchtitan's
 ``parallelize_*`` functions), from a family's plan (``ParallelPlan``, data) and what the model
-declares: its repeated block
-(``block_cls``), its Megatron ``tp_plan`` and where its blocks, embedding and head are
-(``tp_layout``). torch only (DTensor, ``fully_shard``, the checkpoint wrapper): every backend
-calls the same functions, after building the model and before its engine wraps it.
+declares: its repeated block (``block_cls``), its Megatron ``tp_plan`` and where its blocks,
+embedding and head are (``tp_layout``). torch only (DTensor, ``fully_shard``, the checkpoint
+wrapper): every backend calls the same functions, after building the model and before its engine
+wraps it.
 
 Also here, because every backend needs them the same way: finding the model inside a wrapper
 module, giving a meta-built model's shards storage, and plain (unwrapped) state-dict keys.

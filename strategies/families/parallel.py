@@ -9,10 +9,9 @@ Presets: ``tp`` (Megatron column/row through DTensor ``parallelize_module``), ``
 Parallelism is applied from outside the recipe, in the fixed order TP -> activation
 checkpointing -> compile -> FSDP2 (``plan``; strategies/parallelize.py), from what the model
 declares: ``tp_plan`` (which linear layer is column- or row-parallel, relative to a block) and
-``pp_plan`` (the ModuleDict of blocks, and
-the modules only the first or last stage runs; strategies/pipeline.py cuts it). Data parallelism
-over ``dp`` ranks is FSDP2 on the data-parallel sub-mesh (torchtitan's layout); a replica's
-``pp x tp`` ranks read the same batch.
+``pp_plan`` (the ModuleDict of blocks, and the modules only the first or last stage runs;
+strategies/pipeline.py cuts it). Data parallelism over ``dp`` ranks is FSDP2 on the data-parallel
+sub-mesh (torchtitan's layout); a replica's ``pp x tp`` ranks read the same batch.
 """
 
 from __future__ import annotations
