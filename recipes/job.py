@@ -354,19 +354,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += _device_problems(run.accelerator, run.mesh, c.oversubscribe)
         problems += strategy.launch_problems(run)
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
-        problems += strategy.problems(run)
-        if not bad["model"]:
-            problems += strategy.model_problems(model) + _lora_problems(strategy, model)
-        if (run.mesh.seq > 1 and not bad["data"] and objs["data"].name == "chat"
-                and objs["data"].train_on != "all"):
-            # each sequence shard averages its own counted targets: equal to the micro-batch's
-            # mean only when every shard counts as many (unmasked data)
-            problems.append(f"data.train_on={objs['data'].train_on} with a sequence-parallel preset "
-                            f"(strategy={strategy.name}): each rank's loss is the mean over its shard's "
-                            "counted targets, which is the sequence's mean only when every shard counts "
-                            "the same number; use data.train_on=all, or a data-parallel preset")
-        if not bad["model"]:
-            problems += run.mesh.model_problems(model, strategy.name)
+        problems += _preset_problems(strategy, run, objs, bad)
     if not bad["model"] and not bad["trainer"]:
         problems += _save_hf_problems(t, model)
     job = replace(_job(cfg, objs, preset, strategy, run), auto=why)
@@ -376,6 +364,26 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if problems:
         raise ConfigError(problems)
     return job
+
+
+def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
+                     bad: dict[str, list[str]]) -> list[str]:
+    """The preset on this run (``RUN`` depth, the world sound): its own problems, with the model
+    and with the data."""
+    model, data = objs["model"], objs["data"]
+    out = strategy.problems(run)
+    if not bad["model"]:
+        out += strategy.model_problems(model) + _lora_problems(strategy, model)
+    if run.mesh.seq > 1 and not bad["data"] and data.name == "chat" and data.train_on != "all":
+        # each sequence shard averages its own counted targets: equal to the micro-batch's
+        # mean only when every shard counts as many (unmasked data)
+        out.append(f"data.train_on={data.train_on} with a sequence-parallel preset "
+                   f"(strategy={strategy.name}): each rank's loss is the mean over its shard's "
+                   "counted targets, which is the sequence's mean only when every shard counts "
+                   "the same number; use data.train_on=all, or a data-parallel preset")
+    if not bad["model"]:
+        out += run.mesh.model_problems(model, strategy.name)
+    return out
 
 
 def _job(cfg: DictConfig, objs: dict[str, Any], preset: StrategyConfig, strategy: StrategyConfig,

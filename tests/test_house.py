@@ -481,3 +481,20 @@ def test_validation_derives_the_mesh_and_batch_once(monkeypatch):
                             "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]), depth=RUN)
     assert calls == {"mesh": 1, "for_batch": 1}, calls
     assert job.strategy.microbatches and job.run.batch.chunks == job.strategy.microbatches
+
+
+def _product_files() -> list[Path]:
+    """Every Python file of the product: the tree but tests/, bench/ and what runs leave."""
+    skip = {"tests", "bench", "outputs", "build", "dist"}
+    return [p for p in sorted(ROOT.rglob("*.py"))
+            if not any(part in skip or part.startswith(".") or part.endswith(".egg-info")
+                       for part in p.relative_to(ROOT).parts[:-1])]
+
+
+@pytest.mark.unit
+def test_no_product_function_is_over_80_lines():
+    """A function longer than 80 lines does more than one job: cut it along them (issue 37)."""
+    long = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for p in _product_files() for n in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, long
