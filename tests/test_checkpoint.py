@@ -370,7 +370,8 @@ HISTORY = (*EQUIV, *PRESETS["single"], "trainer.checkpoint_every=4", "data.val_f
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("logger", ["csv", "wandb", pytest.param("tensorboard", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("logger", ["csv", pytest.param("wandb", marks=pytest.mark.slow),
+                                    pytest.param("tensorboard", marks=pytest.mark.slow)])
 def test_a_resumed_run_keeps_one_history(tmp_path, logger):
     """Killed after step 5 (its last checkpoint at step 4), then run again: report.json covers
     steps 1-6 with resumed_from, the validations of steps 2 and 4 come from the checkpoint; the

@@ -375,7 +375,7 @@ def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeue
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["lightning", "accelerate"])
+@pytest.mark.parametrize("backend", ["lightning", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_slurm_requeue_resumes_from_our_checkpoint_and_equals_the_straight_run(slurm, tmp_path, cached, backend):
     """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit) after a
     checkpoint: every rank finishes its step, all save together, rank 0 requeues; the next

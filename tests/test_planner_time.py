@@ -350,6 +350,7 @@ def test_deepspeeds_measured_engine_work_prices_zero_steps(tmp_path, monkeypatch
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow  # a whole calibration, 108 s of its 120 s limit in CI on a 2-core VM
 def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     """planner.calibrate=true: plan.py measures this machine once (a subprocess running
     backends.common.calibrate: ~50 s on 2 cores), caches it under the user's cache directory, plans

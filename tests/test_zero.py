@@ -79,6 +79,7 @@ INFINITY_SHAPE = ("model.vocab_size=8192", "model.dim=64", "model.n_layers=1", "
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 384 s in CI on a 2-core VM (it builds DeepSpeed's async_io op first): CI's time
 @pytest.mark.skipif(not libaio_available(), reason="NVMe offload needs libaio-dev (apt-get install -y libaio-dev)")
 def test_zero_infinity_matches_single_process(train, tmp_path):
     """Parameters AND optimizer state on NVMe train exactly like the single process, and really
