@@ -13,6 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def product_files() -> list[Path]:
+    """Every Python file of the product: the tree but tests/, bench/ and what runs leave. Hidden
+    folders (.git, CI's .venv-torch211) are pruned, not walked: a venv holds ~100k files."""
+    skip = {"tests", "bench", "outputs", "build", "dist"}
+    files = []
+    for folder, subs, names in os.walk(ROOT):
+        subs[:] = sorted(d for d in subs if not (d in skip or d.startswith(".") or d.endswith(".egg-info")))
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
 GLOO_ABORT = "terminate called without an active exception"
 # Small, fast, deterministic: the tiny model in fp32 with dropout off.
 TINY = ("model=gpt_nano", "model.dropout=0", "trainer.precision=32", "cluster.accelerator=cpu",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, engines_loaded
+from tests.conftest import ROOT, engines_loaded, product_files
 
 OURS = ("strategies", "planner", "recipes", "observers", "checkpoints", "backends", "launchers")
 NEUTRAL = ("strategies", "planner", "recipes", "observers")  # no engine, at any level
@@ -424,9 +424,8 @@ def test_launch_and_export_read_the_job_not_its_config(script):
 @pytest.mark.unit
 def test_the_enforce_rule_lives_in_the_planner_only():
     """``planner.enforce`` is read (an ``.enforce`` attribute, AST) in one place: planner.check."""
-    hits = [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("*/**/*.py"))
-            if not {"tests", "bench", ".git"} & set(p.relative_to(ROOT).parts)
-            and any(isinstance(n, ast.Attribute) and n.attr == "enforce"
+    hits = [str(p.relative_to(ROOT)) for p in product_files()
+            if any(isinstance(n, ast.Attribute) and n.attr == "enforce"
                     for n in ast.walk(ast.parse(p.read_text())))]
     assert hits == ["planner/__init__.py"], hits
 
@@ -483,18 +482,10 @@ def test_validation_derives_the_mesh_and_batch_once(monkeypatch):
     assert job.strategy.microbatches and job.run.batch.chunks == job.strategy.microbatches
 
 
-def _product_files() -> list[Path]:
-    """Every Python file of the product: the tree but tests/, bench/ and what runs leave."""
-    skip = {"tests", "bench", "outputs", "build", "dist"}
-    return [p for p in sorted(ROOT.rglob("*.py"))
-            if not any(part in skip or part.startswith(".") or part.endswith(".egg-info")
-                       for part in p.relative_to(ROOT).parts[:-1])]
-
-
 @pytest.mark.unit
 def test_no_product_function_is_over_80_lines():
     """A function longer than 80 lines does more than one job: cut it along them (issue 37)."""
     long = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
-            for p in _product_files() for n in ast.walk(ast.parse(p.read_text(), str(p)))
+            for p in product_files() for n in ast.walk(ast.parse(p.read_text(), str(p)))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
     assert not long, long

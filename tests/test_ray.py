@@ -24,7 +24,7 @@ import pytest
 
 from tests.cases import EXACT, case
 from tests.conftest import (EQUIV, ROOT, TINY, assert_losses_close, assert_params_close, engines_loaded,
-                            run_cli)
+                            product_files, run_cli)
 
 pytest.importorskip("ray.train", reason="pip install -e '.[ray]'")
 pytestmark = pytest.mark.timeout(600)
@@ -46,10 +46,8 @@ def _same_as_local(local, ray_run) -> None:
 
 @pytest.mark.unit
 def test_ray_is_imported_in_the_ray_launcher_only():
-    hits = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
-                  if not p.is_relative_to(ROOT / "tests")
-                  and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)  # (.venv-torch211: CI's 2.11 leg)
-                  and re.search(r"^\s*(import ray\b|from ray\b)|import_module\([\"']ray", p.read_text(), re.M))
+    hits = sorted(str(p.relative_to(ROOT)) for p in product_files()
+                  if re.search(r"^\s*(import ray\b|from ray\b)|import_module\([\"']ray", p.read_text(), re.M))
     assert hits == ["launchers/ray.py"], hits
 
 
