@@ -23,70 +23,51 @@ writes the PyTorchJob manifest (launchers/k8s.py) and applies it with the kubern
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 from recipes import cli
 
-ROOT = Path(__file__).resolve().parent
+NO_LAUNCH_STEP = ("cluster={name} (cluster.launcher={launcher}) needs no launch step: run python train.py ... "
+                  "(Slurm: python train.py -m hydra/launcher=submitit_slurm ...); launch.py submits "
+                  "cluster.launcher=sagemaker and k8s clusters, e.g. cluster=sagemaker_p5_2node or cluster=k8s")
 
 
 def main(argv: list[str]) -> None:
     if {"-h", "--help"} & set(argv):
         print(__doc__ + "\n" + cli.groups_help())
         return
-    from launchers import k8s, sagemaker
     import planner
+    from launchers import registry
     from recipes.config import compose
     from recipes.job import RUN, validate
+    from strategies.checks import paths_elsewhere
 
     dry = "--dry-run" in argv
     overrides = cli.normalize([a for a in argv if a != "--dry-run"])
     cfg = cli.or_exit(lambda: compose(overrides))
 
     def _problems(job) -> list[str]:
+        chosen = registry.get(job.cluster.launcher)  # (launchers/registry.py: its submission step)
         out = []
-        if job.cluster.launcher not in ("sagemaker", "k8s"):
-            out.append(f"cluster={job.cluster.name} (cluster.launcher={job.cluster.launcher}) needs no "
-                       "launch step: run python train.py ... (Slurm: python train.py -m "
-                       "hydra/launcher=submitit_slurm ...); launch.py submits cluster.launcher=sagemaker "
-                       "and k8s clusters, e.g. cluster=sagemaker_p5_2node or cluster=k8s")
-        if job.cluster.launcher == "sagemaker":
-            out += sagemaker.submission_problems(job.cluster, job.data)
-        if job.cluster.launcher == "k8s":
-            out += k8s.submission_problems(job.cluster, overrides)
+        if not chosen.submits:
+            out.append(NO_LAUNCH_STEP.format(name=job.cluster.name, launcher=job.cluster.launcher))
+        else:
+            out += chosen.submission_problems(job, overrides)
         try:
             planner.check(job, to="submit")
         except planner.WillNotFit as e:
             out.append(str(e))
-        if job.cluster.launcher == "k8s" and not dry:
-            if importlib.util.find_spec("kubernetes") is None:
-                out.append("applying the PyTorchJob needs the kubernetes client, which is not "
-                           "installed: pip install -e '.[k8s]' (or add --dry-run to print it)")
-            elif k8s.reachable():
-                out.append(k8s.reachable())
-        if job.cluster.launcher == "sagemaker" and not dry and importlib.util.find_spec("sagemaker") is None:
-            out.append("submitting needs the SageMaker Python SDK, which is not installed: "
-                       "pip install -e '.[sagemaker]' (or add --dry-run to see the job without it)")
+        if chosen.submits and not dry:
+            out += chosen.client_problems()
         return out
 
-    from strategies.checks import paths_elsewhere
+    def _elsewhere(path: str) -> bool:  # (a SageMaker channel: checked in the container)
+        return any(c.elsewhere(path) for c in registry.every() if c.elsewhere is not None)
 
-    with paths_elsewhere(sagemaker.container_path):
+    with paths_elsewhere(_elsewhere):
         job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=planner.choose))
-    if job.cluster.launcher == "k8s":
-        manifest = k8s.manifest(job.cluster, overrides, job.run.accelerator)
-        if dry:
-            print(k8s.dry_run(manifest))
-            return
-        print(f"created Kubeflow PyTorchJob {k8s.apply(manifest)}")
-        return
-    args = sagemaker.job_arguments(job.cluster, overrides, str(ROOT))
-    if dry:
-        print(sagemaker.dry_run(args, job.cluster.nodes))
-        return
-    print(f"submitted SageMaker training job {sagemaker.submit(args)}")
+    chosen = registry.get(job.cluster.launcher)
+    print(chosen.dry_run(job, overrides) if dry else chosen.submit(job, overrides))
 
 
 if __name__ == "__main__":

@@ -2,22 +2,27 @@
 trains one rank; a launcher decides where and how many (``cluster.launcher``).
 
 - ``local``: plain ``python train.py`` with more than one process -- the ranks of this machine
-  through torch's elastic launch API (what torchrun uses), each running the job it is handed.
-- ``torchrun``: the same on every node of a multi-node job, meeting at ``cluster.rdzv_endpoint``.
+  through torch's elastic launch API (what torchrun uses), each running the job it is handed
+  (local.py).
+- ``torchrun``: the same on every node of a multi-node job, meeting at ``cluster.rdzv_endpoint``
+  (torchrun.py).
 - ``slurm``: a Hydra multirun through hydra-submitit-launcher, one Slurm task per rank (slurm.py).
 - ``sagemaker``: ``launch.py`` builds the SageMaker job; in the container, one node per instance.
 - ``ray``: the ranks as Ray Train workers on ``cluster.ray.address`` (ray.py; Ray imported there only).
 - ``k8s``: ``launch.py`` writes and applies a Kubeflow PyTorchJob (k8s.py); in a pod, torchrun.
 - already launched (``torchrun``, ``accelerate launch``, ``srun``): this process is a rank.
 - ``sweep.py``: a multirun's comparison report.
+
+Each launcher is one module that registers itself (``@launcher(name, ...)``, launchers/registry.py)
+plus its conf/cluster YAML: ``check`` and ``run`` here and ``launch.py`` find it there, by
+``cluster.launcher``; none is listed in code.
 """
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
-from launchers import sagemaker, slurm
+from launchers import registry, sagemaker, slurm
 from launchers.local import RankLost, Stopped, launched, restart_problem, run_local_ranks, stopped
 
 if TYPE_CHECKING:
@@ -39,10 +44,9 @@ def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
 
     startup.mark("checkpoint_load")  # (since the plan: which checkpoint, checked whole; startup)
     quiet.install()  # (this process too: it exports trainer.save_hf after the ranks)
-    if job.cluster.launcher == "ray" and not launched():  # the ranks are Ray Train workers
-        from launchers import ray
-
-        return ray.run(job, out, plan)
+    start = registry.get(job.cluster.launcher).run
+    if start is not None and not launched():  # it starts the ranks itself (ray: Ray Train workers)
+        return start(job, out, plan)
     if job.mesh.size > 1 and not launched():
         return run_local_ranks(job, out, plan)
     from backends import run as run_rank
@@ -83,23 +87,14 @@ def accelerate_single_cpu_process() -> bool:
             and "WORLD_SIZE" not in os.environ)
 
 
-ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
-
-
 def check(job: Job) -> list[str]:
     """What the chosen launcher cannot start here (for ``recipes.job.validate(extra=...)``)."""
     c, size = job.cluster, job.mesh.size
     if sagemaker.in_container():
         return sagemaker.problems(c.nodes, c.devices, job.run.accelerator)
-    if c.launcher == "torchrun":
-        if c.rdzv_endpoint is None and c.nodes > 1:
-            return [f"cluster.rdzv_endpoint=null with cluster.nodes={c.nodes}: the nodes of a torchrun "
-                    "job meet at one rendezvous; set cluster.rdzv_endpoint=<node 0's address>:29500 "
-                    "(the same on every node)"]
-        if c.rdzv_endpoint is not None and not ENDPOINT.match(c.rdzv_endpoint):
-            return [f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} is not host:port: set e.g. "
-                    "cluster.rdzv_endpoint=10.0.0.1:29500"]
-        return []
+    chosen = registry.get(c.launcher)
+    if chosen.checked_first:  # (torchrun: its rendezvous, whoever started this process)
+        return chosen.problems(job)
     if slurm.srun_task():
         return slurm.world_problems(size, c.devices)
     if launched():
@@ -110,24 +105,4 @@ def check(job: Job) -> list[str]:
                 "cluster.devices=1: set cluster.devices=<N> (this process then starts the N ranks), or "
                 "start them with `accelerate launch --multi_gpu --num_processes <N> train.py ...` "
                 "(torchrun underneath; it runs on CPU too)"]
-    if c.launcher == "ray":
-        from launchers import ray
-
-        return ray.problems(c)
-    if c.launcher == "k8s":
-        return [f"cluster.launcher=k8s: the ranks start in the pods of a Kubeflow PyTorchJob; "
-                f"submit it with python launch.py cluster={c.name} ... (--dry-run to see it first)"]
-    if c.launcher == "slurm" and size > 1:
-        return [f"cluster.launcher=slurm: each of the {size} ranks is a Slurm task; submit with "
-                f"python train.py -m hydra/launcher=submitit_slurm cluster={c.name} ... (a sweep of "
-                f"one job is fine), or inside an allocation: srun --ntasks-per-node={c.devices} "
-                "python train.py ..."]
-    if c.launcher == "sagemaker":
-        return [f"cluster.launcher=sagemaker: the ranks start inside a SageMaker training job; "
-                f"submit it with python launch.py cluster={c.name} ... (--dry-run to see it first)"]
-    if c.nodes > 1:
-        return [f"cluster.nodes={c.nodes}: plain `python train.py` starts the ranks of one machine; "
-                f"start every node with cluster=torchrun cluster.nodes={c.nodes} "
-                "cluster.rdzv_endpoint=<node 0>:29500 (one command per node), or with torchrun "
-                f"--nnodes {c.nodes} ... train.py ..., or through Slurm or SageMaker"]
-    return []
+    return chosen.problems(job)

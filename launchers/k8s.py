@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from launchers.registry import launcher
+
+if TYPE_CHECKING:
+    from recipes.job import Job
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 CONTAINER = "pytorch"  # the container name the training operator looks for
@@ -144,3 +149,34 @@ def reachable() -> str | None:
         return (f"no Kubernetes cluster configured (no kubeconfig at {path}, not in a pod): point "
                 "KUBECONFIG at one, or add --dry-run to print the manifest")
     return None
+
+
+# --------------------------------------------------------------------------- launch.py's step
+def _submission_problems(job: Job, overrides: list[str]) -> list[str]:
+    return submission_problems(job.cluster, overrides)
+
+
+def _client_problems() -> list[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("kubernetes") is None:
+        return ["applying the PyTorchJob needs the kubernetes client, which is not "
+                "installed: pip install -e '.[k8s]' (or add --dry-run to print it)"]
+    why = reachable()
+    return [why] if why else []
+
+
+def _dry_run(job: Job, overrides: list[str]) -> str:
+    return dry_run(manifest(job.cluster, overrides, job.run.accelerator))
+
+
+def _submit(job: Job, overrides: list[str]) -> str:
+    return f"created Kubeflow PyTorchJob {apply(manifest(job.cluster, overrides, job.run.accelerator))}"
+
+
+@launcher("k8s", submission_problems=_submission_problems, client_problems=_client_problems,
+          dry_run=_dry_run, submit=_submit)
+def launch_problems(job: Job) -> list[str]:
+    """Outside a pod (in one, torchrun started this process): launch.py submits the job."""
+    return [f"cluster.launcher=k8s: the ranks start in the pods of a Kubeflow PyTorchJob; "
+            f"submit it with python launch.py cluster={job.cluster.name} ... (--dry-run to see it first)"]

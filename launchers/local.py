@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launchers import sagemaker, slurm
+from launchers.registry import launcher
 
 if TYPE_CHECKING:
     from recipes.job import Job
@@ -387,3 +388,16 @@ def _lost(e: Any, world: int, nodes: int = 1) -> str:
     others = sorted({r for r, _ in failures} - {rank})
     return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
             "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))
+
+
+@launcher("local")
+def launch_problems(job: Job) -> list[str]:
+    """Plain ``python train.py`` starts the ranks of this one machine (run: ``run_local_ranks``,
+    the registry's default)."""
+    c = job.cluster
+    if c.nodes > 1:
+        return [f"cluster.nodes={c.nodes}: plain `python train.py` starts the ranks of one machine; "
+                f"start every node with cluster=torchrun cluster.nodes={c.nodes} "
+                "cluster.rdzv_endpoint=<node 0>:29500 (one command per node), or with torchrun "
+                f"--nnodes {c.nodes} ... train.py ..., or through Slurm or SageMaker"]
+    return []

@@ -32,6 +32,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launchers.registry import launcher
+
 if TYPE_CHECKING:
     from recipes.job import Job
 
@@ -182,3 +184,9 @@ def lost(error: Any, world: int, restarts: int = 0) -> str:
     others = sorted(set(failures) - {rank})
     return (f"lost rank {rank} of {world} -- {how}; the job stopped{after}"
             + (f" (ranks {others} were stopped with it)" if others else ""))
+
+
+@launcher("ray", run=run)
+def launch_problems(job: Job) -> list[str]:
+    """Ray not installed, a malformed address (``problems``); the ranks are Ray Train workers (``run``)."""
+    return problems(job.cluster)

@@ -24,7 +24,13 @@ import json
 import os
 import shlex
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launchers.registry import launcher
+
+if TYPE_CHECKING:
+    from recipes.job import Job
 
 CHANNELS_DIR = "/opt/ml/input/data"
 """Where SageMaker mounts each input channel (``cluster.sagemaker.inputs``): <here>/<channel>."""
@@ -32,6 +38,8 @@ CODE_DIR = "/opt/ml/input/data/code"
 """Where SageMaker unpacks the source directory (the command runs there)."""
 RUN_DIR = "/opt/ml/checkpoints/run"
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
+SOURCE_DIR = str(Path(__file__).resolve().parent.parent)
+"""What the SDK uploads: the repository (launch.py's directory)."""
 IGNORE = [".git", "__pycache__", "outputs", "multirun", ".venv", "*.egg-info", "wandb", "lightning_logs"]
 
 
@@ -202,3 +210,33 @@ def submit(args: dict[str, Any]) -> str:
     trainer = build(args)
     trainer.train(wait=False)
     return str(getattr(trainer, "_latest_training_job", None) or args["base_job_name"])
+
+
+# --------------------------------------------------------------------------- launch.py's step
+def _submission_problems(job: Job, overrides: list[str]) -> list[str]:
+    return submission_problems(job.cluster, job.data)
+
+
+def _client_problems() -> list[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("sagemaker") is None:
+        return ["submitting needs the SageMaker Python SDK, which is not installed: "
+                "pip install -e '.[sagemaker]' (or add --dry-run to see the job without it)"]
+    return []
+
+
+def _dry_run(job: Job, overrides: list[str]) -> str:
+    return dry_run(job_arguments(job.cluster, overrides, SOURCE_DIR), job.cluster.nodes)
+
+
+def _submit(job: Job, overrides: list[str]) -> str:
+    return f"submitted SageMaker training job {submit(job_arguments(job.cluster, overrides, SOURCE_DIR))}"
+
+
+@launcher("sagemaker", submission_problems=_submission_problems, client_problems=_client_problems,
+          dry_run=_dry_run, submit=_submit, elsewhere=container_path)
+def launch_problems(job: Job) -> list[str]:
+    """Outside a SageMaker container (inside it, ``problems``): launch.py submits the job."""
+    return [f"cluster.launcher=sagemaker: the ranks start inside a SageMaker training job; "
+            f"submit it with python launch.py cluster={job.cluster.name} ... (--dry-run to see it first)"]

@@ -23,10 +23,15 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict
+
+from launchers.registry import launcher
+
+if TYPE_CHECKING:
+    from recipes.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -226,3 +231,15 @@ class SlurmSubmission(Callback):
                     value = {**value, **config.hydra.launcher.get("additional_parameters", {})}
                 config.hydra.launcher[key] = value
         log.info("slurm: %s", {k: config.hydra.launcher[k] for k in request(config)})
+
+
+@launcher("slurm")
+def launch_problems(job: Job) -> list[str]:
+    """Outside an srun step: its ranks are Slurm tasks, submitted through Hydra's launcher."""
+    c, size = job.cluster, job.mesh.size
+    if size > 1:
+        return [f"cluster.launcher=slurm: each of the {size} ranks is a Slurm task; submit with "
+                f"python train.py -m hydra/launcher=submitit_slurm cluster={c.name} ... (a sweep of "
+                f"one job is fine), or inside an allocation: srun --ntasks-per-node={c.devices} "
+                "python train.py ..."]
+    return []
