@@ -1,8 +1,8 @@
 """The house: the import arrows docs/ARCHITECTURE.md draws (anywhere in a file, functions
 included), engine-neutral packages that import no engine (AST and grep), answers before imports
 (plan.py and ``--cfg job`` load no engine), Lightning registration in either import order, what
-a change touches (a throwaway family, preset, backend, observer and logger in a copy of the
-tree), and the package data a regular install needs."""
+a change touches (a throwaway family, preset, backend, observer, logger and launcher in a copy
+of the tree), and the package data a regular install needs."""
 
 from __future__ import annotations
 
@@ -369,6 +369,131 @@ def test_a_new_observer_and_logger_touch_only_what_the_architecture_says(tmp_pat
                           timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
                                             "HOME": str(tmp_path)})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+_LAUNCHER = '''
+"""A throwaway launcher: its ranks start somewhere launch.py submits to (here: nowhere)."""
+from launchers.registry import launcher
+
+
+def _submission_problems(job, overrides):
+    return [] if job.cluster.nodes <= 4 else [f"cluster.nodes={job.cluster.nodes}: mine has 4 nodes"]
+
+
+def _client_problems():
+    return []
+
+
+def _dry_run(job, overrides):
+    return "mine would run: python train.py " + " ".join(overrides)
+
+
+def _submit(job, overrides):
+    return f"submitted to mine: {job.cluster.nodes} node(s)"
+
+
+def _run(job, out, plan):
+    return f"ran by mine in {out}"
+
+
+@launcher("mine", run=_run, submission_problems=_submission_problems, client_problems=_client_problems,
+          dry_run=_dry_run, submit=_submit)
+def launch_problems(job):
+    return [f"cluster.launcher=mine: submit with python launch.py cluster={job.cluster.name} ..."]
+'''
+_LAUNCHER_YAML = "defaults:\n  - local\n  - _self_\nname: mine\nlauncher: mine\nnodes: 2\n"
+_LAUNCHER_CHECK = '''
+import contextlib, io, runpy, sys
+from pathlib import Path
+
+import launchers
+from launchers import registry
+from recipes.config import compose
+from recipes.job import RUN, validate
+from strategies import ConfigError
+
+assert "mine" in registry.names(), registry.names()
+BASE = ["cluster=mine", "model=gpt_nano", "strategy=ddp"]
+job = validate(compose(BASE), depth=RUN)
+assert job.cluster.launcher == "mine" and job.cluster.nodes == 2
+assert launchers.check(job) == ["cluster.launcher=mine: submit with python launch.py cluster=mine ..."]
+try:
+    validate(compose(BASE), depth=RUN, extra=[launchers.check])
+    raise AssertionError("not refused")
+except ConfigError as e:
+    assert "python launch.py cluster=mine" in str(e), e
+assert launchers.run(job, Path("here")) == "ran by mine in here"
+
+
+def launch(*argv):
+    sys.argv = ["launch.py", *argv]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_path("launch.py", run_name="__main__")
+        except SystemExit as e:
+            return f"exit {e.code}: {text.getvalue()}"
+    return text.getvalue()
+
+
+assert "mine would run: python train.py " + " ".join(BASE) in launch(*BASE, "--dry-run")
+assert "submitted to mine: 2 node(s)" in launch(*BASE)
+refused = launch(*BASE, "cluster.nodes=5", "trainer.global_batch_size=40", "--dry-run")
+assert refused.startswith("exit 2: ") and "cluster.nodes=5: mine has 4 nodes" in refused, refused
+print("ok")
+'''
+# What a launcher touches: its module and its cluster YAML (docs/ARCHITECTURE.md's row, when it has
+# one, must say the same) -- and recipes/config.py while its LAUNCHERS is a literal tuple (the
+# cluster.launcher choices; to be read from launchers.registry.names()).
+LAUNCHER_TOUCHES = ["launchers/<launcher>.py", "conf/cluster/<cluster>.yaml"]
+_LITERAL_LAUNCHERS = re.compile(r"^LAUNCHERS = \(([^)]*)\)", re.MULTILINE)
+
+
+@pytest.mark.subprocess
+def test_a_new_launcher_touches_only_what_the_architecture_says(tmp_path):
+    """In a copy of the tree: a new launcher is its module (an ``@launcher`` registration: its
+    problems, run, and launch.py's submission step) and its conf/cluster YAML. Nothing else
+    names it: ``cluster=<name>`` validates, ``launchers.check`` and ``launchers.run`` route to it,
+    and launch.py refuses, dry-runs and submits through it. While recipes/config.py's
+    ``LAUNCHERS`` is a literal tuple, the name is added there too, and counted."""
+    tree = tmp_path / "tree"
+    for part in (*OURS, "conf"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "launch.py", tree / "launch.py")
+    files = {"launchers/mine.py": textwrap.dedent(_LAUNCHER).lstrip(), "conf/cluster/mine.yaml": _LAUNCHER_YAML}
+    config = (tree / "recipes/config.py").read_text()
+    literal = _LITERAL_LAUNCHERS.search(config)
+    if literal:  # (the choices are listed, not discovered: one more file)
+        files["recipes/config.py"] = config.replace(literal.group(0), f'LAUNCHERS = ({literal.group(1)}, "mine")')
+    for rel, text in files.items():
+        (tree / rel).write_text(text)
+    expected = LAUNCHER_TOUCHES + (["recipes/config.py"] if literal else [])
+    assert len(files) == len(expected) == (3 if literal else 2)
+    assert _touches().get("a launcher", expected) == expected
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHER_CHECK], cwd=tree, capture_output=True, text=True,
+                          timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
+                                            "HOME": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+@pytest.mark.unit
+def test_launchers_are_registered_not_listed():
+    """Every launcher module registers what ``names()`` reads from its source, the config's
+    choices are those names, and launch.py and launchers/__init__.py compare no launcher name."""
+    from launchers import registry
+    from recipes.config import LAUNCHERS
+
+    assert sorted(registry.names()) == sorted(LAUNCHERS)
+    assert [chosen.name for chosen in registry.every()] == list(registry.names())
+    assert {n for n in registry.names() if registry.get(n).submits} == {"sagemaker", "k8s"}
+    for path in (ROOT / "launch.py", ROOT / "launchers" / "__init__.py"):
+        compared = [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.Compare)
+                    and any(isinstance(c, ast.Constant) and c.value in LAUNCHERS
+                            or isinstance(c, ast.Tuple | ast.List | ast.Set)
+                            and any(getattr(e, "value", None) in LAUNCHERS for e in c.elts)
+                            for c in [node.left, *node.comparators])]
+        assert not compared, compared
 
 
 # --------------------------------------------------------------------- the entry points
