@@ -17,7 +17,8 @@ nor AWS.
         cluster.k8s.volume_claim=<ReadWriteMany PVC> cluster.nodes=2 strategy=fsdp [--dry-run]
 
 writes the PyTorchJob manifest (launchers/k8s.py) and applies it with the kubernetes client
-(``pip install -e ".[k8s]"``); ``--dry-run`` prints it. Other clusters need no launch step: ``python train.py`` (local, torchrun) or
+(``pip install -e ".[k8s]"``); ``--dry-run`` prints it. Each launcher says whether it has this step
+(``@launcher(..., submit=...)``, launchers/registry.py). Other clusters need no launch step: ``python train.py`` (local, torchrun) or
 ``python train.py -m hydra/launcher=submitit_slurm cluster=slurm_...`` (Slurm).
 """
 

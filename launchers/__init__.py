@@ -14,8 +14,8 @@ trains one rank; a launcher decides where and how many (``cluster.launcher``).
 - ``sweep.py``: a multirun's comparison report.
 
 Each launcher is one module that registers itself (``@launcher(name, ...)``, launchers/registry.py)
-plus its conf/cluster YAML: ``check`` and ``run`` here and ``launch.py`` find it there, by
-``cluster.launcher``; none is listed in code.
+plus its conf/cluster YAML: ``check`` and ``run`` here and ``launch.py`` find it there by
+``cluster.launcher``, comparing no launcher name.
 """
 
 from __future__ import annotations
