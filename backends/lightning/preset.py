@@ -15,12 +15,9 @@ from dataclasses import asdict
 from typing import Any
 
 from backends.common import torch as torch_common
+from core.precision import from_lightning
 from strategies import ConfigError, StrategyConfig, checks
 from strategies.run import Run, derive
-
-PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
-"""trainer.precision -> Lightning's precision flag (and back, for a strategy Lightning built)."""
-_OURS = {flag: ours for ours, flag in PRECISION.items()} | {"32": "32"}
 
 
 class PresetStrategy:
@@ -45,7 +42,7 @@ class PresetStrategy:
         flag = str(getattr(self.precision_plugin, "precision", "32-true"))
         return derive(self.preset, nodes=getattr(self, "num_nodes", 1) or 1,
                       devices=getattr(self, "num_processes", 1) or 1,
-                      accelerator="cpu" if on_cpu else "gpu", precision=_OURS.get(flag, flag),
+                      accelerator="cpu" if on_cpu else "gpu", precision=from_lightning(flag),
                       compile=self.compile)
 
     def check(self) -> None:

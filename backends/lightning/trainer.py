@@ -21,7 +21,8 @@ from backends.lightning import families
 from backends.lightning.bridge import ObserverBridge
 from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
-from backends.lightning.preset import PRECISION, set_timeout
+from backends.lightning.preset import set_timeout
+from core.precision import of
 from observers.files import atomic_torch_save
 from recipes.data import build_datasets, data_facts
 from recipes.evaluation import Validator
@@ -62,7 +63,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
         devices=job.mesh.devices,
         num_nodes=job.mesh.nodes,
         strategy=strategy,
-        precision=PRECISION[job.run.precision],
+        precision=of(job.run.precision).lightning,
         max_steps=t.max_steps,
         accumulate_grad_batches=job.batch.accumulation,
         gradient_clip_val=t.grad_clip or None,
