@@ -1,5 +1,6 @@
 """One precision vocabulary (``core.precision``): our names, their regimes and every engine's
-spelling read from one table."""
+spelling read from one table; and a Lightning builder keeps the Run train.py gives it, deriving
+one (once) only when reached through Lightning's registry."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from core import precision
 from core.precision import PRECISION, PRECISIONS, REGIMES, find, from_lightning, of, regime
+from recipes.config import compose
+from recipes.job import validate
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -53,3 +56,30 @@ def test_core_imports_no_torch_or_other_package_of_ours_at_module_level():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 assert all(n.split(".")[0] in ("__future__", "dataclasses", "typing", "enum", "core")
                            for n in names), (path, names)
+
+
+def _job(*overrides: str):
+    return validate(compose(["strategy=ddp", "cluster.devices=2", "cluster.accelerator=cpu",
+                             "trainer.global_batch_size=8", "trainer.micro_batch_size=2", *overrides]))
+
+
+def test_the_lightning_builder_keeps_the_run_it_is_given():
+    from backends.lightning import families
+
+    job = _job("trainer.precision=bf16-mixed")
+    strategy = families.build(job.strategy, job.run)
+    assert strategy.run() is job.run  # the batch and clipping included, not re-derived
+
+
+def test_through_the_registry_the_run_is_derived_once_from_lightnings_world():
+    from backends.lightning import families
+    from backends.lightning.trainer import L
+
+    strategy = families.build(_job().strategy)
+    assert strategy.run().mesh.size == 1  # not attached to a Trainer yet: derived, not kept
+    assert strategy._run is None
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision="bf16-mixed",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    run = trainer.strategy.run()
+    assert run.mesh.size == 2 and run.precision == "bf16-mixed" and run.accelerator == "cpu"
+    assert trainer.strategy.run() is run

@@ -51,7 +51,6 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
     t = job.trainer
     strategy = families.build(job.strategy, job.run)
     set_timeout(strategy, job.cluster.collective_timeout)
-    strategy.compile = job.run.compile  # the plan's compile step (strategies/parallelize.py)
     # Under Slurm, resume has one owner: our checkpoints (the Checkpointing callback stops every
     # rank after a step on SIGUSR1/SIGTERM and saves). Lightning's auto-requeue would save its own
     # hpc checkpoint from a signal handler (a barrier that can deadlock, Lightning#21406) and
