@@ -39,6 +39,8 @@ import statistics
 import time
 from typing import Any
 
+from core.precision import dtype, find, of
+
 SMALL = 1024  # bytes: a message whose time is latency
 LARGE = {"cpu": 16 * 2**20, "gpu": 256 * 2**20}
 # The reference block: (dim, heads, ffn, seq, micro batch)
@@ -59,11 +61,9 @@ def _timed(fn: Any, *, repeats: int, sync: Any) -> float:
 
 
 def compute_dtype(precision: str, accelerator: str) -> Any:
-    import torch
-
-    if str(precision).startswith("32"):
-        return torch.float32
-    return torch.float16 if precision == "16-mixed" and accelerator == "gpu" else torch.bfloat16
+    """The dtype the matmuls are timed in (``Precision.measured``)."""
+    p = find(precision) or of(precision)
+    return dtype(p.measured(accelerator))
 
 
 def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: Any) -> dict[str, float]:

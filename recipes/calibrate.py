@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from core.precision import REGIMES
 from recipes.config import ModelConfig
 from strategies.memory import SavedTensors
 
 OUT = Path(__file__).resolve().parents[1] / "planner" / "activations.json"
-REGIMES = ("32", "autocast", "bf16")
 BLOCK_FEATURES = ("one", "dim", "ffn", "kv_dim", "heads")
 TAIL_FEATURES = ("one", "dim", "vocab")
 SEQ, BATCH, DROPOUT = 16, 2, 0.1

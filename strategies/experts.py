@@ -133,14 +133,12 @@ def apply_ep_fsdp2(model: Any, ep: int, mesh: Any, dp: int, plan: Any, precision
     ``ep_replicate`` ranks that hold the same experts (before the blocks are sharded, so the
     block's ``fully_shard`` leaves them alone), dividing their gradients by ``dp``; the ep
     group."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    from strategies.parallelize import low_dtype
+    from strategies.parallelize import mixed_policy
 
     group = apply_ep(model, ep, mesh["ep"])
-    low = low_dtype(precision)
-    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if plan.reduce_fp32 else low)
+    mp = mixed_policy(precision, plan.reduce_fp32)
     for experts in experts_of(model):
         fully_shard(experts, mesh=mesh["ep_replicate"], reshard_after_forward=plan.reshard_after_forward,
                     mp_policy=mp)

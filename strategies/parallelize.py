@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.precision import dtype, find, low_dtype, of
+
 # Module-path pieces that wrappers insert; the plain model's state_dict has none of them.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -55,11 +57,14 @@ def plan_for(preset: Any, run: Any) -> ParallelPlan:
     return dataclasses.replace(preset.plan(run.mesh), compile=bool(getattr(run, "compile", False)))
 
 
-def low_dtype(precision: str) -> Any:
-    """The 16-bit compute dtype of a mixed precision, None for fp32."""
-    import torch
+def mixed_policy(precision: str, reduce_fp32: bool) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``precision``: parameters in its low dtype (none
+    under fp32, or a Lightning flag we have no name for), gradients reduced in fp32 or that
+    dtype (``core.precision``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    p = find(precision) or of("32")
+    return MixedPrecisionPolicy(param_dtype=dtype(p.low), reduce_dtype=dtype(p.reduce(reduce_fp32)))
 
 
 def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh: Any = None,
@@ -132,11 +137,9 @@ def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32
     """``fully_shard`` each block of the model inside ``module``, then the model; ``mesh``: the
     data-parallel DeviceMesh, 1-D, or 2-D (replicate, shard) for HSDP. A module that declares
     no model (a user's own) is sharded child by child."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    low = low_dtype(precision)
-    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if plan.reduce_fp32 else low)
+    mp = mixed_policy(precision, plan.reduce_fp32)
     model, block = find_model(module)
     if block is not None:
         for m in _units(model, block):
@@ -303,5 +306,5 @@ def neighbour_group(size: int, desc: str) -> tuple[Any, int]:
 
 
 __all__ = ["neighbour_group", "FSDP2Plan", "ParallelPlan", "apply_fsdp2", "apply_tp", "checkpoint_blocks", "clip_global_",
-           "compile_blocks", "plan_for",
-           "find_model", "low_dtype", "materialize", "parallelize", "plain_key", "plain_state_dict"]
+           "compile_blocks", "plan_for", "find_model", "low_dtype", "materialize", "mixed_policy",
+           "parallelize", "plain_key", "plain_state_dict"]

@@ -10,23 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.precision import PRECISIONS, REGIMES, regime  # re-exported here for now
 from strategies.mesh import Batch, Mesh
 
 if TYPE_CHECKING:
     from strategies.base import StrategyConfig
-
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-REGIMES = ("32", "autocast", "bf16")
-
-
-def regime(precision: str, low_precision_weights: bool) -> str:
-    """What a precision means for the tensors a step holds: fp32 everything, torch autocast over
-    fp32 parameters, or 16-bit parameters (an engine that keeps bf16 weights beside an fp32
-    master copy, as DeepSpeed does, or FSDP's MixedPrecision gathering bf16 weights:
-    ``StrategyConfig.low_precision_weights``)."""
-    if str(precision).startswith("32"):
-        return "32"
-    return "bf16" if low_precision_weights or str(precision).endswith("-true") else "autocast"
 
 
 @dataclass(frozen=True)

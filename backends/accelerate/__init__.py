@@ -24,10 +24,6 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 
-MIXED = {"32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
-"""trainer.precision -> Accelerate's ``mixed_precision``."""
-
-
 @dataclass
 class Built:
     job: Job

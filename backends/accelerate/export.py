@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from backends.accelerate import MIXED, families
+from backends.accelerate import families
+from core.precision import of
 
 if TYPE_CHECKING:
     from recipes.job import Job
@@ -52,7 +53,7 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
         return cfg | {"distributed_type": "DEEPSPEED",
                       "deepspeed_config": {"deepspeed_config_file": deepspeed_file,
                                            "zero3_init_flag": job.strategy.stage == 3}}
-    cfg["mixed_precision"] = MIXED[run.precision]
+    cfg["mixed_precision"] = of(run.precision).accelerate
     if "fsdp_plugin" in kwargs:
         return cfg | {"distributed_type": "FSDP", "fsdp_config": _fsdp_section(kwargs["fsdp_plugin"])}
     # DDP: the launcher's multi-process path (also for CPU ranks: Accelerate's MULTI_CPU launch

@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import checkpoints
-from backends.accelerate import MIXED, families
+from backends.accelerate import families
 from backends.accelerate.state import accelerator
+from core.precision import of
 from observers import startup
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, SequenceShard, build_datasets, data_facts
@@ -107,7 +108,7 @@ def prepare(job: Job) -> Prepared:
     kwargs = builder.kwargs(getattr(training.model_class(job.model), "block_cls", None))
     acc = accelerator(kwargs, on_cpu=run.accelerator == "cpu", world_size=job.mesh.size,
                       timeout=job.cluster.collective_timeout,
-                      mixed_precision=MIXED[run.precision],
+                      mixed_precision=of(run.precision).accelerate,
                       gradient_accumulation_steps=job.batch.accumulation)
     startup.mark("rendezvous")  # (Accelerate's state: the process group)
     log.info("accelerate: %s x %d process(es), %s", acc.distributed_type.name, acc.num_processes,

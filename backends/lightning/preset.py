@@ -2,11 +2,12 @@
 from Lightning at setup.
 
 One strategy, whichever way it is reached: a family's builder (``families/<family>.py``) is a
-Lightning ``Strategy`` subclass with ``PresetStrategy`` first in its bases. It learns nodes and
-devices from the Trainer and precision from its precision plugin, and derives the run's facts
-from them with the same ``strategies.derive`` train.py uses -- so train.py and
-``Trainer(strategy="<preset>")`` build the same object, and both check the preset's problems
-against the world Lightning really runs (``check``).
+Lightning ``Strategy`` subclass with ``PresetStrategy`` first in its bases. Built by train.py
+(``of(preset, run)``) it keeps the run's facts it is given; reached through Lightning's registry
+(``Trainer(strategy="<preset>")``) it learns nodes and devices from the Trainer and precision
+from its precision plugin, and derives the facts once with the same ``strategies.derive``
+train.py uses -- so both build the same object, and both check the preset's problems against
+the world Lightning runs (``check``).
 """
 
 from __future__ import annotations
@@ -15,38 +16,47 @@ from dataclasses import asdict
 from typing import Any
 
 from backends.common import torch as torch_common
+from core.precision import from_lightning
 from strategies import ConfigError, StrategyConfig, checks
 from strategies.run import Run, derive
-
-PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
-"""trainer.precision -> Lightning's precision flag (and back, for a strategy Lightning built)."""
-_OURS = {flag: ours for ours, flag in PRECISION.items()} | {"32": "32"}
 
 
 class PresetStrategy:
     """Mixin for a Lightning strategy built from a preset: put it first in the bases."""
 
     preset: StrategyConfig
-    compile: bool = False
-    """trainer.compile (set by backends/lightning/trainer.py; a Trainer built by the user's
-    script compiles itself if it wants to)."""
+    _run: Run | None = None
+    """The run's facts: given by train.py (``of``), or derived once from Lightning's world."""
 
     @classmethod
     def of(cls, preset: StrategyConfig, run: Run | None = None) -> Any:
-        """The strategy for ``preset``; ``run``: when the caller knows it (train.py), for
-        engines that fix their device when first imported (DeepSpeed)."""
-        return cls(preset)
+        """The strategy for ``preset``; ``run``: the run's facts when the caller knows them
+        (train.py), kept as they are (and for engines that fix their device when first
+        imported: DeepSpeed)."""
+        return cls(preset).keep(run)
+
+    def keep(self, run: Run | None) -> Any:
+        """This strategy, holding ``run`` as its run's facts (None: derive them from Lightning)."""
+        self._run = run
+        return self
 
     def run(self) -> Run:
-        """The run's facts on the world Lightning set up (nodes x processes per node)."""
+        """The run's facts: those train.py gave (``of``), or -- reached through Lightning's
+        registry -- derived from the world Lightning set up (nodes x processes per node, its
+        accelerator and precision plugin; no ``trainer.compile``: a user's script compiles
+        itself if it wants to), once that world is known (an accelerator attached)."""
+        if self._run is not None:
+            return self._run
         from lightning.pytorch.accelerators import CPUAccelerator
 
         on_cpu = self.accelerator is None or isinstance(self.accelerator, CPUAccelerator)
         flag = str(getattr(self.precision_plugin, "precision", "32-true"))
-        return derive(self.preset, nodes=getattr(self, "num_nodes", 1) or 1,
-                      devices=getattr(self, "num_processes", 1) or 1,
-                      accelerator="cpu" if on_cpu else "gpu", precision=_OURS.get(flag, flag),
-                      compile=self.compile)
+        run = derive(self.preset, nodes=getattr(self, "num_nodes", 1) or 1,
+                     devices=getattr(self, "num_processes", 1) or 1,
+                     accelerator="cpu" if on_cpu else "gpu", precision=from_lightning(flag))
+        if self.accelerator is not None:
+            self._run = run
+        return run
 
     def check(self) -> None:
         """The preset's problems on the world Lightning runs: the same sentences train.py

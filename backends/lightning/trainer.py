@@ -21,7 +21,8 @@ from backends.lightning import families
 from backends.lightning.bridge import ObserverBridge
 from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
-from backends.lightning.preset import PRECISION, set_timeout
+from backends.lightning.preset import set_timeout
+from core.precision import of
 from observers.files import atomic_torch_save
 from recipes.data import build_datasets, data_facts
 from recipes.evaluation import Validator
@@ -50,7 +51,6 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
     t = job.trainer
     strategy = families.build(job.strategy, job.run)
     set_timeout(strategy, job.cluster.collective_timeout)
-    strategy.compile = job.run.compile  # the plan's compile step (strategies/parallelize.py)
     # Under Slurm, resume has one owner: our checkpoints (the Checkpointing callback stops every
     # rank after a step on SIGUSR1/SIGTERM and saves). Lightning's auto-requeue would save its own
     # hpc checkpoint from a signal handler (a barrier that can deadlock, Lightning#21406) and
@@ -62,7 +62,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
         devices=job.mesh.devices,
         num_nodes=job.mesh.nodes,
         strategy=strategy,
-        precision=PRECISION[job.run.precision],
+        precision=of(job.run.precision).lightning,
         max_steps=t.max_steps,
         accumulate_grad_batches=job.batch.accumulation,
         gradient_clip_val=t.grad_clip or None,

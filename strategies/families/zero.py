@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.precision import find
 from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
 from strategies.checks import knob
 from strategies.footprint import CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic
@@ -293,8 +294,8 @@ class ZeroConfig(StrategyConfig):
             cfg |= {"train_micro_batch_size_per_gpu": run.micro_batch_size,
                     "gradient_accumulation_steps": run.accumulation,
                     "gradient_clipping": float(run.grad_clip)}
-            if run.precision in ("bf16-mixed", "16-mixed"):
-                cfg["bf16" if run.precision == "bf16-mixed" else "fp16"] = {"enabled": True}
+            precision = find(run.precision)
+            cfg |= precision.deepspeed_config() if precision else {}
         if "nvme" in (self.offload_optimizer, self.offload_params):
             cfg["aio"] = {"block_size": self.aio_block_size, "queue_depth": self.aio_queue_depth,
                           "single_submit": False, "overlap_events": True, "thread_count": 1}

@@ -9,7 +9,8 @@ from backends.accelerate.families import Builder, builds
 from backends.accelerate.families.fsdp import wrap_policy
 from backends.common import torch as torch_common
 from strategies.families.fsdp2 import FSDP2Config
-from strategies.parallelize import low_dtype
+from core.precision import of
+from strategies.parallelize import mixed_policy
 
 
 @builds(FSDP2Config)
@@ -24,15 +25,13 @@ class FSDP2(Builder):
         return []
 
     def kwargs(self, block_cls: type | None = None) -> dict[str, Any]:
-        import torch
         from accelerate.utils import FullyShardedDataParallelPlugin
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        p, low = self.preset, low_dtype(self.run.precision)
-        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if p.reduce_fp32 else low)
+        p = self.preset
+        mixed = of(self.run.precision).mixed
         return {"fsdp_plugin": FullyShardedDataParallelPlugin(
             fsdp_version=2, reshard_after_forward=p.reshard_after_forward,
-            mixed_precision_policy=mp if low is not None else None,
+            mixed_precision_policy=mixed_policy(self.run.precision, p.reduce_fp32) if mixed else None,
             state_dict_type="SHARDED_STATE_DICT" if p.distributed_checkpoint else "FULL_STATE_DICT",
             activation_checkpointing=p.activation_checkpointing,
             **wrap_policy(True, block_cls),

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
+from core.precision import low_dtype
 from strategies.families.fsdp import FSDPConfig
 from strategies.parallelize import find_model
 
@@ -43,7 +44,7 @@ class _DeviceAutocastFSDPPrecision(FSDPPrecision):
     def forward_context(self):
         if "mixed" in self.precision and self.root is not None:
             device = self.root.compute_device.type
-            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            dtype = low_dtype(self.precision)
             return torch.autocast(device, dtype=dtype)
         return super().forward_context()
 

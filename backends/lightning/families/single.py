@@ -25,7 +25,7 @@ class PresetSingleDeviceStrategy(PresetStrategy, SingleDeviceStrategy):
 
     @classmethod
     def of(cls, preset: SingleConfig, run: Run | None = None) -> PresetSingleDeviceStrategy:
-        return cls(preset, "cuda:0" if run is not None and run.accelerator == "gpu" else "cpu")
+        return cls(preset, "cuda:0" if run is not None and run.accelerator == "gpu" else "cpu").keep(run)
 
     def setup_environment(self) -> None:
         # Built through the registry, before the Trainer chose its accelerator: follow it.

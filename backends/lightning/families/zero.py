@@ -42,7 +42,7 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
     def of(cls, preset: ZeroConfig, run: Run | None = None) -> CPUCapableDeepSpeedStrategy:
         if run is not None:
             ds.select_accelerator(run)
-        return cls(preset)
+        return cls(preset).keep(run)
 
     @property
     def gather_parameters(self) -> Any:

@@ -1,0 +1,85 @@
+"""One precision vocabulary (``core.precision``): our names, their regimes and every engine's
+spelling read from one table; and a Lightning builder keeps the Run train.py gives it, deriving
+one (once) only when reached through Lightning's registry."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from core import precision
+from core.precision import PRECISION, PRECISIONS, REGIMES, find, from_lightning, of, regime
+from recipes.config import compose
+from recipes.job import validate
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.unit
+
+
+def test_one_table_spells_each_precision_for_every_engine():
+    assert PRECISIONS == ("32", "bf16-mixed", "16-mixed") and REGIMES == ("32", "autocast", "bf16")
+    assert {n: p.lightning for n, p in PRECISION.items()} == {
+        "32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+    assert {n: p.accelerate for n, p in PRECISION.items()} == {"32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+    assert [of(n).deepspeed_config() for n in PRECISIONS] == [
+        {}, {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}]
+    for name in PRECISIONS:  # Lightning's flag and back
+        assert from_lightning(of(name).lightning) == name and find(of(name).lightning) is of(name)
+    assert from_lightning("32") == "32" and from_lightning("bf16-true") == "bf16-true"
+    assert find("bf16-true") is None
+    with pytest.raises(ValueError, match="allowed 32, bf16-mixed, 16-mixed"):
+        of("fp8")
+
+
+def test_dtypes_are_named_and_resolved_at_use():
+    import torch
+
+    assert precision.low_dtype("32") is None and precision.low_dtype("bf16-true") is None
+    assert precision.low_dtype("bf16-mixed") is torch.bfloat16
+    assert precision.low_dtype("16-mixed") is torch.float16
+    assert of("bf16-mixed").reduce(True) == "float32" and of("16-mixed").reduce(False) == "float16"
+    assert [of(n).measured("gpu") for n in PRECISIONS] == ["float32", "bfloat16", "float16"]
+    assert [of(n).measured("cpu") for n in PRECISIONS] == ["float32", "bfloat16", "bfloat16"]
+
+
+def test_regimes():
+    assert regime("32", True) == "32" and regime("32-true", False) == "32"
+    assert regime("bf16-mixed", False) == "autocast" and regime("16-mixed", True) == "bf16"
+    assert regime("bf16-true", False) == "bf16"
+
+
+def test_core_imports_no_torch_or_other_package_of_ours_at_module_level():
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                assert all(n.split(".")[0] in ("__future__", "dataclasses", "typing", "enum", "core")
+                           for n in names), (path, names)
+
+
+def _job(*overrides: str):
+    return validate(compose(["strategy=ddp", "cluster.devices=2", "cluster.accelerator=cpu",
+                             "trainer.global_batch_size=8", "trainer.micro_batch_size=2", *overrides]))
+
+
+def test_the_lightning_builder_keeps_the_run_it_is_given():
+    from backends.lightning import families
+
+    job = _job("trainer.precision=bf16-mixed")
+    strategy = families.build(job.strategy, job.run)
+    assert strategy.run() is job.run  # the batch and clipping included, not re-derived
+
+
+def test_through_the_registry_the_run_is_derived_once_from_lightnings_world():
+    from backends.lightning import families
+    from backends.lightning.trainer import L
+
+    strategy = families.build(_job().strategy)
+    assert strategy.run().mesh.size == 1  # not attached to a Trainer yet: derived, not kept
+    assert strategy._run is None
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision="bf16-mixed",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    run = trainer.strategy.run()
+    assert run.mesh.size == 2 and run.precision == "bf16-mixed" and run.accelerator == "cpu"
+    assert trainer.strategy.run() is run
