@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recipes.config import ModelConfig
+from recipes.model_config import ModelConfig
 from strategies.memory import SavedTensors
 
 OUT = Path(__file__).resolve().parents[1] / "planner" / "activations.json"
