@@ -30,9 +30,10 @@ def run_name(nodes: Any, launcher: Any, endpoint: Any = None) -> str:
 
 def register() -> None:
     """Store the root and opt-in group schemas in Hydra's ConfigStore and register the resolvers
-    ``conf/`` uses; idempotent and cheap, so every entry that composes (``compose_chosen``,
-    train.py before ``@hydra.main``) or resolves a composed config (``recipes.job``, a sweep's
-    report, a rank that was handed a Job) calls it first."""
+    ``conf/`` uses; idempotent and cheap, so every entry that composes (``compose_chosen``;
+    ``recipes.cli.run``, before train.py's ``@hydra.main`` does) or resolves a composed config
+    (``recipes.job``'s validation and report, a sweep's row, a rank that was handed a Job) calls
+    it first."""
     if getattr(register, "done", False):
         return
     from hydra.core.config_store import ConfigStore
