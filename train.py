@@ -23,7 +23,6 @@ import backends
 import checkpoints
 import launchers
 import launchers.sweep
-import recipes.config  # noqa: F401  (stores the typed schemas before Hydra composes)
 from observers import report, startup
 from recipes import cli
 from recipes.job import Job, validate

@@ -116,7 +116,9 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         r["status"], r["reason"] = FAILED, "no report.json (the job did not finish)"
     config = job_dir / ".hydra" / "config.yaml"
     if config.exists():
-        import recipes.config  # noqa: F401  (the resolvers of its interpolations: ${launched:...})
+        from recipes.compose import register
+
+        register()  # (the resolvers of its interpolations: ${launched:...})
 
         cfg = OmegaConf.load(config)
         r["strategy"] = cfg.strategy.name
@@ -384,7 +386,7 @@ def check_point(overrides: Sequence[str]) -> Point:
     """One point composed, chosen (strategy=auto), validated at RUN depth and planned, as its job
     will be (torch-free: the backend's own refusals and the resume check come at the job's start)."""
     import planner
-    from recipes.config import compose
+    from recipes.compose import compose
     from recipes.job import RUN, validate
     from strategies import ConfigError
 

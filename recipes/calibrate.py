@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from core.precision import REGIMES
-from recipes.config import ModelConfig
+from recipes.model_config import ModelConfig
 from strategies.memory import SavedTensors
 
 OUT = Path(__file__).resolve().parents[1] / "planner" / "activations.json"

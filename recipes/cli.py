@@ -152,7 +152,7 @@ def query(argv: list[str], doc: str) -> tuple[object, set[str], list[str]] | Non
     if {"-h", "--help"} & set(argv):
         print(doc + "\n" + groups_help())
         return None
-    from recipes.config import compose_chosen
+    from recipes.compose import compose_chosen
 
     argv = normalize(argv)
     cfg, chosen = or_exit(lambda: compose_chosen(argv), argv)
@@ -165,7 +165,8 @@ def groups_help() -> str:
     ``cluster_trainer``: applied by themselves). ``*`` marks conf/train.yaml's default."""
     from dataclasses import fields
 
-    from recipes.config import TrainConfig, _default_choices
+    from recipes.compose import _default_choices
+    from recipes.config import TrainConfig
 
     defaults = _default_choices()
     lines = ["config groups (group=option; * the default; group=null switches an opt-in group off):"]
@@ -225,7 +226,7 @@ def _key_defaults() -> dict[str, object]:
     composition, no torch: ``--help`` answers at once)."""
     from omegaconf import OmegaConf
 
-    from recipes.config import _default_choices
+    from recipes.compose import _default_choices
 
     choices, out = _default_choices(), {}
     for key, _ in COMMON_KEYS:
@@ -290,7 +291,7 @@ def suggestions(argv: list[str]) -> list[str]:
 
     from omegaconf import OmegaConf
 
-    from recipes.config import compose
+    from recipes.compose import compose
 
     groups, keys = [], []
     for arg in normalize([a for a in argv if not a.startswith("-")]):
@@ -330,7 +331,8 @@ def suggestions(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | None = None) -> None:
-    """Run a ``@hydra.main`` app. ``-h``/``--help`` prints our page (``help_page``), not Hydra's.
+    """Run a ``@hydra.main`` app, with the schemas and resolvers registered (``recipes.compose.
+    register``). ``-h``/``--help`` prints our page (``help_page``), not Hydra's.
     Hydra reports a config that fails to compose (an unknown option or key, a wrong type) and
     exits 1; before the task function started, that is a configuration error like any other, so
     it exits 2, after the likely spelling of a mistyped key (``suggestions``)."""
@@ -338,6 +340,9 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
         print(help_page(doc))
         return
     sys.argv[1:] = normalize(sys.argv[1:])
+    from recipes.compose import register
+
+    register()  # the typed schemas and the resolvers, before Hydra composes
     if ready is not None:  # the script's imports are done; Hydra composes next (train.py: startup)
         ready()
     try:

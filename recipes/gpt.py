@@ -7,7 +7,7 @@ as data, its repeated block (``GPT.block_cls``), which linear layers are column-
 row-parallel (``GPT.tp_plan``) and where its experts are (``GPT.ep_plan``); strategies apply
 themselves from outside.
 
-The shape is ``recipes.config.ModelConfig`` (the same object the planner reads). Weights are
+The shape is ``recipes.model_config.ModelConfig`` (the same object the planner reads). Weights are
 initialised inside each module's constructor (never by a pass over the built
 model), so construction under DeepSpeed's ``zero.Init`` or on the meta device stays correct.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from recipes.config import ModelConfig
+    from recipes.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -32,7 +32,7 @@ from torch import nn
 from recipes.hf_config import locate
 
 if TYPE_CHECKING:
-    from recipes.config import ModelConfig
+    from recipes.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

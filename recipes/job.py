@@ -17,9 +17,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ClusterConfig, DataConfig, ExportConfig,
-                            LoggerConfig, ModelConfig, PathsConfig, PlannerConfig, TrainConfig,
-                            TrainerConfig, unreadable)
+from recipes.cluster_config import ClusterConfig
+from recipes.compose import register, unreadable
+from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
+                            PlannerConfig, TrainConfig)
+from recipes.model_config import ModelConfig
+from recipes.trainer_config import DataConfig, TrainerConfig
 from strategies import ConfigError, Run, StrategyConfig, as_config, checks
 from strategies.presets import AUTO, load, names
 from strategies.run import settle
@@ -107,6 +110,7 @@ def _resolved(cfg: DictConfig) -> dict[str, Any]:
     config in a test -- Hydra's own ``${hydra:...}`` paths stay as written)."""
     from omegaconf.errors import InterpolationResolutionError
 
+    register()  # (a rank handed the Job resolves it: ${launched:...})
     try:
         return OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError:
@@ -143,6 +147,7 @@ def _device_problems(accelerator: str, world: Any, oversubscribe: bool) -> list[
 
 def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Each group as its schema's dataclass, and each group's problems with its declared fields."""
+    register()  # the resolvers its interpolations name (a config not composed here: a sweep job's)
     objs, problems = {}, {}
     for group, schema in GROUP_SCHEMAS.items():
         node = cfg.get(group)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from recipes.data import IGNORE  # a target the loss does not count (data=chat's masked ones)
 
 if TYPE_CHECKING:
-    from recipes.config import ModelConfig, TrainerConfig
+    from recipes.model_config import ModelConfig
+    from recipes.trainer_config import TrainerConfig
 
 def model_class(shape: ModelConfig) -> type[torch.nn.Module]:
     """The class ``build_model`` builds (its ``block_cls`` tells strategies what to wrap):

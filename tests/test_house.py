@@ -614,3 +614,36 @@ def test_no_product_function_is_over_80_lines():
             for p in product_files() for n in ast.walk(ast.parse(p.read_text(), str(p)))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
     assert not long, long
+
+
+@pytest.mark.unit
+def test_no_product_module_is_over_500_lines():
+    """A module longer than 500 lines holds more than one job: split it along them (issue 37)."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in product_files()
+            if (n := len(p.read_text().splitlines())) > 500]
+    assert not long, long
+
+
+_REGISTER_CHECK = '''
+import sys
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+import recipes.config  # the schemas: nothing stored or registered on import
+assert not OmegaConf.has_resolver("launched") and "train_schema.yaml" not in ConfigStore.instance().repo
+from recipes.config import compose, register  # (compose.py's names, as before)
+register()
+assert all(OmegaConf.has_resolver(r) for r in ("hf", "instance", "launched", "local", "run_name"))
+assert {"train_schema.yaml", "logger_schema.yaml", "export_schema.yaml"} <= set(ConfigStore.instance().repo)
+assert compose(["model=gpt_nano"]).cluster.nodes == 1
+print([m for m in ("torch", "lightning", "deepspeed") if m in sys.modules])
+'''
+
+
+@pytest.mark.subprocess
+def test_the_schemas_and_resolvers_are_registered_by_call_not_on_import():
+    """``import recipes.config`` stores and registers nothing (and imports no torch);
+    ``recipes.compose.register`` (which compose, ``cli.run`` and validation call) does both."""
+    proc = subprocess.run([sys.executable, "-c", _REGISTER_CHECK], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-3000:]

@@ -1,0 +1,169 @@
+"""``cluster``'s schema: hardware as data (``ClusterConfig``) and each launcher's keys beside it
+(``SlurmConfig``, ``SageMakerConfig``, ``RayConfig``, ``K8sConfig``). Torch-free: ``accelerator=auto``
+finds this machine's GPUs through recipes/hardware.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from strategies.checks import free, knob
+
+LAUNCHERS = ("local", "torchrun", "slurm", "sagemaker", "ray", "k8s")
+
+
+@dataclass
+class SlurmConfig:
+    """``cluster.launcher=slurm``: what every Slurm job of the run asks for. The launch callback
+    (launchers/slurm.py) hands these to hydra-submitit-launcher, with one task per device."""
+
+    partition: str | None = free(None, "a partition name; checked against sinfo before submission")
+    time_min: int = knob(60, min=1)
+    """Time limit of each job, minutes (sbatch --time)."""
+    account: str | None = free(None, "an account name, checked by Slurm")
+    qos: str | None = free(None, "a QOS name, checked by Slurm")
+    constraint: str | None = free(None, "a feature expression, checked by Slurm")
+    cpus_per_task: int = knob(1, min=1)
+    """CPUs per rank (sbatch --cpus-per-task)."""
+    mem_gb: int | None = knob(None, min=1)
+    """Memory per node, GB (sbatch --mem); None: the partition's default."""
+    requeue_signal_s: int = knob(90, min=0)
+    """Seconds before the time limit Slurm sends SIGUSR1: Lightning saves a checkpoint and
+    requeues the job, which resumes from it (0: no signal)."""
+    array_parallelism: int = knob(256, min=1)
+    """At most this many jobs of a sweep's array run at once."""
+
+
+@dataclass
+class SageMakerConfig:
+    """``cluster.launcher=sagemaker``: the training job launch.py builds (the SageMaker SDK)."""
+
+    instance_type: str = free("ml.p5.48xlarge", "a SageMaker training instance type")
+    role: str | None = free(None, "an IAM role ARN; None: the SDK's default execution role")
+    image_uri: str | None = free(None, "a training image; None: the SDK's PyTorch image")
+    framework_version: str = free("2.8.0", "a PyTorch image version the SDK knows")
+    py_version: str = free("py312", "the PyTorch image's Python")
+    region: str | None = free(None, "an AWS region; None: the SDK's default")
+    output_path: str | None = free(None, "s3://bucket/prefix for the job's output")
+    checkpoint_s3_uri: str | None = free(None, "s3://bucket/prefix synced with /opt/ml/checkpoints")
+    """Where checkpoints and the report go; None: <output_path>/checkpoints (one of the two must
+    be set, or they vanish with the job)."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """Input channels: name -> s3:// URI, mounted at /opt/ml/input/data/<name> on every host
+    (point data.path there: /opt/ml/input/data/<name>/<file>)."""
+    max_run_s: int = knob(86400, min=1)
+    """The job's time limit, seconds."""
+    volume_gb: int = knob(100, min=1)
+    """EBS volume per instance, GB."""
+    base_job_name: str = free("stratagem", "the job name's prefix")
+
+
+@dataclass
+class RayConfig:
+    """``cluster.launcher=ray``: the Ray cluster whose Ray Train workers run the ranks
+    (launchers/ray.py, ``pip install -e ".[ray]"``)."""
+
+    address: str | None = free(None, "auto, host:port or ray://host:port; checked before launch "
+                                     "(launchers/ray.py problems)")
+    """None: start a Ray instance on this machine for the job (stopped after it) | auto: the
+    cluster ``ray start`` runs here | host:port (the head's GCS) | ray://host:port (Ray Client)."""
+    cpus_per_worker: float = knob(1.0, above=0.0)
+    """CPUs Ray reserves for each rank (its worker process)."""
+
+
+@dataclass
+class K8sConfig:
+    """``cluster.launcher=k8s``: the Kubeflow PyTorchJob launch.py writes and applies
+    (launchers/k8s.py, ``pip install -e ".[k8s]"``)."""
+
+    image: str = free("stratagem:latest", "a container image holding this repository, installed; "
+                                          "pulled by the cluster")
+    """The image every pod runs (the repository in ``workdir``, ``pip install -e .`` done)."""
+    namespace: str = free("default", "a Kubernetes namespace, checked by the cluster")
+    job_name: str = free("stratagem", "the PyTorchJob's name: lowercase letters, digits and '-' "
+                                      "(checked before launch)")
+    workdir: str = free("/workspace/stratagem", "the repository's path inside the image")
+    volume_claim: str | None = free(None, "a ReadWriteMany PersistentVolumeClaim's name")
+    """Mounted at ``mount_path`` on every pod: the run directory (report, checkpoints) every node
+    must see; None is refused (they would vanish with the pods)."""
+    mount_path: str = free("/mnt/stratagem", "an absolute path inside the pods")
+    """Where ``volume_claim`` is mounted; the run directory is <mount_path>/<job_name>."""
+    cpus: float = knob(8.0, above=0.0)
+    """CPUs each pod requests (and is limited to)."""
+    memory_GB: float = knob(64.0, above=0.0)
+    """Memory each pod requests (and is limited to), GB."""
+    gpu_resource: str = free("nvidia.com/gpu", "the cluster's GPU resource name")
+    """The extended resource a pod asks cluster.devices of (accelerator gpu)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Hardware as data: the launcher reads nodes, devices, accelerator and the launch keys, the
+    planner the hardware."""
+
+    name: str = "local"
+    nodes: int = knob(1, min=1)
+    devices: int = knob(1, min=1)
+    """Processes per node (one per GPU; on CPU, per core at most unless oversubscribe)."""
+    accelerator: str = knob("auto", choices=("auto", "cpu", "gpu"))
+    device_memory_GB: float = knob(24.0, above=0.0)
+    """Memory per device, GB = 1e9 bytes (for CPU: the host memory shared by its processes)."""
+    peak_tflops: float = knob(0.2, above=0.0)
+    """Dense bf16 peak per device, TFLOP/s."""
+    intra_node_GBps: float = knob(0.0, min=0.0)
+    """Per-device bandwidth to devices on the same node, GB/s (0: no peers)."""
+    inter_node_GBps: float = knob(0.0, min=0.0)
+    """Per-device bandwidth to other nodes, GB/s (0: one node)."""
+    host_memory_GB: float = knob(0.0, min=0.0)
+    nvme_GB: float = knob(0.0, min=0.0)
+    oversubscribe: bool = False
+    """Allow more CPU processes than cores (tests of 4-rank meshes on a 2-core machine)."""
+    launcher: str = knob("local", choices=LAUNCHERS)
+    """How the ranks start: local (this machine), torchrun (one command per node, c10d
+    rendezvous), slurm (srun, through hydra/launcher=submitit_slurm), sagemaker (launch.py),
+    ray (Ray Train workers on cluster.ray.address), k8s (a Kubeflow PyTorchJob, launch.py)."""
+    rdzv_endpoint: str | None = free(None, "host:port every node reaches (checked before launch)")
+    """torchrun: the c10d rendezvous, host:port (needed with nodes > 1; node 0's address)."""
+    max_restarts: int = knob(0, min=0)
+    """torchrun, ray, k8s: restarts of the ranks after one fails (each resumes from
+    trainer.resume_from=auto), before the job fails."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    sagemaker: SageMakerConfig = field(default_factory=SageMakerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)
+    collective_timeout: float = knob(1800.0, above=0.0)
+    """Seconds a collective waits for a lost peer before the job fails (gloo and NCCL)."""
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.devices
+
+    def planned(self) -> ClusterConfig:
+        """This cluster as the planner sees it: ``accelerator=auto`` resolved to what this
+        machine has -- its GPUs, found without torch (recipes/hardware.py), or CPU processes."""
+        if self.accelerator != "auto":
+            return self
+        from recipes.hardware import local_gpus
+
+        return dataclasses.replace(self, accelerator="gpu" if local_gpus() else "cpu")
+
+    def hardware(self) -> str | None:
+        """What ``accelerator=auto`` found on this machine, for the plan's assumptions; None when
+        the cluster names its accelerator or the machine has no GPU."""
+        from recipes.hardware import describe_gpus, local_gpus
+
+        gpus = local_gpus() if self.accelerator == "auto" else ()
+        return f"cluster.accelerator=auto: this machine's {describe_gpus(gpus)}" if gpus else None
+
+    def device_name(self) -> str | None:
+        """This machine's first GPU's name (recipes/hardware.py), None without one: what a
+        calibration on a GPU machine is cached under (planner/machine.py)."""
+        from recipes.hardware import local_gpus
+
+        gpus = local_gpus()
+        return gpus[0].name if gpus else None
+
+    def device_bytes(self) -> int:
+        """Memory one process may use: a GPU's own, or a CPU node's share."""
+        shared = self.accelerator != "gpu"
+        return int(self.device_memory_GB * 1e9 / (self.devices if shared else 1))

@@ -1,0 +1,125 @@
+"""Composition: the typed schemas stored in Hydra's ConfigStore and the OmegaConf resolvers
+``conf/`` interpolates (``register``, called by whoever composes or reads a composed config, not
+on import), and ``compose``: ``conf/train.yaml`` with CLI-style overrides, as train.py would,
+without running. Torch-free."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from strategies.conf import CONF_DIR
+
+if TYPE_CHECKING:
+    from recipes.model_config import ModelConfig
+
+def run_name(nodes: Any, launcher: Any, endpoint: Any = None) -> str:
+    """A run directory's name under outputs/: the same on every process of one job. Each process
+    of a job composes its own config, so a clock time differs between nodes (and srun tasks)
+    started a second apart: a multi-node torchrun job is named by its rendezvous endpoint, a Slurm
+    srun step by its job id (the same after a requeue: the next attempt finds the checkpoints);
+    anything else by the date and time."""
+    import datetime
+    import os
+
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    if launcher == "torchrun" and int(nodes) > 1 and endpoint:
+        return "torchrun-" + "".join(c if c.isalnum() or c in "-." else "-" for c in str(endpoint))
+    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def register() -> None:
+    """Store the root and opt-in group schemas in Hydra's ConfigStore and register the resolvers
+    ``conf/`` uses; idempotent and cheap, so every entry that composes (``compose_chosen``;
+    ``recipes.cli.run``, before train.py's ``@hydra.main`` does) or resolves a composed config
+    (``recipes.job``'s validation and report, a sweep's row, a rank that was handed a Job) calls
+    it first."""
+    if getattr(register, "done", False):
+        return
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from recipes.config import ExportConfig, LoggerConfig, TrainConfig
+    from recipes.hardware import instance, launched, local
+    from recipes.hf_config import resolve
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="logger_schema", node=LoggerConfig)  # opt-in groups: typed per file
+    cs.store(name="export_schema", node=ExportConfig)
+    for name, resolver, cached in (
+            ("hf", resolve, False),  # model=hf: shape fields from the model's config.json
+            ("instance", instance, False),  # conf/cluster/sagemaker_*.yaml: an instance's numbers
+            ("launched", launched, False),  # conf/cluster/local.yaml: torchrun's / srun's world
+            ("local", local, False),  # conf/cluster/local.yaml: this machine's GPUs, no torch
+            ("run_name", run_name, True)):  # conf/hydra/default.yaml: hydra.run.dir
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver, use_cache=cached)
+    register.done = True
+
+
+def describe(model: Any) -> ModelConfig:
+    """The torch-free description of a composed ``cfg.model`` that the planner reads; a value
+    that cannot be read (a ``${hf:...}`` shape of a ``model.path`` that holds no model, a missing
+    mandatory value) is a ``ConfigError`` in the resolver's own words, as validation says it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not OmegaConf.is_config(model):
+        return model
+    register()  # (${hf:...})
+    try:
+        return OmegaConf.to_object(model)
+    except OmegaConfBaseException as e:
+        from strategies.mesh import ConfigError
+
+        raise ConfigError(f"model: {unreadable(e)}") from None
+
+
+def unreadable(error: Exception) -> str:
+    """Why a config node could not be read, in the words of whoever raised it (a resolver's
+    message without OmegaConf's preamble and key listing)."""
+    import re
+
+    return re.sub(r"^\w+ raised while resolving interpolation: ", "", str(error).splitlines()[0])
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """Compose ``conf/train.yaml`` with CLI-style overrides, as train.py would, without running."""
+    return compose_chosen(overrides)[0]
+
+
+def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, set[str]]:
+    """``compose``, and the config groups the composition chose rather than took by default: an
+    override of the group (as Hydra parses it) or a choice that differs from conf/train.yaml's
+    default (an ``experiment=`` that sets it)."""
+    import hydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    import strategies  # noqa: F401  (family schemas)
+    from recipes.cli import normalize
+    from strategies.presets import hydra_context
+
+    register()
+    overrides = normalize(list(overrides))
+    with hydra_context():
+        cfg = hydra.compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    named = {o.key_or_group.split("@")[0] for o in OverridesParser.create().parse_overrides(overrides)}
+    defaults = _default_choices()
+    chosen = {g for g, c in choices.items() if g in named or (g in defaults and c != defaults[g])}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, chosen
+
+
+def _default_choices() -> dict[str, str]:
+    """conf/train.yaml's defaults list: group -> its default option."""
+    import yaml
+
+    out = {}
+    for entry in yaml.safe_load((CONF_DIR / "train.yaml").read_text()).get("defaults", []):
+        if isinstance(entry, dict):
+            out |= {str(g): str(o) for g, o in entry.items() if not str(g).startswith(("optional", "override"))}
+    return out

@@ -1,0 +1,209 @@
+"""``model``'s schema: a decoder-only transformer's shape (``ModelConfig``, with its LoRA
+adapters) and the exact parameter and FLOP counts the planner reads from it. Torch-free."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from strategies.checks import free, knob
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ARCHITECTURES = ("gpt", "llama", "mistral", "qwen2")
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora``: low-rank adapters through ``peft`` (model=hf). The base model is frozen;
+    only the adapters train (and hold gradients and optimizer state)."""
+
+    rank: int = knob(0, min=0)
+    """Adapter rank r; 0: no LoRA, every parameter trains."""
+    alpha: float = knob(16.0, above=0.0)
+    """Scaling numerator: the update is (alpha / rank) x B A."""
+    dropout: float = knob(0.0, min=0.0, below=1.0)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Linear layers, by their name inside a decoder layer, that get adapters (LORA_TARGETS)."""
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer's shape (recipes/gpt.py builds it, or transformers for
+    ``model=hf``). Also the torch-free model description the planner reads: shape fields plus
+    the exact parameter counts below."""
+
+    name: str = MISSING
+    path: str | None = free(None, "a directory written by save_pretrained (config.json + "
+                            "safetensors), or a model id in the local Hugging Face cache")
+    """model=hf: where the model is. Its shape fields are read from its config.json."""
+    pretrained: bool = True
+    """model=hf: load the weights from ``path``; false: random weights from the config and seed."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    architecture: str = knob("gpt", choices=ARCHITECTURES)
+    """gpt: recipes/gpt.py; llama | mistral | qwen2: a transformers model (model=hf). The
+    planner's activation calibration is per architecture."""
+    attention_bias: str = knob("none", choices=("none", "qkv", "all"))
+    """Which attention projections have a bias (Qwen2: qkv; Llama's attention_bias: all)."""
+    max_seq_len: int | None = knob(None, min=1)
+    """The longest sequence the model supports (an HF config's max_position_embeddings)."""
+    dim: int = knob(MISSING, min=1)
+    """Hidden size."""
+    n_layers: int = knob(MISSING, min=1)
+    n_heads: int = knob(MISSING, min=1)
+    n_kv_heads: int = knob(MISSING, min=1)
+    """Key/value heads; fewer than n_heads is grouped-query attention."""
+    vocab_size: int = knob(MISSING, min=1)
+    seq_len: int = knob(MISSING, min=1)
+    """Tokens per sample (and the RoPE table length)."""
+    dropout: float = knob(0.0, min=0.0, below=1.0)
+    ffn_dim: int | None = knob(None, min=1)
+    """SwiGLU hidden size; None: 8/3 x dim rounded up to a multiple of 64."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    norm_eps: float = knob(1e-5, above=0.0)
+    rope_theta: float = knob(10000.0, above=0.0)
+    n_experts: int = knob(0, min=0)
+    """Mixture of experts: routed experts per MoE layer (recipes/gpt.py's MoE); 0: a dense MLP."""
+    top_k: int = knob(2, min=1)
+    """Experts each token is routed to (softmax gate, the top-k weights renormalized, as Mixtral)."""
+    capacity_factor: float = knob(1.25, above=0.0, fix="set model.capacity_factor > 0 (1.0: exactly the "
+                                  "balanced share; 1.25 is Switch's default)")
+    """Slots per expert and sequence = ceil(capacity_factor x seq_len x top_k / n_experts); the
+    assignments over it are dropped (the token keeps its residual) and counted."""
+    aux_loss_coef: float = knob(0.01, min=0.0)
+    """Weight of the load-balancing loss (Switch/GShard: n_experts x sum_e f_e x P_e per sequence)
+    added to the training loss."""
+    moe_ffn_dim: int | None = knob(None, min=1)
+    """Each expert's SwiGLU hidden size; None: model.ffn_dim (the dense MLP's)."""
+    n_shared_experts: int = knob(0, min=0)
+    """Experts every token goes through (DeepSeek-MoE), one MLP of n x moe_ffn_dim."""
+    first_dense_layers: int = knob(0, min=0)
+    """The first layers keep a dense MLP (DeepSeek-MoE: 1)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts."""
+        return max(0, self.n_layers - self.first_dense_layers) if self.is_moe else 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_dim or self.hidden
+
+    def expert_params(self) -> int:
+        """Parameters of the routed experts, all layers (what expert parallelism splits)."""
+        return self.moe_layers * self.n_experts * 3 * self.dim * self.expert_hidden
+
+    def capacity(self, seq_len: int | None = None) -> int:
+        """Expert slots per sequence (recipes/gpt.py's MoE)."""
+        t = seq_len or self.seq_len
+        return math.ceil(self.capacity_factor * t * self.top_k / max(1, self.n_experts))
+
+    @property
+    def is_hf(self) -> bool:
+        return self.architecture != "gpt"
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner size."""
+        return self.ffn_dim or 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def block_params(self, moe: bool | None = None) -> int:
+        """Parameters of one transformer block (attention, SwiGLU MLP, two norms); of a MoE
+        model, a MoE block (router, routed and shared experts) unless ``moe=False``."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        bias = {"none": 0, "qkv": self.dim + 2 * kv, "all": 2 * self.dim + 2 * kv}[self.attention_bias]
+        if self.is_moe and moe is not False:
+            e = self.expert_hidden
+            mlp = self.dim * self.n_experts + (self.n_experts + self.n_shared_experts) * 3 * self.dim * e
+        else:
+            mlp = 3 * self.dim * self.hidden
+        return attn + bias + mlp + 2 * self.dim
+
+    def lora_params(self) -> int:
+        """Parameters of the LoRA adapters (rank x (in + out) per targeted linear layer); 0
+        without LoRA."""
+        r, kv = self.lora.rank, self.n_kv_heads * self.head_dim
+        sizes = {"q_proj": (self.dim, self.dim), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv),
+                 "o_proj": (self.dim, self.dim), "gate_proj": (self.dim, self.hidden),
+                 "up_proj": (self.dim, self.hidden), "down_proj": (self.hidden, self.dim)}
+        return self.n_layers * sum(r * sum(sizes[m]) for m in self.lora.target_modules if m in sizes)
+
+    def embedding_params(self) -> int:
+        """Parameters of one vocab x dim matrix (the input embedding; the output head is
+        another unless ``tie_embeddings``)."""
+        return self.vocab_size * self.dim
+
+    def num_params(self) -> int:
+        """Exact parameter count of ``GPT(self)``, without building it."""
+        embeddings = self.embedding_params() * (1 if self.tie_embeddings else 2)
+        dense = self.n_layers - self.moe_layers
+        return (dense * self.block_params(moe=False) + self.moe_layers * self.block_params()
+                + embeddings + self.dim)
+
+    def moe_problems(self) -> list[str]:
+        """The mixture-of-experts keys together (a dense model: none)."""
+        if not self.is_moe:
+            return []
+        out = []
+        if self.is_hf:
+            out.append(f"model.n_experts={self.n_experts} applies to the built-in GPT (recipes/gpt.py), "
+                       "not model=hf: set model.n_experts=0")
+        if self.top_k > self.n_experts:
+            out.append(f"model.top_k={self.top_k} > model.n_experts={self.n_experts}: a token is "
+                       f"routed to top_k distinct experts; allowed: 1..{self.n_experts}. Set "
+                       f"model.top_k<={self.n_experts} or raise model.n_experts")
+        if self.first_dense_layers > self.n_layers:
+            out.append(f"model.first_dense_layers={self.first_dense_layers} > model.n_layers="
+                       f"{self.n_layers}: set it to at most n_layers")
+        return out
+
+    def tp_collectives(self) -> tuple[int, int]:
+        """All-reduces per block under tensor parallelism (forward, backward): recipes/gpt.py's
+        tp_plan has 2 row-parallel layers (attention output, MLP down) and 5 column-parallel
+        ones (q, k, v, gate, up), each all-reducing its input's gradient."""
+        return (2, 5)
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs to train on one token (forward + backward), the convention MFU uses
+        (PaLM, Chowdhery et al. 2022, app. B): 6 per parameter of every matmul (all but the input
+        embedding, a lookup) plus 12 x layers x seq x dim for attention's scores and mixing."""
+        matmul = self.num_params() - (0 if self.tie_embeddings else self.embedding_params())
+        if self.is_moe:  # a token runs through top_k of the routed experts (and the shared ones)
+            matmul -= self.expert_params() * (1 - self.top_k / self.n_experts)
+        return 6 * matmul + 12 * self.n_layers * self.seq_len * self.dim
+
+    def problems(self) -> list[str]:
+        """Shape rules that involve more than one field (single fields declare their own)."""
+        out = []
+        if self.dim % self.n_heads:
+            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                       "choose n_heads dividing dim")
+        elif self.head_dim % 2:
+            out.append(f"head dim model.dim / model.n_heads = {self.dim}/{self.n_heads} = "
+                       f"{self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            out.append(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        out += self.moe_problems()
+        if self.max_seq_len is not None and self.seq_len > self.max_seq_len:
+            out.append(f"model.seq_len={self.seq_len} exceeds the model's max_position_embeddings "
+                       f"{self.max_seq_len}: set model.seq_len<={self.max_seq_len}")
+        if not self.is_hf:
+            for key, value in (("path", self.path), ("lora.rank", self.lora.rank)):
+                if value:
+                    out.append(f"model.{key}={value} applies to model=hf only (this is the built-in "
+                               f"{self.name}): remove it, or use model=hf model.path=...")
+        bad = sorted(set(self.lora.target_modules) - set(LORA_TARGETS))
+        if bad:
+            out.append(f"model.lora.target_modules: {', '.join(bad)} not a decoder layer's linear "
+                       f"layer; allowed: {', '.join(LORA_TARGETS)}")
+        return out

@@ -1,0 +1,136 @@
+"""``trainer``'s and ``data``'s schemas: the optimization loop (``TrainerConfig``: steps, batch,
+optimizer, schedule, precision, checkpoints) and what the model reads (``DataConfig``). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.precision import PRECISIONS
+from strategies.checks import free, knob
+
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULERS = ("constant", "cosine", "linear")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = knob(50, min=1)
+    """Optimizer steps."""
+    global_batch_size: int = knob(16, min=1)
+    """Samples per optimizer step across all ranks (= micro x dp x accumulation)."""
+    micro_batch_size: int = knob(8, min=1)
+    """Samples per forward/backward on one rank."""
+    optimizer: str = knob("adamw", choices=OPTIMIZERS)
+    """adamw (betas and eps below) | sgd (plain; momentum below)."""
+    lr: float = knob(3e-3, above=0.0)
+    """The peak learning rate (after warm-up, before decay)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's (beta1, beta2), each in [0, 1)."""
+    eps: float = knob(1e-8, above=0.0)
+    """AdamW's epsilon."""
+    momentum: float = knob(0.0, min=0.0, below=1.0)
+    """SGD momentum (0: plain SGD). Ignored by adamw."""
+    weight_decay: float = knob(0.0, min=0.0)
+    no_decay: bool = True
+    """Exempt norms, biases and embeddings from weight decay (every parameter with fewer than
+    two dimensions, and every embedding table); false: decay every parameter."""
+    warmup_steps: int = knob(0, min=0)
+    """Linear learning-rate warm-up, in optimizer steps (then the scheduler's shape)."""
+    scheduler: str = knob("constant", choices=SCHEDULERS)
+    """After warm-up: constant | cosine | linear decay to lr x min_lr_ratio at decay_steps
+    (then held there)."""
+    min_lr_ratio: float = knob(0.0, min=0.0, max=1.0)
+    """The final learning rate of a cosine or linear decay, as a fraction of lr."""
+    decay_steps: int | None = knob(None, min=1)
+    """The step at which the decay reaches lr x min_lr_ratio; None: trainer.max_steps."""
+    precision: str = knob("32", choices=PRECISIONS)
+    seed: int = knob(1234, min=0)
+    grad_clip: float = knob(0.0, min=0.0)
+    """Clip the global gradient norm to this value; 0 disables."""
+    log_every: int = knob(1, min=1)
+    """Log the loss every N optimizer steps."""
+    export_params: bool = False
+    """Write the final full parameters to params.pt (rank 0), for comparison and export."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor), applied in the fixed order TP ->
+    activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. Presets whose
+    engine cannot run compiled blocks refuse it by name (FSDP1, ZeRO-3, tensor parallel)."""
+    checkpoint_every: int = knob(0, min=0)
+    """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
+    save_last: bool = True
+    """Also save a complete checkpoint at the final step, whatever checkpoint_every says (what
+    convert.py exports, and what a re-run finds: "already finished")."""
+    save_hf: bool = False
+    """model=hf: also write the final model as a Hugging Face directory, <output>/hf (what
+    ``convert.py --to hf`` writes: LoRA merged, the tokenizer beside it)."""
+    keep_last: int = knob(0, min=0)
+    """Keep only the newest N complete checkpoints (older ones are deleted after a save); 0 keeps all."""
+    val_every: int = knob(0, min=0)
+    """Validate every N optimizer steps (when the data has a validation split), and always at the
+    end; 0: only at the end."""
+    resume_from: str | None = knob("auto", choices=("auto",), exists="dir",
+                                   fix="set trainer.resume_from=auto (the newest complete checkpoint "
+                                       "in the run directory), a checkpoint directory "
+                                       "<run>/checkpoints/step<N>, or null to start fresh")
+    """auto: continue from the newest complete checkpoint in this run's directory (start fresh if
+    there is none) | a checkpoint directory | null: start fresh."""
+
+
+DATASETS = ("text", "synthetic", "jsonl", "parquet", "chat", "tokens")
+TRAIN_ON = ("assistant", "all")
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+@dataclass
+class DataConfig:
+    """What the model reads (recipes/data.py builds it; recipes/tokens.py tokenizes and caches
+    jsonl, parquet, chat and text inputs once)."""
+
+    name: str = knob("text", choices=DATASETS)
+    """text (a UTF-8 file: byte tokens, or tokenized with data.tokenizer) | synthetic (random
+    tokens, for benchmarks) | jsonl | parquet (records tokenized with data.tokenizer) | chat
+    (jsonl/parquet conversations rendered with the tokenizer's chat template) | tokens
+    (pre-tokenized uint16/uint32 memmap shards)."""
+    path: str | None = free(None, "a file, a directory, a glob or a save_to_disk directory; "
+                                  "its existence and contents are checked before launch "
+                                  "(recipes/tokens.py data_problems)")
+    """The input: a file, a directory of them, a glob (``/data/*.parquet``), or (tokenized
+    kinds) a ``datasets`` ``save_to_disk`` directory; None: the bundled corpus (text only)."""
+    field: str = free("text", "a key of the jsonl records or a parquet column, checked before launch")
+    """The record key (jsonl) or column (parquet) holding each document's text."""
+    messages_field: str = free("messages", "a key of the chat records, checked before launch")
+    """data=chat: the record key / column holding the conversation, a list of
+    ``{role, content}`` messages."""
+    train_on: str = knob("assistant", choices=TRAIN_ON)
+    """data=chat: which tokens the loss counts: assistant (the assistant turns as the chat
+    template renders them, end-of-turn included; every other target is ignored) | all."""
+    tokenizer: str | None = knob(None, exists="any",
+                                 fix="point data.tokenizer at a tokenizer directory (one "
+                                     "AutoTokenizer.from_pretrained loads) or a tokenizer.json file")
+    """A tokenizer directory or tokenizer.json; None: byte tokens (data=text), or the model's
+    directory when the model has one (model.path)."""
+    cache_dir: str | None = free(None, "a directory to create")
+    """Where tokenized token files are cached; None: ~/.cache/stratagem/tokens."""
+    dtype: str = knob("uint16", choices=TOKEN_DTYPES)
+    """data=tokens: the shards' integer type (uint16 for vocabularies below 65536)."""
+    val_fraction: float = knob(0.0, min=0.0, below=1.0)
+    """Hold out this fraction of the samples (the last windows of the token stream) for
+    validation; 0: none (unless data.val_path)."""
+    val_path: str | None = free(None, "like data.path, checked before launch")
+    """A separate validation input of the same kind (and forms) as data.path (wins over
+    val_fraction)."""
+    val_samples: int | None = knob(256, min=1)
+    """Validate on at most this many held-out samples (the first ones: the same set on every
+    world size); None: all."""
+    num_samples: int = knob(4096, min=1)
+    """Samples in the synthetic dataset."""
+    num_workers: int = knob(0, min=0)
+
+    @property
+    def tokenized(self) -> bool:
+        """Read through a tokenizer (recipes/tokens.py): jsonl, parquet, chat, or text with one."""
+        return self.name in ("jsonl", "parquet", "chat") or (self.name == "text" and self.tokenizer is not None)
+
+    @property
+    def validates(self) -> bool:
+        return self.val_path is not None or self.val_fraction > 0
