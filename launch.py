@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
     from launchers import registry
     from recipes.config import compose
     from recipes.job import RUN, validate
-    from strategies.checks import paths_elsewhere
+    from core.knobs import paths_elsewhere
 
     dry = "--dry-run" in argv
     overrides = cli.normalize([a for a in argv if a != "--dry-run"])

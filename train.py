@@ -27,7 +27,7 @@ from observers import report, startup
 from recipes import cli
 from recipes.job import Job, validate
 from strategies import ConfigError
-from strategies.conf import CONF_DIR
+from core.conf import CONF_DIR
 
 log = logging.getLogger("train")
 

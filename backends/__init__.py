@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from strategies import ConfigError
-from strategies.conf import CONF_DIR
+from core.conf import CONF_DIR
 
 if TYPE_CHECKING:
     from observers import Observers

@@ -9,7 +9,7 @@ prediction for the same run.
 Each point is ``train.py`` on gpt_nano (data=synthetic, one sample per step, 3 steps, fp32):
 measured activations are what rank 0 saves for backward (observers/memory.py), the prediction
 is the planner's (``memory.predicted.activations`` of the run's own report). cp 2 is torch's
-ring attention (fsdp_cp), on CPU through strategies/context_parallel.py.
+ring attention (fsdp_cp), on CPU through parallel/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -62,5 +62,5 @@ def main(argv: list[str]) -> None:
              "3 steps; activations: what rank 0 saves for backward (observers/memory.py), "
              "predicted: the planner's for the same run; step: median after the first; 2 ranks "
              "share the 2 cores. cp 2: torch's ring attention (fsdp_cp; on CPU through "
-             "strategies/context_parallel.py).")
+             "parallel/context_parallel.py).")
     common.emit("longcontext", common.command_line(), notes, "\n".join(rows), smoke=a.smoke)

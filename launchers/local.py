@@ -93,7 +93,7 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     if job.run.accelerator == "cpu" and job.mesh.devices > 1:  # (forked: the parent's threads)
         import torch
 
-        from strategies.run import cpu_threads
+        from core.run import cpu_threads
 
         torch.set_num_threads(cpu_threads(job.mesh.devices))
     try:

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from core.discover import registered
 
 if TYPE_CHECKING:
     from recipes.job import Job
@@ -80,26 +81,10 @@ def launcher(name: str, **parts: Any) -> Callable[[Problems], Problems]:
     return register
 
 
-REGISTERED = re.compile(r"""^@launcher\(\s*["']([^"']+)["']""", re.MULTILINE)
-"""``@launcher("<name>"`` at the start of a line: on a top-level function."""
-
-
-def _registered(path: Path) -> list[str]:
-    """The names ``path`` registers (read from its source: nothing imported)."""
-    return REGISTERED.findall(path.read_text())
-
-
 @functools.cache
 def _modules() -> dict[str, str]:
     """launcher name -> the module of launchers/ that registers it (from the source, no import)."""
-    out: dict[str, str] = {}
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        for name in _registered(path):
-            if name in out:
-                raise ValueError(f"launcher {name!r} is registered by both launchers/{out[name]}.py "
-                                 f"and launchers/{path.name}")
-            out[name] = path.stem
-    return out
+    return registered(Path(__file__).parent, "launcher")
 
 
 def names() -> tuple[str, ...]:

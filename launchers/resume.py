@@ -72,7 +72,7 @@ def _command_line() -> tuple[list[str], str, list[str]]:
 
 def _as_typed(args: list[str]) -> list[str]:
     """``recipes.cli.normalize`` undone: ``~group`` back to ``group=null`` (what the README says)."""
-    from strategies.conf import CONF_DIR
+    from core.conf import CONF_DIR
 
     return [f"{a[1:]}=null" if a.startswith("~") and "=" not in a and (CONF_DIR / a[1:]).is_dir() else a
             for a in args]

@@ -128,7 +128,7 @@ def submission_problems(cluster: Any, data: Any) -> list[str]:
 
 def container_path(path: str) -> bool:
     """A path of the container's input channels: checked there, not on the submitting machine
-    (``strategies.checks.paths_elsewhere``; ``submission_problems`` checks its channel)."""
+    (``core.knobs.paths_elsewhere``; ``submission_problems`` checks its channel)."""
     return channel_of(path) is not None
 
 

@@ -4,7 +4,7 @@ of its own so that plan.py never imports torch:
     python -m observers.machine --world 2 --precision 32 --accelerator cpu --out machine.json
 
 ``world`` processes (gloo on CPU, NCCL on GPU), each with the thread count a run's rank gets
-(``strategies.run.cpu_threads``), measure together -- as a run's ranks compute together:
+(``core.run.cpu_threads``), measure together -- as a run's ranks compute together:
 
 - ``matmul_tflops``: dense matmul throughput in the run's dtype (fp32 for precision 32, bf16
   for the mixed precisions) on the GEMMs of a reference transformer block (its d x d, d x ffn and
@@ -116,7 +116,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
 def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, sync: Any,
                      barrier: Any) -> float:
     """How much faster a rank runs our model's forward and backward with tensor parallelism over
-    every process (strategies.parallelize.apply_tp: its all-reduces, DTensor's dispatch and the
+    every process (parallel.parallelize.apply_tp: its all-reduces, DTensor's dispatch and the
     parts TP does not split included) than the whole model alone, all processes busy at once:
     the ideal is ``world``. A 2-block GPT at the reference block's shape."""
     import torch
@@ -125,7 +125,7 @@ def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, 
 
     from recipes.config import ModelConfig
     from recipes.gpt import GPT
-    from strategies.parallelize import apply_tp
+    from parallel.parallelize import apply_tp
 
     dim, heads, ffn, seq, micro = REFERENCE[accelerator]
     shape = ModelConfig(name="reference", dim=dim, n_layers=2, n_heads=heads, n_kv_heads=heads,
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None, engines: Any = None) -> None:
                    help="threads per process on CPU (default: what a run's rank gets)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    from strategies.run import cpu_threads
+    from core.run import cpu_threads
 
     threads = a.threads or cpu_threads(a.world)
     if a.world == 1:

@@ -4,7 +4,7 @@
   the engine view's ``held_bytes`` knows where its engine keeps each). Gradients are counted just
   before the first optimizer step, parameters and optimizer state right after it.
 - ``activations``: bytes saved for backward by one micro-batch's forward pass (the first),
-  counted with autograd's saved-tensor hooks (``strategies.memory.SavedTensors``): every
+  counted with autograd's saved-tensor hooks (``parallel.memory.SavedTensors``): every
   distinct storage saved, parameters and module buffers (and views of them) excluded, at the
   live peak (a pipeline's first schedule runs forward and backward of every micro-batch inside
   that window: the most its chunks held at once). With activation checkpointing it falls to the
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from observers.base import Engine, Observer, Selection, observer
 
 if TYPE_CHECKING:
-    from strategies.memory import SavedTensors
+    from parallel.memory import SavedTensors
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -175,7 +175,7 @@ class MemoryProfile(Observer):
     def on_forward_start(self, engine: Engine, step: int) -> None:
         self._enter("forward")
         if "activations" not in self.held and self._saved is None:
-            from strategies.memory import SavedTensors
+            from parallel.memory import SavedTensors
 
             self._saved = SavedTensors(buffers=engine.model.buffers()).__enter__()
 

@@ -194,7 +194,7 @@ def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[Strategy
     machine is measured here first (once, then cached: ``planner.machine.ensure``). Raises
     ConfigError when no runnable preset fits."""
     from planner import machine
-    from strategies.mesh import ConfigError
+    from core.errors import ConfigError
 
     machine.ensure(job)  # planner.calibrate=true: this machine measured once (a subprocess), cached
     report = plan_all(job, model)

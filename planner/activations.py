@@ -8,7 +8,7 @@ and under tensor parallelism with and without sequence parallelism) when its arc
 calibrated; otherwise from Korthikanti et al. 2022's closed forms, generalised to our shapes
 (the documented reference, the fallback, and what planned-only Megatron layouts use). A
 pipeline rank holds, at its peak, the micro-batch chunks its schedule keeps in flight
-(strategies.pipeline.peak_live), each the blocks of its stage.
+(parallel.pipeline.peak_live), each the blocks of its stage.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from planner.inputs import ModelDescription
 from strategies.footprint import moe_features
-from strategies.pipeline import balanced_split, peak_live, stage_owner
+from parallel.pipeline import balanced_split, peak_live, stage_owner
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:

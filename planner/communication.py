@@ -12,7 +12,7 @@ from planner.activations import boundary_activation_bytes
 from planner.inputs import Setup
 from planner.states import GB
 from strategies.footprint import Sizes, StateBytes, Traffic
-from strategies.pipeline import sends_per_microbatch
+from parallel.pipeline import sends_per_microbatch
 
 
 def ring_all_reduce_bytes(x: float, n: int) -> float:
@@ -92,7 +92,7 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
     the schedule and stages per rank; ``boundary_elem``: bytes per element of what crosses a
     stage boundary (the residual stream: fp32 under autocast); ``staged``: under a pipeline,
     FSDP's block gathers per schedule run in forward and backward and the runs per step
-    (strategies.pipeline.fsdp_gathers: the schedule, not each micro-batch, decides them)."""
+    (parallel.pipeline.fsdp_gathers: the schedule, not each micro-batch, decides them)."""
     devices, shape, tp, dp = su.cluster.devices, su.shape, n.tp, n.dp
     out = Communication()
 
@@ -182,7 +182,7 @@ def pp_traffic(shape, micro: int, tp: int, pp: int, dp: int, devices: int, resid
                tp_sp: bool, pipeline: tuple[str, int]) -> Traffic:
     """The pipeline's stage-boundary sends per micro-batch on the busiest rank."""
     # every stage boundary between two ranks carries each micro-batch's activation forward
-    # and its gradient back: the busiest rank's sends (strategies.pipeline counts them for
+    # and its gradient back: the busiest rank's sends (parallel.pipeline counts them for
     # the schedule's stage placement: 2v - 1 or 2v per rank looped, fewer in a V)
     schedule, virtual = pipeline
     sends = max(sends_per_microbatch(schedule, pp, virtual))

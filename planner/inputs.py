@@ -15,8 +15,8 @@ from planner.machine import Machine
 from planner.states import GB
 from strategies.base import StrategyConfig
 from strategies.footprint import Footprint
-from strategies.mesh import Mesh
-from strategies.run import Run, derive_from
+from core.mesh import Mesh
+from core.run import Run, derive_from
 
 
 class ModelDescription(Protocol):
@@ -91,7 +91,7 @@ class Setup:
         measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None
         su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware)
         if problems := su.problems():
-            from strategies.mesh import ConfigError
+            from core.errors import ConfigError
 
             raise ConfigError(problems)
         return su

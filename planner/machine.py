@@ -96,7 +96,7 @@ def cpu_name() -> str:
 
 
 def key(cluster: Any, precision: str) -> dict[str, Any]:
-    from strategies.run import cpu_threads
+    from core.run import cpu_threads
 
     cluster = planned(cluster)
     acc, world = ("gpu" if cluster.accelerator == "gpu" else "cpu"), int(cluster.nodes) * int(cluster.devices)

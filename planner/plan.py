@@ -17,8 +17,8 @@ from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, gb, state_bytes
 from strategies.footprint import SHARDED, Footprint, Sizes
-from strategies.pipeline import bubble as pipeline_bubble
-from strategies.pipeline import fsdp_gathers
+from parallel.pipeline import bubble as pipeline_bubble
+from parallel.pipeline import fsdp_gathers
 
 
 # ----------------------------------------------------------------------------- results
@@ -255,7 +255,7 @@ def mfu(su: Setup) -> float:
 
 def bubble_fraction(p: int, m: int) -> float:
     """Idle fraction of a GPipe / 1F1B pipeline of ``p`` stages and ``m`` micro-batches (the
-    closed form; ``strategies.pipeline.bubble`` simulates every schedule)."""
+    closed form; ``parallel.pipeline.bubble`` simulates every schedule)."""
     return (p - 1) / (m + p - 1) if p > 1 else 0.0
 
 
@@ -312,7 +312,7 @@ def _layout(c: Candidate, su: Setup) -> _Layout:
     layers = (math.ceil(shape.n_layers / pp) if shape is not None
               else max(1.0, (su.params / (12 * 128**2)) ** (1 / 3)) / pp)
     # a sequence group (cp, Ulysses' sp) reduces gradients and splits sharded states with the
-    # data-parallel ranks (strategies/mesh.py): dp x seq of them
+    # data-parallel ranks (core/mesh.py): dp x seq of them
     sizes = Sizes(params=su.params / mp,
                   trainable=(su.trainable if su.trainable is not None else su.params) / mp,
                   bytes=sb, dp=dp * mesh.seq, shard=mesh.dp_shard * mesh.seq, tp=tp, mp=mp,

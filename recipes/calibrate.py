@@ -5,7 +5,7 @@
 Textbook formulas (Korthikanti et al. 2022) count a GPT layer's saved activations; our model
 saves more (RMSNorm's fp32 upcast, RoPE's fp32 copies, SwiGLU's three inner tensors, fp32
 logits for the loss) and by precision regime differently. So: trace the real modules at tiny
-shapes on CPU with the memory observer's counter (``strategies.memory.SavedTensors``), once,
+shapes on CPU with the memory observer's counter (``parallel.memory.SavedTensors``), once,
 and fit bytes per token as a linear function of the shape -- exact, because every tensor a
 block saves is one of those widths. The planner then scales the fitted coefficients to any
 shape without torch (it reads the JSON).
@@ -26,7 +26,7 @@ torch AMP families' bf16-mixed), ``bf16`` (bf16 parameters: DeepSpeed's bf16-mix
 Variants, each traced on its own (``VARIANTS``): the plain model above; ``dropout`` (dropout > 0:
 the dropout masks, and the attention kernel that keeps its s x s probabilities -- feature
 ``heads_seq`` = heads x seq_len, per token); ``tp`` / ``tp_sp`` (tensor parallelism as
-strategies.parallelize applies it, without and with sequence parallelism; traced at tp = 2 and 4
+parallel.parallelize applies it, without and with sequence parallelism; traced at tp = 2 and 4
 over a fake process group, so one process and no communication: every feature ``f`` then has a
 part kept whole on each rank and a part split over the tp ranks, ``f/tp``) and the same two
 with dropout. A pipeline stage saves what its blocks save: the planner combines these per stage.
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from core.precision import REGIMES
 from recipes.model_config import ModelConfig
-from strategies.memory import SavedTensors
+from parallel.memory import SavedTensors
 
 OUT = Path(__file__).resolve().parents[1] / "planner" / "activations.json"
 BLOCK_FEATURES = ("one", "dim", "ffn", "kv_dim", "heads")
@@ -125,7 +125,7 @@ def trace(shape: ModelConfig, regime: str, tp: int = 1, sp: bool = False) -> dic
     if tp > 1:
         from torch.distributed.device_mesh import DeviceMesh
 
-        from strategies.parallelize import apply_tp
+        from parallel.parallelize import apply_tp
 
         apply_tp(model, DeviceMesh("cpu", list(range(tp))), sequence_parallel=sp)
     tokens = torch.randint(shape.vocab_size, (BATCH, shape.seq_len))

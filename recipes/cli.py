@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from hydra.experimental.callback import Callback
 
-from strategies.conf import CONF_DIR
+from core.conf import CONF_DIR
 
 T = TypeVar("T")
 
@@ -131,7 +131,7 @@ def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from strategies.mesh import ConfigError
+    from core.errors import ConfigError
 
     try:
         return step()

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from strategies.checks import free, knob
+from core.discover import package_folder, registered
+from core.knobs import free, knob
 
-LAUNCHERS = ("local", "torchrun", "slurm", "sagemaker", "ray", "k8s")
+LAUNCHERS = tuple(registered(package_folder("launchers"), "launcher"))
+"""cluster.launcher's choices: the names launchers/ registers (``@launcher``), read from the modules'
+source (recipes imports no launcher)."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from strategies.conf import CONF_DIR
+from core.conf import CONF_DIR
 
 if TYPE_CHECKING:
     from recipes.model_config import ModelConfig
@@ -71,7 +71,7 @@ def describe(model: Any) -> ModelConfig:
     try:
         return OmegaConf.to_object(model)
     except OmegaConfBaseException as e:
-        from strategies.mesh import ConfigError
+        from core.errors import ConfigError
 
         raise ConfigError(f"model: {unreadable(e)}") from None
 

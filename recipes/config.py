@@ -26,8 +26,8 @@ from recipes.cluster_config import (LAUNCHERS, ClusterConfig, K8sConfig, RayConf
 from recipes.model_config import ARCHITECTURES, LORA_TARGETS, LoraConfig, ModelConfig
 from recipes.trainer_config import (DATASETS, OPTIMIZERS, PRECISIONS, SCHEDULERS, TOKEN_DTYPES, TRAIN_ON,
                                     DataConfig, TrainerConfig)
-from strategies.checks import free, knob
-from strategies.conf import CONF_DIR
+from core.knobs import free, knob
+from core.conf import CONF_DIR
 
 __all__ = [
     "ARCHITECTURES", "BACKENDS", "DATASETS", "GROUP_SCHEMAS", "LAUNCHERS", "LOGGERS", "LORA_TARGETS",

@@ -11,7 +11,7 @@ on every rank). Pretrained weights are read tensor by tensor from the safetensor
 - a plain parameter: the whole tensor (single, DDP, ZeRO-1/2, FSDP1 before wrapping);
 - a ZeRO-3 partition (built under ``zero.Init``): gathered one tensor at a time through the
   engine's ``gather`` (the backend hands it in), rank 0 writes;
-- an FSDP2 shard (``meta=True`` build, sharded, then strategies.parallelize.materialize): only this
+- an FSDP2 shard (``meta=True`` build, sharded, then parallel.parallelize.materialize): only this
   rank's rows.
 So the sharded presets never hold the full model on one rank.
 """
@@ -169,7 +169,7 @@ class HFCausalLM(nn.Module):
 def hf_key(name: str) -> str:
     """A parameter's name in ``HFCausalLM.hf`` as the checkpoint names it (peft's and
     strategies' wrapper pieces removed)."""
-    from strategies.parallelize import plain_key
+    from parallel.parallelize import plain_key
 
     return plain_key(name).replace(".base_layer", "")  # (peft's wrapped layer)
 

@@ -23,9 +23,10 @@ from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, Logger
                             PlannerConfig, TrainConfig)
 from recipes.model_config import ModelConfig
 from recipes.trainer_config import DataConfig, TrainerConfig
-from strategies import ConfigError, Run, StrategyConfig, as_config, checks
+from core import knobs
+from strategies import ConfigError, Run, StrategyConfig, as_config
 from strategies.presets import AUTO, load, names
-from strategies.run import settle
+from core.run import settle
 
 # logger name -> (module it needs, the extra that installs it)
 LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
@@ -47,7 +48,7 @@ class Job:
     logger: LoggerConfig | None
     strategy: StrategyConfig
     """The preset as it runs: ``preset`` with what it derives from the batch and the model
-    filled in (``strategies.run.settle``)."""
+    filled in (``core.run.settle``)."""
     run: Run
     """The run's facts (mesh, batch, precision, checkpoint format), derived once, with
     ``strategy``."""
@@ -163,7 +164,7 @@ def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
         if not isinstance(obj, schema):
             obj = schema(**obj)
         objs[group] = obj
-        problems[group] += checks.problems(obj, group)
+        problems[group] += knobs.problems(obj, group)
     return objs, problems
 
 
@@ -312,7 +313,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
                        f"remove +{k}=..." for k in unknown]
     strategy = as_config(cfg.strategy)
     bad["strategy"] = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
-                       + checks.problems(strategy, "strategy", launch=depth >= LAUNCH)
+                       + knobs.problems(strategy, "strategy", launch=depth >= LAUNCH)
                        + strategy.value_problems())
     if strategy.family != type(strategy).FAMILY:
         bad["strategy"].append(f"strategy.family={strategy.family!r}: set by the preset's schema "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from strategies.checks import free, knob
+from core.knobs import free, knob
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = ("gpt", "llama", "mistral", "qwen2")

@@ -26,7 +26,7 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
     """What the data keys name, read cheaply (JSON files, a parquet schema, file sizes, cached
     shard statistics; no tokenizer is loaded): inputs, the record field, the chat template, the
     tokenizer's EOS and vocabulary, the largest token id of pre-tokenized shards."""
-    from strategies import checks
+    from core import knobs
 
     name, out = data.name, []
     if name == "synthetic":
@@ -38,7 +38,7 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
     vocab = getattr(model, "vocab_size", None)
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
     for key, value in (("data.path", data.path), ("data.val_path", data.val_path)):
-        if not value or checks.elsewhere(value):
+        if not value or knobs.elsewhere(value):
             continue
         try:
             inputs = resolve_inputs(name, value)
@@ -60,7 +60,7 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
         out.append(f"data={name} needs a tokenizer, and data.tokenizer is null (the model has no "
                    "model.path to take one from): set data.tokenizer=<a tokenizer directory or "
                    "tokenizer.json>")
-    if data.tokenized and data.tokenizer is not None and not checks.elsewhere(data.tokenizer):
+    if data.tokenized and data.tokenizer is not None and not knobs.elsewhere(data.tokenizer):
         out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat")
     return out
 

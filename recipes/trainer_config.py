@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.precision import PRECISIONS
-from strategies.checks import free, knob
+from core.knobs import free, knob
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("constant", "cosine", "linear")

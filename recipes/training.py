@@ -36,7 +36,7 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
     """The plain single-device model, initialised from ``seed`` alone: every rank, and the
     single-process reference, start from identical weights whatever RNG state they are in.
     ``meta``: a pretrained HF model's parameters stay on the meta device, for a strategy that
-    shards them first and then materializes them (strategies/parallelize.py ``materialize``);
+    shards them first and then materializes them (parallel/parallelize.py ``materialize``);
     ``gather``: the engine's context that makes partitioned parameters whole (ZeRO-3), which a
     model that writes its own weights (recipes/hf.py) uses."""
     with torch.random.fork_rng(devices=[]):

@@ -17,10 +17,11 @@ import pkgutil
 
 from strategies import families as _families
 from strategies.base import Capabilities, StrategyConfig, as_config, families, family
-from strategies.hooks import after_import
-from strategies.mesh import Batch, ConfigError, Mesh
+from core.hooks import after_import
+from core.errors import ConfigError
+from core.mesh import Batch, Mesh
 from strategies.presets import load, names
-from strategies.run import Run, derive, derive_from
+from core.run import Run, derive, derive_from
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(_families.__path__)):
     importlib.import_module(f"strategies.families.{_module}")

@@ -5,14 +5,14 @@ module of ``strategies/families/`` (found there; nothing else lists it). Its sch
 Hydra's ConfigStore as ``<name>_schema`` (at the root, so ``--help`` lists only presets), so each
 preset YAML in ``conf/strategy/`` starts with ``defaults: [/<name>_schema@_here_, _self_]`` and a
 typo in a key fails at compose time. Fields declare their allowed values with ``knob``
-(strategies/checks.py). The family answers, each in one method, as data:
+(core/knobs.py). The family answers, each in one method, as data:
 
 - ``mesh(nodes, devices)``: its topology -- the model-parallel degrees and shard group;
 - ``problems(run)`` / ``model_problems(model)``: every problem, collected, before launch;
 - ``footprint()``: what each rank holds and sends (strategies/footprint.py), which the planner
   prices and the communication profile names groups by;
 - ``plan(mesh)``: the parallelism applied to the plain model from outside, as data
-  (strategies/parallelize.py applies it, in the fixed order TP -> context parallelism ->
+  (parallel/parallelize.py applies it, in the fixed order TP -> context parallelism ->
   activation checkpointing -> compile -> FSDP2);
 - ``capabilities``: what it can do (LoRA, activation checkpointing, its checkpoint format, the
   degrees a planner may choose for it, a native config, planned only).
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from strategies.footprint import Footprint
-    from strategies.parallelize import ParallelPlan
-    from strategies.run import Run
+    from parallel.parallelize import ParallelPlan
+    from core.run import Run
 
-from strategies.mesh import Mesh
+from core.mesh import Mesh
 
 DCP, DEEPSPEED = "dcp", "deepspeed"
 
@@ -99,7 +99,7 @@ class StrategyConfig:
         return None
 
     def pipeline_schedule(self) -> tuple[str, int, list[int] | None]:
-        """The pipeline's schedule (strategies.pipeline.SCHEDULES), stages per rank and blocks
+        """The pipeline's schedule (parallel.pipeline.SCHEDULES), stages per rank and blocks
         per stage (None: balanced) -- what the planner simulates; a layout that names none runs
         1F1B, one stage a rank (Megatron's default)."""
         return "1f1b", 1, None
@@ -173,7 +173,7 @@ class StrategyConfig:
         """The parallelism applied to the plain model from outside, as data. The default only
         checkpoints blocks; engines that wrap the model themselves (DDP, FSDP1, DeepSpeed) wrap
         after it."""
-        from strategies.parallelize import ParallelPlan
+        from parallel.parallelize import ParallelPlan
 
         return ParallelPlan(activation_checkpointing=self.activation_checkpointing)
 

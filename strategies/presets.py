@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from strategies.conf import CONF_DIR
+from core.conf import CONF_DIR
 
 STRATEGY_DIR = CONF_DIR / "strategy"
 SCHEMA_SUFFIX = "_schema@_here_"

@@ -21,7 +21,8 @@ import pytest
 import strategies
 from recipes.config import GROUP_SCHEMAS, compose
 from recipes.job import validate
-from strategies import ConfigError, checks
+from core import knobs
+from strategies import ConfigError
 from tests.conftest import ROOT
 
 BASE = ("model=gpt_nano", "cluster.accelerator=cpu", "trainer.max_steps=1")
@@ -36,7 +37,7 @@ FAMILY_PRESET["parallel"] = "pipeline"
 WORLD = {"parallel": ("cluster.devices=2",)}
 
 
-def _bad_value(check: checks.Check, kind: str, rng: random.Random) -> str:
+def _bad_value(check: knobs.Check, kind: str, rng: random.Random) -> str:
     if check.choices is not None:
         return "7" if all(isinstance(c, int) for c in check.choices) else "bogus"
     if check.exists is not None:
@@ -116,7 +117,7 @@ def test_every_family_is_fuzzed():
 def test_every_field_declares_its_allowed_values():
     """A new knob cannot skip validation: numeric and string fields declare a check."""
     schemas = list(GROUP_SCHEMAS.values()) + list(strategies.families().values())
-    missing = {s.__name__: checks.unchecked(s) for s in schemas if checks.unchecked(s)}
+    missing = {s.__name__: knobs.unchecked(s) for s in schemas if knobs.unchecked(s)}
     missing.pop("PathsConfig", None)  # Hydra's own run paths
     assert missing == {}, missing
 

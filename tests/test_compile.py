@@ -1,5 +1,5 @@
 """trainer.compile=true: torch.compile of each block, applied in the fixed order TP -> activation
-checkpointing -> compile -> FSDP (strategies/parallelize.py), equal to eager under single, ddp,
+checkpointing -> compile -> FSDP (parallel/parallelize.py), equal to eager under single, ddp,
 fsdp2 and zero2 (and, measured once by hand, ulysses on both backends and a 2-stage pipeline:
 1e-7); refused by name where the engine cannot run compiled blocks (FSDP1, ZeRO-3, tensor
 parallelism on torch 2.13).
@@ -82,7 +82,7 @@ def test_compile_comes_after_checkpointing_and_before_fsdp2():
 
     from recipes.config import ModelConfig
     from recipes.gpt import GPT
-    from strategies.parallelize import ParallelPlan, parallelize
+    from parallel.parallelize import ParallelPlan, parallelize
 
     model = GPT(ModelConfig(name="gpt_nano", dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                             vocab_size=256, seq_len=32, dropout=0.0, ffn_dim=64))
@@ -98,7 +98,7 @@ def test_compile_comes_after_checkpointing_and_before_fsdp2():
 
 @pytest.mark.unit
 def test_compile_reaches_every_preset_plan_through_the_run():
-    from strategies.parallelize import plan_for
+    from parallel.parallelize import plan_for
 
     job = validate(compose(["strategy=fsdp2", "cluster.devices=2", "cluster.accelerator=cpu",
                             "trainer.compile=true"]))

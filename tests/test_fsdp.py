@@ -164,7 +164,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from recipes.config import ModelConfig
 from recipes.gpt import GPT
-from strategies.parallelize import FSDP2Plan, apply_fsdp2
+from parallel.parallelize import FSDP2Plan, apply_fsdp2
 dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
 model = GPT(ModelConfig(name="t", dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=64, seq_len=8,
                         ffn_dim=64))

@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import ROOT, engines_loaded, product_files
 
-OURS = ("strategies", "planner", "recipes", "observers", "checkpoints", "backends", "launchers")
-NEUTRAL = ("strategies", "planner", "recipes", "observers")  # no engine, at any level
+OURS = ("core", "parallel", "strategies", "planner", "recipes", "observers", "checkpoints", "backends", "launchers")
+NEUTRAL = ("core", "parallel", "strategies", "planner", "recipes", "observers")  # no engine, at any level
 ENGINE_LIBS = ("lightning", "accelerate", "deepspeed")
 
 
@@ -186,7 +186,7 @@ _FAMILY = '''
 from dataclasses import dataclass
 
 from strategies.base import family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.families.ddp import DDPConfig
 
 
@@ -442,11 +442,9 @@ refused = launch(*BASE, "cluster.nodes=5", "trainer.global_batch_size=40", "--dr
 assert refused.startswith("exit 2: ") and "cluster.nodes=5: mine has 4 nodes" in refused, refused
 print("ok")
 '''
-# What a launcher touches: its module and its cluster YAML (docs/ARCHITECTURE.md's row, when it has
-# one, must say the same) -- and recipes/config.py while its LAUNCHERS is a literal tuple (the
-# cluster.launcher choices; to be read from launchers.registry.names()).
+# What a launcher touches: its module and its cluster YAML (docs/ARCHITECTURE.md's row says the same;
+# cluster.launcher's choices are the names launchers/ registers, read from the source).
 LAUNCHER_TOUCHES = ["launchers/<launcher>.py", "conf/cluster/<cluster>.yaml"]
-_LITERAL_LAUNCHERS = re.compile(r"^LAUNCHERS = \(([^)]*)\)", re.MULTILINE)
 
 
 @pytest.mark.subprocess
@@ -454,22 +452,16 @@ def test_a_new_launcher_touches_only_what_the_architecture_says(tmp_path):
     """In a copy of the tree: a new launcher is its module (an ``@launcher`` registration: its
     problems, run, and launch.py's submission step) and its conf/cluster YAML. Nothing else
     names it: ``cluster=<name>`` validates, ``launchers.check`` and ``launchers.run`` route to it,
-    and launch.py refuses, dry-runs and submits through it. While recipes/config.py's
-    ``LAUNCHERS`` is a literal tuple, the name is added there too, and counted."""
+    and launch.py refuses, dry-runs and submits through it."""
     tree = tmp_path / "tree"
     for part in (*OURS, "conf"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "launch.py", tree / "launch.py")
     files = {"launchers/mine.py": textwrap.dedent(_LAUNCHER).lstrip(), "conf/cluster/mine.yaml": _LAUNCHER_YAML}
-    config = (tree / "recipes/config.py").read_text()
-    literal = _LITERAL_LAUNCHERS.search(config)
-    if literal:  # (the choices are listed, not discovered: one more file)
-        files["recipes/config.py"] = config.replace(literal.group(0), f'LAUNCHERS = ({literal.group(1)}, "mine")')
     for rel, text in files.items():
         (tree / rel).write_text(text)
-    expected = LAUNCHER_TOUCHES + (["recipes/config.py"] if literal else [])
-    assert len(files) == len(expected) == (3 if literal else 2)
-    assert _touches().get("a launcher", expected) == expected
+    assert len(files) == len(LAUNCHER_TOUCHES)
+    assert _touches()["a launcher"] == LAUNCHER_TOUCHES
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER_CHECK], cwd=tree, capture_output=True, text=True,
                           timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
                                             "HOME": str(tmp_path)})
@@ -586,7 +578,7 @@ def test_strategy_auto_is_a_step_of_validation_over_typed_objects():
 
 @pytest.mark.unit
 def test_validation_derives_the_mesh_and_batch_once(monkeypatch):
-    """The preset's mesh and what it derives from the batch: one derivation (strategies.run.settle)
+    """The preset's mesh and what it derives from the batch: one derivation (core.run.settle)
     gives the Job its strategy and Run; no second one after it."""
     from recipes.config import compose
     from recipes.job import RUN, validate

@@ -10,7 +10,7 @@ import pytest
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from strategies.pipeline import balanced_split
+from parallel.pipeline import balanced_split
 from tests.cases import CASES as ALL
 from tests.conftest import (EQUIV, OPTIMIZERS, Run, assert_losses_close, assert_params_close, by_optimizer,
                             run_cli)

@@ -18,7 +18,7 @@ from recipes.config import ClusterConfig, ModelConfig, PlannerConfig, TrainerCon
 from strategies.base import StrategyConfig
 from strategies.families.ddp import DDPFootprint
 from strategies.footprint import Footprint
-from strategies.mesh import Mesh
+from core.mesh import Mesh
 from tests.conftest import typed
 
 pytestmark = pytest.mark.unit

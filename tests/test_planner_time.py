@@ -24,7 +24,7 @@ PARALLEL = ("tp", "fsdp_tp", "3d", "pipeline", "pp_dp")
 @pytest.mark.unit
 @pytest.mark.parametrize("preset", PARALLEL)
 def test_fsdp2_inside_parallel_presets_reduces_in_fp32(preset):
-    """strategies/parallelize.py builds FSDP2 with reduce_dtype fp32 for these presets: the
+    """parallel/parallelize.py builds FSDP2 with reduce_dtype fp32 for these presets: the
     reduce-scatter moves as many bytes at bf16-mixed as at fp32 (it was half)."""
     key = "grad_reduce_scatter"
     bf16 = _plans(*BF16_70B, f"strategy={preset}")[preset].communication.by_collective[key]
@@ -41,7 +41,7 @@ def test_schedule_orders_are_torchs():
     rank's forwards from 1, the runtime from 0)."""
     import torch.distributed.pipelining.schedules as S
 
-    from strategies.pipeline import actions
+    from parallel.pipeline import actions
 
     classes = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
                "interleaved_1f1b": S.ScheduleInterleaved1F1B,
@@ -77,7 +77,7 @@ def test_schedule_orders_are_torchs():
 
 @pytest.mark.unit
 def test_each_schedule_has_its_bubble():
-    from strategies.pipeline import bubble
+    from parallel.pipeline import bubble
 
     for p in (2, 3, 4, 8):
         for m in (p, 2 * p, 4 * p):
@@ -102,7 +102,7 @@ def test_virtual_stages_send_at_every_boundary():
     """Each boundary between two ranks carries the activation forward and its gradient back per
     micro-batch: 2v - 1 tensors from an end rank of a loop, 2v from a middle one; a V keeps its
     turn on one rank."""
-    from strategies.pipeline import sends_per_microbatch
+    from parallel.pipeline import sends_per_microbatch
 
     assert sends_per_microbatch("1f1b", 2, 1) == [1, 1]
     assert sends_per_microbatch("1f1b", 4, 1) == [1, 2, 2, 1]
@@ -137,7 +137,7 @@ def test_pipeline_traffic_follows_the_real_micro_batches():
 def test_fsdp2_under_a_pipeline_gathers_per_schedule():
     """torch's stage keeps a backward's gather to the end of the schedule and reduce-scatters
     once there: 1F1B gathers m + 1 times per stage, reduces once."""
-    from strategies.pipeline import fsdp_gathers
+    from parallel.pipeline import fsdp_gathers
 
     assert [sum(g) for g in fsdp_gathers("1f1b", 2, 1, 4)] == [5, 5]
     assert [sum(g) for g in fsdp_gathers("gpipe", 2, 1, 4)] == [5, 5]

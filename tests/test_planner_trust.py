@@ -46,7 +46,7 @@ def test_deepspeed_auto_bucket_sizes_are_planned_from_the_hidden_size():
                                         ("reduce_bucket_size", "lots")])
 def test_invalid_deepspeed_sizes_are_one_clear_error(key, value):
     from recipes.job import CONFIG, RUN, validate
-    from strategies.mesh import ConfigError
+    from core.errors import ConfigError
 
     for depth in (CONFIG, RUN):  # plan.py and train.py
         cfg = _compose((*BF16_1B, "strategy=zero3", f"+strategy.deepspeed_config.zero_optimization.{key}={value}"))
@@ -438,7 +438,7 @@ def test_plan_py_plans_an_nvme_path_absent_on_this_machine(tmp_path):
     """strategy.nvme_path is on the machine that runs the job: train.py checks it (LAUNCH),
     plan.py (CONFIG) plans it from anywhere."""
     from recipes.job import CONFIG, LAUNCH, validate
-    from strategies.mesh import ConfigError
+    from core.errors import ConfigError
 
     over = ("model=llama_7b", "cluster=node_8x_h100", "strategy=zero_infinity",
             f"strategy.nvme_path={tmp_path / 'on-the-cluster'}", "trainer.global_batch_size=64")

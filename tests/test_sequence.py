@@ -1,7 +1,7 @@
 """Sequence parallelism against the single-process reference on gloo: DeepSpeed Ulysses
 (``strategy.sp``: ulysses, zero3_ulysses) and torch's context parallelism (``strategy.cp``:
 fsdp_cp, 3d's cp knob; ring attention, on CPU through the one registration of
-strategies/context_parallel.py) -- losses and final parameters, the all-to-all / K-V bytes each
+parallel/context_parallel.py) -- losses and final parameters, the all-to-all / K-V bytes each
 step sends on the ``sp`` / ``cp`` group equal to the planner's, saved activations per rank
 divided by the degree at a long sequence. Every invalid shape is one clear error before launch,
 exit 2.
@@ -51,7 +51,7 @@ def _equivalent(run, ref, optimizer: str) -> None:
 @pytest.mark.parametrize("name", ["ulysses", "fsdp_cp"])
 def test_sequence_parallel_on_nccl_matches_one_gpu(runs, name):
     """What CPU cannot show: on CUDA, cp runs torch's own ring-attention handlers (the CPU one is
-    ours, strategies/context_parallel.py) and Ulysses DeepSpeed's all-to-all over NCCL. 2 GPUs
+    ours, parallel/context_parallel.py) and Ulysses DeepSpeed's all-to-all over NCCL. 2 GPUs
     against one, fp32 (losses 1e-4: CUDA's attention kernels differ by the sequence length they
     see; not run on CPU CI)."""
     torch = pytest.importorskip("torch")

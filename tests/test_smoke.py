@@ -18,7 +18,7 @@ FAMILIES = {
     "pipeline": TWO, "ulysses": TWO, "fsdp_cp": TWO, "fsdp_ep": (*TWO, "model=gpt_moe_nano"),
     "ddp_topk": TWO,
     # fsdp2 with checkpointing under bf16: torch 2.11 skipped FSDP2's input cast on recompute
-    # (strategies/parallelize.py _units)
+    # (parallel/parallelize.py _units)
     "fsdp2-ac-bf16": (*TWO, "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed"),
 }
 # On Accelerate, one preset of each engine it builds (its own loop, its FSDP2 plugin, DeepSpeed,

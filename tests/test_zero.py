@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO presets (strategies/zero.py) on CPU: 2 gloo ranks against the single-process
+"""DeepSpeed ZeRO presets (strategies/families/deepspeed.py) on CPU: 2 gloo ranks against the single-process
 reference, sharding measured from DeepSpeed's live objects, bad input (checkpoint round
 trips: tests/test_checkpoint.py).
 
@@ -18,7 +18,7 @@ import pytest
 
 from recipes.config import compose
 from recipes.job import validate
-from strategies.families.zero import libaio_available
+from strategies.families.deepspeed import libaio_available
 from tests.cases import CASES, P, SHARD_ALL
 from tests.conftest import EQUIV, OPTIMIZERS, ROOT, assert_losses_close, assert_params_close, by_optimizer
 

@@ -29,7 +29,7 @@ import importlib.util
 import os
 from typing import Any
 
-from strategies.mesh import ConfigError
+from core.errors import ConfigError
 
 
 def deepspeed_plugin(config: dict[str, Any]) -> Any:

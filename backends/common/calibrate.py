@@ -42,7 +42,7 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     quiet.install()  # (a failed calibration shows its error's tail, not the engines' notices)
     from recipes.config import ModelConfig
     from recipes.gpt import GPT
-    from strategies.run import derive
+    from core.run import derive
 
     dim, heads, ffn, seq, micro = machine.REFERENCE[accelerator]
     shape = ModelConfig(name="reference", dim=dim, n_layers=2, n_heads=heads, n_kv_heads=heads,
@@ -104,7 +104,7 @@ def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: st
     import torch
 
     from strategies.families.fsdp2 import FSDP2Config
-    from strategies.parallelize import apply_fsdp2, clip_global_
+    from parallel.parallelize import apply_fsdp2, clip_global_
 
     fsdp2 = FSDP2Config()
     if fsdp2.problems(run_of(fsdp2)):
@@ -134,7 +134,7 @@ def _zero_steps(model: Callable[[], Any], rank: int, loss: Callable[[Any], Any],
 
     import torch
 
-    from strategies.families.zero import ZeroConfig
+    from strategies.families.deepspeed import ZeroConfig
 
     steps = {}
     for stage in (2, 3):

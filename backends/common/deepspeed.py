@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any
 
-from strategies.mesh import ConfigError
-from strategies.run import Run
+from core.errors import ConfigError
+from core.run import Run
 
 from backends.common.torch import full_state_dict as _plain_full_state_dict
 
@@ -80,7 +80,7 @@ def full_state_dict(engine: Any, stage: int, prefix: str = "") -> dict[str, Any]
 def sequence_groups(sp: int) -> Any:
     """This rank's Ulysses group: ``sp`` consecutive ranks, described ``sp`` (its name in the
     communication profile)."""
-    from strategies.parallelize import neighbour_group
+    from parallel.parallelize import neighbour_group
 
     return neighbour_group(sp, "sp")[0]
 
@@ -98,7 +98,7 @@ def apply_ulysses(module: Any, sp: int) -> Any:
     import torch.distributed as dist
     from deepspeed.sequence.layer import DistributedAttention
 
-    from strategies.parallelize import find_model
+    from parallel.parallelize import find_model
 
     class UlyssesAttention(torch.nn.Module):
         """DistributedAttention over the (batch, seq, heads, head_dim) layout (batch dim 0)."""
@@ -199,7 +199,7 @@ def held_bytes(engine: Any, zero_opt: Any, what: str) -> int:
     its contiguous gradient buffers). optimizer: the fp32 master partitions (on CPU when
     offloaded) and the wrapped torch optimizer's state tensors.
     """
-    from strategies.memory import optimizer_tensors, tensor_bytes
+    from parallel.memory import optimizer_tensors, tensor_bytes
 
     params = list(engine.module.parameters())
     if what == "params":

@@ -33,7 +33,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from strategies.hooks import after_import
+from core.hooks import after_import
 
 
 @dataclass(frozen=True)

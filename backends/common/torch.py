@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from strategies.parallelize import plain_state_dict
+from parallel.parallelize import plain_state_dict
 
 
 def unwrap(root: Any) -> Any:
@@ -48,6 +48,6 @@ def stages_state_dict(root: Any, prefix: str = "") -> dict[str, Any]:
 def held_bytes(model: Any, optimizers: list[Any], what: str) -> int:
     """Bytes of ``what`` (params | grads | optimizer) this rank holds, from live tensors (local
     shards only): ``model`` as the engine wrapped it, ``optimizers`` as the engine steps them."""
-    from strategies.memory import held_bytes as live
+    from parallel.memory import held_bytes as live
 
     return live(model, optimizers, what)

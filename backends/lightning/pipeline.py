@@ -21,8 +21,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from recipes import evaluation, training
 from recipes.data import IGNORE
 from strategies.families.parallel import ParallelConfig
-from strategies.parallelize import ParallelPlan, parallelize
-from strategies.pipeline import SCHEDULES, bubble, build_stage, split_model, stage_ids, stage_owner
+from parallel.parallelize import ParallelPlan, parallelize
+from parallel.pipeline import SCHEDULES, bubble, build_stage, split_model, stage_ids, stage_owner
 
 
 class TimedStage(PipelineStage):
@@ -156,7 +156,7 @@ class Pipeline:
     def report(self) -> dict[str, Any]:
         """The schedule that ran and, per pipeline rank, the measured idle fraction (the
         schedule's wall time not spent in this rank's chunks), next to the schedule's own
-        bubble (``strategies.pipeline.bubble``: its chunk order simulated with a backward twice
+        bubble (``parallel.pipeline.bubble``: its chunk order simulated with a backward twice
         the forward) and their ratio. Collective (gathers over the pipeline group)."""
         p = self.preset
         compute = sum(s.compute_seconds for s in self.stages)

@@ -17,8 +17,9 @@ from typing import Any
 
 from backends.common import torch as torch_common
 from core.precision import from_lightning
-from strategies import ConfigError, StrategyConfig, checks
-from strategies.run import Run, derive
+from core import knobs
+from strategies import ConfigError, StrategyConfig
+from core.run import Run, derive
 
 
 class PresetStrategy:
@@ -62,7 +63,7 @@ class PresetStrategy:
         """The preset's problems on the world Lightning runs: the same sentences train.py
         prints before launch, raised here for a strategy reached through the registry."""
         run = self.run()
-        problems = (checks.problems(self.preset, "strategy") + run.mesh.problems()
+        problems = (knobs.problems(self.preset, "strategy") + run.mesh.problems()
                     or self.preset.problems(run))
         if problems:
             raise ConfigError(problems)
@@ -86,7 +87,7 @@ class PresetStrategy:
         """Measure the global gradient norm, then clip to ``max_norm`` (> 0), from the module's
         ``configure_gradient_clipping``: over the optimizer's parameters as the engine holds them
         (a family whose gradients are sharded or staged overrides it)."""
-        from strategies.parallelize import clip_global_
+        from parallel.parallelize import clip_global_
 
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._grad_norm = clip_global_(params, max_norm)

@@ -1,6 +1,6 @@
 """Our presets in Lightning's ``StrategyRegistry``, for users of plain Lightning:
 ``import strategies`` then ``Trainer(strategy="zero3")``. Called by ``strategies`` right after
-Lightning's strategies module is imported (strategies/hooks.py), so it imports nothing else of
+Lightning's strategies module is imported (core/hooks.py), so it imports nothing else of
 Lightning; each entry is a small factory that builds the preset's strategy only when Lightning
 asks for it.
 

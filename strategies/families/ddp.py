@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from strategies.base import StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.footprint import Footprint, MiB, Sizes, Traffic
-from strategies.run import Run
+from core.run import Run
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "int8")
 SYNCS = ("every_step", "local_sgd", "diloco")

@@ -14,11 +14,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from strategies.base import Capabilities, StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.footprint import CPU, DEVICE, FSDPFootprint
-from strategies.mesh import Mesh
-from strategies.parallelize import ParallelPlan
-from strategies.run import Run
+from core.mesh import Mesh
+from parallel.parallelize import ParallelPlan
+from core.run import Run
 
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "none")

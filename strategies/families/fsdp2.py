@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.base import StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.families.fsdp import hybrid_problems
 from strategies.footprint import FSDPFootprint
-from strategies.mesh import Mesh
-from strategies.parallelize import FSDP2Plan, ParallelPlan
-from strategies.run import Run
+from core.mesh import Mesh
+from parallel.parallelize import FSDP2Plan, ParallelPlan
+from core.run import Run
 
 
 @family("fsdp2")

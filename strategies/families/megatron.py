@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from strategies.base import Capabilities, StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.footprint import SHARDED, Footprint, Sizes, StateBytes
-from strategies.mesh import Mesh
+from core.mesh import Mesh
 
 
 @family("megatron")

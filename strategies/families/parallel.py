@@ -4,13 +4,13 @@ Presets: ``tp`` (Megatron column/row through DTensor ``parallelize_module``), ``
 (2-D: TP inside, FSDP2 across), ``pipeline`` (``torch.distributed.pipelining`` schedules),
 ``pp_dp`` (pipeline x data parallel) and ``3d`` (DP x TP x PP). One family, one mesh:
 ``(data_parallel, pipeline_parallel, tensor_parallel)`` with the tensor dimension innermost
-(neighbouring ranks), its arithmetic owned by ``strategies.mesh.Mesh``.
+(neighbouring ranks), its arithmetic owned by ``core.mesh.Mesh``.
 
 Parallelism is applied from outside the recipe, in the fixed order TP -> activation
-checkpointing -> compile -> FSDP2 (``plan``; strategies/parallelize.py), from what the model
+checkpointing -> compile -> FSDP2 (``plan``; parallel/parallelize.py), from what the model
 declares: ``tp_plan`` (which linear layer is column- or row-parallel, relative to a block) and
 ``pp_plan`` (the ModuleDict of blocks, and the modules only the first or last stage runs;
-strategies/pipeline.py cuts it). Data parallelism over ``dp`` ranks is FSDP2 on the data-parallel
+parallel/pipeline.py cuts it). Data parallelism over ``dp`` ranks is FSDP2 on the data-parallel
 sub-mesh (torchtitan's layout); a replica's ``pp x tp`` ranks read the same batch.
 """
 
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from strategies.base import Capabilities, StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.footprint import FSDPFootprint
-from strategies.mesh import Mesh
-from strategies.parallelize import FSDP2Plan, ParallelPlan
-from strategies.pipeline import SCHEDULES
-from strategies.run import Run
+from core.mesh import Mesh
+from parallel.parallelize import FSDP2Plan, ParallelPlan
+from parallel.pipeline import SCHEDULES
+from core.run import Run
 
 CP_DIM = "context_parallel"  # between data and pipeline when cp > 1: dp x cp is FSDP2's shard group
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.base import StrategyConfig, family
-from strategies.run import Run
+from core.run import Run
 
 
 @family("single")

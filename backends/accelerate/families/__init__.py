@@ -12,8 +12,8 @@ from typing import Any
 from backends.common import torch as torch_common
 from backends.common.builders import Builders
 from strategies import StrategyConfig
-from strategies.parallelize import parallelize, plan_for
-from strategies.run import Run
+from parallel.parallelize import parallelize, plan_for
+from core.run import Run
 
 
 class Builder:

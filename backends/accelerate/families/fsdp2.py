@@ -10,7 +10,7 @@ from backends.accelerate.families.fsdp import wrap_policy
 from backends.common import torch as torch_common
 from strategies.families.fsdp2 import FSDP2Config
 from core.precision import of
-from strategies.parallelize import mixed_policy
+from parallel.parallelize import mixed_policy
 
 
 @builds(FSDP2Config)

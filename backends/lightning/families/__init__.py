@@ -14,7 +14,7 @@ import_lightning()  # before any Lightning import of the builders: see torchmetr
 
 from backends.common.builders import Builders  # noqa: E402
 from strategies import ConfigError, StrategyConfig  # noqa: E402
-from strategies.run import Run  # noqa: E402
+from core.run import Run  # noqa: E402
 
 BUILDERS = Builders(__name__, __path__, "lightning", ": choose another preset or backend")
 builds = BUILDERS.builds

@@ -14,7 +14,7 @@ from backends.common.ddp_comm import comm_hook as efficient_hook
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.ddp import DDPConfig
-from strategies.parallelize import parallelize, plan_for
+from parallel.parallelize import parallelize, plan_for
 
 
 def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:

@@ -28,7 +28,7 @@ from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from core.precision import low_dtype
 from strategies.families.fsdp import FSDPConfig
-from strategies.parallelize import find_model
+from parallel.parallelize import find_model
 
 # HYBRID_SHARD's device mesh before the world is known: Lightning requires one at construction;
 # ``setup_environment`` replaces it with the real mesh.

@@ -14,7 +14,7 @@ from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.fsdp2 import FSDP2Config
-from strategies.parallelize import materialize, parallelize, plan_for
+from parallel.parallelize import materialize, parallelize, plan_for
 
 
 @builds(FSDP2Config)

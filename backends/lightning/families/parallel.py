@@ -19,7 +19,7 @@ from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy
 from strategies import ConfigError
 from strategies.families.parallel import CP_DIM, ParallelConfig
-from strategies.parallelize import clip_global_, find_model, parallelize, plan_for
+from parallel.parallelize import clip_global_, find_model, parallelize, plan_for
 
 
 @builds(ParallelConfig)

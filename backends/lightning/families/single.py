@@ -11,8 +11,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.single import SingleConfig
-from strategies.parallelize import parallelize, plan_for
-from strategies.run import Run
+from parallel.parallelize import parallelize, plan_for
+from core.run import Run
 
 
 @builds(SingleConfig)

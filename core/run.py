@@ -8,13 +8,14 @@ else reads the ``Run`` it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from core.precision import PRECISIONS, REGIMES, regime  # re-exported here for now
-from strategies.mesh import Batch, Mesh
+from core.mesh import Batch, Mesh
+from core.precision import regime
 
-if TYPE_CHECKING:
-    from strategies.base import StrategyConfig
+Preset = Any
+"""A strategy config (``strategies.base.StrategyConfig``): core imports no strategy, it asks the
+preset (``mesh``, ``for_batch``, ``capabilities``)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def cxx() -> str | None:
     return next((p for c in (os.environ.get("CXX"), "g++", "c++") if c and (p := shutil.which(c))), None)
 
 
-def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: str = "cpu",
+def derive(strategy: Preset, *, nodes: int, devices: int, accelerator: str = "cpu",
            precision: str = "32", global_batch: int | None = None, micro_batch: int = 1,
            grad_clip: float = 0.0, compile: bool = False) -> Run:
     """The one derivation of a run's facts from a strategy, the cluster's shape and the trainer's
@@ -74,9 +75,9 @@ def derive(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: s
                    compile=compile)[1]
 
 
-def _settle(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: str, precision: str,
+def _settle(strategy: Preset, *, nodes: int, devices: int, accelerator: str, precision: str,
             global_batch: int | None, micro_batch: int, grad_clip: float, compile: bool,
-            hidden: int | None = None) -> tuple[StrategyConfig, Run]:
+            hidden: int | None = None) -> tuple[Preset, Run]:
     mesh = strategy.mesh(nodes, devices)
     if global_batch is not None and mesh.dp >= 1:
         strategy = strategy.for_batch(global_batch, micro_batch, mesh.dp)
@@ -93,14 +94,14 @@ def _settle(strategy: StrategyConfig, *, nodes: int, devices: int, accelerator: 
                          compile=bool(compile))
 
 
-def derive_from(strategy: StrategyConfig, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
+def derive_from(strategy: Preset, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
     """``derive`` from the cluster and trainer groups as typed objects (``accelerator``: resolved,
     else the cluster's own when it names one)."""
     return settle(strategy, cluster, trainer, accelerator=accelerator)[1]
 
 
-def settle(strategy: StrategyConfig, cluster: Any, trainer: Any, *, accelerator: str | None = None,
-           hidden: int | None = None) -> tuple[StrategyConfig, Run]:
+def settle(strategy: Preset, cluster: Any, trainer: Any, *, accelerator: str | None = None,
+           hidden: int | None = None) -> tuple[Preset, Run]:
     """The preset as it runs and its ``Run``, in one derivation (validation's): the mesh once,
     what the preset derives from the batch (a pipeline's micro-batch count) and, given the
     model's ``hidden`` size, from the model (DeepSpeed's "auto" sizes) filled in, then the
@@ -126,4 +127,4 @@ def cpu_threads(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
-__all__ = ["PRECISIONS", "REGIMES", "Run", "cpu_threads", "derive", "derive_from", "regime", "settle"]
+__all__ = ["Run", "cpu_threads", "derive", "derive_from", "settle"]

@@ -1,12 +1,13 @@
-"""Expert parallelism (fsdp_ep, zero2_ep) is not built for Accelerate: refused by name."""
+"""Expert parallelism (fsdp_ep, and zero2_ep: deepspeed_ep.py) is not built for Accelerate: refused
+by name."""
 
 from __future__ import annotations
 
 from backends.accelerate.families import Builder, builds
-from strategies.families.moe import FSDP2EPConfig, ZeroEPConfig
+from strategies.families.fsdp2_ep import FSDP2EPConfig
 
 
-class _Refused(Builder):
+class Refused(Builder):
     def problems(self) -> list[str]:
         return [f"strategy={self.preset.name} (expert parallelism) is not supported by "
                 "backend=accelerate: Accelerate's plugins shard every parameter over the same "
@@ -14,5 +15,4 @@ class _Refused(Builder):
                 "backend=lightning runs it"]
 
 
-builds(FSDP2EPConfig)(type("FSDP2EPRefused", (_Refused,), {}))
-builds(ZeroEPConfig)(type("ZeroEPRefused", (_Refused,), {}))
+builds(FSDP2EPConfig)(type("FSDP2EPRefused", (Refused,), {}))

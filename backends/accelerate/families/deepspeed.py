@@ -9,7 +9,7 @@ from typing import Any
 
 from backends.accelerate.families import Builder, builds
 from backends.common import deepspeed as ds
-from strategies.families.zero import ZeroConfig
+from strategies.families.deepspeed import ZeroConfig
 
 
 def deepspeed_plugin(config: dict[str, Any]) -> Any:

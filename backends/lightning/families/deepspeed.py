@@ -24,9 +24,9 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from backends.common import deepspeed as ds
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
-from strategies.families.zero import ZeroConfig
-from strategies.parallelize import parallelize, plan_for
-from strategies.run import Run
+from strategies.families.deepspeed import ZeroConfig
+from parallel.parallelize import parallelize, plan_for
+from core.run import Run
 
 
 @builds(ZeroConfig)

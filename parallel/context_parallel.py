@@ -31,7 +31,7 @@ def apply_cp(model: Any, mesh: Any) -> Any:
     )
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from strategies.parallelize import find_model
+    from parallel.parallelize import find_model
 
     model, block = find_model(model)
     path = getattr(type(model), "attention_core", None)

@@ -1,15 +1,11 @@
 """Expert parallelism for mixture-of-experts models: the routed experts of every MoE layer split
-over ``strategy.ep`` ranks, tokens traded by all-to-all (strategies/experts.py), composed with a
-data-parallel engine over everything else.
-
-Presets: ``fsdp_ep`` (FSDP2 over the non-expert parameters; the experts, sharded over the ep
-group, are FSDP2-sharded over the dp / ep ranks that hold the same experts -- torchtitan's
-layout) and ``zero2_ep`` (DeepSpeed ZeRO-2 over the non-expert parameters; expert gradients and
-optimizer state partitioned over the dp / ep ranks that hold the same experts, DeepSpeed's own
-expert-data-parallel groups): planned only (``capabilities.planned_only``: plan.py prices it),
-refused for training by name (``problems``: its engine knows only its own MoE layer's
-parameters as experts). ``ep`` takes no ranks of its own: it folds into the data-parallel
-ranks (``Mesh``), which must be a multiple of it; the model's experts must divide by it.
+over ``strategy.ep`` ranks, tokens traded by all-to-all (parallel/experts.py), composed with a
+data-parallel engine over everything else. This module: the family ``fsdp2_ep`` (preset
+``fsdp_ep``: FSDP2 over the non-expert parameters; the experts, sharded over the ep group, are
+FSDP2-sharded over the dp / ep ranks that hold the same experts -- torchtitan's layout), and what
+every expert-parallel family shares (the model's problems, the experts' footprint: ``ExpertSplit``;
+``deepspeed_ep.py`` is the other). ``ep`` takes no ranks of its own: it folds into the
+data-parallel ranks (``Mesh``), which must be a multiple of it; the model's experts must divide by it.
 """
 
 from __future__ import annotations
@@ -19,15 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from strategies.base import Capabilities, StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.families.fsdp2 import FSDP2Config
-from strategies.families.zero import ZeroConfig, ZeroFootprint
 from strategies.footprint import FSDPFootprint, Sizes, States, Traffic
-from strategies.mesh import Mesh
-from strategies.run import Run
+from core.mesh import Mesh
+from core.run import Run
 
 
-def _moe_problems(preset: StrategyConfig, ep: int, model: Any) -> list[str]:
+def moe_problems(preset: StrategyConfig, ep: int, model: Any) -> list[str]:
     n = getattr(model, "n_experts", 0) or 0
     if n == 0:
         return [f"strategy={preset.name} shards the experts of a mixture-of-experts model, and "
@@ -113,11 +108,6 @@ class FSDPEPFootprint(ExpertSplit, FSDPFootprint):
     pass
 
 
-@dataclass(frozen=True)
-class ZeroEPFootprint(ExpertSplit, ZeroFootprint):
-    pass
-
-
 @family("fsdp2_ep")
 @dataclass
 class FSDP2EPConfig(FSDP2Config):
@@ -146,50 +136,11 @@ class FSDP2EPConfig(FSDP2Config):
         return out
 
     def model_problems(self, model: Any) -> list[str]:
-        return super().model_problems(model) + _moe_problems(self, self.ep, model)
+        return super().model_problems(model) + moe_problems(self, self.ep, model)
 
     def footprint(self) -> FSDPEPFootprint:
         return FSDPEPFootprint(ep=self.ep, reshard_after_forward=self.reshard_after_forward,
                                reduce_fp32=self.reduce_fp32)
 
 
-@family("deepspeed_ep")
-@dataclass
-class ZeroEPConfig(ZeroConfig):
-    """DeepSpeed ZeRO over the non-expert parameters, the experts split over ``ep`` ranks."""
-
-    ep: int = knob(2, min=1)
-    """Expert-parallel degree: ranks each holding n_experts / ep experts of every MoE layer (it
-    divides the data-parallel size and model.n_experts)."""
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return dataclasses.replace(super().capabilities, lora=False, degrees=("ep",),
-                                   native_config=None, planned_only=True)
-
-    def mesh(self, nodes: int, devices: int) -> Mesh:
-        return Mesh(nodes, devices, ep=self.ep)
-
-    def problems(self, run: Run) -> list[str]:
-        out = super().problems(run)
-        out.append(f"strategy={self.name} is priced by the planner but trains on no backend yet: "
-                   "DeepSpeed's ZeRO-2 reduces and partitions expert gradients over its "
-                   "expert-data-parallel groups only for models built from its own MoE layer "
-                   "(deepspeed.moe.layer.MoE, whose checkpoint format is tied to that layer), not "
-                   "for recipes/gpt.py's experts; use strategy=fsdp_ep (FSDP2 + expert parallelism)")
-        if self.stage != 2:
-            out.append(f"strategy.stage={self.stage} with strategy={self.name}: DeepSpeed partitions "
-                       "MoE parameters over its expert-data-parallel groups at ZeRO-2 only (ZeRO-3: "
-                       "not supported; ZeRO-1: experimental); allowed: 2")
-        return out
-
-    def model_problems(self, model: Any) -> list[str]:
-        return super().model_problems(model) + _moe_problems(self, self.ep, model)
-
-    def footprint(self) -> ZeroEPFootprint:
-        base = super().footprint()
-        return ZeroEPFootprint(ep=self.ep, **{f.name: getattr(base, f.name)
-                                              for f in dataclasses.fields(ZeroFootprint)})
-
-
-__all__ = ["ExpertSplit", "FSDP2EPConfig", "FSDPEPFootprint", "ZeroEPConfig", "ZeroEPFootprint"]
+__all__ = ["ExpertSplit", "FSDP2EPConfig", "FSDPEPFootprint", "moe_problems"]

@@ -33,10 +33,10 @@ from typing import Any
 
 from core.precision import find
 from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
-from strategies.checks import knob
+from core.knobs import knob
 from strategies.footprint import CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic
-from strategies.mesh import Mesh
-from strategies.run import Run
+from core.mesh import Mesh
+from core.run import Run
 
 STAGES = (1, 2, 3)
 OFFLOAD = ("none", "cpu", "nvme")

@@ -18,14 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-class ConfigError(ValueError):
-    """A configuration problem found before launch. The message lists every problem at once."""
-
-    def __init__(self, problems: list[str] | str):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+from core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -152,4 +145,4 @@ class Batch:
         return []
 
 
-__all__ = ["Batch", "ConfigError", "Mesh"]
+__all__ = ["Batch", "Mesh"]

@@ -1,8 +1,6 @@
-"""Expert parallelism on Lightning (strategies/families/moe.py): ``fsdp_ep`` is the FSDP2 builder
-with the experts split over the ep group first (strategies/experts.py, torchtitan's layout);
-``zero2_ep`` is refused before launch (its config's ``problems``); its builder here is
-the DeepSpeed one, so that it is reachable from Lightning's registry by name and refused there
-(``check``) with the same sentence."""
+"""Expert parallelism over FSDP2 on Lightning (strategies/families/fsdp2_ep.py): ``fsdp_ep`` is the
+FSDP2 builder with the experts split over the ep group first (parallel/experts.py, torchtitan's
+layout)."""
 
 from __future__ import annotations
 
@@ -10,10 +8,9 @@ from typing import Any
 
 from backends.lightning.families import builds
 from backends.lightning.families.fsdp2 import PresetModelParallelStrategy
-from backends.lightning.families.zero import CPUCapableDeepSpeedStrategy
-from strategies.experts import apply_ep_fsdp2
-from strategies.families.moe import FSDP2EPConfig, ZeroEPConfig
-from strategies.parallelize import find_model, parallelize, plan_for
+from parallel.experts import apply_ep_fsdp2
+from strategies.families.fsdp2_ep import FSDP2EPConfig
+from parallel.parallelize import find_model, parallelize, plan_for
 
 
 @builds(FSDP2EPConfig)
@@ -38,8 +35,3 @@ class ExpertParallelFSDP2Strategy(PresetModelParallelStrategy):
 
     def engine_settings(self) -> dict[str, Any]:
         return {**super().engine_settings(), "ep": self.preset.ep}
-
-
-@builds(ZeroEPConfig)
-class ExpertParallelDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
-    """Refused at ``check`` (strategies/families/moe.py says why)."""

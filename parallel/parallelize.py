@@ -41,7 +41,7 @@ class ParallelPlan:
     """Tensor-parallel degree (the model's tp_plan over the tensor mesh)."""
     sequence_parallel: bool = False
     cp: int = 1
-    """Context-parallel degree (torch's ring attention over the cp mesh, strategies/context_parallel.py)."""
+    """Context-parallel degree (torch's ring attention over the cp mesh, parallel/context_parallel.py)."""
     activation_checkpointing: bool = False
     compile: bool = False
     """torch.compile each block (trainer.compile), after TP and checkpointing, before FSDP."""
@@ -76,7 +76,7 @@ def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh
     if plan.tp > 1:
         apply_tp(model, tp_mesh, sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
-        from strategies.context_parallel import apply_cp
+        from parallel.context_parallel import apply_cp
 
         apply_cp(model, cp_mesh)
     if plan.activation_checkpointing:

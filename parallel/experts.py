@@ -52,7 +52,7 @@ def ep_group(ep: int) -> tuple[Any, int]:
     """This rank's expert-parallel group (``ep`` neighbouring ranks) and its index in it: its own
     process group even when it spans the world, described ``mesh_ep`` so the communication
     profile names it ``ep``."""
-    from strategies.parallelize import neighbour_group
+    from parallel.parallelize import neighbour_group
 
     return neighbour_group(ep, "mesh_ep")
 
@@ -135,7 +135,7 @@ def apply_ep_fsdp2(model: Any, ep: int, mesh: Any, dp: int, plan: Any, precision
     group."""
     from torch.distributed.fsdp import fully_shard
 
-    from strategies.parallelize import mixed_policy
+    from parallel.parallelize import mixed_policy
 
     group = apply_ep(model, ep, mesh["ep"])
     mp = mixed_policy(precision, plan.reduce_fp32)
