@@ -42,10 +42,11 @@ SGD_CASES = {"single", "ddp", "ddp-accumulation", "fsdp", "fsdp-accumulation", "
 # Where SGD runs, its AdamW twin adds little (AdamW hides what SGD shows): the slow tier.
 # CI keeps each engine family's scaling (SGD), each accumulation path Accelerate owns (DDP's
 # no_sync, DeepSpeed's boundary) and the compression hook; offload and SHARD_GRAD_OP variants,
-# ZeRO-1 and FSDP's accumulation (Lightning's tests cover them) run in the slow tier.
+# ZeRO-1 and FSDP's accumulation (Lightning's tests cover them), and plain DDP's SGD (its
+# accumulation case keeps DDP's scaling in CI) run in the slow tier.
 SLOW_CASES = {("zero2_offload", "adamw"), ("zero3_offload", "adamw"), ("fsdp_grad_op", "adamw"),
               ("zero2", "adamw"), ("fsdp-accumulation", "sgd"), ("zero1", "sgd"),
-              ("zero3-accumulation", "adamw")}
+              ("zero3-accumulation", "adamw"), ("ddp", "sgd")}
 MATRIX = [(c, o) if not (o == "adamw" and c in SGD_CASES or (c, o) in SLOW_CASES)
           else pytest.param(c, o, marks=pytest.mark.slow)
           for c in ACCELERATE for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]

@@ -439,6 +439,7 @@ def test_masked_loss_equal_under_pipeline_and_ddp(chat_tokenizer, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: LoRA's equality in tests/test_hf.py, the chat masks under ddp and a pipeline here)
 @pytest.mark.timeout(900)
 def test_chat_lora_under_zero2_equals_one_process_and_saves_a_model_that_generates(chat_tokenizer, tmp_path):
     """The fine-tuner's journey: chat data, LoRA, ZeRO-2 on 2 ranks -- the same losses and

@@ -196,6 +196,7 @@ def test_nodes_that_do_not_share_the_run_directory_are_refused_before_training(t
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: torchrun's restart of a killed rank, tests/test_checkpoint.py, twice)
 @pytest.mark.timeout(600)
 def test_two_nodes_killed_and_restarted_resume_from_their_checkpoint(tmp_path, cached):
     """Both "nodes" killed after the step-2 checkpoint, then started again with the same command:
@@ -421,6 +422,7 @@ def test_twenty_requeues_at_random_moments_none_hangs_all_equal(slurm, tmp_path,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: a failed job in a local sweep is a failed row and the sweep goes on)
 @pytest.mark.timeout(600)
 def test_a_cancelled_slurm_job_is_a_failed_row_and_the_sweep_exits_nonzero(slurm, tmp_path):
     """Two jobs; the second is cancelled (scancel) while it runs: the first finishes, the sweep

@@ -60,7 +60,8 @@ def test_matches_single_process(runs, name, optimizer):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["tp-sp", "gpipe", "fsdp_tp", "pp_dp"])
+@pytest.mark.parametrize("name", ["tp-sp", "fsdp_tp", pytest.param("gpipe", marks=pytest.mark.slow),
+                                  pytest.param("pp_dp", marks=pytest.mark.slow)])  # (CI: 1f1b, interleaved, 3d)
 def test_more_layouts_match_single_process(runs, name):
     _equivalent(runs(*CASES[name]), _reference(runs, "sgd"), "sgd")
 
