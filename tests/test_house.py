@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, engines_loaded, product_files
+from tests.conftest import ROOT, TINY, engines_loaded, product_files
 
 OURS = ("core", "parallel", "strategies", "planner", "recipes", "observers", "checkpoints", "backends", "launchers")
 NEUTRAL = ("core", "parallel", "strategies", "planner", "recipes", "observers")  # no engine, at any level
@@ -182,74 +182,161 @@ def _touches() -> dict[str, list[str]]:
 
 
 _FAMILY = '''
-"""A throwaway family: DDP with a knob of its own."""
+"""A throwaway family: one process, with a footprint and a plan of its own."""
 from dataclasses import dataclass
 
-from strategies.base import family
 from core.knobs import knob
-from strategies.families.ddp import DDPConfig
+from strategies.base import StrategyConfig, family
+from strategies.footprint import Footprint
+
+
+@dataclass(frozen=True)
+class MineFootprint(Footprint):
+    def notes(self, n):
+        return ["mine: one process, every block checkpointed"]
 
 
 @family("mine")
 @dataclass
-class MineConfig(DDPConfig):
-    """DDP, as a new family would start."""
+class MineConfig(StrategyConfig):
+    """One process with every block checkpointed, as a new family would start."""
 
     flavour: int = knob(1, min=1)
     """A knob only this family has."""
+
+    def problems(self, run):
+        return [] if run.mesh.size == 1 else [f"strategy=mine runs one process, not {run.mesh.size}"]
+
+    def footprint(self):
+        return MineFootprint()
+
+    def plan(self, mesh):
+        from parallel.parallelize import ParallelPlan
+
+        return ParallelPlan(activation_checkpointing=True)
 '''
 _PRESET = "defaults:\n  - /mine_schema@_here_\n  - _self_\nname: mine\nflavour: 3\n"
 _BUILDER = '''
-"""The throwaway family on Lightning: DDP's builder."""
+"""The throwaway family on Lightning: single's builder, which applies the family's plan."""
 from backends.lightning.families import builds
-from backends.lightning.families.ddp import PresetDDPStrategy
+from backends.lightning.families.single import PresetSingleDeviceStrategy
 from strategies.families.mine import MineConfig
 
 
 @builds(MineConfig)
-class Mine(PresetDDPStrategy):
+class Mine(PresetSingleDeviceStrategy):
     pass
 '''
 _BACKEND = '''
-"""A throwaway backend: runs nothing, refuses every preset but single."""
+"""A throwaway backend: strategy=single in a plain torch loop over the recipe (recipes/training.py,
+the same data order), feeding the observers as every backend does."""
+from dataclasses import dataclass
+
+
 def problems(job):
-    return [] if job.strategy.name == "single" else [f"backend=mine runs strategy=single only"]
+    return [] if job.strategy.name == "single" else ["backend=mine runs strategy=single only"]
+
+
+@dataclass
+class Engine:
+    model: object
+    opt: object
+    rank: int = 0
+    world_size: int = 1
+    norm: float | None = None
+
+    @property
+    def optimizers(self):
+        return [self.opt]
+
+    def grad_norm(self):
+        return self.norm
+
+    def held_bytes(self, what):
+        return 0
 
 
 def build(job, out, observers):
-    raise NotImplementedError
+    from recipes import training
+
+    model = training.build_model(job.model, job.trainer.seed)
+    names = ([n for n, _ in model.named_parameters()], training.no_decay_names(model))
+    opt = training.build_optimizer(training.param_groups(model.named_parameters(), job.trainer, *names),
+                                   job.trainer)
+    return job, Engine(model, opt), observers
 
 
 def fit(built):
-    raise NotImplementedError
+    import torch
+    from torch.utils.data import DataLoader
+
+    from backends import Outcome
+    from recipes import training
+    from recipes.data import GlobalBatchSampler, build_datasets
+
+    job, engine, observers = built
+    t = job.trainer
+    data, _ = build_datasets(job.data, job.model, t.seed)
+    sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size, micro_batch=job.batch.per_step,
+                                 dp_rank=0, dp_size=1, seed=t.seed, steps=t.max_steps)
+    batches, sched = iter(DataLoader(data, batch_sampler=sampler)), training.build_scheduler(engine.opt, t)
+    observers.train_start(engine, 0)
+    for step in range(t.max_steps):
+        micro = []
+        for _ in range(job.batch.accumulation):
+            loss = training.loss(engine.model, next(batches))
+            (loss / job.batch.accumulation).backward()
+            micro.append(loss.item())
+        engine.norm = float(torch.nn.utils.clip_grad_norm_(engine.model.parameters(), t.grad_clip or float("inf")))
+        engine.opt.step()
+        engine.opt.zero_grad()
+        sched.step()
+        observers.step_end(engine, step + 1, sum(micro) / len(micro))
+    return Outcome(rank=0, report=observers.train_end(engine))
 '''
 _CHECK = '''
+import json, subprocess, sys
 import strategies
 from backends import check
-from recipes.config import compose, describe
+from recipes.config import compose
 from recipes.job import CONFIG, RUN, validate
 from planner import plan_all
 
-job = validate(compose(["strategy=mine", "cluster.devices=2", "model=gpt_nano"]), depth=RUN)
+job = validate(compose(["strategy=mine", "model=gpt_nano"]), depth=RUN)
 assert type(job.strategy).__name__ == "MineConfig" and job.strategy.flavour == 3, job.strategy
-assert job.run.mesh.size == 2 and check(job) == []
-report = plan_all(validate(compose(["model=gpt_nano", "cluster.devices=2"]), depth=CONFIG))
-assert "mine" in [p.strategy for p in report.plans]
+assert job.run.mesh.size == 1 and check(job) == []
+plans = {p.strategy: p for p in plan_all(validate(compose(["model=gpt_nano"]), depth=CONFIG)).plans}
+assert "mine: one process, every block checkpointed" in plans["mine"].notes, plans["mine"].notes
 from lightning.pytorch.strategies import StrategyRegistry
 assert type(StrategyRegistry.get("mine")).__name__ == "Mine"
-other = validate(compose(["backend=mine", "strategy=single", "model=gpt_nano"]))
-assert check(other) == []
 bad = validate(compose(["backend=mine", "strategy=ddp", "model=gpt_nano", "cluster.devices=2"]), depth=RUN)
 assert check(bad) == ["backend=mine runs strategy=single only"], check(bad)
+
+def losses(name, *overrides):
+    run = subprocess.run([sys.executable, "train.py", *TINY, "callbacks=none", "trainer.max_steps=3",
+                          "trainer.optimizer=sgd", f"hydra.run.dir=runs/{name}", *overrides],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.load(open(f"runs/{name}/report.json"))["losses"]
+
+reference = losses("single", "strategy=single")
+family = losses("family", "strategy=mine")  # (its plan checkpoints every block: the same losses)
+backend = losses("backend", "backend=mine", "strategy=single")
+for other in (family, backend):
+    assert len(other) == len(reference) == 3, (reference, other)
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(reference, other)), (reference, other)
 print("ok")
 '''
+
 
 
 @pytest.mark.subprocess
 def test_a_new_family_preset_and_backend_touch_only_what_the_architecture_says(tmp_path):
     """In a copy of the tree, write exactly the files docs/ARCHITECTURE.md lists for a new
-    family (with its Lightning builder), a new preset and a new backend; nothing else changes,
-    and they compose, validate, plan and build."""
+    family (with its own footprint, plan and Lightning builder), a new preset and a new backend
+    (a plain torch loop over the recipe); nothing else changes: they compose, validate and plan
+    (the footprint's note in the plan), and both train 3 SGD steps with the single-process run's
+    losses (the family on Lightning, single on the new backend)."""
     touches = _touches()
     assert touches["a preset of an existing family"] == ["conf/strategy/<preset>.yaml"]
     assert touches["a strategy family"] == ["strategies/families/<family>.py", "conf/strategy/<preset>.yaml",
@@ -264,9 +351,11 @@ def test_a_new_family_preset_and_backend_touch_only_what_the_architecture_says(t
     for rel, text in files.items():
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_text(textwrap.dedent(text).lstrip())
-    proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=tree, capture_output=True, text=True,
-                          timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
-                                            "HOME": str(tmp_path)})
+    shutil.copy(ROOT / "train.py", tree / "train.py")
+    shutil.copytree(ROOT / "hydra_plugins", tree / "hydra_plugins", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-c", f"TINY = {TINY!r}\n" + _CHECK], cwd=tree, capture_output=True,
+                          text=True, timeout=600, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
+                                                       "HOME": str(tmp_path)})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
