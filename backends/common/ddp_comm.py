@@ -70,6 +70,24 @@ class _Feedback:
             offset += p.numel()
 
 
+def pack(*parts: torch.Tensor) -> torch.Tensor:
+    """One byte tensor of ``parts`` (any dtypes, any lengths) for one all-gather: no part needs
+    the others' sizes to be a multiple of its element size."""
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+def unpack(gathered: torch.Tensor, ranks: int, *layout: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    """Each rank's parts of ``pack``'s bytes, gathered from ``ranks`` ranks: one (ranks, numel)
+    tensor per ``(numel, dtype)`` of ``layout``, copied out of the byte rows so that each starts
+    aligned for its dtype."""
+    rows, out, at = gathered.view(ranks, -1), [], 0
+    for numel, dtype in layout:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        out.append(rows[:, at:at + nbytes].clone().view(dtype))
+        at += nbytes
+    return out
+
+
 def topk_split(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values, indices, retained) of ``acc``'s ``k`` largest magnitudes: ``retained`` is ``acc``
     with the sent entries zeroed, so dense(values, indices) + retained == acc bit for bit."""
@@ -106,13 +124,13 @@ def topk_hook(state, bucket):  # no annotations: torch checks them against dist.
         sent = torch.zeros_like(acc)
         sent[idx] = values
         state.check.append(float((sent + retained - acc).abs().max()))
-    packed = torch.cat([values, idx.to(torch.int32).view(values.dtype)])
+    packed = pack(values, idx.to(torch.int32))
     out = packed.new_empty(n * packed.numel())
     fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
 
     def decode(_fut: Any) -> torch.Tensor:
-        rows = out.view(n, 2 * k)
-        vals, ids = rows[:, :k].reshape(-1), rows[:, k:].contiguous().view(torch.int32).reshape(-1)
+        vals, ids = unpack(out, n, (k, values.dtype), (k, torch.int32))
+        vals, ids = vals.reshape(-1), ids.reshape(-1)
         dense = torch.zeros_like(buf)
         dense.index_put_((ids.long(),), vals, accumulate=True)
         return dense.div_(n)
@@ -163,15 +181,15 @@ def int8_hook(state, bucket):  # no annotations: torch checks them against dist.
     codes, sz = int8_quantize(acc)
     state.keep(bucket, acc - int8_dequantize(codes, sz))
     state.max_scale = max(state.max_scale, float(sz[0]))
-    packed = torch.cat([codes, sz.view(torch.uint8)])
+    packed = pack(codes, sz)
     out = packed.new_empty(n * packed.numel())
     fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
 
     def decode(_fut: Any) -> torch.Tensor:
-        rows = out.view(n, -1)
+        all_codes, all_sz = unpack(out, n, (codes.numel(), codes.dtype), (2, torch.float32))
         total = torch.zeros_like(buf)
         for r in range(n):
-            total += int8_dequantize(rows[r, :-8], rows[r, -8:].contiguous().view(torch.float32))
+            total += int8_dequantize(all_codes[r], all_sz[r])
         return total.div_(n)
 
     return fut.then(decode)
