@@ -117,3 +117,34 @@ def test_plain_lightning_ddp_exits_cleanly(variant, runs):
         if proc.returncode != 0 or GLOO_ABORT in log:
             failed.append(f"run {i + 1}: exit {proc.returncode}\n{log[-2000:]}")
     assert not failed, f"{len(failed)} of {runs} runs aborted or failed:\n" + "\n".join(failed)
+
+
+CALLS = ROOT / "tests" / "lightning_calls_script.py"
+# CI: FSDP2 (sharded in our setup, repeated calls keep their shards) and ZeRO-2 (DeepSpeed's
+# inference engine on CPU for validate/test/predict); the other families in the slow tier.
+CALLS_CI = {"fsdp2", "zero2"}
+
+
+CALLS_OPEN = {"fsdp": "FSDP1 on Lightning: validate after fit runs the forward on a flat 1-D "
+                      "parameter ('mat2 must be a matrix'); open in issue 39"}
+
+
+@pytest.mark.parametrize("preset", [p if p in CALLS_CI else pytest.param(p, marks=[pytest.mark.slow, *(
+    [pytest.mark.xfail(reason=CALLS_OPEN[p], strict=True)] if p in CALLS_OPEN else [])])
+                                    for p in ("fsdp2", "zero2", "zero3", "ddp", "fsdp")])
+def test_a_documented_lightning_module_goes_through_every_trainer_entry(preset, tmp_path):
+    """A module as Lightning's docs write one (no configure_model), 2 ranks: fit, validate, test,
+    test again, predict. fsdp2 used to refuse it ("override configure_model") and to shard it
+    twice on the second test; ZeRO's evaluation engine on CPU got the device index None. The two
+    tests measure the same model on the same data, and validate on the same batches: equal."""
+    out = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, str(CALLS), registry_name(preset), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and GLOO_ABORT not in log, log[-4000:]
+    calls = json.loads(out.read_text())["calls"]
+    assert [c for c, _ in calls] == ["fit", "validate", "test", "test", "predict"]
+    (_, val), (_, test), (_, again), (_, predicted) = calls[1:]
+    assert test["loss"] == pytest.approx(again["loss"], rel=1e-6) == pytest.approx(val["loss"], rel=1e-6)
+    assert predicted == {"batches": 2}

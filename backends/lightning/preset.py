@@ -13,6 +13,7 @@ the world Lightning runs (``check``).
 from __future__ import annotations
 
 from dataclasses import asdict
+import types
 from typing import Any
 
 from backends.common import torch as torch_common
@@ -135,3 +136,31 @@ def set_timeout(strategy: Any, seconds: float) -> None:
 
     if hasattr(strategy, "_timeout"):
         strategy._timeout = timedelta(seconds=seconds)
+
+
+def sharded(module: Any) -> bool:
+    """The module (or one of its submodules) went through ``fully_shard`` -- ours in an earlier
+    trainer call, or the user's own ``configure_model`` -- or holds DTensors (the user's TP). Not
+    "its parameters are DTensors": after an evaluation's forward FSDP2 leaves the root unsharded,
+    plain tensors, and a second ``fully_shard`` is an error (fit, test, test)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return (any(isinstance(m, FSDPModule) for m in module.modules())
+            or any(isinstance(p, DTensor) for p in module.parameters()))
+
+
+def _sharded_by_the_strategy(self: Any) -> None:
+    """Stands for ``configure_model`` on a module that has none: the preset's strategy sharded it."""
+
+
+def sharded_here(module: Any) -> None:
+    """Lightning's ModelParallelStrategy refuses a module that does not override
+    ``configure_model`` ("apply parallelization there"): it expects the module to shard itself.
+    Ours shards it in ``setup``, so a module written for DDP (Lightning's own examples) has
+    nothing to apply: it gets a no-op ``configure_model`` of its own, which Lightning sees as
+    overridden (docs/ARCHITECTURE.md, the Lightning workarounds)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("configure_model", module):
+        module.configure_model = types.MethodType(_sharded_by_the_strategy, module)

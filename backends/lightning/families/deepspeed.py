@@ -4,7 +4,8 @@ accelerators.
 On CUDA the subclass behaves like its parent except for (4) below. On CPU it (1) skips the
 CUDA-only accelerator check in ``setup_environment``, (2) skips the device-index check in
 ``setup_distributed`` (CPU devices have no index), (3) hands the engine ``device_rank=local rank``
-instead of the CPU device's index ``None``. It also passes ``scale_wrt_gas=False`` to the engine's
+instead of the CPU device's index ``None``, for training and for the inference engine of
+validate/test/predict. It also passes ``scale_wrt_gas=False`` to the engine's
 backward: Lightning has already divided the loss by ``accumulate_grad_batches``, and DeepSpeed
 dividing it again would shrink accumulated gradients by the accumulation. On every accelerator it
 (4) repairs how DeepSpeed reads gradients back from NVMe when the optimizer state is there
@@ -92,6 +93,23 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
             )
         ds.repair(ds_optimizer)  # (4)
         return engine, ds_optimizer
+
+    def _initialize_deepspeed_inference(self, model: Any) -> None:
+        """validate/test/predict without fit: the parent's inference engine, whose device rank
+        is (3) the local rank on CPU, not the CPU device's index None."""
+        if not self._on_cpu:
+            return super()._initialize_deepspeed_inference(model)
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        config = {"train_micro_batch_size_per_gpu": 1,  # (the parent's: DeepSpeed's timers need it)
+                  **{k: self.config[k] for k in ("fp16", "bf16") if k in self.config}}
+        if self.zero_stage_3:
+            config.update({k: self.config[k] for k in ("zero_allow_untested_optimizer", "zero_optimization")})
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank), config=config, model=model,
+            optimizer=None, lr_scheduler=None, model_parameters=[], dist_init_required=False)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from backends.common import torch as torch_common
 from backends.lightning.families import builds
-from backends.lightning.preset import PresetStrategy
+from backends.lightning.preset import PresetStrategy, sharded, sharded_here
 from strategies.families.fsdp2 import FSDP2Config
 from parallel.parallelize import materialize, parallelize, plan_for
 
@@ -52,12 +52,11 @@ class PresetModelParallelStrategy(PresetStrategy, ModelParallelStrategy):
     builds_on_meta = True
 
     def setup(self, trainer: Any) -> None:
-        from torch.distributed.tensor import DTensor
-
         module, run = self.lightning_module, self.run()
-        if not any(isinstance(p, DTensor) for p in module.parameters()):
+        if not sharded(module):
             parallelize(module, plan_for(self.preset, run), dp_mesh=self.dp_mesh(), precision=run.precision)
         materialize(module, self.root_device)
+        sharded_here(module)
         super().setup(trainer)
 
     def engine_settings(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from backends.lightning.families import builds
 from backends.lightning.families.fsdp2 import PresetModelParallelStrategy
+from backends.lightning.preset import sharded
 from parallel.experts import apply_ep_fsdp2
 from strategies.families.fsdp2_ep import FSDP2EPConfig
 from parallel.parallelize import find_model, parallelize, plan_for
@@ -20,10 +21,9 @@ class ExpertParallelFSDP2Strategy(PresetModelParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
 
         module, run = self.lightning_module, self.run()
-        if not any(isinstance(p, DTensor) for p in module.parameters()):
+        if not sharded(module):
             mesh, ep = run.mesh, self.preset.ep
             ep_mesh = init_device_mesh(self.root_device.type, (mesh.dp // ep, ep),
                                        mesh_dim_names=("ep_replicate", "ep"))

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.pipeline import Pipeline
-from backends.lightning.preset import PresetStrategy
+from backends.lightning.preset import PresetStrategy, sharded, sharded_here
 from strategies import ConfigError
 from strategies.families.parallel import CP_DIM, ParallelConfig
 from parallel.parallelize import clip_global_, find_model, parallelize, plan_for
@@ -62,9 +62,10 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
                                      precision=run.precision,
                                      accumulation=trainer.accumulate_grad_batches,
                                      dp_mesh=self._data_mesh(), cp_mesh=self._cp_mesh())
-        else:
+        elif not sharded(module):  # (a later trainer call: fit, then test)
             parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=self._data_mesh(),
                         cp_mesh=self._cp_mesh(), precision=run.precision)
+        sharded_here(module)
         super().setup(trainer)  # optimizers over this rank's (stage) parameters
 
     def _data_mesh(self) -> Any:
