@@ -349,7 +349,8 @@ def test_resume_refused_before_launch(train):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend, runs", [
     pytest.param("lightning", 1, id="lightning-x1"),
-    pytest.param("accelerate", 1, id="accelerate-x1"),
+    # (Accelerate registers the same ordered hook; CI runs its compression hooks in test_accelerate)
+    pytest.param("accelerate", 1, id="accelerate-x1", marks=pytest.mark.slow),
     pytest.param("lightning", 6, id="lightning-x6", marks=pytest.mark.slow),
 ])
 def test_powersgd_with_several_buckets_keeps_the_collective_order(tmp_path, backend, runs):
