@@ -82,7 +82,7 @@ def unpack(gathered: torch.Tensor, ranks: int, *layout: tuple[int, torch.dtype])
     aligned for its dtype."""
     rows, out, at = gathered.view(ranks, -1), [], 0
     for numel, dtype in layout:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         out.append(rows[:, at:at + nbytes].clone().view(dtype))
         at += nbytes
     return out
