@@ -21,11 +21,10 @@ def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
     cfg, groups, argv = composed
-    from planner import choose, plan_all
+    from planner import choose, plan_all, recommended, run_overrides
     from planner.machine import ensure
     from planner.render import render
     from recipes.job import CONFIG, validate
-    from strategies.presets import names
 
     chosen = "strategy" in groups  # strategy=auto: chosen as train.py strategy=auto chooses
     try:
@@ -47,11 +46,9 @@ def main(argv: list[str]) -> None:
         for p in problems:
             print(f"  - {p}", file=sys.stderr)
         sys.exit(2)
-    rec = report.recommendation.strategy
-    if not chosen and fmt != "json" and rec in names():
+    if not chosen and fmt != "json" and (picked := recommended(job, report)) is not None:
         keep = argv  # (no strategy among them: the composition did not choose one)
-        run = [f"strategy={rec}"] + (["strategy.activation_checkpointing=true"]
-                                     if report.recommendation.activation_checkpointing else [])
+        run = run_overrides(picked)  # every degree and setting the plan used
         print(f"run it: python train.py {' '.join([*keep, *run])}   (or strategy=auto)")
         if (micro := report.recommendation.micro_batch_size) is not None:
             keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]

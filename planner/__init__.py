@@ -207,6 +207,18 @@ def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[Strategy
         raise ConfigError(f"strategy=auto: no runnable preset fits with margin on {report.cluster}: "
                           f"{rec.strategy} is the best and {rec.reason}; choose it yourself "
                           f"(strategy={rec.strategy}) or lower planner.reserve_GB")
+    return recommended(job, report, model), rec.reason
+
+
+def recommended(job: Inputs, report: Report, model: ModelDescription | None = None) -> StrategyConfig | None:
+    """The recommendation's preset as it was planned: at the degrees the plan used (TP/PP,
+    the sequence degree), with activation checkpointing when it fits only so; None when the
+    recommendation is no runnable preset. What ``strategy=auto`` runs and what plan.py's
+    ``run it`` line spells out (``run_overrides``)."""
+    rec = report.recommendation
+    chosen = next((p for p in report.plans if p.strategy == rec.strategy), None)
+    if chosen is None or chosen.planned_only:
+        return None
     picked = load(rec.strategy)
     planned = {d: getattr(chosen, d) for d in picked.capabilities.degrees if hasattr(chosen, d)}
     if planned:  # at the degrees it was planned with (a sequence degree: chosen again, the same way)
@@ -214,7 +226,20 @@ def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[Strategy
     picked = _seq_degree(picked, Setup.of(job, model))
     if rec.activation_checkpointing:  # it fits only so
         picked = dataclasses.replace(picked, activation_checkpointing=True)
-    return picked, rec.reason
+    return picked
+
+
+def run_overrides(picked: StrategyConfig) -> list[str]:
+    """``strategy=<preset>`` and a ``strategy.<key>=<value>`` for every setting in which
+    ``picked`` differs from the preset as composed: the command line that trains (and plans)
+    exactly what was recommended."""
+    def spell(v: Any) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    base = load(picked.name)
+    return [f"strategy={picked.name}"] + [
+        f"strategy.{f.name}={spell(getattr(picked, f.name))}" for f in dataclasses.fields(picked)
+        if f.init and getattr(picked, f.name) != getattr(base, f.name)]
 
 
 def preflight(job: Inputs, model: ModelDescription | None = None) -> Plan:

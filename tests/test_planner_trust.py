@@ -209,6 +209,32 @@ def test_strategy_auto_runs_what_fits_and_plan_py_shows_it():
     assert names.index(picked.name) == 0
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("over", [_70B, ("model=llama_70b", "cluster=slurm_64x8_a100"),
+                                  ("model=llama_13b", "cluster=node_8x_h100"),
+                                  ("model=llama_7b", "cluster=h200_1x", "trainer.micro_batch_size=8",
+                                   "trainer.global_batch_size=8")])
+def test_the_run_it_command_plans_to_the_recommendations_numbers(over):
+    """plan.py's ``run it`` line (``run_overrides``) and ``strategy=auto``: both give the
+    recommendation's degrees, memory and step time when planned again (the 70B line used to
+    print ``strategy=3d``, whose preset runs tp=2, 109 GB of 80)."""
+    from planner import choose, recommended, run_overrides
+
+    report = _report(*over)
+    rec = report.recommendation
+    want = next(p for p in report.plans if p.strategy == rec.strategy)
+    picked = recommended(typed(_compose(over)), report)
+    again = _report(*over, *run_overrides(picked)).plans[0]
+    auto = choose(typed(_compose((*over, "strategy=auto"))))[0]
+    assert run_overrides(auto) == run_overrides(picked)
+    for key in ("tp", "pp", "dp", "sp", "cp", "ep"):
+        assert getattr(again, key, None) == getattr(want, key, None), (key, run_overrides(picked))
+    assert again.strategy == want.strategy and again.fits == want.fits
+    assert again.memory.total == want.memory.total and again.step_seconds == pytest.approx(want.step_seconds)
+    if rec.activation_checkpointing:
+        assert "strategy.activation_checkpointing=true" in run_overrides(picked)
+
+
 @pytest.mark.subprocess
 def test_plan_py_strategy_auto_plans_the_choice():
     proc = _cli(*_70B, "strategy=auto")
