@@ -3,8 +3,12 @@
     python -m bench gpu                 # needs CUDA
     python -m bench gpu --smoke         # CPU, gpt_nano, fp32: only proves the script runs
 
-1. MFU and tokens/s of ``llama_1b`` shapes on one GPU in bf16, ``single`` and ``fsdp2`` (world 1),
-   activation checkpointing off and on (report.json -> throughput; goal >= 45% MFU).
+1. MFU, tokens/s and the loss after ``--steps`` steps of ``llama_1b`` shapes on one GPU in bf16, for
+   each throughput lever (``VARIANTS``: eager, compiled, chunked loss, FP8 tensorwise and rowwise,
+   selective and full activation checkpointing, fsdp2 at world 1, and the levers composed), on a
+   learnable token stream so that losses can be compared (goal >= 45% MFU; FP8 faster than bf16
+   at an equal loss). ``--budget`` starts no variant past that many seconds, so one call of a
+   lent machine ends in time.
 2. Peak memory predicted vs measured for the same runs: the planner's per-device total
    (``memory.predicted.total``) next to the largest ``torch.cuda.max_memory_allocated`` of any
    phase (goal: within +-10%).
@@ -45,29 +49,90 @@ def _cluster(smoke: bool) -> list[str]:
             f"cluster.host_memory_GB={host:.0f}", f"cluster.peak_tflops={peak}"]
 
 
+# (label, strategy, overrides): the levers of issue 43, each alone over compiled single, then composed.
+VARIANTS = [
+    ("eager", "single", ["trainer.compile=false"]),
+    ("compile", "single", ["trainer.compile=true"]),
+    ("compile+chunked-loss", "single", ["trainer.compile=true", "trainer.loss_chunk=8192"]),
+    ("compile+fp8-tensorwise", "single", ["trainer.compile=true", "trainer.float8=tensorwise"]),
+    ("compile+fp8-rowwise", "single", ["trainer.compile=true", "trainer.float8=rowwise"]),
+    ("compile+selective-ac", "single", ["trainer.compile=true", "strategy.activation_checkpointing=selective"]),
+    ("compile+full-ac", "single", ["trainer.compile=true", "strategy.activation_checkpointing=true"]),
+    ("compile", "fsdp2", ["trainer.compile=true"]),
+    ("compile+chunked-loss+fp8-tensorwise", "single",
+     ["trainer.compile=true", "trainer.loss_chunk=8192", "trainer.float8=tensorwise"]),
+]
+CPU_VARIANTS = ("eager", "compile+chunked-loss", "compile+selective-ac")
+"""Smoke mode (CPU): these, with compile off (inductor on CPU needs minutes of C++ builds)."""
+
+
+def learnable_tokens(path: Path, samples: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
+    """A token file a model can learn within tens of steps (random tokens cannot: their loss is
+    ln(vocab) from the start): a Markov chain over 4096 ids where the next id is a fixed
+    permutation of the current one 9 times in 10, uniform otherwise. uint32 (llama's vocabulary
+    is larger than uint16)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = min(4096, vocab)
+    step = rng.permutation(ids)
+    n = samples * (seq_len + 1)
+    noise, jumps = rng.random(n) < 0.1, rng.integers(0, ids, n)
+    out, cur = np.empty(n, dtype=np.uint32), 0
+    for i in range(n):  # (a few hundred thousand ids: a second)
+        cur = jumps[i] if noise[i] else step[cur]
+        out[i] = cur
+    out.tofile(path)
+    return path
+
+
+def _row(label: str, strategy: str, report: dict | None, err: str) -> str:
+    if report is None:
+        said = [ln for ln in err.strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+        return f"| {strategy} | {label} | failed: {said[-1][:160] if said else '?'} |" + " |" * 8
+    tp = report["throughput"]
+    rank = report["memory"]["ranks"][0]
+    peak = max((p["allocated"] for p in rank.get("cuda", {}).values()), default=0)
+    pred = report["memory"].get("predicted", {}).get("total", 0)
+    mfu = f"{100 * tp['mfu']:.1f}%" if tp.get("mfu") else "–"
+    ratio = f"{peak / pred:.2f}" if peak and pred else "–"
+    impl = (report.get("optimizer") or {}).get("impl", "–")
+    attn = (report.get("attention") or {}).get("kernel", "–")
+    first = report.get("startup", {}).get("total")
+    first = f"{first:.0f} s" if first is not None else "–"
+    return (f"| {strategy} | {label} | {tp['tokens_per_second']:.0f} | {mfu} | {tp['tflops_per_second']:.1f} | "
+            f"{report['final_loss']:.4f} | {peak / 2**30:.2f} GiB | {pred / 2**30:.2f} GiB | {ratio} | "
+            f"{impl} / {attn} | {first} |")
+
+
 def _mfu_rows(a: argparse.Namespace, cluster: list[str], tmp: Path) -> list[str]:
-    lines = ["| strategy | act. ckpt | tokens/s | MFU | TFLOP/s | peak allocated | planner | measured / planner |",
-             "|---|---|---|---|---|---|---|---|"]
-    variants = [("single", False)] if a.smoke else [(s, ac) for s in ("single", "fsdp2") for ac in (False, True)]
-    for strategy, ac in variants:
-        report, _, err = common.train(
-            [f"strategy={strategy}", f"model={a.model}", "data=synthetic", *cluster,
-             f"trainer.precision={a.precision}", f"strategy.activation_checkpointing={str(ac).lower()}",
-             f"trainer.max_steps={a.steps}", f"trainer.global_batch_size={a.micro}",
-             f"trainer.micro_batch_size={a.micro}", "trainer.warmup_steps=0", "planner.enforce=false",
-             "callbacks.communication=false", "callbacks.plots=false"],
-            tmp / f"{strategy}-{ac}", timeout=a.timeout, threads=4)
-        if report is None:
-            lines.append(f"| {strategy} | {ac} | failed: {err.strip().splitlines()[-1][:120] if err.strip() else '?'} | | | | | |")
+    import time
+
+    lines = ["| strategy | variant | tokens/s | MFU | TFLOP/s | final loss | peak allocated | planner | "
+             "measured / planner | optimizer / attention | first step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    data = learnable_tokens(tmp / "tokens.bin", a.micro * a.steps, 2048 if not a.smoke else 64,
+                            128256 if not a.smoke else 256)
+    picked = [v for v in VARIANTS if f"{v[1]}:{v[0]}" in a.variants or v[0] in a.variants or "all" in a.variants]
+    t0, last = time.monotonic(), 0.0
+    for label, strategy, extra in picked:
+        if a.smoke:
+            if label not in CPU_VARIANTS:
+                continue
+            extra = [x for x in extra if x != "trainer.compile=true"]
+        if a.budget and time.monotonic() - t0 + last > a.budget:
+            lines.append(f"| {strategy} | {label} | skipped: the call's budget ({a.budget:.0f} s) |" + " |" * 8)
             continue
-        tp = report["throughput"]
-        rank = report["memory"]["ranks"][0]
-        peak = max((p["allocated"] for p in rank.get("cuda", {}).values()), default=0)
-        pred = report["memory"].get("predicted", {}).get("total", 0)
-        mfu = f"{100 * tp['mfu']:.1f}%" if tp.get("mfu") else "–"
-        ratio = f"{peak / pred:.2f}" if peak and pred else "–"
-        lines.append(f"| {strategy} | {ac} | {tp['tokens_per_second']:.0f} | {mfu} | "
-                     f"{tp['tflops_per_second']:.1f} | {peak / 2**30:.2f} GiB | {pred / 2**30:.2f} GiB | {ratio} |")
+        t1 = time.monotonic()
+        report, _, err = common.train(
+            [f"strategy={strategy}", f"model={a.model}", "data=tokens", f"data.path={data}", "data.dtype=uint32",
+             *cluster, f"trainer.precision={a.precision}", f"trainer.max_steps={a.steps}",
+             f"trainer.global_batch_size={a.micro}", f"trainer.micro_batch_size={a.micro}",
+             "trainer.warmup_steps=0", "trainer.lr=3e-4", "planner.enforce=false", "callbacks.communication=false",
+             "callbacks.plots=false", *extra] + (["model.seq_len=64"] if a.smoke else []),
+            tmp / f"{strategy}-{label}", timeout=a.timeout, threads=4)
+        last = time.monotonic() - t1
+        lines.append(_row(label, strategy, report, err))
         print(lines[-1], flush=True)
     return lines
 
@@ -113,15 +178,19 @@ def main(argv: list[str]) -> None:
     p.add_argument("--model", default="llama_1b")
     p.add_argument("--precision", default="bf16-mixed")
     p.add_argument("--micro", type=int, default=4, help="micro batch = global batch (world 1)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--timeout", type=float, default=110, help="seconds per MFU run")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--timeout", type=float, default=180, help="seconds per variant run")
+    p.add_argument("--variants", nargs="+", default=["all"],
+                   help="labels (e.g. compile), strategy:label (fsdp2:compile) or all")
+    p.add_argument("--budget", type=float, default=0, help="start no variant past this many seconds (0: none)")
+    p.add_argument("--no-ladder", action="store_true", help="skip the zero3_offload ladder")
     p.add_argument("--ladder", nargs="+", default=LADDER)
     p.add_argument("--offload-steps", type=int, default=3)
     p.add_argument("--offload-timeout", type=float, default=300)
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     if a.smoke:
-        a.model, a.precision, a.micro, a.steps, a.ladder, a.offload_steps = "gpt_nano", "32", 2, 2, ["gpt_nano"], 1
+        a.model, a.precision, a.micro, a.steps, a.ladder, a.offload_steps = "gpt_nano", "32", 2, 3, ["gpt_nano"], 1
         a.timeout = a.offload_timeout = 600  # a loaded CPU machine, not a GPU's budget
     else:
         import torch
@@ -131,9 +200,11 @@ def main(argv: list[str]) -> None:
     cluster = _cluster(a.smoke)
     with tempfile.TemporaryDirectory() as tmp:
         rows = _mfu_rows(a, cluster, Path(tmp))
-        largest = _largest(a, cluster, Path(tmp))
-    notes = (f"`{a.model}` shapes, {a.precision}, micro batch {a.micro} (world 1), {a.steps} steps, "
-             "median step (first excluded); communication observer off. MFU = model FLOPs / the GPU's "
-             "dense peak (observers/throughput.py). Goals (issue 15): >= 45% MFU, peak memory within "
-             "+-10% of the planner, zero3_offload >= 7B parameters.")
+        largest = [] if a.no_ladder else _largest(a, cluster, Path(tmp))
+    notes = (f"`{a.model}` shapes, {a.precision}, micro batch {a.micro} (world 1), {a.steps} steps on a "
+             "learnable token stream (`learnable_tokens`), lr 3e-4; median step (first excluded); "
+             "communication observer off. MFU = model FLOPs / the GPU's dense peak (observers/throughput.py); "
+             "first step = command to first optimizer step (compile warm-up included). Goals (issues 15, 43): "
+             ">= 45% MFU, FP8 faster than bf16 at an equal loss, peak memory within +-10% of the planner, "
+             "zero3_offload >= 7B parameters.")
     common.emit("gpu", common.command_line(), notes, "\n".join(rows) + "\n\n" + "\n".join(largest), smoke=a.smoke)
