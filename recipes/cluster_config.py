@@ -151,12 +151,18 @@ class ClusterConfig:
         return dataclasses.replace(self, accelerator="gpu" if local_gpus() else "cpu")
 
     def hardware(self) -> str | None:
-        """What ``accelerator=auto`` found on this machine, for the plan's assumptions; None when
-        the cluster names its accelerator or the machine has no GPU."""
-        from recipes.hardware import describe_gpus, local_gpus
+        """What this machine was found to have, for the plan's assumptions: the GPUs
+        ``accelerator=auto`` found, and ``cluster=local``'s host memory and where it was read;
+        None for a cluster that names them."""
+        from recipes.hardware import describe_gpus, host_bytes, local_gpus
 
         gpus = local_gpus() if self.accelerator == "auto" else ()
-        return f"cluster.accelerator=auto: this machine's {describe_gpus(gpus)}" if gpus else None
+        said = [f"cluster.accelerator=auto: this machine's {describe_gpus(gpus)}"] if gpus else []
+        if self.name == "local":
+            host, source = host_bytes()
+            said.append(f"cluster=local: host memory {host / 1e9:.1f} GB ({source}), "
+                        f"used as {self.host_memory_GB:g} GB")
+        return "; ".join(said) or None
 
     def device_name(self) -> str | None:
         """This machine's first GPU's name (recipes/hardware.py), None without one: what a

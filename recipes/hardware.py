@@ -98,9 +98,9 @@ KNOWN_GPUS: tuple[tuple[str, float, float], ...] = (
 )
 UNKNOWN_GPU_TFLOPS = 100.0
 """The peak assumed for a GPU not in ``KNOWN_GPUS`` (the plan says so; set cluster.peak_tflops)."""
-CPU_DEFAULTS = {"device_memory_GB": 24.0, "peak_tflops": 0.2}
-"""cluster=local on a machine without GPUs (or cluster.accelerator=cpu): the host's memory
-shared by the processes, and 2 cores' fp32 order of magnitude."""
+CPU_DEFAULTS = {"peak_tflops": 0.2}
+"""cluster=local on a machine without GPUs (or cluster.accelerator=cpu): 2 cores' fp32 order of
+magnitude (its device memory is the host's, ``host_bytes``, shared by the processes)."""
 
 
 @dataclass(frozen=True)
@@ -175,15 +175,46 @@ def local_gpus() -> tuple[Gpu, ...]:
     return _from_proc()
 
 
+def _cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This process's cgroup memory limit in bytes (v2 ``memory.max``, else v1
+    ``memory/memory.limit_in_bytes``); None when unlimited or unreadable."""
+    for f in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # (v1 says "no limit" with a huge number)
+            return int(text)
+        return None
+    return None
+
+
+@functools.cache
+def host_bytes() -> tuple[int, str]:
+    """This machine's host memory a job may use, and where it came from: /proc/meminfo's
+    MemTotal, or the cgroup's limit when lower (a container, a Slurm allocation); (24 GB,
+    "assumed") where neither can be read."""
+    try:
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
+        total, source = int(line.split()[1]) * 1024, "MemTotal"
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 24 * 10**9, "assumed"
+    limit = _cgroup_limit()
+    return (limit, "cgroup limit") if limit is not None and limit < total else (total, source)
+
+
 def local(field: str, accelerator: str = "auto", gpus: tuple[Gpu, ...] | None = None) -> float:
-    """The ``local`` resolver (conf/cluster/local.yaml): ``device_memory_GB`` or ``peak_tflops``
-    of this machine. With GPUs (``accelerator`` auto or gpu): the smallest device's memory and
-    peak (a GPU not in ``KNOWN_GPUS``: ``UNKNOWN_GPU_TFLOPS``); without, or on
-    ``accelerator=cpu``: ``CPU_DEFAULTS``. A value set in the config or on the command line
+    """The ``local`` resolver (conf/cluster/local.yaml): ``device_memory_GB``, ``peak_tflops`` or
+    ``host_memory_GB`` of this machine. With GPUs (``accelerator`` auto or gpu): the smallest
+    device's memory and peak (a GPU not in ``KNOWN_GPUS``: ``UNKNOWN_GPU_TFLOPS``); without, or on
+    ``accelerator=cpu``: the host's memory (``host_bytes``) and ``CPU_DEFAULTS``' peak. The host's
+    memory in either case. A value set in the config or on the command line
     replaces the interpolation."""
+    if field == "host_memory_GB":
+        return round(host_bytes()[0] / 1e9, 3)
     gpus = local_gpus() if gpus is None else gpus
     if str(accelerator) == "cpu" or not gpus:
-        return CPU_DEFAULTS[str(field)]
+        return round(host_bytes()[0] / 1e9, 3) if field == "device_memory_GB" else CPU_DEFAULTS[str(field)]
     if field == "device_memory_GB":
         return round(min(g.memory for g in gpus) / 1e9, 3)
     return float(min(g.peak_tflops for g in gpus))

@@ -6,6 +6,7 @@ plan.py shows, never lossy compression on a tie."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -532,15 +533,16 @@ SMI_8xH100 = "NVIDIA H100 80GB HBM3, 81559 MiB\n" * 8
 
 @pytest.mark.unit
 def test_nvidia_smi_output_is_parsed_into_known_gpus():
-    from recipes.hardware import UNKNOWN_GPU_TFLOPS, describe_gpus, local, parse_nvidia_smi
+    from recipes.hardware import UNKNOWN_GPU_TFLOPS, describe_gpus, host_bytes, local, parse_nvidia_smi
 
     gpus = parse_nvidia_smi(SMI_8xH100)
     assert len(gpus) == 8 and all(g.known and g.peak_tflops == 989 for g in gpus)
     assert gpus[0].memory == 81559 * 2**20
     assert local("device_memory_GB", "auto", gpus) == pytest.approx(85.521)
     assert local("peak_tflops", "auto", gpus) == 989
-    assert local("device_memory_GB", "cpu", gpus) == 24  # accelerator=cpu: the host's
-    assert local("device_memory_GB", "auto", ()) == 24 and local("peak_tflops", "auto", ()) == 0.2
+    assert local("device_memory_GB", "cpu", gpus) == round(host_bytes()[0] / 1e9, 3)  # cpu: the host's
+    assert local("device_memory_GB", "auto", ()) == round(host_bytes()[0] / 1e9, 3)
+    assert local("peak_tflops", "auto", ()) == 0.2
     names = {"NVIDIA A100-SXM4-40GB": 312, "NVIDIA A100 80GB PCIe": 312, "NVIDIA H100 PCIe": 756,
              "NVIDIA H100 NVL": 835, "NVIDIA H200": 989, "NVIDIA L4": 121, "NVIDIA L40S": 362,
              "NVIDIA A10G": 70, "Tesla V100-SXM2-16GB": 125, "NVIDIA GeForce RTX 4090": 165}
@@ -556,8 +558,10 @@ def test_nvidia_smi_output_is_parsed_into_known_gpus():
 @pytest.mark.subprocess
 def test_plan_py_plans_this_machines_gpus(tmp_path):
     """cluster=local (accelerator auto) on a box whose nvidia-smi reports 8 x H100: each device's
-    own 85.5 GB (81,559 MiB) and 989 TFLOP/s, not 24 GB of host memory shared by 8 processes
-    (3.0 GB); plan.py imports no torch to find out."""
+    own 85.5 GB (81,559 MiB) and 989 TFLOP/s, not the host's memory shared by 8 processes;
+    plan.py imports no torch to find out."""
+    from recipes.hardware import host_bytes
+
     import os
 
     smi = tmp_path / "nvidia-smi"
@@ -569,13 +573,14 @@ def test_plan_py_plans_this_machines_gpus(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
-    assert "of 85.5 GB per device" in text and "of 3.0 GB" not in text
+    share = f"{host_bytes()[0] / 1e9 / 8:.1f} GB"
+    assert "of 85.5 GB per device" in text and f"of {share}" not in text
     assert "this machine's 8 x NVIDIA H100 80GB HBM3 (81,559 MiB, 989 TFLOP/s each)" in text
     # without GPUs: the CPU view, as before
     bare = subprocess.run([sys.executable, "plan.py", *args, "callbacks=none"], cwd=ROOT,
                           env={**os.environ, "PATH": str(tmp_path / "none")}, capture_output=True,
                           text=True, timeout=120)
-    assert "has 3.0 GB" in " ".join(bare.stdout.split()), bare.stderr[-2000:]
+    assert f"has {share}" in " ".join(bare.stdout.split()), bare.stderr[-2000:]
 
 
 @pytest.mark.subprocess
@@ -638,3 +643,27 @@ def test_sgd_is_planned_with_its_own_state():
     assert adamw > 0
     assert optimizer_bytes("trainer.optimizer=sgd") == 0
     assert optimizer_bytes("trainer.optimizer=sgd", "trainer.momentum=0.9") == pytest.approx(adamw / 2, abs=1)
+
+
+@pytest.mark.unit
+def test_local_host_memory_is_the_machines_or_its_cgroups_limit(tmp_path):
+    """cluster=local plans the host memory this machine has (it planned every machine at 24 GB):
+    /proc/meminfo's MemTotal, or a cgroup's limit when lower; the plan's assumptions say which."""
+    from recipes.config import compose
+    from recipes.hardware import _cgroup_limit, host_bytes
+
+    total = int(next(x for x in Path("/proc/meminfo").read_text().splitlines()
+                     if x.startswith("MemTotal:")).split()[1]) * 1024
+    host, source = host_bytes()
+    assert host <= total and source in ("MemTotal", "cgroup limit") and (source == "MemTotal") == (host == total)
+    cfg = compose(["cluster=local"])
+    assert cfg.cluster.host_memory_GB == pytest.approx(host / 1e9, abs=1e-3)
+    assert f"host memory {host / 1e9:.1f} GB ({source})" in typed(cfg).cluster.hardware()
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_limit(tmp_path) is None
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    assert _cgroup_limit(tmp_path) == 8 * 2**30
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    assert _cgroup_limit(tmp_path / "v1") is None
