@@ -138,8 +138,12 @@ class Plan:
         if self.blocking:
             return (f"plan: {self.strategy} cannot run on {self.cluster} ({self.world_size} devices): "
                     + "; ".join(self.blocking))
-        if not self.fits:
-            verdict = f"does NOT fit, short {gb(-self.margin)}"
+        if not self.fits and self.margin < 0:
+            verdict = f"does NOT fit on the device, short {gb(-self.margin)}"
+        elif not self.fits:  # the device has room: host memory or NVMe overflows (or the layout)
+            over = [n for n in self.notes if n.startswith(("host", "NVMe"))]
+            verdict = (f"fits on the device, but does NOT fit: {'; '.join(over)}" if over
+                       else "does NOT fit")
         elif self.margin < self.reserve:
             verdict = (f"fits but tight: {gb(self.margin)} free, under the {gb(self.reserve)} the "
                        "CUDA context, NCCL and fragmentation typically take")

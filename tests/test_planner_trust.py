@@ -667,3 +667,20 @@ def test_local_host_memory_is_the_machines_or_its_cgroups_limit(tmp_path):
     v1.mkdir(parents=True)
     (v1 / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
     assert _cgroup_limit(tmp_path / "v1") is None
+
+
+@pytest.mark.unit
+def test_when_only_the_host_overflows_the_summary_says_so():
+    """The summary read "9.7 GB of 25.3 GB per device (does NOT fit, short -15.6 GB)" when the
+    device had room and the host did not: it now names the host's shortfall."""
+    from planner import preflight
+
+    over = ("model=llama_1b", "strategy=zero3_offload", "strategy.activation_checkpointing=true",
+            "trainer.micro_batch_size=1", "trainer.global_batch_size=1", "cluster.accelerator=cpu",
+            "cluster.device_memory_GB=80", "cluster.host_memory_GB=8")
+    plan = preflight(typed(_compose(over)))
+    assert not plan.fits and plan.margin > 0
+    assert "fits on the device, but does NOT fit: host memory: needs" in plan.summary()
+    assert "short -" not in plan.summary()
+    device = preflight(typed(_compose((*over[:-2], "cluster.device_memory_GB=1", "cluster.host_memory_GB=500"))))
+    assert not device.fits and "does NOT fit on the device, short" in device.summary()
