@@ -6,7 +6,9 @@ pipeline's whole first schedule -- against the planner's busiest device), on a L
 ``step_growth`` (how far a step's RSS rises above what its update leaves -- activations, the loss
 backward, gathered units -- against the plan's ``memory.growth``; the largest rank) and ``peak``
 (the step's RSS above the process before the model was built against ``memory.total``: the
-runtime's own memory is not planned), ``communication``
+runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak against
+``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
+``communication``
 (bytes the busiest rank sends per optimizer step on a ring: the planner's unit) and
 ``step_seconds`` (the planner's step time against the throughput observer's median step, the
 first excluded), ``{"predicted", "measured", "ratio"}`` (ratio = measured / predicted).
@@ -46,10 +48,7 @@ class Comparison(Observer):
             out["state_bytes"] = _row(predicted_state_bytes(mem), held)
             saved = [r["activations"] for r in self.memory.ranks if r.get("activations") is not None]
             out["activations"] = _row(mem["activations"], max(saved) if saved else None)
-            grown = [r for r in self.memory.ranks if r.get("peak_rss_growth") is not None]
-            if grown and "growth" in mem:
-                out["step_growth"] = _row(mem["growth"], max(r["peak_rss_growth"] for r in grown))
-                out["peak"] = _row(mem["total"], max(r["peak_rss_run"] for r in grown))
+            out.update(self._peaks(mem))
         if self.communication is not None and self.communication.steps:
             sent = sum(v["wire_bytes"] for v in self.communication.per_step().values())
             sent = max([sent, *(r["wire_bytes"] for r in self.communication.ranks or [])])
@@ -57,6 +56,28 @@ class Comparison(Observer):
         if self.throughput is not None and self.throughput.seconds and self.plan.get("step_seconds"):
             out["step_seconds"] = _row(self.plan["step_seconds"], self.throughput.step_seconds())
         return {"predicted_vs_measured": out}
+
+
+    def _peaks(self, mem: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each peak against what was planned for where it was measured (``of``): on CUDA the
+        device's allocator peak against the device plan, and the host's RSS against the host
+        plan (what offload moved there); on CPU the RSS against the device plan (the host is
+        the device). The host's RSS is never divided by a device figure."""
+        grown = [r for r in self.memory.ranks if r.get("peak_rss_growth") is not None]
+        cuda = [max((p.get("allocated", 0) for p in r.get("cuda", {}).values()), default=0)
+                for r in self.memory.ranks]
+        out: dict[str, dict[str, Any]] = {}
+        if any(cuda):
+            out["peak"] = {**_row(mem["total"], max(cuda)), "of": "device: CUDA max_memory_allocated"}
+            if grown and mem.get("host"):
+                out["host"] = {**_row(mem["host"], max(r["peak_rss_run"] for r in grown)),
+                               "of": "host: RSS above the process before the model was built"}
+        elif grown and "growth" in mem:
+            out["step_growth"] = {**_row(mem["growth"], max(r["peak_rss_growth"] for r in grown)),
+                                  "of": "device (the host): RSS above what a step's update leaves"}
+            out["peak"] = {**_row(mem["total"], max(r["peak_rss_run"] for r in grown)),
+                           "of": "device (the host): RSS above the process before the model was built"}
+        return out
 
 
 def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:

@@ -195,6 +195,10 @@ def test_cuda_phases_and_snapshot(tmp_path):
     cuda = run.report["memory"]["ranks"][0]["cuda"]
     assert all(cuda[p]["allocated"] > 0 for p in ("forward", "backward", "optimizer"))
     assert (tmp_path / "gpu" / "memory_snapshot_rank0.pickle").stat().st_size > 0
+    # the peak is the device's, against the device plan; the host's RSS is not divided by it
+    peak = run.report["predicted_vs_measured"]["peak"]
+    assert peak["of"].startswith("device: CUDA") and "step_growth" not in run.report["predicted_vs_measured"]
+    assert peak["measured"] == max(p["allocated"] for p in cuda.values())
 
 
 # The second shape: grouped-query attention and a non-default MLP width.
