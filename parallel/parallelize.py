@@ -251,8 +251,17 @@ def plain_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         k = plain_key(k)
         if k.startswith(prefix):
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k[len(prefix):]] = full.detach().float().cpu().clone()
+            out[k[len(prefix):]] = _plain_tensor(full.detach()).float().cpu().clone()
     return out
+
+
+def _plain_tensor(t: Any) -> Any:
+    """The plain tensor inside a wrapper subclass (torchao's float8-gathered weight under
+    FSDP2 holds its fp32 weight as ``_tensor``), so an export pickles no torchao class."""
+    while hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
+    return t
 
 
 def plain_key(key: str) -> str:
