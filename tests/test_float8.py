@@ -120,6 +120,12 @@ def test_planner_halves_fsdp2_gathers_of_the_converted_weights_only_under_tensor
     assert (tw.memory.params, tw.memory.optimizer) == (base.memory.params, base.memory.optimizer)
     single = [plan("single", r).memory.total for r in ("none", "tensorwise")]
     assert single[0] == single[1]
+    from planner import assumptions
+    from planner.inputs import Setup
+
+    cfg = compose(["model=llama_1b", "strategy=fsdp2", *GPU, "trainer.float8=tensorwise"])
+    stated = assumptions(Setup.of(validate(cfg, depth=CONFIG)))
+    assert any(a.startswith("trainer.float8=tensorwise: states and activations as bf16") for a in stated)
 
 
 # ----------------------------------------------------------------------------- the conversion
