@@ -35,6 +35,8 @@ class Run:
     """dcp | deepspeed: the format the family's engine writes (``Capabilities.checkpoint``)."""
     compile: bool = False
     """trainer.compile: torch.compile each block (the plan's compile step)."""
+    float8: str = "none"
+    """trainer.float8: none | tensorwise | rowwise (the plan's first step, parallel/float8.py)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -65,19 +67,19 @@ def cxx() -> str | None:
 
 def derive(strategy: Preset, *, nodes: int, devices: int, accelerator: str = "cpu",
            precision: str = "32", global_batch: int | None = None, micro_batch: int = 1,
-           grad_clip: float = 0.0, compile: bool = False) -> Run:
+           grad_clip: float = 0.0, compile: bool = False, float8: str = "none") -> Run:
     """The one derivation of a run's facts from a strategy, the cluster's shape and the trainer's
     batch, precision and clipping (``accelerator`` already resolved: cpu or gpu). Without
     ``global_batch`` (a Lightning Trainer given the preset by name): one micro-batch per step,
     and nothing derived from the batch."""
     return _settle(strategy, nodes=nodes, devices=devices, accelerator=accelerator, precision=precision,
                    global_batch=global_batch, micro_batch=micro_batch, grad_clip=grad_clip,
-                   compile=compile)[1]
+                   compile=compile, float8=float8)[1]
 
 
 def _settle(strategy: Preset, *, nodes: int, devices: int, accelerator: str, precision: str,
             global_batch: int | None, micro_batch: int, grad_clip: float, compile: bool,
-            hidden: int | None = None) -> tuple[Preset, Run]:
+            hidden: int | None = None, float8: str = "none") -> tuple[Preset, Run]:
     mesh = strategy.mesh(nodes, devices)
     if global_batch is not None and mesh.dp >= 1:
         strategy = strategy.for_batch(global_batch, micro_batch, mesh.dp)
@@ -91,7 +93,7 @@ def _settle(strategy: Preset, *, nodes: int, devices: int, accelerator: str, pre
                          precision=str(precision),
                          regime=regime(str(precision), strategy.low_precision_weights(mesh)),
                          grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint,
-                         compile=bool(compile))
+                         compile=bool(compile), float8=str(float8 or "none"))
 
 
 def derive_from(strategy: Preset, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
@@ -110,6 +112,7 @@ def settle(strategy: Preset, cluster: Any, trainer: Any, *, accelerator: str | N
                    accelerator=accelerator or cluster.accelerator, precision=trainer.precision,
                    global_batch=trainer.global_batch_size, micro_batch=trainer.micro_batch_size,
                    grad_clip=trainer.grad_clip, compile=bool(getattr(trainer, "compile", False)),
+                   float8=str(getattr(trainer, "float8", "none")),
                    hidden=hidden)
 
 

@@ -1,5 +1,5 @@
 """Parallelism applied from outside to the plain single-device model, in the fixed order
-TP -> context parallelism -> activation checkpointing -> compile -> FSDP2 (torchtitan's
+(float8 conversion ->) TP -> context parallelism -> activation checkpointing -> compile -> FSDP2 (torchtitan's
 ``parallelize_*`` functions), from a family's plan (``ParallelPlan``, data) and what the model
 declares: its repeated block (``block_cls``), its Megatron ``tp_plan`` and where its blocks,
 embedding and head are (``tp_layout``). torch only (DTensor, ``fully_shard``, the checkpoint
@@ -47,14 +47,17 @@ class ParallelPlan:
     """torch.compile each block (trainer.compile), after TP and checkpointing, before FSDP."""
     fsdp: FSDP2Plan | None = None
     """FSDP2 over the data-parallel mesh, or None."""
+    float8: str = "none"
+    """trainer.float8: the blocks' Linears as torchao's float8 Linear first (parallel/float8.py)."""
 
 
 def plan_for(preset: Any, run: Any) -> ParallelPlan:
     """The preset's plan on this run: its ``plan(mesh)`` with the run's facts that are not the
-    preset's own (``trainer.compile``)."""
+    preset's own (``trainer.compile``, ``trainer.float8``)."""
     import dataclasses
 
-    return dataclasses.replace(preset.plan(run.mesh), compile=bool(getattr(run, "compile", False)))
+    return dataclasses.replace(preset.plan(run.mesh), compile=bool(getattr(run, "compile", False)),
+                               float8=str(getattr(run, "float8", "none")))
 
 
 def mixed_policy(precision: str, reduce_fp32: bool) -> Any:
@@ -70,9 +73,13 @@ def mixed_policy(precision: str, reduce_fp32: bool) -> Any:
 def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh: Any = None,
                 cp_mesh: Any = None, precision: str = "32") -> Any:
     """Apply ``plan`` to the plain model inside ``module`` (on every rank), in the fixed order
-    TP -> context parallelism (which wraps only the attention cores) -> activation
-    checkpointing -> compile -> FSDP2."""
-    model, _ = find_model(module)
+    float8 conversion -> TP -> context parallelism (which wraps only the attention cores) ->
+    activation checkpointing -> compile -> FSDP2."""
+    model, block = find_model(module)
+    if plan.float8 != "none":
+        from parallel.float8 import convert
+
+        convert(model, plan.float8, fsdp=plan.fsdp is not None, block=block)
     if plan.tp > 1:
         apply_tp(model, tp_mesh, sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
@@ -244,8 +251,17 @@ def plain_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         k = plain_key(k)
         if k.startswith(prefix):
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k[len(prefix):]] = full.detach().float().cpu().clone()
+            out[k[len(prefix):]] = _plain_tensor(full.detach()).float().cpu().clone()
     return out
+
+
+def _plain_tensor(t: Any) -> Any:
+    """The plain tensor inside a wrapper subclass (torchao's float8-gathered weight under
+    FSDP2 holds its fp32 weight as ``_tensor``), so an export pickles no torchao class."""
+    while hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
+    return t
 
 
 def plain_key(key: str) -> str:

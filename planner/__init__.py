@@ -327,6 +327,11 @@ def assumptions(su: Setup) -> list[str]:
                "forward (GPipe / 1F1B: (P-1)/(m+P-1); interleaved: (P-1)/(v m+P-1)); activations: "
                "the chunks each rank's schedule keeps alive at once (1F1B: min(P, m) on stage 0, "
                "GPipe: all m)")
+    if getattr(su.trainer, "float8", "none") != "none":
+        out.append(f"trainer.float8={su.trainer.float8}: states and activations as bf16 (torchao keeps "
+                   "the fp32 weights and saves each Linear's bf16 input); FSDP2 under tensorwise gathers "
+                   "the blocks' Linear weights in 1 byte; compute priced at the bf16 peak (float8's "
+                   "faster matmuls not modelled: the plan is conservative)")
     return out
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from planner.activations import activation_bytes, estimated_unit, loss_backward_bytes
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
-from planner.states import GB, gb, state_bytes
+from planner.states import GB, float8_gather, gb, state_bytes
 from strategies.footprint import SHARDED, Footprint, Sizes
 from parallel.pipeline import bubble as pipeline_bubble
 from parallel.pipeline import fsdp_gathers
@@ -304,6 +304,8 @@ def _layout(c: Candidate, su: Setup) -> _Layout:
     mesh = run.mesh
     tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
     sb = _state_bytes(fp, su)
+    if getattr(run, "float8", "none") == "tensorwise" and fp.params == SHARDED and shape is not None:
+        sb = float8_gather(sb, shape.n_layers * shape.block_params() / max(su.params, 1))
     mp = tp * pp
     per_step = run.batch.accumulation * run.batch.chunks  # micro-batches each replica runs per step
     derived = strategy.for_batch(t.global_batch_size, t.micro_batch_size, dp)

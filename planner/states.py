@@ -1,5 +1,5 @@
-"""Model states per device: bytes per parameter by category and precision, and how sharding
-divides them (ZeRO, Rajbhandari et al. 2020, §3 and §5). Closed forms; docs/PLANNER.md."""
+"""Model states per device: bytes per parameter by category and precision (and float8's
+gathers), and how sharding divides them (ZeRO, Rajbhandari et al. 2020, §3 and §5). Closed forms; docs/PLANNER.md."""
 
 from __future__ import annotations
 
@@ -29,6 +29,18 @@ def state_bytes(accounting: str = "actual", precision: str = "bf16-mixed", *,
         return StateBytes(2, 2, 4, 8, gather=2, reduce=2, activation=2)
     # torch AMP: fp32 parameters and gradients; FSDP's MixedPrecision gathers/reduces in bf16
     return StateBytes(4, 4, 0, 8, gather=2, reduce=2 if sharded_params else 4, activation=2)
+
+
+def float8_gather(sb: StateBytes, converted: float) -> StateBytes:
+    """FSDP2's float8 all-gather (``trainer.float8=tensorwise``, parallel/float8.py): the blocks'
+    Linear weights, the fraction ``converted`` of the gathered parameters, travel and sit
+    gathered in 1 byte each (float8 e4m3, cast from the shard before the gather), the rest in
+    ``sb.gather``. Parameters, gradients, optimizer states and activations are bf16's: torchao
+    keeps the fp32 weights and saves each Linear's bf16 input for backward."""
+    import dataclasses
+
+    converted = min(max(converted, 0.0), 1.0)
+    return dataclasses.replace(sb, gather=converted * 1 + (1 - converted) * sb.gather)
 
 
 def model_states(params: float, footprint: Footprint, shard: int, sb: StateBytes,

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from recipes import float8_checks
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -363,6 +364,9 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += _preset_problems(strategy, run, objs, bad)
     if not bad["model"] and not bad["trainer"]:
         problems += _save_hf_problems(t, model)
+    if not bad["trainer"] and not bad["strategy"] and preset.name != AUTO:
+        problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
+                                           accelerator=c.accelerator, launch=depth >= LAUNCH)
     job = replace(_job(cfg, objs, preset, strategy, run), auto=why)
     if not problems:  # (a backend's checks assume a sound job)
         for check in extra:

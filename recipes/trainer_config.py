@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from core.precision import PRECISIONS
 from core.knobs import free, knob
+from parallel.float8 import CHOICES as FLOAT8
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("constant", "cosine", "linear")
@@ -55,6 +56,13 @@ class TrainerConfig:
     """torch.compile each transformer block (inductor), applied in the fixed order TP ->
     activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. Presets whose
     engine cannot run compiled blocks refuse it by name (FSDP1, ZeRO-3, tensor parallel)."""
+    float8: str = knob("none", choices=FLOAT8)
+    """FP8 training with torchao (pip install 'stratagem[fp8]'): none | tensorwise (one scale per
+    tensor; FSDP2 all-gathers the weights in float8) | rowwise (one scale per row: more accurate,
+    slower). The blocks' Linear layers compute in float8 (the output head and layers whose
+    dimensions are not divisible by 16 stay bf16); strategy=single or fsdp2, trainer.precision=
+    bf16-mixed, a CUDA GPU of compute capability 8.9+ (H100, L4). Fast only compiled
+    (trainer.compile=true fuses the casts)."""
     checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
     save_last: bool = True

@@ -26,6 +26,7 @@ from backends.accelerate import families
 from backends.accelerate.state import accelerator
 from core.precision import of
 from observers import startup
+from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, SequenceShard, build_datasets, data_facts
 
@@ -67,8 +68,10 @@ def _prepare(acc: Any, job: Job, model: torch.nn.Module, names: tuple[list[str],
     """(prepared model, the torch optimizer the recipe built, the prepared optimizer).
     ``names``: the plain model's parameter names and those exempt from weight decay."""
     def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return training.build_optimizer(training.param_groups(m.named_parameters(), job.trainer, *names),
-                                        job.trainer)
+        opt = training.build_optimizer(training.param_groups(m.named_parameters(), job.trainer, *names),
+                                       job.trainer)
+        precompute_after_step(m, opt)  # (float8 weights gathered by FSDP2: their scales)
+        return opt
 
     if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
         # FSDP1: the optimizer must hold the wrapped (flat) parameters -- prepared together with

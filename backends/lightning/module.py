@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, SequenceShard
 
@@ -66,6 +67,7 @@ class CausalLM(L.LightningModule):
         named = self.trainer.model.named_parameters() if self._trainer is not None else self.named_parameters()
         opt = training.build_optimizer(training.param_groups(named, self.trainer_cfg, *self._names),
                                        self.trainer_cfg)
+        precompute_after_step(self, opt)  # (float8 weights gathered by FSDP2: their scales)
         sched = training.build_scheduler(opt, self.trainer_cfg)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -10,7 +10,7 @@ from backends.accelerate.families.fsdp import wrap_policy
 from backends.common import torch as torch_common
 from strategies.families.fsdp2 import FSDP2Config
 from core.precision import of
-from parallel.parallelize import mixed_policy
+from parallel.parallelize import find_model, mixed_policy
 
 
 @builds(FSDP2Config)
@@ -38,6 +38,11 @@ class FSDP2(Builder):
             sync_module_states=False, cpu_ram_efficient_loading=False)}
 
     def parallelize(self, model: Any) -> Any:
+        if self.run.float8 != "none":  # (the plan's first step; the plugin shards after)
+            from parallel.float8 import convert
+
+            inner, block = find_model(model)
+            convert(inner, self.run.float8, fsdp=True, block=block)
         return model  # the plugin shards and checkpoints
 
     def full_state_dict(self, model: Any) -> dict[str, Any]:
