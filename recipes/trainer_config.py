@@ -55,6 +55,12 @@ class TrainerConfig:
     """torch.compile each transformer block (inductor), applied in the fixed order TP ->
     activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. Presets whose
     engine cannot run compiled blocks refuse it by name (FSDP1, ZeRO-3, tensor parallel)."""
+    loss_chunk: int = knob(0, min=0)
+    """Compute the loss this many tokens' logits at a time (recipes/head.py): the whole
+    (tokens, vocab) fp32 logits and their gradient never exist, only one chunk's, for the
+    weight's gradient held from forward to backward (4 x vocab x dim bytes) and no extra
+    compute; the same loss and gradients. 0: the whole logits at once. The built-in GPT,
+    without tensor or pipeline parallelism."""
     checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
     save_last: bool = True
