@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from planner.activations import activation_bytes, estimated_unit, loss_backward_bytes
+from planner.activations import activation_bytes, estimated_unit, loss_backward_bytes, loss_chunk
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, gb, state_bytes
@@ -339,15 +339,16 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
     act_full = act_ckpt = 0
     peak_full = peak_ckpt = 0  # activations at their peak phase, the loss backward included
     if shape is not None:
+        chunk = loss_chunk(su.trainer, tp=tp, pp=lo.mesh.pp, planned_only=c.planned_only)
         kw = dict(micro=micro, tp=tp, pp=lo.mesh.pp, sp=lo.tp_sp, seq=lo.mesh.seq,
                   flash=su.options.flash_attention, elem=lo.sb.activation,
                   regime=None if c.planned_only else lo.run.regime, schedule=lo.schedule,
-                  virtual=lo.virtual, microbatches=lo.m, split=lo.split)
+                  virtual=lo.virtual, microbatches=lo.m, split=lo.split, chunk=chunk)
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full
         if not lo.documents:  # (the runnable TP presets replicate the logits: the whole vocabulary)
-            mem.loss = loss_backward_bytes(shape, micro=micro, tp=tp if c.planned_only else 1)
+            mem.loss = loss_backward_bytes(shape, micro=micro, tp=tp if c.planned_only else 1, chunk=chunk)
         # the loss backward lives on the rank holding the head, beside every activation it saved
         peak_full = activation_bytes(shape, ckpt=False, loss=mem.loss, **kw)
         peak_ckpt = activation_bytes(shape, ckpt=True, loss=mem.loss, **kw)
