@@ -89,6 +89,16 @@ def loss_chunk(trainer: Any, *, tp: int = 1, pp: int = 1, planned_only: bool = F
     return chunk if tp == 1 and pp == 1 and not planned_only else 0
 
 
+def loss_chunk_problems(trainer: Any, *, tp: int = 1, pp: int = 1) -> list[str]:
+    """A tensor- or pipeline-parallel layout cannot run ``trainer.loss_chunk`` (recipes/job.py
+    refuses a named preset so; here ``strategy=auto`` and plan.py's table skip it)."""
+    chunk = getattr(trainer, "loss_chunk", 0) or 0
+    if chunk and (tp > 1 or pp > 1):
+        return [f"trainer.loss_chunk={chunk} runs without tensor or pipeline parallelism: "
+                "set trainer.loss_chunk=0 for this layout"]
+    return []
+
+
 def logit_tokens(tokens: int, chunk: int = 0) -> int:
     """Tokens whose fp32 logits exist at once: all ``tokens`` of the micro-batch, or one
     ``trainer.loss_chunk`` of them (recipes/head.py)."""

@@ -12,7 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from planner.activations import activation_bytes, estimated_unit, loss_backward_bytes, loss_chunk
+from planner.activations import (activation_bytes, estimated_unit, loss_backward_bytes, loss_chunk,
+                                 loss_chunk_problems)
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, gb, state_bytes
@@ -457,7 +458,8 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     lo = _layout(c, su)
     run, mesh = lo.run, lo.mesh
     problems = [*c.config.problems(run), *(c.config.model_problems(shape) if shape is not None else ()),
-                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ())]
+                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ()),
+                *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]
     mem, act_full, act_ckpt, checkpointed = _memory(lo)
     device_bytes = cl.device_bytes()
     notes = _offload_problems(mem, su)
