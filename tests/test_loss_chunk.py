@@ -13,6 +13,9 @@ tests/test_compile.py: its sqrt(v) amplifies last-bit gradient differences).
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 
 from tests.cases import CASES
@@ -23,6 +26,7 @@ RTOL = {"sgd": (1e-5, 1e-5), "adamw": (1e-5, 1e-3)}
 CHUNK = "trainer.loss_chunk=40"  # gpt_nano: micro 8 x 32 tokens = 256, not a multiple of 40
 
 
+@functools.cache
 def _nano(name: str = "gpt_nano"):
     from recipes.config import compose, describe
 
@@ -188,13 +192,16 @@ def test_refused_where_the_head_is_not_the_models_own(overrides, says):
 
 @pytest.mark.unit
 def test_refused_for_a_transformers_model(tmp_path):
-    pytest.importorskip("transformers")
     from recipes.config import compose
     from recipes.job import RUN, validate
     from strategies import ConfigError
-    from tests.test_hf import _save
 
-    path = _save(tmp_path / "llama", weights=False)
+    path = tmp_path / "llama"  # a config.json is all validation reads (recipes/hf_config.py)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64}))
     with pytest.raises(ConfigError, match=r"trainer.loss_chunk=64: .*model=hf .* set trainer.loss_chunk=0"):
         validate(compose(["model=hf", f"model.path={path}", "model.seq_len=32", "data.tokenizer=null",
                           "cluster.accelerator=cpu", "trainer.loss_chunk=64"]), depth=RUN)
