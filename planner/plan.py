@@ -42,8 +42,9 @@ class Memory:
     this and forward/backward (states + activations + buffers + loss; the gradients not yet
     made when freed between steps and a step is one micro-batch)."""
     loss: int = 0
-    """The loss's backward (the fp32 log-softmax and logits gradients, 8 x s x b x V bytes),
-    beside every saved activation at the start of backward: part of the forward/backward peak."""
+    """The loss's backward (the fp32 log-softmax and logits gradients, 8 x s x b x V bytes;
+    one chunk's, 8 x chunk x V, with trainer.loss_chunk), beside every saved activation at the
+    start of backward: part of the forward/backward peak."""
     growth: int = 0
     """How far the peak rises above what a finished step leaves (every state, the persistent
     buckets): activations, the loss backward and the transient buffers (gathered units,
