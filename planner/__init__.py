@@ -318,9 +318,15 @@ def assumptions(su: Setup) -> list[str]:
         how = (f"calibrated for {arch} (planner/activations.json, traced per precision regime, "
                "with and without dropout, and under tensor and sequence parallelism)" if arch in calibration()
                else "Korthikanti et al. 2022 per layer")
+        chunk = getattr(su.trainer, "loss_chunk", 0) or 0
+        logits = ("fp32 logits for the loss, whose backward adds 8 x seq x micro x vocab bytes at "
+                  "backward's start" if not chunk else
+                  f"the loss chunked (trainer.loss_chunk={chunk}; tensor- and pipeline-parallel "
+                  "layouts excepted): one chunk's fp32 logits (4 x chunk x vocab bytes) and its "
+                  "backward (8 x chunk x vocab) at forward's end, plus the head's input and weight "
+                  "gradients held from forward (4 x (seq x micro + vocab) x dim)")
         out.append(f"activations: {how}, SwiGLU/GQA terms, {attn}, "
-                   f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; fp32 logits for the loss, "
-                   "whose backward adds 8 x seq x micro x vocab bytes at backward's start")
+                   f"micro batch {su.trainer.micro_batch_size} x seq {su.seq_len}; {logits}")
     out.append("planned-only TP / PP / 3D layouts use ZeRO-1 over data parallel (activations: "
                "Korthikanti et al.'s closed forms, what Megatron-LM saves); pipeline bubble: each "
                "schedule's chunk order as torch runs it, simulated with a backward of twice the "

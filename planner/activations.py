@@ -82,20 +82,56 @@ def calibrated(shape: ModelDescription, regime: str | None, tp: int = 1, sp: boo
     return table.get("variants", {}).get(variant) if variant else table
 
 
+def loss_chunk(trainer: Any, *, tp: int = 1, pp: int = 1, planned_only: bool = False) -> int:
+    """``trainer.loss_chunk`` where it runs (validation refuses it under tensor and pipeline
+    parallelism; a planned-only layout computes its loss its own way); 0 elsewhere."""
+    chunk = getattr(trainer, "loss_chunk", 0) or 0
+    return chunk if tp == 1 and pp == 1 and not planned_only else 0
+
+
+def loss_chunk_problems(trainer: Any, *, tp: int = 1, pp: int = 1) -> list[str]:
+    """A tensor- or pipeline-parallel layout cannot run ``trainer.loss_chunk`` (recipes/job.py
+    refuses a named preset so; here ``strategy=auto`` and plan.py's table skip it)."""
+    chunk = getattr(trainer, "loss_chunk", 0) or 0
+    if chunk and (tp > 1 or pp > 1):
+        return [f"trainer.loss_chunk={chunk} runs without tensor or pipeline parallelism: "
+                "set trainer.loss_chunk=0 for this layout"]
+    return []
+
+
+def logit_tokens(tokens: int, chunk: int = 0) -> int:
+    """Tokens whose fp32 logits exist at once: all ``tokens`` of the micro-batch, or one
+    ``trainer.loss_chunk`` of them (recipes/head.py)."""
+    return min(chunk, tokens) if chunk > 0 else tokens
+
+
+def chunked_head_bytes(tokens: int, shape: ModelDescription, chunk: int = 0) -> int:
+    """What the chunked loss (``trainer.loss_chunk`` > 0) keeps from forward to backward: the
+    fp32 gradients it computed in forward, of the head's input (tokens x dim) and of its
+    weight (vocab x dim); 0 without it."""
+    return 4 * (tokens + shape.vocab_size) * shape.dim if chunk > 0 else 0
+
+
 def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bool = False,
                      flash: bool = True, elem: float = 2, regime: str | None = None,
-                     seq: int = 1) -> tuple[float, float, float, float]:
+                     seq: int = 1, chunk: int = 0) -> tuple[float, float, float, float]:
     """One micro-batch's bytes on one rank: a block's saved tensors, a checkpointed block's,
     the loss tail's (final norm, head, fp32 cross entropy) and the embedding's -- calibrated
     when ``regime`` names a traced precision regime of this architecture, else the closed
     forms with ``elem`` bytes per element. ``seq``: the sequence degree (context parallel or
     Ulysses): each rank keeps its 1/seq of the tokens (Ulysses' attention sees the whole sequence
-    but 1/seq of the heads: the same bytes)."""
+    but 1/seq of the heads: the same bytes). ``chunk`` (trainer.loss_chunk): the tail's logits
+    terms are one chunk's, plus the gradients the chunked loss holds (``chunked_head_bytes``)."""
     s, b, h = shape.seq_len // max(1, seq), micro, shape.dim
+    logits, held = logit_tokens(s * b, chunk), chunked_head_bytes(s * b, shape, chunk)
     table = calibrated(shape, regime, tp, sp)
     if table:
         layer, block_input, head, embed = (s * b * _per_token(table[p], shape, tp)
                                            for p in ("block", "checkpointed", "tail", "embedding"))
+        if chunk > 0:
+            tail = dict(table["tail"])
+            vocab = {f: tail.pop(f) for f in list(tail) if f.startswith("vocab")}  # the logits' terms
+            head = s * b * _per_token(tail, shape, tp) + logits * _per_token(vocab, shape, tp) + held
         moe = calibration().get(getattr(shape, "architecture", ""), {}).get(regime or "", {}).get("moe_block")
         if getattr(shape, "is_moe", False) and moe and tp == 1:
             # a mixture-of-experts model: its MoE blocks save their own; the mean block here
@@ -107,7 +143,8 @@ def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bo
                                    kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
                                    dropout=shape.dropout > 0, flash=flash, mlp_tensors=4, elem=elem)
     block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
-    head = 4 * s * b * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
+    head = (4 * logits * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
+            + held)
     return layer, block_input, head, 0.0
 
 
@@ -131,15 +168,16 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
                      sp: bool = False, ckpt: bool = False, flash: bool = True, elem: float = 2,
                      regime: str | None = None, schedule: str = "1f1b", virtual: int = 1,
                      microbatches: int = 1, split: list[int] | None = None, seq: int = 1,
-                     loss: float = 0.0) -> int:
+                     loss: float = 0.0, chunk: int = 0) -> int:
     """Activations of the busiest device: without a pipeline, one micro-batch through the
     whole model; with ``pp`` stages (``virtual`` per rank), the most its ``schedule`` keeps
     alive at once over ``microbatches`` micro-batches, each chunk its stage's blocks (and the
     embedding on the first stage, the loss tail on the last). Checkpointing keeps each block's
     input and re-runs one block in backward. ``loss``: bytes alive beside the activations of the
-    rank holding the head at backward's start (the loss backward, ``loss_backward_bytes``)."""
+    rank holding the head at backward's start (the loss backward, ``loss_backward_bytes``).
+    ``chunk``: trainer.loss_chunk (``activation_parts``)."""
     layer, block_input, head, embed = activation_parts(shape, micro=micro, tp=tp, sp=sp, flash=flash,
-                                                       elem=elem, regime=regime, seq=seq)
+                                                       elem=elem, regime=regime, seq=seq, chunk=chunk)
     kept = block_input if ckpt else layer
     recompute = layer if ckpt else 0.0
     if pp <= 1:
@@ -155,13 +193,14 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
     return int(max(max(live), live[last] + loss) + recompute)
 
 
-def loss_backward_bytes(shape: ModelDescription, *, micro: int, tp: int = 1) -> int:
+def loss_backward_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, chunk: int = 0) -> int:
     """The loss's backward, on the stage holding the head: the gradient of the fp32 log-softmax
     output and the fp32 logits' gradient, ``2 x 4 x s x b x V`` bytes (``/ tp`` with the
     vocabulary split), alive at once while every saved tensor still is -- the start of backward,
     the step's peak. Measured as the peak minus the saved tensors: exactly this in fp32, autocast
-    and bf16 (the loss is computed in fp32 in each)."""
-    return int(8 * shape.seq_len * micro * shape.vocab_size / tp)
+    and bf16 (the loss is computed in fp32 in each). ``chunk`` (trainer.loss_chunk): one chunk's
+    tokens instead of s x b (the chunked loss runs this backward per chunk, at forward's end)."""
+    return int(8 * logit_tokens(shape.seq_len * micro, chunk) * shape.vocab_size / tp)
 
 
 def estimated_unit(params: float) -> float:

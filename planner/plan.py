@@ -12,7 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from planner.activations import activation_bytes, estimated_unit, loss_backward_bytes
+from planner.activations import (activation_bytes, estimated_unit, loss_backward_bytes, loss_chunk,
+                                 loss_chunk_problems)
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, float8_gather, gb, state_bytes
@@ -41,8 +42,9 @@ class Memory:
     this and forward/backward (states + activations + buffers + loss; the gradients not yet
     made when freed between steps and a step is one micro-batch)."""
     loss: int = 0
-    """The loss's backward (the fp32 log-softmax and logits gradients, 8 x s x b x V bytes),
-    beside every saved activation at the start of backward: part of the forward/backward peak."""
+    """The loss's backward (the fp32 log-softmax and logits gradients, 8 x s x b x V bytes;
+    one chunk's, 8 x chunk x V, with trainer.loss_chunk), beside every saved activation at the
+    start of backward: part of the forward/backward peak."""
     growth: int = 0
     """How far the peak rises above what a finished step leaves (every state, the persistent
     buckets): activations, the loss backward and the transient buffers (gathered units,
@@ -345,15 +347,16 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
     act_full = act_ckpt = 0
     peak_full = peak_ckpt = 0  # activations at their peak phase, the loss backward included
     if shape is not None:
+        chunk = loss_chunk(su.trainer, tp=tp, pp=lo.mesh.pp, planned_only=c.planned_only)
         kw = dict(micro=micro, tp=tp, pp=lo.mesh.pp, sp=lo.tp_sp, seq=lo.mesh.seq,
                   flash=su.options.flash_attention, elem=lo.sb.activation,
                   regime=None if c.planned_only else lo.run.regime, schedule=lo.schedule,
-                  virtual=lo.virtual, microbatches=lo.m, split=lo.split)
+                  virtual=lo.virtual, microbatches=lo.m, split=lo.split, chunk=chunk)
         act_full = activation_bytes(shape, ckpt=False, **kw)
         act_ckpt = activation_bytes(shape, ckpt=True, **kw)
         mem.activations = act_ckpt if ckpt else act_full
         if not lo.documents:  # (the runnable TP presets replicate the logits: the whole vocabulary)
-            mem.loss = loss_backward_bytes(shape, micro=micro, tp=tp if c.planned_only else 1)
+            mem.loss = loss_backward_bytes(shape, micro=micro, tp=tp if c.planned_only else 1, chunk=chunk)
         # the loss backward lives on the rank holding the head, beside every activation it saved
         peak_full = activation_bytes(shape, ckpt=False, loss=mem.loss, **kw)
         peak_ckpt = activation_bytes(shape, ckpt=True, loss=mem.loss, **kw)
@@ -462,7 +465,8 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     lo = _layout(c, su)
     run, mesh = lo.run, lo.mesh
     problems = [*c.config.problems(run), *(c.config.model_problems(shape) if shape is not None else ()),
-                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ())]
+                *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ()),
+                *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]
     mem, act_full, act_ckpt, checkpointed = _memory(lo)
     device_bytes = cl.device_bytes()
     notes = _offload_problems(mem, su)

@@ -29,6 +29,15 @@ def loss_sums(logits: Any, targets: torch.Tensor) -> torch.Tensor:
     return torch.stack([total, (targets != IGNORE).sum().to(total.dtype)])
 
 
+def batch_sums(model: Any, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 0) -> torch.Tensor:
+    """``loss_sums`` of one batch through ``model`` (as the engine wraps it); ``chunk``
+    (trainer.loss_chunk > 0): the model sums them itself, that many tokens' logits at a time."""
+    tokens, targets = batch
+    if chunk > 0:
+        return model(tokens, targets=targets, loss_chunk=chunk)
+    return loss_sums(model(tokens), targets)
+
+
 class Validator:
     """When to validate, and on what: the validation set in this rank's batches."""
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.head import Head
+
 if TYPE_CHECKING:
     from recipes.model_config import ModelConfig
 
@@ -221,15 +223,19 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(shape, moe=shape.is_moe and i >= shape.first_dense_layers)
                                      for i in range(shape.n_layers)})
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        self.output = Head(shape.dim, shape.vocab_size, bias=False)  # nn.Linear, or the chunked loss
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(shape.head_dim, shape.seq_len, shape.rope_theta),
                              persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_chunk: int = 0) -> torch.Tensor:
         # A pipeline stage has some of these set to None (see ``pp_plan``): the first stage
         # takes tokens, the others hidden states; only the last one returns logits.
+        # With ``targets`` (trainer.loss_chunk > 0): [sum of token cross entropies, count of
+        # counted targets] instead of the logits, ``loss_chunk`` tokens' logits at a time
+        # (recipes/head.py), inside the head's own call so every engine gathers it for it.
         h = self.drop(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
         rope = self.rope
         if self.seq_shard is not None:
@@ -241,5 +247,7 @@ class GPT(nn.Module):
             h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.output(h, targets, loss_chunk)
 

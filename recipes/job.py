@@ -222,6 +222,28 @@ def _save_hf_problems(t: TrainerConfig, model: ModelConfig) -> list[str]:
     return []
 
 
+def _loss_chunk_problems(t: TrainerConfig, model: ModelConfig, run: Run, preset: str) -> list[str]:
+    """Where the chunked loss (recipes/head.py: the built-in GPT's head) cannot run."""
+    c = t.loss_chunk
+    if c == 0:
+        return []
+    key, fix = f"trainer.loss_chunk={c}", "set trainer.loss_chunk=0 (the whole logits at once)"
+    if model.is_hf:
+        return [f"{key}: the chunked loss is the built-in GPT's head (recipes/head.py), and model=hf "
+                f"runs a transformers model that returns its whole logits: {fix}"]
+    out = []
+    if run.mesh.tp > 1:
+        out.append(f"{key} with strategy={preset} (tensor parallel {run.mesh.tp}): its head is "
+                   "column-parallel over the vocabulary and hands its logits to the parallel plan, "
+                   f"which the chunked loss does not compute: {fix}, or a preset without tensor "
+                   "parallelism")
+    if run.mesh.pp > 1:
+        out.append(f"{key} with strategy={preset} ({run.mesh.pp} pipeline stages): the last stage's "
+                   f"loss runs inside the pipeline schedule on the whole logits: {fix}, or a preset "
+                   "without a pipeline")
+    return out
+
+
 def wandb_online_problems(env: dict[str, str] | None = None, *, timeout: float = 3.0) -> list[str]:
     """What ``logger.mode=online`` needs before any rank starts (else wandb.init fails in every
     rank with a traceback, or waits on the network): credentials where wandb looks for them
@@ -363,7 +385,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += _preset_problems(strategy, run, objs, bad)
     if not bad["model"] and not bad["trainer"]:
-        problems += _save_hf_problems(t, model)
+        problems += _save_hf_problems(t, model) + _loss_chunk_problems(t, model, run, strategy.name)
     if not bad["trainer"] and not bad["strategy"] and preset.name != AUTO:
         problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
                                            accelerator=c.accelerator, launch=depth >= LAUNCH)

@@ -63,6 +63,12 @@ class TrainerConfig:
     dimensions are not divisible by 16 stay bf16); strategy=single or fsdp2, trainer.precision=
     bf16-mixed, a CUDA GPU of compute capability 8.9+ (H100, L4). Fast only compiled
     (trainer.compile=true fuses the casts)."""
+    loss_chunk: int = knob(0, min=0)
+    """Compute the loss this many tokens' logits at a time (recipes/head.py): the whole
+    (tokens, vocab) fp32 logits and their gradient never exist, only one chunk's, for the
+    weight's gradient held from forward to backward (4 x vocab x dim bytes) and no extra
+    compute; the same loss and gradients. 0: the whole logits at once. The built-in GPT,
+    without tensor or pipeline parallelism."""
     checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
     save_last: bool = True

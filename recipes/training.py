@@ -46,11 +46,17 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
         return model_class(shape)(shape)
 
 
-def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 0) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch, computed in fp32; a mixture-of-experts
-    model adds its load-balancing loss (``aux_loss``)."""
+    model adds its load-balancing loss (``aux_loss``). ``chunk`` (trainer.loss_chunk > 0): the
+    model computes the loss itself, that many tokens' logits at a time (recipes/head.py), and
+    returns [sum, count]: the same mean, without the whole logits."""
     tokens, targets = batch
-    out = token_loss(model(tokens), targets)
+    if chunk > 0:
+        total, count = model(tokens, targets=targets, loss_chunk=chunk)
+        out = total / count.clamp(min=1)
+    else:
+        out = token_loss(model(tokens), targets)
     aux = aux_loss(model)
     return out if aux is None else out + aux
 

@@ -179,7 +179,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
             tokens, targets = (x.to(acc.device) for x in next(batches))
             with acc.accumulate(model):
                 observers.forward_start(engine, step)
-                loss = training.loss(model, (tokens, targets))
+                loss = training.loss(model, (tokens, targets), t.loss_chunk)
                 observers.forward_end(engine, step)
                 micro.append(loss.detach().float())
                 if p.deepspeed:
@@ -200,7 +200,8 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
         observers.step_end(engine, step + 1, loss)
         if validator is not None and step + 1 in validator.due:
-            observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1, p.builder))
+            observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1,
+                                                                 p.builder, t.loss_chunk))
         if checkpoints.due(t, step + 1):
             save(step + 1)
         if step + 1 < t.max_steps and (signum := interrupt.requested(acc.device)):
@@ -217,12 +218,12 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
 
 
 def _validate(validator: evaluation.Validator, acc: Any, model: Any, step: int,
-              builder: Any) -> dict[str, Any]:
+              builder: Any, chunk: int = 0) -> dict[str, Any]:
     """The held-out loss through the prepared model (DDP, FSDP, a DeepSpeed engine), which
     applies the run's autocast itself."""
     model.eval()
     try:
-        return validator.run(lambda batch, i: evaluation.loss_sums(model(batch[0]), batch[1]),
+        return validator.run(lambda batch, i: evaluation.batch_sums(model, batch, chunk),
                              dp_rank=builder.data_rank(acc.process_index, acc.num_processes)[0],
                              dp_size=builder.data_rank(acc.process_index, acc.num_processes)[1],
                              device=acc.device, step=step,

@@ -43,13 +43,11 @@ class CausalLM(L.LightningModule):
             self._names = ([n for n, _ in self.model.named_parameters()], training.no_decay_names(self.model))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = training.loss(self.model, batch)
-        return loss
+        return training.loss(self.model, batch, self.trainer_cfg.loss_chunk)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """[sum of token losses, tokens] (recipes/evaluation.py averages them over every rank)."""
-        tokens, targets = batch
-        return evaluation.loss_sums(self.model(tokens), targets)
+        return evaluation.batch_sums(self.model, batch, self.trainer_cfg.loss_chunk)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:
