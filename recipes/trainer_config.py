@@ -62,8 +62,10 @@ class TrainerConfig:
     """torch.compile each transformer block (inductor), applied in the fixed order TP ->
     activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. true | false |
     auto: on for the presets where compiled equals eager (single, ddp, fsdp2, zero2) on CUDA,
-    off elsewhere and on CPU. Resolved at validate: the Job holds a bool. Presets whose engine
-    cannot run compiled blocks refuse true by name (FSDP1, ZeRO-3, tensor parallel)."""
+    off elsewhere and on CPU. Resolved at validate into the Job's ``run.compile`` (a bool: what
+    the engines read; this field keeps the intent the planner re-derives for each candidate
+    preset). Presets whose engine cannot run compiled blocks refuse true by name (FSDP1, ZeRO-3,
+    tensor parallel)."""
     checkpoint_every: int = knob(0, min=0)
     """Save a checkpoint every N optimizer steps into <output>/checkpoints/step<N>; 0 disables."""
     save_last: bool = True

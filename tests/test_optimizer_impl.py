@@ -107,20 +107,21 @@ def test_compile_resolution(value, preset, accelerator, on):
 
 @pytest.mark.unit
 def test_compile_auto_reaches_the_job_as_a_bool():
-    """What validate hands on is a bool (never ``auto``), in the trainer and in the run; the
-    command line's and YAML's booleans still work; explicit true on FSDP1 is still refused."""
+    """What validate hands the engines is the run's bool (never ``auto``); the trainer keeps the
+    intent (the planner re-derives it per candidate preset); the command line's and YAML's
+    booleans still work; explicit true on FSDP1 is still refused."""
     def job(*overrides):
         return validate(compose(["cluster.devices=2", *overrides]), depth=RUN)
 
     cpu = job("strategy=ddp", "cluster.accelerator=cpu")
-    assert cpu.trainer.compile is False and cpu.run.compile is False
-    gpu = job("strategy=ddp", "cluster.accelerator=gpu")
-    assert gpu.trainer.compile is True and gpu.run.compile is True
-    fsdp = job("strategy=fsdp", "cluster.accelerator=gpu")
-    assert fsdp.trainer.compile is False and fsdp.run.compile is False
+    assert cpu.run.compile is False and cpu.trainer.compile == "auto"
+    assert job("strategy=ddp", "cluster.accelerator=gpu").run.compile is True
+    assert job("strategy=fsdp", "cluster.accelerator=gpu").run.compile is False
+    assert job("strategy=zero3", "cluster.accelerator=gpu").run.compile is False
     assert job("strategy=ddp", "cluster.accelerator=cpu", "trainer.compile=true").run.compile is True
-    assert job("strategy=ddp", "cluster.accelerator=gpu", "trainer.compile=false").trainer.compile is False
-    assert job("strategy=ddp", "cluster.accelerator=cpu", "trainer.compile=True").trainer.compile is True
+    assert job("strategy=ddp", "cluster.accelerator=gpu", "trainer.compile=false").run.compile is False
+    explicit = job("strategy=ddp", "cluster.accelerator=cpu", "trainer.compile=True")
+    assert explicit.trainer.compile == "true" and explicit.run.compile is True
     single = validate(compose(["strategy=single", "cluster.devices=1", "cluster.accelerator=gpu"]), depth=RUN)
     assert single.run.compile is True
     with pytest.raises(ConfigError) as e:
