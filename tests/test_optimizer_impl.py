@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -29,6 +30,7 @@ SHAPE = dict(name="gpt_nano", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab
              seq_len=32, dropout=0.0, ffn_dim=64)
 
 
+@functools.cache
 def _train_steps(optimizer: str, impl: str, steps: int = 6):
     """(losses, flat parameters) of ``steps`` optimizer steps of gpt_nano with ``impl``."""
     import torch
