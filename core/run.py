@@ -65,6 +65,23 @@ def cxx() -> str | None:
     return next((p for c in (os.environ.get("CXX"), "g++", "c++") if c and (p := shutil.which(c))), None)
 
 
+COMPILE_PROVEN = ("single", "ddp", "fsdp2", "zero2")
+"""The presets whose compiled blocks are proven equal to eager (tests/test_compile.py's
+``COMPILED``): ``trainer.compile=auto`` turns compile on for them on CUDA."""
+
+
+def compile_on(value: Any, preset: str, accelerator: str) -> bool:
+    """``trainer.compile`` resolved: true / false as given (a bool, or the strings the schema
+    keeps), ``auto``: on for the ``COMPILE_PROVEN`` presets on a GPU (``accelerator`` resolved:
+    cpu | gpu), off elsewhere and on CPU (inductor's CPU kernels are not what is measured, and a
+    CPU run's numerics stay eager's)."""
+    if isinstance(value, str):
+        if value.lower() == "auto":
+            return accelerator == "gpu" and preset in COMPILE_PROVEN
+        return value.lower() == "true"
+    return bool(value)
+
+
 def derive(strategy: Preset, *, nodes: int, devices: int, accelerator: str = "cpu",
            precision: str = "32", global_batch: int | None = None, micro_batch: int = 1,
            grad_clip: float = 0.0, compile: bool = False, float8: str = "none") -> Run:
@@ -78,7 +95,7 @@ def derive(strategy: Preset, *, nodes: int, devices: int, accelerator: str = "cp
 
 
 def _settle(strategy: Preset, *, nodes: int, devices: int, accelerator: str, precision: str,
-            global_batch: int | None, micro_batch: int, grad_clip: float, compile: bool,
+            global_batch: int | None, micro_batch: int, grad_clip: float, compile: Any,
             hidden: int | None = None, float8: str = "none") -> tuple[Preset, Run]:
     mesh = strategy.mesh(nodes, devices)
     if global_batch is not None and mesh.dp >= 1:
@@ -93,7 +110,7 @@ def _settle(strategy: Preset, *, nodes: int, devices: int, accelerator: str, pre
                          precision=str(precision),
                          regime=regime(str(precision), strategy.low_precision_weights(mesh)),
                          grad_clip=float(grad_clip or 0.0), checkpoint=caps.checkpoint,
-                         compile=bool(compile), float8=str(float8 or "none"))
+                         compile=compile_on(compile, strategy.name, accelerator), float8=str(float8 or "none"))
 
 
 def derive_from(strategy: Preset, cluster: Any, trainer: Any, accelerator: str | None = None) -> Run:
@@ -111,7 +128,7 @@ def settle(strategy: Preset, cluster: Any, trainer: Any, *, accelerator: str | N
     return _settle(strategy, nodes=cluster.nodes, devices=cluster.devices,
                    accelerator=accelerator or cluster.accelerator, precision=trainer.precision,
                    global_batch=trainer.global_batch_size, micro_batch=trainer.micro_batch_size,
-                   grad_clip=trainer.grad_clip, compile=bool(getattr(trainer, "compile", False)),
+                   grad_clip=trainer.grad_clip, compile=getattr(trainer, "compile", False),
                    float8=str(getattr(trainer, "float8", "none")),
                    hidden=hidden)
 
@@ -130,4 +147,4 @@ def cpu_threads(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
-__all__ = ["Run", "cpu_threads", "derive", "derive_from", "settle"]
+__all__ = ["COMPILE_PROVEN", "Run", "compile_on", "cpu_threads", "derive", "derive_from", "settle"]

@@ -19,8 +19,11 @@ meets them:
   build of it (DeepSpeed's ops), wherever it happens: ``record``ed by the watcher that sees it
   (``backends/common/extensions.py``)
 - ``model_build``: the engine's objects, the model, its wrapping and the optimizer
+- ``compile``: torch.compile's warm-up inside the first step (dynamo tracing, inductor's
+  kernels, the backward's lazy compile), ``record``ed from torch's compile start/end callbacks
+  when the run compiles (``trainer.compile``); 0 otherwise
 - ``first_step``: the data loader's start and the first optimizer step (the ``StartupTimes``
-  observer)
+  observer), less its ``compile`` time
 
 A rank started by our launcher continues its parent's timeline (inherited when forked, handed
 over in the environment, ``ENV``, when spawned); a rank of torchrun or ``accelerate launch``
@@ -42,7 +45,7 @@ from typing import Any, TypeVar
 from observers.base import Engine, Observer, Selection, observer
 
 PHASES = ("import", "config", "plan", "rendezvous", "op_build", "model_build", "checkpoint_load",
-          "first_step")
+          "compile", "first_step")
 T = TypeVar("T")
 ENV = "STRATAGEM_STARTUP"
 """A spawned rank's inherited timeline: JSON ``{"pid", "start", "marks"}`` of its launcher."""
@@ -193,21 +196,69 @@ def line(startup: dict[str, Any], top: int = 3) -> str:
 
 
 class StartupTimes(Observer):
-    """Marks the end of the first optimizer step of this attempt and reports the timeline."""
+    """Marks the end of the first optimizer step of this attempt and reports the timeline; while
+    the first step runs a compiled model, torch's compile callbacks ``record`` its ``compile``
+    spans. Also reports what the run's hot paths run (``observers/kernels.py``: ``optimizer``,
+    ``attention``), read at train end: every run has these keys, as every run has a start-up."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: Any = None) -> None:
         self._done = False
+        self.job = job
+        self._hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
+        self._facts: dict[str, Any] = {}
+
+    def on_train_start(self, engine: Engine, step: int) -> None:
+        if self.job is not None and self.job.run.compile and self._hooks is None:
+            self._hooks = _compile_callbacks()
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         if not self._done:
             self._done = True
             mark("first_step")
+            if self._hooks is not None:
+                _compile_callbacks(remove=self._hooks)
+                self._hooks = None
+
+    def on_train_end(self, engine: Engine) -> None:
+        if self.job is None:
+            return
+        from observers.kernels import attention_facts, optimizer_facts
+
+        self._facts = {"optimizer": optimizer_facts(list(engine.optimizers), self.job.trainer.optimizer),
+                       "attention": attention_facts(engine.model, self.job)}
 
     def report(self) -> dict[str, Any]:
-        return {"startup": report()}
+        return {"startup": report(), **self._facts}
+
+
+def _compile_callbacks(remove: tuple[Callable[..., None], Callable[..., None]] | None = None
+                       ) -> tuple[Callable[..., None], Callable[..., None]] | None:
+    """Register (or ``remove``) torch dynamo's compile start/end callbacks that ``record`` each
+    outermost compilation (torch runs them once around nested ones) as ``compile``; None where
+    this torch has no callback handler."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return None
+    if remove is not None:
+        callback_handler.remove_start_callback(remove[0])
+        callback_handler.remove_end_callback(remove[1])
+        return None
+    began: list[float] = []
+
+    def start(*_: Any) -> None:
+        began.append(_now())
+
+    def end(*_: Any) -> None:
+        if began:
+            record("compile", began.pop(), _now())
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    return start, end
 
 
 @observer("startup", order=10)
 def _selected(s: Selection) -> Observer:
-    """Always: each process's start-up timeline."""
-    return StartupTimes()
+    """Always: each process's start-up timeline, and the kernels its hot paths run."""
+    return StartupTimes(s.job)

@@ -61,14 +61,37 @@ class CoreAttention(nn.Module):
     def __init__(self, dropout: float):
         super().__init__()
         self.dropout = dropout
+        self.kernel: str | None = None
+        """The SDPA kernel of the first eager training forward (``sdpa_kernel``); a compiled
+        block's forward leaves it None (report.json's ``attention`` asks torch with the run's
+        shapes instead: observers/kernels.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        dropout, gqa = self.dropout if self.training else 0.0, q.shape[1] != k.shape[1]
+        if self.kernel is None and self.training and not torch.compiler.is_compiling():
+            self.kernel = sdpa_kernel(q, k, v, dropout=dropout, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         return y.transpose(1, 2)
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float = 0.0,
+                enable_gqa: bool = False) -> str:
+    """The kernel ``F.scaled_dot_product_attention(q, k, v, is_causal=True, ...)`` runs: torch's
+    own choice (``torch._fused_sdp_choice``, the dispatch SDPA itself calls, per device: on CUDA
+    its priority order over the backends enabled, each backend's constraints on these shapes,
+    dtypes and dropout; on CPU the CPU flash kernel or math) -- flash | efficient | cudnn | math,
+    or ``unknown (why)`` where torch cannot say (DTensor inputs, an older signature)."""
+    from torch.nn.attention import SDPBackend
+
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, None, dropout, True,
+                                         scale=None, enable_gqa=enable_gqa)
+        name = SDPBackend(choice).name
+    except Exception as e:  # noqa: BLE001  (the report says why instead)
+        return f"unknown ({type(e).__name__}: {str(e)[:120]})"
+    return {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+            "CUDNN_ATTENTION": "cudnn", "MATH": "math"}.get(name, name.lower())
 
 
 class Attention(nn.Module):

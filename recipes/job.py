@@ -377,6 +377,9 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
                            hidden=model.dim if not bad["model"] and not bad["strategy"] else None)
     # auto left unchosen (a group it reads has problems, reported): no preset to check yet
     world_ok = world_ok and not run.mesh.problems() and preset.name != AUTO
+    if not bad["trainer"]:  # optimizer_impl resolved (compile: in the run): no ``auto`` goes on
+        t, why_not = _engine_trainer(t, strategy, run, depth)
+        objs["trainer"], problems = t, problems + why_not
     if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
         problems += run.problems()
     if depth >= LAUNCH and world_ok:
@@ -396,6 +399,22 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if problems:
         raise ConfigError(problems)
     return job
+
+
+def _engine_trainer(t: TrainerConfig, strategy: StrategyConfig, run: Run, depth: int
+                    ) -> tuple[TrainerConfig, list[str]]:
+    """The trainer as the engines get it: at ``LAUNCH`` depth ``optimizer_impl`` resolved for the
+    device the optimizer steps on (the host under an offloaded optimizer), asking the running
+    torch whether it can (``recipes.training.optimizer_impl``). ``trainer.compile`` stays the
+    user's intent, which the planner re-derives for each candidate preset; what runs is
+    ``run.compile``, the bool ``core.run.compile_on`` resolved for this preset and accelerator."""
+    if depth < LAUNCH or strategy.name == AUTO:
+        return t, []
+    from recipes.training import optimizer_impl
+
+    offload = getattr(strategy.footprint(), "optimizer_offload", "device") != "device"
+    impl, problems = optimizer_impl(t, "cuda" if run.accelerator == "gpu" and not offload else "cpu")
+    return replace(t, optimizer_impl=impl), problems
 
 
 def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],

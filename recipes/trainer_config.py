@@ -10,6 +10,8 @@ from core.knobs import free, knob
 from parallel.float8 import CHOICES as FLOAT8
 
 OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
+COMPILE = ("auto", "true", "false")
 SCHEDULERS = ("constant", "cosine", "linear")
 
 
@@ -23,6 +25,11 @@ class TrainerConfig:
     """Samples per forward/backward on one rank."""
     optimizer: str = knob("adamw", choices=OPTIMIZERS)
     """adamw (betas and eps below) | sgd (plain; momentum below)."""
+    optimizer_impl: str = knob("auto", choices=OPTIMIZER_IMPLS)
+    """How torch's optimizer steps: auto (fused kernels where the optimizer steps on CUDA and the
+    running torch has them, foreach elsewhere) | fused | foreach | for-loop (one parameter at a
+    time, torch's CPU default). Resolved at validate; a choice the running torch cannot do on
+    this run's device is refused there."""
     lr: float = knob(3e-3, above=0.0)
     """The peak learning rate (after warm-up, before decay)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -52,10 +59,14 @@ class TrainerConfig:
     """Log the loss every N optimizer steps."""
     export_params: bool = False
     """Write the final full parameters to params.pt (rank 0), for comparison and export."""
-    compile: bool = False
+    compile: str = knob("auto", choices=COMPILE)
     """torch.compile each transformer block (inductor), applied in the fixed order TP ->
-    activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. Presets whose
-    engine cannot run compiled blocks refuse it by name (FSDP1, ZeRO-3, tensor parallel)."""
+    activation checkpointing -> compile -> FSDP; on CPU it needs a C++ compiler. true | false |
+    auto: on for the presets where compiled equals eager (single, ddp, fsdp2, zero2) on CUDA,
+    off elsewhere and on CPU. Resolved at validate into the Job's ``run.compile`` (a bool: what
+    the engines read; this field keeps the intent the planner re-derives for each candidate
+    preset). Presets whose engine cannot run compiled blocks refuse true by name (FSDP1, ZeRO-3,
+    tensor parallel)."""
     float8: str = knob("none", choices=FLOAT8)
     """FP8 training with torchao (pip install 'stratagem[fp8]'): none | tensorwise (one scale per
     tensor; FSDP2 all-gathers the weights in float8) | rowwise (one scale per row: more accurate,
@@ -88,6 +99,11 @@ class TrainerConfig:
                                        "<run>/checkpoints/step<N>, or null to start fresh")
     """auto: continue from the newest complete checkpoint in this run's directory (start fresh if
     there is none) | a checkpoint directory | null: start fresh."""
+
+    def __post_init__(self) -> None:
+        # YAML's and the command line's booleans reach a str field as "True" / "False"
+        if isinstance(self.compile, str) and self.compile.lower() in ("true", "false"):
+            self.compile = self.compile.lower()
 
 
 DATASETS = ("text", "synthetic", "jsonl", "parquet", "chat", "tokens")

@@ -124,11 +124,64 @@ forward redirection, torch.compile, DDP / DeepSpeed)."""
 
 def build_optimizer(groups: list[dict[str, Any]], t: TrainerConfig) -> torch.optim.Optimizer:
     """``trainer.optimizer`` over ``param_groups``: AdamW (``trainer.betas``, ``trainer.eps``), or
-    plain SGD (momentum ``trainer.momentum``). SGD keeps every gradient-scale error visible:
-    AdamW divides a constant scale out of its update."""
+    plain SGD (momentum ``trainer.momentum``), stepping as ``trainer.optimizer_impl`` says (fused,
+    foreach or one parameter at a time; validate resolves ``auto`` for the device the optimizer
+    steps on; left ``auto`` -- a recipe called directly -- it is resolved here from where the
+    parameters are now). SGD keeps every gradient-scale error visible: AdamW divides a constant
+    scale out of its update."""
+    impl = t.optimizer_impl
+    if impl == "auto":
+        first = next((p for g in groups for p in g["params"]), None)
+        impl = auto_impl(t.optimizer, first.device.type if first is not None else "cpu")
+    kwargs = IMPLS[impl]
     if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, **kwargs)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, **kwargs)
+
+
+IMPLS: dict[str, dict[str, bool]] = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                                     "for-loop": {"foreach": False, "fused": False}}
+"""``trainer.optimizer_impl`` -> torch's optimizer arguments."""
+
+
+def fused_missing(optimizer: str, device: str) -> str | None:
+    """Why the running torch has no fused ``optimizer`` (adamw | sgd) stepping on ``device``
+    (cuda | cpu), or None when it has one: its constructor takes ``fused`` and its fused kernels
+    run on that device type (torch's own list, checked against each parameter at the first step:
+    floating-point parameters, DTensors by their local device)."""
+    import inspect
+
+    cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+    if "fused" not in inspect.signature(cls.__init__).parameters:
+        return f"torch {torch.__version__}'s {cls.__name__} has no fused implementation"
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        devices = list(_get_fused_kernels_supported_devices())
+    except ImportError:  # (before torch listed them: CUDA only)
+        devices = ["cuda"]
+    if device not in devices:
+        return (f"torch {torch.__version__}'s fused {cls.__name__} runs on {', '.join(devices)}, "
+                f"and this run's optimizer steps on {device}")
+    return None
+
+
+def auto_impl(optimizer: str, device: str) -> str:
+    """``trainer.optimizer_impl=auto``: fused where the optimizer steps on CUDA and torch has the
+    fused kernels there, foreach elsewhere (CPU included)."""
+    return "fused" if device == "cuda" and fused_missing(optimizer, device) is None else "foreach"
+
+
+def optimizer_impl(t: TrainerConfig, device: str) -> tuple[str, list[str]]:
+    """``trainer.optimizer_impl`` resolved for an optimizer stepping on ``device`` (cuda | cpu),
+    with the problem when the running torch cannot do the explicit choice."""
+    if t.optimizer_impl == "auto":
+        return auto_impl(t.optimizer, device), []
+    why = fused_missing(t.optimizer, device) if t.optimizer_impl == "fused" else None
+    if why is None:
+        return t.optimizer_impl, []
+    return t.optimizer_impl, [f"trainer.optimizer_impl=fused: {why}; set trainer.optimizer_impl=auto "
+                              "(fused where it exists, foreach elsewhere), foreach or for-loop"]
 
 
 def lr_factor(t: TrainerConfig) -> Callable[[int], float]:

@@ -691,7 +691,7 @@ def _assert_startup(report: dict, started: float, within: float = 0.05) -> None:
     first step measured from outside (the test's clock at the launch; the run's at that end)."""
     s = report["startup"]
     assert set(s["seconds"]) == {"import", "config", "plan", "rendezvous", "op_build", "model_build",
-                                 "checkpoint_load", "first_step"}, s
+                                 "checkpoint_load", "compile", "first_step"}, s
     assert all(v >= 0 for v in s["seconds"].values()) and s["seconds"]["import"] > 0
     assert s["seconds"]["rendezvous"] > 0 and s["seconds"]["model_build"] > 0 and s["seconds"]["first_step"] > 0
     measured = s["first_step_at"] - started

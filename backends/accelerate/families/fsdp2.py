@@ -10,7 +10,7 @@ from backends.accelerate.families.fsdp import wrap_policy
 from backends.common import torch as torch_common
 from strategies.families.fsdp2 import FSDP2Config
 from core.precision import of
-from parallel.parallelize import find_model, mixed_policy
+from parallel.parallelize import compile_blocks, find_model, mixed_policy
 
 
 @builds(FSDP2Config)
@@ -43,7 +43,12 @@ class FSDP2(Builder):
 
             inner, block = find_model(model)
             convert(inner, self.run.float8, fsdp=True, block=block)
-        return model  # the plugin shards and checkpoints
+        # the plugin shards and checkpoints (in prepare, after this): trainer.compile compiles
+        # each block here, so FSDP2's gathers stay outside the graphs as on Lightning (with
+        # activation checkpointing the plugin's wrapper then runs outside the compiled block)
+        if self.run.compile:
+            compile_blocks(model)
+        return model
 
     def full_state_dict(self, model: Any) -> dict[str, Any]:
         return torch_common.gathered_state_dict(model)
