@@ -140,12 +140,32 @@ class SavedTensors:
     def __enter__(self) -> SavedTensors:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     @property
     def bytes(self) -> int:
         """The peak of the live saved bytes while active."""
         return self.peak
+
+
+_ACTIVE: list[SavedTensors] = []
+
+
+def counting() -> bool:
+    """A ``SavedTensors`` is counting now."""
+    return bool(_ACTIVE)
+
+
+def count_saved(tensors: Iterable[torch.Tensor]) -> list[Any]:
+    """Count ``tensors`` as saved for backward by the active ``SavedTensors`` (none: nothing),
+    though no autograd hook saw them -- what selective checkpointing keeps in its own cache
+    (parallel/checkpointing.py). Returns the handles: the count lasts while they live."""
+    if not _ACTIVE:
+        return []
+    return [_ACTIVE[-1]._pack(t) for t in tensors if isinstance(t, torch.Tensor)]

@@ -42,7 +42,11 @@ class ParallelPlan:
     sequence_parallel: bool = False
     cp: int = 1
     """Context-parallel degree (torch's ring attention over the cp mesh, parallel/context_parallel.py)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
+    """false | true (each block recomputed whole) | selective (per op: matmul and attention
+    outputs kept, the rest recomputed; ``parallel/checkpointing.py``)."""
+    ac_every: int = 1
+    """Checkpoint blocks n, 2n, ... only (1: every block)."""
     compile: bool = False
     """torch.compile each block (trainer.compile), after TP and checkpointing, before FSDP."""
     fsdp: FSDP2Plan | None = None
@@ -87,7 +91,7 @@ def parallelize(module: Any, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh
 
         apply_cp(model, cp_mesh)
     if plan.activation_checkpointing:
-        checkpoint_blocks(module)
+        checkpoint_blocks(module, plan.activation_checkpointing, every=plan.ac_every)
     if plan.compile:
         compile_blocks(module)
     if plan.fsdp is not None:
@@ -106,17 +110,29 @@ def find_model(module: Any) -> tuple[Any, type | None]:
     return module, None
 
 
-def checkpoint_blocks(module: Any) -> None:
-    """Recompute each block of the model inside ``module`` in backward (torch's wrapper)."""
+def checkpoint_blocks(module: Any, mode: bool | str = True, *, every: int = 1) -> None:
+    """Recompute blocks of the model inside ``module`` in backward (torch's wrapper): every
+    ``every``-th block (blocks n, 2n, ... in module order, as torchtitan counts), each whole
+    (``mode`` true) or per op (``selective``: ``parallel/checkpointing.py``'s policy)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
     )
 
+    from parallel.checkpointing import wrapper
+
     _, block = find_model(module)
     if block is None:
-        raise ValueError("strategy.activation_checkpointing=true, but the model declares no "
-                         "block_cls to checkpoint: set block_cls on the model class")
-    apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, block))
+        raise ValueError(f"strategy.activation_checkpointing={str(mode).lower()}, but the model "
+                         "declares no block_cls to checkpoint: set block_cls on the model class")
+    seen = {"n": 0}
+
+    def chosen(m: Any) -> bool:
+        if not isinstance(m, block):
+            return False
+        seen["n"] += 1
+        return seen["n"] % every == 0
+
+    apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper(mode), check_fn=chosen)
 
 
 def compile_blocks(module: Any) -> None:

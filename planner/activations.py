@@ -148,6 +148,47 @@ def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bo
     return layer, block_input, head, 0.0
 
 
+def selective_block_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bool = False,
+                          elem: float = 2, seq: int = 1) -> float:
+    """A block under ``strategy.activation_checkpointing=selective`` (parallel/checkpointing.py):
+    its input and the outputs of its matmuls and attention, counted per op -- Q (h), K and V
+    (2 kv), the attention output (h) and its fp32 log-sum-exp (one per head and token), the
+    output projection (h), the MLP's gate and up (2 ffn; each expert's under MoE: top_k of them)
+    and down (h). The column-parallel outputs split over TP ranks; the row-parallel ones are
+    whole before their reduction, and the reduced copy is kept too (split under sequence
+    parallelism). Norms, rotary, SwiGLU's product, dropout masks: recomputed."""
+    s, b, h = shape.seq_len // max(1, seq), micro, shape.dim
+    kv = shape.n_kv_heads * (h // shape.n_heads)
+    k = getattr(shape, "top_k", 1) if getattr(shape, "is_moe", False) else 1
+    split = (h + 2 * kv + h + 2 * k * shape.hidden) * elem + shape.n_heads * 4
+    rows = 2 * h * elem + (2 * h * elem / (tp if sp else 1) if tp > 1 else 0.0)
+    block_input = h * elem / (tp if sp else 1)
+    return s * b * (block_input + split / tp + rows)
+
+
+def kept_per_block(shape: ModelDescription, layer: float, block_input: float, selective: float,
+                   ckpt: bool | str, every: int) -> tuple[float, float]:
+    """(bytes a block keeps on average, bytes alive while one checkpointed block is recomputed)
+    under ``ckpt`` (false | true | selective) on every ``every``-th block: the checkpointed
+    blocks keep their input (true) or their matmul and attention outputs (selective, at most a
+    plain block's), the others everything."""
+    if not ckpt:
+        return layer, 0.0
+    sel = ckpt == "selective"
+    kept = min(selective, layer) if sel else block_input
+    n = shape.n_layers
+    chosen = n // max(1, every)
+    return (chosen * kept + (n - chosen) * layer) / n, (layer - kept if sel else layer) if chosen else 0.0
+
+
+def recomputed_share(ckpt: bool | str, every: int, n_layers: int) -> float:
+    """The share of the blocks' forward FLOPs run again in backward: the whole of each
+    checkpointed block under true, none under selective (it keeps every matmul's output)."""
+    if not ckpt or ckpt == "selective":
+        return 0.0
+    return (n_layers // max(1, every)) / max(1, n_layers)
+
+
 def stage_layers(shape: ModelDescription, stages: int, split: list[int] | None = None) -> list[int]:
     """Blocks per pipeline stage: ``split``, or balanced by parameter count as the runner cuts
     the model (the first stage also holds the embedding, the last the norm and head)."""
@@ -165,21 +206,24 @@ def _balanced(n: int, block: int, first: int, last: int, stages: int) -> list[in
 
 
 def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: int = 1,
-                     sp: bool = False, ckpt: bool = False, flash: bool = True, elem: float = 2,
+                     sp: bool = False, ckpt: bool | str = False, flash: bool = True, elem: float = 2,
                      regime: str | None = None, schedule: str = "1f1b", virtual: int = 1,
                      microbatches: int = 1, split: list[int] | None = None, seq: int = 1,
-                     loss: float = 0.0, chunk: int = 0) -> int:
+                     loss: float = 0.0, every: int = 1, chunk: int = 0) -> int:
     """Activations of the busiest device: without a pipeline, one micro-batch through the
     whole model; with ``pp`` stages (``virtual`` per rank), the most its ``schedule`` keeps
     alive at once over ``microbatches`` micro-batches, each chunk its stage's blocks (and the
-    embedding on the first stage, the loss tail on the last). Checkpointing keeps each block's
-    input and re-runs one block in backward. ``loss``: bytes alive beside the activations of the
+    embedding on the first stage, the loss tail on the last). Checkpointing (``ckpt`` true) keeps
+    each block's input and re-runs one block in backward; ``selective`` keeps its matmul and
+    attention outputs and rebuilds the rest of one block; ``every``: only blocks n, 2n, ... are
+    checkpointed (``kept_per_block``). ``loss``: bytes alive beside the activations of the
     rank holding the head at backward's start (the loss backward, ``loss_backward_bytes``).
     ``chunk``: trainer.loss_chunk (``activation_parts``)."""
     layer, block_input, head, embed = activation_parts(shape, micro=micro, tp=tp, sp=sp, flash=flash,
                                                        elem=elem, regime=regime, seq=seq, chunk=chunk)
-    kept = block_input if ckpt else layer
-    recompute = layer if ckpt else 0.0
+    selective = (selective_block_bytes(shape, micro=micro, tp=tp, sp=sp, elem=elem, seq=seq)
+                 if ckpt == "selective" else 0.0)
+    kept, recompute = kept_per_block(shape, layer, block_input, selective, ckpt, every)
     if pp <= 1:
         return int(embed + kept * shape.n_layers + recompute + head + loss)
     n = pp * virtual

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from planner.activations import (activation_bytes, estimated_unit, loss_backward_bytes, loss_chunk,
-                                 loss_chunk_problems)
+                                 loss_chunk_problems, recomputed_share)
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, float8_gather, gb, state_bytes
@@ -81,7 +81,7 @@ class Plan:
     dp: int = 1
     shard: int = 1
     microbatches: int = 1
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # as planned: false | true | selective
     activations_full: int = 0
     activations_checkpointed: int = 0
     planned_only: bool = False
@@ -236,9 +236,10 @@ def flops_per_token(su: Setup) -> float:
     return float(per()) if callable(per) else 6.0 * su.params
 
 
-def flops_per_step(su: Setup, ckpt: bool = False) -> float:
-    """FLOPs of one optimizer step over the whole world (checkpointing: one more forward)."""
-    return flops_per_token(su) * su.trainer.global_batch_size * su.seq_len * (8 / 6 if ckpt else 1)
+def flops_per_step(su: Setup, ckpt: float = 0.0) -> float:
+    """FLOPs of one optimizer step over the whole world; ``ckpt``: the share of the forward run
+    again in backward (true: all of it, one more forward; ``_Layout.recompute``)."""
+    return flops_per_token(su) * su.trainer.global_batch_size * su.seq_len * (1 + float(ckpt) / 3)
 
 
 def peak_flops(su: Setup) -> float:
@@ -280,13 +281,19 @@ class _Layout:
     virtual: int
     split: object
     m: int  # a schedule's micro-batches
-    ckpt: bool
+    ckpt: bool | str
     tp_sp: bool
     documents: bool  # the reference documents' model: states alone
+    every: int = 1  # strategy.ac_every: checkpoint blocks n, 2n, ...
 
     @property
     def mesh(self):
         return self.run.mesh
+
+    @property
+    def recompute(self) -> float:
+        """The share of the forward run again in backward (``recomputed_share``)."""
+        return recomputed_share(self.ckpt, self.every, self.su.shape.n_layers if self.su.shape else self.every)
 
 
 def _state_bytes(fp: Footprint, su: Setup):
@@ -333,7 +340,7 @@ def _layout(c: Candidate, su: Setup) -> _Layout:
     tp_sp = tp > 1 and bool(getattr(strategy, "sequence_parallel", o.sequence_parallel))
     return _Layout(c=c, su=su, run=run, sb=sb, sizes=sizes, per_step=per_step, schedule=schedule,
                    virtual=virtual, split=split, m=m, ckpt=ckpt, tp_sp=tp_sp,
-                   documents=o.accounting != "actual")
+                   documents=o.accounting != "actual", every=getattr(strategy, "ac_every", 1))
 
 
 def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
@@ -353,13 +360,14 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
                   regime=None if c.planned_only else lo.run.regime, schedule=lo.schedule,
                   virtual=lo.virtual, microbatches=lo.m, split=lo.split, chunk=chunk)
         act_full = activation_bytes(shape, ckpt=False, **kw)
-        act_ckpt = activation_bytes(shape, ckpt=True, **kw)
+        on = dict(ckpt=ckpt or True, every=lo.every if ckpt else 1)  # as it runs, or true
+        act_ckpt = activation_bytes(shape, **on, **kw)
         mem.activations = act_ckpt if ckpt else act_full
         if not lo.documents:  # (the runnable TP presets replicate the logits: the whole vocabulary)
             mem.loss = loss_backward_bytes(shape, micro=micro, tp=tp if c.planned_only else 1, chunk=chunk)
         # the loss backward lives on the rank holding the head, beside every activation it saved
         peak_full = activation_bytes(shape, ckpt=False, loss=mem.loss, **kw)
-        peak_ckpt = activation_bytes(shape, ckpt=True, loss=mem.loss, **kw)
+        peak_ckpt = activation_bytes(shape, loss=mem.loss, **on, **kw)
     mem.buffers, step_buffers = (0, 0) if lo.documents else fp.buffers(sizes)
     kept = 0 if lo.documents else int(fp.bucket_buffer(sizes))  # allocated once, held between steps
     states = mem.params + mem.grads + mem.master + mem.optimizer
@@ -402,7 +410,9 @@ class _Seconds:
 def _seconds(lo: _Layout) -> _Seconds:
     """Communication, compute, the optimizer step, the engine's own cost, the pipeline bubble
     and the communication left exposed, per step."""
-    c, su, fp, sizes, mesh, ckpt, m = lo.c, lo.su, lo.c.footprint, lo.sizes, lo.mesh, lo.ckpt, lo.m
+    c, su, fp, sizes, mesh, m = lo.c, lo.su, lo.c.footprint, lo.sizes, lo.mesh, lo.m
+    share = lo.recompute
+    ckpt = share > 0  # (selective recomputes no matmul and no collective it keeps)
     tp, pp, shard, per_step = mesh.tp, mesh.pp, mesh.dp_shard, lo.per_step
     staged = None
     if pp > 1 and not c.planned_only:  # FSDP2 under torch's pipelining: per schedule run
@@ -411,7 +421,7 @@ def _seconds(lo: _Layout) -> _Seconds:
     comm = communication(fp.traffic(sizes), su, lo.sb, sizes, pp, per_step, ckpt, cp=mesh.cp, sp=mesh.sp,
                          tp_sp=lo.tp_sp, pipeline=(lo.schedule, lo.virtual), staged=staged,
                          boundary_elem=4 if lo.run.regime in ("32", "autocast") else 2)
-    compute = flops_per_step(su, ckpt) / (mesh.size * peak_flops(su) * mfu(su))
+    compute = flops_per_step(su, share) / (mesh.size * peak_flops(su) * mfu(su))
     measured_tp = (su.machine is not None and su.machine.tp_speedup > 0 and tp == su.machine.world
                    and not c.planned_only)
     if measured_tp:  # the calibration ran this very layout: TP over every process
@@ -490,7 +500,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 bubble_fraction=t.bubble, step_seconds=step,
                 compute_seconds=t.compute, exposed_seconds=t.exposed, optimizer_seconds=t.optimizer,
                 engine_seconds=t.engine,
-                flops_per_step=flops_per_step(su, ckpt), peak_tflops=peak_flops(su) / 1e12,
+                flops_per_step=flops_per_step(su, lo.recompute), peak_tflops=peak_flops(su) / 1e12,
                 peak_source=peak_source(su), mfu=mfu(su), cluster=cl.name,
                 world_size=mesh.size, device_bytes=device_bytes, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
                 shard=mesh.dp_shard, microbatches=lo.m, activation_checkpointing=ckpt,

@@ -170,7 +170,8 @@ def _breakdown(con: Any, p: Plan, accounting: str = "actual") -> None:
     t = Table(title=f"{p.strategy}: memory per device; {ACCOUNTING_VIEW[accounting]}", title_justify="left")
     for col in ("category", "GB", "GiB", "where"):
         t.add_column(col, justify="left" if col in ("category", "where") else "right")
-    ckpt = "checkpointed" if p.activation_checkpointing else "no checkpointing"
+    ckpt = {"selective": "selectively checkpointed"}.get(
+        p.activation_checkpointing, "checkpointed" if p.activation_checkpointing else "no checkpointing")
     other = p.activations_full if p.activation_checkpointing else p.activations_checkpointed
     rows = [("parameters", m.params), ("gradients", m.grads), ("fp32 master", m.master),
             ("optimizer moments", m.optimizer),

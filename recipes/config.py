@@ -27,6 +27,7 @@ from recipes.model_config import ARCHITECTURES, LORA_TARGETS, LoraConfig, ModelC
 from recipes.trainer_config import (DATASETS, OPTIMIZERS, PRECISIONS, SCHEDULERS, TOKEN_DTYPES, TRAIN_ON,
                                     DataConfig, TrainerConfig)
 from core.knobs import free, knob
+from strategies.base import AC_CHOICES
 from core.conf import CONF_DIR
 
 __all__ = [
@@ -130,8 +131,9 @@ class PlannerConfig:
     """Assumed model-FLOPs utilisation for compute time, in (0, 1]."""
     enforce: bool = True
     """train.py refuses to launch a run predicted not to fit."""
-    activation_checkpointing: bool | None = None
-    """Plan with (true) or without (false) activation checkpointing; None: each preset's own."""
+    activation_checkpointing: Any = knob(None, choices=AC_CHOICES)
+    """Plan with (true, selective) or without (false) activation checkpointing; None: each
+    preset's own (strategy.activation_checkpointing). ``Any``: a bool or the word selective."""
     sequence_parallel: bool = True
     """Planned-only TP layouts shard the non-TP activations too (Megatron sequence parallel)."""
     flash_attention: bool = True

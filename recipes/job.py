@@ -338,6 +338,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     bad["strategy"] = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
                        + knobs.problems(strategy, "strategy", launch=depth >= LAUNCH)
                        + strategy.value_problems())
+    if not bad["strategy"]:
+        bad["strategy"] += strategy.checkpointing_problems(None if bad.get("model") else objs.get("model"))
     if strategy.family != type(strategy).FAMILY:
         bad["strategy"].append(f"strategy.family={strategy.family!r}: set by the preset's schema "
                                f"({type(strategy).FAMILY}), not a knob; remove the override")

@@ -32,9 +32,12 @@ if TYPE_CHECKING:
     from parallel.parallelize import ParallelPlan
     from core.run import Run
 
+from core.knobs import knob
 from core.mesh import Mesh
 
 DCP, DEEPSPEED = "dcp", "deepspeed"
+SELECTIVE = "selective"
+AC_CHOICES = (False, True, SELECTIVE)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class Capabilities:
     lora: bool = True
     """Trains frozen base weights beside trainable adapters (per-parameter requires_grad)."""
     activation_checkpointing: bool = True
+    selective_checkpointing: bool = True
+    """Checkpoints through parallel/parallelize.py's wrapper, so ``strategy.activation_checkpointing=
+    selective`` and ``strategy.ac_every`` apply (FSDP1's engines checkpoint their own way)."""
     degrees: tuple[str, ...] = ()
     """Model-parallel degrees its fields set, which a planner may choose (``with_degrees``)."""
     native_config: str | None = None
@@ -69,8 +75,16 @@ class StrategyConfig:
     """The preset's name: the YAML file's stem under conf/strategy/."""
     family: str = "?"
     """The plugin that builds this preset (set by the family's schema, not by users)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in backward instead of storing its activations."""
+    activation_checkpointing: Any = knob(False, choices=AC_CHOICES, fix=(
+        "set strategy.activation_checkpointing to false (store every activation), true (recompute "
+        "each block whole) or selective (recompute all but matmuls and attention)"))
+    """false | true (full: recompute each transformer block in backward, storing only its input)
+    | selective (per op, torchtitan's "op" option: each block keeps its matmul and attention
+    outputs and recomputes the cheap element-wise ops and norms). ``Any``: OmegaConf has no
+    bool-or-string field; the knob's choices are the check."""
+    ac_every: int = knob(1, min=1)
+    """Checkpoint every n-th block only (blocks n, 2n, ...: torchtitan's int option), in the mode
+    activation_checkpointing names; the others keep all their activations. 1: every block."""
 
     FAMILY: ClassVar[str] = "?"
     CAPABILITIES: ClassVar[Capabilities] = Capabilities()
@@ -138,6 +152,29 @@ class StrategyConfig:
         checked at compose with the knobs' own ranges (plan.py and train.py alike)."""
         return []
 
+    def checkpointing_problems(self, model: Any = None) -> list[str]:
+        """``activation_checkpointing`` with ``ac_every``, this family and the model's depth
+        (after the knobs' own checks pass)."""
+        ac, out = self.activation_checkpointing, []
+        if not isinstance(ac, bool) and ac != SELECTIVE:  # (1 and 0 pass the knob: 1 == True)
+            return [f"strategy.activation_checkpointing={ac!r}: not one of false, true, selective; "
+                    "set strategy.activation_checkpointing=true (or false, selective)"]
+        n = getattr(model, "n_layers", None)
+        if ac is not False and isinstance(n, int) and self.ac_every > n:
+            out.append(f"strategy.ac_every={self.ac_every} > model.n_layers={n}: no block would "
+                       f"be checkpointed; set strategy.ac_every to 1..{n}")
+        if self.ac_every != 1 and ac is False:
+            out.append(f"strategy.ac_every={self.ac_every} with strategy.activation_checkpointing="
+                       "false: there is nothing to thin out; set strategy.activation_checkpointing="
+                       "true or selective, or strategy.ac_every=1")
+        if (ac == SELECTIVE or self.ac_every != 1) and not self.capabilities.selective_checkpointing:
+            what = ("strategy.activation_checkpointing=selective" if ac == SELECTIVE
+                    else f"strategy.ac_every={self.ac_every}")
+            out.append(f"{what} with strategy={self.name}: FSDP1's engines checkpoint every block "
+                       "their own way (allowed here: activation_checkpointing=false or true with "
+                       "ac_every=1); use strategy=fsdp2, or activation_checkpointing=true")
+        return out
+
     def model_problems(self, model: Any) -> list[str]:
         """Problems of this preset with the model's shape (``recipes.config.ModelConfig``)."""
         if getattr(model, "is_moe", False) and {"tp", "pp"} & set(self.capabilities.degrees) and (
@@ -175,7 +212,7 @@ class StrategyConfig:
         after it."""
         from parallel.parallelize import ParallelPlan
 
-        return ParallelPlan(activation_checkpointing=self.activation_checkpointing)
+        return ParallelPlan(activation_checkpointing=self.activation_checkpointing, ac_every=self.ac_every)
 
     def world_role(self, mesh: Mesh) -> str:
         """What the whole-world process group carries (the communication profile's group

@@ -164,7 +164,7 @@ class Pipeline:
         per_stage: list[Any] = [None] * p.pp
         dist.all_gather_object(per_stage, round(idle, 4), group=self.group)
         predicted = bubble(p.schedule, p.pp, p.virtual(), p.microbatches,
-                           recompute=p.activation_checkpointing)
+                           recompute=p.activation_checkpointing is True)
         mean = sum(per_stage) / len(per_stage)
         return {"schedule": p.schedule, "microbatches": p.microbatches, "stages": p.n_stages(),
                 "virtual_stages": p.virtual(), "schedule_steps": self.steps, "idle_fraction": per_stage,

@@ -32,7 +32,7 @@ class FSDPConfig(StrategyConfig):
 
     # FSDP1 with use_orig_params mixes frozen and trainable parameters in one flat parameter only
     # at a cost and with caveats; LoRA runs on FSDP2 (per-parameter sharding).
-    CAPABILITIES = Capabilities(lora=False)
+    CAPABILITIES = Capabilities(lora=False, selective_checkpointing=False)
 
     sharding_strategy: str = knob("FULL_SHARD", choices=SHARDING,
                                   fix="set strategy.sharding_strategy to one of FULL_SHARD, "

@@ -57,5 +57,5 @@ class FSDP2Config(StrategyConfig):
                              reduce_fp32=self.reduce_fp32, fsdp2=True)
 
     def plan(self, mesh: Mesh) -> ParallelPlan:
-        return ParallelPlan(activation_checkpointing=self.activation_checkpointing,
+        return ParallelPlan(activation_checkpointing=self.activation_checkpointing, ac_every=self.ac_every,
                             fsdp=FSDP2Plan(self.reshard_after_forward, self.reduce_fp32))

@@ -242,7 +242,8 @@ class ParallelConfig(StrategyConfig):
         # FSDP2 over dp x cp (torchtitan folds cp into the shard group)
         fsdp = FSDP2Plan(self.reshard_after_forward, reduce_fp32=True) if mesh.dp_seq > 1 else None
         return ParallelPlan(tp=self.tp, sequence_parallel=self.sequence_parallel, cp=self.cp,
-                            activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
+                            activation_checkpointing=self.activation_checkpointing,
+                            ac_every=self.ac_every, fsdp=fsdp)
 
     def world_role(self, mesh: Mesh) -> str:
         # A mesh dimension spanning every rank is the world group itself (torch reuses it).

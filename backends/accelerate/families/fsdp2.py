@@ -10,7 +10,7 @@ from backends.accelerate.families.fsdp import wrap_policy
 from backends.common import torch as torch_common
 from strategies.families.fsdp2 import FSDP2Config
 from core.precision import of
-from parallel.parallelize import compile_blocks, find_model, mixed_policy
+from parallel.parallelize import checkpoint_blocks, compile_blocks, find_model, mixed_policy
 
 
 @builds(FSDP2Config)
@@ -33,9 +33,14 @@ class FSDP2(Builder):
             fsdp_version=2, reshard_after_forward=p.reshard_after_forward,
             mixed_precision_policy=mixed_policy(self.run.precision, p.reduce_fp32) if mixed else None,
             state_dict_type="SHARDED_STATE_DICT" if p.distributed_checkpoint else "FULL_STATE_DICT",
-            activation_checkpointing=p.activation_checkpointing,
+            activation_checkpointing=self._plugin_checkpoints(),
             **wrap_policy(True, block_cls),
             sync_module_states=False, cpu_ram_efficient_loading=False)}
+
+    def _plugin_checkpoints(self) -> bool:
+        """The plugin checkpoints every block whole; selective or every n-th block is ours."""
+        p = self.preset
+        return p.activation_checkpointing is True and p.ac_every == 1
 
     def parallelize(self, model: Any) -> Any:
         if self.run.float8 != "none":  # (the plan's first step; the plugin shards after)
@@ -43,6 +48,11 @@ class FSDP2(Builder):
 
             inner, block = find_model(model)
             convert(inner, self.run.float8, fsdp=True, block=block)
+        # the plugin shards (and checkpoints every block whole); other checkpointing is applied
+        # here, before it shards the blocks inside the wrappers (as its own checkpointing does)
+        p = self.preset
+        if p.activation_checkpointing and not self._plugin_checkpoints():
+            checkpoint_blocks(model, p.activation_checkpointing, every=p.ac_every)
         # the plugin shards and checkpoints (in prepare, after this): trainer.compile compiles
         # each block here, so FSDP2's gathers stay outside the graphs as on Lightning (with
         # activation checkpointing the plugin's wrapper then runs outside the compiled block)

@@ -1,0 +1,117 @@
+"""What a checkpointed block keeps: the checkpoint wrapper for ``strategy.activation_checkpointing``
+-- true: the whole block recomputed in backward (only its input kept); ``selective``: per op
+(torchtitan's "op" option, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+
+The selective policy keeps the outputs of the expensive ops -- every matmul (``mm``, ``addmm``,
+``bmm``: the projections, the MLP, the experts), attention (each SDPA kernel), the collectives
+whose recomputation would send again (the functional reduce-scatter, all-reduce, all-to-all) and
+FP8's amax and scaled matmul -- and recomputes the rest: norms, rotary embeddings, activations,
+residual adds, dtype casts. torchtitan keeps every other ``mm`` (half the matmul outputs, one
+matmul in two recomputed); we keep them all, so backward re-runs no matmul FLOPs at all and the
+planner's term is exact per op (planner/activations.py ``selective_block_bytes``). The RNG state
+is preserved (torch's default), so dropout recomputes the same masks: the run equals the
+uncheckpointed one. torch only, imported where used.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+SELECTIVE = "selective"
+
+# aten / functional-collective op names kept by the selective policy (those this torch has)
+_SAVE = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+         "aten._scaled_dot_product_flash_attention.default",
+         "aten._scaled_dot_product_efficient_attention.default",
+         "aten._scaled_dot_product_cudnn_attention.default",
+         "aten._scaled_dot_product_flash_attention_for_cpu.default",
+         "aten._flash_attention_forward.default", "aten._efficient_attention_forward.default",
+         "aten._scaled_mm.default", "aten.max.default",
+         "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default",
+         "_c10d_functional.all_to_all_single.default")
+
+
+@functools.cache
+def save_list() -> frozenset:
+    """The ops whose outputs a selectively checkpointed block keeps (those this torch defines)."""
+    import torch
+
+    out = set()
+    for name in _SAVE:
+        ns, op, overload = name.split(".")
+        try:
+            out.add(getattr(getattr(getattr(torch.ops, ns), op), overload))
+        except (AttributeError, RuntimeError):
+            continue  # not in this build (an attention kernel, a collective)
+    return frozenset(out)
+
+
+def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in save_list() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> Any:
+    """A fresh pair of forward / recompute contexts for one checkpointed call. While the memory
+    observer counts saved tensors (``parallel.memory.SavedTensors``), the pair is wrapped so that
+    the outputs the policy kept count too: they sit in the policy's cache, which no autograd
+    hook sees (not under torch.compile, where the pair must stay torch's dispatch modes)."""
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from parallel.memory import counting
+
+    pair = create_selective_checkpoint_contexts(_policy)
+    if not counting() or torch.compiler.is_compiling():
+        return pair
+    held: list[Any] = []
+    return _Counted(pair[0], held, count=True), _Counted(pair[1], held, count=False)
+
+
+class _Counted:
+    """One of SAC's contexts; the forward one counts what the policy cached when it exits, the
+    recompute one (kept by the checkpoint until its backward) keeps those counts alive."""
+
+    def __init__(self, ctx: Any, held: list[Any], *, count: bool):
+        self.ctx, self.held, self.count = ctx, held, count
+
+    def __enter__(self) -> Any:
+        return self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = self.ctx.__exit__(*exc)
+        if self.count:
+            from parallel.memory import count_saved
+
+            self.held.extend(count_saved(_cached(getattr(self.ctx, "storage", {}))))
+        return out
+
+
+def _cached(x: Any) -> list[Any]:
+    """The tensors inside SAC's cache (dicts and lists of wrappers holding ``.val``)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _cached(v)]
+    return _cached(x.val) if hasattr(x, "val") else []
+
+
+def wrapper(mode: bool | str) -> Any:
+    """The ``checkpoint_wrapper_fn`` for ``apply_activation_checkpointing``: torch's non-reentrant
+    checkpoint wrapper, with the selective policy's contexts under ``selective``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == SELECTIVE:
+        return functools.partial(checkpoint_wrapper, context_fn=selective_context)
+    if mode is True:
+        return checkpoint_wrapper
+    raise ValueError(f"strategy.activation_checkpointing={mode!r}: allowed false, true, selective")
+
+
+__all__ = ["SELECTIVE", "save_list", "selective_context", "wrapper"]
