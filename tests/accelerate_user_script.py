@@ -62,12 +62,15 @@ def training_function(args):
             optimizer.step()
             optimizer.zero_grad()
             losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+    state = accelerator.get_state_dict(model)  # whole tensors (gathered from the shards)
+    params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in state.items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     print(json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
                       "distributed_type": accelerator.distributed_type.name,
                       "model_type": type(model).__name__, "fsdp_units": units,
-                      "held_param_bytes": held, "total_param_bytes": total, "losses": losses}), flush=True)
+                      "held_param_bytes": held, "total_param_bytes": total, "losses": losses,
+                      "params": params}), flush=True)
     accelerator.end_training()
 
 
