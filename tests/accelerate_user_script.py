@@ -44,6 +44,20 @@ def get_dataloader(batch_size, n=64, features=16):
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+def full_params(accelerator, model):
+    """Whole tensors, gathered from the shards."""
+    try:
+        return accelerator.get_state_dict(model)
+    except ValueError:  # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: one at a time
+        import deepspeed
+
+        state = {}
+        for name, p in accelerator.unwrap_model(model).named_parameters():
+            with deepspeed.zero.GatheredParameters(p):
+                state[name] = p.detach().clone()
+        return state
+
+
 def training_function(args):
     accelerator = stratagem_accelerator(args.strategy) if args.strategy else Accelerator(cpu=args.cpu)
     set_seed(42)
@@ -62,8 +76,7 @@ def training_function(args):
             optimizer.step()
             optimizer.zero_grad()
             losses.append(accelerator.gather(loss.detach()[None]).mean().item())
-    state = accelerator.get_state_dict(model)  # whole tensors (gathered from the shards)
-    params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in state.items()}
+    params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     print(json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
