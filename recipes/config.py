@@ -100,6 +100,10 @@ class ExportConfig:
     """accelerate (an `accelerate launch` config YAML) | deepspeed (the DeepSpeed JSON)."""
     out: str | None = free(None, "a file to create")
     """Where to write it; None: <strategy>-<cluster>.<name>.(yaml|json) in the current directory."""
+    wrap: str | None = free(None, "a class name of the model your script trains")
+    """export=accelerate, FSDP presets: the class of your model's repeated block (one FSDP unit
+    each, e.g. wrap=LlamaDecoderLayer; wrap=Block: our built-in models); None: by size (a unit
+    per 1e8 parameters, the root always), which fits any model."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends import Outcome
 
@@ -59,3 +59,11 @@ def fit(built: Built) -> Outcome:
 
     report = train(built.job, built.out, built.observers)
     return Outcome(rank=PartialState().process_index, report=report)
+
+
+def stratagem_accelerator(strategy: str, **options: Any) -> Any:
+    """A user's Accelerate script on preset ``strategy``: an ``accelerate.Accelerator`` whose
+    ``prepare`` runs it for real (backends/accelerate/user.py)."""
+    from backends.accelerate.user import stratagem_accelerator as build
+
+    return build(strategy, **options)

@@ -27,10 +27,13 @@ def deepspeed_config(job: Job) -> dict[str, Any]:
 
 def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, Any]:
     """The ``accelerate launch --config_file`` YAML of this preset and cluster, as a mapping."""
-    from recipes.training import model_class
+    from backends.accelerate.families.fsdp import SIZE_WRAP_PARAMS
 
     w, run = job.mesh, job.run
-    kwargs = families.builder(job.strategy, run).kwargs(getattr(model_class(job.model), "block_cls", None))
+    # the wrap policy is for the script the user launches (train.py builds its own plugin):
+    # the block class they name, else by size -- never our model's class unless they name it
+    wrap = job.export.wrap if job.export is not None and job.export.wrap else SIZE_WRAP_PARAMS
+    kwargs = families.builder(job.strategy, run).kwargs(wrap)
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "num_machines": w.nodes,
@@ -55,10 +58,26 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
                                            "zero3_init_flag": job.strategy.stage == 3}}
     cfg["mixed_precision"] = of(run.precision).accelerate
     if "fsdp_plugin" in kwargs:
-        return cfg | {"distributed_type": "FSDP", "fsdp_config": _fsdp_section(kwargs["fsdp_plugin"])}
+        section = _fsdp_section(kwargs["fsdp_plugin"])
+        if run.accelerator == "cpu":  # Accelerate alone would train DDP: refuse without the hook
+            section["fsdp_auto_wrap_policy"] = hook_required(job.strategy.name, section)
+        return cfg | {"distributed_type": "FSDP", "fsdp_config": section}
     # DDP: the launcher's multi-process path (also for CPU ranks: Accelerate's MULTI_CPU launch
     # starts one process); the preset's hooks and buckets are applied by train.py itself
     return cfg | {"distributed_type": "MULTI_GPU" if w.size > 1 else "NO"}
+
+
+def hook_required(preset: str, section: dict[str, Any]) -> str:
+    """A CPU export's ``fsdp_auto_wrap_policy``: refused by a plain ``Accelerator()`` with this
+    text, read by ``stratagem_accelerator`` (backends/accelerate/user.py)."""
+    from backends.accelerate.user import HOOK_REQUIRED
+
+    wrap = ("fsdp_transformer_layer_cls_to_wrap" if "fsdp_transformer_layer_cls_to_wrap" in section
+            else "fsdp_min_num_params")
+    return (f"{HOOK_REQUIRED}: on CPU, Accelerate alone drops FSDP and trains DDP; this config runs "
+            f"strategy={preset} only in a script that builds its Accelerator with "
+            f"`from backends.accelerate import stratagem_accelerator; accelerator = "
+            f"stratagem_accelerator('{preset}')` (it wraps by {wrap})")
 
 
 def node_instructions(job: Job, path: str) -> list[str]:
@@ -99,7 +118,9 @@ def _offloads(plugin: Any) -> bool:
 def _fsdp_section(plugin: Any) -> dict[str, Any]:
     """The plugin's fields under the names Accelerate's config file uses."""
     v1 = plugin.fsdp_version == 1
-    wrap = ("TRANSFORMER_BASED_WRAP" if plugin.transformer_cls_names_to_wrap else "NO_WRAP")
+    by_size = getattr(plugin.auto_wrap_policy, "__name__", "") == "size_based_auto_wrap_policy"
+    wrap = ("TRANSFORMER_BASED_WRAP" if plugin.transformer_cls_names_to_wrap
+            else "SIZE_BASED_WRAP" if by_size else "NO_WRAP")
     out = {
         "fsdp_version": plugin.fsdp_version,
         # FSDP1 names its sharding strategy here; FSDP2 takes a bool
@@ -114,6 +135,8 @@ def _fsdp_section(plugin: Any) -> dict[str, Any]:
         "fsdp_sync_module_states": False,
         "fsdp_cpu_ram_efficient_loading": False,
     }
+    if by_size:
+        out["fsdp_min_num_params"] = int(plugin.min_num_params)
     if plugin.transformer_cls_names_to_wrap:
         out["fsdp_transformer_layer_cls_to_wrap"] = ",".join(plugin.transformer_cls_names_to_wrap)
     if v1:

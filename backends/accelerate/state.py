@@ -59,16 +59,20 @@ def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
 
 
 def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
-                timeout: float | None = None, **more: Any) -> Any:
+                timeout: float | None = None, cls: Any = None, **more: Any) -> Any:
     """An ``accelerate.Accelerator`` that runs ``kwargs`` (a builder's ``kwargs()``) for real,
     checked; ``timeout``: seconds a collective waits for a lost peer (the process group's
-    timeout, gloo or NCCL); ``more``: mixed precision, gradient accumulation steps."""
+    timeout, gloo or NCCL); ``cls``: a subclass of ``Accelerator`` to build (a user's script:
+    backends/accelerate/user.py); ``more``: mixed precision, gradient accumulation steps."""
     from datetime import timedelta
 
-    from accelerate import Accelerator, PartialState
+    from accelerate import PartialState
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+    from accelerate import Accelerator as default
+
+    Accelerator = cls or default  # noqa: N806
     group = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if not on_cpu:
         if group:

@@ -27,9 +27,9 @@ class Builder:
         """Why Accelerate cannot run this preset here (empty: it can)."""
         return []
 
-    def kwargs(self, block_cls: type | None = None) -> dict[str, Any]:
+    def kwargs(self, block_cls: type | str | int | None = None) -> dict[str, Any]:
         """Keyword arguments for ``accelerate.Accelerator``; ``block_cls``: the model's repeated
-        block (wrap policies)."""
+        block, a class or its name, or an int: wrap by size (FSDP wrap policies, ``wrap_policy``)."""
         return {}
 
     def model_context(self, kwargs: dict[str, Any]) -> Any:

@@ -10,12 +10,22 @@ from backends.common import torch as torch_common
 from strategies.families.fsdp import FSDPConfig
 
 
-def wrap_policy(auto_wrap: bool, block_cls: type | None) -> dict[str, Any]:
-    """Accelerate's FSDP plugin wrap policy: one unit per block (shared with FSDP2)."""
-    if auto_wrap and block_cls is not None:
-        return {"auto_wrap_policy": "transformer_based_wrap",
-                "transformer_cls_names_to_wrap": [block_cls.__name__]}
-    return {"auto_wrap_policy": "no_wrap"}
+SIZE_WRAP_PARAMS = 100_000_000
+"""The size policy's unit (Accelerate's own default): a module of at least this many parameters
+not yet in a unit becomes one (the root always is). For a user's model whose block class we do
+not know (an exported config without ``export.wrap``)."""
+
+
+def wrap_policy(auto_wrap: bool, block: type | str | int | None) -> dict[str, Any]:
+    """Accelerate's FSDP plugin wrap policy (shared with FSDP2): one unit per ``block`` (a class,
+    or a class name of the user's model), or by size (``block``: the minimum parameters of a
+    unit), or the root alone (None)."""
+    if not auto_wrap or block is None:
+        return {"auto_wrap_policy": "no_wrap"}
+    if isinstance(block, int):
+        return {"auto_wrap_policy": "size_based_wrap", "min_num_params": block}
+    return {"auto_wrap_policy": "transformer_based_wrap",
+            "transformer_cls_names_to_wrap": block.split(",") if isinstance(block, str) else [block.__name__]}
 
 
 @builds(FSDPConfig)
@@ -30,7 +40,7 @@ class FSDP(Builder):
                     "backend=lightning runs it"]
         return []
 
-    def kwargs(self, block_cls: type | None = None) -> dict[str, Any]:
+    def kwargs(self, block_cls: type | str | int | None = None) -> dict[str, Any]:
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         p = self.preset

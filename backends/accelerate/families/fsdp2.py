@@ -24,7 +24,7 @@ class FSDP2(Builder):
                     "without a GPU; backend=lightning runs it"]
         return []
 
-    def kwargs(self, block_cls: type | None = None) -> dict[str, Any]:
+    def kwargs(self, block_cls: type | str | int | None = None) -> dict[str, Any]:
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         p = self.preset

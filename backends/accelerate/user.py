@@ -1,0 +1,169 @@
+"""A user's own Accelerate script on a preset, with one line: the Accelerator it builds.
+
+    from backends.accelerate import stratagem_accelerator
+
+    accelerator = stratagem_accelerator("fsdp2")          # instead of Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    python export.py strategy=fsdp2 cluster.devices=2 export=accelerate [export.wrap=MyBlock]
+    accelerate launch --config_file fsdp2-local.accelerate.yaml my_script.py
+
+The Accelerator is built by the code train.py's Accelerate backend uses (the preset's builder,
+``families/``, its kwargs, then ``state.accelerator``), so FSDP1/FSDP2, ZeRO-1/2/3 and their
+offload run for real on GPU and on CPU (gloo), where Accelerate alone drops the plugin and trains
+DDP or lone processes without a word (state.py). What it refuses, with a ``ConfigError``:
+
+* a launcher's config for another engine than the preset's (``ACCELERATE_USE_FSDP`` /
+  ``ACCELERATE_USE_DEEPSPEED`` from the exported YAML), before any process group;
+* a state that is not the preset's engine, or a process count other than the launcher's
+  ``WORLD_SIZE`` (lone processes), once built (``state.accelerator``);
+* a prepared model that is not the preset's engine (an FSDP2 module, FSDP1's wrapper, a
+  ``DeepSpeedEngine``, DDP), at ``prepare``.
+
+A script without this line (``Accelerator()``) runs none of our code. Under an FSDP preset's CPU
+export it stops at ``Accelerator()``: the YAML's ``fsdp_auto_wrap_policy`` is ``HOOK_REQUIRED``,
+which Accelerate refuses by name (``Invalid auto wrap policy: STRATAGEM_HOOK_REQUIRED: ...``).
+Not caught: a ZeRO preset's CPU export (trains DDP or lone processes: Accelerate 1.15 drops the
+plugin on CPU and its config file refuses any key of ours), and a GPU export on a machine without
+GPUs (lone processes). A GPU export on GPUs is Accelerate's own FSDP or DeepSpeed from the YAML:
+the preset's engine, without the check at ``prepare``.
+
+The wrap policy (FSDP): ``wrap=`` (a class name of the model, several with commas; an int: by
+size, that many parameters a unit), else what the launcher's config says (``export.wrap``), else
+the root alone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from core.errors import ConfigError
+
+PRECISIONS = {"no": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+"""Accelerate's ``mixed_precision`` -> ours."""
+
+HOOK_REQUIRED = "STRATAGEM_HOOK_REQUIRED"
+"""What a CPU export writes as its ``fsdp_auto_wrap_policy``: Accelerate's own ``Accelerator()``
+refuses it by name when it builds the FSDP plugin from the launcher's variables, on CPU too
+(where it would then drop the plugin and train DDP), so an unhooked script stops at its first
+line; the hook passes its own plugin and reads the wrap from the class names or the size."""
+
+LAUNCHED = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}
+"""The engine a launcher's config names -> the variable ``accelerate launch`` sets for it."""
+
+
+def _launched_engine() -> str | None:
+    return next((t for t, var in LAUNCHED.items() if os.environ.get(var, "").lower() == "true"), None)
+
+
+def _wrap(wrap: str | int | None) -> str | int | None:
+    """``wrap``, else the launcher's (the exported YAML's ``fsdp_auto_wrap_policy``)."""
+    if wrap is not None:
+        return wrap
+    policy = os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
+    ours = policy.startswith(HOOK_REQUIRED)  # (a CPU export: the class names, else the size)
+    if (ours or policy == "TRANSFORMER_BASED_WRAP") and os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
+        return os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"]
+    if ours or policy == "SIZE_BASED_WRAP":
+        from backends.accelerate.families.fsdp import SIZE_WRAP_PARAMS
+
+        return int(os.environ.get("FSDP_MIN_NUM_PARAMS", SIZE_WRAP_PARAMS))
+    return None
+
+
+def _engine(kwargs: dict[str, Any], world: int) -> str:
+    """What a prepared model must be: fsdp2 | fsdp1 | deepspeed | ddp | plain."""
+    plugin = kwargs.get("fsdp_plugin")
+    if world == 1:
+        return "plain"  # (Accelerate wraps nothing in one process: DistributedType.NO)
+    if "deepspeed_plugin" in kwargs:
+        return "deepspeed"
+    if plugin is not None:
+        return f"fsdp{plugin.fsdp_version}"
+    return "ddp" if world > 1 else "plain"
+
+
+def is_engine(model: Any, engine: str) -> bool:
+    """Whether ``model`` (as ``prepare`` returned it) is wrapped by ``engine`` (``_engine``)."""
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(model, FSDPModule)
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return isinstance(model, FullyShardedDataParallel)
+    if engine == "deepspeed":
+        from deepspeed import DeepSpeedEngine
+
+        return isinstance(model, DeepSpeedEngine)
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return isinstance(model, DistributedDataParallel)
+    return True
+
+
+def _checked_class(strategy: str, engine: str, builder: Any) -> type:
+    """``Accelerator`` whose ``prepare`` refuses a model the preset's engine did not wrap, and
+    which counts the bytes a rank holds as train.py's report does (``held_bytes``)."""
+    import torch
+    from accelerate import Accelerator
+
+    class StratagemAccelerator(Accelerator):
+        def prepare(self, *args: Any, **kw: Any) -> Any:
+            out = super().prepare(*args, **kw)
+            for obj in out if isinstance(out, tuple) else (out,):
+                if isinstance(obj, torch.nn.Module) and not is_engine(obj, engine):
+                    raise ConfigError(f"strategy={strategy} needs its model wrapped by {engine}, but "
+                                      f"prepare() returned {type(obj).__name__} "
+                                      f"({self.distributed_type.name}): nothing trains in its place")
+            return out
+
+        def held_bytes(self, model: Any, optimizer: Any = None, what: str = "params") -> int:
+            """Bytes of ``what`` (params | grads | optimizer) this rank holds (local shards)."""
+            opt = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper -> torch's
+            if engine == "deepspeed":
+                opt = model.optimizer
+            return builder.held_bytes(model, [opt] if opt is not None else [], what)
+
+    StratagemAccelerator.stratagem = (strategy, engine)
+    return StratagemAccelerator
+
+
+def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
+                          gradient_accumulation_steps: int = 1, timeout: float | None = None) -> Any:
+    """An ``accelerate.Accelerator`` that runs preset ``strategy`` for real, in the processes
+    ``accelerate launch`` (or torchrun) started; see the module docstring. ``precision``:
+    Accelerate's (no | bf16 | fp16), else the launcher's config's."""
+    import torch
+
+    from backends.accelerate import families
+    from backends.accelerate.state import accelerator, expected_type
+    from core.run import derive
+    from strategies.presets import load
+
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    on_cpu = not torch.cuda.is_available() or env.get("ACCELERATE_USE_CPU", "").lower() == "true"
+    mixed = precision or env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if mixed not in PRECISIONS:
+        raise ConfigError(f"precision={mixed!r}: choose one of {sorted(PRECISIONS)}")
+    preset = load(strategy)
+    dp = preset.mesh(max(1, world // local), local).dp
+    run = derive(preset, nodes=max(1, world // local), devices=local, accelerator="cpu" if on_cpu else "gpu",
+                 precision=PRECISIONS[mixed], global_batch=gradient_accumulation_steps * dp)
+    if problems := families.problems(preset, run):
+        raise ConfigError("; ".join(problems))
+    builder = families.builder(preset, run)
+    kwargs = builder.kwargs(_wrap(wrap))
+    want, named = expected_type(kwargs, world, on_cpu), _launched_engine()
+    if named is not None and named != want:
+        raise ConfigError(f"the launcher's config runs {named} ({LAUNCHED[named]}=true), but "
+                          f"strategy={strategy} runs {want}: export this preset's config "
+                          f"(python export.py strategy={strategy} export=accelerate) or name its preset")
+    cls = _checked_class(strategy, _engine(kwargs, world), builder)
+    return accelerator(kwargs, on_cpu=on_cpu, world_size=world, timeout=timeout, cls=cls,
+                       mixed_precision=mixed, gradient_accumulation_steps=gradient_accumulation_steps)

@@ -1,0 +1,102 @@
+"""A user's own Accelerate script, written as Accelerate's examples/nlp_example.py is (its own
+tiny model and data, ``Accelerator``, ``prepare``, a loop with ``accelerator.backward``), plus the
+one line that runs a stratagem preset (``--strategy``). tests/test_accelerate_user.py launches it
+with ``accelerate launch --config_file <exported yaml>``; it prints one JSON line per rank.
+
+    accelerate launch --config_file fsdp2-local.accelerate.yaml tests/accelerate_user_script.py --strategy fsdp2
+"""
+
+import argparse
+import json
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from backends.accelerate import stratagem_accelerator
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class ToyRegressor(torch.nn.Module):
+    def __init__(self, features=16, width=384, depth=2):
+        super().__init__()
+        self.inp = torch.nn.Linear(features, width)
+        self.blocks = torch.nn.Sequential(*(ToyBlock(width) for _ in range(depth)))
+        self.out = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x)))
+
+
+def get_dataloader(batch_size, n=64, features=16):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, features, generator=g)
+    y = x.sum(-1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def full_params(accelerator, model):
+    """Whole tensors, gathered from the shards."""
+    try:
+        return accelerator.get_state_dict(model)
+    except ValueError:  # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: one at a time
+        import deepspeed
+
+        state = {}
+        for name, p in accelerator.unwrap_model(model).named_parameters():
+            with deepspeed.zero.GatheredParameters(p):
+                state[name] = p.detach().clone()
+        return state
+
+
+def training_function(args):
+    accelerator = stratagem_accelerator(args.strategy) if args.strategy else Accelerator(cpu=args.cpu)
+    set_seed(42)
+    model = ToyRegressor()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = (torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
+                 else torch.optim.AdamW(model.parameters(), lr=args.lr))
+    loader = get_dataloader(args.batch_size)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for epoch in range(args.epochs):
+        model.train()
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+    params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
+    held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
+    units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    print(json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
+                      "distributed_type": accelerator.distributed_type.name,
+                      "model_type": type(model).__name__, "fsdp_units": units,
+                      "held_param_bytes": held, "total_param_bytes": total, "losses": losses,
+                      "params": params}), flush=True)
+    accelerator.end_training()
+
+
+def main():
+    parser = argparse.ArgumentParser(description="A user's Accelerate script on a stratagem preset.")
+    parser.add_argument("--strategy", default=None, help="a stratagem preset (the one-line hook)")
+    parser.add_argument("--cpu", action="store_true", help="plain Accelerator on CPU (no hook)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=1)
+    training_function(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""A user's own Accelerate script on a preset (issue 39): tests/accelerate_user_script.py (its own
+model, data and loop, as Accelerate's examples write one) plus the one-line hook
+``stratagem_accelerator(preset)``, launched by ``accelerate launch --config_file <exported yaml>``
+on CPU (gloo, 2 ranks). The engine is the preset's (distributed type, the prepared model's
+class), each rank holds about half of the parameters, and the per-step losses and final
+parameters equal the same script under Accelerate's own DDP (``Accelerator(cpu=True)``, no hook).
+The exported config refuses the script without the hook (FSDP on CPU), and the hook refuses a
+launcher's config for another engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, assert_losses_close
+
+pytestmark = pytest.mark.timeout(420)
+
+SCRIPT = str(ROOT / "tests" / "accelerate_user_script.py")
+TWO = ("model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=2", "trainer.micro_batch_size=4")
+RTOL = 1e-5  # fp32 on gloo: measured 0 to ~1e-7 (the sharded reductions sum in another order)
+
+
+def _export(tmp_path, *overrides: str) -> str:
+    """export.py's YAML (and JSON), written in this process (no second interpreter to start)."""
+    import export
+
+    out = tmp_path / "exported.accelerate.yaml"
+    export.main([*TWO, *overrides, "export=accelerate", f"export.out={out}"])
+    return str(out)
+
+
+def _launch(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+def _ranks(proc: subprocess.Popen) -> list[dict]:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out + err)[-4000:]
+    rows = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
+                  key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1], out[-2000:]
+    return rows
+
+
+def _ddp(optimizer: str) -> subprocess.Popen:
+    """The reference: the script without the hook, on Accelerate's own CPU DDP."""
+    return _launch("--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "--main_process_port", "29517", SCRIPT, "--cpu",
+                   "--optimizer", optimizer)
+
+
+def _assert_preset(rows: list[dict], ref: list[dict], distributed_type: str, model_type: str) -> None:
+    for r in rows:
+        assert (r["world"], r["distributed_type"], r["model_type"]) == (2, distributed_type, model_type)
+        share = r["held_param_bytes"] / r["total_param_bytes"]
+        assert 0.45 < share < 0.6, f"rank {r['rank']} holds {share:.2f} of the parameters"
+    assert ref[0]["distributed_type"] == "MULTI_CPU" and ref[0]["model_type"] == "DistributedDataParallel"
+    assert ref[0]["held_param_bytes"] == ref[0]["total_param_bytes"]
+    assert_losses_close(ref[0]["losses"], rows[0]["losses"], rtol=RTOL)
+    ours, theirs = rows[0]["params"], ref[0]["params"]
+    assert ours.keys() == theirs.keys() and ours
+    for k in ours:
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_user_script_shards_and_equals_ddp(tmp_path):
+    """fsdp2, wrapping the script's own block class (export.wrap=ToyBlock): FSDP2 units on the
+    root and each ToyBlock, half the parameters a rank, DDP's losses and parameters under SGD."""
+    yaml_path = _export(tmp_path, "strategy=fsdp2", "export.wrap=ToyBlock")
+    hooked = _launch("--config_file", yaml_path, SCRIPT, "--strategy", "fsdp2", "--optimizer", "sgd")
+    rows = _ranks(hooked)
+    _assert_preset(rows, _ranks(_ddp("sgd")), "FSDP", "FSDPToyRegressor")
+    assert rows[0]["fsdp_units"] == 3  # the root and the two ToyBlocks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_exported_fsdp_yaml_refuses_a_script_without_the_hook(tmp_path):
+    """The CPU export under `accelerate launch`, the script building its own Accelerator(cpu=True)
+    (which would train DDP): it stops there, naming the hook. (Default tier: the same refusal
+    in-process, test_exported_fsdp_yaml_refuses_plain_accelerate.)"""
+    yaml_path = _export(tmp_path, "strategy=fsdp2")
+    unhooked = _launch("--config_file", yaml_path, "--num_processes", "1", SCRIPT, "--cpu")
+    out, err = unhooked.communicate(timeout=300)
+    assert unhooked.returncode != 0 and not out.strip().startswith("{"), out[-2000:]
+    assert "STRATAGEM_HOOK_REQUIRED" in err and "stratagem_accelerator('fsdp2')" in err, err[-3000:]
+
+
+@pytest.mark.unit
+def test_exported_fsdp_yaml_refuses_plain_accelerate(tmp_path, monkeypatch):
+    """What `accelerate launch` sets from the CPU export's fsdp_config, then the plugin a plain
+    Accelerator() builds from it: refused, naming the hook; the hook's own plugin is not."""
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from backends.accelerate.user import _wrap
+
+    fsdp = yaml.safe_load(open(_export(tmp_path, "strategy=fsdp2")))["fsdp_config"]
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", fsdp["fsdp_auto_wrap_policy"])
+    monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", str(fsdp["fsdp_min_num_params"]))
+    with pytest.raises(ValueError, match=r"Invalid auto wrap policy: STRATAGEM_HOOK_REQUIRED.*"
+                                         r"stratagem_accelerator\('fsdp2'\)"):
+        FullyShardedDataParallelPlugin()
+    assert _wrap(None) == fsdp["fsdp_min_num_params"] == 100_000_000  # the hook: by size
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_zero3_user_script_shards_and_equals_ddp(tmp_path, optimizer):
+    yaml_path = _export(tmp_path, "strategy=zero3")
+    hooked = _launch("--config_file", yaml_path, SCRIPT, "--strategy", "zero3", "--optimizer", optimizer)
+    ref = _ddp(optimizer)
+    _assert_preset(_ranks(hooked), _ranks(ref), "DEEPSPEED", "DeepSpeedEngine")
+
+
+@pytest.mark.unit
+def test_hook_refuses_a_launchers_config_for_another_engine(monkeypatch):
+    """A ZeRO export launched with the fsdp2 hook: refused before any process group."""
+    from backends.accelerate import stratagem_accelerator
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match=r"runs DEEPSPEED .* but strategy=fsdp2 runs FSDP"):
+        stratagem_accelerator("fsdp2")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("wrap, policy", [(None, "SIZE_BASED_WRAP"), ("Block", "TRANSFORMER_BASED_WRAP")])
+def test_exported_wrap_fits_any_model(wrap, policy):
+    """A GPU export is Accelerate's own config: wrap by size unless export.wrap names the class
+    (never our Block unasked); a CPU export's policy is the hook's refusal."""
+    from backends.accelerate.export import accelerate_config
+    from recipes.compose import compose
+    from recipes.job import RUN, validate
+
+    extra = [f"export.wrap={wrap}"] if wrap else []
+    job = validate(compose(["strategy=fsdp2", "cluster=node_8x_h100", "export=accelerate", *extra]), depth=RUN)
+    fsdp = accelerate_config(job)["fsdp_config"]
+    assert fsdp["fsdp_auto_wrap_policy"] == policy
+    assert fsdp.get("fsdp_transformer_layer_cls_to_wrap") == wrap
+    assert ("fsdp_min_num_params" in fsdp) == (wrap is None)
+    cpu = validate(compose(["strategy=fsdp2", *TWO, "export=accelerate"]), depth=RUN)
+    assert accelerate_config(cpu)["fsdp_config"]["fsdp_auto_wrap_policy"].startswith("STRATAGEM_HOOK_REQUIRED")
