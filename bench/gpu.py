@@ -53,12 +53,12 @@ def _cluster(smoke: bool) -> list[str]:
 # composed; in the order a short call should measure them (--budget cuts the tail).
 VARIANTS = [
     ("compile", "single", ["trainer.compile=true"]),
-    ("compile+chunked-loss", "single", ["trainer.compile=true", "trainer.loss_chunk=8192"]),
+    ("compile+chunked-loss", "single", ["trainer.compile=true", "trainer.loss_chunk=4096"]),
     ("compile+fp8-tensorwise", "single", ["trainer.compile=true", "trainer.float8=tensorwise"]),
     ("compile+selective-ac", "single", ["trainer.compile=true", "strategy.activation_checkpointing=selective"]),
     ("eager", "single", ["trainer.compile=false"]),
     ("compile+chunked-loss+fp8-tensorwise", "single",
-     ["trainer.compile=true", "trainer.loss_chunk=8192", "trainer.float8=tensorwise"]),
+     ["trainer.compile=true", "trainer.loss_chunk=4096", "trainer.float8=tensorwise"]),
     ("compile+fp8-rowwise", "single", ["trainer.compile=true", "trainer.float8=rowwise"]),
     ("compile+full-ac", "single", ["trainer.compile=true", "strategy.activation_checkpointing=true"]),
     ("compile", "fsdp2", ["trainer.compile=true"]),

@@ -22,7 +22,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   timeout "${DEFAULT_S:-100}" python3 train.py trainer.max_steps=3 "hydra.run.dir=$OUT/default" > "$OUT/default.txt" 2>&1
   say "default job exit $?: $(grep -m1 -i 'error' "$OUT/default.txt" | cut -c1-200)"
   say "pytest -m gpu"
-  timeout "${TESTS_S:-210}" python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 150 --durations=0 tests/ \
+  timeout "${TESTS_S:-210}" python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 60 --durations=0 tests/ \
     > "$OUT/pytest-gpu.txt" 2>&1
   say "pytest exit $?: $(tail -1 "$OUT/pytest-gpu.txt")"
 fi

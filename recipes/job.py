@@ -320,6 +320,19 @@ Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
 """``strategy=auto``'s step (``planner.choose``): the preset for a Job's typed groups, and why."""
 
 
+def _strategy_problems(cfg: DictConfig, strategy: StrategyConfig, model: Any, depth: int) -> list[str]:
+    """The strategy group's own problems: unknown keys, knob ranges, its values, its
+    checkpointing against the model (when readable), an overridden family."""
+    out = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
+           + knobs.problems(strategy, "strategy", launch=depth >= LAUNCH) + strategy.value_problems())
+    if not out:
+        out += strategy.checkpointing_problems(model)
+    if strategy.family != type(strategy).FAMILY:
+        out.append(f"strategy.family={strategy.family!r}: set by the preset's schema "
+                   f"({type(strategy).FAMILY}), not a knob; remove the override")
+    return out
+
+
 def validate(cfg: DictConfig, *, depth: int = LAUNCH,
              extra: Iterable[Callable[[Job], list[str]]] = (), auto: Choose | None = None) -> Job:
     """Check everything that can be checked before a process starts; raise one ConfigError
@@ -335,14 +348,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
                        f"remove +{k}=..." for k in unknown]
     strategy = as_config(cfg.strategy)
-    bad["strategy"] = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
-                       + knobs.problems(strategy, "strategy", launch=depth >= LAUNCH)
-                       + strategy.value_problems())
-    if not bad["strategy"]:
-        bad["strategy"] += strategy.checkpointing_problems(None if bad.get("model") else objs.get("model"))
-    if strategy.family != type(strategy).FAMILY:
-        bad["strategy"].append(f"strategy.family={strategy.family!r}: set by the preset's schema "
-                               f"({type(strategy).FAMILY}), not a knob; remove the override")
+    bad["strategy"] = _strategy_problems(cfg, strategy, None if bad.get("model") else objs.get("model"), depth)
     problems = [p for group in bad.values() for p in group]
     if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):
         raise ConfigError(problems)  # a group could not even be read
