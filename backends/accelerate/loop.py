@@ -28,6 +28,7 @@ from core.precision import of
 from observers import startup
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, SequenceShard, build_datasets, data_facts
+from recipes.job import optimizer_device
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -67,8 +68,9 @@ def _prepare(acc: Any, job: Job, model: torch.nn.Module, names: tuple[list[str],
     """(prepared model, the torch optimizer the recipe built, the prepared optimizer).
     ``names``: the plain model's parameter names and those exempt from weight decay."""
     def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        # (built before prepare moves the model: auto decides for where the optimizer will step)
         return training.build_optimizer(training.param_groups(m.named_parameters(), job.trainer, *names),
-                                        job.trainer)
+                                        job.trainer, device=optimizer_device(job.strategy, job.run))
 
     if acc.distributed_type.name == "FSDP" and not acc.is_fsdp2:
         # FSDP1: the optimizer must hold the wrapped (flat) parameters -- prepared together with
