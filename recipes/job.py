@@ -385,7 +385,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
                            hidden=model.dim if not bad["model"] and not bad["strategy"] else None)
     # auto left unchosen (a group it reads has problems, reported): no preset to check yet
     world_ok = world_ok and not run.mesh.problems() and preset.name != AUTO
-    if not bad["trainer"]:  # optimizer_impl resolved (compile: in the run): no ``auto`` goes on
+    if not bad["trainer"]:  # optimizer_impl checked (compile: resolved in the run)
         t, why_not = _engine_trainer(t, strategy, run, depth)
         objs["trainer"], problems = t, problems + why_not
     if depth >= RUN:  # (the planner reports each layout's world and batch arithmetic itself)
@@ -411,18 +411,24 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
 
 def _engine_trainer(t: TrainerConfig, strategy: StrategyConfig, run: Run, depth: int
                     ) -> tuple[TrainerConfig, list[str]]:
-    """The trainer as the engines get it: at ``LAUNCH`` depth ``optimizer_impl`` resolved for the
-    device the optimizer steps on (the host under an offloaded optimizer), asking the running
-    torch whether it can (``recipes.training.optimizer_impl``). ``trainer.compile`` stays the
-    user's intent, which the planner re-derives for each candidate preset; what runs is
-    ``run.compile``, the bool ``core.run.compile_on`` resolved for this preset and accelerator."""
-    if depth < LAUNCH or strategy.name == AUTO:
+    """At ``LAUNCH`` depth: an explicit ``trainer.optimizer_impl`` the running torch cannot do
+    on the device the optimizer steps on (``optimizer_device``) is a problem; ``auto`` stays for
+    the recipe to decide with the parameters in hand (``recipes.training.resolve_impl``).
+    ``trainer.compile`` stays the user's intent, which the planner re-derives for each candidate
+    preset; what runs is ``run.compile``, the bool ``core.run.compile_on`` resolved for this
+    preset and accelerator."""
+    if depth < LAUNCH or strategy.name == AUTO or t.optimizer_impl == "auto":
         return t, []
     from recipes.training import optimizer_impl
 
+    return t, optimizer_impl(t, optimizer_device(strategy, run))[1]
+
+
+def optimizer_device(strategy: StrategyConfig, run: Run) -> str:
+    """Where the optimizer steps: cuda on a GPU run, the host (cpu) on CPU or under an offloaded
+    optimizer (DeepSpeed's offload, FSDP1's CPUOffload: the footprint's ``optimizer_offload``)."""
     offload = getattr(strategy.footprint(), "optimizer_offload", "device") != "device"
-    impl, problems = optimizer_impl(t, "cuda" if run.accelerator == "gpu" and not offload else "cpu")
-    return replace(t, optimizer_impl=impl), problems
+    return "cuda" if run.accelerator == "gpu" and not offload else "cpu"
 
 
 def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],

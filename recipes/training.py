@@ -122,21 +122,46 @@ WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_modul
 forward redirection, torch.compile, DDP / DeepSpeed)."""
 
 
-def build_optimizer(groups: list[dict[str, Any]], t: TrainerConfig) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict[str, Any]], t: TrainerConfig, device: str | None = None
+                    ) -> torch.optim.Optimizer:
     """``trainer.optimizer`` over ``param_groups``: AdamW (``trainer.betas``, ``trainer.eps``), or
     plain SGD (momentum ``trainer.momentum``), stepping as ``trainer.optimizer_impl`` says (fused,
-    foreach or one parameter at a time; validate resolves ``auto`` for the device the optimizer
-    steps on; left ``auto`` -- a recipe called directly -- it is resolved here from where the
+    foreach or one parameter at a time). ``auto`` is decided here, for these parameters
+    (``resolve_impl``): ``device`` is where the optimizer will step (cuda | cpu; None: where the
     parameters are now). SGD keeps every gradient-scale error visible: AdamW divides a constant
     scale out of its update."""
-    impl = t.optimizer_impl
-    if impl == "auto":
-        first = next((p for g in groups for p in g["params"]), None)
-        impl = auto_impl(t.optimizer, first.device.type if first is not None else "cpu")
-    kwargs = IMPLS[impl]
+    kwargs = IMPLS[resolve_impl(groups, t, device)]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, **kwargs)
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, **kwargs)
+
+
+def resolve_impl(groups: list[dict[str, Any]], t: TrainerConfig, device: str | None = None) -> str:
+    """``trainer.optimizer_impl`` for these parameter groups: ``auto`` is fused / foreach by the
+    device (``auto_impl``), and one parameter at a time where a group mixes DTensors with plain
+    tensors (tensor parallelism's unsharded norms) or DTensors of different meshes, which
+    torch's foreach and fused kernels refuse; an explicit fused or foreach there is an error
+    naming the fix."""
+    params = [p for g in groups for p in g["params"]]
+    impl = t.optimizer_impl
+    if impl == "auto":
+        impl = auto_impl(t.optimizer, device or (params[0].device.type if params else "cpu"))
+    if impl == "for-loop" or not any(_mixed(g["params"]) for g in groups):
+        return impl
+    if t.optimizer_impl == "auto":
+        return "for-loop"
+    raise ValueError(f"trainer.optimizer_impl={impl}: a parameter group mixes DTensors with plain "
+                     "tensors or with DTensors of another mesh, which torch's foreach and fused "
+                     "kernels refuse; set trainer.optimizer_impl=auto or for-loop")
+
+
+def _mixed(params: list[torch.Tensor]) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    # plain tensors beside DTensors, or DTensors of different meshes (experts on their own)
+    return len({id(p.device_mesh) if isinstance(p, DTensor) else None for p in params}) > 1
 
 
 IMPLS: dict[str, dict[str, bool]] = {"fused": {"fused": True}, "foreach": {"foreach": True},

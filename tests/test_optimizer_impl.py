@@ -74,15 +74,18 @@ def test_every_impl_steps_as_the_for_loop(optimizer, impl):
 
 @pytest.mark.unit
 def test_optimizer_impl_resolved_at_validate():
-    """auto: foreach on CPU (the Job holds the resolved name); fused on CUDA wherever torch lists
-    fused kernels for it; a bad value is one ConfigError naming key, value, choices and fix."""
+    """auto: foreach on CPU, fused on CUDA wherever torch lists fused kernels for it (decided with
+    the parameters in hand: ``resolve_impl``); an explicit choice torch cannot do is a problem at
+    validate; a bad value is one ConfigError naming key, value, choices and fix."""
+    from recipes.job import optimizer_device
     from recipes.trainer_config import TrainerConfig
     from recipes.training import auto_impl, optimizer_impl
 
-    assert validate(compose(["cluster.accelerator=cpu"])).trainer.optimizer_impl == "foreach"
+    assert validate(compose(["cluster.accelerator=cpu"])).trainer.optimizer_impl == "auto"
     job = validate(compose(["cluster.accelerator=cpu", "trainer.optimizer_impl=for-loop"]))
     assert job.trainer.optimizer_impl == "for-loop"
     assert auto_impl("adamw", "cuda") == "fused" and auto_impl("sgd", "cpu") == "foreach"
+    assert optimizer_device(job.strategy, job.run) == "cpu"
     with pytest.raises(ConfigError) as e:
         validate(compose(["cluster.accelerator=cpu", "trainer.optimizer_impl=fast"]))
     msg = str(e.value)
@@ -92,6 +95,33 @@ def test_optimizer_impl_resolved_at_validate():
     assert impl == "fused" and len(problems) == 1
     assert "trainer.optimizer_impl=fused" in problems[0] and "steps on xla" in problems[0]
     assert "trainer.optimizer_impl=auto" in problems[0]
+
+
+@pytest.mark.unit
+def test_auto_steps_one_parameter_at_a_time_where_dtensors_mix_with_tensors():
+    """Tensor parallelism leaves norms as plain tensors beside DTensor weights, which foreach and
+    fused refuse (measured: strategy=tp failed in _foreach_lerp_ with foreach): auto falls back
+    to the for-loop, an explicit foreach is an error naming the fix."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from recipes.trainer_config import TrainerConfig
+    from recipes.training import resolve_impl
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        groups = [{"params": [torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()])),
+                              torch.nn.Parameter(torch.ones(4))]}]
+        assert resolve_impl(groups, TrainerConfig()) == "for-loop"
+        with pytest.raises(ValueError, match="trainer.optimizer_impl=auto or for-loop"):
+            resolve_impl(groups, TrainerConfig(optimizer_impl="foreach"))
+        assert resolve_impl([{"params": groups[0]["params"][1:]}], TrainerConfig()) == "foreach"
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- trainer.compile

@@ -29,6 +29,7 @@ from observers import startup
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
 from recipes.data import GlobalBatchSampler, SequenceShard, build_datasets, data_facts
+from recipes.job import optimizer_device
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -68,8 +69,9 @@ def _prepare(acc: Any, job: Job, model: torch.nn.Module, names: tuple[list[str],
     """(prepared model, the torch optimizer the recipe built, the prepared optimizer).
     ``names``: the plain model's parameter names and those exempt from weight decay."""
     def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        # (built before prepare moves the model: auto decides for where the optimizer will step)
         opt = training.build_optimizer(training.param_groups(m.named_parameters(), job.trainer, *names),
-                                       job.trainer)
+                                       job.trainer, device=optimizer_device(job.strategy, job.run))
         precompute_after_step(m, opt)  # (float8 weights gathered by FSDP2: their scales)
         return opt
 
