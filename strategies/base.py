@@ -84,10 +84,13 @@ class StrategyConfig:
     bool-or-string field; the knob's choices are the check."""
     ac_every: int = knob(1, min=1)
     """Checkpoint every n-th block only (blocks n, 2n, ...: torchtitan's int option), in the mode
-    activation_checkpointing names; the others keep all their activations. 1: every block."""
+    activation_checkpointing names; the others keep all their activations. 1: every block. (A
+    pipeline stage counts its own blocks.)"""
 
     FAMILY: ClassVar[str] = "?"
     CAPABILITIES: ClassVar[Capabilities] = Capabilities()
+    SELECTIVE_REFUSED: ClassVar[str] = ""
+    """Why ``activation_checkpointing=selective`` cannot run under this family ("": it can)."""
 
     def __post_init__(self) -> None:
         if self.family == "?":
@@ -173,6 +176,10 @@ class StrategyConfig:
             out.append(f"{what} with strategy={self.name}: FSDP1's engines checkpoint every block "
                        "their own way (allowed here: activation_checkpointing=false or true with "
                        "ac_every=1); use strategy=fsdp2, or activation_checkpointing=true")
+        if ac == SELECTIVE and self.SELECTIVE_REFUSED:
+            out.append(f"strategy.activation_checkpointing=selective with strategy={self.name}: "
+                       f"{self.SELECTIVE_REFUSED}; use strategy.activation_checkpointing=true "
+                       "(with strategy.ac_every to checkpoint fewer blocks)")
         return out
 
     def model_problems(self, model: Any) -> list[str]:

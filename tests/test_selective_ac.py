@@ -149,6 +149,11 @@ def test_values_compose_from_the_command_line(value, expected):
     (("strategy=fsdp", "cluster.devices=2", "strategy.activation_checkpointing=true", "strategy.ac_every=2"),
      "strategy.ac_every=2 with strategy=fsdp: FSDP1"),
     (("planner.activation_checkpointing=maybe",), "planner.activation_checkpointing='maybe' is not one of"),
+    # expert parallelism: measured failing in backward (torch 2.13, gloo): the token all-to-all's
+    # record_function ops recur more often in the recomputation than SAC's cache holds
+    *[((f"strategy={p}", "cluster.devices=2", "model=gpt_moe_nano", "strategy.activation_checkpointing=selective"),
+       f"strategy.activation_checkpointing=selective with strategy={p}: the experts' token all-to-all")
+      for p in ("fsdp_ep", "zero2_ep")],
 ])
 def test_bad_values_are_one_config_error(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -174,27 +179,21 @@ def test_single_equals_no_checkpointing(reference, cached, optimizer, ac):
     assert saved[1] < saved[0], saved
 
 
-# 2 ranks: the equivalence cases, and expert parallelism (its token all-to-all, a c10d op the
-# policy recomputes, as full checkpointing does)
-PRESETS = {**{c: CASES[c].overrides for c in ("fsdp2", "tp", "1f1b", "zero2", "ddp")},
-           "fsdp_ep": ("strategy=fsdp_ep", "cluster.devices=2", "model=gpt_moe_nano",
-                       "trainer.micro_batch_size=4")}
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])
 @pytest.mark.parametrize("case, extra", [("fsdp2", ()), ("fsdp2", ("strategy.ac_every=2",)),
-                                         ("tp", ()), ("1f1b", ()), ("zero2", ()), ("ddp", ()),
-                                         ("fsdp_ep", ())],
-                         ids=["fsdp2", "fsdp2-every2", "tp", "pipeline", "zero2", "ddp", "fsdp_ep"])
+                                         ("tp", ()), ("1f1b", ()), ("zero2", ()), ("ddp", ())],
+                         ids=["fsdp2", "fsdp2-every2", "tp", "pipeline", "zero2", "ddp"])
 def test_presets_equal_their_run_without_checkpointing(cached, backend, case, extra):
     """2 ranks, SGD: selective checkpointing under each family that runs through
     parallel/parallelize.py (FSDP2 on Accelerate through its own parallelize before the plugin
     shards), equal to the same preset without checkpointing."""
-    if backend == "accelerate" and case in CASES and CASES[case].accelerate is None:
+    if backend == "accelerate" and CASES[case].accelerate is None:
         pytest.skip(f"{case}: not run by backend=accelerate")
-    base = (*EQUIV, *OPTIMIZERS["sgd"], *PRESETS[case], f"backend={backend}")
+    base = (*EQUIV, *OPTIMIZERS["sgd"], *CASES[case].overrides, f"backend={backend}")
     off = cached(*base)
     on = cached(*base, "strategy.activation_checkpointing=selective", *extra)
     assert_losses_close(off.losses, on.losses, rtol=EXACT[0])

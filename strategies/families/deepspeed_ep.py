@@ -15,7 +15,7 @@ from typing import Any
 from strategies.base import Capabilities, family
 from core.knobs import knob
 from strategies.families.deepspeed import ZeroConfig, ZeroFootprint
-from strategies.families.fsdp2_ep import ExpertSplit, moe_problems
+from strategies.families.fsdp2_ep import EP_SELECTIVE, ExpertSplit, moe_problems
 from core.mesh import Mesh
 from core.run import Run
 
@@ -29,6 +29,8 @@ class ZeroEPFootprint(ExpertSplit, ZeroFootprint):
 @dataclass
 class ZeroEPConfig(ZeroConfig):
     """DeepSpeed ZeRO over the non-expert parameters, the experts split over ``ep`` ranks."""
+
+    SELECTIVE_REFUSED = EP_SELECTIVE
 
     ep: int = knob(2, min=1)
     """Expert-parallel degree: ranks each holding n_experts / ep experts of every MoE layer (it
