@@ -129,7 +129,8 @@ def _mfu_rows(a: argparse.Namespace, cluster: list[str], tmp: Path) -> list[str]
             [f"strategy={strategy}", f"model={a.model}", "data=tokens", f"data.path={data}", "data.dtype=uint32",
              *cluster, f"trainer.precision={a.precision}", f"trainer.max_steps={a.steps}",
              f"trainer.global_batch_size={a.micro}", f"trainer.micro_batch_size={a.micro}",
-             "trainer.warmup_steps=0", "trainer.lr=3e-4", "planner.enforce=false", "callbacks.communication=false",
+             f"trainer.warmup_steps={min(10, a.steps // 3)}", "trainer.grad_clip=1.0", "trainer.lr=3e-4",
+             "planner.enforce=false", "callbacks.communication=false",
              "callbacks.plots=false", *extra] + (["model.seq_len=64"] if a.smoke else []),
             tmp / f"{strategy}-{label}", timeout=a.timeout, threads=4)
         last = time.monotonic() - t1
@@ -203,7 +204,7 @@ def main(argv: list[str]) -> None:
         rows = _mfu_rows(a, cluster, Path(tmp))
         largest = [] if a.no_ladder else _largest(a, cluster, Path(tmp))
     notes = (f"`{a.model}` shapes, {a.precision}, micro batch {a.micro} (world 1), {a.steps} steps on a "
-             "learnable token stream (`learnable_tokens`), lr 3e-4; median step (first excluded); "
+             "learnable token stream (`learnable_tokens`), lr 3e-4 after min(10, steps/3) warm-up steps, clipped at 1.0; median step (first excluded); "
              "communication observer off. MFU = model FLOPs / the GPU's dense peak (observers/throughput.py); "
              "first step = command to first optimizer step (compile warm-up included). Goals (issues 15, 43): "
              ">= 45% MFU, FP8 faster than bf16 at an equal loss, peak memory within +-10% of the planner, "
