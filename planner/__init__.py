@@ -21,7 +21,8 @@ from planner.activations import (activation_bytes, boundary_activation_bytes, ko
 from planner.communication import (Collective, Communication, all_gather_bytes, reduce_scatter_bytes,
                                    ring_all_reduce_bytes, transfer_seconds)
 from planner.inputs import Candidate, Inputs, ModelDescription, Setup, candidate
-from planner.plan import Memory, Plan, Recommendation, Report, bubble_fraction, plan_candidate
+from planner.compute import bubble_fraction
+from planner.plan import Memory, Plan, Recommendation, Report, plan_candidate
 from planner.recommend import MOVE_UP, largest_micro_batch, nothing_fits, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, gb, model_states, state_bytes
@@ -265,7 +266,7 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
 
 def mfu_formula(su: Setup) -> str:
     """How compute time is priced, with the peak it divides by (printed wherever MFU appears)."""
-    from planner.plan import mfu, peak_flops
+    from planner.compute import mfu, peak_flops
 
     flops = ("(6 x matmul params + 12 x layers x seq x dim) x tokens" if su.shape is not None
              else "6 x params x tokens")
