@@ -163,6 +163,64 @@ class GlobalBatchSampler:
         return self.steps * self.accumulation
 
 
+class CountedShare:
+    """Token-true loss weights: the share of the targets of step ``step``'s global batch that the
+    loss counts (1.0 where every target counts: unmasked data). Every rank computes it from the
+    sampler's order and each sample's counted targets, with no communication.
+
+    A micro-batch's loss is its sum of token losses over (its targets x this share): averaged
+    over micro-batches and the ranks the gradient is averaged over, that is the sum of every
+    counted token's loss in the global batch over their number, whatever the micro batch,
+    accumulation, data-parallel, pipeline or sequence layout. Unmasked data divides by the
+    micro-batch's target count, as a per-micro-batch mean does: the same numbers bit for bit."""
+
+    def __init__(self, dataset: Dataset, *, global_batch: int, seed: int):
+        self.counted = counted_per_sample(dataset)
+        self.order = GlobalBatchSampler(len(dataset), global_batch=global_batch, micro_batch=global_batch,
+                                        dp_rank=0, dp_size=1, seed=seed, steps=0)
+        self.seq_len = getattr(_base(dataset), "seq_len", 1)
+        self._last: tuple[int, float] = (-1, 1.0)
+
+    def __call__(self, step: int) -> float:
+        if self.counted is None:
+            return 1.0
+        if self._last[0] != step:
+            idx = self.order.global_indices(step)
+            n = int(self.counted[idx].sum())
+            self._last = (step, max(n, 1) / (len(idx) * self.seq_len))
+        return self._last[1]
+
+
+def _base(dataset: Dataset) -> Dataset:
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return dataset
+
+
+def counted_per_sample(dataset: Dataset) -> np.ndarray | None:
+    """Each sample's number of targets the loss counts, or None when every target counts (no
+    loss mask anywhere): data=chat's masks read once, a window's targets at a time."""
+    base = _base(dataset)
+    if not isinstance(base, TokenWindows) or all(m is None for m in base.masks):
+        return None
+    s = base.seq_len
+    parts = []
+    for a, mask in enumerate(base.masks):
+        n = base.starts[a + 1] - base.starts[a]
+        if mask is None:
+            parts.append(np.full(n, s, dtype=np.int64))
+        else:
+            parts.append(np.asarray(mask[1:1 + n * s], dtype=bool).reshape(n, s).sum(1, dtype=np.int64))
+    counts = np.concatenate(parts)
+    chain: list[Any] = []
+    while isinstance(dataset, Subset):
+        chain.append(dataset.indices)
+        dataset = dataset.dataset
+    for indices in reversed(chain):
+        counts = counts[np.asarray(indices)]
+    return counts
+
+
 def shard_index(length: int, rank: int, degree: int, balanced: bool = False) -> Any:
     """The positions of a ``length``-token window that sequence-parallel rank ``rank`` of
     ``degree`` holds: its contiguous 1/degree (Ulysses), or with ``balanced`` torch's head-tail

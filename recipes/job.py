@@ -433,21 +433,14 @@ def optimizer_device(strategy: StrategyConfig, run: Run) -> str:
 
 def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
                      bad: dict[str, list[str]]) -> list[str]:
-    """The preset on this run (``RUN`` depth, the world sound): its own problems, with the model
-    and with the data."""
-    model, data = objs["model"], objs["data"]
+    """The preset on this run (``RUN`` depth, the world sound): its own problems and with the
+    model. (Masked data trains on every layout: the loss is token-true, recipes/data.py
+    ``CountedShare``.)"""
+    model = objs["model"]
     out = strategy.problems(run)
     if not bad["model"]:
-        out += strategy.model_problems(model) + _lora_problems(strategy, model)
-    if run.mesh.seq > 1 and not bad["data"] and data.name == "chat" and data.train_on != "all":
-        # each sequence shard averages its own counted targets: equal to the micro-batch's
-        # mean only when every shard counts as many (unmasked data)
-        out.append(f"data.train_on={data.train_on} with a sequence-parallel preset "
-                   f"(strategy={strategy.name}): each rank's loss is the mean over its shard's "
-                   "counted targets, which is the sequence's mean only when every shard counts "
-                   "the same number; use data.train_on=all, or a data-parallel preset")
-    if not bad["model"]:
-        out += run.mesh.model_problems(model, strategy.name)
+        out += (strategy.model_problems(model) + _lora_problems(strategy, model)
+                + run.mesh.model_problems(model, strategy.name))
     return out
 
 

@@ -46,17 +46,20 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
         return model_class(shape)(shape)
 
 
-def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 0) -> torch.Tensor:
-    """Mean next-token cross entropy of one micro-batch, computed in fp32; a mixture-of-experts
-    model adds its load-balancing loss (``aux_loss``). ``chunk`` (trainer.loss_chunk > 0): the
-    model computes the loss itself, that many tokens' logits at a time (recipes/head.py), and
-    returns [sum, count]: the same mean, without the whole logits."""
+def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 0,
+         share: float = 1.0) -> torch.Tensor:
+    """Next-token cross entropy of one micro-batch, computed in fp32: its sum of token losses
+    over ``token_weight`` (``share``: recipes/data.py ``CountedShare`` of this step, which makes
+    the step's loss the mean over every counted token of the global batch, whatever the layout);
+    a mixture-of-experts model adds its load-balancing loss (``aux_loss``). ``chunk``
+    (trainer.loss_chunk > 0): the model computes the loss itself, that many tokens' logits at a
+    time (recipes/head.py), and returns [sum, count]: the same loss, without the whole logits."""
     tokens, targets = batch
     if chunk > 0:
-        total, count = model(tokens, targets=targets, loss_chunk=chunk)
-        out = total / count.clamp(min=1)
+        total, _ = model(tokens, targets=targets, loss_chunk=chunk)
+        out = total / token_weight(targets, share)
     else:
-        out = token_loss(model(tokens), targets)
+        out = token_loss(model(tokens), targets, share)
     aux = aux_loss(model)
     return out if aux is None else out + aux
 
@@ -71,14 +74,24 @@ def aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
     return torch.stack(terms).sum() if terms else None
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of logits, in fp32, over the targets that are not
-    ``IGNORE`` (data=chat's masked ones; 0, not NaN, when a micro-batch has none); also each
-    pipeline micro-batch's loss on the last stage. Every engine averages these per-micro-batch
-    means over micro-batches and ranks, so runs that share trainer.micro_batch_size agree."""
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+    """Next-token cross entropy of logits, in fp32, summed over the targets that are not
+    ``IGNORE`` (data=chat's masked ones) and divided by ``token_weight``; also each pipeline
+    micro-batch's loss on the last stage. Every engine averages these over micro-batches and
+    ranks: with this step's ``share`` that is the token mean of the global batch."""
     total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
                             reduction="sum")
-    return total / (targets != IGNORE).sum().clamp(min=1)
+    return total / token_weight(targets, share)
+
+
+def token_weight(targets: torch.Tensor, share: float) -> torch.Tensor | float:
+    """What a micro-batch's loss sum is divided by: its targets times the share of the step's
+    global batch the loss counts. Where every target counts (share 1.0: unmasked data) that is
+    the micro-batch's count, as a plain mean divides: today's numbers, bit for bit, on any
+    device."""
+    if share == 1.0:
+        return (targets != IGNORE).sum().clamp(min=1)
+    return targets.numel() * share
 
 
 def no_decay_names(model: torch.nn.Module) -> frozenset[str]:

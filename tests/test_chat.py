@@ -415,27 +415,59 @@ def test_chat_sft_end_to_end_on_a_tiny_llama(chat_tokenizer, tmp_path):
     assert "tokenized" in run.log
 
 
+# Layouts of the same chat job (global batch 8, micro 2 unless named): each trains the model the
+# single process trains with the whole global batch in one micro-batch. CI runs the accumulation
+# (one sample per micro-batch), data parallelism with accumulation, the pipeline and a sequence
+# shard; the rest of the matrix is slow.
+TOKEN_TRUE = {
+    "micro1": ("strategy=single", "trainer.micro_batch_size=1"),
+    "ddp": ("strategy=ddp", "cluster.devices=2"),
+    "pipeline": ("strategy=pipeline", "cluster.devices=2"),
+    "ulysses": ("strategy=ulysses", "cluster.devices=2"),
+    "fsdp_cp": ("strategy=fsdp_cp", "cluster.devices=2"),
+    "fsdp2": ("strategy=fsdp2", "cluster.devices=2"),
+    "zero2": ("strategy=zero2", "cluster.devices=2"),
+    "ddp-accelerate": ("strategy=ddp", "cluster.devices=2", "backend=accelerate"),
+    "ulysses-accelerate": ("strategy=ulysses", "cluster.devices=2", "backend=accelerate"),
+}
+TOKEN_TRUE_CI = ("micro1", "ddp", "pipeline", "ulysses")
+
+
+@pytest.fixture(scope="module")
+def chat_job(chat_tokenizer, tmp_path_factory):
+    """(common overrides, the reference Run): chat data whose samples count very different
+    numbers of assistant targets, SGD without clipping (a wrong token weighting moves the
+    losses), validation on; the reference is one process with the whole global batch at once."""
+    tmp = tmp_path_factory.mktemp("token_true")
+    src = _jsonl(tmp / "chats.jsonl", _conversations(48))
+    common = (*TINY, "model.vocab_size=516", "data=chat", f"data.path={src}",
+              f"data.tokenizer={chat_tokenizer}", f"data.cache_dir={tmp / 'cache'}",
+              "data.val_fraction=0.2", "trainer.val_every=3", "trainer.max_steps=3",
+              "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.optimizer=sgd",
+              "trainer.lr=0.5", "trainer.grad_clip=0", "trainer.export_params=true", "callbacks=none")
+    ref = run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8",
+                  out=tmp / "reference", timeout=300)
+    return common, ref
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_masked_loss_equal_under_pipeline_and_ddp(chat_tokenizer, tmp_path):
-    """The masked loss is each micro-batch's mean over its assistant targets, averaged over
-    micro-batches and ranks: a 2-stage pipeline (each pipeline micro-batch on the last stage)
-    and 2-rank DDP train as the single process with the same trainer.micro_batch_size (SGD: a
-    wrong weighting of the masked tokens moves the losses)."""
-    from tests.conftest import assert_losses_close
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[] if k in TOKEN_TRUE_CI else [pytest.mark.slow])
+                                    for k in TOKEN_TRUE])
+def test_masked_loss_is_the_token_mean_of_the_global_batch_on_every_layout(chat_job, layout, tmp_path):
+    """The loss of a step is the sum of the assistant targets' losses over the whole global batch
+    divided by their number, whatever splits it (micro-batches, ranks, pipeline micro-batches,
+    sequence shards): every layout gives the reference's losses, validation loss and parameters
+    (SGD, 1e-5). A per-micro-batch mean (the old loss) moves them by percents."""
+    from tests.conftest import assert_losses_close, assert_params_close
 
-    src = _jsonl(tmp_path / "chats.jsonl", _conversations(40))
-    common = (*TINY, "model.vocab_size=516", "data=chat", f"data.path={src}",
-              f"data.tokenizer={chat_tokenizer}", f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0",
-              "trainer.max_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-              "trainer.optimizer=sgd", "trainer.lr=0.5", "trainer.grad_clip=0", "callbacks=none")
-    runs = {name: run_cli("train.py", *common, *extra, out=tmp_path / name, timeout=300)
-            for name, extra in {"single": ("strategy=single",),
-                                "pipeline": ("strategy=pipeline", "cluster.devices=2"),
-                                "ddp": ("strategy=ddp", "cluster.devices=2")}.items()}
-    ref = runs["single"].losses
-    for name in ("pipeline", "ddp"):
-        assert_losses_close(ref, runs[name].losses, rtol=1e-5)
+    common, ref = chat_job
+    run = run_cli("train.py", *common, *TOKEN_TRUE[layout], out=tmp_path / layout, timeout=400)
+    assert_losses_close(ref.losses, run.losses, rtol=1e-5)
+    assert_params_close(ref.params(), run.params(), rtol=1e-5)
+    val = [v["loss"] for v in ref.report["validation"]], [v["loss"] for v in run.report["validation"]]
+    assert len(val[0]) == 1
+    assert_losses_close(*val, rtol=1e-5)
 
 
 @pytest.mark.multiprocess
@@ -491,3 +523,32 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.unit
+def test_counted_share_reads_each_samples_counted_targets_through_subsets():
+    """The token-true weights count each window's counted targets (through nested subsets, as
+    the validation split and data.val_samples cut them), and unmasked data has none to weigh."""
+    import torch
+    from torch.utils.data import Subset
+
+    from recipes.data import CountedShare, counted_per_sample
+
+    rng = np.random.default_rng(0)
+    arrays = [np.arange(161) % 50, np.arange(97) % 50]
+    masks = [rng.integers(0, 2, 161).astype(np.uint8), None]
+    ds = TokenWindows(arrays, 16, masks=masks)
+    per = counted_per_sample(ds)
+    assert per.tolist() == [int((ds[i][1] != IGNORE).sum()) for i in range(len(ds))]
+    nested = Subset(Subset(ds, range(2, len(ds))), [3, 0, 5])
+    assert counted_per_sample(nested).tolist() == [per[5], per[2], per[7]]
+    share = CountedShare(ds, global_batch=4, seed=1)
+    idx = share.order.global_indices(2)
+    assert share(2) == sum(per[i] for i in idx) / (4 * 16)
+    assert counted_per_sample(TokenWindows(arrays, 16)) is None
+    assert CountedShare(TokenWindows(arrays, 16), global_batch=4, seed=1)(0) == 1.0
+    # the loss divides by the targets x share, and where all count, by their count (bitwise)
+    from recipes.training import token_weight
+
+    y = torch.ones(2, 16, dtype=torch.long)
+    assert token_weight(y, 0.25) == 8.0 and int(token_weight(y, 1.0)) == 32

@@ -285,13 +285,6 @@ def test_moe_models_with_sequence_shards_are_refused(preset):
 
 
 @pytest.mark.unit
-def test_masked_targets_with_sequence_shards_are_refused():
-    """Each shard averages its own counted targets: exact only for unmasked data."""
-    msg = _problems("strategy=ulysses", "cluster.devices=2", "data=chat")
-    assert "data.train_on=assistant with a sequence-parallel preset (strategy=ulysses)" in msg, msg
-
-
-@pytest.mark.unit
 def test_auto_takes_ulysses_at_the_degree_a_long_sequence_needs():
     """llama_7b at 32k tokens on one 8 x H100 node: sharding alone leaves ~100 GB of activations
     per device; the planner raises Ulysses' degree from its preset's 2 until it fits (sp 8) and

@@ -28,7 +28,7 @@ from core.precision import of
 from observers import startup
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
-from recipes.data import GlobalBatchSampler, SequenceShard, build_datasets, data_facts
+from recipes.data import CountedShare, GlobalBatchSampler, SequenceShard, build_datasets, data_facts
 from recipes.job import optimizer_device
 
 if TYPE_CHECKING:
@@ -171,6 +171,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
                                  start_step=start)
     batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers,
                               collate_fn=SequenceShard(*seq) if seq else None))
+    share = CountedShare(data, global_batch=job.batch.global_size, seed=t.seed)
     observers.train_start(engine, start)
     model.train()
     for step in range(start, t.max_steps):
@@ -181,7 +182,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
             tokens, targets = (x.to(acc.device) for x in next(batches))
             with acc.accumulate(model):
                 observers.forward_start(engine, step)
-                loss = training.loss(model, (tokens, targets), t.loss_chunk)
+                loss = training.loss(model, (tokens, targets), t.loss_chunk, share(step))
                 observers.forward_end(engine, step)
                 micro.append(loss.detach().float())
                 if p.deepspeed:

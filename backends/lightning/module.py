@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
-from recipes.data import GlobalBatchSampler, SequenceShard
+from recipes.data import CountedShare, GlobalBatchSampler, SequenceShard
 
 if TYPE_CHECKING:
     from recipes.config import ModelConfig, TrainerConfig
@@ -33,6 +33,7 @@ class CausalLM(L.LightningModule):
         self.shape, self.trainer_cfg = shape, trainer_cfg
         self.model: torch.nn.Module | None = None
         self._names: tuple[list[str], frozenset[str]] = ([], frozenset())  # plain; no decay
+        self.share: CountedShare | None = None  # the training set's token-true loss weights
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -43,7 +44,12 @@ class CausalLM(L.LightningModule):
             self._names = ([n for n, _ in self.model.named_parameters()], training.no_decay_names(self.model))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return training.loss(self.model, batch, self.trainer_cfg.loss_chunk)
+        return training.loss(self.model, batch, self.trainer_cfg.loss_chunk, self.step_share())
+
+    def step_share(self) -> float:
+        """This optimizer step's ``CountedShare`` (Lightning's global_step counts optimizer
+        steps, so it holds through an accumulation window)."""
+        return 1.0 if self.share is None else self.share(self.trainer.global_step)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """[sum of token losses, tokens] (recipes/evaluation.py averages them over every rank)."""

@@ -94,6 +94,7 @@ class Pipeline:
         owner = stage_owner(preset.schedule, n - 1, preset.pp, preset.virtual())
         self.last_rank = dist.get_global_rank(self.group, owner)
         self.wall, self.steps, self.evaluating = 0.0, 0, False
+        self.share = 1.0  # this step's token-true loss weight (recipes/data.py CountedShare)
 
     def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x,) if self.first else ()
@@ -102,11 +103,12 @@ class Pipeline:
         if self.evaluating:  # the token-loss sum (padding targets are ignored)
             return evaluation.loss_sums(logits, targets)[0]
         # the recipe's loss on the last stage's logits, over the accumulation window
-        return training.token_loss(logits, targets) / self.accumulation
+        return training.token_loss(logits, targets, self.share) / self.accumulation
 
     def train_step(self, module: Any, batch: Any, batch_idx: int, context: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients set aside for ``backward``."""
         x, y = batch
+        self.share = module.step_share()
         params = list(module.parameters())
         # The schedule divides every gradient it finds by the micro-batch count at its end, so
         # the window's earlier gradients are set aside while it runs, and added after.
