@@ -221,6 +221,7 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
     ``chunk``: trainer.loss_chunk (``activation_parts``)."""
     layer, block_input, head, embed = activation_parts(shape, micro=micro, tp=tp, sp=sp, flash=flash,
                                                        elem=elem, regime=regime, seq=seq, chunk=chunk)
+    embed += document_mask_bytes(shape, micro=micro, seq=seq)
     selective = (selective_block_bytes(shape, micro=micro, tp=tp, sp=sp, elem=elem, seq=seq)
                  if ckpt == "selective" else 0.0)
     kept, recompute = kept_per_block(shape, layer, block_input, selective, ckpt, every)
@@ -235,6 +236,16 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
     live = peak_live(schedule, pp, virtual, max(1, microbatches), chunk)
     last = stage_owner(schedule, n - 1, pp, virtual)  # the rank whose stage runs the loss
     return int(max(max(live), live[last] + loss) + recompute)
+
+
+def document_mask_bytes(shape: ModelDescription, *, micro: int, seq: int = 1) -> int:
+    """data.packing=document: the boolean block-diagonal mask (micro x seq x seq bytes) every
+    block's attention reads and keeps for backward -- one tensor, saved once; 0 otherwise (the
+    rotary table it indexes is per token, small beside it)."""
+    if getattr(shape, "document_eos", None) is None:
+        return 0
+    s = shape.seq_len
+    return micro * (s // max(1, seq)) * s
 
 
 def loss_backward_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, chunk: int = 0) -> int:

@@ -71,6 +71,18 @@ class TokenWindows(Dataset):
             y = y.masked_fill(~counted, IGNORE)
         return x, y
 
+    def counted(self) -> np.ndarray | None:
+        """Each window's targets the loss counts (data=chat's mask, read once a window at a
+        time); None where every target counts (no mask)."""
+        if all(m is None for m in self.masks):
+            return None
+        s, parts = self.seq_len, []
+        for a, mask in enumerate(self.masks):
+            n = self.starts[a + 1] - self.starts[a]
+            parts.append(np.full(n, s, dtype=np.int64) if mask is None else
+                         np.asarray(mask[1:1 + n * s], dtype=bool).reshape(n, s).sum(1, dtype=np.int64))
+        return np.concatenate(parts)
+
     def counts(self, first: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(targets, targets the loss counts) of windows ``first .. stop - 1``: the targets of
         consecutive windows of one array are one contiguous run of its tokens."""
@@ -104,6 +116,53 @@ class TextDataset(TokenWindows):
     def __init__(self, path: str | Path | None, seq_len: int):
         data = Path(path or CORPUS).read_bytes()
         super().__init__([np.frombuffer(data, dtype=np.uint8)], seq_len, what=f"data.path={path}")
+
+
+class DocumentRows(Dataset):
+    """``data.packing=pad``: one document per row of ``seq_len + 1`` tokens (inputs, targets),
+    a longer document continuing on further rows (stride ``seq_len``, as windows cut the
+    stream), padded with EOS inputs and ``IGNORE`` targets. ``masks``: data=chat's loss mask."""
+
+    def __init__(self, array: Any, seq_len: int, eos: int, *, mask: Any = None):
+        self.array, self.seq_len, self.eos, self.mask = array, seq_len, eos, mask
+        ends = np.flatnonzero(np.asarray(array) == eos)
+        bounds = np.concatenate([[0], ends[ends > 0]])  # document k: bounds[k] .. bounds[k + 1]
+        if len(bounds) < 2:
+            raise ValueError(f"data.packing=pad: the token stream holds no document ending in EOS ({eos})")
+        lo, hi = bounds[:-1], bounds[1:]
+        pieces = -(-(hi - lo) // seq_len)  # rows per document
+        doc = np.repeat(np.arange(len(lo)), pieces)
+        k = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        self.first = lo[doc] + k * seq_len  # each row's first input and its end (exclusive),
+        self.stop = np.minimum(self.first + seq_len, hi[doc])  # whose last target is the EOS
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.first[i]), int(self.stop[i])
+        n = b - a
+        x = torch.full((self.seq_len,), self.eos, dtype=torch.int64)
+        y = torch.full((self.seq_len,), IGNORE, dtype=torch.int64)
+        x[:n] = torch.from_numpy(np.asarray(self.array[a:b], dtype=np.int64))
+        y[:n] = torch.from_numpy(np.asarray(self.array[a + 1:b + 1], dtype=np.int64))
+        if self.mask is not None:
+            counted = torch.from_numpy(np.asarray(self.mask[a + 1:b + 1], dtype=bool))
+            y[:n] = y[:n].masked_fill(~counted, IGNORE)
+        return x, y
+
+    def counted(self) -> np.ndarray:
+        """Each row's targets the loss counts (recipes/data.py ``counted_per_sample``)."""
+        if self.mask is None:
+            return (self.stop - self.first).astype(np.int64)
+        ones = np.concatenate([[0], np.cumsum(np.asarray(self.mask, dtype=np.int64))])
+        return ones[self.stop + 1] - ones[self.first + 1]
+
+    def counts(self, first: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(targets, targets the loss counts) of rows ``first .. stop - 1``: report.json's
+        ``data``; padding is neither."""
+        rows = slice(first, stop)
+        return int((self.stop[rows] - self.first[rows]).sum()), int(self.counted()[rows].sum())
 
 
 class SyntheticDataset(Dataset):
@@ -199,19 +258,10 @@ def _base(dataset: Dataset) -> Dataset:
 
 def counted_per_sample(dataset: Dataset) -> np.ndarray | None:
     """Each sample's number of targets the loss counts, or None when every target counts (no
-    loss mask anywhere): data=chat's masks read once, a window's targets at a time."""
-    base = _base(dataset)
-    if not isinstance(base, TokenWindows) or all(m is None for m in base.masks):
+    loss mask, no padding): the base dataset's ``counted``, through the subsets that cut it."""
+    counts = getattr(_base(dataset), "counted", lambda: None)()
+    if counts is None:
         return None
-    s = base.seq_len
-    parts = []
-    for a, mask in enumerate(base.masks):
-        n = base.starts[a + 1] - base.starts[a]
-        if mask is None:
-            parts.append(np.full(n, s, dtype=np.int64))
-        else:
-            parts.append(np.asarray(mask[1:1 + n * s], dtype=bool).reshape(n, s).sum(1, dtype=np.int64))
-    counts = np.concatenate(parts)
     chain: list[Any] = []
     while isinstance(dataset, Subset):
         chain.append(dataset.indices)
@@ -296,6 +346,13 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
             raise ValueError(f"{key}={path}: token id {stream.max_id} (data.tokenizer={data_cfg.tokenizer} "
                              f"has {stream.vocab_size} ids) but model.vocab_size={vocab}: set "
                              f"model.vocab_size>={stream.max_id + 1} or use the model's own tokenizer")
+        eos = getattr(shape, "document_eos", None)
+        if eos is not None and eos != stream.eos_id:
+            raise ValueError(f"data.packing=document: the model masks documents at EOS id {eos} "
+                             f"but {key}={path} was packed with {stream.eos_id}: set data.tokenizer "
+                             "to the tokenizer the data was packed with")
+        if data_cfg.packing == "pad":
+            return DocumentRows(stream.array(), seq_len, stream.eos_id, mask=stream.mask())
         return TokenWindows([stream.array()], seq_len, what=f"{key}={path}", masks=[stream.mask()],
                             n_loss=[stream.n_loss_tokens])
     return TextDataset(path, seq_len)
@@ -331,7 +388,7 @@ def data_facts(dataset: Dataset) -> dict[str, int | None]:
     first, stop = 0, None
     if isinstance(dataset, Subset) and isinstance(dataset.indices, range) and dataset.indices.step == 1:
         first, stop, dataset = dataset.indices.start, dataset.indices.stop, dataset.dataset
-    if isinstance(dataset, TokenWindows):
+    if hasattr(dataset, "counts"):  # TokenWindows, packing's DocumentRows
         tokens, loss = dataset.counts(first, stop)
     elif isinstance(dataset, SyntheticDataset):
         tokens = loss = ((stop if stop is not None else len(dataset)) - first) * dataset.seq_len

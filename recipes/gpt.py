@@ -48,9 +48,26 @@ def rope_table(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate (batch, heads, seq, head_dim) pairs of channels by the table's angles."""
     x2 = x.float().unflatten(-1, (-1, 2))
-    cos, sin = table[: x.shape[-2], :, 0], table[: x.shape[-2], :, 1]
+    if table.dim() == 4:  # per row (batch, seq, head_dim // 2, 2): documents' own positions
+        cos, sin = table[:, None, :, :, 0], table[:, None, :, :, 1]
+    else:
+        cos, sin = table[: x.shape[-2], :, 0], table[: x.shape[-2], :, 1]
     out = torch.stack([x2[..., 0] * cos - x2[..., 1] * sin, x2[..., 0] * sin + x2[..., 1] * cos], -1)
     return out.flatten(-2).type_as(x)
+
+
+def document_layout(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotary position of each token, attention mask (batch, 1, seq, seq), True where a query
+    may attend) of windows of packed documents: a document starts at each EOS (and at the
+    window's first token); a token attends to the earlier tokens of its own document."""
+    t = tokens.shape[1]
+    at = torch.arange(t, device=tokens.device)
+    starts = tokens == eos
+    doc = starts.long().cumsum(1)
+    first = torch.where(starts, at, torch.zeros_like(at)).cummax(1).values
+    causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return at - first, mask[:, None]
 
 
 class CoreAttention(nn.Module):
@@ -66,17 +83,19 @@ class CoreAttention(nn.Module):
         block's forward leaves it None (report.json's ``attention`` asks torch with the run's
         shapes instead: observers/kernels.py)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dropout, gqa = self.dropout if self.training else 0.0, q.shape[1] != k.shape[1]
         if self.kernel is None and self.training and not torch.compiler.is_compiling():
-            self.kernel = sdpa_kernel(q, k, v, dropout=dropout, enable_gqa=gqa)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+            self.kernel = sdpa_kernel(q, k, v, dropout=dropout, enable_gqa=gqa, mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=dropout, enable_gqa=gqa)
         return y.transpose(1, 2)
 
 
 def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float = 0.0,
-                enable_gqa: bool = False) -> str:
+                enable_gqa: bool = False, mask: torch.Tensor | None = None) -> str:
     """The kernel ``F.scaled_dot_product_attention(q, k, v, is_causal=True, ...)`` runs: torch's
     own choice (``torch._fused_sdp_choice``, the dispatch SDPA itself calls, per device: on CUDA
     its priority order over the backends enabled, each backend's constraints on these shapes,
@@ -85,7 +104,7 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: f
     from torch.nn.attention import SDPBackend
 
     try:
-        choice = torch._fused_sdp_choice(q, k, v, None, dropout, True,
+        choice = torch._fused_sdp_choice(q, k, v, mask, dropout, mask is None,
                                          scale=None, enable_gqa=enable_gqa)
         name = SDPBackend(choice).name
     except Exception as e:  # noqa: BLE001  (the report says why instead)
@@ -104,7 +123,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(s.n_heads * s.head_dim, s.dim, bias=False)
         self.core = CoreAttention(s.dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism the projections hold a slice of the heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -112,7 +131,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q = apply_rope(q.transpose(1, 2), rope).transpose(1, 2)
         k = apply_rope(k.transpose(1, 2), rope).transpose(1, 2)
-        return self.wo(self.core(q, k, v).reshape(b, t, -1))
+        y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
+        return self.wo(y.reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -203,8 +223,8 @@ class Block(nn.Module):
         self.mlp = MoE(s) if moe else MLP(s)
         self.drop = nn.Dropout(s.dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask=mask))  # (TP hooks see x, rope)
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -260,14 +280,17 @@ class GPT(nn.Module):
         # counted targets] instead of the logits, ``loss_chunk`` tokens' logits at a time
         # (recipes/head.py), inside the head's own call so every engine gathers it for it.
         h = self.drop(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
-        rope = self.rope
+        rope, mask, eos = self.rope, None, self.shape.document_eos
+        if eos is not None and self.tok_embeddings is not None:  # data.packing=document
+            positions, mask = document_layout(tokens, eos)
+            rope = rope[positions]
         if self.seq_shard is not None:
             from recipes.data import shard_index
 
             rank, degree, *balanced = self.seq_shard
             rope = rope[shard_index(h.shape[1] * degree, rank, degree, *balanced)]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

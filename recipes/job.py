@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import float8_checks
+from recipes import float8_checks, packing
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -395,6 +395,10 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += strategy.launch_problems(run)
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += _preset_problems(strategy, run, objs, bad)
+        if not bad["data"]:
+            problems += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
+    if not bad["model"] and not bad["data"] and (eos := packing.document_eos(objs["data"])) is not None:
+        objs["model"] = replace(model, document_eos=eos)  # (the model masks documents at it)
     if not bad["model"] and not bad["trainer"]:
         problems += _save_hf_problems(t, model) + _loss_chunk_problems(t, model, run, strategy.name)
     if not bad["trainer"] and not bad["strategy"] and preset.name != AUTO:

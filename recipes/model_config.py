@@ -81,6 +81,10 @@ class ModelConfig:
     """Experts every token goes through (DeepSeek-MoE), one MLP of n x moe_ffn_dim."""
     first_dense_layers: int = knob(0, min=0)
     """The first layers keep a dense MLP (DeepSeek-MoE: 1)."""
+    document_eos: int | None = knob(None, min=0)
+    """The token id at which attention and rotary positions restart (recipes/packing.py): set
+    at validation from ``data.packing=document`` (the tokenizer's EOS); None: causal over the
+    whole window."""
 
     @property
     def is_moe(self) -> bool:

@@ -108,6 +108,7 @@ class TrainerConfig:
 
 DATASETS = ("text", "synthetic", "jsonl", "parquet", "chat", "tokens")
 TRAIN_ON = ("assistant", "all")
+PACKINGS = ("concat", "document", "pad")  # data.packing (recipes/packing.py)
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
@@ -155,6 +156,11 @@ class DataConfig:
     num_samples: int = knob(4096, min=1)
     """Samples in the synthetic dataset."""
     num_workers: int = knob(0, min=0)
+    packing: str = knob("concat", choices=PACKINGS)
+    """How documents share the model's windows (recipes/packing.py): concat (windows cut the
+    token stream; attention crosses documents) | document (the same windows, attention and
+    rotary positions restart at each document) | pad (one document per row, padding not counted).
+    document and pad need tokenized data (the tokenizer's EOS separates documents)."""
 
     @property
     def tokenized(self) -> bool:
