@@ -196,8 +196,10 @@ def ulysses_traffic(shape, micro: int, sp: int, elem: float, ckpt: bool, pp: int
     keys and values into head shards and the attention output back -- 4 x s x b x h / sp
     elements with full heads (keys and values at the KV width under GQA) -- in forward, the same
     again in backward, and once more in forward when blocks are recomputed. A rank sends
-    (sp - 1) / sp of each payload (``all_to_all``)."""
-    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
+    (sp - 1) / sp of each payload (``all_to_all``). KV heads sp does not divide are replicated
+    to the query heads first (as DeepSpeed does): keys and values then travel at full width."""
+    kv_heads = shape.n_kv_heads if shape.n_kv_heads % sp == 0 else shape.n_heads
+    kv = kv_heads * (shape.dim // shape.n_heads)
     layers = math.ceil(shape.n_layers / pp)
     per_layer = (2 * shape.dim + 2 * kv) * micro * shape.seq_len / sp * elem
     passes = 3 if ckpt else 2

@@ -208,9 +208,21 @@ def _problems(*overrides: str) -> str:
 
 @pytest.mark.unit
 def test_heads_not_divisible_by_the_ulysses_degree_is_one_clear_error():
-    msg = _problems("strategy=ulysses", *FOUR, "strategy.sp=4")  # gpt_nano: 4 heads, 2 KV heads
-    assert "model.n_kv_heads=2 is not divisible by strategy.sp=4" in msg, msg
-    assert "model.n_heads=4 is not divisible" not in msg  # 4 heads do divide 4
+    """Query heads must divide over sp; KV heads need not (they are replicated, as DeepSpeed does)."""
+    msg = _problems("strategy=ulysses", *FOUR, "strategy.sp=4", "model.n_heads=2", "model.n_kv_heads=2")
+    assert "model.n_heads=2 is not divisible by strategy.sp=4" in msg, msg
+    assert "n_kv_heads" not in msg
+    validate(compose([*CPU, "strategy=ulysses", *FOUR, "strategy.sp=4"]))  # gpt_nano: 4 heads, 2 KV
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: Ulysses' equality with divisible KV heads, test_ulysses_* above)
+def test_ulysses_with_kv_heads_sp_does_not_divide_equals_one_process(runs):
+    """One KV head over sp=2: each rank's query heads get their own copy of it before the
+    all-to-all; the same losses and parameters as one process (SGD)."""
+    one = ("model.n_kv_heads=1",)
+    ref = runs(*CASES["single"].overrides, *one)
+    _equivalent(runs("strategy=ulysses", "cluster.devices=2", *one), ref, "sgd")
 
 
 @pytest.mark.unit
@@ -228,9 +240,9 @@ def test_sequence_not_divisible_by_two_cp_is_one_clear_error():
 @pytest.mark.subprocess
 def test_invalid_sequence_shapes_exit_2_before_launch(tmp_path):
     run = run_cli("train.py", *CPU, "model=gpt_nano", "strategy=ulysses", *FOUR, "strategy.sp=4",
-                  out=tmp_path / "heads", check=False, timeout=120)
+                  "model.n_heads=2", "model.n_kv_heads=2", out=tmp_path / "heads", check=False, timeout=120)
     assert run.proc.returncode == 2, run.log[-2000:]
-    assert "model.n_kv_heads=2 is not divisible by strategy.sp=4" in run.log
+    assert "model.n_heads=2 is not divisible by strategy.sp=4" in run.log
     plan = run_cli("plan.py", *CPU, "model=gpt_nano", "strategy=fsdp_cp", "cluster.devices=2",
                    "model.seq_len=30", out=tmp_path / "cp", check=False, timeout=120)
     assert plan.proc.returncode == 2, plan.log[-2000:]

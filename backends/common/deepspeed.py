@@ -90,7 +90,9 @@ def apply_ulysses(module: Any, sp: int) -> Any:
     one the model names, ``attention_core``) inside DeepSpeed's ``DistributedAttention``, which
     all-to-alls the (batch, seq/sp, heads, head_dim) queries, keys and values of this rank's
     sequence shard into (batch, seq, heads/sp, head_dim), runs the core, and all-to-alls the
-    result back; the model's rotary angles start at this rank's shard (``seq_shard``). Gradients
+    result back; the model's rotary angles start at this rank's shard (``seq_shard``). KV heads
+    that sp does not divide are replicated to the query heads before it (grouped-query attention
+    maps query head i to KV head i // group, which ``repeat_interleave`` keeps). Gradients
     are then averaged over every rank by the engine (sp peers' shards are parts of one mean)."""
     if sp <= 1:
         return module
@@ -108,6 +110,8 @@ def apply_ulysses(module: Any, sp: int) -> Any:
             self.inner = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
 
         def forward(self, q: Any, k: Any, v: Any) -> Any:
+            if k.shape[2] % sp:  # KV heads sp does not divide: each query head's own copy
+                k, v = (x.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for x in (k, v))
             return self.inner(q.contiguous(), k.contiguous(), v.contiguous(), 0)
 
     model, block = find_model(module)

@@ -133,13 +133,13 @@ class ZeroConfig(StrategyConfig):
         """Ulysses splits heads (after the all-to-all) and the sequence (before it) over sp."""
         out = super().model_problems(model)
         if self.sp > 1 and not out:
-            for key in ("n_heads", "n_kv_heads", "seq_len"):
+            for key in ("n_heads", "seq_len"):  # (KV heads sp does not divide are replicated)
                 value = getattr(model, key, None)
                 if isinstance(value, int) and value % self.sp:
                     what = "sequence" if key == "seq_len" else "heads"
                     out.append(f"model.{key}={value} is not divisible by strategy.sp={self.sp}: "
                                f"Ulysses splits the {what} over the sp ranks; choose sp dividing "
-                               f"model.n_heads, model.n_kv_heads and model.seq_len (or another model)")
+                               f"model.n_heads and model.seq_len (or another model)")
         return out
 
     # ---------------------------------------------------------------- validation
