@@ -65,7 +65,10 @@ def train(job: Job, predicted: dict, out: Path) -> None:
     if outcome.rank == 0 and job.trainer.save_hf:
         from checkpoints.convert import final_hf
 
-        log.info("Hugging Face model: %s", final_hf(out, job.trainer.max_steps))
+        best, stopped = r.get("best"), r.get("stopped") or {}
+        step = (best["step"] if job.trainer.save_hf_from == "best" and best else
+                stopped.get("step") if stopped.get("reason") == "early_stopping" else job.trainer.max_steps)
+        log.info("Hugging Face model: %s (step %d)", final_hf(out, step), step)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base=None)
