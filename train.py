@@ -63,11 +63,9 @@ def train(job: Job, predicted: dict, out: Path) -> None:
         for message in report.closing(r, out / "report.json" if job.callbacks.report else None):
             log.info("%s", message)
     if outcome.rank == 0 and job.trainer.save_hf:
-        from checkpoints.convert import final_hf
+        from checkpoints.convert import final_hf, hf_step
 
-        best, stopped = r.get("best"), r.get("stopped") or {}
-        step = (best["step"] if job.trainer.save_hf_from == "best" and best else
-                stopped.get("step") if stopped.get("reason") == "early_stopping" else job.trainer.max_steps)
+        step = hf_step(job.trainer, r)
         log.info("Hugging Face model: %s (step %d)", final_hf(out, step), step)
 
 

@@ -227,12 +227,14 @@ def test_a_resumed_run_judges_as_the_uninterrupted_one(bouncy, tmp_path, backend
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("preset", ["fsdp2", "zero2"])
-@pytest.mark.parametrize("backend", ["lightning", "accelerate"])
-def test_other_presets_stop_and_keep_the_best(bouncy, preset, backend):
-    """Sharded presets train ddp's run (tests/test_equivalence): the same best, the same stop."""
-    r, ref = _check_run(bouncy(backend, preset)), bouncy("lightning").report
-    assert r["stopped"]["step"] == ref["stopped"]["step"] and r["best"]["step"] == ref["best"]["step"]
-    assert_losses_close(ref["losses"], r["losses"], rtol=1e-4)
+def test_other_presets_stop_where_both_backends_do(bouncy, preset):
+    """Each backend keeps the best and stops as its own history says, at the same step as the
+    other. (Not at ddp's step: at lr 0.3 a 1e-5 difference in the reduction order -- fsdp2 vs ddp
+    differ by 8e-6 at the validation of step 6 -- grows into another trajectory; measured: fsdp2
+    stops at step 20 with its best at 16, ddp at 22 with 18, on both backends.)"""
+    light, acc = _check_run(bouncy("lightning", preset)), _check_run(bouncy("accelerate", preset))
+    assert acc["stopped"] == light["stopped"] and acc["best"]["step"] == light["best"]["step"]
+    assert_losses_close(light["losses"], acc["losses"], rtol=1e-5)
 
 
 @pytest.mark.slow
