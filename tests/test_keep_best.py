@@ -253,3 +253,29 @@ def test_the_alias_trains_the_run_the_strategy_key_trains(tmp_path):
     assert all(torch.equal(pa[k], pk[k]) for k in pk)
     assert alias.report["config"]["strategy"] == key.report["config"]["strategy"]
     assert alias.report["config"]["strategy"]["activation_checkpointing"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(900)
+def test_save_hf_takes_the_best_checkpoint(tmp_path):
+    """trainer.save_hf_from=best: <output>/hf holds the best step's weights (here step 6 of 10:
+    the validation loss of this tiny Llama rises after it), not the last's."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from checkpoints.convert import to_hf
+    from tests.test_hf import _save
+
+    llama = _save(tmp_path / "llama")
+    run = run_cli("train.py", *TINY, "model=hf", f"model.path={llama}", "model.seq_len=32",
+                  "data.tokenizer=null", "strategy=single", "trainer.max_steps=10",
+                  "trainer.global_batch_size=8", "data.val_fraction=0.05", "data.val_samples=16",
+                  "trainer.val_every=1", "trainer.lr=0.01", "trainer.keep_best=true", "trainer.keep_last=1",
+                  "trainer.save_hf=true", "trainer.save_hf_from=best", out=tmp_path / "run", timeout=600)
+    best = run.report["best"]
+    assert best["step"] < 10 and best["val_loss"] == min(v["loss"] for v in run.report["validation"])
+    got = load_file(run.out / "hf" / "model.safetensors")
+    for step, same in ((best["step"], True), (10, False)):
+        want = load_file(to_hf(run.out / "checkpoints" / f"step{step}", tmp_path / f"hf{step}") / "model.safetensors")
+        assert all((got[k] == want[k]).all() for k in want) == same, step
