@@ -63,9 +63,10 @@ def train(job: Job, predicted: dict, out: Path) -> None:
         for message in report.closing(r, out / "report.json" if job.callbacks.report else None):
             log.info("%s", message)
     if outcome.rank == 0 and job.trainer.save_hf:
-        from checkpoints.convert import final_hf
+        from checkpoints.convert import final_hf, hf_step
 
-        log.info("Hugging Face model: %s", final_hf(out, job.trainer.max_steps))
+        step = hf_step(job.trainer, r)
+        log.info("Hugging Face model: %s (step %d)", final_hf(out, step), step)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base=None)

@@ -115,6 +115,10 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     if resume_from == AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
         raise Finished(f"already finished at step {ckpt.step} ({ckpt.path}); raise "
                        f"trainer.max_steps (now {job.trainer.max_steps}) to continue")
+    if resume_from == AUTO and ckpt is not None and stopped_early(ckpt, job.trainer):
+        raise Finished(f"already stopped early at step {ckpt.step} ({ckpt.path}, trainer."
+                       "early_stopping); raise trainer.early_stopping.patience, or set it to 0, "
+                       "to continue")
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])
@@ -160,11 +164,15 @@ def _check_shapes(ckpt: Checkpoint, want: dict[str, list[int]]) -> None:
                                   "resume with the model.* settings it was trained with")
 
 
-def due(trainer: Any, step: int) -> bool:
+def due(trainer: Any, step: int, decision: Any = None) -> bool:
     """Whether the checkpoint of optimizer step ``step`` is to be saved: every
-    ``trainer.checkpoint_every`` steps, and the final one (``trainer.save_last``)."""
+    ``trainer.checkpoint_every`` steps, the final one (``trainer.save_last``: the last step, or
+    the step an early stop ends the run at), and a new best (``decision``: the validator's,
+    recipes/stopping.py)."""
     every = trainer.checkpoint_every
-    return bool(every and step % every == 0) or (trainer.save_last and step == trainer.max_steps)
+    stop, keep = (decision.stop, decision.keep) if decision is not None else (False, False)
+    return (bool(every and step % every == 0) or keep
+            or (trainer.save_last and (step == trainer.max_steps or stop)))
 
 
 def save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str, Any] | None = None
@@ -268,11 +276,29 @@ def _save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[st
         _write_config(temp, job)
         (temp / store.HISTORY).write_text(json.dumps(history or {}) + "\n")
         store.commit(temp, final, _meta(h, job, step))
-        for p in store.prune(run_dir, job.trainer.keep_last):
+        for p in store.prune(run_dir, job.trainer.keep_last, spare=_best(job, history)):
             log.info("removed checkpoint %s (trainer.keep_last=%d)", p, job.trainer.keep_last)
         log.info("checkpoint: %s", final)
     state._barrier()
     return final
+
+
+def _best(job: Job, history: dict[str, Any] | None) -> int | None:
+    """trainer.keep_best: the step of the best validation so far, whose checkpoint pruning spares."""
+    if not job.trainer.keep_best:
+        return None
+    from recipes.stopping import judge
+
+    best = judge((history or {}).get("validation", [])).best
+    return None if best is None else int(best["step"])
+
+
+def stopped_early(ckpt: Checkpoint, trainer: Any) -> bool:
+    """``ckpt`` is where an early stop ended its run (its validations say stop at its step)."""
+    from recipes.stopping import EARLY_STOPPING, stopped
+
+    records = [v for v in ckpt.history().get("validation", []) if v["step"] <= ckpt.step]
+    return stopped(records, trainer, ckpt.step)["reason"] == EARLY_STOPPING
 
 
 def start(job: Job, run_dir: str | Path, *, rank: int, world_size: int, device: Any = None

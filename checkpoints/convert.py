@@ -12,6 +12,7 @@ zero_to_fp32), fp32, keyed as the plain model. No process group is needed.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from checkpoints.state import full_model, verify
 from checkpoints.store import read
@@ -60,6 +61,16 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -
     path = save_hf(full_model(ckpt), shape, out, merge_lora=merge_lora)
     plain_modes(path)  # (safetensors' own temp file leaves the weights 0600)
     return path
+
+
+def hf_step(trainer: Any, report: dict[str, Any]) -> int:
+    """The step whose checkpoint ``trainer.save_hf`` exports: the best (``trainer.save_hf_from=
+    best``, the report's ``best``), else the run's last (``trainer.max_steps``, or where an early
+    stop ended it)."""
+    best, stopped = report.get("best"), report.get("stopped") or {}
+    if trainer.save_hf_from == "best" and best:
+        return int(best["step"])
+    return int(stopped["step"]) if stopped.get("reason") == "early_stopping" else trainer.max_steps
 
 
 def final_hf(run_dir: str | Path, step: int) -> Path:

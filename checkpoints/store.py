@@ -86,11 +86,12 @@ def commit(temp: Path, final: Path, meta: dict[str, Any]) -> None:
     _fsync_dir(final.parent)
 
 
-def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all)."""
+def prune(run_dir: str | Path, keep_last: int, spare: int | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all), and never the
+    one of step ``spare`` (trainer.keep_best: the best, kept beside the rotation)."""
     if keep_last <= 0:
         return []
-    old = complete(run_dir)[:-keep_last]
+    old = [p for p in complete(run_dir)[:-keep_last] if spare is None or p.name != f"step{spare}"]
     for p in old:
         # Rename first: a kill mid-delete leaves a .tmp- directory, never a half step<N>.
         doomed = p.with_name(f"{TMP}pruned-{p.name}")

@@ -2,7 +2,11 @@
 
 Report keys (documented in README): ``steps``, ``losses``, ``lrs`` (the learning rate of each
 step), ``grad_norms`` (each step's global gradient norm before clipping), ``final_loss``, ``wall_seconds``, ``tokens_per_second``, ``validation`` (one ``{step, loss, perplexity, samples}`` per validation;
-empty without a validation split). The backend computes each step's loss (the mean over all its
+empty without a validation split), ``best`` (the validation with the lowest loss: ``{step,
+val_loss, path}``, path its checkpoint directory when one exists -- trainer.keep_best keeps it;
+null without validations), ``stopped`` (why the run ended: ``{reason: max_steps, step}`` or
+``{reason: early_stopping, step, best_step, best_val_loss, patience, min_delta}``;
+recipes/stopping.py). The backend computes each step's loss (the mean over all its
 micro-batches on all data-parallel ranks) and hands it to ``on_step_end``. A resumed run starts
 from the record its checkpoint carries: ``losses`` and ``validation`` cover the whole run;
 ``wall_seconds`` and ``tokens_per_second`` this attempt.
@@ -20,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from observers.base import Engine, Observer, Selection, learning_rate, observer
+from recipes import stopping
 
 log = logging.getLogger(__name__)
 
 
 class LossLog(Observer):
-    def __init__(self, tokens_per_step: int):
-        self.tokens_per_step = tokens_per_step
+    def __init__(self, tokens_per_step: int, trainer: Any = None, out: Path | None = None):
+        self.tokens_per_step, self.trainer, self.out = tokens_per_step, trainer, out
         self.losses: list[float] = []
         self.lrs: list[float] = []
         self.grad_norms: list[float | None] = []
@@ -64,6 +69,9 @@ class LossLog(Observer):
         if engine.rank == 0:
             log.info("validation at step %d: loss %.4f, perplexity %.2f (%d samples)", step,
                      metrics["loss"], metrics["perplexity"], metrics.get("samples", 0))
+            if self.trainer is not None and (s := stopping.stopped(
+                    self.validation, self.trainer, step))["reason"] == stopping.EARLY_STOPPING:
+                log.info("%s", stopping.line(s))
 
     def on_train_end(self, engine: Engine) -> None:
         self._end = time.perf_counter()
@@ -73,8 +81,21 @@ class LossLog(Observer):
         return {"steps": len(self.losses), "losses": self.losses, "lrs": self.lrs,
                 "grad_norms": self.grad_norms,
                 "final_loss": self.losses[-1] if self.losses else None, "wall_seconds": wall,
-                "validation": self.validation,
+                "validation": self.validation, **self._ending(),
                 "tokens_per_second": ran * self.tokens_per_step / wall if wall > 0 else 0.0}
+
+
+    def _ending(self) -> dict[str, Any]:
+        """``best`` and ``stopped``."""
+        if self.trainer is None:
+            return {}
+        best = stopping.judge(self.validation).best
+        if best is not None:
+            # (checkpoints.store.path_for's name: observers do not import checkpoints/)
+            where = self.out / "checkpoints" / f"step{best['step']}" if self.out is not None else None
+            best = {"step": int(best["step"]), "val_loss": float(best["loss"]),
+                    "path": str(where) if where is not None and where.is_dir() else None}
+        return {"best": best, "stopped": stopping.stopped(self.validation, self.trainer, len(self.losses))}
 
 
 def _bytes(n: float) -> str:
@@ -99,6 +120,9 @@ def summary(report: dict[str, Any], path: Path | None = None) -> str:
     parts = [f"done: {report['steps']} steps", f"final loss {report['final_loss']:.4f}"]
     if report.get("validation"):
         parts.append(f"val loss {report['validation'][-1]['loss']:.4f}")
+    if (report.get("stopped") or {}).get("reason") == stopping.EARLY_STOPPING:
+        parts.append(f"stopped early (best val loss {report['stopped']['best_val_loss']:.4f} at step "
+                     f"{report['stopped']['best_step']})")
     # the median step's (the throughput observer's) when measured: the first step's start-up aside
     rate = (report.get("throughput") or {}).get("tokens_per_second") or report.get("tokens_per_second", 0)
     parts.append(f"{rate:,.0f} tokens/s")
@@ -134,4 +158,4 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
 @observer("report", order=0)
 def _selected(s: Selection) -> Observer:
     """Always: the run's losses and wall time."""
-    return LossLog(s.job.tokens_per_step)
+    return LossLog(s.job.tokens_per_step, s.job.trainer, s.out)

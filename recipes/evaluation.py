@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes.data import IGNORE, ValidationBatches, validation_steps
+from recipes.stopping import Decision, decide
 
 
 def loss_sums(logits: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -39,11 +40,23 @@ def batch_sums(model: Any, batch: tuple[torch.Tensor, torch.Tensor], chunk: int 
 
 
 class Validator:
-    """When to validate, and on what: the validation set in this rank's batches."""
+    """When to validate, and on what: the validation set in this rank's batches; and the run's
+    validations so far (``records``), which ``decide`` judges (trainer.keep_best,
+    trainer.early_stopping: recipes/stopping.py)."""
 
     def __init__(self, dataset: Any, *, micro_batch: int, val_every: int, max_steps: int):
         self.dataset, self.micro_batch = dataset, micro_batch
         self.due = validation_steps(val_every, max_steps)
+        self.records: list[dict[str, Any]] = []
+
+    def resume(self, history: dict[str, Any], step: int) -> None:
+        """A resumed run: the validations its checkpoint of ``step`` carries (``history.json``)."""
+        self.records = [dict(v) for v in history.get("validation", []) if v["step"] <= step]
+
+    def decide(self, trainer: Any, step: int) -> Decision:
+        """After optimizer step ``step``: keep its checkpoint as the best, stop the run (both
+        backends act on this one answer, the same on every rank)."""
+        return decide(self.records, trainer, step)
 
     def run(self, step_fn: Callable[[tuple[torch.Tensor, torch.Tensor], int], torch.Tensor], *,
             dp_rank: int, dp_size: int, device: Any, step: int,
@@ -64,5 +77,7 @@ class Validator:
             dist.all_reduce(on)
             sums = on.cpu()
         loss = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
-        return {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-                "samples": len(self.dataset)}
+        record = {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+                  "samples": len(self.dataset)}
+        self.records.append(record)
+        return dict(record)

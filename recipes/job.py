@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import float8_checks, packing
+from recipes import float8_checks, packing, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -342,7 +342,9 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     ``auto``: how ``strategy=auto`` chooses (``planner.choose``), a step over the typed groups:
     the chosen preset is then checked and derived as if the config had named it. Without it
     (or with a group the planner reads unreadable) ``auto`` stays a placeholder preset."""
+    cfg, aliased = stopping.gradient_checkpointing(cfg)  # (one switch: the strategy's key)
     objs, bad = _objects(cfg)
+    bad["trainer"] = bad.get("trainer", []) + aliased
     unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
     if unknown:  # ``+key=value`` adds keys the schema does not have
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
@@ -368,6 +370,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     problems += _logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
+    if not bad["trainer"] and not bad["data"]:
+        problems += stopping.problems(t, objs["data"])
     if not bad["data"]:
         problems += data_problems(objs["data"], None if bad["model"] else model)
     world_ok = c.nodes >= 1 and c.devices >= 1

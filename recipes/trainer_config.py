@@ -13,6 +13,19 @@ OPTIMIZERS = ("adamw", "sgd")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 COMPILE = ("auto", "true", "false")
 SCHEDULERS = ("constant", "cosine", "linear")
+SAVE_HF_FROM = ("last", "best")
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """``trainer.early_stopping`` (Hugging Face's EarlyStoppingCallback on the validation loss,
+    recipes/stopping.py): stop after ``patience`` validations in a row whose loss is not below the
+    best before it by more than ``min_delta``."""
+
+    patience: int = knob(0, min=0)
+    """Validations without improvement before the run stops; 0: never stop early."""
+    min_delta: float = knob(0.0, min=0.0)
+    """How much lower than the best so far a validation loss must be to count as an improvement."""
 
 
 @dataclass
@@ -93,6 +106,18 @@ class TrainerConfig:
     val_every: int = knob(0, min=0)
     """Validate every N optimizer steps (when the data has a validation split), and always at the
     end; 0: only at the end."""
+    keep_best: bool = False
+    """Also save the checkpoint of each validation that lowers the best validation loss so far,
+    and keep the best one whatever keep_last says (report key ``best``: its step, loss and
+    path). Needs validations during the run (a validation split, trainer.val_every > 0)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    save_hf_from: str = knob("last", choices=SAVE_HF_FROM)
+    """trainer.save_hf: which checkpoint becomes <output>/hf: last (the run's final one) | best
+    (the lowest validation loss; trainer.keep_best=true)."""
+    gradient_checkpointing: bool | None = None
+    """The fine-tuner's name for strategy.activation_checkpointing (one switch): true turns it on
+    (recompute each block in backward) where the preset has it off; false where it is on is an
+    error; null: strategy.activation_checkpointing decides."""
     resume_from: str | None = knob("auto", choices=("auto",), exists="dir",
                                    fix="set trainer.resume_from=auto (the newest complete checkpoint "
                                        "in the run directory), a checkpoint directory "

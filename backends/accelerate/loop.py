@@ -151,11 +151,13 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
     engine = AccelerateEngine(p.acc, p.model, [p.engine_opt], p.builder)
     if ckpt is not None:
         observers.resume(engine, ckpt.step, ckpt.path, ckpt.history())
-    return _loop(job, out, observers, p, engine, start, save, checkpoints.interruption().install())
+    history = ckpt.history() if ckpt is not None else {}
+    return _loop(job, out, observers, p, engine, start, save, checkpoints.interruption().install(),
+                 history)
 
 
 def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: AccelerateEngine, start: int,
-          save: Callable[[int], Path], interrupt: Any) -> dict[str, Any]:
+          save: Callable[[int], Path], interrupt: Any, history: dict[str, Any]) -> dict[str, Any]:
     t, acc, model, opt = job.trainer, p.acc, p.model, p.opt
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
@@ -163,6 +165,8 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     observers.meta["data"] = data_facts(data)
     validator = None if val is None else evaluation.Validator(
         val, micro_batch=job.batch.per_step, val_every=t.val_every, max_steps=t.max_steps)
+    if validator is not None:
+        validator.resume(history, start)
     dp_rank, dp_size = p.builder.data_rank(acc.process_index, acc.num_processes)
     seq = p.builder.sequence_shard(acc.process_index)
     sampler = GlobalBatchSampler(len(data), global_batch=job.batch.global_size,
@@ -205,8 +209,11 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
         if validator is not None and step + 1 in validator.due:
             observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1,
                                                                  p.builder, t.loss_chunk))
-        if checkpoints.due(t, step + 1):
+        decision = validator.decide(t, step + 1) if validator is not None else None
+        if checkpoints.due(t, step + 1, decision):
             save(step + 1)
+        if decision is not None and decision.stop:  # (trainer.early_stopping: every rank alike)
+            break
         if step + 1 < t.max_steps and (signum := interrupt.requested(acc.device)):
             raise checkpoints.Interrupted(signum, step + 1, save(step + 1))
     report = observers.train_end(engine)

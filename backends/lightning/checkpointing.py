@@ -23,6 +23,7 @@ from observers import startup
 
 if TYPE_CHECKING:
     from observers import Observers
+    from recipes.evaluation import Validator
     from recipes.job import Job
 
 
@@ -49,8 +50,8 @@ class Checkpointing(L.Callback):
     all save together and the run raises ``Interrupted``. Each checkpoint carries the observers'
     record (``Observers.history``); a resumed run hands it back to them."""
 
-    def __init__(self, job: Job, out: Path, observers: Observers):
-        self.job, self.out, self.observers = job, out, observers
+    def __init__(self, job: Job, out: Path, observers: Observers, validator: Validator | None = None):
+        self.job, self.out, self.observers, self.validator = job, out, observers, validator
         self._saved: tuple[int, Path | None] = (-1, None)
         self._checked = -1
         self.interrupt = checkpoints.interruption()
@@ -83,6 +84,8 @@ class Checkpointing(L.Callback):
         if ckpt is not None:
             set_global_step(trainer, checkpoints.load(handles(trainer, self.job), ckpt))
             self._saved = (ckpt.step, ckpt.path)
+            if self.validator is not None:
+                self.validator.resume(ckpt.history(), ckpt.step)
             self.observers.resume(LightningEngine(trainer), ckpt.step, ckpt.path, ckpt.history())
         self._checked = trainer.global_step
         startup.mark("checkpoint_load")
@@ -92,8 +95,13 @@ class Checkpointing(L.Callback):
         if step == self._checked:  # inside an accumulation window: no optimizer step yet
             return
         self._checked = step
-        if checkpoints.due(self.job.trainer, step):
+        # (the ObserverBridge, the callback before this one, has validated this step)
+        decision = self.validator.decide(self.job.trainer, step) if self.validator is not None else None
+        if checkpoints.due(self.job.trainer, step, decision):
             self._save(trainer, step)
+        if decision is not None and decision.stop:  # trainer.early_stopping: every rank alike
+            trainer.should_stop = True
+            return
         if step >= self.job.trainer.max_steps:  # done: the run ends and reports as usual
             return
         signum = self.interrupt.requested(trainer.strategy.root_device)

@@ -86,7 +86,8 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
     validator = None if val is None else Validator(val, micro_batch=job.batch.per_step,
                                                    val_every=t.val_every, max_steps=t.max_steps)
     bridge = ObserverBridge(observers, validator)
-    trainer = trainer_for(job, out, [bridge, Checkpointing(job, out, observers)])
+    # (in this order: the bridge validates a step before Checkpointing acts on the validation)
+    trainer = trainer_for(job, out, [bridge, Checkpointing(job, out, observers, validator)])
     log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
     module.share = CountedShare(train, global_batch=job.batch.global_size, seed=t.seed)
