@@ -3,6 +3,7 @@
     python train.py                                           # the default demo
     python train.py strategy=ddp cluster.devices=2 trainer.max_steps=50
     python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2   # + sweep_report.md/json/png
+    python train.py ... --dry-run                             # check and show what would start
 
 compose (Hydra) -> validate -> plan -> resume (which checkpoint, checked whole) -> [launch the
 ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down.
@@ -22,6 +23,7 @@ from omegaconf import DictConfig
 import backends
 import checkpoints
 import launchers
+import launchers.dry_run
 import launchers.sweep
 from observers import report, startup
 from recipes import cli
@@ -94,4 +96,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    launchers.dry_run.exit_if_asked()  # --dry-run: check and print what would start, start nothing
     cli.run(main, __doc__, ready=lambda: startup.mark("import"))
