@@ -46,8 +46,6 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     log.info("%s", result.summary())
     predicted = planner.plan_dict(result) | ({"chosen_by": job.chosen_by} if job.auto else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
-    if first and launchers.restart_problem():
-        log.warning("%s", launchers.restart_problem())
     return checkpoints.for_launch(dataclasses.replace(job, sweep=sweep), out, cleanup=first), predicted
 
 

@@ -146,3 +146,24 @@ def test_two_train_py_runs_into_one_directory_the_second_exits_2_naming_the_firs
     again = run_cli("train.py", *overrides, out=out, timeout=240)
     assert len(json.loads((out / "report.json").read_text())["losses"]) == 3, again.log[-3000:]
     assert json.loads((out / ".owner.json").read_text())["pid"] != first.pid
+
+
+@pytest.mark.unit
+def test_an_outside_torchrun_that_restarts_without_the_store_switch_is_refused(monkeypatch):
+    """torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 hangs on a restart
+    (pytorch#135712); a worker cannot set its agent's environment, so it is one error before any
+    collective (cluster=torchrun and the k8s pods set it themselves)."""
+    import launchers
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    job = validate(compose(list(TINY)), depth=CONFIG)
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "TORCHELASTIC_MAX_RESTARTS": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    found = launchers.check(job)
+    assert any("torchrun --max-restarts=2" in p and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" in p
+               for p in found), found
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert not any("max-restarts" in p for p in launchers.check(job))
