@@ -149,23 +149,33 @@ def hold(directory: str | Path, key: str = "hydra.run.dir", job: str | None = No
         return True
     path.mkdir(parents=True, exist_ok=True)
     me = Owner(job or job_id(), socket.gethostname(), os.getpid(), _started(os.getpid()))
-    f = open(path / LOCK, "a+")  # noqa: SIM115  (open until the process ends: that is the lock)
+    try:  # (opened for writing: NFS grants an exclusive lock only to a writer)
+        f = open(path / LOCK, "a+")  # noqa: SIM115  (open until the process ends: that is the lock)
+    except OSError as e:  # (another user's lock file)
+        return _unlocked(path, e)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         f.close()
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            print(f"warning: cannot lock run directory {path} ({e}): another job could write into it "
-                  "unnoticed (launchers/run_lock.py says which file systems lock)", file=sys.stderr)
-            return False
+            return _unlocked(path, e)
         time.sleep(SETTLE_S)
         holder = owner(path)
         if holder is not None and holder.job == me.job:
             return False
         raise RunDirectoryBusy(path, holder, key) from None
     _held[path] = f
-    _write_owner(path, me)
+    try:
+        _write_owner(path, me)
+    except OSError as e:  # (a full disk: held, but a refused job cannot name this one)
+        print(f"warning: cannot write {path / OWNER} ({e})", file=sys.stderr)
     return True
+
+
+def _unlocked(path: Path, e: OSError) -> bool:
+    print(f"warning: cannot lock run directory {path} ({e}): another job could write into it "
+          "unnoticed (launchers/run_lock.py says which file systems lock)", file=sys.stderr)
+    return False
 
 
 def release(directory: str | Path) -> None:
