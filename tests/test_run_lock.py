@@ -167,3 +167,24 @@ def test_an_outside_torchrun_that_restarts_without_the_store_switch_is_refused(m
                for p in found), found
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     assert not any("max-restarts" in p for p in launchers.check(job))
+
+
+@pytest.mark.unit
+def test_the_hydra_callback_refuses_a_held_sweep_directory_with_exit_2(run_lock, tmp_path, capsys):
+    """A multirun holds its sweep directory (train.py -m ...: the process that drives the sweep);
+    a second sweep into it exits 2 before its first job, naming hydra.sweep.dir."""
+    from omegaconf import OmegaConf
+
+    held = _other_job(run_lock, tmp_path / "sweep")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}},
+                               "cluster": {"launcher": "local"}})
+    with pytest.raises(SystemExit) as e:
+        run_lock.RunLock().on_multirun_start(config)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "job slurm:77" in err and "hydra.sweep.dir=<new directory>" in err, err
+    held.close()
+    run_lock.RunLock().on_multirun_start(config)  # free: this sweep holds it, until its end
+    assert run_lock.owner(tmp_path / "sweep").pid == os.getpid()
+    run_lock.RunLock().on_multirun_end(config)
+    _other_job(run_lock, tmp_path / "sweep").close()
