@@ -3,6 +3,7 @@
     python train.py                                           # the default demo
     python train.py strategy=ddp cluster.devices=2 trainer.max_steps=50
     python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2   # + sweep_report.md/json/png
+    python train.py ... --dry-run                             # check and show what would start
 
 compose (Hydra) -> validate -> plan -> resume (which checkpoint, checked whole) -> [launch the
 ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down.
@@ -22,6 +23,7 @@ from omegaconf import DictConfig
 import backends
 import checkpoints
 import launchers
+import launchers.dry_run
 import launchers.sweep
 from observers import report, startup
 from recipes import cli
@@ -44,8 +46,6 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     log.info("%s", result.summary())
     predicted = planner.plan_dict(result) | ({"chosen_by": job.chosen_by} if job.auto else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
-    if first and launchers.restart_problem():
-        log.warning("%s", launchers.restart_problem())
     return checkpoints.for_launch(dataclasses.replace(job, sweep=sweep), out, cleanup=first), predicted
 
 
@@ -95,4 +95,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    launchers.dry_run.exit_if_asked()  # --dry-run: check and print what would start, start nothing
     cli.run(main, __doc__, ready=lambda: startup.mark("import"))

@@ -88,7 +88,15 @@ def accelerate_single_cpu_process() -> bool:
 
 
 def check(job: Job) -> list[str]:
-    """What the chosen launcher cannot start here (for ``recipes.job.validate(extra=...)``)."""
+    """What the chosen launcher cannot start here (for ``recipes.job.validate(extra=...)``); under
+    an outside torchrun that restarts its workers, its rendezvous store's trap (``restart_problem``:
+    we set the fix where we start torchrun's agent -- launchers/local.py, the k8s pods -- and
+    cannot from inside a worker, so it is refused)."""
+    trap = restart_problem() if launched() else None
+    return ([trap] if trap else []) + _launch_check(job)
+
+
+def _launch_check(job: Job) -> list[str]:
     c, size = job.cluster, job.mesh.size
     if sagemaker.in_container():
         return sagemaker.problems(c.nodes, c.devices, job.run.accelerator)

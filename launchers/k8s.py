@@ -22,6 +22,7 @@ only.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -36,9 +37,24 @@ CONTAINER = "pytorch"  # the container name the training operator looks for
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
+def job_name(k: Any) -> str:
+    """``cluster.k8s.job_name``, or (null, the default) a name new to this launch, so no two jobs
+    share a run directory: ``stratagem-<UTC date>-<time>-<4 hex digits>``, the same everywhere in
+    one launch.py."""
+    return k.job_name or _new_name()
+
+
+@functools.cache
+def _new_name() -> str:
+    import secrets
+    import time
+
+    return f"stratagem-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
 def run_dir(k: Any) -> str:
     """The run directory inside every pod (on the mounted claim)."""
-    return f"{k.mount_path.rstrip('/')}/{k.job_name}"
+    return f"{k.mount_path.rstrip('/')}/{job_name(k)}"
 
 
 def submission_problems(cluster: Any, overrides: list[str]) -> list[str]:
@@ -46,7 +62,7 @@ def submission_problems(cluster: Any, overrides: list[str]) -> list[str]:
     written: the job's name, a claim for the run directory, absolute paths, a run directory of
     the user's own."""
     k, out = cluster.k8s, []
-    if not DNS1035.match(k.job_name):
+    if k.job_name is not None and not DNS1035.match(k.job_name):
         out.append(f"cluster.k8s.job_name={k.job_name!r} is not a DNS-1035 label (the PyTorchJob's "
                    "name: lowercase letters, digits and '-', starting with a letter, at most 63): "
                    "set e.g. cluster.k8s.job_name=stratagem-run1")
@@ -77,7 +93,8 @@ def _pod(cluster: Any, overrides: list[str], gpu: bool) -> dict[str, Any]:
     k = cluster.k8s
     amounts = {"cpu": f"{k.cpus:g}", "memory": f"{k.memory_GB:g}G",
                **({k.gpu_resource: str(cluster.devices)} if gpu else {})}
-    env = [{"name": "OMP_NUM_THREADS", "value": "1"}]
+    env = [{"name": "OMP_NUM_THREADS", "value": "1"},  # the job's id for its run directory's lock
+           {"name": "STRATAGEM_JOB_ID", "value": f"k8s:{k.namespace}/{job_name(k)}"}]
     if cluster.max_restarts:  # restarted workers must not read the attempt before's peers (pytorch#135712)
         env.append({"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"})
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
@@ -111,7 +128,7 @@ def manifest(cluster: Any, overrides: list[str], accelerator: str) -> dict[str, 
         spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": cluster.nodes,
                                  "maxReplicas": cluster.nodes, "maxRestarts": restarts}
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-            "metadata": {"name": k.job_name, "namespace": k.namespace,
+            "metadata": {"name": job_name(k), "namespace": k.namespace,
                          "labels": {"app.kubernetes.io/created-by": "stratagem"}},
             "spec": spec}
 
@@ -121,6 +138,9 @@ def dry_run(job: dict[str, Any]) -> str:
     lines = [f"Kubeflow {KIND} (kubectl apply -f <this JSON>):", json.dumps(job, indent=1), ""]
     cmd = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
     lines.append(f"every pod runs ({job['spec']['nprocPerNode']} ranks each): {' '.join(cmd)}")
+    meta = job["metadata"]
+    lines.append(f"job {meta['namespace']}/{meta['name']} (cluster.k8s.job_name; unset, each launch gets a new "
+                 "name and run directory: name it to run or resume in the same one)")
     return "\n".join(lines)
 
 

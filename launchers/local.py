@@ -116,9 +116,11 @@ def restart_problem() -> str | None:
     pytorch#135712), and its fix; None when it does not apply."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
-        return (f"torchrun --max-restarts={restarts}: a restarted worker can fail to connect "
-                "(torch shares its rendezvous store across attempts, pytorch#135712); start "
-                "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+        return (f"torchrun --max-restarts={restarts}: a restarted worker can fail to connect and the "
+                "job hangs (torch shares its rendezvous store across attempts, pytorch#135712), and "
+                "a worker cannot change its agent's environment; start torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "torchrun ...), or use cluster=torchrun cluster.max_restarts=N, which sets it")
     return None
 
 

@@ -83,8 +83,10 @@ class K8sConfig:
                                           "pulled by the cluster")
     """The image every pod runs (the repository in ``workdir``, ``pip install -e .`` done)."""
     namespace: str = free("default", "a Kubernetes namespace, checked by the cluster")
-    job_name: str = free("stratagem", "the PyTorchJob's name: lowercase letters, digits and '-' "
+    job_name: str | None = free(None, "the PyTorchJob's name: lowercase letters, digits and '-' "
                                       "(checked before launch)")
+    """None: a name new to each launch (stratagem-<UTC date>-<time>-<4 hex>), so every job gets a
+    run directory of its own; name one to run (or resume) in <mount_path>/<job_name>."""
     workdir: str = free("/workspace/stratagem", "the repository's path inside the image")
     volume_claim: str | None = free(None, "a ReadWriteMany PersistentVolumeClaim's name")
     """Mounted at ``mount_path`` on every pod: the run directory (report, checkpoints) every node

@@ -6,6 +6,7 @@ and the rules its admission webhook enforces; the dry run's command carries ever
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -141,7 +142,8 @@ def test_dry_run_command_carries_every_override_exactly_once():
               "model=llama_1b", "trainer.global_batch_size=128", "trainer.micro_batch_size=2",
               "trainer.max_steps=100",
               "cluster.k8s.image=registry.example/stratagem:1", "cluster.k8s.volume_claim=runs",
-              "hydra.run.dir=/mnt/stratagem/stratagem"]
+              f"hydra.run.dir=/mnt/stratagem/{manifest['metadata']['name']}"]
+    assert re.fullmatch(r"stratagem-\d{8}-\d{6}-[0-9a-f]{4}", manifest["metadata"]["name"])  # new per launch
     for replica in ("Master", "Worker"):
         command = manifest["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"][0]["command"]
         assert command == golden

@@ -1,0 +1,101 @@
+"""``python train.py ... --dry-run``: what the command would start, checked as its job will be
+(composed, ``strategy=auto`` chosen, validated at RUN depth -- the run, not this machine -- and
+planned), printed, and nothing started or written: exit 0, or 2 with every problem. A multirun
+(``-m``) is expanded as Hydra's basic sweeper expands it and every point is checked (the sweep's
+preflight, launchers/sweep.py). Hydra's own overrides (``hydra.run.dir=``,
+``hydra/launcher=submitit_slurm``) are the launch's, not the job's: shown, not composed.
+``launch.py --dry-run`` is the same for the launchers with a submission step (SageMaker,
+Kubernetes)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+FLAG = "--dry-run"
+SWEEP_FLAGS = ("-m", "--multirun")
+
+
+def _split(argv: list[str]) -> tuple[bool, list[str], list[str]]:
+    """(a multirun, Hydra's overrides, the job's overrides) of a command line."""
+    args = [a for a in argv if a != FLAG]
+    sweep = any(a in SWEEP_FLAGS for a in args)
+    hydra_own = [a for a in args if a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    job = [a for a in args if a not in hydra_own and not a.startswith("-")]
+    return sweep, hydra_own, job
+
+
+def points(argv: list[str]) -> list[list[str]]:
+    """The jobs the command line starts, as override lists (one without ``-m``)."""
+    from recipes.cli import normalize
+
+    sweep, _, job = _split(argv)
+    job = normalize(job)
+    if not sweep:
+        return [job]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(job)
+    return [list(p) for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
+
+
+def _launch(job: Any) -> str:
+    """How the job's ranks would start."""
+    c, size = job.cluster, job.mesh.size
+    shape = f"{c.nodes} node(s) x {c.devices} rank(s) on {job.run.accelerator} ({size} in all)"
+    return f"cluster={c.name} (cluster.launcher={c.launcher}): {shape}"
+
+
+def main(argv: list[str]) -> int:
+    """Check and print every job of the command line; the exit code (0, or 2: a job cannot run)."""
+    import planner
+    from launchers import sweep
+    from recipes.cli import CONFIG_ERROR
+    from recipes.compose import compose
+    from recipes.job import RUN, validate
+    from strategies import ConfigError
+
+    multirun, hydra_own, _ = _split(argv)
+    jobs = points(argv)
+    checked = sweep.preflight(jobs)
+    if multirun:
+        print(checked.message("started or queued"))
+    else:
+        print(f"--dry-run: the job {'cannot run' if checked.bad else 'composes, validates and plans'}:")
+        print(checked.table())
+    if hydra_own:
+        print(f"Hydra's overrides (the launch's): {' '.join(hydra_own)}")
+    if checked.bad:
+        return CONFIG_ERROR
+    submitit = any(a.startswith("hydra/launcher=submitit") for a in hydra_own)
+    code = 0
+    for overrides in jobs:
+        try:
+            job = validate(compose(overrides), depth=RUN, auto=planner.choose,
+                           extra=[lambda j: _launcher_problems(j, submitit)])
+        except ConfigError as e:
+            print(f"cannot start {' '.join(overrides) or '(the base config)'}:\n{e}")
+            code = CONFIG_ERROR
+            continue
+        print(f"would start: {_launch(job)}")
+    print("--dry-run: nothing was started")
+    return code
+
+
+def _launcher_problems(job: Any, submitit: bool) -> list[str]:
+    """What the chosen launcher refuses (cluster.launcher=k8s: use launch.py; ray: not installed, a
+    malformed address; torchrun: the rendezvous); a Slurm job's ranks submitted by submitit are
+    its tasks, as they should be."""
+    from launchers import registry
+
+    if submitit and job.cluster.launcher == "slurm":
+        return []
+    return registry.get(job.cluster.launcher).problems(job)
+
+
+def exit_if_asked(argv: list[str] | None = None) -> None:
+    """train.py's first step: with ``--dry-run`` on the command line, check, print and exit."""
+    argv = sys.argv[1:] if argv is None else argv
+    if FLAG in argv and not {"-h", "--help"} & set(argv):
+        sys.exit(main(argv))
