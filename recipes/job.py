@@ -399,8 +399,6 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += strategy.launch_problems(run)
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += _preset_problems(strategy, run, objs, bad)
-        if not bad["data"]:
-            problems += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
     if not bad["model"] and not bad["data"] and (eos := packing.document_eos(objs["data"])) is not None:
         objs["model"] = replace(model, document_eos=eos)  # (the model masks documents at it)
     if not bad["model"] and not bad["trainer"]:
@@ -441,14 +439,16 @@ def optimizer_device(strategy: StrategyConfig, run: Run) -> str:
 
 def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
                      bad: dict[str, list[str]]) -> list[str]:
-    """The preset on this run (``RUN`` depth, the world sound): its own problems and with the
-    model. (Masked data trains on every layout: the loss is token-true, recipes/data.py
-    ``CountedShare``.)"""
+    """The preset on this run (``RUN`` depth, the world sound): its own problems, with the model
+    and with the data's packing. (Masked data trains on every layout: the loss is token-true,
+    recipes/data.py ``CountedShare``.)"""
     model = objs["model"]
     out = strategy.problems(run)
     if not bad["model"]:
         out += (strategy.model_problems(model) + _lora_problems(strategy, model)
                 + run.mesh.model_problems(model, strategy.name))
+    if not bad["data"]:
+        out += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
     return out
 
 
