@@ -134,12 +134,15 @@ def test_help_lists_only_real_options():
 
 @pytest.mark.subprocess
 def test_the_lightning_backend_defers_the_transformers_torchmetrics_imports():
-    """torchmetrics imports transformers when installed (~2 s a process): the Lightning backend
-    defers those names (backends/lightning/torchmetrics_imports.py); used, they are the real ones."""
+    """torchmetrics imports transformers when installed (~2 s a process) and scipy.signal (~1.5 s):
+    the Lightning backend defers those names (backends/lightning/torchmetrics_imports.py); used, they are the real ones."""
     pytest.importorskip("transformers")
     code = ("import sys\n"
             "import backends.lightning.trainer\n"
             "assert 'lightning' in sys.modules and 'transformers' not in sys.modules\n"
+            "assert 'scipy.signal' not in sys.modules and 'scipy.stats' not in sys.modules\n"
+            "import scipy.signal\n"
+            "assert scipy.signal.windows.hamming(4).shape == (4,)\n"
             "from torchmetrics.functional.text import bert\n"
             "import transformers\n"
             "assert transformers.AutoModel.__module__.startswith('transformers.')\n"
