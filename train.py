@@ -5,13 +5,13 @@
     python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2   # + sweep_report.md/json/png
     python train.py ... --dry-run                             # check and show what would start
 
-compose (Hydra) -> validate -> plan -> resume (which checkpoint, checked whole) -> [launch the
-ranks] -> backend.build -> backend.fit -> report; each rank tears its process group down.
-"""
+compose (Hydra) -> validate -> plan -> resume -> [launch the ranks] -> build -> fit -> report."""
 
 from __future__ import annotations
 
-import dataclasses
+from checkpoints.interrupt import hold  # first: a requeue signal in start-up waits for step 1
+hold()
+import dataclasses  # noqa: E402
 import logging
 import os
 import sys

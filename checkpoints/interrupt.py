@@ -144,6 +144,19 @@ class Interrupt:
 _CURRENT = Interrupt()
 
 
+def hold() -> None:
+    """Take SIGUSR1 now, the first thing a process of ours does (train.py's first import, the
+    task function's first line under submitit): Slurm's requeue signal during start-up -- imports,
+    validation, the model's build -- is held until the first step boundary, where every rank agrees
+    on it, saves and requeues, instead of killing the rank (SIGUSR1's default action) and leaving
+    its peers waiting in a collective. SIGTERM keeps ending a rank at once until training starts
+    (nothing is saved before the first step). From the main thread only."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, _CURRENT._handler)
+
+
 def current() -> Interrupt:
     """This process's flag."""
     return _CURRENT

@@ -56,9 +56,14 @@ def rank_aware_logging() -> None:
 
 
 def started() -> None:
-    """Called first thing in the task function: composition succeeded."""
+    """Called first thing in the task function: composition succeeded. Takes the requeue signal
+    (checkpoints/interrupt.py ``hold``; again: a submitit job unpickles this function in a
+    process of its own)."""
     global _started
     _started = True
+    from checkpoints.interrupt import hold
+
+    hold()
 
 
 def fail(error: Exception, log: logging.Logger) -> None:

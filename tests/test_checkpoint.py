@@ -637,3 +637,34 @@ def test_deepspeed_refuses_a_foreign_checkpoint_before_launch(good):
     assert why and "written by fsdp on 2 rank(s)" in why and "strategy=fsdp cluster.devices=2" in why
     job = validate(compose([*TINY, *EQUIV, *PRESETS["ddp"]]))
     assert checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job) is None
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", ["at 0.5 s", "mid-start-up"])
+def test_a_requeue_signal_during_start_up_is_held_until_the_first_step(tmp_path, moment):
+    """SIGUSR1 (Slurm's requeue warning) before the run has taken its signals -- half a second
+    in, among the imports, or while the engine builds -- no longer kills the process (its default
+    action): train.py takes it first thing, and the run stops after its first step with a
+    checkpoint and the resume command, as a signal during training does."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "strategy=single", "trainer.max_steps=50",
+           "callbacks=none", f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = []
+    try:
+        if moment == "at 0.5 s":
+            time.sleep(0.5)
+        else:  # the engine is being built: Lightning's strategy line
+            for line in proc.stdout:
+                seen.append(line)
+                if "strategy: single" in line:
+                    break
+        os.kill(proc.pid, signal.SIGUSR1)
+        log = "".join(seen) + proc.communicate(timeout=240)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, log[-3000:]
+    assert "stopped by SIGUSR1 after step 1" in log, log[-3000:]
+    assert (out / "checkpoints" / "step1").is_dir() and "to resume:" in log
