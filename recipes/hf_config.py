@@ -94,8 +94,15 @@ def shape(path: str) -> dict[str, Any]:
         "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
         "attention_bias": bias, "max_seq_len": c.get("max_position_embeddings"),
+        "seq_len": min(c.get("max_position_embeddings") or SEQ_LEN_CAP, SEQ_LEN_CAP),
         "architecture": kind,
     }
+
+
+SEQ_LEN_CAP = 2048
+"""model=hf's default ``model.seq_len``: the model's ``max_position_embeddings``, at most this
+(Axolotl's default sequence length; a 128k-context model fine-tunes on 2k-token samples unless
+``model.seq_len`` asks for more)."""
 
 
 def resolve(path: Any, key: str) -> Any:

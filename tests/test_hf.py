@@ -101,6 +101,24 @@ def test_shape_from_config_counts_every_parameter(tmp_path, family, extra):
 
 
 @pytest.mark.unit
+def test_seq_len_defaults_to_the_models_limit_capped(tmp_path, llama):
+    """model=hf's model.seq_len: the model's max_position_embeddings, at most 2048; a longer
+    window is asked for by name."""
+    from recipes.hf_config import SEQ_LEN_CAP
+
+    def seq(path: Path, *o: str) -> int:
+        return compose(["cluster.accelerator=cpu", "model=hf", f"model.path={path}", *o]).model.seq_len
+
+    limit = json.loads((llama / "config.json").read_text())["max_position_embeddings"]
+    assert seq(llama) == min(limit, SEQ_LEN_CAP) and seq(llama, "model.seq_len=16") == 16
+    long = tmp_path / "long"
+    long.mkdir()
+    cfg = json.loads((llama / "config.json").read_text()) | {"max_position_embeddings": 131072}
+    (long / "config.json").write_text(json.dumps(cfg))
+    assert seq(long) == SEQ_LEN_CAP == 2048
+
+
+@pytest.mark.unit
 def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     def problems(*overrides: str) -> str:
         with pytest.raises(ConfigError) as e:
