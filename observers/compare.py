@@ -11,7 +11,10 @@ runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak a
 ``communication``
 (bytes the busiest rank sends per optimizer step on a ring: the planner's unit) and
 ``step_seconds`` (the planner's step time against the throughput observer's median step, the
-first excluded), ``{"predicted", "measured", "ratio"}`` (ratio = measured / predicted).
+first excluded; planned from the nominal cluster.peak_tflops x planner.mfu rather than this
+machine's measured matmul rate, it is marked ``calibrated: false`` and has no ratio: "not
+calibrated" is all such a ratio would say), ``{"predicted", "measured", "ratio"}`` (ratio =
+measured / predicted).
 """
 
 from __future__ import annotations
@@ -54,7 +57,11 @@ class Comparison(Observer):
             sent = max([sent, *(r["wire_bytes"] for r in self.communication.ranks or [])])
             out["communication"] = _row(self.plan["communication"]["bytes_per_step"], sent)
         if self.throughput is not None and self.throughput.seconds and self.plan.get("step_seconds"):
-            out["step_seconds"] = _row(self.plan["step_seconds"], self.throughput.step_seconds())
+            row = _row(self.plan["step_seconds"], self.throughput.step_seconds())
+            source = (self.plan.get("compute") or {}).get("peak_source", "")
+            if not source.startswith("matmul measured"):  # nominal peak x planner.mfu: no verdict
+                row |= {"ratio": None, "calibrated": False}
+            out["step_seconds"] = row
         return {"predicted_vs_measured": out}
 
 
@@ -90,6 +97,8 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
     lines = [f"{'':>14} {'predicted':>14} {'measured':>14} {'ratio':>7}"]
     for name, r in rows.items():
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+        if r.get("calibrated") is False:
+            ratio = "uncal."
         lines.append(f"{name:>14} {unit(name, r['predicted']):>14} {unit(name, r['measured']):>14} {ratio:>7}")
     return lines
 

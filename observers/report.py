@@ -150,8 +150,8 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
     lines = summary_lines(table) if table else []
     planner = (report.get("config") or {}).get("planner") or {}
     if table and "step_seconds" in table and not planner.get("calibrate", True):
-        lines.append(f"{'':>14} step_seconds from cluster.peak_tflops x planner.mfu, not this machine: "
-                     "planner.calibrate=true measures it")
+        lines.append(f"{'':>14} step_seconds uncalibrated (from cluster.peak_tflops x planner.mfu, not "
+                     "this machine): planner.calibrate=true measures it")
     return (["predicted vs measured:\n" + "\n".join(lines)] if lines else []) + [summary(report, path)]
 
 

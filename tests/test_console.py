@@ -261,3 +261,14 @@ def test_a_run_logged_to_a_file_prints_progress_lines(tmp_path, backend, extra):
     steps = [int(m.group(1)) for m in map(PROGRESS_LINE.search, text.splitlines()) if m]
     assert steps == [1, 10, 20, 30], text
     assert "\x1b[" not in text and "━" not in text, text  # no bar, no terminal codes
+
+
+@pytest.mark.unit
+def test_the_closing_table_marks_an_uncalibrated_step_time():
+    from observers.compare import summary_lines
+
+    rows = {"state_bytes": {"predicted": 2**20, "measured": 2**20, "ratio": 1.0},
+            "step_seconds": {"predicted": 0.001, "measured": 0.7, "ratio": None, "calibrated": False}}
+    table = summary_lines(rows)
+    assert "1.00 MiB" in table[1] and "1.000" in table[1]
+    assert "0.700 s" in table[2] and table[2].endswith("uncal.") and "700.0" not in table[2]

@@ -130,6 +130,9 @@ def test_throughput_and_activations_are_reported(cached, backend):
                                                "step_growth", "peak"}
     step = r["predicted_vs_measured"]["step_seconds"]  # the plan's step against the median step
     assert step["predicted"] == r["plan"]["step_seconds"] and step["measured"] == t["step_seconds"]
+    # planned from the nominal peak (planner.calibrate=false): marked, and no ratio to misread
+    assert step["calibrated"] is False and step["ratio"] is None
+
 
 
 def test_loggers_plots_and_no_secret_leak(tmp_path):
