@@ -35,8 +35,7 @@ log = logging.getLogger("train")
 
 
 def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
-    """Validate (strategy=auto: the planner chooses from the typed groups), plan and find the
-    checkpoint to resume: every configuration error before any process starts; then the Job flows."""
+    """Validate (auto: the planner chooses), plan, find the checkpoint: every error before launch."""
     import planner
 
     job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check], auto=planner.choose)
@@ -71,6 +70,7 @@ def train(job: Job, predicted: dict, out: Path) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
+    hold()  # (again: a submitit job unpickles main in a process of its own)
     cli.started()
     launchers.launched()  # (under srun: exports this task's rank first, for the logger)
     cli.rank_aware_logging()

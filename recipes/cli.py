@@ -56,14 +56,9 @@ def rank_aware_logging() -> None:
 
 
 def started() -> None:
-    """Called first thing in the task function: composition succeeded. Takes the requeue signal
-    (checkpoints/interrupt.py ``hold``; again: a submitit job unpickles this function in a
-    process of its own)."""
+    """Called first thing in the task function: composition succeeded."""
     global _started
     _started = True
-    from checkpoints.interrupt import hold
-
-    hold()
 
 
 def fail(error: Exception, log: logging.Logger) -> None:
