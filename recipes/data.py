@@ -11,8 +11,11 @@ recipes/tokens.py, pre-tokenized shards) are cut into non-overlapping ``seq_len 
 (stride ``seq_len``: a window's last token is the next one's first, so every token is read once
 as input and once as target). A chat stream's loss mask (recipes/chat_tokens.py) is cut the same way:
 a target the loss does not count is ``IGNORE``, which every backend's loss skips
-(recipes/training.py ``token_loss``, recipes/evaluation.py). Packed documents are not isolated
-from each other: a window's tokens attend to the earlier documents in it. Validation holds out
+(recipes/training.py ``token_loss``, recipes/evaluation.py), and the loss is token-true over the
+global batch (``CountedShare``). With ``data.packing=concat`` (the default) packed documents are
+not isolated from each other: a window's tokens attend to the earlier documents in it;
+``document`` masks them apart in the model, ``pad`` serves one per row (``DocumentRows``; see
+recipes/packing.py). Validation holds out
 the last windows of the stream (``data.val_fraction``) or reads ``data.val_path``;
 ``ValidationBatches`` serves the same fixed held-out samples on every world size.
 """
