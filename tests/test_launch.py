@@ -341,10 +341,11 @@ def _slurm_state(env: dict[str, str], sweep: Path) -> str:
 
 
 def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeues: int = 1,
-                    rng: Any = None) -> tuple[str, int]:
+                    rng: Any = None, during: str | None = None) -> tuple[str, int]:
     """Submit a one-job sweep; ``requeues`` times, once a checkpoint of the current attempt
-    exists (a random moment later when ``rng`` is given), signal the job with SIGUSR1 as Slurm
-    does before the time limit; wait for the end. Returns the output and the exit code."""
+    exists (a random moment later when ``rng`` is given; or, with ``during``, as soon as the job
+    log shows that text), signal the job with SIGUSR1 as Slurm does before the time limit; wait
+    for the end. Returns the output and the exit code."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
            "cluster=slurm_local", *overrides, f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -353,10 +354,15 @@ def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeue
     try:
         for i in range(requeues):
             before = {p.name for p in ckpts.glob("step*")} if ckpts.exists() else set()
+            def ready() -> bool:
+                if during:  # the attempt's start-up reached that line
+                    return (sweep / "0").exists() and during in _job_log(sweep / "0")
+                return ckpts.exists() and bool({p.name for p in ckpts.glob("step*")} - before)
+
             deadline = time.time() + 240
-            while not (ckpts.exists() and {p.name for p in ckpts.glob("step*")} - before):
+            while not ready():
                 assert proc.poll() is None and time.time() < deadline, _slurm_state(env, sweep)
-                time.sleep(0.2)
+                time.sleep(0.05 if during else 0.2)
             if rng is not None:
                 time.sleep(rng.uniform(0, 1.5))
             job = next((sweep / ".submitit").glob("*/")).name  # the job this sweep submitted
@@ -398,6 +404,24 @@ def test_slurm_requeue_resumes_from_our_checkpoint_and_equals_the_straight_run(s
     assert_params_close(straight.params(), torch.load(sweep / "0" / "params.pt"), rtol=1e-6)
     rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok"]
+
+
+@pytest.mark.slow  # (CI: the signal held through start-up, tests/test_checkpoint.py, one process)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_requeue_signal_while_the_job_starts_requeues_and_ends_equal(slurm, tmp_path, cached):
+    """SIGUSR1 while the ranks are still building the engine (before the run takes its signals):
+    no rank dies of it -- train.py holds it from its first line, the task function again under
+    submitit -- the attempt stops after step 1, saves, requeues, and the run ends equal."""
+    straight = cached(*REQUEUE, "cluster.devices=2", "backend=lightning")
+    sweep = tmp_path / "requeue_start"
+    out, code = _requeued_sweep(slurm, sweep, *REQUEUE, "backend=lightning", during="strategy: ddp")
+    assert code == 0, out[-3000:]
+    log = _job_log(sweep / "0")
+    assert "stopped by SIGUSR1 after step 1" in log, log[-3000:]
+    report = json.loads((sweep / "0" / "report.json").read_text())
+    assert report["resumed_from"]["step"] == 1
+    assert_losses_close(straight.losses, report["losses"], rtol=1e-6)
 
 
 @pytest.mark.slow
