@@ -240,7 +240,7 @@ class CountedShare:
         self.counted = counted_per_sample(dataset)
         self.order = GlobalBatchSampler(len(dataset), global_batch=global_batch, micro_batch=global_batch,
                                         dp_rank=0, dp_size=1, seed=seed, steps=0)
-        self.seq_len = getattr(_base(dataset), "seq_len", 1)
+        self.seq_len = getattr(_unwrap(dataset)[0], "seq_len", 1)
         self._last: tuple[int, float] = (-1, 1.0)
 
     def __call__(self, step: int) -> float:
@@ -253,23 +253,23 @@ class CountedShare:
         return self._last[1]
 
 
-def _base(dataset: Dataset) -> Dataset:
+def _unwrap(dataset: Dataset) -> tuple[Dataset, list[Any]]:
+    """(the dataset under any ``Subset``s, their indices from the innermost out)."""
+    chain: list[Any] = []
     while isinstance(dataset, Subset):
+        chain.append(dataset.indices)
         dataset = dataset.dataset
-    return dataset
+    return dataset, chain[::-1]
 
 
 def counted_per_sample(dataset: Dataset) -> np.ndarray | None:
     """Each sample's number of targets the loss counts, or None when every target counts (no
     loss mask, no padding): the base dataset's ``counted``, through the subsets that cut it."""
-    counts = getattr(_base(dataset), "counted", lambda: None)()
+    base, chain = _unwrap(dataset)
+    counts = getattr(base, "counted", lambda: None)()
     if counts is None:
         return None
-    chain: list[Any] = []
-    while isinstance(dataset, Subset):
-        chain.append(dataset.indices)
-        dataset = dataset.dataset
-    for indices in reversed(chain):
+    for indices in chain:
         counts = counts[np.asarray(indices)]
     return counts
 

@@ -1,4 +1,4 @@
-"""``data.packing``: how documents share the model's windows.
+"""``data.packing`` (``recipes.trainer_config.PACKINGS``): how documents share the model's windows.
 
 Tokenized inputs are one stream of documents, each followed by the tokenizer's EOS
 (recipes/tokens.py). A document here is the run of tokens from an EOS (which then plays the
@@ -20,8 +20,6 @@ stream's first document starts at token 0.
 from __future__ import annotations
 
 from typing import Any
-
-from recipes.trainer_config import PACKINGS  # noqa: F401  (concat | document | pad)
 
 
 def problems(data: Any, model: Any, mesh: Any, preset: str) -> list[str]:

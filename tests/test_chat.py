@@ -432,18 +432,37 @@ TOKEN_TRUE = {
 TOKEN_TRUE_CI = ("ddp", "pipeline", "ulysses")  # (ddp: micro 2, accumulation 2 over 2 ranks)
 
 
+def sgd_chat_job(tmp: Path, tokenizer: Path, conversations: int, *, steps: int, global_batch: int,
+                 micro: int) -> tuple[str, ...]:
+    """The overrides of a tiny chat fine-tune that every layout must train alike: SGD without
+    clipping (a wrong token weighting moves the losses), validation at the last step, the final
+    parameters exported."""
+    src = _jsonl(tmp / "chats.jsonl", _conversations(conversations))
+    return (*TINY, "model.vocab_size=516", "data=chat", f"data.path={src}", f"data.tokenizer={tokenizer}",
+            f"data.cache_dir={tmp / 'cache'}", "data.val_fraction=0.2", f"trainer.val_every={steps}",
+            f"trainer.max_steps={steps}", f"trainer.global_batch_size={global_batch}",
+            f"trainer.micro_batch_size={micro}", "trainer.optimizer=sgd", "trainer.lr=0.5",
+            "trainer.grad_clip=0", "trainer.export_params=true", "callbacks=none")
+
+
+def assert_same_model(ref, run, rtol: float = 1e-5) -> None:
+    """Two runs trained the same model: losses, parameters and validation losses."""
+    from tests.conftest import assert_losses_close, assert_params_close
+
+    assert_losses_close(ref.losses, run.losses, rtol=rtol)
+    assert_params_close(ref.params(), run.params(), rtol=rtol)
+    val = [[v["loss"] for v in r.report["validation"]] for r in (ref, run)]
+    assert len(val[0]) == 1
+    assert_losses_close(*val, rtol=rtol)
+
+
 @pytest.fixture(scope="module")
 def chat_job(chat_tokenizer, tmp_path_factory):
     """(common overrides, the reference Run): chat data whose samples count very different
     numbers of assistant targets, SGD without clipping (a wrong token weighting moves the
     losses), validation on; the reference is one process with the whole global batch at once."""
     tmp = tmp_path_factory.mktemp("token_true")
-    src = _jsonl(tmp / "chats.jsonl", _conversations(48))
-    common = (*TINY, "model.vocab_size=516", "data=chat", f"data.path={src}",
-              f"data.tokenizer={chat_tokenizer}", f"data.cache_dir={tmp / 'cache'}",
-              "data.val_fraction=0.2", "trainer.val_every=3", "trainer.max_steps=3",
-              "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.optimizer=sgd",
-              "trainer.lr=0.5", "trainer.grad_clip=0", "trainer.export_params=true", "callbacks=none")
+    common = sgd_chat_job(tmp, chat_tokenizer, 48, steps=3, global_batch=8, micro=2)
     ref = run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8",
                   out=tmp / "reference", timeout=300)
     return common, ref
@@ -458,15 +477,8 @@ def test_masked_loss_is_the_token_mean_of_the_global_batch_on_every_layout(chat_
     divided by their number, whatever splits it (micro-batches, ranks, pipeline micro-batches,
     sequence shards): every layout gives the reference's losses, validation loss and parameters
     (SGD, 1e-5). A per-micro-batch mean (the old loss) moves them by percents."""
-    from tests.conftest import assert_losses_close, assert_params_close
-
     common, ref = chat_job
-    run = run_cli("train.py", *common, *TOKEN_TRUE[layout], out=tmp_path / layout, timeout=400)
-    assert_losses_close(ref.losses, run.losses, rtol=1e-5)
-    assert_params_close(ref.params(), run.params(), rtol=1e-5)
-    val = [v["loss"] for v in ref.report["validation"]], [v["loss"] for v in run.report["validation"]]
-    assert len(val[0]) == 1
-    assert_losses_close(*val, rtol=1e-5)
+    assert_same_model(ref, run_cli("train.py", *common, *TOKEN_TRUE[layout], out=tmp_path / layout, timeout=400))
 
 
 @pytest.mark.multiprocess

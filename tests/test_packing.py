@@ -16,7 +16,8 @@ from recipes.config import compose
 from recipes.data import IGNORE, DocumentRows, counted_per_sample
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import TINY, assert_losses_close, assert_params_close, run_cli
+from tests.conftest import run_cli
+from tests.test_chat import assert_same_model, chat_tokenizer, sgd_chat_job  # noqa: F401  (a fixture)
 
 CPU = ("model=gpt_nano", "cluster.accelerator=cpu", "model.dropout=0", "trainer.precision=32")
 EOS = 3
@@ -120,18 +121,10 @@ CI = ("document-ddp",)
 
 
 @pytest.fixture(scope="module")
-def packed_job(hf_tokenizer, tmp_path_factory):
+def packed_job(chat_tokenizer, tmp_path_factory):
     """Chat data packed each way; the references: one process, the whole global batch at once."""
-    from tests.test_chat import _conversations, _jsonl, _with_template, TEMPLATE
-
     tmp = tmp_path_factory.mktemp("packing")
-    tok = _with_template(hf_tokenizer, tmp / "tok", TEMPLATE)
-    src = _jsonl(tmp / "chats.jsonl", _conversations(40))
-    common = (*TINY, "model.vocab_size=516", "model.seq_len=128", "data=chat", f"data.path={src}",
-              f"data.tokenizer={tok}", f"data.cache_dir={tmp / 'cache'}", "data.val_fraction=0.2",
-              "trainer.val_every=2", "trainer.max_steps=2", "trainer.global_batch_size=4",
-              "trainer.micro_batch_size=1", "trainer.optimizer=sgd", "trainer.lr=0.5",
-              "trainer.grad_clip=0", "trainer.export_params=true", "callbacks=none")
+    common = (*sgd_chat_job(tmp, chat_tokenizer, 40, steps=2, global_batch=4, micro=1), "model.seq_len=128")
     refs: dict[str, object] = {}
 
     def reference(packing: str):
@@ -154,9 +147,7 @@ def test_packed_documents_train_the_same_model_on_every_layout(packed_job, layou
     packing = layout.split("-")[0]
     ref = reference(packing)
     run = run_cli("train.py", *common, *LAYOUTS[layout], out=tmp_path / layout, timeout=400)
-    assert_losses_close(ref.losses, run.losses, rtol=1e-5)
-    assert_params_close(ref.params(), run.params(), rtol=1e-5)
-    assert_losses_close(*([v["loss"] for v in r.report["validation"]] for r in (ref, run)), rtol=1e-5)
+    assert_same_model(ref, run)
     data = run.report["data"]
     assert data["loss_tokens"] < data["tokens"]
 
