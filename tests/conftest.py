@@ -28,8 +28,11 @@ def product_files() -> list[Path]:
 
 GLOO_ABORT = "terminate called without an active exception"
 # Small, fast, deterministic: the tiny model in fp32 with dropout off.
+# (No plots: drawing loss, memory and communication PNGs is ~2 s of a tiny run's end; the tests
+# that look at them, and every run without TINY, draw them.)
 TINY = ("model=gpt_nano", "model.dropout=0", "trainer.precision=32", "cluster.accelerator=cpu",
-        "callbacks.progress_bar=false", "trainer.warmup_steps=0", "planner.enforce=false")
+        "callbacks.progress_bar=false", "trainer.warmup_steps=0", "planner.enforce=false",
+        "callbacks.plots=false")
 
 
 # The equivalence setting: every strategy test compares with one single-process run of this.

@@ -141,7 +141,8 @@ def test_loggers_plots_and_no_secret_leak(tmp_path):
     env = {"WANDB_API_KEY": secret, "HF_TOKEN": secret, "WANDB_MODE": "offline"}
     for logger in ("wandb", "csv", "tensorboard"):
         out = tmp_path / logger
-        run = run_cli("train.py", *TINY, "trainer.max_steps=3", f"logger={logger}", "strategy=ddp",
+        run = run_cli("train.py", *TINY, "callbacks.plots=true", "trainer.max_steps=3",
+                      f"logger={logger}", "strategy=ddp",
                       "cluster.devices=2", out=out, env=env)
         assert run.report["steps"] == 3
         for path in out.rglob("*"):
