@@ -18,8 +18,10 @@ FAMILIES = {
     "pipeline": TWO, "ulysses": TWO, "fsdp_cp": TWO, "fsdp_ep": (*TWO, "model=gpt_moe_nano"),
     "ddp_topk": TWO,
     # fsdp2 with checkpointing under bf16: torch 2.11 skipped FSDP2's input cast on recompute
-    # (parallel/parallelize.py _units)
-    "fsdp2-ac-bf16": (*TWO, "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed"),
+    # (parallel/parallelize.py _units); any model shows it, and gpt_small's bf16 matmuls on a CPU
+    # took a minute of CI's second leg
+    "fsdp2-ac-bf16": (*TWO, "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed",
+                      "model=gpt_nano"),
 }
 # On Accelerate, one preset of each engine it builds (its own loop, its FSDP2 plugin, DeepSpeed,
 # DDP with a compression hook): it refuses tp, pipeline, fsdp_cp and fsdp_ep by name
