@@ -114,6 +114,9 @@ def _deepspeed(fp: Any, n: Any, moved: dict[str, int], *, gpu: bool, optimizer: 
         items |= _nvme(fp, n, sub)
     if pinned:
         items["pinned_rounding"] = _deepspeed_rounding(fp, items, sub)
+        if items.get("accumulation"):  # one pinned buffer per parameter (its share of them)
+            items["pinned_rounding"] += sum(pow2(t / n.mp * sb.grads) - t / n.mp * sb.grads
+                                            for t in shapes) / n.shard
     return items
 
 
