@@ -85,7 +85,7 @@ def _deepspeed(fp: Any, n: Any, moved: dict[str, int], *, gpu: bool, optimizer: 
     """DeepSpeed ZeRO-1/2 (stage_1_and_2.py) and ZeRO-3 (stage3.py) with the optimizer (and
     ZeRO-3's parameters) on the host or NVMe."""
     sb, part = n.bytes, n.trainable / n.shard
-    pinned = gpu if fp.pin_memory is None else fp.pin_memory and gpu
+    pinned = gpu if fp.pin_memory is None else fp.pin_memory and gpu  # (CPU: never)
     opt_cpu, par_cpu = fp.optimizer_offload == CPU, fp.params_offload == CPU
     grads = moved.get("grads", 0)
     items: dict[str, float] = {
@@ -140,9 +140,9 @@ def _nvme(fp: Any, n: Any, sub: float) -> dict[str, float]:
     optimizer_utils.py: ``buffer_count`` buffers of the largest sub-group, fp32)."""
     out: dict[str, float] = {}
     if fp.params_offload == NVME:
-        out["nvme_param_buffers"] = fp.param_buffers * n.bytes.params
+        out["nvme_param_buffers"] = fp.swap_buffers[0] * n.bytes.params
     if fp.optimizer_offload == NVME:
-        out["nvme_optimizer_buffers"] = fp.optimizer_buffers * sub * 4
+        out["nvme_optimizer_buffers"] = fp.swap_buffers[1] * sub * 4
     return out
 
 

@@ -144,6 +144,11 @@ class Footprint:
     None: the precision's usual reduce dtype."""
     master_weights: bool = False
     """The engine keeps its own fp32 copy of the parameters beside 16-bit working ones."""
+    pin_memory: bool | None = None
+    """Offload buffers page-locked (strategy.pin_memory); None: on a GPU run."""
+    swap_buffers: tuple[int, int] = (0, 0)
+    """NVMe offload's pinned swap buffers: 16-bit parameter elements (count x size) and the
+    number of fp32 optimizer buffers, each the largest sub-group's (planner/host.py)."""
 
     # ------------------------------------------------------------------ what it is
     @property

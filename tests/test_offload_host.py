@@ -86,7 +86,7 @@ SMALL = ("model.dim=384", "model.n_layers=4", "model.ffn_dim=1024", "model.n_hea
 LARGER = ("model.dim=768", "model.n_layers=4", "model.ffn_dim=2048", "model.n_heads=12", "model.n_kv_heads=12")
 RUN = ("model=gpt_nano", "model.dropout=0", "cluster.accelerator=cpu", "trainer.precision=bf16-mixed",
        "callbacks.progress_bar=false", "trainer.warmup_steps=0", "planner.enforce=false",
-       "trainer.max_steps=3", "trainer.micro_batch_size=2")
+       "trainer.max_steps=2", "trainer.micro_batch_size=2")  # (the first step is not measured)
 CASES = {  # name: (strategy, ranks, shape); the first is the default tier's
     "zero3-1rank": ("zero3_offload", 1, SMALL),
     "zero2-1rank": ("zero2_offload", 1, SMALL),
@@ -96,9 +96,12 @@ CASES = {  # name: (strategy, ranks, shape); the first is the default tier's
 }
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [c if c == "zero3-1rank" else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in CASES])
+def _tier(case: str):
+    # (one rank too: DeepSpeed starts torch.distributed, gloo, in it)
+    return pytest.param(case, marks=[pytest.mark.multiprocess] + ([] if case == "zero3-1rank" else [pytest.mark.slow]))
+
+
+@pytest.mark.parametrize("case", [_tier(c) for c in CASES])
 def test_host_rss_of_offload_runs_is_within_10_percent_of_the_plan(tmp_path, case):
     """On CPU the host is the device: the RSS a steady step reaches above the process before
     the model was built against the device plan plus the host plan (predicted_vs_measured.peak)."""
@@ -110,3 +113,15 @@ def test_host_rss_of_offload_runs_is_within_10_percent_of_the_plan(tmp_path, cas
     assert peak["ratio"] == pytest.approx(1.0, abs=0.10), peak
     row = run.report["predicted_vs_measured"]["state_bytes"]
     assert row["ratio"] == pytest.approx(1.0, abs=0.02), row
+
+
+@pytest.mark.unit
+def test_zero_infinity_books_its_pinned_swap_buffers_on_the_host():
+    """NVMe offload's host side: the parameter swap buffers (count x size, 16-bit, one block)
+    and the optimizer's (count x the largest sub-group, fp32), rounded when pinned."""
+    p = _plan(*LLAMA_7B, "cluster.nvme_GB=1000", "strategy=zero_infinity", "strategy.nvme_path=/tmp")
+    items = p.memory.host_items
+    assert items["nvme_param_buffers"] == 5 * 100_000_000 * 2
+    assert items["nvme_optimizer_buffers"] == 4 * 1_000_000_000 * 4
+    assert items["pinned_rounding"] == pow2(1e9) - 1e9 + 4 * (pow2(4e9) - 4e9)
+    assert "fp32_master" not in items and p.memory.nvme > 100 * GB

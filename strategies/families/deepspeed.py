@@ -235,8 +235,7 @@ class ZeroConfig(StrategyConfig):
                            and (s >= 3 or not k.startswith("stage3"))),
             sub_group=_or(_count(zero.get("sub_group_size"), 1), self.sub_group_size),
             pin_memory=self.pin_memory,
-            param_buffers=self.param_buffer_count * self.param_buffer_size,
-            optimizer_buffers=self.optimizer_buffer_count,
+            swap_buffers=(self.param_buffer_count * self.param_buffer_size, self.optimizer_buffer_count),
         )
 
     def for_model(self, hidden: int) -> ZeroConfig:
@@ -333,12 +332,6 @@ class ZeroFootprint(Footprint):
     sub_group: int = 1_000_000_000
     """ZeRO-3: partition elements the optimizer steps at once (sub_group_size): its fp32
     gradient copy exists for one sub-group at a time."""
-    pin_memory: bool | None = None
-    """Offload buffers page-locked (strategy.pin_memory); None: on a GPU run (``pins``)."""
-    param_buffers: int = 0
-    """ZeRO-Infinity: 16-bit elements of the parameter swap buffers (count x size), pinned."""
-    optimizer_buffers: int = 4
-    """ZeRO-Infinity: fp32 optimizer swap buffers, each the largest sub-group's."""
 
     def _sized(self, key: str, n: Sizes, configured: int) -> int:
         return _HIDDEN_AUTO[key][0](hidden_size(n)) if key in self.auto else configured
