@@ -74,8 +74,9 @@ def host_items(fp: Any, n: Any, moved: dict[str, int], *, gpu: bool, optimizer: 
                            accumulation=accumulation)
     else:
         items = _torch(fp, n, moved, gpu=gpu, optimizer=optimizer, impl=impl)
+    if hasattr(fp, "stage"):  # (measured for DeepSpeed's engine; FSDP's is not)
+        items["engine_runtime"] = ENGINE_RUNTIME_BYTES
     items = {k: int(v) for k, v in items.items() if v}
-    items["engine_runtime"] = ENGINE_RUNTIME_BYTES
     items["process"] = PROCESS_BYTES["gpu" if gpu else "cpu"]
     return items
 
