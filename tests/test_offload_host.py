@@ -136,3 +136,15 @@ def test_zero_infinity_books_its_pinned_swap_buffers_on_the_host():
     assert items["nvme_optimizer_buffers"] == 4 * 1_000_000_000 * 4
     assert items["pinned_rounding"] == pow2(1e9) - 1e9 + 4 * (pow2(4e9) - 4e9)
     assert "fp32_master" not in items and p.memory.nvme > 100 * GB
+
+
+@pytest.mark.unit
+def test_fsdp_cpu_offload_books_its_pinned_shards_and_the_host_step():
+    """torch FSDP's CPUOffload (GPU only): the fp32 shard and its gradient pinned per unit, the
+    moments and foreach AdamW's temporary on the host; no DeepSpeed runtime."""
+    p = _plan("model=llama_7b", "cluster=node_8x_h100", "trainer.precision=bf16-mixed",
+              "trainer.global_batch_size=64", "callbacks=none", "strategy=fsdp_offload")
+    items, part = p.memory.host_items, p.memory.host_items["fp32_master"] / 4
+    assert items["fp32_grads"] == items["fp32_master"] and items["optimizer_moments"] == pytest.approx(8 * part, rel=1e-6)
+    assert items["step_temporaries"] == pytest.approx(4 * part, rel=1e-6) and items["pinned_rounding"] > 0
+    assert "engine_runtime" not in items and items["process"] == PROCESS_BYTES["gpu"]
