@@ -29,9 +29,14 @@ def _row(predicted: float | None, measured: float | None) -> dict[str, Any]:
     return {"predicted": predicted, "measured": measured, "ratio": ratio}
 
 
-def predicted_state_bytes(memory: dict[str, int]) -> int:
-    return (memory["params"] + memory["grads"] + memory["master"] + memory["optimizer"]
-            + memory["host"])
+def predicted_state_bytes(memory: dict[str, Any]) -> int:
+    """The model states wherever they live but NVMe: on the host, the host items that are
+    states (strategies.footprint.HOST_STATES), not the engine's staging copies and temporaries."""
+    from strategies.footprint import HOST_STATES
+
+    items = memory.get("host_items") or {}
+    host = sum(items.get(k, 0) for k in HOST_STATES) if items else memory["host"]
+    return memory["params"] + memory["grads"] + memory["master"] + memory["optimizer"] + host
 
 
 class Comparison(Observer):
@@ -82,8 +87,10 @@ class Comparison(Observer):
         elif grown and "growth" in mem:
             out["step_growth"] = {**_row(mem["growth"], max(r["peak_rss_growth"] for r in grown)),
                                   "of": "device (the host): RSS above what a step's update leaves"}
-            out["peak"] = {**_row(mem["total"], max(r["peak_rss_run"] for r in grown)),
-                           "of": "device (the host): RSS above the process before the model was built"}
+            # offload on a host: what it moved is in the same RSS, beside the "device"
+            out["peak"] = {**_row(mem["total"] + mem.get("host", 0), max(r["peak_rss_run"] for r in grown)),
+                           "of": "device (the host): RSS above the process before the model was built"
+                                 + (" against memory.total + memory.host" if mem.get("host") else "")}
         return out
 
 

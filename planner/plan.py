@@ -46,6 +46,9 @@ class Memory:
     """The loss's backward (the fp32 log-softmax and logits gradients, 8 x s x b x V bytes;
     one chunk's, 8 x chunk x V, with trainer.loss_chunk), beside every saved activation at the
     start of backward: part of the forward/backward peak."""
+    host_items: dict = field(default_factory=dict)
+    """Host bytes per device of what is offloaded, item by item as the engine allocates it
+    (planner/host.py); ``host`` is their sum less ``process``, the process's own base."""
     growth: int = 0
     """How far the peak rises above what a finished step leaves (every state, the persistent
     buckets): activations, the loss backward and the transient buffers (gathered units,
@@ -314,6 +317,9 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
     held = (documents_footprint(fp) if lo.documents else fp).states(sizes)
     mem = Memory(params=held.params, grads=held.grads, master=held.master, optimizer=held.optimizer,
                  host=held.host, nvme=held.nvme)
+    if not lo.documents and fp.offloaded:  # the host as the engine allocates it
+        mem.host_items = _host_items(lo)
+        mem.host = sum(v for k, v in mem.host_items.items() if k != "process")
     act_full = act_ckpt = 0
     peak_full = peak_ckpt = 0  # activations at their peak phase, the loss backward included
     if shape is not None:
@@ -345,12 +351,26 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
     return mem, act_full, act_ckpt, checkpointed
 
 
+def _host_items(lo: _Layout) -> dict[str, int]:
+    """planner/host.py's items for this layout: pinned only on CUDA, the optimizer's own
+    temporaries by the implementation it steps with (auto: fused where DeepSpeed's host
+    optimizer was built over CUDA parameters, foreach on a host's)."""
+    from planner.host import host_items, moved_states
+
+    fp, t, gpu = lo.c.footprint, lo.su.trainer, lo.su.cluster.accelerator == "gpu"
+    impl = t.optimizer_impl if t.optimizer_impl != "auto" else (
+        "fused" if gpu and hasattr(fp, "stage") else "foreach")
+    return host_items(fp, lo.sizes, moved_states(fp, lo.sizes), gpu=gpu, optimizer=t.optimizer,
+                      impl=impl, accumulation=lo.run.batch.accumulation)
+
+
 def _offload_problems(mem: Memory, su: Setup) -> list[str]:
-    """Host memory and NVMe the node lacks for what every device moved off it."""
+    """Host memory and NVMe the node lacks for what every device moved off it (with each
+    offloading process's own base)."""
     cl, out = su.cluster, []
-    if mem.host * cl.devices > su.host_bytes:
-        out.append(f"host memory: needs {gb(mem.host * cl.devices)} per node, "
-                   f"has {gb(su.host_bytes)}")
+    host = (mem.host + mem.host_items.get("process", 0)) * cl.devices
+    if host > su.host_bytes:
+        out.append(f"host memory: needs {gb(host)} per node, has {gb(su.host_bytes)}")
     if mem.nvme * cl.devices > su.nvme_bytes:
         out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
     return out

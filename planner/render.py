@@ -31,7 +31,8 @@ def plan_dict(p: Plan) -> dict[str, Any]:
     return _finite({
         "strategy": p.strategy,
         "fits": p.fits,
-        "memory": {k: int(getattr(p.memory, k)) for k in MEMORY_KEYS},
+        "memory": {**{k: int(getattr(p.memory, k)) for k in MEMORY_KEYS},
+                   "host_items": {k: int(v) for k, v in p.memory.host_items.items()}},
         "communication": {"bytes_per_step": c.bytes_per_step,
                           "seconds_per_step": c.seconds_per_step,
                           "by_collective": {k: asdict(v) for k, v in c.by_collective.items()}},
@@ -186,6 +187,8 @@ def _breakdown(con: Any, p: Plan, accounting: str = "actual") -> None:
               f"of {gb(p.device_bytes)}")
     if m.host:
         t.add_row("offloaded to host", f"{m.host / GB:,.2f}", f"{m.host / GiB:,.2f}", "host")
+        for name, v in m.host_items.items():  # planner/host.py's items (process: not in the sum)
+            t.add_row(f"  {name}", f"{v / GB:,.2f}", f"{v / GiB:,.2f}", "host")
     if m.nvme:
         t.add_row("offloaded to NVMe", f"{m.nvme / GB:,.2f}", f"{m.nvme / GiB:,.2f}", "nvme")
     con.print(t)

@@ -27,6 +27,9 @@ from typing import Any
 # Where a state lives, and over how many ranks it is split.
 REPLICATED, SHARDED = "replicated", "sharded"
 DEVICE, CPU, NVME = "device", "cpu", "nvme"
+HOST_STATES = ("params_16bit", "fp32_master", "fp32_grads", "grads_16bit", "optimizer_moments")
+"""planner/host.py's host items that are model states (``predicted_vs_measured.state_bytes``);
+the rest are an engine's staging copies, temporaries, rounding and the process."""
 MiB = 2**20
 
 
@@ -141,6 +144,11 @@ class Footprint:
     None: the precision's usual reduce dtype."""
     master_weights: bool = False
     """The engine keeps its own fp32 copy of the parameters beside 16-bit working ones."""
+    pin_memory: bool | None = None
+    """Offload buffers page-locked (strategy.pin_memory); None: on a GPU run."""
+    swap_buffers: tuple[int, int] = (0, 0)
+    """NVMe offload's pinned swap buffers: 16-bit parameter elements (count x size) and the
+    number of fp32 optimizer buffers, each the largest sub-group's (planner/host.py)."""
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -157,24 +165,30 @@ class Footprint:
 
     # ------------------------------------------------------------------ memory
     def states(self, n: Sizes) -> States:
+        held = {**self.held(n), "host": 0, "nvme": 0}
+        for key, place in self.placement().items():
+            if place in (CPU, NVME):
+                held["host" if place == CPU else "nvme"] += held[key]
+                held[key] = 0
+        return States(**held)
+
+    def held(self, n: Sizes) -> dict[str, int]:
+        """Each state's bytes per device wherever it lives (params, grads, master, optimizer)."""
         sb = n.bytes
 
         def split(nbytes: float, state: str) -> int:
             return math.ceil(nbytes / n.shard) if state == SHARDED else math.ceil(nbytes)
 
-        held = {"params": split(n.params * sb.params, self.params),
+        return {"params": split(n.params * sb.params, self.params),
                 "grads": self.held_grads(n, split(n.trainable * sb.grads, self.grads)),
                 "master": split(n.trainable * sb.master, self.optimizer),
-                "optimizer": split(n.trainable * sb.optimizer, self.optimizer),
-                "host": 0, "nvme": 0}
-        # optimizer offload moves the gradient partition and the step too (ZeRO-Offload, CPUOffload)
-        where = {"params": self.params_offload, "grads": self.optimizer_offload,
-                 "master": self.optimizer_offload, "optimizer": self.optimizer_offload}
-        for key, place in where.items():
-            if place in (CPU, NVME):
-                held["host" if place == CPU else "nvme"] += held[key]
-                held[key] = 0
-        return States(**held)
+                "optimizer": split(n.trainable * sb.optimizer, self.optimizer)}
+
+    def placement(self) -> dict[str, str]:
+        """Where each state lives: optimizer offload moves the gradient partition and the step
+        too (ZeRO-Offload, CPUOffload)."""
+        return {"params": self.params_offload, "grads": self.optimizer_offload,
+                "master": self.optimizer_offload, "optimizer": self.optimizer_offload}
 
     def held_grads(self, n: Sizes, split: int) -> int:
         """Gradient bytes held at the step (``split``: the state divided as declared)."""
@@ -362,5 +376,5 @@ def moe_features(shape: Any) -> dict[str, float]:
             "shared_ffn": shape.n_shared_experts * shape.expert_hidden, "experts/seq": e / t}
 
 
-__all__ = ["CPU", "DEVICE", "FSDPFootprint", "Footprint", "MiB", "NVME", "REPLICATED", "SHARDED",
+__all__ = ["CPU", "DEVICE", "FSDPFootprint", "Footprint", "HOST_STATES", "MiB", "NVME", "REPLICATED", "SHARDED",
            "Sizes", "StateBytes", "States", "Traffic", "moe_features"]

@@ -35,8 +35,10 @@ def test_cli_json_contract(tmp_path):
         assert set(p) >= {"strategy", "fits", "memory", "communication", "bubble_fraction",
                           "step_seconds"}
         assert set(p["memory"]) == {"params", "grads", "master", "optimizer", "activations",
-                                    "buffers", "loss", "step", "total", "growth", "host", "nvme"}
-        assert all(isinstance(v, int) for v in p["memory"].values())
+                                    "buffers", "loss", "step", "total", "growth", "host", "nvme",
+                                    "host_items"}
+        items = p["memory"].pop("host_items")  # offload's host bytes by item (planner/host.py)
+        assert all(isinstance(v, int) for v in [*p["memory"].values(), *items.values()])
         assert set(p["communication"]) == {"bytes_per_step", "seconds_per_step", "by_collective"}
     assert set(ROOT.iterdir()) == before  # no outputs/, .hydra/ or log file
 

@@ -234,6 +234,8 @@ class ZeroConfig(StrategyConfig):
             auto=frozenset(k for k in _HIDDEN_AUTO if zero.get(k) == AUTO
                            and (s >= 3 or not k.startswith("stage3"))),
             sub_group=_or(_count(zero.get("sub_group_size"), 1), self.sub_group_size),
+            pin_memory=self.pin_memory,
+            swap_buffers=(self.param_buffer_count * self.param_buffer_size, self.optimizer_buffer_count),
         )
 
     def for_model(self, hidden: int) -> ZeroConfig:
