@@ -4,6 +4,7 @@ mean something; a full disk says so."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -52,3 +53,67 @@ def test_hydra_raises_to_us_only_until_the_task_starts(monkeypatch):
     seen.clear()
     cli.run(main)
     assert seen == ["1", "1"]
+
+
+# --------------------------------------------------------------------- the engines' noise
+@pytest.mark.unit
+def test_peft_reading_transformers_deprecated_alias_is_filtered():
+    """LoRA printed transformers' FutureWarning per rank at build, per checkpoint and at save_hf
+    (peft's getattr of ``is_gradient_checkpointing``): filtered by its message and module; the
+    same message from elsewhere, and any other FutureWarning, still shows."""
+    import warnings
+
+    from backends.common import quiet
+
+    text = "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` instead."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in quiet.WARNINGS:  # (what quiet.install() applies, restored after the block)
+            warnings.filterwarnings("ignore", message=n.message, category=n.category, module=n.module)
+        warnings.warn_explicit(text, FutureWarning, "modeling_utils.py", 3312, module="transformers.modeling_utils")
+        warnings.warn_explicit(text, FutureWarning, "elsewhere.py", 1, module="elsewhere")
+        warnings.warn_explicit("something else is deprecated", FutureWarning, "modeling_utils.py", 1,
+                               module="transformers.modeling_utils")
+    assert [(str(w.message), w.filename) for w in seen] == [(text, "elsewhere.py"),
+                                                            ("something else is deprecated", "modeling_utils.py")]
+
+
+@pytest.mark.unit
+def test_zero_to_fp32_progress_is_dropped_and_nothing_else(capsys):
+    """DeepSpeed's conversion prints its progress (print and tqdm bars) on save_hf, export and a
+    resume on another layout: those lines go, anything else printed or warned in the call stays."""
+    from checkpoints.state import _zero_to_fp32_quietly
+
+    with _zero_to_fp32_quietly():
+        print("Processing zero checkpoint '/run/checkpoints/step3/deepspeed/state'")
+        print("Parsing checkpoint created by deepspeed==0.19.8")
+        sys.stderr.write("\rLoading checkpoint shards:   0%|          | 0/2 [00:00<?, ?it/s]"
+                         "\rLoading checkpoint shards: 100%|##########| 2/2 [00:00<00:00, 273.32it/s]\n")
+        print("Detected checkpoint of type zero stage ZeroStageEnum.gradients, world_size: 2")
+        print("Reconstructed Frozen fp32 state dict with 21 params 2392704 elements")
+        print("Reconstructed fp32 state dict with 16 params 7168 elements")
+        print("a line DeepSpeed has not printed before")
+        sys.stderr.write("UserWarning: a real warning\n")
+    out, err = capsys.readouterr()
+    assert out == "a line DeepSpeed has not printed before\n" and err == "UserWarning: a real warning\n"
+
+
+@pytest.mark.unit
+def test_accelerate_fsdp2_is_not_told_sync_module_states(caplog):
+    """Accelerate warned on every rank that ``sync_module_states`` is obsolete in FSDP2 because
+    the builder passed it (False); the plugin is built without it, and says nothing."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from backends.accelerate.families.fsdp2 import FSDP2
+    from recipes.compose import compose, register
+    from recipes.job import CONFIG, validate
+
+    register()
+    job = validate(compose(["model=gpt_nano", "strategy=fsdp2", "cluster.devices=2", "backend=accelerate",
+                            "cluster.accelerator=cpu"]), depth=CONFIG)
+    with caplog.at_level(logging.WARNING):
+        plugin = FSDP2(job.preset, job.run).kwargs(1000)["fsdp_plugin"]
+    assert plugin.sync_module_states is None and not caplog.records, caplog.text
+    with caplog.at_level(logging.WARNING):  # (what the builder provoked: the test sees it)
+        FullyShardedDataParallelPlugin(fsdp_version=2, sync_module_states=False)
+    assert "sync_module_states is obsolete" in caplog.text
