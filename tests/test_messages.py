@@ -117,3 +117,51 @@ def test_accelerate_fsdp2_is_not_told_sync_module_states(caplog):
     with caplog.at_level(logging.WARNING):  # (what the builder provoked: the test sees it)
         FullyShardedDataParallelPlugin(fsdp_version=2, sync_module_states=False)
     assert "sync_module_states is obsolete" in caplog.text
+
+
+# --------------------------------------------------------------------- a validation split that means something
+@pytest.mark.unit
+@pytest.mark.parametrize("n, fraction, val_samples, held", [
+    (300, 0.01, 256, 16),   # #41's 3 samples: grown to the minimum
+    (100, 0.01, 256, 10),   # ... but never past a tenth of the data
+    (40, 0.01, 256, 4),
+    (5000, 0.01, 256, 50),  # a fraction above the minimum: as asked
+    (300, 0.01, 7, 7),      # nor past what is evaluated (data.val_samples)
+    (20, 0.5, 256, 10),
+])
+def test_a_held_out_split_grows_to_the_minimum(n, fraction, val_samples, held):
+    from recipes.data import held_out
+
+    assert held_out(n, fraction, val_samples) == held
+
+
+@pytest.mark.unit
+def test_the_split_is_said_once_by_rank_0(caplog, monkeypatch, tmp_path):
+    """The text corpus (windows of 16) with data.val_fraction=0.0002: grown, and the log says so
+    once; a data.val_path of a few windows is taken as given, with a warning; other ranks say
+    nothing."""
+    from types import SimpleNamespace
+
+    from recipes.config import DataConfig
+    from recipes.data import CORPUS, VAL_MIN_SAMPLES, build_datasets
+
+    shape = SimpleNamespace(seq_len=16, vocab_size=512)
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.INFO, logger="recipes.data"):
+        full = build_datasets(DataConfig(name="text"), shape, 0)[0]
+        train, val = build_datasets(DataConfig(name="text", val_fraction=0.0002), shape, 0)
+    assert round(len(full) * 0.0002) < VAL_MIN_SAMPLES <= len(full) // 10
+    assert len(val) == VAL_MIN_SAMPLES and len(train) + len(val) == len(full)
+    said = [r.getMessage() for r in caplog.records if "validation" in r.getMessage()]
+    assert said == [f"validation: data.val_fraction=0.0002 of {len(full)} samples is {round(len(full) * 0.0002)}; "
+                    f"held out {VAL_MIN_SAMPLES} instead (at least {VAL_MIN_SAMPLES} where a tenth of the data "
+                    "allows; data.val_path sets the split exactly)"]
+    small = tmp_path / "val.txt"
+    small.write_text(CORPUS.read_text()[:16 * 3 + 1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recipes.data"):
+        val = build_datasets(DataConfig(name="text", val_path=str(small)), shape, 0)[1]
+        monkeypatch.setenv("RANK", "1")
+        build_datasets(DataConfig(name="text", val_path=str(small)), shape, 0)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(val) == 3 and len(warned) == 1 and "validation on 3 sample(s) only (data.val_path=" in warned[0].getMessage()
