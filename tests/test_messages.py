@@ -165,3 +165,49 @@ def test_the_split_is_said_once_by_rank_0(caplog, monkeypatch, tmp_path):
         build_datasets(DataConfig(name="text", val_path=str(small)), shape, 0)
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(val) == 3 and len(warned) == 1 and "validation on 3 sample(s) only (data.val_path=" in warned[0].getMessage()
+
+
+# --------------------------------------------------------------------- #42: a full disk says so
+@pytest.mark.unit
+def test_an_atomic_write_on_a_full_disk_names_the_file_and_the_fix(tmp_path):
+    """A real ENOSPC (a write to /dev/full, under the atomic writer's temp name): one OSError, its
+    errno kept (train.py's ``disk_full``), the file meant and the fix; nothing left behind. Other
+    errors are left as they are."""
+    import errno
+
+    from observers.files import atomic_write
+
+    def full(tmp: str) -> None:
+        with open("/dev/full", "wb") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+
+    with pytest.raises(OSError) as caught:
+        atomic_write(tmp_path / "report.json", full)
+    assert caught.value.errno == errno.ENOSPC and str(caught.value) == (
+        f"[Errno 28] No space left on device: writing {tmp_path / 'report.json'}; free space there, "
+        "or point hydra.run.dir at a disk with room")
+    assert list(tmp_path.iterdir()) == []
+
+    def refused(tmp: str) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", tmp)
+
+    with pytest.raises(PermissionError):
+        atomic_write(tmp_path / "report.json", refused)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+def test_a_report_on_a_full_disk_ends_the_run_with_one_line(tmp_path):
+    """A run with no checkpoint on a 28 KiB tmpfs: the configs and the log fit, report.json does
+    not; the run's last line says No space left on device, the file and the fix (it said only
+    "[Errno 28] No space left on device")."""
+    from tests.test_errors import NANO, _in_tmpfs, _one_clear_line
+
+    disk = tmp_path / "disk"
+    proc = _in_tmpfs(disk, "size=28k", [sys.executable, str(ROOT / "train.py"), *NANO, "trainer.max_steps=1",
+                                        "trainer.save_last=false", "callbacks.plots=false",
+                                        "callbacks.progress_bar=false", f"hydra.run.dir={disk / 'run'}"])
+    line = _one_clear_line(proc, 1, f"[Errno 28] No space left on device: writing {disk / 'run' / 'report.json'}; "
+                           "free space there, or point hydra.run.dir at a disk with room")
+    assert proc.stdout.strip().splitlines()[-1] == line
