@@ -24,7 +24,8 @@ CONFIG_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 _started = False
-_full_error = False  # ``run`` set HYDRA_FULL_ERROR (until ``started``)
+_RAISES = "STRATAGEM_HYDRA_RAISES"  # set beside HYDRA_FULL_ERROR when ``run`` set that (a submitit
+# job inherits both: its ``started`` takes them back too)
 
 
 def normalize(argv: list[str]) -> list[str]:
@@ -59,11 +60,10 @@ def rank_aware_logging() -> None:
 def started() -> None:
     """Called first thing in the task function: composition succeeded. From here on an error is
     the run's, printed by Hydra as usual (``run`` had Hydra raise composition errors to it)."""
-    global _started, _full_error
+    global _started
     _started = True
-    if _full_error:
+    if os.environ.pop(_RAISES, None):
         os.environ.pop("HYDRA_FULL_ERROR", None)
-        _full_error = False
 
 
 def fail(error: Exception, log: logging.Logger) -> None:
@@ -357,10 +357,9 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
     register()  # the typed schemas and the resolvers, before Hydra composes
     if ready is not None:  # the script's imports are done; Hydra composes next (train.py: startup)
         ready()
-    global _full_error
-    ours = _full_error = "HYDRA_FULL_ERROR" not in os.environ
+    ours = "HYDRA_FULL_ERROR" not in os.environ
     if ours:  # Hydra's composition error reaches us, not its printer (see ``composition_error``)
-        os.environ["HYDRA_FULL_ERROR"] = "1"
+        os.environ["HYDRA_FULL_ERROR"] = os.environ[_RAISES] = "1"
     try:
         main()
     except SystemExit as e:

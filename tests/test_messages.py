@@ -36,6 +36,7 @@ def test_hydra_raises_to_us_only_until_the_task_starts(monkeypatch):
     from recipes import cli
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv(cli._RAISES, raising=False)
     monkeypatch.setattr(cli, "_started", False)
     seen = []
     monkeypatch.setattr(sys, "argv", ["train.py"])
@@ -47,7 +48,7 @@ def test_hydra_raises_to_us_only_until_the_task_starts(monkeypatch):
         seen.append(os.environ.get("HYDRA_FULL_ERROR"))
 
     cli.run(main)
-    assert seen == ["1", None]
+    assert seen == ["1", None] and cli._RAISES not in os.environ
     monkeypatch.setattr(cli, "_started", False)
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the user's own: kept
     seen.clear()
@@ -197,6 +198,7 @@ def test_an_atomic_write_on_a_full_disk_names_the_file_and_the_fix(tmp_path):
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow  # (a 30 s run; the default tier has the real ENOSPC above and test_errors' full-disk run)
 @pytest.mark.timeout(300)
 def test_a_report_on_a_full_disk_ends_the_run_with_one_line(tmp_path):
     """A run with no checkpoint on a 28 KiB tmpfs: the configs and the log fit, report.json does
