@@ -213,3 +213,37 @@ def test_a_report_on_a_full_disk_ends_the_run_with_one_line(tmp_path):
     line = _one_clear_line(proc, 1, f"[Errno 28] No space left on device: writing {disk / 'run' / 'report.json'}; "
                            "free space there, or point hydra.run.dir at a disk with room")
     assert proc.stdout.strip().splitlines()[-1] == line
+
+
+@pytest.mark.unit
+def test_a_sweeps_preflight_and_dry_run_say_our_line():
+    """--dry-run and a sweep's preflight compose each point themselves (launchers.sweep.check_point):
+    a mistyped key is our line there too."""
+    from launchers.sweep import check_point
+
+    point = check_point(["model=gpt_nano", "trainer.max_stepz=3"])
+    assert point.problems == ["trainer.max_stepz=3: no such key; did you mean trainer.max_steps? (trainer.max_steps=3)"]
+
+
+# The engines' noise in real runs (slow: a LoRA ZeRO-2 run with save_hf, an Accelerate FSDP2 run).
+NOISE = ("is_gradient_checkpointing", "Processing zero checkpoint", "Detected checkpoint of type",
+         "Reconstructed fp32 state dict", "Loading checkpoint shards", "sync_module_states is obsolete")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", ["lora_zero2_save_hf", "accelerate_fsdp2"])
+def test_the_engines_noise_is_gone_from_real_runs(case, tmp_path):
+    from tests.conftest import TINY, run_cli
+    from tests.test_hf import HF, _save
+
+    if case == "lora_zero2_save_hf":
+        llama = _save(tmp_path / "llama")
+        overrides = (*[o for o in TINY if not o.startswith("model=")], *HF, f"model.path={llama}",
+                     "model.lora.rank=4", "model.lora.alpha=8", "cluster.devices=2", "trainer.micro_batch_size=4",
+                     "strategy=zero2", "trainer.save_hf=true")
+    else:
+        overrides = (*TINY, "trainer.max_steps=2", "backend=accelerate", "strategy=fsdp2", "cluster.devices=2")
+    run = run_cli("train.py", *overrides, out=tmp_path / "run", timeout=800)
+    assert [n for n in NOISE if n in run.log] == [], run.log[-3000:]
