@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
 
     dry = "--dry-run" in argv
     overrides = cli.normalize([a for a in argv if a != "--dry-run"])
-    cfg = cli.or_exit(lambda: compose(overrides))
+    cfg = cli.or_exit(lambda: compose(overrides), overrides)
 
     def _problems(job) -> list[str]:
         chosen = registry.get(job.cluster.launcher)  # (launchers/registry.py: its submission step)

@@ -182,6 +182,8 @@ def save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str
     run's record so far (``Observers.history``), which a resumed run continues. A write that fails
     (a full disk, a read-only one) is one ``OSError`` with its errno: what failed, on which ranks,
     the fix (``write_error``) -- not torch DCP's nest of per-rank tracebacks."""
+    import os
+
     from checkpoints import store
 
     temp, final = store.temp_for(run_dir, step), store.path_for(run_dir, step)
@@ -190,7 +192,7 @@ def save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str
     except BaseException as e:  # (torch DCP's CheckpointException is a BaseException)
         if (cause := write_error(e, temp)) is None:
             raise
-        raise OSError(cause.errno, f"{cause.strerror}: saving the checkpoint of step {step} into {temp} "
+        raise OSError(cause.errno, f"{os.strerror(cause.errno)}: saving the checkpoint of step {step} into {temp} "
                       f"failed on {_ranks(e, h.rank)}; {_fix(cause.errno)}") from e
 
 

@@ -47,6 +47,35 @@ def _dcp_quietly() -> Iterator[None]:
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
         yield
 
+# DeepSpeed's zero_to_fp32 tells its progress with print() and tqdm bars (no logger, no switch):
+# each piece of output that starts so is dropped; anything else it prints or warns passes.
+ZERO_TO_FP32_CHATTER = (
+    r"\r?(Processing zero checkpoint |Parsing checkpoint created by deepspeed==|Detected checkpoint "
+    r"of type zero stage |Reconstructed (Frozen |Trainable )?fp32 state dict with |(Loading checkpoint "
+    r"shards|Gathering sharded weights): |\r$)")
+
+
+@contextmanager
+def _zero_to_fp32_quietly() -> Iterator[None]:
+    """DeepSpeed's conversion of a ZeRO checkpoint to full parameters (``full_model``: save_hf,
+    export, resuming on another layout) without its progress lines, which say nothing a user acts
+    on: this process's stdout and stderr are held around the call and written back without them."""
+    import io
+    import re
+    import sys
+    from contextlib import redirect_stderr, redirect_stdout
+
+    chatter = re.compile(ZERO_TO_FP32_CHATTER)
+    held = {"stdout": io.StringIO(), "stderr": io.StringIO()}
+    try:
+        with redirect_stdout(held["stdout"]), redirect_stderr(held["stderr"]):
+            yield
+    finally:
+        for name, text in held.items():
+            pieces = re.split(r"(?<=[\n\r])", text.getvalue())
+            getattr(sys, name).write("".join(x for x in pieces if x and not chatter.match(x)))
+
+
 DCP, DEEPSPEED = "dcp", "deepspeed"
 TAG = "state"  # DeepSpeed's tag (sub-directory) inside <checkpoint>/deepspeed
 
@@ -166,7 +195,8 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         _check_pickles(path / DEEPSPEED)
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(path / DEEPSPEED), tag=TAG)
+        with _zero_to_fp32_quietly():
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(path / DEEPSPEED), tag=TAG)
         sd = _strip(sd, meta["prefix"])
     return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
 

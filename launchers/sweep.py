@@ -403,7 +403,9 @@ def check_point(overrides: Sequence[str]) -> Point:
     except ConfigError as e:
         point.problems = list(e.problems)
     except Exception as e:  # noqa: BLE001  (Hydra refuses to compose it: an unknown key or option)
-        point.problems = [" ".join(str(e).split())[:600] or type(e).__name__]
+        from recipes.cli import suggestions  # (an unknown key: ours, not Hydra's advice to add it with +)
+
+        point.problems = suggestions(point.overrides) or [" ".join(str(e).split())[:600] or type(e).__name__]
     point.seconds = time.perf_counter() - t0
     return point
 

@@ -14,16 +14,38 @@ from typing import Any
 
 def _atomic(path: str | Path, write: Callable[[str], None]) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        if (named := _named(e, path)) is e:
+            raise
+        raise named from e
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        if not isinstance(e, OSError) or (named := _named(e, path)) is e:
+            raise
+        raise named from e
+
+
+def _named(error: OSError, path: Path) -> OSError:
+    """A full disk (or quota) or a read-only one as one OSError with its errno, the file and the
+    fix: the run's summary line (train.py) is this, where Python's says only "[Errno 28] No space
+    left on device" (a write's error names no file). Any other OSError is left as it is."""
+    import errno
+
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space there, or point hydra.run.dir at a disk with room"
+    elif error.errno == errno.EROFS:
+        fix = "point hydra.run.dir at a directory this user can write"
+    else:
+        return error
+    return OSError(error.errno, f"{os.strerror(error.errno)}: writing {path}; {fix}")
 
 
 def _umask() -> int:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from hydra.experimental.callback import Callback
 
@@ -24,6 +24,8 @@ CONFIG_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 _started = False
+_RAISES = "STRATAGEM_HYDRA_RAISES"  # set beside HYDRA_FULL_ERROR when ``run`` set that (a submitit
+# job inherits both: its ``started`` takes them back too)
 
 
 def normalize(argv: list[str]) -> list[str]:
@@ -56,9 +58,12 @@ def rank_aware_logging() -> None:
 
 
 def started() -> None:
-    """Called first thing in the task function: composition succeeded."""
+    """Called first thing in the task function: composition succeeded. From here on an error is
+    the run's, printed by Hydra as usual (``run`` had Hydra raise composition errors to it)."""
     global _started
     _started = True
+    if os.environ.pop(_RAISES, None):
+        os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 def fail(error: Exception, log: logging.Logger) -> None:
@@ -135,12 +140,10 @@ def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
 
     try:
         return step()
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
-        cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
-        print(f"{e}{cause}", file=sys.stderr)
-        if argv is not None:
-            for line in suggestions(argv):
-                print(line, file=sys.stderr)
+    except (HydraException, OmegaConfBaseException) as e:
+        composition_error(e, argv or [])
+    except ConfigError as e:
+        print(e, file=sys.stderr)
         sys.exit(CONFIG_ERROR)
 
 
@@ -287,50 +290,56 @@ def _has_key(node: object, key: str) -> bool:
 
 
 def suggestions(argv: list[str]) -> list[str]:
-    """For each override whose key the config does not have (``trainer.max_step=3``), the closest
-    key that exists (``did you mean trainer.max_steps?``), from the config composed with the same
-    group choices; nothing when there is no close one, or the groups themselves do not compose."""
-    import difflib
-
+    """For each override whose key the config does not have (``trainer.max_step=3``), one line:
+    the override, that the key does not exist, the closest key that does (``did you mean
+    trainer.max_steps?``) and the override to write instead, or, with none close, the keys there
+    are -- from the config composed with the same group choices; nothing when the groups
+    themselves do not compose (Hydra's message says why)."""
     from omegaconf import OmegaConf
 
     from recipes.compose import compose
 
     groups, keys = [], []
     for arg in normalize([a for a in argv if not a.startswith("-")]):
-        key, eq, _ = arg.partition("=")
+        key, eq, value = arg.partition("=")
         key = key.lstrip("+~")
         if not eq or key.startswith("hydra"):
             continue
         if "." not in key and (CONF_DIR / key).is_dir():
             groups.append(arg)
         else:
-            keys.append(key)
+            keys.append((key, value))
     if not keys:
         return []
     try:
         cfg = OmegaConf.to_container(compose(groups), resolve=False)
     except Exception:  # the groups themselves are the error: Hydra said so
         return []
-    group_names = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-    out = []
-    for key in keys:
-        if _has_key(cfg, key):
-            continue
-        parent, _, leaf = key.rpartition(".")
-        if not parent:  # a group or a top-level key
-            close = difflib.get_close_matches(key, sorted(group_names | set(cfg)), n=1, cutoff=0.6)
-        elif _has_key(cfg, parent):  # a key of a node that exists: among its keys
-            node = cfg
-            for part in parent.split("."):
-                node = node[part]
-            names = list(node) if isinstance(node, dict) else []
-            close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
-        else:  # the node itself is mistyped: among every key
-            close = difflib.get_close_matches(key, _flat_keys(cfg), n=1, cutoff=0.6)
-        if close:
-            out.append(f"{key}: no such key; did you mean {close[0]}?")
-    return out
+    return [_no_such_key(cfg, key, value) for key, value in keys if not _has_key(cfg, key)]
+
+
+def _no_such_key(cfg: dict, key: str, value: str) -> str:
+    """``trainer.max_stepz=3: no such key; did you mean trainer.max_steps? (trainer.max_steps=3)``."""
+    import difflib
+
+    parent, _, leaf = key.rpartition(".")
+    if not parent:  # a group or a top-level key
+        names = sorted({p.name for p in CONF_DIR.iterdir() if p.is_dir()} | set(cfg))
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    elif _has_key(cfg, parent):  # a key of a node that exists: among its keys
+        node = cfg
+        for part in parent.split("."):
+            node = node[part]
+        names = sorted(node) if isinstance(node, dict) else []
+        close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
+    else:  # the node itself is mistyped: among every key
+        names = []
+        close = difflib.get_close_matches(key, _flat_keys(cfg), n=1, cutoff=0.6)
+    if close:
+        return f"{key}={value}: no such key; did you mean {close[0]}? ({close[0]}={value})"
+    where = f"the keys of {parent or 'the config'}: {', '.join(names)}" if names else \
+        "every key: python train.py --cfg job"
+    return f"{key}={value}: no such key; {where}"
 
 
 def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | None = None) -> None:
@@ -348,6 +357,9 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
     register()  # the typed schemas and the resolvers, before Hydra composes
     if ready is not None:  # the script's imports are done; Hydra composes next (train.py: startup)
         ready()
+    ours = "HYDRA_FULL_ERROR" not in os.environ
+    if ours:  # Hydra's composition error reaches us, not its printer (see ``composition_error``)
+        os.environ["HYDRA_FULL_ERROR"] = os.environ[_RAISES] = "1"
     try:
         main()
     except SystemExit as e:
@@ -359,3 +371,32 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
     except KeyboardInterrupt:  # Ctrl-C before a run takes it (checkpoints/interrupt.py), or after
         print("stopped by Ctrl-C", file=sys.stderr)
         sys.exit(INTERRUPTED)
+    except Exception as e:
+        if _started or not ours:
+            raise
+        composition_error(e, sys.argv[1:])
+
+
+def composition_error(error: Exception, argv: list[str]) -> NoReturn:
+    """The one place Hydra's composition errors are told (train.py through ``run``; plan.py and
+    export.py through ``or_exit``). ``run`` sets ``HYDRA_FULL_ERROR`` until the task function
+    starts (``started`` takes it back), so an error while Hydra composes is raised to us instead of
+    printed by Hydra -- whose advice for an unknown key is to append it with ``+``, which
+    validation then refuses. An override of a key the config does not have is our line
+    (``suggestions``: the override, the key we think was meant, the override to write); any other
+    error is Hydra's message as Hydra prints it, without its traceback; exit 2 either way."""
+    import traceback
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    lines = suggestions(argv) if isinstance(error, (HydraException, OmegaConfBaseException)) else []
+    if lines:
+        print("\n".join(lines), file=sys.stderr)
+    elif isinstance(error, (HydraException, OmegaConfBaseException)):
+        cause = f"\n{error.__cause__}" if isinstance(error.__cause__, OmegaConfBaseException) else ""
+        print(f"{error}{cause}", file=sys.stderr)
+    else:  # not a configuration error: a fault of ours or a library's, with its traceback
+        traceback.print_exception(error)
+        sys.exit(1)
+    sys.exit(CONFIG_ERROR)

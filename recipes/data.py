@@ -374,14 +374,51 @@ def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]
         val = _stream(data_cfg, data_cfg.val_path, shape, "data.val_path")
     elif data_cfg.val_fraction > 0:
         n = len(full)
-        held = max(1, round(n * data_cfg.val_fraction))
+        held = held_out(n, data_cfg.val_fraction, data_cfg.val_samples)
         if held >= n:
             raise ValueError(f"data.val_fraction={data_cfg.val_fraction} of {n} samples leaves none "
                              "to train on: lower data.val_fraction or use more data")
         train, val = Subset(full, range(n - held)), Subset(full, range(n - held, n))
     if val is not None and data_cfg.val_samples is not None and len(val) > data_cfg.val_samples:
         val = Subset(val, range(data_cfg.val_samples))
+    if val is not None:
+        _say_split(data_cfg, None if data_cfg.val_path is not None else len(full), len(val))
     return train, val
+
+
+VAL_MIN_SAMPLES = 16
+"""The fewest samples a held-out split (``data.val_fraction``) holds: a validation loss over
+fewer windows is noise, which ``trainer.keep_best`` and early stopping would act on. A fraction
+that gives fewer grows to this, but never past a tenth of the data nor past ``data.val_samples``
+(what is evaluated); the run's log says so. ``data.val_path`` is taken as given (warned when
+smaller)."""
+
+
+def held_out(n: int, fraction: float, val_samples: int | None) -> int:
+    """How many of ``n`` samples ``data.val_fraction`` holds out: the fraction (at least one), grown
+    to ``VAL_MIN_SAMPLES`` where a tenth of the data and ``data.val_samples`` allow."""
+    asked = max(1, round(n * fraction))
+    floor = min(VAL_MIN_SAMPLES, n // 10, val_samples if val_samples is not None else n)
+    return max(asked, floor)
+
+
+def _say_split(data_cfg, n: int | None, size: int) -> None:
+    """Rank 0 logs, once, a held-out split grown to the minimum (info) or one still below it, or a
+    ``data.val_path`` below it (a warning). ``n``: the samples a fraction was taken of."""
+    import os
+
+    if int(os.environ.get("RANK") or 0) != 0:
+        return
+    asked = None if n is None else max(1, round(n * data_cfg.val_fraction))
+    if asked is not None and size > asked:
+        log.info("validation: data.val_fraction=%s of %d samples is %d; held out %d instead (at least "
+                 "%d where a tenth of the data allows; data.val_path sets the split exactly)",
+                 data_cfg.val_fraction, n, asked, size, VAL_MIN_SAMPLES)
+    wanted = min(VAL_MIN_SAMPLES, data_cfg.val_samples or VAL_MIN_SAMPLES)
+    if size < wanted:
+        source = f"data.val_path={data_cfg.val_path}" if n is None else f"data.val_fraction={data_cfg.val_fraction} of {n} samples"
+        log.warning("validation on %d sample(s) only (%s): a loss over so few means little; use more "
+                    "data, a larger data.val_fraction or a data.val_path of %d or more", size, source, wanted)
 
 
 def data_facts(dataset: Dataset) -> dict[str, int | None]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from recipes.config import DataConfig, compose
-from recipes.data import CORPUS, IGNORE, TokenWindows, build_datasets, data_facts
+from recipes.data import CORPUS, IGNORE, TokenWindows, build_datasets, data_facts, held_out
 from recipes.job import CONFIG, validate
 from strategies import ConfigError
 from tests.conftest import TINY, run_cli
@@ -371,7 +371,7 @@ def _first_loss(model_dir: Path, ids: list[int], mask: list[int] | None, *, seq_
     from recipes.data import GlobalBatchSampler
 
     n = (len(ids) - 1) // seq_len
-    n -= max(1, round(n * val_fraction)) if val_fraction else 0
+    n -= held_out(n, val_fraction, 1) if val_fraction else 0  # (data.val_samples=1: the fraction as asked)
     order = GlobalBatchSampler(n, global_batch=global_batch, micro_batch=global_batch, dp_rank=0, dp_size=1,
                                seed=seed, steps=1).global_indices(0)
     x = torch.tensor([ids[i * seq_len : i * seq_len + seq_len] for i in order])
@@ -401,7 +401,7 @@ def test_chat_sft_end_to_end_on_a_tiny_llama(chat_tokenizer, tmp_path):
                   "data=chat", f"data.path={src}", f"data.cache_dir={tmp_path / 'cache'}",
                   "strategy=single", "trainer.max_steps=2", "trainer.global_batch_size=8",
                   "trainer.micro_batch_size=8", "trainer.optimizer=sgd", "trainer.lr=0.5",
-                  "trainer.grad_clip=0", out=tmp_path / "run", timeout=500)
+                  "trainer.grad_clip=0", "data.val_samples=1", out=tmp_path / "run", timeout=500)
     report = run.report
     kw = {"seq_len": 32, "val_fraction": 0.01, "global_batch": 8}
     masked = _first_loss(model, ids, mask, **kw)
@@ -409,7 +409,7 @@ def test_chat_sft_end_to_end_on_a_tiny_llama(chat_tokenizer, tmp_path):
     # (a random model's losses are all near ln(8192); the unmasked one is still 100x the tolerance away)
     assert abs(_first_loss(model, ids, None, **kw) - masked) > 100 * 1e-5 * masked
     n = (len(ids) - 1) // 32
-    n -= max(1, round(n * 0.01))
+    n -= held_out(n, 0.01, 1)
     assert report["data"] == {"tokens": n * 32, "loss_tokens": sum(mask[1 : n * 32 + 1])}
     assert report["validation"] and report["validation"][-1]["step"] == 2
     assert "tokenized" in run.log

@@ -18,7 +18,9 @@ lands in ``train.log``.
 Ranks other than 0 log warnings and errors only (``recipes.cli.rank_aware_logging``). A few
 warnings our own code provokes around one call are silenced there, around that call
 (``observers/comm.py``: re-registering its counting kernels; ``checkpoints/state.py``: reading a
-checkpoint without a process group).
+checkpoint without a process group, and DeepSpeed's zero_to_fp32 progress prints around its call).
+Noise we provoked ourselves is removed at its cause instead (the Accelerate FSDP2 builder passes no
+``sync_module_states``, which Accelerate would call obsolete on every rank).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ WARNINGS: tuple[Noise, ...] = (
           "the same helper, on a gloo process group on CPU", module=r"torch\.distributed\.fsdp\."),
     Noise(r"OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 1",
           "Accelerate's note on its CPU state, per rank"),
+    Noise(r"`is_gradient_checkpointing` is deprecated",
+          "peft reads transformers' deprecated alias (getattr(model, 'is_gradient_checkpointing')) "
+          "each time it wraps or saves a LoRA model: per rank at build, per checkpoint, at save_hf",
+          module=r"transformers\.modeling_utils", category=FutureWarning),
 )
 
 # logger -> a regular expression searched in the message: those records are dropped.

@@ -35,7 +35,8 @@ class FSDP2(Builder):
             state_dict_type="SHARDED_STATE_DICT" if p.distributed_checkpoint else "FULL_STATE_DICT",
             activation_checkpointing=self._plugin_checkpoints(),
             **wrap_policy(True, block_cls),
-            sync_module_states=False, cpu_ram_efficient_loading=False)}
+            cpu_ram_efficient_loading=False)}  # (no sync_module_states: FSDP2 has none, and
+            # Accelerate warns on every rank that it is obsolete when it is given, even False)
 
     def _plugin_checkpoints(self) -> bool:
         """The plugin checkpoints every block whole; selective or every n-th block is ours."""
