@@ -58,7 +58,8 @@ def problems(samples: Any, data: Any, model: Any, mesh: Any, preset: str) -> lis
     try:
         prompts = load_prompts(samples.prompts)
     except (OSError, ValueError) as e:
-        return [f"{key}={samples.prompts}: {e}: give a UTF-8 file with one prompt per line, or "
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return [f"{key}={samples.prompts}: {why.lower()}: give a UTF-8 file with one prompt per line, or "
                 "JSON lines with a \"prompt\" string, or a list (callbacks.samples.prompts='[Hi,Once]')"]
     out = [] if prompts else [f"{key}={samples.prompts} holds no prompt: give at least one, or "
                               f"{key}=null (off)"]

@@ -1,0 +1,167 @@
+"""callbacks.samples (issue 41): greedy completions of a few prompts at each validation, run by
+every rank together through the model as the engine wraps it (recipes/samples.py's one loop).
+
+Proven here: generation does not change training (ddp x2: losses, validations and final
+parameters bitwise equal with and without samples); the completion at the last validation is
+the greedy continuation a single process computes from the run's exported parameters (the
+same checkpoint), token for token; the same on fsdp2, zero3, tp and Accelerate's ddp (slow:
+the sharded forwards gather what they need on every rank). What cannot run a collective
+greedy loop (a pipeline stage, a sequence shard) and what cannot encode a prompt is one
+ConfigError at validate.
+"""
+
+from __future__ import annotations
+
+import json
+import pytest
+
+from recipes.config import compose
+from recipes.job import RUN, validate
+from strategies import ConfigError
+from tests.cases import CASES
+from tests.conftest import EQUIV, OPTIMIZERS, ROOT, TINY
+
+pytestmark = pytest.mark.timeout(600)
+PROMPTS = ("Once upon a time", "The king said")
+NEW = 8
+# A separate validation file leaves the training data as it is: a run with validations and
+# samples is compared with the equivalence tests' own run of the same preset (no validation at
+# all; conftest's session cache, so the suite trains it once for both).
+VAL = (f"data.val_path={ROOT / 'recipes' / 'assets' / 'corpus.txt'}", "data.val_samples=8",
+       "trainer.val_every=3")
+ON = (f"callbacks.samples.prompts=[{','.join(PROMPTS)}]", f"callbacks.samples.max_new_tokens={NEW}")
+
+
+def _case(name: str, backend: str = "lightning") -> tuple[str, ...]:
+    """The equivalence setting of a preset with SGD (any gradient change shows)."""
+    return (*EQUIV, *OPTIMIZERS["sgd"], *CASES[name].overrides, f"backend={backend}")
+
+
+def _reference_completions(run, overrides: tuple[str, ...]) -> list[str]:
+    """The greedy continuation of each prompt by one process, from the run's final parameters
+    (params.pt), through the plain model: no engine, no collective."""
+    from recipes import training
+    from recipes.samples import Prompter, greedy
+
+    job = validate(compose([*TINY, *overrides, "strategy=single", "cluster.devices=1",
+                            "trainer.micro_batch_size=8"]), depth=RUN)
+    model = training.build_model(job.model, job.trainer.seed)
+    model.load_state_dict(run.params())
+    prompter = Prompter.for_data(job.data)
+    return [prompter.decode(greedy(model, model, prompter.encode(p), max_new_tokens=NEW,
+                                   seq_len=job.model.seq_len, eos=prompter.eos)) for p in PROMPTS]
+
+
+def _samples_change_nothing(cached, name: str, backend: str = "lightning") -> None:
+    """With validations and samples, the same losses and final parameters, bitwise, as the run
+    without either; the samples of each validation (steps 3 and 6), rank 0's block on the
+    console once per validation; the last ones equal one process's greedy generation from the
+    same parameters."""
+    import torch
+
+    off, on = cached(*_case(name, backend)), cached(*_case(name, backend), *VAL, *ON, timeout=500)
+    assert on.losses == off.losses
+    a, b = on.params(), off.params()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "samples" not in off.report and [v["step"] for v in on.report["validation"]] == [3, 6]
+    samples = on.report["samples"]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(st, p) for st in (3, 6) for p in PROMPTS]
+    assert all(isinstance(s["completion"], str) and s["completion"] for s in samples)
+    assert [s["completion"] for s in samples if s["step"] == 6] == _reference_completions(on, _case(name, backend))
+    assert on.log.count("samples at step") == 2
+
+
+@pytest.mark.multiprocess
+def test_ddp_samples_change_nothing_and_equal_one_process(cached):
+    """ddp x2 (Lightning): one run of its own (the one without samples is the equivalence
+    tests')."""
+    _samples_change_nothing(cached, "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, backend", [("fsdp2", "lightning"), ("zero3", "lightning"), ("tp", "lightning"),
+                                           ("ddp", "accelerate"), ("fsdp2", "accelerate")])
+def test_sharded_samples_change_nothing_and_equal_one_process(cached, name, backend):
+    """The sharded forward on every rank (each gathers its shards), rank 0's argmax broadcast."""
+    _samples_change_nothing(cached, name, backend)
+
+
+# ----------------------------------------------------------------------------- the prompts
+@pytest.mark.unit
+def test_prompts_from_a_list_lines_or_jsonl(tmp_path):
+    from recipes.samples import load_prompts
+
+    lines = tmp_path / "p.txt"
+    lines.write_text("Hello there\n\nOnce upon a time\n")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
+    assert load_prompts(str(lines)) == ["Hello there", "Once upon a time"]
+    assert load_prompts(str(jsonl)) == list(PROMPTS)
+    assert load_prompts(["a", 1]) == ["a", "1"]
+    assert load_prompts(None) == []
+
+
+@pytest.mark.unit
+def test_encoding_uses_the_chat_template_when_there_is_one(hf_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    from recipes.samples import Prompter
+
+    tok = AutoTokenizer.from_pretrained(str(hf_tokenizer), local_files_only=True)
+    plain = Prompter(tok)
+    assert not plain.chat and plain.decode(plain.encode("Once upon a time")) == "Once upon a time"
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
+                        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    chat = Prompter(tok)
+    assert chat.chat and chat.decode(chat.encode("Hi")) == "<user>Hi<assistant>"
+    assert Prompter(None).encode("Hé") == list("Hé".encode()) and Prompter(None).eos is None
+
+
+@pytest.mark.unit
+def test_greedy_restores_the_mode_and_stops_at_eos():
+    import torch
+
+    from recipes.samples import greedy
+
+    class Next(torch.nn.Module):  # always predicts (last token + 1) mod 10
+        def forward(self, tokens):
+            assert not self.training and not torch.is_grad_enabled()
+            return torch.nn.functional.one_hot((tokens + 1) % 10, 10).float()
+
+    model = Next().train()
+    assert greedy(model, model, [3], max_new_tokens=4, seq_len=2) == [4, 5, 6, 7]
+    assert greedy(model, model, [3], max_new_tokens=9, seq_len=2, eos=6) == [4, 5, 6]
+    assert model.training
+
+
+# ----------------------------------------------------------------------------- refusals
+UNIT = ("trainer.global_batch_size=8", "data.val_fraction=0.05", "trainer.val_every=2")
+
+
+def _problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*TINY, *UNIT, *overrides]), depth=RUN)
+    return str(e.value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset, what", [("pipeline", "pipeline"), ("ulysses", "sequence"),
+                                          ("fsdp_cp", "context")])
+def test_presets_without_a_whole_sequence_forward_are_refused(preset, what):
+    msg = _problems(*ON, f"strategy={preset}", "cluster.devices=2", "trainer.micro_batch_size=2")
+    assert f"callbacks.samples.prompts with strategy={preset}" in msg and what in msg
+    assert "callbacks.samples.prompts=null" in msg
+
+
+@pytest.mark.unit
+def test_what_cannot_be_sampled_is_refused(tmp_path):
+    assert "set data.val_fraction" in _problems(*ON, "data.val_fraction=0")
+    assert "set data.tokenizer" in _problems(*ON, "data=tokens", f"data.path={tmp_path}")
+    missing = tmp_path / "none.txt"
+    assert f"callbacks.samples.prompts={missing}" in _problems(f"callbacks.samples.prompts={missing}")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    assert "\"prompt\"" in _problems(f"callbacks.samples.prompts={bad}")
+    assert "callbacks.samples.max_new_tokens=0" in _problems(*ON, "callbacks.samples.max_new_tokens=0")
+    validate(compose([*TINY, *UNIT, *ON]), depth=RUN)  # (the tests' setting itself is sound)
