@@ -1,13 +1,18 @@
 """callbacks.samples (issue 41): greedy completions of a few prompts at each validation, run by
 every rank together through the model as the engine wraps it (recipes/samples.py's one loop).
 
-Proven here: generation does not change training (ddp x2: losses, validations and final
-parameters bitwise equal with and without samples); the completion at the last validation is
-the greedy continuation a single process computes from the run's exported parameters (the
-same checkpoint), token for token; the same on fsdp2, zero3, tp and Accelerate's ddp (slow:
-the sharded forwards gather what they need on every rank). What cannot run a collective
-greedy loop (a pipeline stage, a sequence shard) and what cannot encode a prompt is one
-ConfigError at validate.
+Proven here: generation does not change training -- ddp x2 with validations (a separate
+validation file, so the training data is the same) and samples has the losses and final
+parameters, bitwise, of the equivalence tests' run without either (SGD, whose update shows any
+gradient change); the completions at the last validation are, token for token, the greedy
+continuation one process computes from the run's exported parameters (the same checkpoint).
+Slow: the same on fsdp2, zero3, tp and Accelerate's ddp and fsdp2 (the sharded forwards gather
+what they need on every rank), and a model=hf chat model's prompts through its chat template on
+zero3 and fsdp2. What cannot run a collective greedy loop (a pipeline stage, a sequence shard)
+and what cannot encode a prompt is one ConfigError at validate.
+
+Cost: the default tier trains one ddp x2 run of its own (about 30 s here); the run without
+samples is conftest's session-cached equivalence run.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from recipes.config import compose
 from recipes.job import RUN, validate
 from strategies import ConfigError
 from tests.cases import CASES
-from tests.conftest import EQUIV, OPTIMIZERS, ROOT, TINY
+from tests.conftest import EQUIV, OPTIMIZERS, ROOT, TINY, run_cli
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = ("Once upon a time", "The king said")
@@ -43,7 +48,8 @@ def _reference_completions(run, overrides: tuple[str, ...]) -> list[str]:
     from recipes import training
     from recipes.samples import Prompter, greedy
 
-    job = validate(compose([*TINY, *overrides, "strategy=single", "cluster.devices=1",
+    plain = [o for o in overrides if not o.startswith("strategy.")]  # (the preset's own keys)
+    job = validate(compose([*TINY, *plain, "strategy=single", "cluster.devices=1",
                             "trainer.micro_batch_size=8"]), depth=RUN)
     model = training.build_model(job.model, job.trainer.seed)
     model.load_state_dict(run.params())
@@ -165,3 +171,40 @@ def test_what_cannot_be_sampled_is_refused(tmp_path):
     assert "\"prompt\"" in _problems(f"callbacks.samples.prompts={bad}")
     assert "callbacks.samples.max_new_tokens=0" in _problems(*ON, "callbacks.samples.max_new_tokens=0")
     validate(compose([*TINY, *UNIT, *ON]), depth=RUN)  # (the tests' setting itself is sound)
+
+
+# ----------------------------------------------------------------------------- a chat model
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.role == 'assistant' %}"
+            "<|endoftext|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_chat_samples_on_a_sharded_hf_model(hf_tokenizer, tmp_path, preset):
+    """model=hf (a tiny Llama beside the tests' tokenizer, given a chat template) with data=chat
+    on 2 ranks: each prompt is the template's user turn and generation prompt, and the
+    completions are one process's greedy generation from the exported parameters."""
+    import shutil
+
+    from tests.test_hf import _save
+
+    model = _save(tmp_path / "model", vocab_size=512)
+    for f in hf_tokenizer.iterdir():
+        shutil.copy2(f, model / f.name)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    text = (ROOT / "recipes" / "assets" / "corpus.txt").read_text()
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": text[i * 200:i * 200 + 60]},
+        {"role": "assistant", "content": text[i * 200 + 60:i * 200 + 160]}]}) + "\n" for i in range(200)))
+    overrides = ("model=hf", f"model.path={model}", "model.seq_len=32", "data=chat", f"data.path={chats}",
+                 f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.05", "data.val_samples=8",
+                 "trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.export_params=true",
+                 *OPTIMIZERS["sgd"])
+    run = run_cli("train.py", *TINY, *overrides, f"strategy={preset}", "cluster.devices=2",
+                  "trainer.micro_batch_size=4", *ON, out=tmp_path / "run", timeout=500)
+    samples = run.report["samples"]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(2, p) for p in PROMPTS]
+    assert [s["completion"] for s in samples] == _reference_completions(run, overrides)
