@@ -205,6 +205,11 @@ def test_chat_samples_on_a_sharded_hf_model(hf_tokenizer, tmp_path, preset):
                  *OPTIMIZERS["sgd"])
     run = run_cli("train.py", *TINY, *overrides, f"strategy={preset}", "cluster.devices=2",
                   "trainer.micro_batch_size=4", *ON, out=tmp_path / "run", timeout=500)
+    from transformers import AutoTokenizer
+
+    from recipes.samples import Prompter
+
+    assert Prompter(AutoTokenizer.from_pretrained(str(model), local_files_only=True)).chat
     samples = run.report["samples"]
     assert [(s["step"], s["prompt"]) for s in samples] == [(2, p) for p in PROMPTS]
     assert [s["completion"] for s in samples] == _reference_completions(run, overrides)
