@@ -141,6 +141,27 @@ def test_greedy_restores_the_mode_and_stops_at_eos():
     assert model.training
 
 
+@pytest.mark.unit
+def test_loggers_draw_each_block_where_they_can(tmp_path):
+    """TensorBoard: a markdown table per validation (text ``samples``); csv: nothing, quietly."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from observers.loggers import CSVLog, TensorBoardLog
+
+    block = [{"step": 3, "prompt": "a|b", "completion": "c\nd"}]
+    tb = TensorBoardLog(8, tmp_path)
+    tb.open()
+    tb.write_samples(3, block)
+    tb.close({})
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    [(step, text)] = [(e.step, e.tensor_proto.string_val[0].decode())
+                      for e in events.Tensors("samples/text_summary")]
+    assert step == 3 and text.endswith("| a\\|b | c<br>d |")
+    CSVLog(8, tmp_path).write_samples(3, block)  # (report.json has them)
+
+
 # ----------------------------------------------------------------------------- refusals
 UNIT = ("trainer.global_batch_size=8", "data.val_fraction=0.05", "trainer.val_every=2")
 
