@@ -65,6 +65,10 @@ class Engine(Protocol):
         """After a step: the global L2 norm of its gradients before clipping (across shards,
         meshes and pipeline stages; every rank has it); None where the engine does not say."""
 
+    def logits(self, tokens: Any) -> Any:
+        """The logits of ``tokens`` (a (batch, seq) CPU tensor) through the model as the engine
+        wraps it, under the run's precision; every rank calls it together (callbacks.samples)."""
+
 
 def learning_rate(engine: Engine) -> float:
     """The learning rate the coming optimizer step uses (ask before it: the scheduler moves it

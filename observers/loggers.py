@@ -5,7 +5,9 @@ sweep is the wandb group; offline unless ``logger.mode=online``; the memory and 
 profiles become tables at the end).
 
 Every step logs ``loss``, ``lr``, ``grad_norm`` (before clipping), ``tokens_seen``, ``step_seconds`` and ``tokens_per_second``; each validation
-``val_loss`` and ``val_perplexity`` (csv: the same file, its own row). Secrets stay out: the
+``val_loss`` and ``val_perplexity`` (csv: the same file, its own row), and with
+``callbacks.samples`` its completions (TensorBoard: a text table ``samples``; wandb: a table
+``samples``; csv: none, report.json has them). Secrets stay out: the
 config logged is the job's config (no environment), and wandb is given its settings explicitly.
 
 A resumed run continues the same record: metrics.csv keeps its rows up to the checkpoint's step
@@ -44,7 +46,11 @@ def logger(name: str) -> Callable[[Callable[[Selection], Observer]], Callable[[S
 @observer("logger", order=90)
 def _selected(s: Selection) -> Observer | None:
     """The logger ``logger=`` picks, if any."""
-    return None if s.job.logger is None else LOGGERS[s.job.logger.name](s)
+    if s.job.logger is None:
+        return None
+    chosen = LOGGERS[s.job.logger.name](s)
+    chosen.samples = s.chosen.get("samples")  # (callbacks.samples: each block, after it ran)
+    return chosen
 
 
 class StepLogger(Observer):
@@ -55,6 +61,7 @@ class StepLogger(Observer):
         self.rank0 = False
         self._t0 = self._lr = 0.0
         self.resumed: int | None = None  # the checkpoint's step, when this run resumed
+        self.samples: Any = None  # observers/samples.py's observer, when callbacks.samples is on
 
     def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
         self.resumed = step
@@ -82,6 +89,8 @@ class StepLogger(Observer):
     def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
         if self.rank0:
             self.write(step, {"val_loss": metrics["loss"], "val_perplexity": metrics["perplexity"]})
+            if self.samples is not None and self.samples.latest:
+                self.write_samples(step, self.samples.latest)
 
     def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
         if self.rank0:
@@ -90,6 +99,10 @@ class StepLogger(Observer):
     def open(self) -> None: ...
 
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def write_samples(self, step: int, block: list[dict[str, Any]]) -> None:
+        """One validation's ``{step, prompt, completion}`` (callbacks.samples); a logger that
+        shows no text skips them (csv: report.json has them)."""
 
     def close(self, report: dict[str, Any]) -> None: ...
 
@@ -147,6 +160,11 @@ class TensorBoardLog(StepLogger):
         for key, value in scalars.items():
             self._writer.add_scalar(_tag(key), value, step)
 
+    def write_samples(self, step: int, block: list[dict[str, Any]]) -> None:
+        from observers.samples import markdown
+
+        self._writer.add_text("samples", markdown(block), step)
+
     def close(self, report: dict[str, Any]) -> None:
         self._writer.close()
 
@@ -178,6 +196,12 @@ class WandbLog(StepLogger):
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._run.log({_tag(k): v for k, v in scalars.items()}, step=step)
+
+    def write_samples(self, step: int, block: list[dict[str, Any]]) -> None:
+        import wandb
+
+        rows = [[r["step"], r["prompt"], r["completion"]] for r in block]
+        self._run.log({"samples": wandb.Table(columns=["step", "prompt", "completion"], data=rows)}, step=step)
 
     def close(self, report: dict[str, Any]) -> None:
         import wandb

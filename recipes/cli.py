@@ -213,6 +213,7 @@ COMMON_KEYS: tuple[tuple[str, str], ...] = (
     ("model.path", "a Hugging Face model directory (model=hf)"),
     ("callbacks.progress_bar", "the progress bar on rank 0 (when stdout is a terminal)"),
     ("callbacks.log_every", "otherwise a progress line every N steps and every 60 s (0: none)"),
+    ("callbacks.samples.prompts", "at each validation, greedy completions of these prompts (a file, or '[a,b]')"),
     ("planner.enforce", "refuse a run predicted not to fit"),
 )
 

@@ -35,7 +35,7 @@ __all__ = [
     "OPTIMIZERS", "PRECISIONS", "SCHEDULERS", "TOKEN_DTYPES", "TRAIN_ON", "BackendConfig",
     "CallbacksConfig", "ClusterConfig", "DataConfig", "ExportConfig", "K8sConfig", "LoggerConfig",
     "LoraConfig", "MemoryObserverConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
-    "SageMakerConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",
+    "SageMakerConfig", "SamplesObserverConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",
     "describe", "register", "run_name", "unreadable",
 ]
 
@@ -61,6 +61,19 @@ class MemoryObserverConfig:
 
 
 @dataclass
+class SamplesObserverConfig:
+    """What the model says to a few prompts at each validation (recipes/samples.py)."""
+
+    prompts: Any = free(None, "a file or a list of prompts, read and checked at validate "
+                              "(recipes/samples.py problems)")
+    """A UTF-8 file (one prompt per line, or JSON lines with a "prompt" string) or a list
+    (``callbacks.samples.prompts='[Once upon a time,The king]'``); None: off. Each prompt goes
+    through the tokenizer's chat template when it has one; report key ``samples``."""
+    max_new_tokens: int = knob(32, min=1)
+    """Greedy tokens generated per prompt (fewer when the model says EOS)."""
+
+
+@dataclass
 class CallbacksConfig:
     """Observers (observers/), the same on every backend."""
 
@@ -81,6 +94,7 @@ class CallbacksConfig:
     """The planner's prediction next to what was measured (state, activations, communication)."""
     plots: bool = True
     """loss.png, memory.png and communication.png in the run directory (matplotlib)."""
+    samples: SamplesObserverConfig = field(default_factory=SamplesObserverConfig)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import float8_checks, packing, stopping
+from recipes import float8_checks, packing, samples, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -439,9 +439,9 @@ def optimizer_device(strategy: StrategyConfig, run: Run) -> str:
 
 def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
                      bad: dict[str, list[str]]) -> list[str]:
-    """The preset on this run (``RUN`` depth, the world sound): its own problems, with the model
-    and with the data's packing. (Masked data trains on every layout: the loss is token-true,
-    recipes/data.py ``CountedShare``.)"""
+    """The preset on this run (``RUN`` depth, the world sound): its own problems, with the model,
+    with the data's packing, and callbacks.samples with both (recipes/samples.py). (Masked data
+    trains on every layout: the loss is token-true, recipes/data.py ``CountedShare``.)"""
     model = objs["model"]
     out = strategy.problems(run)
     if not bad["model"]:
@@ -449,6 +449,9 @@ def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
                 + run.mesh.model_problems(model, strategy.name))
     if not bad["data"]:
         out += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
+    if objs.get("callbacks") is not None and not bad.get("callbacks") and not bad["data"]:
+        out += samples.problems(objs["callbacks"].samples, objs["data"], None if bad["model"] else model,
+                                run.mesh, strategy.name)
     return out
 
 

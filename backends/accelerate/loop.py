@@ -55,6 +55,11 @@ class AccelerateEngine:
     def grad_norm(self) -> float | None:
         return None if self.norm is None else float(self.norm)
 
+    def logits(self, tokens: torch.Tensor) -> Any:
+        """Through the prepared model (DDP, FSDP, a DeepSpeed engine), which applies the run's
+        autocast itself."""
+        return self.model(tokens.to(self.acc.device))
+
     @property
     def rank(self) -> int:
         return self.acc.process_index

@@ -52,6 +52,12 @@ class LightningEngine:
         measured = getattr(self.trainer.strategy, "grad_norm", None)
         return measured() if measured is not None else None
 
+    def logits(self, tokens: torch.Tensor) -> Any:
+        """Through ``strategy.validation_step`` (the wrapper's forward, the precision's context)
+        with no targets: the module's ``validation_step`` returns the logits."""
+        strategy = self.trainer.strategy
+        return strategy.validation_step((tokens.to(strategy.root_device), None), 0)
+
 
 class ObserverBridge(L.Callback):
     def __init__(self, observers: Observers, validator: Validator | None = None):

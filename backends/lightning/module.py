@@ -51,8 +51,11 @@ class CausalLM(L.LightningModule):
         steps, so it holds through an accumulation window)."""
         return 1.0 if self.share is None else self.share(self.trainer.global_step)
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """[sum of token losses, tokens] (recipes/evaluation.py averages them over every rank)."""
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor | None], batch_idx: int) -> torch.Tensor:
+        """[sum of token losses, tokens] (recipes/evaluation.py averages them over every rank);
+        without targets, the logits (callbacks.samples' greedy generation, recipes/samples.py)."""
+        if batch[1] is None:
+            return self.model(batch[0])
         return evaluation.batch_sums(self.model, batch, self.trainer_cfg.loss_chunk)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
