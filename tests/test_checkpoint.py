@@ -463,6 +463,7 @@ def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(reference, tm
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: our launcher's restart, cluster.max_restarts, above; outside torchrun in test_launch)
 def test_torchrun_restarts_a_killed_rank_and_resumes(cached, tmp_path):
     straight = _straight(cached, "ddp")
     token, once, out = uuid.uuid4().hex, tmp_path / "killed-once", tmp_path / "run"
