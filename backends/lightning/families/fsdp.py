@@ -105,6 +105,9 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        root = getattr(self, "_root", None)
+        if root is not None and root.module is model:
+            return root  # a later trainer call: the units of the first, already sharded
         _, block = find_model(model)
         policy = ModuleWrapPolicy({block}) if block is not None else None
         if self.preset.auto_wrap and policy is not None:
@@ -124,7 +127,7 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
                 sharding_strategy=self.sharding_strategy,
                 device_id=self.root_device, **self.kwargs)
             _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        self.precision_plugin.root = model
+        self.precision_plugin.root = self._root = model
         return model
 
     def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
