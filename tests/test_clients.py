@@ -113,3 +113,46 @@ def test_the_reference_clips_at_every_step():
 def test_a_documented_lightning_client_gets_its_preset_through_every_entry(preset, tmp_path):
     run = client_run(preset, tmp_path / "calls.json")
     assert_calls_equal(run["calls"], reference(CLIP), LOOSE.get(preset, RTOL))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(300)
+def test_a_model_the_preset_cannot_parallelize_is_refused_before_any_process_group():
+    """tp, pp, cp, Ulysses (issue 39: refused only after the ranks started; Ulysses built a
+    DeepSpeed op for minutes first): a user's module that declares none of what the preset needs
+    is one ConfigError from the strategy's ``setup_environment`` -- the first thing a Trainer call
+    does on each rank -- before the process group exists, naming the key, what to declare and the
+    fix. A module that builds its layers in ``configure_model`` is checked once they exist (the
+    families' ``setup``, before they parallelize)."""
+    import lightning as L
+    import torch.distributed as dist
+
+    import strategies
+    from strategies import ConfigError
+    from tests.lightning_client_script import Regression
+    from tests.test_lightning_user import PARALLEL
+
+    for name in sorted(PARALLEL):
+        preset = strategies.load(name)
+        devices = next(d for d in (2, 4, 8) if not preset.mesh(1, d).problems())
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=devices, logger=False)
+        trainer.strategy._lightning_module = Regression()  # what Trainer.fit does first
+        with pytest.raises(ConfigError) as refused:
+            trainer.strategy.setup_environment()
+        said = str(refused.value)
+        assert f"strategy={name} (strategy." in said and "Regression declares no" in said, said
+        assert "to the model class, or use a preset without" in said, said
+        assert not dist.is_initialized()
+
+    class Later(Regression):
+        def configure_model(self):
+            pass
+
+    strategy = L.Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False).strategy
+    later = Later()
+    later.net = None  # layers not built yet: nothing to read, nothing refused
+    strategy._lightning_module = later
+    strategy.check()
+    later.net = Regression().net
+    with pytest.raises(ConfigError, match="declares no tp_plan or tp_layout"):
+        strategy.check_model()
