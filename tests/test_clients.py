@@ -25,10 +25,14 @@ from tests.test_lightning_user import CPU_PRESETS, registry_name
 
 SCRIPT = ROOT / "tests" / "lightning_client_script.py"
 CLIP = 0.05
-# measured: DDP and FSDP1 within 6.6e-8 of it (fp32 summation order)
+# measured: every CPU preset in TRAINING within 1e-5 of it (DDP and FSDP1: 6.6e-8, fp32 summation
+# order; compression, local SGD and DiLoCo start after these 6 steps)
 RTOL = 1e-5
 LOOSE = {"ddp_fp16_compress": 1e-3}  # fp16-rounded gradients (11 bits)
 CI = {"fsdp"}
+# Priced by the planner, trained by no backend (its own refusal at setup_environment says why).
+NOT_TRAINING = {"zero2_ep"}
+TRAINING = [p for p in CPU_PRESETS if p not in NOT_TRAINING]
 
 
 def reference(clip: float | None) -> list:
@@ -109,7 +113,7 @@ def test_the_reference_clips_at_every_step():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("preset", [p if p in CI else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in CPU_PRESETS])
+                                    for p in TRAINING])
 def test_a_documented_lightning_client_gets_its_preset_through_every_entry(preset, tmp_path):
     run = client_run(preset, tmp_path / "calls.json")
     assert_calls_equal(run["calls"], reference(CLIP), LOOSE.get(preset, RTOL))

@@ -7,7 +7,11 @@ place that works around them (no torch or Lightning globals are patched):
    and FSDP1 then tries CUDA);
 3. the hybrid (replicate, shard) mesh is built on the root device's type (Lightning hard-codes
    "cuda");
-4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_`` (``clip_grad_norm``).
+4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_`` (``clip_grad_norm``),
+   also for ``Trainer(gradient_clip_val=...)`` on a user's module, which Lightning's FSDPPrecision
+   refuses (our precision plugin's ``clip_grad_by_norm``).
+A later trainer call on the same module (validate/test/predict/fit after fit) reuses the first
+call's FSDP root: Lightning wraps the LightningModule again, whose parameters are then flat shards.
 What the preset leaves to the run: the hybrid mesh shape comes from the world Lightning sets up
 (``setup_environment``), the wrap and checkpointing policies from the model's declared block
 class (``_setup_model``).
