@@ -37,11 +37,8 @@ TRAINING = [p for p in CPU_PRESETS if p not in NOT_TRAINING]
 
 def reference(clip: float | None) -> list:
     """The script's calls as Lightning's 2-rank data-parallel run computes them, on one process."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from lightning_client_script import GLOBAL_BATCH, STEPS, Regression
-    finally:
-        sys.path.pop(0)
+    from tests.lightning_client_script import GLOBAL_BATCH, STEPS, Regression
+
     model, ranks, calls = Regression(), 2, []
 
     def data(samples: int, seed: int):
