@@ -110,6 +110,36 @@ def find_model(module: Any) -> tuple[Any, type | None]:
     return module, None
 
 
+# What a preset's degree needs the model to declare: (strategy key, declarations, what they say).
+_NEEDS = (("tp", ("tp_plan", "tp_layout"), "which layers are column/row parallel, and where the "
+           "blocks, embedding and head are"),
+          ("pp", ("pp_plan",), "how to cut it into pipeline stages"),
+          ("cp", ("block_cls", "attention_core"), "its repeated block and the attention core in it"),
+          ("sp", ("block_cls", "attention_core"), "its repeated block and the attention core in it"),
+          ("activation_checkpointing", ("block_cls",), "its repeated block, the unit to recompute"))
+
+
+def undeclared(module: Any, preset: Any) -> list[str]:
+    """What ``preset`` needs the model inside ``module`` to declare (class attributes, read before
+    anything is built or any process talks: ``tp_plan``/``tp_layout`` for tensor parallelism,
+    ``pp_plan`` for a pipeline, ``block_cls`` and ``attention_core`` for context parallelism and
+    Ulysses, ``block_cls`` for activation checkpointing) and it does not: one sentence each."""
+    model, _ = find_model(module)
+    out = []
+    for key, names, what in _NEEDS:
+        value = getattr(preset, key, None)
+        if value in (None, False, 0, 1) and value is not True:
+            continue
+        lacking = [n for n in names if getattr(type(model), n, None) is None]
+        if lacking:
+            out.append(f"strategy={preset.name} (strategy.{key}={str(value).lower()}) needs a model "
+                       f"that declares {' and '.join(names)} ({what}), as recipes/gpt.py's GPT "
+                       f"does; {type(model).__name__} declares no {' or '.join(lacking)}: add "
+                       f"{' and '.join(lacking)} to the model class, or use a preset without "
+                       f"strategy.{key} (e.g. fsdp2 or zero2)")
+    return out
+
+
 def checkpoint_blocks(module: Any, mode: bool | str = True, *, every: int = 1) -> None:
     """Recompute blocks of the model inside ``module`` in backward (torch's wrapper): every
     ``every``-th block (blocks n, 2n, ... in module order, as torchtitan counts), each whole

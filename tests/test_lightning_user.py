@@ -126,8 +126,7 @@ CALLS = ROOT / "tests" / "lightning_calls_script.py"
 CALLS_CI = {"fsdp2", "zero2"}
 
 
-CALLS_OPEN = {"fsdp": "FSDP1 on Lightning: validate after fit runs the forward on a flat 1-D "
-                      "parameter ('mat2 must be a matrix'); open in issue 39"}
+CALLS_OPEN: dict[str, str] = {}  # preset -> why it is expected to fail (none now)
 
 
 @pytest.mark.parametrize("preset", [p if p in CALLS_CI else pytest.param(p, marks=[pytest.mark.slow, *(

@@ -68,6 +68,19 @@ class PresetStrategy:
                     or self.preset.problems(run))
         if problems:
             raise ConfigError(problems)
+        if _built(self.lightning_module):
+            self.check_model()
+
+    def check_model(self) -> None:
+        """What the preset needs the user's model to declare (``tp_plan``, ``attention_core``,
+        ...; ``parallel.parallelize.undeclared``), refused before any process group, collective
+        or op build: from ``check`` when the module built its layers in ``__init__``, else at
+        the start of ``setup`` (after ``configure_model``) by the families that need it."""
+        from parallel.parallelize import undeclared
+
+        problems = undeclared(self.lightning_module, self.preset)
+        if problems:
+            raise ConfigError(problems)
 
     def setup_environment(self) -> None:
         self.check()
@@ -106,6 +119,15 @@ class PresetStrategy:
         """The full parameters, fp32 on CPU, keyed as the plain model; every rank calls it
         after fit (gathering may be collective)."""
         return torch_common.full_state_dict(self.model, prefix)
+
+
+def _built(module: Any) -> bool:
+    """The module's layers exist: it has parameters, or builds none in ``configure_model``."""
+    if module is None:
+        return False
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return next(module.parameters(), None) is not None or not is_overridden("configure_model", module)
 
 
 def stable(value: Any) -> Any:

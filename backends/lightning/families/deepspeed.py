@@ -72,6 +72,7 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        self.check_model()  # (a module that built its model in configure_model)
         # activation checkpointing (torch's non-reentrant wrapper, which ZeRO-3's gather hooks
         # see through) before the engine registers its hooks
         model = parallelize(model, plan_for(self.preset, self.run()))

@@ -7,7 +7,11 @@ place that works around them (no torch or Lightning globals are patched):
    and FSDP1 then tries CUDA);
 3. the hybrid (replicate, shard) mesh is built on the root device's type (Lightning hard-codes
    "cuda");
-4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_`` (``clip_grad_norm``).
+4. gradient clipping by norm goes through the root unit's ``clip_grad_norm_`` (``clip_grad_norm``),
+   also for ``Trainer(gradient_clip_val=...)`` on a user's module, which Lightning's FSDPPrecision
+   refuses (our precision plugin's ``clip_grad_by_norm``).
+A later trainer call on the same module (validate/test/predict/fit after fit) reuses the first
+call's FSDP root: Lightning wraps the LightningModule again, whose parameters are then flat shards.
 What the preset leaves to the run: the hybrid mesh shape comes from the world Lightning sets up
 (``setup_environment``), the wrap and checkpointing policies from the model's declared block
 class (``_setup_model``).
@@ -36,10 +40,17 @@ _DEFERRED_MESH = ("replicate", "shard")
 
 
 class _DeviceAutocastFSDPPrecision(FSDPPrecision):
-    """FSDPPrecision that autocasts on the device type actually in use (clipping: the
-    strategy's ``clip_grad_norm``, through the root unit)."""
+    """FSDPPrecision that autocasts on the device type actually in use, and clips by norm
+    through the strategy's ``clip_grad_norm`` (the root unit's) where Lightning's refuses
+    (``Trainer(gradient_clip_val=...)`` on a user's module)."""
 
     root: Any = None
+    clip: Any = None
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        if self.clip is None:  # not set up by our strategy: Lightning's refusal
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.clip(optimizer, clip_val)
 
     def forward_context(self):
         if "mixed" in self.precision and self.root is not None:
@@ -105,6 +116,9 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        root = getattr(self, "_root", None)
+        if root is not None and root.module is model:
+            return self._attach(root)  # a later trainer call: the first call's units, sharded
         _, block = find_model(model)
         policy = ModuleWrapPolicy({block}) if block is not None else None
         if self.preset.auto_wrap and policy is not None:
@@ -124,8 +138,14 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
                 sharding_strategy=self.sharding_strategy,
                 device_id=self.root_device, **self.kwargs)
             _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        self.precision_plugin.root = model
-        return model
+        return self._attach(model)
+
+    def _attach(self, root: Any) -> Any:
+        """``root`` as this strategy's FSDP root, kept for later trainer calls; the precision
+        plugin autocasts on its device and clips through it."""
+        self._root = self.precision_plugin.root = root
+        self.precision_plugin.clip = self.clip_grad_norm
+        return root
 
     def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
         """Through the root unit, which sums the shards' squares (inf: measure only)."""

@@ -17,9 +17,8 @@ from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy, sharded, sharded_here
-from strategies import ConfigError
 from strategies.families.parallel import CP_DIM, ParallelConfig
-from parallel.parallelize import clip_global_, find_model, parallelize, plan_for
+from parallel.parallelize import clip_global_, parallelize, plan_for
 
 
 @builds(ParallelConfig)
@@ -47,15 +46,8 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
 
     # ---------------------------------------------------------- the model
     def setup(self, trainer: Any) -> None:
+        self.check_model()  # (a module that built its model in configure_model)
         module, preset, run = self.lightning_module, self.preset, self.run()
-        model, _ = find_model(module)
-        for needed, wanted in (("tp_plan", preset.tp > 1), ("pp_plan", preset.pp > 1)):
-            if wanted and not isinstance(getattr(type(model), needed, None), dict):
-                raise ConfigError(
-                    f"strategy={preset.name} needs a model that declares {needed} (which layers "
-                    f"are column/row parallel, or how to cut it into stages), as recipes/gpt.py's "
-                    f"GPT does; {type(model).__name__} declares none: add {needed} to the model "
-                    "class, or use a data-parallel preset")
         plan, mesh = plan_for(preset, run), self.device_mesh
         if preset.pp > 1:
             self.pipeline = Pipeline(module, preset, plan, mesh, device=self.root_device,
