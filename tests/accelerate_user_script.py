@@ -79,11 +79,15 @@ def training_function(args):
     params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
-    print(json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
-                      "distributed_type": accelerator.distributed_type.name,
-                      "model_type": type(model).__name__, "fsdp_units": units,
-                      "held_param_bytes": held, "total_param_bytes": total, "losses": losses,
-                      "params": params}), flush=True)
+    line = json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
+                       "distributed_type": accelerator.distributed_type.name,
+                       "model_type": type(model).__name__, "fsdp_units": units,
+                       "held_param_bytes": held, "total_param_bytes": total, "losses": losses,
+                       "params": params})
+    for rank in range(accelerator.num_processes):  # in turn: two ranks' lines once ran together
+        if rank == accelerator.process_index:
+            print(line, flush=True)
+        accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

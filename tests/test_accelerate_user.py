@@ -45,8 +45,9 @@ def _launch(*args: str) -> subprocess.Popen:
 def _ranks(proc: subprocess.Popen) -> list[dict]:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (out + err)[-4000:]
-    rows = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    decoder, starts = json.JSONDecoder(), [i for i in range(len(out)) if out.startswith('{"rank": ', i)]
+    # (each rank's object wherever it starts: the launcher's pipe once joined two ranks' lines)
+    rows = sorted((decoder.raw_decode(out, i)[0] for i in starts), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == [0, 1], out[-2000:]
     return rows
 
