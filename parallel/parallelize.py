@@ -127,8 +127,8 @@ def undeclared(module: Any, preset: Any) -> list[str]:
     model, _ = find_model(module)
     out = []
     for key, names, what in _NEEDS:
-        value = getattr(preset, key, None)
-        if value in (None, False, 0, 1) and value is not True:
+        value = getattr(preset, key, None)  # a degree above 1, or checkpointing on/selective
+        if not (value is True or isinstance(value, str) or (type(value) is int and value > 1)):
             continue
         lacking = [n for n in names if getattr(type(model), n, None) is None]
         if lacking:
