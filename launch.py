@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
         except planner.WillNotFit as e:
             out.append(str(e))
         if chosen.submits and not dry:
-            out += chosen.client_problems()
+            out += chosen.client_problems(job)
         return out
 
     def _elsewhere(path: str) -> bool:  # (a SageMaker channel: checked in the container)

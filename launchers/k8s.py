@@ -14,7 +14,11 @@ node rank, the master's address), so in a pod train.py is a rank torchrun starte
 directory <mount_path>/<job_name> (report.json, checkpoints) is on it, so it outlives the pods
 and a restarted pod resumes from it (``trainer.resume_from=auto``). With
 ``cluster.max_restarts`` the job gets an ``elasticPolicy`` (c10d rendezvous, min = max = nodes,
-``maxRestarts``) and pods restart ``OnFailure``.
+``maxRestarts``) and pods restart ``OnFailure``. Its rendezvous store is hosted on the Master pod,
+reached through the Master's service (``rdzvHost: <job>-master-0``): the operator's default is the
+first Worker's, so losing a Worker would end the job with the store; a Master lost ends the job
+anyway. A multi-node job's claim must be ReadWriteMany: launch.py reads its access modes through
+the client before it creates the job (``claim_problems``); ``--dry-run`` states the requirement.
 
 The manifest is plain data (``manifest``); the ``kubernetes`` client is imported by ``apply``
 only.
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 CONTAINER = "pytorch"  # the container name the training operator looks for
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+RDZV_PORT = 29400  # torchrun's own c10d default; the operator's services are headless (any port)
+RWX = "ReadWriteMany"
 
 
 def job_name(k: Any) -> str:
@@ -126,7 +132,8 @@ def manifest(cluster: Any, overrides: list[str], accelerator: str) -> dict[str, 
                                           **({"backoffLimit": restarts} if restarts else {})}}
     if restarts and cluster.nodes > 1:  # (the operator wants a Worker replica with an elasticPolicy)
         spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": cluster.nodes,
-                                 "maxReplicas": cluster.nodes, "maxRestarts": restarts}
+                                 "maxReplicas": cluster.nodes, "maxRestarts": restarts,
+                                 "rdzvHost": f"{job_name(k)}-master-0", "rdzvPort": RDZV_PORT}
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
             "metadata": {"name": job_name(k), "namespace": k.namespace,
                          "labels": {"app.kubernetes.io/created-by": "stratagem"}},
@@ -141,21 +148,60 @@ def dry_run(job: dict[str, Any]) -> str:
     meta = job["metadata"]
     lines.append(f"job {meta['namespace']}/{meta['name']} (cluster.k8s.job_name; unset, each launch gets a new "
                  "name and run directory: name it to run or resume in the same one)")
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in
+              job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v]
+    if claims and "Worker" in job["spec"]["pytorchReplicaSpecs"]:
+        lines.append(f"the claim {claims[0]} must be {RWX} (every node writes the run directory): "
+                     "checked when submitting, not by --dry-run")
     return "\n".join(lines)
 
 
 def apply(job: dict[str, Any]) -> str:
     """Create the PyTorchJob in the cluster the kubeconfig (or the pod's service account) names;
     its namespace/name."""
-    from kubernetes import client, config
+    from kubernetes import client
+
+    _load_config()
+    ns = job["metadata"]["namespace"]
+    client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+    return f"{ns}/{job['metadata']['name']}"
+
+
+def claim_problems(modes: list[str] | None, k: Any, nodes: int) -> list[str]:
+    """What the run directory's claim lacks, from its access modes (None: no such claim)."""
+    where = f"namespace {k.namespace}"
+    if modes is None:
+        return [f"cluster.k8s.volume_claim={k.volume_claim}: no such PersistentVolumeClaim in {where}; "
+                f"create it ({RWX}) or name an existing one"]
+    if nodes > 1 and RWX not in modes:
+        return [f"cluster.k8s.volume_claim={k.volume_claim} is {', '.join(modes) or 'without access modes'}, "
+                f"not {RWX}: the {nodes} nodes' pods cannot all mount it (checkpoints, report.json); "
+                f"name a {RWX} claim in {where} (e.g. on NFS, CephFS, EFS or Filestore)"]
+    return []
+
+
+def claim_modes(k: Any) -> list[str] | None:
+    """The claim's access modes as the cluster has them (None: no such claim)."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    try:
+        claim = client.CoreV1Api().read_namespaced_persistent_volume_claim(k.volume_claim, k.namespace)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    return list(claim.spec.access_modes or [])
+
+
+def _load_config() -> None:
+    from kubernetes import config
 
     try:
         config.load_kube_config()
     except Exception:  # noqa: BLE001  (inside a cluster: the service account)
         config.load_incluster_config()
-    ns = job["metadata"]["namespace"]
-    client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
-    return f"{ns}/{job['metadata']['name']}"
 
 
 def reachable() -> str | None:
@@ -176,14 +222,17 @@ def _submission_problems(job: Job, overrides: list[str]) -> list[str]:
     return submission_problems(job.cluster, overrides)
 
 
-def _client_problems() -> list[str]:
+def _client_problems(job: Job) -> list[str]:
     import importlib.util
 
     if importlib.util.find_spec("kubernetes") is None:
         return ["applying the PyTorchJob needs the kubernetes client, which is not "
                 "installed: pip install -e '.[k8s]' (or add --dry-run to print it)"]
     why = reachable()
-    return [why] if why else []
+    if why or job.cluster.k8s.volume_claim is None:  # (a missing claim: submission_problems said)
+        return [why] if why else []
+    _load_config()
+    return claim_problems(claim_modes(job.cluster.k8s), job.cluster.k8s, job.cluster.nodes)
 
 
 def _dry_run(job: Job, overrides: list[str]) -> str:

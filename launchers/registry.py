@@ -10,8 +10,8 @@ the launcher provides, it hands to the decorator:
   one, the ranks of this machine start through ``launchers.local.run_local_ranks`` when there are
   several (local, torchrun, a SageMaker container); a process some launcher started is one rank.
 - a submission step for ``launch.py`` (sagemaker, k8s): ``submission_problems(job, overrides)``
-  (checked on the submitting machine), ``client_problems()`` (what submitting from here needs: an
-  SDK, a cluster; not asked by ``--dry-run``), ``dry_run(job, overrides)`` (the text
+  (checked on the submitting machine), ``client_problems(job)`` (what submitting from here needs: an
+  SDK, a cluster, what the cluster holds; not asked by ``--dry-run``), ``dry_run(job, overrides)`` (the text
   ``--dry-run`` prints), ``submit(job, overrides)`` (submits; the line printed), ``elsewhere(path)``
   (paths that exist where the job runs, not here). A launcher without ``submit`` needs no launch
   step.
@@ -46,7 +46,7 @@ class Launcher:
     problems: Problems
     run: Callable[..., Any] | None = None
     submission_problems: Callable[[Job, list[str]], list[str]] | None = None
-    client_problems: Callable[[], list[str]] | None = None
+    client_problems: Callable[[Job], list[str]] | None = None
     dry_run: Callable[[Job, list[str]], str] | None = None
     submit: Callable[[Job, list[str]], str] | None = None
     elsewhere: Callable[[str], bool] | None = None

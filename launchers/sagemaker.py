@@ -217,7 +217,7 @@ def _submission_problems(job: Job, overrides: list[str]) -> list[str]:
     return submission_problems(job.cluster, job.data)
 
 
-def _client_problems() -> list[str]:
+def _client_problems(job: Job) -> list[str]:
     import importlib.util
 
     if importlib.util.find_spec("sagemaker") is None:

@@ -472,7 +472,7 @@ def _submission_problems(job, overrides):
     return [] if job.cluster.nodes <= 4 else [f"cluster.nodes={job.cluster.nodes}: mine has 4 nodes"]
 
 
-def _client_problems():
+def _client_problems(job):
     return []
 
 

@@ -160,3 +160,104 @@ def test_applying_without_a_cluster_is_refused_with_the_fix(tmp_path):
                                                          "KUBECONFIG": str(tmp_path / "none")})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no Kubernetes cluster configured" in proc.stdout + proc.stderr
+
+
+@pytest.mark.unit
+def test_the_elastic_rendezvous_is_hosted_on_the_master_service():
+    """The operator's default rendezvous host is the first Worker's service; ours is the
+    Master's, which the SDK's models accept as the CRD's fields."""
+    manifest = _job([*OVERRIDES, "cluster.max_restarts=2", "cluster.k8s.job_name=run1"])
+    e = _sdk(manifest).spec.elastic_policy
+    assert (e.rdzv_host, e.rdzv_port) == ("run1-master-0", 29400)
+
+
+class _Api:
+    """A Kubernetes API server on loopback, enough for what launch.py asks: one claim (its access
+    modes given) and the PyTorchJob it creates (recorded). The kubernetes client talks to it over
+    HTTP as it would to a cluster's."""
+
+    def __init__(self, tmp_path, modes):
+        import http.server
+        import threading
+
+        created, claim = [], {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                              "metadata": {"name": "runs", "namespace": "default"},
+                              "spec": {"accessModes": modes}}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                if self.path == "/api/v1/namespaces/default/persistentvolumeclaims/runs" and modes:
+                    return self._answer(200, claim)
+                return self._answer(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                created.append((self.path, body))
+                self._answer(201, body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.created = created
+        self.kubeconfig = tmp_path / "kubeconfig"
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "local",
+            "clusters": [{"name": "local", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}],
+            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
+            "users": [{"name": "me", "user": {"token": "t"}}]}))
+
+    def launch(self, tmp_path, *extra):
+        import os
+
+        return subprocess.run([sys.executable, "launch.py", *OVERRIDES, *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, check=False,
+                              env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "HOME": str(tmp_path)})
+
+
+@pytest.mark.subprocess
+def test_a_claim_that_is_not_read_write_many_is_refused_before_the_job_is_created(tmp_path):
+    pytest.importorskip("kubernetes")
+    api = _Api(tmp_path, ["ReadWriteOnce"])
+    try:
+        proc = api.launch(tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        text = proc.stdout + proc.stderr
+        assert "cluster.k8s.volume_claim=runs is ReadWriteOnce, not ReadWriteMany" in text, text[-2000:]
+        assert api.created == []
+        one_node = api.launch(tmp_path, "cluster.nodes=1", "trainer.global_batch_size=64")  # one pod: any claim
+        assert one_node.returncode == 0, one_node.stdout + one_node.stderr
+        (path, body), = api.created
+        assert path == "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs"
+        assert body["kind"] == "PyTorchJob" and "created Kubeflow PyTorchJob default/" in one_node.stdout
+    finally:
+        api.server.shutdown()
+
+
+@pytest.mark.subprocess
+def test_a_read_write_many_claim_submits_and_a_missing_one_is_named(tmp_path):
+    pytest.importorskip("kubernetes")
+    api = _Api(tmp_path, ["ReadWriteMany"])
+    (tmp_path / "m").mkdir()
+    missing = _Api(tmp_path / "m", None)
+    try:
+        proc = api.launch(tmp_path, "cluster.k8s.job_name=run1")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (_, body), = api.created
+        assert body["metadata"]["name"] == "run1" and set(body["spec"]["pytorchReplicaSpecs"]) == {"Master", "Worker"}
+        gone = missing.launch(tmp_path)
+        assert gone.returncode == 2 and missing.created == []
+        assert "cluster.k8s.volume_claim=runs: no such PersistentVolumeClaim in namespace default" in (
+            gone.stdout + gone.stderr)
+    finally:
+        api.server.shutdown()
+        missing.server.shutdown()
