@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from checkpoints import hosts
 from checkpoints.store import Checkpoint, CheckpointError, clean, latest, read
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
         if cleanup:
             for p in clean(run_dir):
                 log.warning("removed an interrupted checkpoint save: %s", p)
-        found = latest(run_dir)
+        found = latest(run_dir) if not hosts.declared() else _whole(run_dir)
         if found is None:
             return None
         ckpt = read(found)
@@ -89,6 +90,16 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
         _check_shapes(ckpt, shapes(model))
         state.verify(ckpt)
     return ckpt
+
+
+def _whole(run_dir: str | Path) -> Path | None:
+    """Per-host run directories (checkpoints/hosts.py): the newest checkpoint whose union arrived."""
+    from checkpoints.store import latest_whole
+
+    found, skipped = latest_whole(run_dir)
+    for why in skipped:
+        log.warning("not resuming from a checkpoint a host's files never reached: %s", why)
+    return found
 
 
 def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
@@ -260,24 +271,32 @@ def _ranks(error: BaseException, rank: int) -> str:
 
 def _save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str, Any] | None,
           temp: Path, final: Path) -> Path:
-    from checkpoints import state, store
+    from checkpoints import hosts, state, store
 
-    if h.rank == 0 and temp.exists():
+    per_host = hosts.leaders(run_dir)  # (None: one directory, rank 0 commits)
+    lead = h.rank == 0 if per_host is None else h.rank in per_host
+    if lead and temp.exists():
         shutil.rmtree(temp)
     state._barrier()
     state.save(h, temp)
+    if h.rank == 0:
+        _write_config(temp, job)
+        (temp / store.HISTORY).write_text(json.dumps(history or {}) + "\n")
+        store.write_meta(temp, _meta(h, job, step))
     # COMPLETE only when every rank's files are here (a run directory not shared between nodes
-    # would leave them elsewhere): rank 0 looks, every rank hears the answer
-    files = {str(p.relative_to(temp)) for p in temp.rglob("*") if p.is_file()} if h.rank == 0 else set()
-    absent = _from_rank0(store.missing_ranks(files, h.world_size) if h.rank == 0 else None)
+    # would leave them elsewhere) -- or, per host (checkpoints/hosts.py), in the union of the
+    # directories; every directory gets the one manifest
+    if per_host is None:
+        files = store.listing(temp) if h.rank == 0 else {}
+        absent = _from_rank0(store.missing_ranks(set(files), h.world_size) if h.rank == 0 else None)
+    else:
+        files, absent = hosts.union(store.listing(temp) if lead else None, h.rank, h.world_size)
     if absent:
         raise CheckpointError(f"{temp}: rank(s) {', '.join(map(str, absent))} wrote their files "
                               "elsewhere: the run directory is not one directory for every rank; set "
                               "hydra.run.dir to a path on a filesystem all nodes share")
-    if h.rank == 0:
-        _write_config(temp, job)
-        (temp / store.HISTORY).write_text(json.dumps(history or {}) + "\n")
-        store.commit(temp, final, _meta(h, job, step))
+    if lead:
+        store.finish(temp, final, store.manifest(files))
         for p in store.prune(run_dir, job.trainer.keep_last, spare=_best(job, history)):
             log.info("removed checkpoint %s (trainer.keep_last=%d)", p, job.trainer.keep_last)
         log.info("checkpoint: %s", final)
@@ -324,6 +343,8 @@ def start(job: Job, run_dir: str | Path, *, rank: int, world_size: int, device: 
     path, error = _from_rank0(answer)
     if error:
         raise CheckpointError(error)
+    if path and hosts.leaders(run_dir) is not None:  # (each host: the same step in its own directory)
+        path = str(Path(run_dir) / Path(path).relative_to(Path(path).parents[1]))
     return read(path) if path else None
 
 
@@ -339,25 +360,11 @@ def _from_rank0(value: Any) -> Any:
 
 
 def _check_shared(run_dir: Path, rank: int, world_size: int) -> None:
-    """Rank 0 writes a token into the run directory; every rank must read it there."""
-    import socket
-    import uuid
-
-    import torch.distributed as dist
-
-    token = _from_rank0(uuid.uuid4().hex if rank == 0 else None)
-    marker = run_dir / f".shared-{token}"
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        marker.write_text(token)
-    dist.barrier()
-    seen: list[Any] = [None] * world_size
-    dist.all_gather_object(seen, (marker.is_file(), socket.gethostname()))
-    dist.barrier()
-    if rank == 0:
-        marker.unlink(missing_ok=True)
-    blind = [(r, host) for r, (ok, host) in enumerate(seen) if not ok]
-    if blind:
+    """Every rank must see the markers every other rank writes into the run directory, unless
+    the launcher declared it one per host (checkpoints/hosts.py)."""
+    seen = hosts.layout(run_dir, rank, world_size, _from_rank0)
+    blind = [(r, host) for r, (group, host) in enumerate(seen) if 0 not in group]
+    if blind and hosts.leaders(run_dir) is None:
         from strategies import ConfigError
 
         who = ", ".join(f"rank {r} on {host}" for r, host in blind)

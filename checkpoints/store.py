@@ -76,14 +76,46 @@ def clean(run_dir: str | Path) -> list[Path]:
 def commit(temp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Rank 0, after every rank has written its part into ``temp``: write the manifest, then
     rename ``temp`` to ``final``. A crash before the rename leaves ``final`` absent."""
+    write_meta(temp, meta)
+    finish(temp, final, manifest(listing(temp)))
+
+
+def write_meta(temp: Path, meta: dict[str, Any]) -> None:
     atomic_write_text(temp / META, json.dumps(meta, indent=1, sort_keys=True))
-    files = {str(p.relative_to(temp)): p.stat().st_size for p in sorted(temp.rglob("*")) if p.is_file()}
-    atomic_write_text(temp / MARKER, json.dumps({"files": files}, indent=1))
+
+
+def listing(temp: Path) -> dict[str, int]:
+    """Every file under ``temp`` (relative name -> size)."""
+    return {str(p.relative_to(temp)): p.stat().st_size for p in sorted(temp.rglob("*")) if p.is_file()}
+
+
+def manifest(files: dict[str, int]) -> str:
+    """The marker's text for ``files``."""
+    return json.dumps({"files": dict(sorted(files.items()))}, indent=1)
+
+
+def finish(temp: Path, final: Path, marker: str) -> None:
+    """Write the marker ``temp`` is complete by, then rename it to ``final``."""
+    atomic_write_text(temp / MARKER, marker)
     _fsync_dir(temp)
     if final.exists():  # a re-run of the same step (resumed before it): the new save wins
         shutil.rmtree(final)
     os.replace(temp, final)
     _fsync_dir(final.parent)
+
+
+def latest_whole(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that reads whole (``read``), and why each newer one did not: where
+    a run directory is one per host and a sync assembles their union (SageMaker's checkpoint
+    upload), the newest may lack a host's files that never reached the store."""
+    skipped = []
+    for path in reversed(complete(run_dir)):
+        try:
+            read(path)
+            return path, skipped
+        except CheckpointError as e:
+            skipped.append(str(e))
+    return None, skipped
 
 
 def prune(run_dir: str | Path, keep_last: int, spare: int | None = None) -> list[Path]:

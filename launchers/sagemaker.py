@@ -6,7 +6,8 @@ Every host runs the same command, ``python train.py <your overrides> <the paths 
 source directory SageMaker unpacks (the repository, uploaded by the SDK). Inside the container
 train.py reads SageMaker's environment (``in_container``, ``environment``): one node per
 instance, ``cluster.devices`` ranks per node started by launchers/local.py, the c10d rendezvous
-at SageMaker's master host. The run directory is ``/opt/ml/checkpoints/run``, which SageMaker
+at SageMaker's master host. The run directory is ``/opt/ml/checkpoints/run``, on each host's own
+disk (several hosts: the command declares it per host, checkpoints/hosts.py), which SageMaker
 syncs with ``cluster.sagemaker.checkpoint_s3_uri`` (default ``<output_path>/checkpoints``; a
 job with neither is refused: its checkpoints and report would vanish with it), so a restarted
 job finds them; ``/opt/ml/model`` and ``/opt/ml/output`` go to ``output_path``. Data comes in
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from checkpoints.hosts import PER_HOST
 from launchers.registry import launcher
 
 if TYPE_CHECKING:
@@ -133,11 +135,14 @@ def container_path(path: str) -> bool:
 
 
 # --------------------------------------------------------------------------- building the job
-def host_command(overrides: list[str]) -> str:
+def host_command(overrides: list[str], hosts: int = 1) -> str:
     """What every host runs, in CODE_DIR: our dependencies (the PyTorch image has torch), then
-    train.py with the user's overrides and SageMaker's paths."""
+    train.py with the user's overrides and SageMaker's paths. Several hosts: each one's run
+    directory is its own disk, synced to one S3 prefix, which the command declares
+    (checkpoints/hosts.py: a save is committed per host, a restart resumes from the union)."""
     args = [*overrides, f"hydra.run.dir={RUN_DIR}"]
-    return "pip install -q -e . && python train.py " + " ".join(shlex.quote(a) for a in args)
+    env = f"{PER_HOST}=1 " if hosts > 1 else ""
+    return f"pip install -q -e . && {env}python train.py " + " ".join(shlex.quote(a) for a in args)
 
 
 def job_arguments(cluster: Any, overrides: list[str], source_dir: str) -> dict[str, Any]:
@@ -150,7 +155,7 @@ def job_arguments(cluster: Any, overrides: list[str], source_dir: str) -> dict[s
         "base_job_name": s.base_job_name,
         "role": s.role,
         "training_image": image,
-        "source_code": {"source_dir": source_dir, "command": host_command(overrides),
+        "source_code": {"source_dir": source_dir, "command": host_command(overrides, cluster.nodes),
                         "ignore_patterns": IGNORE},
         "compute": {"instance_type": s.instance_type, "instance_count": cluster.nodes,
                     "volume_size_in_gb": s.volume_gb},
@@ -170,6 +175,11 @@ def dry_run(args: dict[str, Any], hosts: int) -> str:
              f"each host runs, in {CODE_DIR}:"]
     lines += [f"  algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {args['source_code']['command']}"
               for i in range(hosts)]
+    if hosts > 1 and args["checkpoint_config"]:
+        lines.append(f"each host writes its ranks' checkpoint files into its own {CHECKPOINT_DIR}, which "
+                     f"SageMaker uploads to {args['checkpoint_config']['s3_uri']}; a restarted job gets "
+                     "their union back on every host and resumes from the newest checkpoint every host "
+                     "uploaded whole")
     return "\n".join(lines)
 
 
