@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+HELD = "STRATAGEM_HELD_SIGNAL"
+"""A SIGUSR1 a Slurm job's process took before it imported us (launchers/site/sitecustomize.py)."""
 SAME_PRESS_S = 1.0
 """A SIGINT this soon after the first is the same Ctrl-C, passed on by a launcher."""
 
@@ -155,6 +157,9 @@ def hold() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, _CURRENT._handler)
+    held = os.environ.pop(HELD, None)  # (taken before this process imported us: launchers/site/)
+    if held:
+        _CURRENT._handler(int(held), None)
 
 
 def current() -> Interrupt:

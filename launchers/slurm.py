@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 log = logging.getLogger(__name__)
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+"""The directory whose sitecustomize holds SIGUSR1 as a job's processes start."""
 
 
 def srun_task() -> bool:
@@ -201,7 +204,9 @@ def request(cfg: DictConfig) -> dict[str, Any]:
                            "constraint": s.constraint, "mem_gb": s.mem_gb}
     if c.accelerator == "gpu":
         req["gpus_per_node"] = c.devices
-    return {k: v for k, v in req.items() if v is not None} | {"additional_parameters": extra}
+    # every Python process of the job holds SIGUSR1 from its first moment (launchers/site/)
+    site = f"export PYTHONPATH={shlex.quote(SITE)}${{PYTHONPATH:+:$PYTHONPATH}}"
+    return {k: v for k, v in req.items() if v is not None} | {"additional_parameters": extra, "setup": [site]}
 
 
 class SlurmSubmission(Callback):
@@ -229,6 +234,8 @@ class SlurmSubmission(Callback):
             for key, value in request(config).items():
                 if key == "additional_parameters":
                     value = {**value, **config.hydra.launcher.get("additional_parameters", {})}
+                if key == "setup":  # (the user's lines after ours)
+                    value = [*value, *(config.hydra.launcher.get("setup") or [])]
                 config.hydra.launcher[key] = value
         log.info("slurm: %s", {k: config.hydra.launcher[k] for k in request(config)})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -341,11 +342,13 @@ def _slurm_state(env: dict[str, str], sweep: Path) -> str:
 
 
 def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeues: int = 1,
-                    rng: Any = None, during: str | None = None) -> tuple[str, int]:
+                    rng: Any = None, during: str | None = None, after_start: float | None = None
+                    ) -> tuple[str, int]:
     """Submit a one-job sweep; ``requeues`` times, once a checkpoint of the current attempt
     exists (a random moment later when ``rng`` is given; or, with ``during``, as soon as the job
-    log shows that text), signal the job with SIGUSR1 as Slurm does before the time limit; wait
-    for the end. Returns the output and the exit code."""
+    log shows that text; or ``after_start`` seconds after the job's batch script began its log),
+    signal the job with SIGUSR1 as Slurm does before the time limit; wait for the end. Returns
+    the output and the exit code."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, "hydra/launcher=submitit_slurm",
            "cluster=slurm_local", *overrides, f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -355,6 +358,8 @@ def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeue
         for i in range(requeues):
             before = {p.name for p in ckpts.glob("step*")} if ckpts.exists() else set()
             def ready() -> bool:
+                if after_start is not None:  # the batch script started (its log exists)
+                    return bool(list((sweep / ".submitit").glob("*/*_log.out")))
                 if during:  # the attempt's start-up reached that line
                     return (sweep / "0").exists() and during in _job_log(sweep / "0")
                 return ckpts.exists() and bool({p.name for p in ckpts.glob("step*")} - before)
@@ -365,6 +370,8 @@ def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeue
                 time.sleep(0.05 if during else 0.2)
             if rng is not None:
                 time.sleep(rng.uniform(0, 1.5))
+            if after_start is not None:
+                time.sleep(after_start)
             job = next((sweep / ".submitit").glob("*/")).name  # the job this sweep submitted
             subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
             deadline = time.time() + 120  # the attempt ends (its report would say otherwise)
@@ -421,6 +428,54 @@ def test_a_requeue_signal_while_the_job_starts_requeues_and_ends_equal(slurm, tm
     assert "stopped by SIGUSR1 after step 1" in log, log[-3000:]
     report = json.loads((sweep / "0" / "report.json").read_text())
     assert report["resumed_from"]["step"] == 1
+    assert_losses_close(straight.losses, report["losses"], rtol=1e-6)
+
+
+@pytest.mark.subprocess
+def test_a_slurm_job_s_python_holds_sigusr1_from_its_first_moment(tmp_path):
+    """launchers/site on PYTHONPATH (our sbatch script's setup line): a SIGUSR1 that arrives before
+    the process imported anything of ours is held, and the run's flag takes it over at ``hold``;
+    without it, SIGUSR1's default action ends the process. A sitecustomize it shadows still runs."""
+    from launchers.slurm import SITE, request
+    from recipes.config import compose
+
+    other = tmp_path / "theirs"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['THEIRS'] = 'ran'\n")
+    code = ("import os, signal\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+            "from checkpoints.interrupt import current, hold\nhold()\n"
+            "print(current().signum, os.environ.get('THEIRS'), 'STRATAGEM_HELD_SIGNAL' in os.environ)")
+    env = {**os.environ, "PYTHONPATH": f"{SITE}:{other}:{ROOT}"}
+    held = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert held.returncode == 0 and held.stdout.split() == [str(int(signal.SIGUSR1)), "ran", "False"], held
+    bare = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert bare.returncode == -signal.SIGUSR1
+    setup = request(compose(["cluster=slurm_local"]))["setup"]
+    assert setup == [f"export PYTHONPATH={SITE}${{PYTHONPATH:+:$PYTHONPATH}}"]
+
+
+MOMENTS = {"at 0.5 s": {"after_start": 0.5}, "mid-start-up": {"during": "strategy: ddp"}, "mid-training": {}}
+
+
+@pytest.mark.slow  # (CI: the signal at 0.5 s and mid-build, tests/test_checkpoint.py, one process)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("attempt", [1, 2, 3])
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_sigusr1_at_three_moments_always_requeues_and_ends_equal(slurm, tmp_path, cached, moment, attempt):
+    """SIGUSR1 at 0.5 s (the job's processes importing Python and submitit, before they unpickle
+    the job: held by launchers/site/sitecustomize.py), while the engine builds, and after a
+    checkpoint -- three times each: the job always requeues, and the run ends equal."""
+    straight = cached(*REQUEUE, "cluster.devices=2", "backend=lightning")
+    sweep = tmp_path / "requeue"
+    out, code = _requeued_sweep(slurm, sweep, *REQUEUE, "backend=lightning", **MOMENTS[moment])
+    assert code == 0, out[-3000:]
+    log = _job_log(sweep / "0")
+    assert "stopped by SIGUSR1 after step" in log, log[-3000:]
+    report = json.loads((sweep / "0" / "report.json").read_text())
+    assert report["resumed_from"]["step"] >= 1
     assert_losses_close(straight.losses, report["losses"], rtol=1e-6)
 
 
@@ -525,7 +580,7 @@ def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
     args = json.loads(text[text.index("{"):text.index("\n}\n") + 2])
     assert args["compute"] == {"instance_type": "ml.p5.48xlarge", "instance_count": 2, "volume_size_in_gb": 100}
     assert args["source_code"]["source_dir"] == str(ROOT)
-    command = ("pip install -q -e . && python train.py cluster=sagemaker_p5_2node strategy=fsdp "
+    command = ("pip install -q -e . && STRATAGEM_RUN_DIR_PER_HOST=1 python train.py cluster=sagemaker_p5_2node strategy=fsdp "
                "model=llama_1b trainer.max_steps=100 cluster.sagemaker.output_path=s3://b/out "
                "cluster.sagemaker.checkpoint_s3_uri=s3://b/ckpt hydra.run.dir=/opt/ml/checkpoints/run")
     assert args["source_code"]["command"] == command
@@ -534,6 +589,7 @@ def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
     assert args["training_image"]["framework"] == "pytorch"
     for i in (0, 1):
         assert f"algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {command}" in text
+    assert "a restarted job gets their union back on every host" in text
 
 
 
@@ -625,6 +681,75 @@ def test_in_a_sagemaker_container_the_run_takes_its_nodes_from_sagemaker(monkeyp
     three = validate(compose(["cluster=sagemaker_p5_2node", "strategy=fsdp", "model=llama_1b",
                               "cluster.nodes=3", "trainer.global_batch_size=48"]), depth=RUN)
     assert any("cluster.nodes=3 but this SageMaker job has 2 instance(s)" in p for p in launchers.check(three))
+
+
+SIM = ("strategy=ddp", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0",
+       "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.export_params=true")
+
+
+def _host_env(i: int, port: int) -> dict[str, str]:
+    """Host ``i`` of a two-instance SageMaker job, as its container's environment says, with the
+    declaration every host's command carries (launchers/sagemaker.py host_command)."""
+    names = ["algo-1", "algo-2"]
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SM_HOSTS": json.dumps(names),
+            "SM_CURRENT_HOST": names[i], "SM_HOST_COUNT": "2", "SM_CURRENT_HOST_RANK": str(i),
+            "SM_MASTER_ADDR": "127.0.0.1", "SM_MASTER_PORT": str(port), "SM_NUM_GPUS": "0",
+            "TRAINING_JOB_NAME": "sim-1", "STRATAGEM_RUN_DIR_PER_HOST": "1"}
+
+
+def _two_hosts(disks: list[Path]) -> list[subprocess.CompletedProcess]:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, *SIM, "cluster=sagemaker_p5_2node",
+                               "cluster.accelerator=cpu", "cluster.devices=1", f"hydra.run.dir={disk / 'run'}"],
+                              cwd=ROOT, env=_host_env(i, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for i, disk in enumerate(disks)]
+    try:
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout=240), p.communicate()[0]) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.multiprocess
+def test_two_sagemaker_hosts_with_their_own_disks_train_and_resume_from_the_synced_union(tmp_path, cached):
+    """Two "instances", each with its own /opt/ml/checkpoints (a directory of its own): every
+    host commits its ranks' part of each checkpoint under the one manifest. SageMaker's restart is
+    simulated as its S3 sync does it -- every host gets the union of what the hosts uploaded --
+    with the newest checkpoint's part of host 2 never uploaded: the restarted job resumes from the
+    newest checkpoint that is whole (step 2) and ends equal to a straight 2-process run."""
+    import shutil
+
+    import torch
+
+    straight = cached(*SIM, "cluster.devices=2")
+    disks = [tmp_path / "algo-1", tmp_path / "algo-2"]
+    first = _two_hosts(disks)
+    assert [p.returncode for p in first] == [0, 0], "\n".join(p.stdout[-3000:] for p in first)
+    for step in (2, 4):  # each host's own part of each checkpoint, under the same manifest
+        parts = [disk / "run" / "checkpoints" / f"step{step}" for disk in disks]
+        assert (parts[0] / "rng" / "rank0.pt").is_file() and not (parts[0] / "rng" / "rank1.pt").exists()
+        assert (parts[1] / "rng" / "rank1.pt").is_file() and not (parts[1] / "meta.json").exists()
+        assert (parts[0] / "COMPLETE").read_text() == (parts[1] / "COMPLETE").read_text()
+    assert_losses_close(straight.losses, json.loads((disks[0] / "run" / "report.json").read_text())["losses"],
+                        rtol=1e-6)
+    s3 = tmp_path / "s3"  # what reached S3: everything but host 2's part of step 4
+    shutil.copytree(disks[0] / "run", s3)
+    for f in (disks[1] / "run" / "checkpoints").rglob("*"):
+        if f.is_file() and "step4" not in f.parts:
+            (s3 / f.relative_to(disks[1] / "run")).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, s3 / f.relative_to(disks[1] / "run"))
+    (s3 / "report.json").unlink()
+    (s3 / "params.pt").unlink()
+    for disk in disks:  # the restarted job: fresh instances, the union downloaded to each
+        shutil.rmtree(disk)
+        shutil.copytree(s3, disk / "run")
+    again = _two_hosts(disks)
+    assert [p.returncode for p in again] == [0, 0], "\n".join(p.stdout[-3000:] for p in again)
+    assert "not resuming from a checkpoint a host's files never reached" in again[0].stdout
+    report = json.loads((disks[0] / "run" / "report.json").read_text())
+    assert report["resumed_from"]["step"] == 2
+    assert_losses_close(straight.losses, report["losses"], rtol=1e-6)
+    assert_params_close(straight.params(), torch.load(disks[0] / "run" / "params.pt"), rtol=1e-6)
 
 
 # --------------------------------------------------------------------------- bad input
