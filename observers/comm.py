@@ -45,6 +45,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from observers.base import Engine, Observer, Selection, observer
@@ -386,7 +387,13 @@ def _totals(per_step: dict[str, dict[str, float]]) -> dict[str, float]:
             "wire_bytes": sum(v["wire_bytes"] for v in per_step.values())}
 
 
-@observer("communication", order=40)
+@dataclass
+class CommunicationKnobs:
+    communication: bool = True
+    """Every collective per optimizer step (kind, group, bytes); off: nothing is intercepted."""
+
+
+@observer("communication", order=40, knobs=CommunicationKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.communication`` (off: nothing is intercepted)."""
     if not s.job.callbacks.communication:
