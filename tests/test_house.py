@@ -700,6 +700,29 @@ def test_strategy_auto_is_a_step_of_validation_over_typed_objects():
 
 
 @pytest.mark.unit
+def test_mesh_axes_are_one_enum():
+    """One vocabulary of mesh axes (``core.mesh.Axis``): families, builders, parallel/ and the
+    communication observer spell no axis as a string literal (the degree names ``ep`` and ``sp``
+    are strategy keys too, so they are not counted), and the report's group names stay what they
+    were."""
+    from core.mesh import Axis
+    from observers.comm import ROLES
+
+    spelled = {a.value for a in Axis} - {"ep", "sp"} | {f"mesh_{a.value}" for a in Axis}
+    found = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value!r}"
+             for package in ("strategies", "parallel", "backends", "observers")
+             for p in sorted((ROOT / package).rglob("*.py"))
+             for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and n.value in spelled]
+    assert not found, found
+    assert {a: a.role for a in Axis} == {
+        Axis.REPLICATE: "data-replicate", Axis.SHARD: "data-shard", Axis.DATA: "data", Axis.CONTEXT: "cp",
+        Axis.PIPELINE: "pipeline", Axis.TENSOR: "tensor", Axis.DP_CP: "data-shard", Axis.EP: "ep",
+        Axis.EP_REPLICATE: "ep_replicate", Axis.SP: "sp"}
+    assert (f"mesh_{Axis.EP}", str(Axis.DP_CP), Axis.TENSOR) == ("mesh_ep", "dp_cp", "tensor_parallel")
+    assert ROLES["tp"] == ROLES["tensor_parallel"] == "tensor" and ROLES["dp_shard"] == "data-shard"
+
+
+@pytest.mark.unit
 def test_validation_derives_the_mesh_and_batch_once(monkeypatch):
     """The preset's mesh and what it derives from the batch: one derivation (core.run.settle)
     gives the Job its strategy and Run; no second one after it."""
