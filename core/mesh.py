@@ -12,13 +12,69 @@ group into the data-parallel group, gradients are reduced (and sharded states sp
 
 Every other module asks a ``Mesh`` (or a ``Batch``) instead of multiplying sizes itself, so an
 inconsistent layout fails here, before any process starts, with the arithmetic printed.
+
+``Axis`` names the device-mesh axes: one vocabulary for the families, the builders and the
+communication observer, instead of each spelling string literals.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from core.errors import ConfigError
+
+
+class Axis(str, Enum):
+    """A device-mesh axis, by the name its DeviceMesh dimension (or process group) carries in our
+    code: the value is what torch sees (``init_device_mesh(..., mesh_dim_names=(Axis.REPLICATE,
+    Axis.SHARD))``, ``mesh[Axis.TENSOR]``; torch describes the group ``mesh_<value>``), so these
+    values are the names outside libraries already use where we meet them -- FSDP's hybrid mesh
+    (``replicate``, ``shard``), Lightning's ModelParallelStrategy (``data_parallel``,
+    ``tensor_parallel``; its own mesh, which the FSDP2 builders read). The short degree names
+    (dp, tp, pp, cp, sp, ep) are ``Mesh``'s fields and the strategy keys, not axes; other
+    libraries' mesh names (torchtitan's, Accelerate's ParallelismConfig: ``dp_shard``, ``tp``, ...)
+    are mapped where they are read (observers/comm.py)."""
+
+    REPLICATE = "replicate"
+    """FSDP's replicate dimension (HSDP: copies of one shard group)."""
+    SHARD = "shard"
+    """FSDP's shard dimension (the ranks one sharded state is split over)."""
+    DATA = "data_parallel"
+    """The data-parallel dimension of a DP x [CP x] PP x TP mesh (Lightning's name)."""
+    CONTEXT = "context_parallel"
+    """Context parallelism: ranks sharing samples, each a sequence shard (ring attention)."""
+    PIPELINE = "pipeline_parallel"
+    """Pipeline stages."""
+    TENSOR = "tensor_parallel"
+    """Tensor parallelism, innermost (neighbouring ranks; Lightning's name)."""
+    DP_CP = "dp_cp"
+    """DATA x CONTEXT flattened: FSDP2's shard group with context parallelism (torchtitan's fold)."""
+    EP = "ep"
+    """Expert parallelism: ranks each holding 1/ep of every MoE layer's experts (all-to-all)."""
+    EP_REPLICATE = "ep_replicate"
+    """The ranks holding the same experts: the experts' FSDP2 shard group."""
+    SP = "sp"
+    """DeepSpeed Ulysses' sequence group (a group we create, described by this name)."""
+
+    def __str__(self) -> str:  # the value wherever it is formatted (torch's ``mesh_<name>``)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def role(self) -> str:
+        """The group's name in the communication report (``communication.by_group``) and the
+        planner's word for what travels on it."""
+        return _ROLES.get(self, self.value)
+
+
+# What each axis carries, as report.json's communication groups name it (data-shard, tensor, ...);
+# the expert axes are reported by their own names.
+_ROLES = {Axis.SHARD: "data-shard", Axis.REPLICATE: "data-replicate", Axis.DATA: "data",
+          Axis.CONTEXT: "cp", Axis.PIPELINE: "pipeline", Axis.TENSOR: "tensor",
+          Axis.DP_CP: "data-shard", Axis.SP: "sp"}
 
 
 @dataclass(frozen=True)
@@ -145,4 +201,4 @@ class Batch:
         return []
 
 
-__all__ = ["Batch", "Mesh"]
+__all__ = ["Axis", "Batch", "Mesh"]

@@ -210,18 +210,25 @@ Factory = Callable[[Selection], "Observer | None"]
 OBSERVERS: dict[str, tuple[int, Factory]] = {}
 """name -> (order, factory); ``observers.build`` runs the factories of every module in
 ``observers/`` by order."""
+KNOBS: dict[str, type] = {}
+"""name -> the dataclass of the keys that observer reads under ``callbacks.`` (its config, declared
+in its module); ``observers.callbacks_schema`` makes the ``callbacks`` group's schema of them."""
 
 
-def observer(name: str, order: int) -> Callable[[Factory], Factory]:
+def observer(name: str, order: int, knobs: type | None = None) -> Callable[[Factory], Factory]:
     """Decorator for a module's factory: ``selection -> Observer`` when the job selects it, else
     None. ``order``: where it stands in the report's ``observers`` list (and is fed: hooks run in
-    this order)."""
+    this order). ``knobs``: a dataclass (core/stdlib types, ``core.knobs`` declarations) whose
+    fields are this observer's ``callbacks.<key>`` keys, each with its default and docstring; the
+    factory reads them from ``selection.job.callbacks``."""
 
     def register(factory: Factory) -> Factory:
         if name in OBSERVERS and OBSERVERS[name][1].__module__ != factory.__module__:
             raise ValueError(f"observer {name!r} is registered by both {OBSERVERS[name][1].__module__} "
                              f"and {factory.__module__}")
         OBSERVERS[name] = (order, factory)
+        if knobs is not None:
+            KNOBS[name] = knobs
         return factory
 
     return register

@@ -28,9 +28,11 @@ broadcast the tensor, all-gather its output (world x input), reduce-scatter its 
 the tensor. ``wire_bytes`` is what this rank sends on a ring (all-reduce 2(n-1)/n, all-gather
 and reduce-scatter (n-1)/n, send 1, recv 0): the planner's unit.
 
-Groups are named by role: a DeviceMesh dimension by its name (``shard`` -> data-shard,
-``replicate`` -> data-replicate, ``tp`` -> tensor, ``pp`` -> pipeline, ``cp`` -> cp: ring
-attention's K/V send/recv), a group created with a role as its description likewise (``sp``:
+Groups are named by role: a DeviceMesh dimension by its axis (``core.mesh.Axis.role``: ``shard``
+-> data-shard, ``replicate`` -> data-replicate, ``tensor_parallel`` -> tensor,
+``pipeline_parallel`` -> pipeline, ``context_parallel`` -> cp: ring attention's K/V send/recv;
+other libraries' spellings, ``tp``, ``dp_shard``, ..., through ``ALIASES``), a group created with
+an axis as its description likewise (``sp``:
 Ulysses' all-to-all, backends/common/deepspeed.py), the world group by
 what the strategy does on it (data-shard when it shards, else data-replicate).
 
@@ -45,8 +47,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
+from core.mesh import Axis
 from observers.base import Engine, Observer, Selection, observer
 
 MECHANISM = ("torch.library kernels on the Autograd key of the c10d collective ops and the "
@@ -80,10 +84,12 @@ _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1
          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
          "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send": lambda n: 1.0,
          "recv": lambda n: 0.0}
-ROLES = {"shard": "data-shard", "dp_shard": "data-shard", "replicate": "data-replicate",
-         "dp_replicate": "data-replicate", "data_parallel": "data", "dp": "data", "tp": "tensor",
-         "tensor_parallel": "tensor", "pp": "pipeline", "pipeline_parallel": "pipeline",
-         "cp": "cp", "context_parallel": "cp", "dp_cp": "data-shard", "sp": "sp"}
+# Other libraries' names for the same axes (torchtitan's and Accelerate's ParallelismConfig mesh
+# dimensions), read here when a mesh someone else built carries them.
+ALIASES = {"dp_shard": Axis.SHARD, "dp_replicate": Axis.REPLICATE, "dp": Axis.DATA, "tp": Axis.TENSOR,
+           "pp": Axis.PIPELINE, "cp": Axis.CONTEXT}
+# mesh dimension or group description -> the group's name in the report (``Axis.role``)
+ROLES = {**{axis.value: axis.role for axis in Axis}, **{name: axis.role for name, axis in ALIASES.items()}}
 
 _recorder: Recorder | None = None
 _install_lock = threading.Lock()
@@ -386,7 +392,13 @@ def _totals(per_step: dict[str, dict[str, float]]) -> dict[str, float]:
             "wire_bytes": sum(v["wire_bytes"] for v in per_step.values())}
 
 
-@observer("communication", order=40)
+@dataclass
+class CommunicationKnobs:
+    communication: bool = True
+    """Every collective per optimizer step (kind, group, bytes); off: nothing is intercepted."""
+
+
+@observer("communication", order=40, knobs=CommunicationKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.communication`` (off: nothing is intercepted)."""
     if not s.job.callbacks.communication:

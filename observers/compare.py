@@ -19,6 +19,7 @@ measured / predicted).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from observers.base import Observer, Selection, observer
@@ -110,7 +111,13 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-@observer("compare", order=70)
+@dataclass
+class CompareKnobs:
+    compare: bool = True
+    """The planner's prediction next to what was measured (state, activations, communication)."""
+
+
+@observer("compare", order=70, knobs=CompareKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.compare``, when the run was planned: beside the memory, communication and
     throughput observers chosen before it."""

@@ -36,9 +36,11 @@ Report key ``memory``: ``{"ranks": [{"rank", "params", "grads", "optimizer", "ac
 from __future__ import annotations
 
 import resource
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.knobs import knob
 from observers.base import Engine, Observer, Selection, observer
 
 if TYPE_CHECKING:
@@ -234,7 +236,21 @@ class MemoryProfile(Observer):
         return {"memory": {"ranks": self.ranks, "predicted": self.predicted}}
 
 
-@observer("memory", order=30)
+@dataclass
+class MemoryObserverConfig:
+    enabled: bool = True
+    """Bytes each rank holds (params, grads, optimizer, activations); on GPU, peaks per phase."""
+    snapshot: bool = False
+    """GPU: record a CUDA memory snapshot of the first ``snapshot_steps`` steps per rank."""
+    snapshot_steps: int = knob(3, min=1)
+
+
+@dataclass
+class MemoryKnobs:
+    memory: MemoryObserverConfig = field(default_factory=MemoryObserverConfig)
+
+
+@observer("memory", order=30, knobs=MemoryKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.memory.enabled`` (``snapshot``, ``snapshot_steps``: the CUDA snapshot)."""
     cfg = s.job.callbacks.memory

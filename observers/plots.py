@@ -6,6 +6,7 @@ launchers/sweep.py's ``sweep_losses.png``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,13 @@ def communication_plot(by_group: dict[str, dict[str, dict[str, float]]], path: P
     plt.close(fig)
 
 
-@observer("plots", order=80)
+@dataclass
+class PlotsKnobs:
+    plots: bool = True
+    """loss.png, memory.png and communication.png in the run directory (matplotlib)."""
+
+
+@observer("plots", order=80, knobs=PlotsKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.plots``: loss.png, memory.png and communication.png."""
     return Plots(s.out) if s.job.callbacks.plots else None

@@ -22,7 +22,10 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+
+from core.knobs import knob
 
 from observers.base import Engine, Observer, Selection, learning_rate, observer
 
@@ -208,7 +211,17 @@ class Progress(Observer):
                 self._say(" | ".join(parts), step_line=False)
 
 
-@observer("progress", order=20)
+@dataclass
+class ProgressKnobs:
+    progress_bar: bool = True
+    """A progress bar on rank 0 when stdout is a terminal: optimizer steps, loss, tokens/s."""
+    log_every: int = knob(10, min=0)
+    """When stdout is not a terminal (a log file, nohup, Slurm, CI) or there is no bar: one log line
+    on rank 0 every this many optimizer steps, and at least every 60 s (step, loss, lr, tokens/s,
+    step time, ETA, memory); 0: none."""
+
+
+@observer("progress", order=20, knobs=ProgressKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.progress_bar`` or ``callbacks.log_every``: the bar on a terminal, else a line
     every ``log_every`` steps."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,13 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
     return (["predicted vs measured:\n" + "\n".join(lines)] if lines else []) + [summary(report, path)]
 
 
-@observer("report", order=0)
+@dataclass
+class ReportKnobs:
+    report: bool = True
+    """Write report.json at the end of the run."""
+
+
+@observer("report", order=0, knobs=ReportKnobs)
 def _selected(s: Selection) -> Observer:
     """Always: the run's losses and wall time."""
     return LossLog(s.job.tokens_per_step, s.job.trainer, s.out)

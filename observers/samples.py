@@ -11,7 +11,10 @@ run continues the record its checkpoint carries); the logger observer draws each
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
+
+from core.knobs import free, knob
 
 from observers.base import Engine, Observer, Selection, observer
 
@@ -74,7 +77,25 @@ def markdown(block: list[dict[str, Any]]) -> str:
                       *(f"| {cell(r['prompt'])} | {cell(r['completion'])} |" for r in block)])
 
 
-@observer("samples", order=85)
+@dataclass
+class SamplesObserverConfig:
+    """What the model says to a few prompts at each validation (recipes/samples.py)."""
+
+    prompts: Any = free(None, "a file or a list of prompts, read and checked at validate "
+                              "(recipes/samples.py problems)")
+    """A UTF-8 file (one prompt per line, or JSON lines with a "prompt" string) or a list
+    (``callbacks.samples.prompts='[Once upon a time,The king]'``); None: off. Each prompt goes
+    through the tokenizer's chat template when it has one; report key ``samples``."""
+    max_new_tokens: int = knob(32, min=1)
+    """Greedy tokens generated per prompt (fewer when the model says EOS)."""
+
+
+@dataclass
+class SamplesKnobs:
+    samples: SamplesObserverConfig = field(default_factory=SamplesObserverConfig)
+
+
+@observer("samples", order=85, knobs=SamplesKnobs)
 def _selected(s: Selection) -> Observer | None:
     """callbacks.samples.prompts set: before the logger (90), which draws ``latest``."""
     cfg = s.job.callbacks.samples

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from observers.base import Engine, Observer, Selection, observer
@@ -80,7 +81,13 @@ class Throughput(Observer):
             "steps_timed": len(self.seconds[1:] or self.seconds)}}
 
 
-@observer("throughput", order=50)
+@dataclass
+class ThroughputKnobs:
+    throughput: bool = True
+    """Step time, tokens/s, TFLOP/s and MFU into the report."""
+
+
+@observer("throughput", order=50, knobs=ThroughputKnobs)
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.throughput``; MFU against the peak ``planner.calibrate`` measured, if any."""
     job = s.job

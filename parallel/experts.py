@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.mesh import Axis
+
 
 def experts_of(model: Any) -> list[Any]:
     """The experts modules of every MoE block (``ep_plan['experts']``, relative to a block)."""
@@ -54,7 +56,7 @@ def ep_group(ep: int) -> tuple[Any, int]:
     profile names it ``ep``."""
     from parallel.parallelize import neighbour_group
 
-    return neighbour_group(ep, "mesh_ep")
+    return neighbour_group(ep, f"mesh_{Axis.EP}")
 
 
 def shard_experts(experts: Any, ep: int, index: int, mesh: Any = None) -> None:
@@ -137,13 +139,13 @@ def apply_ep_fsdp2(model: Any, ep: int, mesh: Any, dp: int, plan: Any, precision
 
     from parallel.parallelize import mixed_policy
 
-    group = apply_ep(model, ep, mesh["ep"])
+    group = apply_ep(model, ep, mesh[Axis.EP])
     mp = mixed_policy(precision, plan.reduce_fp32)
     for experts in experts_of(model):
-        fully_shard(experts, mesh=mesh["ep_replicate"], reshard_after_forward=plan.reshard_after_forward,
+        fully_shard(experts, mesh=mesh[Axis.EP_REPLICATE], reshard_after_forward=plan.reshard_after_forward,
                     mp_policy=mp)
         experts.set_gradient_divide_factor(float(dp))
-        if mesh["ep_replicate"].size() > 1:
+        if mesh[Axis.EP_REPLICATE].size() > 1:
             # a plain sum and a separate division: gloo has no PREMUL_SUM reduce-scatter. (Not
             # on one replica: torch 2.13 then skips the division altogether -- SGD tests see it.)
             experts.set_force_sum_reduction_for_comms(True)

@@ -355,13 +355,14 @@ def clip_global_(params: list[Any], max_norm: float, groups: tuple[Any, ...] = (
 def neighbour_group(size: int, desc: str) -> tuple[Any, int]:
     """This rank's group of ``size`` consecutive ranks (the innermost dimension, as tensor
     parallelism's) and its index in it; every rank creates every group in the same order
-    (torch's rule). ``desc`` names the group in the communication profile (observers/comm.py)."""
+    (torch's rule). ``desc`` names the group in the communication profile (observers/comm.py):
+    an axis (``core.mesh.Axis``), or ``mesh_<axis>`` as torch describes a mesh dimension's group."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = None
     for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)), group_desc=desc)
+        group = dist.new_group(list(range(start, start + size)), group_desc=str(desc))
         if start <= rank < start + size:
             mine = group
     return mine, rank % size

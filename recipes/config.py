@@ -3,8 +3,9 @@ fails at compose time, each field with its allowed values declared (``knob``) so
 fails validation with one sentence. Torch-free: plan.py and ``train.py --cfg job`` import this and
 nothing heavy.
 
-This module holds the root schema (``TrainConfig``), the small groups (backend, callbacks -- each
-observer's key --, logger, export, paths, planner) and ``GROUP_SCHEMAS``; the large groups have
+This module holds the root schema (``TrainConfig``), the small groups (backend, logger, export,
+paths, planner; callbacks: the keys each observer declares in its own module, gathered by
+``observers.callbacks_schema``) and ``GROUP_SCHEMAS``; the large groups have
 modules of their own: ``recipes/model_config.py`` (model), ``recipes/cluster_config.py`` (cluster
 and each launcher's keys), ``recipes/trainer_config.py`` (trainer and data). Strategy schemas
 live with their families in ``strategies/``. ``recipes/compose.py`` stores the schemas and
@@ -29,13 +30,14 @@ from recipes.trainer_config import (DATASETS, OPTIMIZERS, PRECISIONS, SCHEDULERS
 from core.knobs import free, knob
 from strategies.base import AC_CHOICES
 from core.conf import CONF_DIR
+from observers import callbacks_schema
 
 __all__ = [
     "ARCHITECTURES", "BACKENDS", "DATASETS", "GROUP_SCHEMAS", "LAUNCHERS", "LOGGERS", "LORA_TARGETS",
     "OPTIMIZERS", "PRECISIONS", "SCHEDULERS", "TOKEN_DTYPES", "TRAIN_ON", "BackendConfig",
     "CallbacksConfig", "ClusterConfig", "DataConfig", "ExportConfig", "K8sConfig", "LoggerConfig",
-    "LoraConfig", "MemoryObserverConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
-    "SageMakerConfig", "SamplesObserverConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",
+    "LoraConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
+    "SageMakerConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",
     "describe", "register", "run_name", "unreadable",
 ]
 
@@ -51,50 +53,9 @@ class BackendConfig:
     """The engine that runs the loop: a file of conf/backend/ and a module of backends/."""
 
 
-@dataclass
-class MemoryObserverConfig:
-    enabled: bool = True
-    """Bytes each rank holds (params, grads, optimizer, activations); on GPU, peaks per phase."""
-    snapshot: bool = False
-    """GPU: record a CUDA memory snapshot of the first ``snapshot_steps`` steps per rank."""
-    snapshot_steps: int = knob(3, min=1)
-
-
-@dataclass
-class SamplesObserverConfig:
-    """What the model says to a few prompts at each validation (recipes/samples.py)."""
-
-    prompts: Any = free(None, "a file or a list of prompts, read and checked at validate "
-                              "(recipes/samples.py problems)")
-    """A UTF-8 file (one prompt per line, or JSON lines with a "prompt" string) or a list
-    (``callbacks.samples.prompts='[Once upon a time,The king]'``); None: off. Each prompt goes
-    through the tokenizer's chat template when it has one; report key ``samples``."""
-    max_new_tokens: int = knob(32, min=1)
-    """Greedy tokens generated per prompt (fewer when the model says EOS)."""
-
-
-@dataclass
-class CallbacksConfig:
-    """Observers (observers/), the same on every backend."""
-
-    progress_bar: bool = True
-    """A progress bar on rank 0 when stdout is a terminal: optimizer steps, loss, tokens/s."""
-    log_every: int = knob(10, min=0)
-    """When stdout is not a terminal (a log file, nohup, Slurm, CI) or there is no bar: one log line
-    on rank 0 every this many optimizer steps, and at least every 60 s (step, loss, lr, tokens/s,
-    step time, ETA, memory); 0: none."""
-    report: bool = True
-    """Write report.json at the end of the run."""
-    memory: MemoryObserverConfig = field(default_factory=MemoryObserverConfig)
-    throughput: bool = True
-    """Step time, tokens/s, TFLOP/s and MFU into the report."""
-    communication: bool = True
-    """Every collective per optimizer step (kind, group, bytes); off: nothing is intercepted."""
-    compare: bool = True
-    """The planner's prediction next to what was measured (state, activations, communication)."""
-    plots: bool = True
-    """loss.png, memory.png and communication.png in the run directory (matplotlib)."""
-    samples: SamplesObserverConfig = field(default_factory=SamplesObserverConfig)
+# The callbacks group: each observer declares its own keys beside its factory (``@observer(name,
+# order, knobs=...)`` in observers/<observer>.py); its schema is all of them, in the observers' order.
+CallbacksConfig = callbacks_schema(__name__)
 
 
 @dataclass

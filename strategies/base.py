@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from core.run import Run
 
 from core.knobs import knob
-from core.mesh import Mesh
+from core.mesh import Axis, Mesh
 
 DCP, DEEPSPEED = "dcp", "deepspeed"
 SELECTIVE = "selective"
@@ -224,7 +224,7 @@ class StrategyConfig:
     def world_role(self, mesh: Mesh) -> str:
         """What the whole-world process group carries (the communication profile's group
         names): data-shard when it shards, else data-replicate."""
-        return "data-shard" if self.footprint().sharded else "data-replicate"
+        return (Axis.SHARD if self.footprint().sharded else Axis.REPLICATE).role
 
 
 _FAMILIES: dict[str, type[StrategyConfig]] = {}

@@ -363,27 +363,42 @@ def test_a_new_family_preset_and_backend_touch_only_what_the_architecture_says(t
 
 
 _OBSERVER = '''
-"""A throwaway observer: counts optimizer steps into the report, on when callbacks.mine is."""
+"""A throwaway observer: counts every ``callbacks.mine.every``-th optimizer step into the report,
+on when callbacks.mine.enabled is. Its keys are declared here, beside its factory."""
+from dataclasses import dataclass, field
+
+from core.knobs import knob
 from observers.base import Observer, Selection, observer
 
 
+@dataclass
+class MineConfig:
+    enabled: bool = False
+    """The throwaway observer (off unless a callbacks YAML turns it on)."""
+    every: int = knob(1, min=1)
+    """Count every this many optimizer steps."""
+
+
+@dataclass
+class MineKnobs:
+    mine: MineConfig = field(default_factory=MineConfig)
+
+
 class Mine(Observer):
-    def __init__(self):
-        self.steps = 0
+    def __init__(self, every):
+        self.every, self.steps = every, 0
 
     def on_step_end(self, engine, step, loss):
-        self.steps += 1
+        self.steps += step % self.every == 0
 
     def report(self):
-        return {"mine": {"steps": self.steps}}
+        return {"mine": {"steps": self.steps, "every": self.every}}
 
 
-@observer("mine", order=75)  # after compare (70), before plots (80)
+@observer("mine", order=75, knobs=MineKnobs)  # after compare (70), before plots (80)
 def _selected(s: Selection):
-    return Mine() if s.job.callbacks.mine else None
-'''
-_MINE_FIELD = '''    mine: bool = False
-    """The throwaway observer (off unless a callbacks YAML turns it on)."""
+    cfg = s.job.callbacks.mine
+    return Mine(cfg.every) if cfg.enabled else None
 '''
 _LOGGER = '''
 """A throwaway logger: logger=mine."""
@@ -401,12 +416,14 @@ def _mine(s: Selection):
 '''
 _LOGGER_YAML = "defaults:\n  - /logger_schema@_here_\n  - _self_\nname: mine\n"
 _OBSERVER_CHECK = '''
+import subprocess, sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import observers
 from recipes.config import compose
 from recipes.job import RUN, validate
+from strategies import ConfigError
 
 
 def chosen(*overrides):
@@ -418,29 +435,46 @@ on = chosen()
 names = on.meta["observers"]
 assert names[names.index("Comparison") + 1:] == ["Mine", "Plots"], names
 assert "Mine" not in chosen("callbacks=none").meta["observers"]
-assert "Mine" not in chosen("callbacks.mine=false").meta["observers"]
-only = chosen("callbacks=none", "callbacks.mine=true").meta["observers"]
-assert only == ["LossLog", "StartupTimes", "Mine"], only
-mine = [o for o in on.observers if type(o).__name__ == "Mine"]
-hub = observers.Observers(mine)
-hub.step_end(SimpleNamespace(rank=0), 0, 1.0)
-assert hub.train_end(SimpleNamespace(rank=0)) == {"resumed_from": None, "mine": {"steps": 1}}
+assert "Mine" not in chosen("callbacks.mine.enabled=false").meta["observers"]
+only = chosen("callbacks=none", "callbacks.mine.enabled=true", "callbacks.mine.every=2")
+assert only.meta["observers"] == ["LossLog", "StartupTimes", "Mine"], only.meta["observers"]
+hub = observers.Observers([o for o in only.observers if type(o).__name__ == "Mine"])
+for step in (1, 2, 3, 4):
+    hub.step_end(SimpleNamespace(rank=0), step, 1.0)
+assert hub.train_end(SimpleNamespace(rank=0)) == {"resumed_from": None, "mine": {"steps": 2, "every": 2}}
+try:  # its knob is declared: a bad value is one sentence at validate
+    chosen("callbacks.mine.every=0")
+    raise AssertionError("not refused")
+except ConfigError as e:
+    assert "callbacks.mine.every=0: must be >= 1" in str(e), e
+# a typo of its key is the schema's one did-you-mean line; --cfg job shows it, and loads no engine
+typo = subprocess.run([sys.executable, "train.py", "model=gpt_nano", "callbacks.mine.evry=2", "--cfg", "job"],
+                      capture_output=True, text=True, timeout=120)
+assert typo.returncode == 2 and "did you mean callbacks.mine.every?" in typo.stderr, typo.stderr[-2000:]
+shown = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.argv = ['train.py', 'model=gpt_nano', "
+                        "'callbacks.mine.every=3', '--cfg', 'job']\\ntry: runpy.run_path('train.py', run_name='__main__')\\n"
+                        "except SystemExit: pass\\nprint([m for m in ('torch', 'lightning', 'deepspeed') if m in sys.modules])"],
+                       capture_output=True, text=True, timeout=120)
+assert "  mine:\\n    enabled: true\\n    every: 3\\n" in shown.stdout, shown.stdout[-2000:] + shown.stderr[-2000:]
+assert shown.stdout.strip().endswith("[]"), shown.stdout[-300:]
 assert chosen("logger=mine").meta["observers"][-1] == "MineLog"
 assert chosen("logger=csv").meta["observers"][-1] == "CSVLog"
 print("ok")
 '''
 # What an observer and a logger touch (docs/ARCHITECTURE.md's rows, when it has them, must say the same).
-OBSERVER_TOUCHES = ["observers/<observer>.py", "recipes/config.py", "conf/callbacks/default.yaml"]
+OBSERVER_TOUCHES = ["observers/<observer>.py", "conf/callbacks/default.yaml"]
 LOGGER_TOUCHES = ["observers/<logger>.py", "conf/logger/<logger>.yaml"]
 
 
 @pytest.mark.subprocess
 def test_a_new_observer_and_logger_touch_only_what_the_architecture_says(tmp_path):
-    """In a copy of the tree: a new observer is its module (an ``@observer`` factory), its key in
-    ``CallbacksConfig`` (off by default, so ``callbacks=none`` needs no line) and its line in
-    ``conf/callbacks/default.yaml``; a new logger is its module (an ``@logger`` factory) and its
-    YAML. Nothing else changes (no list of observers, loggers or logger names anywhere), and
-    they are selected, ordered and reported."""
+    """In a copy of the tree: a new observer is its module (an ``@observer`` factory and the
+    dataclass of its ``callbacks`` keys beside it, off by default so ``callbacks=none`` needs no line)
+    and its line in ``conf/callbacks/default.yaml``; a new logger is its module (an ``@logger``
+    factory) and its YAML. Nothing else changes (no list of observers, loggers, logger names or
+    callbacks keys anywhere), and they are selected, ordered and reported; the observer's own knob,
+    set on the command line, reaches it, is checked at validate and is in the schema (a typo is
+    the one did-you-mean line; ``--cfg job`` shows it and loads no engine)."""
     touches = _touches()
     assert touches.get("an observer", OBSERVER_TOUCHES) == OBSERVER_TOUCHES
     assert touches.get("a logger", LOGGER_TOUCHES) == LOGGER_TOUCHES
@@ -450,13 +484,10 @@ def test_a_new_observer_and_logger_touch_only_what_the_architecture_says(tmp_pat
     (tree / "observers/mine.py").write_text(textwrap.dedent(_OBSERVER).lstrip())
     (tree / "observers/minelog.py").write_text(textwrap.dedent(_LOGGER).lstrip())
     (tree / "conf/logger/mine.yaml").write_text(_LOGGER_YAML)
-    config = (tree / "recipes/config.py").read_text()
-    anchor = "class CallbacksConfig:\n"
-    start = config.index(anchor)
-    end = config.index("\n\n\n", start)  # the end of the class
-    (tree / "recipes/config.py").write_text(config[:end + 1] + _MINE_FIELD + config[end + 1:])
     with (tree / "conf/callbacks/default.yaml").open("a") as f:
-        f.write("mine: true           # the throwaway observer\n")
+        f.write("mine:\n  enabled: true       # the throwaway observer\n")
+    shutil.copy(ROOT / "train.py", tree / "train.py")
+    shutil.copytree(ROOT / "hydra_plugins", tree / "hydra_plugins", ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run([sys.executable, "-c", _OBSERVER_CHECK], cwd=tree, capture_output=True, text=True,
                           timeout=180, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
                                             "HOME": str(tmp_path)})
@@ -666,6 +697,29 @@ def test_strategy_auto_is_a_step_of_validation_over_typed_objects():
     named = validate(compose(["model=gpt_nano", "strategy=ddp", "cluster.devices=2", "callbacks=none"]),
                      depth=RUN, auto=choose)
     assert len(seen) == 1 and named.auto is None and named.chosen_by is None and named.export is None
+
+
+@pytest.mark.unit
+def test_mesh_axes_are_one_enum():
+    """One vocabulary of mesh axes (``core.mesh.Axis``): families, builders, parallel/ and the
+    communication observer spell no axis as a string literal (the degree names ``ep`` and ``sp``
+    are strategy keys too, so they are not counted), and the report's group names stay what they
+    were."""
+    from core.mesh import Axis
+    from observers.comm import ROLES
+
+    spelled = {a.value for a in Axis} - {"ep", "sp"} | {f"mesh_{a.value}" for a in Axis}
+    found = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value!r}"
+             for package in ("strategies", "parallel", "backends", "observers")
+             for p in sorted((ROOT / package).rglob("*.py"))
+             for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and n.value in spelled]
+    assert not found, found
+    assert {a: a.role for a in Axis} == {
+        Axis.REPLICATE: "data-replicate", Axis.SHARD: "data-shard", Axis.DATA: "data", Axis.CONTEXT: "cp",
+        Axis.PIPELINE: "pipeline", Axis.TENSOR: "tensor", Axis.DP_CP: "data-shard", Axis.EP: "ep",
+        Axis.EP_REPLICATE: "ep_replicate", Axis.SP: "sp"}
+    assert (f"mesh_{Axis.EP}", str(Axis.DP_CP), Axis.TENSOR) == ("mesh_ep", "dp_cp", "tensor_parallel")
+    assert ROLES["tp"] == ROLES["tensor_parallel"] == "tensor" and ROLES["dp_shard"] == "data-shard"
 
 
 @pytest.mark.unit

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from core.errors import ConfigError
+from core.mesh import Axis
 from core.run import Run
 
 from backends.common.torch import full_state_dict as _plain_full_state_dict
@@ -82,7 +83,7 @@ def sequence_groups(sp: int) -> Any:
     communication profile)."""
     from parallel.parallelize import neighbour_group
 
-    return neighbour_group(sp, "sp")[0]
+    return neighbour_group(sp, Axis.SP)[0]
 
 
 def apply_ulysses(module: Any, sp: int) -> Any:

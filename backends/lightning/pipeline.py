@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from recipes import evaluation, training
 from recipes.data import IGNORE
+from core.mesh import Axis
 from strategies.families.parallel import ParallelConfig
 from parallel.parallelize import ParallelPlan, parallelize
 from parallel.pipeline import SCHEDULES, bubble, build_stage, split_model, stage_ids, stage_owner
@@ -69,7 +70,7 @@ class Pipeline:
     def __init__(self, module: Any, preset: ParallelConfig, plan: ParallelPlan, mesh: Any, *,
                  device: Any, precision: str, accumulation: int, dp_mesh: Any, cp_mesh: Any = None):
         full = module.model
-        pp_mesh = mesh["pipeline_parallel"]
+        pp_mesh = mesh[Axis.PIPELINE]
         self.group, pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
         self.preset, self.device, self.accumulation = preset, device, max(1, accumulation)
         n = preset.n_stages()
@@ -79,7 +80,7 @@ class Pipeline:
         for i in ids:
             holder = torch.nn.Module()  # (parallelize finds the model inside a module)
             holder.model = build_stage(full, layers[i], first=i == 0, last=i == n - 1)
-            parallelize(holder, plan, tp_mesh=mesh["tensor_parallel"],
+            parallelize(holder, plan, tp_mesh=mesh[Axis.TENSOR],
                         dp_mesh=dp_mesh, cp_mesh=cp_mesh, precision=precision)
             stages.append(holder.model)
         module.model = build_stage(full, [j for i in ids for j in layers[i]],

@@ -23,12 +23,10 @@ from typing import Any
 from strategies.base import Capabilities, StrategyConfig, family
 from core.knobs import knob
 from strategies.footprint import FSDPFootprint
-from core.mesh import Mesh
+from core.mesh import Axis, Mesh
 from parallel.parallelize import FSDP2Plan, ParallelPlan
 from parallel.pipeline import SCHEDULES
 from core.run import Run
-
-CP_DIM = "context_parallel"  # between data and pipeline when cp > 1: dp x cp is FSDP2's shard group
 
 
 @family("parallel")
@@ -79,12 +77,12 @@ class ParallelConfig(StrategyConfig):
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, tp=self.tp, pp=self.pp, cp=self.cp)
 
-    def mesh_dims(self, mesh: Mesh) -> dict[str, int]:
+    def mesh_dims(self, mesh: Mesh) -> dict[Axis, int]:
         """The DeviceMesh's dimensions, outermost first: (data, [context,] pipeline, tensor),
-        the tensor dimension innermost (neighbouring ranks), cp next to dp."""
-        sizes = {"data_parallel": mesh.dp, CP_DIM: mesh.cp, "pipeline_parallel": mesh.pp,
-                 "tensor_parallel": mesh.tp}
-        return {k: v for k, v in sizes.items() if k != CP_DIM or mesh.cp > 1}
+        the tensor dimension innermost (neighbouring ranks), context (when cp > 1) next to data:
+        data x context is FSDP2's shard group."""
+        sizes = {Axis.DATA: mesh.dp, Axis.CONTEXT: mesh.cp, Axis.PIPELINE: mesh.pp, Axis.TENSOR: mesh.tp}
+        return {k: v for k, v in sizes.items() if k != Axis.CONTEXT or mesh.cp > 1}
 
     def virtual(self) -> int:
         need = SCHEDULES[self.schedule][1] if self.schedule in SCHEDULES else 1
@@ -247,13 +245,10 @@ class ParallelConfig(StrategyConfig):
 
     def world_role(self, mesh: Mesh) -> str:
         # A mesh dimension spanning every rank is the world group itself (torch reuses it).
-        if self.tp == mesh.size:
-            return "tensor"
-        if self.cp == mesh.size:
-            return "cp"
-        if self.pp == mesh.size:
-            return "pipeline"
-        return "data-shard"
+        for axis, degree in ((Axis.TENSOR, self.tp), (Axis.CONTEXT, self.cp), (Axis.PIPELINE, self.pp)):
+            if degree == mesh.size:
+                return axis.role
+        return Axis.SHARD.role
 
 
-__all__ = ["CP_DIM", "ParallelConfig"]
+__all__ = ["ParallelConfig"]

@@ -30,13 +30,14 @@ from lightning.pytorch.strategies import FSDPStrategy
 from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
+from core.mesh import Axis
 from core.precision import low_dtype
 from strategies.families.fsdp import FSDPConfig
 from parallel.parallelize import find_model
 
 # HYBRID_SHARD's device mesh before the world is known: Lightning requires one at construction;
 # ``setup_environment`` replaces it with the real mesh.
-_DEFERRED_MESH = ("replicate", "shard")
+_DEFERRED_MESH = (Axis.REPLICATE, Axis.SHARD)
 
 
 class _DeviceAutocastFSDPPrecision(FSDPPrecision):
@@ -110,7 +111,7 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             self.kwargs["device_mesh"] = init_device_mesh(
-                self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+                self.root_device.type, shape, mesh_dim_names=(Axis.REPLICATE, Axis.SHARD))
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel

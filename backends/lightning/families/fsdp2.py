@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy, sharded, sharded_here
+from core.mesh import Axis
 from strategies.families.fsdp2 import FSDP2Config
 from parallel.parallelize import materialize, parallelize, plan_for
 
@@ -39,13 +40,13 @@ class PresetModelParallelStrategy(PresetStrategy, ModelParallelStrategy):
         super().setup_environment()
 
     def dp_mesh(self) -> Any:
-        dp = self.device_mesh["data_parallel"]
+        dp = self.device_mesh[Axis.DATA]
         shape = self.mesh_shape()
         if len(shape) == 1:
             return dp
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(dp.device_type, shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(dp.device_type, shape, mesh_dim_names=(Axis.REPLICATE, Axis.SHARD))
 
     # The module builds a pretrained model's parameters on the meta device; ``setup`` shards
     # them, then each rank loads only its shards (``materialize``).

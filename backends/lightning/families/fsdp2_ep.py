@@ -9,6 +9,7 @@ from typing import Any
 from backends.lightning.families import builds
 from backends.lightning.families.fsdp2 import PresetModelParallelStrategy
 from backends.lightning.preset import sharded
+from core.mesh import Axis
 from parallel.experts import apply_ep_fsdp2
 from strategies.families.fsdp2_ep import FSDP2EPConfig
 from parallel.parallelize import find_model, parallelize, plan_for
@@ -26,7 +27,7 @@ class ExpertParallelFSDP2Strategy(PresetModelParallelStrategy):
         if not sharded(module):
             mesh, ep = run.mesh, self.preset.ep
             ep_mesh = init_device_mesh(self.root_device.type, (mesh.dp // ep, ep),
-                                       mesh_dim_names=("ep_replicate", "ep"))
+                                       mesh_dim_names=(Axis.EP_REPLICATE, Axis.EP))
             plan = plan_for(self.preset, run)
             model, _ = find_model(module)
             self.ep_group = apply_ep_fsdp2(model, ep, ep_mesh, mesh.dp, plan.fsdp, run.precision)

@@ -17,7 +17,8 @@ from backends.common import torch as torch_common
 from backends.lightning.families import builds
 from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy, sharded, sharded_here
-from strategies.families.parallel import CP_DIM, ParallelConfig
+from core.mesh import Axis
+from strategies.families.parallel import ParallelConfig
 from parallel.parallelize import clip_global_, parallelize, plan_for
 
 
@@ -55,7 +56,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
                                      accumulation=trainer.accumulate_grad_batches,
                                      dp_mesh=self._data_mesh(), cp_mesh=self._cp_mesh())
         elif not sharded(module):  # (a later trainer call: fit, then test)
-            parallelize(module, plan, tp_mesh=mesh["tensor_parallel"], dp_mesh=self._data_mesh(),
+            parallelize(module, plan, tp_mesh=mesh[Axis.TENSOR], dp_mesh=self._data_mesh(),
                         cp_mesh=self._cp_mesh(), precision=run.precision)
         sharded_here(module)
         super().setup(trainer)  # optimizers over this rank's (stage) parameters
@@ -65,12 +66,12 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         dp_shard x cp: cp ranks hold different tokens of the same samples)."""
         mesh = self.device_mesh
         if self.preset.cp == 1:
-            return mesh["data_parallel"]
-        return mesh["data_parallel", CP_DIM]._flatten("dp_cp")
+            return mesh[Axis.DATA]
+        return mesh[Axis.DATA, Axis.CONTEXT]._flatten(Axis.DP_CP)
 
     def _cp_mesh(self) -> Any:
         """The context-parallel ranks' mesh, or None without context parallelism."""
-        return self.device_mesh[CP_DIM] if self.preset.cp > 1 else None
+        return self.device_mesh[Axis.CONTEXT] if self.preset.cp > 1 else None
 
     @property
     def sequence_shard(self) -> tuple[int, int, bool] | None:
