@@ -236,8 +236,8 @@ def test_resumed_sampler_continues_the_stream():
 
 # (model=hf reads its shape from a model directory: tests/test_hf.py checks its counts; the named
 # transformers shapes, llama3_8b ..., tests/test_named_recipes.py against their model cards)
-@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "model").glob("*.yaml"))
-                                  if p.stem != "hf" and OmegaConf.load(p).get("architecture", "gpt") == "gpt"])
+@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "model").glob("*.yaml")) if p.stem != "hf"
+                                  and OmegaConf.load(p).get("architecture", "gpt") == "gpt"])
 def test_param_count_matches_a_meta_build(name):
     import torch
 

@@ -61,11 +61,12 @@ def test_plan_py_and_cfg_job_on_a_recipe(tmp_path):
     """The command lines the YAML's comment gives: plan.py says it fits; --cfg job composes."""
     plan = run_cli("plan.py", "experiment=llama3_8b_lora", out=tmp_path / "plan", timeout=120)
     assert "plan: fsdp2 on node_8x_h100 (2 devices)" in plan.log and "fits with" in plan.log
-    job = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=llama3_8b_lora", "--cfg", "job"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    cmd = [sys.executable, str(ROOT / "train.py"), "experiment=llama3_8b_lora", "--cfg", "job"]
+    job = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert job.returncode == 0, job.stderr[-3000:]
     cfg = yaml.safe_load(job.stdout)
-    assert (cfg["model"]["name"], cfg["model"]["lora"]["rank"], cfg["trainer"]["global_batch_size"]) == ("llama3_8b", 8, 128)
+    got = (cfg["model"]["name"], cfg["model"]["lora"]["rank"], cfg["trainer"]["global_batch_size"])
+    assert got == ("llama3_8b", 8, 128)
 
 
 def _config_only(out: Path, **shape) -> Path:
@@ -92,8 +93,9 @@ def test_a_recipe_validates_for_launch_with_a_checkpoint_of_its_shape(tmp_path):
     good = _config_only(tmp_path / "llama3_1b", **LLAMA3_1B)
     assert json.loads((good / "config.json").read_text())["hidden_size"] == 2048
     job = validate(compose(["experiment=llama3_1b_lora", *ON_CPU, f"model.path={good}",
-                            "model.pretrained=false"]), depth=LAUNCH)
-    assert job.model.lora.target_modules == ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+                            "model.pretrained=false", "trainer.save_hf=true"]), depth=LAUNCH)
+    assert job.model.lora.target_modules == ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"]
     assert (job.trainer.lr, job.trainer.scheduler, job.trainer.warmup_steps) == (3e-4, "cosine", 100)
 
     with pytest.raises(ConfigError) as e:
@@ -106,5 +108,6 @@ def test_a_recipe_validates_for_launch_with_a_checkpoint_of_its_shape(tmp_path):
         validate(compose(["experiment=llama3_1b_lora", *ON_CPU, f"model.path={other}",
                           "model.pretrained=false"]), depth=LAUNCH)
     msg = str(e.value)
-    assert "the checkpoint is not this shape: dim 2048 (config.json: 1024), n_layers 16 (config.json: 4)" in msg
+    assert ("the checkpoint is not this shape: dim 2048 (config.json: 1024), n_layers 16 "
+            "(config.json: 4)") in msg
     assert f"model=hf model.path={other}" in msg
