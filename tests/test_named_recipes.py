@@ -111,3 +111,20 @@ def test_a_recipe_validates_for_launch_with_a_checkpoint_of_its_shape(tmp_path):
     assert ("the checkpoint is not this shape: dim 2048 (config.json: 1024), n_layers 16 "
             "(config.json: 4)") in msg
     assert f"model=hf model.path={other}" in msg
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # a two-rank train.py run of a transformers model on CPU
+@pytest.mark.timeout(600)
+def test_a_recipe_trains_a_tiny_llama_through_train_py(tmp_path):
+    """llama3_1b_lora's keys (FSDP2, LoRA on attention and MLP, cosine with warm-up, AdamW with
+    torch's betas, decay on every adapter) run end to end: two steps of a tiny random Llama
+    (model=hf, the one override a shape needs) on two CPU ranks."""
+    from tests.test_hf import _save
+
+    tiny = _save(tmp_path / "tiny")
+    run = run_cli("train.py", "experiment=llama3_1b_lora", "model=hf", f"model.path={tiny}",
+                  "model.seq_len=32", "data.tokenizer=null", *ON_CPU[:-1], "trainer.max_steps=2",
+                  "trainer.warmup_steps=1", "callbacks.progress_bar=false", "callbacks.plots=false",
+                  out=tmp_path / "run", timeout=500)
+    assert len(run.report["losses"]) == 2
