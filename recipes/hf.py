@@ -44,6 +44,16 @@ TP_PLAN = {
 }
 
 
+ATTENTION = "sdpa"  # the attention implementation every model=hf build asks transformers for
+# data.packing=document: the implementations whose mask transformers builds from position_ids
+# that restart at each document (masking_utils.create_causal_mask: find_packed_sequence_indices,
+# then packed_sequence_mask_function and-ed into the causal mask; sdpa_mask / eager_mask
+# materialise it, is_causal skip off). flash_attention_* find documents another way
+# (cu_seqlens from position_ids inside the kernel call) and flex_attention builds a BlockMask:
+# neither is built here nor tested, so refused by name.
+PACKED_ATTENTION = ("sdpa", "eager")
+
+
 def _auto_config(path: str) -> Any:
     from transformers import AutoConfig
 
@@ -71,8 +81,13 @@ class HFCausalLM(nn.Module):
         self._rss0 = _anon_rss()  # host memory before the model: loading is measured from here
         config = _auto_config(shape.path)
         with torch.device("meta") if meta else contextlib.nullcontext():
-            self.hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+            self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION,
                                                        dtype=torch.float32)
+        if shape.document_eos is not None and self.hf.config._attn_implementation not in PACKED_ATTENTION:
+            raise ValueError(f"data.packing=document with model=hf: attention "
+                             f"{self.hf.config._attn_implementation!r} does not build the document "
+                             f"mask from position_ids here (it does: {', '.join(PACKED_ATTENTION)}); "
+                             "use data.packing=pad")
         if meta:
             _real_buffers(self.hf)
         self.pending_weights = shape.pretrained
@@ -85,7 +100,15 @@ class HFCausalLM(nn.Module):
             self._add_lora(shape, meta, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False).logits
+        eos = self.shape.document_eos
+        if eos is None:
+            return self.hf(input_ids=tokens, use_cache=False).logits
+        # data.packing=document: rotary positions restart at each document (its EOS first, as
+        # recipes/gpt.py's document_layout places them) and no attention mask, so transformers'
+        # create_causal_mask finds the packed documents in the positions
+        # (masking_utils.find_packed_sequence_indices) and builds the block-causal mask itself.
+        positions = document_positions(tokens, eos)
+        return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
     @torch.no_grad()
     def _init_random(self, seed: int) -> None:
@@ -102,6 +125,10 @@ class HFCausalLM(nn.Module):
             with self._gathered(own):
                 self.hf._init_weights(m)
         self.hf.tie_weights()
+
+    def _gathered(self, params: list[torch.Tensor]) -> Any:
+        """Partitioned parameters made whole (rank 0's writes kept); whole ones as they are."""
+        return self.gather(params) if self.gather is not None and params else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ LoRA
     def _add_lora(self, shape: ModelConfig, meta: bool, seed: int) -> None:
@@ -166,17 +193,21 @@ class HFCausalLM(nn.Module):
         return self.load_report
 
 
+def document_positions(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """Each token's position in its document (0 at each EOS and at the window's first token):
+    a position that does not follow its predecessor by 1 starts a document for transformers."""
+    t = tokens.shape[1]
+    at = torch.arange(t, device=tokens.device)
+    first = torch.where(tokens == eos, at, torch.zeros_like(at)).cummax(1).values
+    return at - first
+
+
 def hf_key(name: str) -> str:
     """A parameter's name in ``HFCausalLM.hf`` as the checkpoint names it (peft's and
     strategies' wrapper pieces removed)."""
     from parallel.parallelize import plain_key
 
     return plain_key(name).replace(".base_layer", "")  # (peft's wrapped layer)
-
-
-    def _gathered(self, params: list[torch.Tensor]) -> Any:
-        """Partitioned parameters made whole (rank 0's writes kept); whole ones as they are."""
-        return self.gather(params) if self.gather is not None and params else contextlib.nullcontext()
 
 
 def _copy_into(p: torch.Tensor, source: Any, rank: int, gather: Callable[[list], Any] | None) -> int:

@@ -66,6 +66,34 @@ def weights_problems(path: str) -> list[str]:
             "model.pretrained=false to start from random weights"]
 
 
+# The fields a named shape (conf/model/llama3_8b.yaml ...) states and the weights' config.json must give.
+SHAPE_KEYS = ("architecture", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+              "tie_embeddings", "norm_eps", "rope_theta", "attention_bias")
+
+
+def launch_problems(model: Any) -> list[str]:
+    """Before launch, a transformers model (``model=hf`` or a named shape such as
+    ``model=llama3_8b``, planned from its stated shape with no weights): ``model.path`` is set,
+    a named shape's numbers are those of the config.json there, and the weights are there."""
+    if model.path is None:
+        return [f"model={model.name} (architecture {model.architecture}) plans without weights, "
+                "but training builds the model from them: set model.path to a directory written "
+                "by save_pretrained or a model id in the local Hugging Face cache "
+                f"(model.path=/models/<the {model.name} checkpoint>)"]
+    try:
+        real = shape(str(model.path))
+    except ValueError as e:
+        return [str(e)]
+    if model.name != "hf":
+        differ = [f"{k} {getattr(model, k)} (config.json: {real[k]})" for k in SHAPE_KEYS
+                  if getattr(model, k) != real[k]]
+        if differ:
+            return [f"model={model.name} with model.path={model.path}: the checkpoint is not this "
+                    f"shape: {', '.join(differ)}; point model.path at the {model.name} checkpoint, or "
+                    f"use model=hf model.path={model.path} (the shape read from its config.json)"]
+    return weights_problems(str(model.path)) if model.pretrained else []
+
+
 @functools.cache
 def _read(path: str) -> dict[str, Any]:
     return json.loads((locate(path) / "config.json").read_text())

@@ -213,7 +213,7 @@ def _logger_problems(logger: LoggerConfig | None) -> list[str]:
 def _save_hf_problems(t: TrainerConfig, model: ModelConfig) -> list[str]:
     if not t.save_hf:
         return []
-    if model.name != "hf":
+    if not model.is_hf:
         return [f"trainer.save_hf=true writes a Hugging Face directory of a model=hf run (model="
                 f"{model.name} now): remove it (convert.py --to full exports the built-in models)"]
     if not t.save_last:
@@ -378,10 +378,10 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
-        if not bad["model"] and model.is_hf and model.pretrained:  # (plan.py plans a config.json alone)
-            from recipes.hf_config import weights_problems
+        if not bad["model"] and model.is_hf:  # (plan.py plans a config.json, or a named shape, alone)
+            from recipes.hf_config import launch_problems
 
-            problems += weights_problems(model.path)
+            problems += launch_problems(model)
         lg = objs["logger"]
         if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
             problems += wandb_online_problems()

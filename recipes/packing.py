@@ -11,7 +11,10 @@ stream's first document starts at token 0.
   tokens of its own document) and rotary positions restart at each document: a packed window's
   loss is the sum of its documents' losses run one by one (recipes/gpt.py ``document_layout``).
   SDPA with a boolean mask (FlexAttention's block sparsity is left for later); the model knows
-  the EOS id (``ModelConfig.document_eos``, set at validation).
+  the EOS id (``ModelConfig.document_eos``, set at validation). ``model=hf`` passes
+  transformers the same positions (``position_ids``, recipes/hf.py ``document_positions``) and
+  no attention mask: transformers finds the documents where the positions restart and builds
+  the block-causal mask itself (sdpa and eager; recipes/hf.py ``PACKED_ATTENTION``).
 - ``pad``: one document per row (a longer one continues on further rows, as concat cuts it),
   padded with EOS whose targets the loss ignores (recipes/data.py ``DocumentRows``). Causal attention never looks
   at the padding after a token, so no mask is needed; it spends the padding's compute.
@@ -34,10 +37,6 @@ def problems(data: Any, model: Any, mesh: Any, preset: str) -> list[str]:
                    "chat, or text with data.tokenizer); use data.packing=concat")
     if data.packing != "document":
         return out
-    if model is not None and model.is_hf:
-        out.append("data.packing=document with model=hf: the document mask is built by "
-                   "stratagem's own model (model=llama_* / gpt_*); use data.packing=pad (one "
-                   "document per row, exact with any model) or concat")
     if mesh.pp > 1:
         out.append(f"data.packing=document with strategy={preset} (pipeline degree {mesh.pp}): "
                    "the later stages see hidden states, not the tokens that place the documents; "

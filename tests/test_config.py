@@ -11,13 +11,16 @@ from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
 from tests.conftest import ROOT
+from tests.test_named_recipes import RECIPES
 
 pytestmark = pytest.mark.unit
 
 CONF = ROOT / "conf"
 GROUPS = ["model", "strategy", "cluster", "backend", "data", "trainer", "callbacks", "logger",
           "experiment", "paths", "planner"]
-OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+# (the named recipes -- GPU clusters, weights at launch -- are tests/test_named_recipes.py's)
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))
+           if not (g == "experiment" and p.stem in RECIPES)]
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -231,8 +234,10 @@ def test_resumed_sampler_continues_the_stream():
 
 # --- the model: exact shapes without building real weights ---------------------------------
 
-# (model=hf reads its shape from a model directory: tests/test_hf.py checks its counts)
-@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "model").glob("*.yaml")) if p.stem != "hf"])
+# (model=hf reads its shape from a model directory: tests/test_hf.py checks its counts; the named
+# transformers shapes, llama3_8b ..., tests/test_named_recipes.py against their model cards)
+@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "model").glob("*.yaml")) if p.stem != "hf"
+                                  and OmegaConf.load(p).get("architecture", "gpt") == "gpt"])
 def test_param_count_matches_a_meta_build(name):
     import torch
 
