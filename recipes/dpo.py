@@ -170,8 +170,6 @@ def reference_logps(pairs: PreferencePairs, shape: Any, seed: int, device: str |
 def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, accelerator: str) -> None:
     """The reference log-probs of every pair, from ``out/dpo_reference.pt`` when it holds these
     pairs' (a resumed run), else computed here (each rank; rank 0 writes the cache)."""
-    from observers.files import atomic_torch_save
-
     path = Path(out) / REFERENCE_FILE
     key = [len(pairs), int(pairs.x.sum()), int(pairs.y.sum())]
     if path.exists():
@@ -185,7 +183,9 @@ def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, a
     pairs.ref = reference_logps(pairs, shape, seed, device)
     log.info("dpo: reference log-probs of %d pairs computed on %s", len(pairs), device)
     if int(os.environ.get("RANK") or 0) == 0:
-        atomic_torch_save({"key": key, "ref": pairs.ref}, path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        torch.save({"key": key, "ref": pairs.ref}, tmp)
+        os.replace(tmp, path)  # (whole or absent: a resumed run reads it)
 
 
 # ---------------------------------------------------------------------------- loss

@@ -378,9 +378,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
     if not bad["trainer"] and not bad["data"]:
-        problems += stopping.problems(t, objs["data"])
-        if not bad.get("objective"):
-            problems += dpo_checks.problems(objs.get("objective"), objs["data"], t)
+        problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
     if not bad["data"]:
         problems += data_problems(objs["data"], None if bad["model"] else model)
     world_ok = c.nodes >= 1 and c.devices >= 1
