@@ -117,6 +117,9 @@ def test_loss_is_the_dpo_formula_by_hand(chat_tokenizer, tmp_path, ls):
     pairs = preference_pairs(_data(tmp_path, chat_tokenizer), shape)
     attach_reference(pairs, shape, 0, tmp_path, "cpu")
     assert (tmp_path / "dpo_reference.pt").is_file()
+    again = preference_pairs(_data(tmp_path, chat_tokenizer), shape)
+    attach_reference(again, shape, 1, tmp_path, "cpu")  # (a resumed run: read, not recomputed)
+    assert torch.equal(again.ref, pairs.ref)
     ref_model, policy = training.build_model(shape, 0).eval(), training.build_model(shape, 0)
     idx = [3, 0, 7, 5]
     batch = tuple(torch.stack([pairs[i][k] for i in idx]) for k in range(3))
