@@ -173,6 +173,23 @@ def test_refusals_name_the_key_and_the_fix(chat_tokenizer, tmp_path):
              depth=RUN)  # (sound)
 
 
+@pytest.mark.unit
+def test_the_planner_prices_two_rows_per_pair(chat_tokenizer, tmp_path):
+    """objective=dpo's micro batch of m pairs is 2m rows: the plan's activations (and batch) are
+    those of a next-token job with micro batch 2m (measured by train.py's predicted-vs-measured
+    table: activations ratio 1.000 on gpt_nano, 2.000 before)."""
+    from planner import plan_all
+    from tests.conftest import typed
+
+    dpo = typed(compose([*_common(tmp_path, chat_tokenizer), "trainer.micro_batch_size=4"]))
+    lm = typed(compose([*TINY, "model.vocab_size=516", "trainer.global_batch_size=16",
+                        "trainer.micro_batch_size=8"]))
+    one = typed(compose([*TINY, "model.vocab_size=516", "trainer.global_batch_size=8",
+                         "trainer.micro_batch_size=4"]))
+    act = [plan_all(j, chosen=True).plans[0].memory.activations for j in (dpo, lm, one)]
+    assert act[0] == act[1] > act[2]
+
+
 @pytest.fixture(scope="module")
 def dpo_reference_run(chat_tokenizer, tmp_path_factory):
     """(common overrides, one process with the whole global batch in one micro-batch)."""
