@@ -13,7 +13,9 @@ seed, or the pretrained weights: with LoRA, the model before adapters, which equ
 their B starts at zero) once over every pair on its device, and keeps each row's summed
 response log-probability beside the tokens; rank 0 caches them in the run directory
 (``dpo_reference.pt``), which a resumed run reads back. Cost: one forward pass over the data per
-rank, with one whole model on one device, before the engine shards it.
+rank, with one whole model on one device, before the engine shards it. The reference runs in
+fp32 and eval mode: under mixed precision or with dropout the policy's first forward differs
+from it by that rounding / noise (the first loss is ln 2 exactly only at 32-bit without dropout).
 
 Loss per pair (TRL's sigmoid loss): z = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)),
 -(1 - ls) logsigmoid(beta z) - ls logsigmoid(-beta z).
