@@ -20,7 +20,7 @@ from planner.activations import (activation_bytes, boundary_activation_bytes, ko
                                  layer_activation_bytes)
 from planner.communication import (Collective, Communication, all_gather_bytes, reduce_scatter_bytes,
                                    ring_all_reduce_bytes, transfer_seconds)
-from planner.inputs import Candidate, Inputs, ModelDescription, Setup, candidate
+from planner.inputs import Candidate, Inputs, ModelDescription, Setup, candidate, rows_per_sample
 from planner.compute import bubble_fraction
 from planner.plan import Memory, Plan, Recommendation, Report, plan_candidate
 from planner.recommend import MOVE_UP, largest_micro_batch, nothing_fits, planned_candidates, rank, recommend
@@ -55,7 +55,7 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
     if not chosen and su.shape is not None and su.options.activation_checkpointing is None:
         ckpt = dataclasses.replace(su, options=dataclasses.replace(su.options, activation_checkpointing=True))
         _suggest_checkpointing(rec, plans, [plan_candidate(c, ckpt) for c in cands])
-    if rec.strategy and not chosen:
+    if rec.strategy and not chosen and rows_per_sample(job) == 1:  # (dpo: rows are not samples)
         best = next(c for c in cands if c.name == rec.strategy)
         if (micro := largest_micro_batch(best, ckpt if rec.activation_checkpointing else su)) is not None:
             rec.micro_batch_size = micro

@@ -63,6 +63,13 @@ def unit_params(model: ModelDescription) -> int:
     return max(model.block_params(), model.embedding_params())
 
 
+def rows_per_sample(job: Any) -> int:
+    """Sequences the model reads per sample: 2 under objective=dpo (a preference pair), else 1;
+    the planner prices rows (activations, compute, tokens per step)."""
+    objective = getattr(job, "objective", None)
+    return 2 if getattr(objective, "name", "lm") == "dpo" else 1
+
+
 @dataclass(frozen=True)
 class Setup:
     """Everything but the layout: the cluster, trainer and planner groups and the model."""
@@ -86,6 +93,11 @@ class Setup:
         from planner import machine
 
         cluster, trainer = job.cluster, job.trainer
+        if rows_per_sample(job) > 1:  # objective=dpo: a sample is a (chosen, rejected) pair of rows
+            import dataclasses
+
+            trainer = dataclasses.replace(trainer, micro_batch_size=2 * trainer.micro_batch_size,
+                                          global_batch_size=2 * trainer.global_batch_size)
         hardware = cluster.hardware()  # accelerator=auto: this machine's GPUs (nvidia-smi, no torch)
         cluster = cluster.planned()
         measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None

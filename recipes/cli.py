@@ -188,8 +188,8 @@ def groups_help() -> str:
 
 
 # The order --help lists the groups in: what a run is, then how it runs, then the rest.
-GROUP_ORDER = ("model", "strategy", "cluster", "backend", "data", "trainer", "callbacks", "logger",
-               "planner", "experiment", "export", "paths")
+GROUP_ORDER = ("model", "strategy", "cluster", "backend", "data", "trainer", "objective", "callbacks",
+               "logger", "planner", "experiment", "export", "paths")
 
 # The keys most runs set, with what each means (``--help``); tests/test_console.py keeps every one
 # a key of the composed config.

@@ -26,7 +26,7 @@ from recipes.cluster_config import (LAUNCHERS, ClusterConfig, K8sConfig, RayConf
                                     SlurmConfig)
 from recipes.model_config import ARCHITECTURES, LORA_TARGETS, LoraConfig, ModelConfig
 from recipes.trainer_config import (DATASETS, OPTIMIZERS, PRECISIONS, SCHEDULERS, TOKEN_DTYPES, TRAIN_ON,
-                                    DataConfig, TrainerConfig)
+                                    DataConfig, ObjectiveConfig, TrainerConfig)
 from core.knobs import free, knob
 from strategies.base import AC_CHOICES
 from core.conf import CONF_DIR
@@ -143,6 +143,7 @@ class TrainConfig:
     backend: BackendConfig = MISSING
     data: DataConfig = MISSING
     trainer: TrainerConfig = MISSING
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     callbacks: CallbacksConfig = MISSING
     logger: Any = None
     export: Any = None
@@ -158,7 +159,7 @@ class TrainConfig:
 GROUP_SCHEMAS: dict[str, type] = {
     "model": ModelConfig, "cluster": ClusterConfig, "trainer": TrainerConfig, "data": DataConfig,
     "backend": BackendConfig, "callbacks": CallbacksConfig, "logger": LoggerConfig,
-    "planner": PlannerConfig, "export": ExportConfig,
+    "planner": PlannerConfig, "export": ExportConfig, "objective": ObjectiveConfig,
 }
 
 

@@ -365,6 +365,10 @@ def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]
     """(training set, validation set or None). The validation set is ``data.val_path``'s windows,
     or the last ``data.val_fraction`` of the windows (held out of training); at most
     ``data.val_samples`` of them, the first ones."""
+    if data_cfg.name == "preference":  # objective=dpo's pairs (no held-out split)
+        from recipes.dpo import preference_pairs
+
+        return preference_pairs(data_cfg, shape), None
     if data_cfg.name == "synthetic":
         full: Dataset = SyntheticDataset(data_cfg.num_samples, shape.seq_len, shape.vocab_size, seed)
     else:

@@ -17,13 +17,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import float8_checks, packing, samples, stopping
+from recipes import dpo_checks, float8_checks, packing, samples, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
                             PlannerConfig, TrainConfig)
 from recipes.model_config import ModelConfig
-from recipes.trainer_config import DataConfig, TrainerConfig
+from recipes.trainer_config import DataConfig, ObjectiveConfig, TrainerConfig
 from core import knobs
 from strategies import ConfigError, Run, StrategyConfig, as_config
 from strategies.presets import AUTO, load, names
@@ -58,6 +58,8 @@ class Job:
     """The preset as composed, or as ``strategy=auto`` chose it: what the planner prices
     (DeepSpeed's "auto" sizes still "auto", so the plan says how they are filled)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    objective: ObjectiveConfig | None = None
+    """What the loss trains (objective=lm | dpo); None: a config without the group (lm)."""
     export: ExportConfig | None = None
     """export.py's group (``export=null``: None)."""
     paths: PathsConfig | None = None
@@ -297,6 +299,11 @@ def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
     vocabulary and chat template, the largest id of pre-tokenized shards (cached per shard)."""
     from recipes.tokens import data_problems as problems
 
+    if data.name == "preference":
+        from recipes.dpo_checks import data_problems as pair_problems
+
+        return pair_problems(data, model)
+
     return problems(data, model)
 
 
@@ -371,7 +378,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
     if not bad["trainer"] and not bad["data"]:
-        problems += stopping.problems(t, objs["data"])
+        problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
     if not bad["data"]:
         problems += data_problems(objs["data"], None if bad["model"] else model)
     world_ok = c.nodes >= 1 and c.devices >= 1
@@ -449,6 +456,8 @@ def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
                 + run.mesh.model_problems(model, strategy.name))
     if not bad["data"]:
         out += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
+    if not bad.get("objective"):
+        out += dpo_checks.layout_problems(objs.get("objective"), run.mesh, strategy.name)
     if objs.get("callbacks") is not None and not bad.get("callbacks") and not bad["data"]:
         out += samples.problems(objs["callbacks"].samples, objs["data"], None if bad["model"] else model,
                                 run.mesh, strategy.name)
@@ -461,5 +470,6 @@ def _job(cfg: DictConfig, objs: dict[str, Any], preset: StrategyConfig, strategy
     return Job(cfg=cfg, model=objs["model"], trainer=objs["trainer"], data=objs["data"],
                cluster=objs["cluster"], callbacks=objs["callbacks"], logger=objs["logger"],
                strategy=strategy, run=run, backend=objs["backend"].name, preset=preset,
-               planner=objs.get("planner") or PlannerConfig(), export=objs.get("export"),
+               planner=objs.get("planner") or PlannerConfig(), objective=objs.get("objective"),
+               export=objs.get("export"),
                paths=_paths(cfg))

@@ -14,6 +14,22 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 COMPILE = ("auto", "true", "false")
 SCHEDULERS = ("constant", "cosine", "linear")
 SAVE_HF_FROM = ("last", "best")
+OBJECTIVES = ("lm", "dpo")  # objective.name (recipes/dpo.py)
+
+
+@dataclass
+class ObjectiveConfig:
+    """``objective``: what the loss trains. lm: next-token cross entropy (pre-training, SFT) |
+    dpo: Direct Preference Optimization on ``data=preference`` pairs against the frozen base
+    model (recipes/dpo.py): per pair z = (log pi(chosen) - log ref(chosen)) - (log pi(rejected)
+    - log ref(rejected)), loss = -(1 - ls) logsigmoid(beta z) - ls logsigmoid(-beta z)."""
+
+    name: str = knob("lm", choices=OBJECTIVES)
+    beta: float = knob(0.1, min=0.0)
+    """objective=dpo: the KL penalty's inverse temperature (TRL's default 0.1)."""
+    label_smoothing: float = knob(0.0, min=0.0, below=0.5)
+    """objective=dpo: the share of pairs assumed mislabelled (conservative DPO; TRL's sigmoid loss
+    with label_smoothing); 0: plain DPO."""
 
 
 @dataclass
@@ -131,7 +147,7 @@ class TrainerConfig:
             self.compile = self.compile.lower()
 
 
-DATASETS = ("text", "synthetic", "jsonl", "parquet", "chat", "tokens")
+DATASETS = ("text", "synthetic", "jsonl", "parquet", "chat", "tokens", "preference")
 TRAIN_ON = ("assistant", "all")
 PACKINGS = ("concat", "document", "pad")  # data.packing (recipes/packing.py)
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -190,7 +206,7 @@ class DataConfig:
     @property
     def tokenized(self) -> bool:
         """Read through a tokenizer (recipes/tokens.py): jsonl, parquet, chat, or text with one."""
-        return self.name in ("jsonl", "parquet", "chat") or (self.name == "text" and self.tokenizer is not None)
+        return self.name in ("jsonl", "parquet", "chat", "preference") or (self.name == "text" and self.tokenizer is not None)
 
     @property
     def validates(self) -> bool:

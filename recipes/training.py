@@ -46,19 +46,24 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
         return model_class(shape)(shape)
 
 
-def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 0,
-         share: float = 1.0) -> torch.Tensor:
+def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], chunk: int = 0,
+         share: float = 1.0, objective: Any = None, step: int = 0) -> torch.Tensor:
     """Next-token cross entropy of one micro-batch, computed in fp32: its sum of token losses
     over ``token_weight`` (``share``: recipes/data.py ``CountedShare`` of this step, which makes
     the step's loss the mean over every counted token of the global batch, whatever the layout);
     a mixture-of-experts model adds its load-balancing loss (``aux_loss``). ``chunk``
     (trainer.loss_chunk > 0): the model computes the loss itself, that many tokens' logits at a
-    time (recipes/head.py), and returns [sum, count]: the same loss, without the whole logits."""
-    tokens, targets = batch
-    if chunk > 0:
+    time (recipes/head.py), and returns [sum, count]: the same loss, without the whole logits.
+    ``objective``: objective=dpo's ``recipes.dpo.Dpo`` (the batch holds pairs), at optimizer
+    step ``step``; None: next-token cross entropy."""
+    if objective is not None:
+        out = objective.loss(model, batch, step)
+    elif chunk > 0:
+        tokens, targets = batch
         total, _ = model(tokens, targets=targets, loss_chunk=chunk)
         out = total / token_weight(targets, share)
     else:
+        tokens, targets = batch
         out = token_loss(model(tokens), targets, share)
     aux = aux_loss(model)
     return out if aux is None else out + aux

@@ -29,6 +29,7 @@ from observers import startup
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
 from recipes.data import CountedShare, GlobalBatchSampler, SequenceShard, build_datasets, data_facts
+from recipes.dpo import objective_for
 from recipes.job import optimizer_device
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers,
                               collate_fn=SequenceShard(*seq) if seq else None))
     share = CountedShare(data, global_batch=job.batch.global_size, seed=t.seed)
+    objective = objective_for(job, data, out, observers.meta)
     observers.train_start(engine, start)
     model.train()
     for step in range(start, t.max_steps):
@@ -188,10 +190,10 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
         micro = []
         p.builder.before_step(model)
         for _ in range(job.batch.accumulation):
-            tokens, targets = (x.to(acc.device) for x in next(batches))
+            batch = tuple(x.to(acc.device) for x in next(batches))
             with acc.accumulate(model):
                 observers.forward_start(engine, step)
-                loss = training.loss(model, (tokens, targets), t.loss_chunk, share(step))
+                loss = training.loss(model, batch, t.loss_chunk, share(step), objective, step)
                 observers.forward_end(engine, step)
                 micro.append(loss.detach().float())
                 if p.deepspeed:
@@ -221,6 +223,8 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
             break
         if step + 1 < t.max_steps and (signum := interrupt.requested(acc.device)):
             raise checkpoints.Interrupted(signum, step + 1, save(step + 1))
+    if objective is not None:
+        objective.publish()  # (report.json dpo; every rank: a collective)
     report = observers.train_end(engine)
     if t.export_params:
         from observers.files import atomic_torch_save

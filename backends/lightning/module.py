@@ -34,6 +34,7 @@ class CausalLM(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self._names: tuple[list[str], frozenset[str]] = ([], frozenset())  # plain; no decay
         self.share: CountedShare | None = None  # the training set's token-true loss weights
+        self.objective = None  # objective=dpo: recipes/dpo.py Dpo
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -44,7 +45,14 @@ class CausalLM(L.LightningModule):
             self._names = ([n for n, _ in self.model.named_parameters()], training.no_decay_names(self.model))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return training.loss(self.model, batch, self.trainer_cfg.loss_chunk, self.step_share())
+        step = self.trainer.global_step if self._trainer is not None else 0
+        return training.loss(self.model, batch, self.trainer_cfg.loss_chunk, self.step_share(),
+                             self.objective, step)
+
+    def on_train_epoch_end(self) -> None:
+        # (the run is one epoch; before the bridge's on_train_end writes report.json)
+        if self.objective is not None:
+            self.objective.publish()
 
     def step_share(self) -> float:
         """This optimizer step's ``CountedShare`` (Lightning's global_step counts optimizer

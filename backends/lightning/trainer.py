@@ -25,6 +25,7 @@ from backends.lightning.preset import set_timeout
 from core.precision import of
 from observers.files import atomic_torch_save
 from recipes.data import CountedShare, build_datasets, data_facts
+from recipes.dpo import objective_for
 from recipes.evaluation import Validator
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
     log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
     module.share = CountedShare(train, global_batch=job.batch.global_size, seed=t.seed)
+    module.objective = objective_for(job, train, out, observers.meta)
     data = GlobalBatchData(train, global_batch=job.batch.global_size,
                            micro_batch=job.batch.per_step, steps=t.max_steps, seed=t.seed,
                            num_workers=job.data.num_workers)

@@ -1,0 +1,284 @@
+"""DPO (objective=dpo, data=preference): the pairs' tokens and response masks, the loss against
+the DPO formula computed by hand from the policy's and the reference's log-probabilities
+(label smoothing included), the refusals at validate, and through train.py: the first step's
+loss is the formula on the base model's log-probs, and ddp x2 (accumulation 2 per rank)
+trains the model one process trains with the whole global batch at once (SGD, AdamW); fsdp2,
+zero2, the Accelerate backend and LoRA in the slow tier."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recipes.config import compose
+from recipes.job import CONFIG, RUN, validate
+from strategies import ConfigError
+from tests.conftest import TINY, assert_losses_close, assert_params_close, run_cli
+
+pytest.importorskip("transformers")  # the hf extra
+
+SEQ = 32
+
+
+def _pairs(n: int = 24) -> list[dict]:
+    """Records of different lengths; some prompts are chat messages, some strings."""
+    words = Path(__file__).parents[1].joinpath("recipes/assets/corpus.txt").read_text().split()
+    out = []
+    for i in range(n):
+        w = words[i * 7:i * 7 + 12]
+        prompt = " ".join(w[:1 + i % 2])
+        if i % 3 == 1:
+            prompt = [{"role": "system", "content": "brief"}, {"role": "user", "content": prompt}]
+        out.append({"prompt": prompt, "chosen": " ".join(w[3:4 + i % 3]),
+                    "rejected": " ".join(w[6:7 + i % 2])})
+    return out
+
+
+def _jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(hf_tokenizer, tmp_path_factory) -> Path:
+    from tests.test_chat import TEMPLATE, _with_template
+
+    return _with_template(hf_tokenizer, tmp_path_factory.mktemp("dpo_tok"), TEMPLATE)
+
+
+def _data(tmp: Path, tokenizer: Path, n: int = 24):
+    from recipes.trainer_config import DataConfig
+
+    return DataConfig(name="preference", path=str(_jsonl(tmp / "pairs.jsonl", _pairs(n))),
+                      tokenizer=str(tokenizer), packing="pad")
+
+
+def _shape():
+    from recipes.config import describe
+
+    return describe(compose([*TINY, "model.vocab_size=516"]).model)
+
+
+@pytest.mark.unit
+def test_rows_count_only_the_response_and_keep_the_pair(chat_tokenizer, tmp_path):
+    """Each sample is (chosen, rejected): the rendered prompt+response, the targets counted only
+    where the token lies in the response (its content and end-of-turn marker)."""
+    from transformers import AutoTokenizer
+
+    from recipes.data import IGNORE
+    from recipes.dpo import preference_pairs
+
+    pairs = preference_pairs(_data(tmp_path, chat_tokenizer), _shape())
+    tok = AutoTokenizer.from_pretrained(str(chat_tokenizer))
+    rec = _pairs()[4]  # (a system message in its prompt; record 1 is longer than a row: cut)
+    x, y = pairs[4]
+    assert x.shape == y.shape == (2, SEQ)
+    for row, side in enumerate(("chosen", "rejected")):
+        counted = [t for t in y[row].tolist() if t != IGNORE]
+        assert tok.decode(counted) == rec[side] + "<|end|>"
+        prompt = tok.apply_chat_template(rec["prompt"], tokenize=False, add_generation_prompt=True)
+        assert "brief" in prompt
+        assert tok.decode(x[row][:len(tok(prompt)["input_ids"])]) == prompt
+
+
+def _hand_loss(model, pairs, idx, ref_model, beta, ls):
+    """The DPO formula with plain torch: sums of response log-probs under both models."""
+    import torch
+
+    def logps(m, x, y):
+        lp = torch.log_softmax(m(x).float(), -1)
+        keep = y != -100
+        picked = lp.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (picked * keep).sum(-1)
+
+    x, y = pairs.x[idx], pairs.y[idx]
+    pc, pr = logps(model, x[:, 0], y[:, 0]), logps(model, x[:, 1], y[:, 1])
+    with torch.no_grad():
+        rc, rr = logps(ref_model, x[:, 0], y[:, 0]), logps(ref_model, x[:, 1], y[:, 1])
+    z = beta * ((pc - rc) - (pr - rr))
+    return (-(1 - ls) * torch.nn.functional.logsigmoid(z) - ls * torch.nn.functional.logsigmoid(-z)).mean()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ls", [0.0, 0.2])
+def test_loss_is_the_dpo_formula_by_hand(chat_tokenizer, tmp_path, ls):
+    """recipes/dpo.py's loss (through recipes/training.py ``loss``) on a policy moved away from
+    the reference equals the formula by hand (1e-5), label smoothing included, and its gradient
+    too; at the reference itself it is ln 2."""
+    import torch
+
+    from recipes import training
+    from recipes.dpo import Dpo, attach_reference, preference_pairs
+
+    shape = _shape()
+    pairs = preference_pairs(_data(tmp_path, chat_tokenizer), shape)
+    attach_reference(pairs, shape, 0, tmp_path, "cpu")
+    assert (tmp_path / "dpo_reference.pt").is_file()
+    again = preference_pairs(_data(tmp_path, chat_tokenizer), shape)
+    attach_reference(again, shape, 1, tmp_path, "cpu")  # (a resumed run: read, not recomputed)
+    assert torch.equal(again.ref, pairs.ref)
+    ref_model, policy = training.build_model(shape, 0).eval(), training.build_model(shape, 0)
+    idx = [3, 0, 7, 5]
+    batch = tuple(torch.stack([pairs[i][k] for i in idx]) for k in range(3))
+    dpo = Dpo(0.5, ls)
+    at_ref = training.loss(policy, batch, objective=dpo)
+    assert float(at_ref.detach()) == pytest.approx(math.log(2), abs=1e-5)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ours = training.loss(policy, batch, objective=dpo, step=1)  # (step 1's rewards, alone)
+    (g_ours,) = torch.autograd.grad(ours, [policy.lm_head.weight] if hasattr(policy, "lm_head")
+                                    else [next(policy.parameters())])
+    hand = _hand_loss(policy, pairs, idx, ref_model, 0.5, ls)
+    (g_hand,) = torch.autograd.grad(hand, [policy.lm_head.weight] if hasattr(policy, "lm_head")
+                                    else [next(policy.parameters())])
+    assert abs(float(ours.detach()) - math.log(2)) > 1e-3  # (the policy moved)
+    assert float(ours.detach()) == pytest.approx(float(hand.detach()), abs=1e-5)
+    torch.testing.assert_close(g_ours, g_hand, rtol=1e-4, atol=1e-7)
+    stats = dpo.publish()
+    assert stats["pairs"] == 4 and stats["step"] == 2 and 0 <= stats["accuracy"] <= 1
+    assert stats["reward_margin"] == pytest.approx(stats["chosen_reward"] - stats["rejected_reward"])
+
+
+def _common(tmp: Path, tokenizer: Path, *extra: str) -> tuple[str, ...]:
+    src = _jsonl(tmp / "pairs.jsonl", _pairs(24))
+    return (*TINY, "model.vocab_size=516", "objective=dpo", "objective.beta=0.5", "data=preference",
+            f"data.path={src}", f"data.tokenizer={tokenizer}", "trainer.max_steps=3",
+            "trainer.global_batch_size=8", "trainer.optimizer=sgd", "trainer.lr=0.5",
+            "trainer.grad_clip=0", "trainer.export_params=true", "callbacks=none", *extra)
+
+
+@pytest.mark.unit
+def test_refusals_name_the_key_and_the_fix(chat_tokenizer, tmp_path):
+    common = _common(tmp_path, chat_tokenizer)
+    cases = {
+        ("data=text", "data.path=null"): "objective=dpo trains on preference pairs, and data=text",
+        ("data.packing=concat",): "data.packing=concat: objective=dpo reads one sequence per row",
+        ("trainer.loss_chunk=8",): "trainer.loss_chunk=8: objective=dpo",
+        ("data.val_fraction=0.1",): "data.val_fraction / data.val_path",
+        ("objective=lm",): "data=preference holds preference pairs",
+        ("strategy=pipeline", "cluster.devices=2"): "strategy=pipeline: objective=dpo runs on data-parallel",
+        ("strategy=tp", "cluster.devices=2"): "strategy=tp: objective=dpo runs on data-parallel",
+    }
+    for extra, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            validate(compose([*common, *extra]), depth=RUN)
+        assert message in str(e.value), (extra, str(e.value))
+    with pytest.raises(ConfigError, match="data=preference needs data.path"):
+        validate(compose([*common, "data.path=null"]), depth=CONFIG)
+    validate(compose([*common, "strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2"]),
+             depth=RUN)  # (sound)
+
+
+@pytest.mark.unit
+def test_the_planner_prices_two_rows_per_pair(chat_tokenizer, tmp_path):
+    """objective=dpo's micro batch of m pairs is 2m rows: the plan's activations (and batch) are
+    those of a next-token job with micro batch 2m (measured by train.py's predicted-vs-measured
+    table: activations ratio 1.000 on gpt_nano, 2.000 before)."""
+    from planner import plan_all
+    from tests.conftest import typed
+
+    dpo = typed(compose([*_common(tmp_path, chat_tokenizer), "trainer.micro_batch_size=4"]))
+    lm = typed(compose([*TINY, "model.vocab_size=516", "trainer.global_batch_size=16",
+                        "trainer.micro_batch_size=8"]))
+    one = typed(compose([*TINY, "model.vocab_size=516", "trainer.global_batch_size=8",
+                         "trainer.micro_batch_size=4"]))
+    act = [plan_all(j, chosen=True).plans[0].memory.activations for j in (dpo, lm, one)]
+    assert act[0] == act[1] > act[2]
+
+
+@pytest.fixture(scope="module")
+def dpo_reference_run(chat_tokenizer, tmp_path_factory):
+    """(common overrides, one process with the whole global batch in one micro-batch)."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    common = _common(tmp, chat_tokenizer)
+    return common, run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8",
+                           out=tmp / "single", timeout=300)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(400)
+def test_first_step_is_the_formula_and_the_report_has_rewards(dpo_reference_run, chat_tokenizer):
+    """Through train.py: the first loss equals the formula by hand on the first global batch's
+    pairs (the policy is the base model: ln 2 up to rounding), the reference is cached in the
+    run directory, report.json ``dpo`` holds the last step's rewards (the policy moved off the
+    reference)."""
+    import torch
+
+    from recipes import training
+    from recipes.data import GlobalBatchSampler
+    from recipes.dpo import preference_pairs
+
+    common, run = dpo_reference_run
+    shape = _shape()
+    pairs = preference_pairs(_data(run.out, chat_tokenizer), shape)
+    idx = GlobalBatchSampler(len(pairs), global_batch=8, micro_batch=8, dp_rank=0, dp_size=1,
+                             seed=compose(list(common)).trainer.seed, steps=1).global_indices(0)
+    model = training.build_model(shape, compose(list(common)).trainer.seed)
+    with torch.no_grad():
+        hand = float(_hand_loss(model, pairs, idx, model, 0.5, 0.0))
+    assert run.losses[0] == pytest.approx(hand, abs=1e-5)
+    assert (run.out / "dpo_reference.pt").is_file()
+    dpo = run.report["dpo"]
+    assert set(dpo) == {"chosen_reward", "rejected_reward", "reward_margin", "accuracy", "pairs", "step"}
+    assert dpo["pairs"] == 8 and dpo["step"] == 3
+    assert abs(dpo["reward_margin"]) > 1e-3 and run.losses[1] != run.losses[0]  # (the policy moved)
+
+
+LAYOUTS = {
+    "ddp": ("strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2"),
+    "ddp-adamw": ("strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2"),
+    "fsdp2": ("strategy=fsdp2", "cluster.devices=2", "trainer.micro_batch_size=2"),
+    "zero2": ("strategy=zero2", "cluster.devices=2", "trainer.micro_batch_size=2"),
+    "ddp-accelerate": ("strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2",
+                       "backend=accelerate"),
+}
+LAYOUTS_CI = ("ddp",)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[] if k in LAYOUTS_CI else [pytest.mark.slow])
+                                    for k in LAYOUTS])
+def test_every_data_parallel_preset_equals_one_process(dpo_reference_run, layout, tmp_path):
+    """2 ranks, 2 pairs per micro-batch, accumulation 2: the same losses and final parameters as
+    one process with the 8 pairs at once (SGD, 1e-5): the loss is the mean over the global
+    batch's pairs whatever splits them."""
+    common, ref = dpo_reference_run
+    if layout.endswith("adamw"):
+        adamw = ("trainer.optimizer=adamw", "trainer.lr=1e-3")
+        common = (*common, *adamw)
+        ref = run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8",
+                      out=tmp_path / "single", timeout=300)
+    run = run_cli("train.py", *common, *LAYOUTS[layout], out=tmp_path / layout, timeout=500)
+    assert_losses_close(ref.losses, run.losses, rtol=1e-5)
+    assert_params_close(ref.params(), run.params(), rtol=1e-5)
+    assert run.report["dpo"]["pairs"] == 8
+    assert run.report["dpo"]["reward_margin"] == pytest.approx(ref.report["dpo"]["reward_margin"],
+                                                               rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("lora", [pytest.param(("model.lora.rank=4", "model.lora.alpha=8"), id="lora"),
+                                  pytest.param((), id="full")])
+def test_hf_model_lora_and_full_under_zero2_equal_one_process(chat_tokenizer, tmp_path, lora):
+    """model=hf (a tiny Llama with the chat template), LoRA adapters or every parameter: the
+    reference is the base model (the adapters' B starts at zero), so the first loss is ln 2, and
+    ZeRO-2 on 2 ranks gives one process's losses and parameters (SGD, 1e-5)."""
+    from tests.test_chat import _chat_llama
+
+    model = _chat_llama(tmp_path, chat_tokenizer)
+    common = (*[o for o in _common(tmp_path, chat_tokenizer) if not o.startswith(("model=", "model.vocab"))],
+              "model=hf", f"model.path={model}", "model.seq_len=32", *lora, "model.dropout=0")
+    one = run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8",
+                  out=tmp_path / "single", timeout=300)
+    zero2 = run_cli("train.py", *common, "strategy=zero2", "cluster.devices=2", "trainer.micro_batch_size=2",
+                    out=tmp_path / "zero2", timeout=500)
+    assert one.losses[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert_losses_close(one.losses, zero2.losses, rtol=1e-5)
+    assert_params_close(one.params(), zero2.params(), rtol=1e-5)
