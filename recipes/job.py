@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import float8_checks, packing, samples, stopping
+from recipes import float8_checks, mixture, packing, samples, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -358,7 +358,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     shape = [] if bad["model"] else model.problems()
     if not bad["model"]:
         problems += shape
-        if objs["data"].name == "text" and not objs["data"].tokenized and model.vocab_size < 256:
+        if objs["data"].name == "text" and not objs["data"].tokenized and model.vocab_size < 256 \
+                and not objs["data"].mixture:  # (a mixture's byte text: recipes/mixture.py)
             problems.append(f"model.vocab_size={model.vocab_size}: byte tokens of data=text need "
                             ">= 256; set model.vocab_size=256 or use data=synthetic")
     preset, why = strategy, None
@@ -370,10 +371,13 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     problems += _logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
+    if not bad["data"] and objs["data"].mixture:  # each source completed and checked
+        objs["data"], mixed = mixture.settle(objs["data"], None if bad["model"] else model)
+        problems += mixed
+    elif not bad["data"]:
+        problems += data_problems(objs["data"], None if bad["model"] else model)
     if not bad["trainer"] and not bad["data"]:
         problems += stopping.problems(t, objs["data"])
-    if not bad["data"]:
-        problems += data_problems(objs["data"], None if bad["model"] else model)
     world_ok = c.nodes >= 1 and c.devices >= 1
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= LAUNCH:
