@@ -118,7 +118,14 @@ def settle(data: DataConfig, model: Any | None) -> tuple[DataConfig, list[str]]:
     for s in settled:
         for k in RUN_WIDE:
             s.pop(k)
-    return dataclasses.replace(data, mixture=settled), out
+    shared = {s["tokenizer"] if s["name"] != "synthetic" else None for s in settled}
+    tokenizer = shared.pop() if len(shared) == 1 else data.tokenizer  # (what callbacks.samples encodes with)
+    return dataclasses.replace(data, mixture=settled, tokenizer=tokenizer), out
+
+
+def one_tokenizer(data: DataConfig) -> bool:
+    """Every source reads one tokenizer (or all bytes): the run's prompts have one encoding."""
+    return len({s.get("tokenizer") for s in data.mixture if s.get("name") != "synthetic"}) <= 1
 
 
 def source_config(entry: dict[str, Any], data: DataConfig) -> DataConfig:
