@@ -300,6 +300,18 @@ def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
     return problems(data, model)
 
 
+def _data_checks(objs: dict[str, Any], bad: dict[str, list[str]]) -> list[str]:
+    """``data_problems`` of the one source; or each ``data.mixture`` source completed from its
+    group's defaults and checked (recipes/mixture.py ``settle``, which replaces ``objs["data"]``)."""
+    if bad["data"]:
+        return []
+    model = None if bad["model"] else objs["model"]
+    if not objs["data"].mixture:
+        return data_problems(objs["data"], model)
+    objs["data"], out = mixture.settle(objs["data"], model)
+    return out
+
+
 CONFIG, RUN, LAUNCH = 0, 1, 2
 
 
@@ -371,11 +383,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     problems += _logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
-    if not bad["data"] and objs["data"].mixture:  # each source completed and checked
-        objs["data"], mixed = mixture.settle(objs["data"], None if bad["model"] else model)
-        problems += mixed
-    elif not bad["data"]:
-        problems += data_problems(objs["data"], None if bad["model"] else model)
+    problems += _data_checks(objs, bad)
     if not bad["trainer"] and not bad["data"]:
         problems += stopping.problems(t, objs["data"])
     world_ok = c.nodes >= 1 and c.devices >= 1
