@@ -214,12 +214,15 @@ class Mixture:
 
         from recipes.data import counted_per_sample
 
+        if getattr(self, "_memo", None) is not None:  # (a chat source's mask is read once)
+            return self._memo[1] if self._memo[0] or full else None
         parts, masked = [], False
         for src, local in zip(self.sources, self.local):
             c = counted_per_sample(src)
             masked = masked or c is not None
             parts.append(np.full(len(local), self.seq_len, dtype=np.int64) if c is None else c[local])
-        return np.concatenate(parts) if masked or full else None
+        self._memo = (masked, np.concatenate(parts))
+        return self._memo[1] if masked or full else None
 
     def counted(self) -> Any:
         """Each position's targets the loss counts; None where no source masks any."""
