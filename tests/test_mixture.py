@@ -22,7 +22,7 @@ import torch
 
 from recipes.data import IGNORE, CountedShare, GlobalBatchSampler, TokenWindows, counted_per_sample
 from recipes.mixture import Mixture, quotas
-from tests.conftest import TINY, assert_losses_close, assert_params_close, run_cli
+from tests.conftest import OPTIMIZERS, TINY, assert_losses_close, assert_params_close, run_cli
 
 
 def _windows(n: int, seq_len: int = 4, masked: bool = False, offset: int = 0) -> TokenWindows:
@@ -157,10 +157,10 @@ def test_no_mixture_is_the_one_source_and_entries_take_their_groups_defaults():
 # ------------------------------------------------------------------ through train.py
 @pytest.fixture(scope="module")
 def mixed(hf_tokenizer, tmp_path_factory):
-    """(overrides, reference Run): a text (weight 0.6) + chat (weight 0.4, assistant targets only)
-    mixture, both through the tests' chat tokenizer; SGD without clipping (a wrong token
-    weighting moves the losses), a checkpoint at step 3; the reference is one process with the
-    whole global batch in one micro-batch."""
+    """optimizer -> (overrides, reference Run): a text (weight 0.6) + chat (weight 0.4, assistant
+    targets only) mixture, both through the tests' chat tokenizer, the chat source holding out a
+    fifth of its windows for validation; the reference is one process with the whole global
+    batch in one micro-batch (once per optimizer)."""
     from recipes.data import CORPUS
     from tests.test_chat import TEMPLATE, _conversations, _jsonl, _with_template
 
@@ -171,21 +171,34 @@ def mixed(hf_tokenizer, tmp_path_factory):
     text.write_text(CORPUS.read_text()[:6000])
     mixture = (f"data.mixture=[{{name:text,path:{text},tokenizer:{tok},cache_dir:{tmp / 'cache'},weight:0.6}},"
                f"{{name:chat,path:{chats},tokenizer:{tok},cache_dir:{tmp / 'cache'},val_fraction:0.2,weight:0.4}}]")
-    common = (*TINY, "model.vocab_size=516", mixture, "trainer.max_steps=6", "trainer.val_every=6",
-              "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.optimizer=sgd",
-              "trainer.lr=0.5", "trainer.grad_clip=0", "trainer.export_params=true", "callbacks=none")
-    ref = run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8", out=tmp / "ref",
-                  timeout=300)
-    return common, ref
+    base = (*TINY, "model.vocab_size=516", mixture, "trainer.max_steps=6", "trainer.val_every=6",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.export_params=true",
+            "callbacks=none")
+    done = {}
+
+    def get(optimizer: str = "sgd"):
+        if optimizer not in done:
+            common = (*base, *OPTIMIZERS[optimizer])
+            done[optimizer] = common, run_cli("train.py", *common, "strategy=single", "trainer.micro_batch_size=8",
+                                              out=tmp / f"ref-{optimizer}", timeout=300)
+        return done[optimizer]
+
+    return get
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_text_and_chat_mixture_on_ddp_equals_one_process_and_counts_tokens_per_source(mixed, tmp_path):
-    common, ref = mixed
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
+def test_a_text_and_chat_mixture_on_ddp_equals_one_process_and_counts_tokens_per_source(mixed, optimizer, tmp_path):
+    """SGD without clipping (a wrong token weighting moves the losses) in CI: losses and
+    parameters to 1e-5. AdamW (the trainer's defaults) in the slow tier: losses to 1e-5,
+    parameters to 1e-3 (measured 4.0e-4 in 5 of layer 0's 2048 mlp.w3 entries, every other
+    matrix <= 3.2e-5: AdamW's normalised update turns the reduction order's rounding of
+    near-zero gradients into lr-sized steps; the losses agree to 2e-7)."""
+    common, ref = mixed(optimizer)
     ddp = run_cli("train.py", *common, "strategy=ddp", "cluster.devices=2", out=tmp_path / "ddp", timeout=400)
     assert_losses_close(ref.losses, ddp.losses, rtol=1e-5)
-    assert_params_close(ref.params(), ddp.params(), rtol=1e-5)
+    assert_params_close(ref.params(), ddp.params(), rtol=1e-5 if optimizer == "sgd" else 1e-3)
     val = [[v["loss"] for v in r.report["validation"]] for r in (ref, ddp)]
     assert_losses_close(*val, rtol=1e-5)
     sources = ref.report["data"]["mixture"]
@@ -206,7 +219,7 @@ def test_a_text_and_chat_mixture_on_ddp_equals_one_process_and_counts_tokens_per
 def test_a_mixture_resumes_exactly(mixed, tmp_path):
     """The straight run's step-3 checkpoint resumed with trainer.resume_from=auto: the same
     losses (the same floats) and bitwise-equal parameters -- the mixture's order continues."""
-    common, _ = mixed
+    common, _ = mixed("sgd")
     one = (*common, "strategy=single", "trainer.micro_batch_size=8", "trainer.checkpoint_every=3")
     ref = run_cli("train.py", *one, out=tmp_path / "straight", timeout=300)
     step3 = ref.out / "checkpoints" / "step3"
