@@ -201,11 +201,15 @@ class GlobalBatchSampler:
         self.batch_size = micro_batch  # what engines read off a batch sampler (DeepSpeed's micro batch)
         self._perm: tuple[int, torch.Tensor] | None = None
 
+    @staticmethod
+    def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+        """The order of ``n`` samples in epoch ``epoch`` of the stream (a seeded permutation)."""
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+
     def _sample(self, position: int) -> int:
         epoch, offset = divmod(position, self.n)
         if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._perm = (epoch, torch.randperm(self.n, generator=g))
+            self._perm = (epoch, self.epoch_order(self.n, self.seed, epoch))
         return int(self._perm[1][offset])
 
     def global_indices(self, step: int) -> list[int]:
@@ -364,11 +368,15 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
 def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]:
     """(training set, validation set or None). The validation set is ``data.val_path``'s windows,
     or the last ``data.val_fraction`` of the windows (held out of training); at most
-    ``data.val_samples`` of them, the first ones."""
+    ``data.val_samples`` of them, the first ones. ``data.mixture``: recipes/mixture.py ``build``."""
     if data_cfg.name == "preference":  # objective=dpo's pairs (no held-out split)
         from recipes.dpo import preference_pairs
 
         return preference_pairs(data_cfg, shape), None
+    if getattr(data_cfg, "mixture", None):
+        from recipes.mixture import build
+
+        return build(data_cfg, shape, seed)
     if data_cfg.name == "synthetic":
         full: Dataset = SyntheticDataset(data_cfg.num_samples, shape.seq_len, shape.vocab_size, seed)
     else:
@@ -425,10 +433,14 @@ def _say_split(data_cfg, n: int | None, size: int) -> None:
                     "data, a larger data.val_fraction or a data.val_path of %d or more", size, source, wanted)
 
 
-def data_facts(dataset: Dataset) -> dict[str, int | None]:
+def data_facts(dataset: Dataset, run: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """report.json's ``data``: the training set's ``tokens`` (targets: samples x seq_len) and
     ``loss_tokens``, those the loss counts (fewer than tokens only for data=chat with
-    data.train_on=assistant)."""
+    data.train_on=assistant); a mixture adds ``mixture``, per source what the run's
+    ``run`` = (max_steps, global batch, seed) draws from it (recipes/mixture.py)."""
+    if hasattr(dataset, "facts"):  # data.mixture
+        tokens, loss = dataset.counts()
+        return {"tokens": tokens, "loss_tokens": loss, **({"mixture": dataset.facts(*run)} if run else {})}
     first, stop = 0, None
     if isinstance(dataset, Subset) and isinstance(dataset.indices, range) and dataset.indices.step == 1:
         first, stop, dataset = dataset.indices.start, dataset.indices.stop, dataset.dataset

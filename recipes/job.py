@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import dpo_checks, float8_checks, packing, samples, stopping
+from recipes import dpo_checks, float8_checks, mixture, packing, samples, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -307,6 +307,18 @@ def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
     return problems(data, model)
 
 
+def _data_checks(objs: dict[str, Any], bad: dict[str, list[str]]) -> list[str]:
+    """``data_problems`` of the one source; or each ``data.mixture`` source completed from its
+    group's defaults and checked (recipes/mixture.py ``settle``, which replaces ``objs["data"]``)."""
+    if bad["data"]:
+        return []
+    model = None if bad["model"] else objs["model"]
+    if not objs["data"].mixture:
+        return data_problems(objs["data"], model)
+    objs["data"], out = mixture.settle(objs["data"], model)
+    return out
+
+
 CONFIG, RUN, LAUNCH = 0, 1, 2
 
 
@@ -365,7 +377,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     shape = [] if bad["model"] else model.problems()
     if not bad["model"]:
         problems += shape
-        if objs["data"].name == "text" and not objs["data"].tokenized and model.vocab_size < 256:
+        if objs["data"].name == "text" and not objs["data"].tokenized and model.vocab_size < 256 \
+                and not objs["data"].mixture:  # (a mixture's byte text: recipes/mixture.py)
             problems.append(f"model.vocab_size={model.vocab_size}: byte tokens of data=text need "
                             ">= 256; set model.vocab_size=256 or use data=synthetic")
     preset, why = strategy, None
@@ -377,10 +390,9 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     problems += _logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
         problems += _trainer_problems(t, strategy)
+    problems += _data_checks(objs, bad)
     if not bad["trainer"] and not bad["data"]:
         problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
-    if not bad["data"]:
-        problems += data_problems(objs["data"], None if bad["model"] else model)
     world_ok = c.nodes >= 1 and c.devices >= 1
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if depth >= LAUNCH:

@@ -67,7 +67,14 @@ def problems(samples: Any, data: Any, model: Any, mesh: Any, preset: str) -> lis
         out.append(f"{key} is generated at each validation, and the data has no validation split: "
                    "set data.val_fraction (e.g. 0.05) or data.val_path; or "
                    f"{key}=null")
-    if data.tokenizer is None and data.name not in BYTE_DATA:
+    if getattr(data, "mixture", None):
+        from recipes.mixture import one_tokenizer
+
+        if not one_tokenizer(data):
+            out.append(f"{key} with data.mixture: the sources read different tokenizers, so the "
+                       "prompts have no one encoding: give every source the same data.mixture[i]."
+                       f"tokenizer; or {key}=null")
+    elif data.tokenizer is None and data.name not in BYTE_DATA:
         out.append(f"{key} needs a tokenizer to encode the prompts, and data={data.name} has none: "
                    f"set data.tokenizer (the one the data was made with); or {key}=null")
     elif data.tokenizer is None and model is not None and model.vocab_size < 256:

@@ -3,7 +3,9 @@ optimizer, schedule, precision, checkpoints) and what the model reads (``DataCon
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.precision import PRECISIONS
 from core.knobs import free, knob
@@ -202,6 +204,10 @@ class DataConfig:
     token stream; attention crosses documents) | document (the same windows, attention and
     rotary positions restart at each document) | pad (one document per row, padding not counted).
     document and pad need tokenized data (the tokenizer's EOS separates documents)."""
+    mixture: list[Any] = dataclasses.field(default_factory=list)  # (`field` is a key above)
+    """Several sources, each drawn with its weight (recipes/mixture.py): a list of
+    ``{name: <data group>, weight: <number > 0>, <that group's keys>...}``; empty: the one source
+    above. Checked at validate (recipes/mixture.py ``settle``)."""
 
     @property
     def tokenized(self) -> bool:
@@ -210,4 +216,8 @@ class DataConfig:
 
     @property
     def validates(self) -> bool:
+        if self.mixture:
+            from recipes.mixture import validates
+
+            return validates(self.mixture)
         return self.val_path is not None or self.val_fraction > 0

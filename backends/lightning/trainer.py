@@ -83,7 +83,7 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
 def build(job: Job, out: Path, observers: Observers) -> Built:
     t = job.trainer
     train, val = build_datasets(job.data, job.model, t.seed)
-    observers.meta["data"] = data_facts(train)
+    observers.meta["data"] = data_facts(train, (t.max_steps, job.batch.global_size, t.seed))
     validator = None if val is None else Validator(val, micro_batch=job.batch.per_step,
                                                    val_every=t.val_every, max_steps=t.max_steps)
     bridge = ObserverBridge(observers, validator)
