@@ -205,7 +205,9 @@ def request(cfg: DictConfig) -> dict[str, Any]:
     if c.accelerator == "gpu":
         req["gpus_per_node"] = c.devices
     # every Python process of the job holds SIGUSR1 from its first moment (launchers/site/)
-    site = f"export PYTHONPATH={shlex.quote(SITE)}${{PYTHONPATH:+:$PYTHONPATH}}"
+    # (no "${...}": Hydra's config would read it as an interpolation; an empty PYTHONPATH leaves a
+    # trailing ":", the working directory, which ``python -m`` puts first anyway)
+    site = f"export PYTHONPATH={shlex.quote(SITE)}:$PYTHONPATH"
     return {k: v for k, v in req.items() if v is not None} | {"additional_parameters": extra, "setup": [site]}
 
 
