@@ -95,6 +95,10 @@ class Comparison(Observer):
         return out
 
 
+SMALL_PEAK = 64 << 20
+"""Below this planned peak the table says the ratio is the runtime's, not the plan's."""
+
+
 def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
     """The comparison as a small table, for the end-of-run log."""
     def unit(name: str, x: float | None) -> str:
@@ -108,7 +112,26 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
         if r.get("calibrated") is False:
             ratio = "uncal."
         lines.append(f"{name:>14} {unit(name, r['predicted']):>14} {unit(name, r['measured']):>14} {ratio:>7}")
-    return lines
+    return lines + [f"{'':>14} {note}" for name, note in LEGEND.items() if _shown(name, rows)]
+
+
+LEGEND = {
+    "communication": "communication: MiB the busiest rank sends per optimizer step on a ring (the plan's "
+                     "unit; communication.png plots each collective's payload)",
+    "peak": f"peak: a plan under {SMALL_PEAK >> 20} MiB is mostly the allocator's and runtime's own memory, "
+            "which no plan counts: a large ratio there says nothing of the layout",
+    "step_seconds": "uncal.: step time planned from cluster.peak_tflops, not this machine "
+                    "(planner.calibrate=true measures it)",
+}
+
+
+def _shown(name: str, rows: dict[str, dict[str, Any]]) -> bool:
+    r = rows.get(name)
+    if r is None:
+        return False
+    if name == "peak":
+        return (r.get("predicted") or 0) < SMALL_PEAK
+    return name != "step_seconds" or r.get("calibrated") is False
 
 
 @dataclass

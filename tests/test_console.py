@@ -274,3 +274,9 @@ def test_the_closing_table_marks_an_uncalibrated_step_time():
     table = summary_lines(rows)
     assert "1.00 MiB" in table[1] and "1.000" in table[1]
     assert "0.700 s" in table[2] and table[2].endswith("uncal.") and "700.0" not in table[2]
+    assert any("planner.calibrate=true" in line for line in table[3:])  # what "uncal." means
+    legend = summary_lines({"communication": {"predicted": 2**20, "measured": 2**20, "ratio": 1.0},
+                            "peak": {"predicted": 2**21, "measured": 2**24, "ratio": 8.0}})[3:]
+    assert any("on a ring" in x and "payload" in x for x in legend) and any("allocator" in x for x in legend)
+    big = summary_lines({"peak": {"predicted": 2**30, "measured": 2**30, "ratio": 1.0}})
+    assert len(big) == 2  # a plan big enough: no note
