@@ -47,6 +47,9 @@ class Capabilities:
     checkpoint: str = DCP
     """How its engine writes model and optimizer: dcp (torch distributed checkpoint: loads into
     any torch preset at any world size) | deepspeed (DeepSpeed's own: same world and backend)."""
+    checkpoints: bool = True
+    """Saves and resumes checkpoints; false (zero2_ep): trainer.checkpoint_every, save_last,
+    keep_best and a resume_from path are refused by name."""
     lora: bool = True
     """Trains frozen base weights beside trainable adapters (per-parameter requires_grad)."""
     activation_checkpointing: bool = True

@@ -80,8 +80,10 @@ class CausalLM(L.LightningModule):
         # The wrapped model's parameters: FSDP1 with use_orig_params=False registers the root
         # unit's flat parameter on the wrapper, not on this module.
         named = self.trainer.model.named_parameters() if self._trainer is not None else self.named_parameters()
-        opt = training.build_optimizer(training.param_groups(named, self.trainer_cfg, *self._names),
-                                       self.trainer_cfg)
+        groups = training.param_groups(named, self.trainer_cfg, *self._names)
+        # a strategy that regroups them (zero2_ep: the experts in DeepSpeed's moe groups)
+        regroup = getattr(self.trainer.strategy, "optimizer_groups", None) if self._trainer else None
+        opt = training.build_optimizer(regroup(groups) if regroup else groups, self.trainer_cfg)
         precompute_after_step(self, opt)  # (float8 weights gathered by FSDP2: their scales)
         sched = training.build_scheduler(opt, self.trainer_cfg)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

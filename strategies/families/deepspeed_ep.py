@@ -1,9 +1,11 @@
 """Expert parallelism over DeepSpeed: the family ``deepspeed_ep`` (preset ``zero2_ep``: ZeRO-2 over
 the non-expert parameters; expert gradients and optimizer state partitioned over the dp / ep ranks
-that hold the same experts, DeepSpeed's own expert-data-parallel groups). Planned only
-(``capabilities.planned_only``: plan.py prices it), refused for training by name (``problems``:
-its engine knows only its own MoE layer's parameters as experts). What expert-parallel families
-share lives in ``fsdp2_ep.py``.
+that hold the same experts, DeepSpeed's own expert-data-parallel groups). Trains on Lightning
+(backends/lightning/families/deepspeed_ep.py: the MoE layers made DeepSpeed MoE layers, their
+experts tagged as DeepSpeed tags its own, parallel/experts.py); Accelerate refuses it by name.
+Its checkpoints are not built (``capabilities.checkpoints``: DeepSpeed saves a MoE layer's experts
+under its own MoE layer's key names), so saving and resuming are refused by name. What
+expert-parallel families share lives in ``fsdp2_ep.py``.
 """
 
 from __future__ import annotations
@@ -39,22 +41,27 @@ class ZeroEPConfig(ZeroConfig):
     @property
     def capabilities(self) -> Capabilities:
         return dataclasses.replace(super().capabilities, lora=False, degrees=("ep",),
-                                   native_config=None, planned_only=True)
+                                   native_config=None, checkpoints=False)
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, ep=self.ep)
 
     def problems(self, run: Run) -> list[str]:
         out = super().problems(run)
-        out.append(f"strategy={self.name} is priced by the planner but trains on no backend yet: "
-                   "DeepSpeed's ZeRO-2 reduces and partitions expert gradients over its "
-                   "expert-data-parallel groups only for models built from its own MoE layer "
-                   "(deepspeed.moe.layer.MoE, whose checkpoint format is tied to that layer), not "
-                   "for recipes/gpt.py's experts; use strategy=fsdp_ep (FSDP2 + expert parallelism)")
         if self.stage != 2:
             out.append(f"strategy.stage={self.stage} with strategy={self.name}: DeepSpeed partitions "
                        "MoE parameters over its expert-data-parallel groups at ZeRO-2 only (ZeRO-3: "
                        "not supported; ZeRO-1: experimental); allowed: 2")
+        if self.sp > 1:
+            out.append(f"strategy.sp={self.sp} with strategy={self.name}: Ulysses beside expert "
+                       "parallelism is not built; set strategy.sp=1")
+        if self.offload_optimizer != "none" or self.offload_params != "none":
+            out.append(f"strategy.offload_optimizer={self.offload_optimizer} strategy.offload_params="
+                       f"{self.offload_params} with strategy={self.name}: offloading the expert groups "
+                       "is not built; set both to none")
+        if getattr(run, "compile", False):
+            out.append(f"trainer.compile=true with strategy={self.name}: compiling blocks around the "
+                       "experts' all-to-all hooks is not built; set trainer.compile=false")
         return out
 
     def model_problems(self, model: Any) -> list[str]:
