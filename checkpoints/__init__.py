@@ -148,10 +148,10 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     why = getattr(job.strategy, "resume_problem", lambda: None)()
     if why:
         return why
-    if job.run.checkpoint != "deepspeed":
+    if job.run.checkpoint not in ("deepspeed", "zero_ep"):
         return None
     m = ckpt.meta
-    if (m["payload"], int(m["world_size"]), m["backend"]) != ("deepspeed", job.mesh.size, job.backend):
+    if (m["payload"], int(m["world_size"]), m["backend"]) != (job.run.checkpoint, job.mesh.size, job.backend):
         return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
                 f"backend={m['backend']}; strategy={job.strategy.name} (DeepSpeed) resumes only from "
                 f"DeepSpeed checkpoints of the same world size and backend: resume with "

@@ -15,6 +15,11 @@ most faithful path the two sides allow:
   (``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``); DCP
   reshards. Model and optimizer come back.
 - DeepSpeed -> DeepSpeed on the same world size and keys: the engine's ``load_checkpoint``.
+- zero_ep (DeepSpeed's ZeRO-2 with the experts split, zero2_ep: its ``save_checkpoint`` keys a MoE
+  layer's experts only as its own MoE layer names them) -> zero2_ep on the same world size: each
+  rank's module (its own experts, plain keys) and ZeRO optimizer state, written and read through
+  the engine's ``state_dict`` / ``load_state_dict``; ``model.pt`` beside them holds the full
+  model (experts gathered over the ep group), for convert.py and the other presets.
 - anything else (ZeRO -> FSDP/DDP/single, or another world size under ZeRO): the full fp32
   parameters (DeepSpeed's ``zero_to_fp32``, or DCP read whole) loaded into the engine; the
   optimizer starts fresh, and the log says so.
@@ -76,7 +81,7 @@ def _zero_to_fp32_quietly() -> Iterator[None]:
             getattr(sys, name).write("".join(x for x in pieces if x and not chatter.match(x)))
 
 
-DCP, DEEPSPEED = "dcp", "deepspeed"
+DCP, DEEPSPEED, ZERO_EP = "dcp", "deepspeed", "zero_ep"
 TAG = "state"  # DeepSpeed's tag (sub-directory) inside <checkpoint>/deepspeed
 
 
@@ -112,6 +117,8 @@ def save(h: Handles, temp: Path) -> None:
     if h.format == DEEPSPEED:
         # DeepSpeed writes its own layout (model states + one optimizer shard per rank).
         h.model.save_checkpoint(str(temp / DEEPSPEED), tag=TAG, client_state={}, save_latest=False)
+    elif h.format == ZERO_EP:
+        _save_zero_ep(h, temp / ZERO_EP)
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -123,6 +130,32 @@ def save(h: Handles, temp: Path) -> None:
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), temp / "rng" / f"rank{h.rank}.pt")
     _barrier()
+
+
+def _save_zero_ep(h: Handles, d: Path) -> None:
+    """Each rank: its module (own experts) and the ZeRO optimizer's state; rank 0 also the full
+    model, the experts gathered over the ep group (collective)."""
+    from parallel.experts import gather_deepspeed_experts
+
+    d.mkdir(exist_ok=True)
+    module = h.model.module
+    local = {k: v.detach().cpu() for k, v in _strip(module.state_dict(), h.prefix).items()}
+    torch.save({"module": local, "optim": h.model.optimizer.state_dict()}, d / f"rank{h.rank}.pt")
+    full = gather_deepspeed_experts(local, module)
+    if h.rank == 0:
+        torch.save({k: v.float() for k, v in full.items()}, d / "model.pt")
+
+
+def _load_zero_ep(h: Handles, d: Path) -> None:
+    """Each rank: its module, then ZeRO's optimizer from every rank's state (as the engine's
+    ``load_checkpoint`` hands it: one per data-parallel rank), fp32 masters included."""
+    _check_pickles(d)
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        parts = [torch.load(d / f"rank{r}.pt", map_location="cpu", weights_only=True)
+                 for r in range(h.world_size)]
+    h.model.module.load_state_dict(_add(parts[h.rank]["module"], h.prefix), strict=True)
+    h.model.optimizer.load_state_dict([p["optim"] for p in parts], load_optimizer_states=True,
+                                      load_from_fp32_weights=True)
 
 
 def scheduler_state(h: Handles) -> dict[str, Any]:
@@ -146,6 +179,9 @@ def load(h: Handles, ckpt: Checkpoint) -> None:
         if done is None:
             raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED / TAG}")
         how = "model and optimizer (DeepSpeed)"
+    elif saved == ZERO_EP and h.format == ZERO_EP and same_world and meta["prefix"] == h.prefix:
+        _load_zero_ep(h, path / ZERO_EP)
+        how = "model and optimizer (DeepSpeed ZeRO-2, experts split)"
     else:
         _load_full_model(h, full_model(ckpt))
         how = (f"model only, from a {saved} checkpoint of {meta['strategy']} on {meta['world_size']} "
@@ -191,6 +227,8 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
                 sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path / DCP))["model"]
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read {path / DCP}: {_first_line(e)}") from e
+    elif meta["payload"] == ZERO_EP:
+        sd = _torch_load(path / ZERO_EP / "model.pt")
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -202,7 +240,7 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _load_full_model(h: Handles, full: dict[str, torch.Tensor]) -> None:
-    if h.format == DEEPSPEED:
+    if h.format != DCP:
         raise CheckpointError(
             "resuming a DeepSpeed run from a checkpoint of another strategy, world size or backend "
             "is not supported (its fp32 master weights and optimizer partitions would not follow); "
@@ -281,7 +319,7 @@ def verify(ckpt: Checkpoint) -> None:
     if ckpt.meta["payload"] == DCP:
         _check_dcp_metadata(ckpt.path / DCP)
     else:
-        _check_pickles(ckpt.path / DEEPSPEED)
+        _check_pickles(ckpt.path / ckpt.meta["payload"])
     for f in sorted((ckpt.path / "rng").glob("*.pt")):
         _torch_load(f)
 

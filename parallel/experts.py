@@ -231,6 +231,21 @@ def _deepspeed_moe_class(cls: type, moe: type) -> type:
 _MOE_CLASSES: dict[type, type] = {}
 
 
+def gather_deepspeed_experts(state: dict[str, Any], module: Any) -> dict[str, Any]:
+    """``state`` (plain keys) with every expert gathered over DeepSpeed's expert-parallel group
+    of its parameters (``apply_ep_deepspeed``'s tags); collective. ``state`` unchanged without
+    experts."""
+    from deepspeed.utils import groups
+
+    from parallel.parallelize import find_model
+
+    model, _ = find_model(module)
+    tagged = [p for p in model.parameters() if getattr(p, "expert", False)]
+    if not tagged:
+        return state
+    return gather_experts(state, model, groups._get_expert_parallel_group(tagged[0].group_name))
+
+
 def moe_optimizer_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The optimizer's groups with the experts' parameters in groups of their own marked
     ``moe`` (DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``; ZeRO-2 asks
@@ -241,5 +256,5 @@ def moe_optimizer_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return split_params_into_different_moe_groups_for_optimizer(named)
 
 
-__all__ = ["apply_ep", "apply_ep_deepspeed", "moe_optimizer_groups", "apply_ep_fsdp2", "ep_group", "exchange", "experts_of", "gather_experts", "mark_experts",
-           "shard_experts"]
+__all__ = ["apply_ep", "apply_ep_deepspeed", "apply_ep_fsdp2", "ep_group", "exchange", "experts_of",
+           "gather_deepspeed_experts", "gather_experts", "mark_experts", "moe_optimizer_groups", "shard_experts"]

@@ -199,18 +199,7 @@ def _trainer_problems(t: TrainerConfig, strategy: StrategyConfig) -> list[str]:
                    f"per-parameter optimizer groups, and strategy={strategy.name} hands the optimizer "
                    "flat parameters (strategy.use_orig_params=false): set trainer.no_decay=false, "
                    "or trainer.weight_decay=0")
-    if not strategy.capabilities.checkpoints:
-        out += _no_checkpoint_problems(t, strategy.name)
     return out
-
-
-def _no_checkpoint_problems(t: TrainerConfig, preset: str) -> list[str]:
-    keys = [f"trainer.{k}={getattr(t, k)}" for k in ("checkpoint_every", "save_last", "keep_best") if getattr(t, k)]
-    keys += [f"trainer.resume_from={t.resume_from}"] if t.resume_from not in (None, "auto") else []
-    return [f"{' '.join(keys)} with strategy={preset}: its checkpoints are not built (DeepSpeed saves "
-            "its MoE layers' experts under its own key names only); set trainer.checkpoint_every=0 "
-            "trainer.save_last=false trainer.keep_best=false trainer.resume_from=null, or use "
-            "strategy=fsdp_ep (which saves and resumes)"] if keys else []
 
 
 def _logger_problems(logger: LoggerConfig | None) -> list[str]:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 from core.knobs import knob
 from core.mesh import Axis, Mesh
 
-DCP, DEEPSPEED = "dcp", "deepspeed"
+DCP, DEEPSPEED, ZERO_EP = "dcp", "deepspeed", "zero_ep"
 SELECTIVE = "selective"
 AC_CHOICES = (False, True, SELECTIVE)
 
@@ -46,10 +46,8 @@ class Capabilities:
 
     checkpoint: str = DCP
     """How its engine writes model and optimizer: dcp (torch distributed checkpoint: loads into
-    any torch preset at any world size) | deepspeed (DeepSpeed's own: same world and backend)."""
-    checkpoints: bool = True
-    """Saves and resumes checkpoints; false (zero2_ep): trainer.checkpoint_every, save_last,
-    keep_best and a resume_from path are refused by name."""
+    any torch preset at any world size) | deepspeed (DeepSpeed's own: same world and backend) |
+    zero_ep (zero2_ep's: each rank's ZeRO-2 state, and the full model; checkpoints/state.py)."""
     lora: bool = True
     """Trains frozen base weights beside trainable adapters (per-parameter requires_grad)."""
     activation_checkpointing: bool = True
@@ -275,5 +273,5 @@ def as_config(node: Any) -> StrategyConfig:
     return cls(**obj)
 
 
-__all__ = ["Capabilities", "DCP", "DEEPSPEED", "StrategyConfig", "as_config", "families", "family",
+__all__ = ["Capabilities", "DCP", "DEEPSPEED", "ZERO_EP", "StrategyConfig", "as_config", "families", "family",
            "family_of"]

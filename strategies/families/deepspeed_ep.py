@@ -3,9 +3,9 @@ the non-expert parameters; expert gradients and optimizer state partitioned over
 that hold the same experts, DeepSpeed's own expert-data-parallel groups). Trains on Lightning
 (backends/lightning/families/deepspeed_ep.py: the MoE layers made DeepSpeed MoE layers, their
 experts tagged as DeepSpeed tags its own, parallel/experts.py); Accelerate refuses it by name.
-Its checkpoints are not built (``capabilities.checkpoints``: DeepSpeed saves a MoE layer's experts
-under its own MoE layer's key names), so saving and resuming are refused by name. What
-expert-parallel families share lives in ``fsdp2_ep.py``.
+Its checkpoints are ``zero_ep`` (checkpoints/state.py): DeepSpeed's ``save_checkpoint`` keys a
+MoE layer's experts only as its own MoE layer names them. What expert-parallel families share
+lives in ``fsdp2_ep.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import Capabilities, family
+from strategies.base import ZERO_EP, Capabilities, family
 from core.knobs import knob
 from strategies.families.deepspeed import ZeroConfig, ZeroFootprint
 from strategies.families.fsdp2_ep import EP_SELECTIVE, ExpertSplit, moe_problems
@@ -41,7 +41,7 @@ class ZeroEPConfig(ZeroConfig):
     @property
     def capabilities(self) -> Capabilities:
         return dataclasses.replace(super().capabilities, lora=False, degrees=("ep",),
-                                   native_config=None, checkpoints=False)
+                                   native_config=None, checkpoint=ZERO_EP)
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, ep=self.ep)
