@@ -195,8 +195,8 @@ def apply_ep_deepspeed(model: Any, ep: int) -> Any:
     name = f"ep_size_{ep}"
     for p in mark_experts(model):
         p.allreduce, p.group_name = False, name
-    plan, block = type(model).ep_plan, type(model).block_cls
-    for m in model.modules():
+    plan, block = getattr(type(model), "ep_plan", None), getattr(type(model), "block_cls", None)
+    for m in model.modules() if isinstance(plan, dict) and isinstance(block, type) else ():
         if isinstance(m, block):
             try:
                 layer = m.get_submodule(plan["moe"])

@@ -102,12 +102,11 @@ def test_bf16_hook_refused_on_cpu_before_launch():
 # Presets that need CUDA (NCCL's bf16 hook, a GPU to offload from) or that the planner picks.
 GPU_ONLY = {"ddp_bf16_compress", "fsdp_offload", "zero_infinity", "auto"}
 # Presets of a mixture-of-experts model (the default model is dense: they refuse it by name,
-# tests/test_moe.py): validated with model=gpt_moe_nano. zero2_ep is priced, and refused for
-# training by name (tests/test_moe.py).
-MOE_ONLY = {"fsdp_ep": "model=gpt_moe_nano"}
+# tests/test_moe.py): validated with model=gpt_moe_nano.
+MOE_ONLY = {"fsdp_ep": "model=gpt_moe_nano", "zero2_ep": "model=gpt_moe_nano"}
 
 
-@pytest.mark.parametrize("name", sorted(set(strategies.names()) - GPU_ONLY - {"zero2_ep"}))
+@pytest.mark.parametrize("name", sorted(set(strategies.names()) - GPU_ONLY))
 def test_every_preset_validates_with_every_other_setting_at_its_default(name):
     """The smallest world each preset's mesh accepts, nothing else set: it must validate (a
     pipeline derives its micro-batches from the default batch)."""

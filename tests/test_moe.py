@@ -1,7 +1,6 @@
 """Mixture of experts and expert parallelism: the MoE GPT (routing, capacity, the balancing loss),
 its shapes and their problems, the planner's expert split and token all-to-all, and fsdp_ep on
-2 gloo ranks (ep=2) against the same MoE model on one process (zero2_ep: priced, refused for
-training by name).
+2 gloo ranks (ep=2) against the same MoE model on one process (zero2_ep: tests/test_zero2_ep.py).
 
 Equivalence: routing, capacity and the balancing loss are computed per sequence (each sequence
 is a routing group), so a data-parallel split of the batch decides exactly what one process
@@ -108,22 +107,7 @@ def test_ep_presets_refuse_a_dense_model_by_name(preset):
 
 
 @pytest.mark.unit
-def test_zero2_ep_is_planned_only_and_refused_for_training_by_name():
-    """plan.py prices zero2_ep as a planned-only layout; train.py's validation refuses it by name."""
-    import strategies
-
-    assert strategies.load("zero2_ep").capabilities.planned_only
-    assert not strategies.load("fsdp_ep").capabilities.planned_only
-    assert _plan("zero2_ep", 2)["planned_only"]
-    validate(compose(["strategy=fsdp_ep", *TWO, *CPU, *MOE]))
-    with pytest.raises(ConfigError) as e:
-        validate(compose(["strategy=zero2_ep", *TWO, *CPU, *MOE]))
-    assert e.value.problems == [p for p in e.value.problems if "strategy=zero2_ep is priced by the planner "
-                                "but trains on no backend yet" in p and "use strategy=fsdp_ep" in p]
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("preset", ["fsdp_ep"])
+@pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
 def test_ep_presets_refused_by_accelerate_by_name(preset):
     from backends import check
 

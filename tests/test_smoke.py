@@ -16,7 +16,7 @@ TWO = ("cluster.devices=2",)
 FAMILIES = {
     "single": (), "ddp": TWO, "fsdp": TWO, "fsdp2": TWO, "zero2": TWO, "zero3": TWO, "tp": TWO,
     "pipeline": TWO, "ulysses": TWO, "fsdp_cp": TWO, "fsdp_ep": (*TWO, "model=gpt_moe_nano"),
-    "ddp_topk": TWO,
+    "zero2_ep": (*TWO, "model=gpt_moe_nano"), "ddp_topk": TWO,
     # fsdp2 with checkpointing under bf16: torch 2.11 skipped FSDP2's input cast on recompute
     # (parallel/parallelize.py _units); any model shows it, and gpt_small's bf16 matmuls on a CPU
     # took a minute of CI's second leg
@@ -24,7 +24,7 @@ FAMILIES = {
                       "model=gpt_nano"),
 }
 # On Accelerate, one preset of each engine it builds (its own loop, its FSDP2 plugin, DeepSpeed,
-# DDP with a compression hook): it refuses tp, pipeline, fsdp_cp and fsdp_ep by name
+# DDP with a compression hook): it refuses tp, pipeline, fsdp_cp, fsdp_ep and zero2_ep by name
 # (backends.check; tests/test_accelerate.py), and its fsdp/zero2/ulysses builders share these
 # engines' code paths (CI's time: every run here is a whole start-up).
 ON_ACCELERATE = ("single", "fsdp2", "zero3", "ddp_topk")

@@ -305,7 +305,7 @@ assert type(StrategyRegistry.get('zero2_offload')).__name__ == 'CPUCapableDeepSp
 @pytest.mark.unit
 def test_every_preset_yaml_has_a_launch_line_and_commented_keys():
     """A preset's header shows the command that uses it: train.py, or plan.py for a planned-only
-    preset (zero2_ep), which train.py refuses by name."""
+    preset, which train.py refuses by name."""
     import strategies
 
     for path in sorted((ROOT / "conf" / "strategy").glob("zero*.yaml")):
