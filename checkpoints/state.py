@@ -101,6 +101,9 @@ class Handles:
     """How the engine writes model and optimizer (the run's ``checkpoint``): dcp | deepspeed."""
     prefix: str = ""
     """The plain model's name prefix in ``model`` ("model." under Lightning)."""
+    full_model: Any = None
+    """zero_ep: a callable returning the full model on every rank, keyed as the plain model
+    (the strategy's ``full_state_dict``: the experts gathered over the ep group, collectively)."""
 
 
 def _barrier() -> None:
@@ -135,13 +138,13 @@ def save(h: Handles, temp: Path) -> None:
 def _save_zero_ep(h: Handles, d: Path) -> None:
     """Each rank: its module (own experts) and the ZeRO optimizer's state; rank 0 also the full
     model, the experts gathered over the ep group (collective)."""
-    from parallel.experts import gather_deepspeed_experts
-
+    if h.full_model is None:
+        raise CheckpointError("a zero_ep checkpoint needs the backend's full_model (the experts "
+                              "gathered), which it did not hand over")
     d.mkdir(exist_ok=True)
-    module = h.model.module
-    local = {k: v.detach().cpu() for k, v in _strip(module.state_dict(), h.prefix).items()}
+    local = {k: v.detach().cpu() for k, v in _strip(h.model.module.state_dict(), h.prefix).items()}
     torch.save({"module": local, "optim": h.model.optimizer.state_dict()}, d / f"rank{h.rank}.pt")
-    full = gather_deepspeed_experts(local, module)
+    full = h.full_model()
     if h.rank == 0:
         torch.save({k: v.float() for k, v in full.items()}, d / "model.pt")
 

@@ -1,5 +1,5 @@
 """zero2_ep (family deepspeed_ep): DeepSpeed ZeRO-2 with the MoE model's experts split over ep
-ranks (parallel/experts.py's ``apply_ep_deepspeed``), against the same model on one process.
+ranks (backends/common/deepspeed.py's ``apply_ep_deepspeed``), against the same model on one process.
 
 How it reaches DeepSpeed without patching it: each MoE layer becomes an instance of a subclass of
 its class and ``deepspeed.moe.layer.MoE`` (the engine then creates its expert groups), the expert

@@ -1,6 +1,7 @@
 """What both backends do with a DeepSpeed engine: choose its CPU accelerator before it is imported,
 build the model under ``zero.Init``, repair its NVMe gradient reads, count what it holds, gather
-its parameters. DeepSpeed is imported only inside these functions.
+its parameters, show it a MoE model's split experts as its own (zero2_ep). DeepSpeed is imported
+only inside these functions.
 
 Running on CPU: DeepSpeed picks its accelerator once, when it is first imported, from
 ``DS_ACCELERATOR`` (or by detection: CUDA if present, else CPU). ``select_accelerator`` (the only
@@ -128,6 +129,70 @@ def apply_ulysses(module: Any, sp: int) -> Any:
             setattr(parent, name, UlyssesAttention(getattr(parent, name), group))
     model.seq_shard = (dist.get_rank() % sp, sp)
     return module
+
+
+def apply_ep_deepspeed(model: Any, ep: int) -> Any:
+    """Expert parallelism that DeepSpeed's ZeRO-2 engine sees (zero2_ep): the experts split over
+    groups of ``ep`` neighbouring ranks as parallel/experts.py's ``apply_ep`` does; each expert
+    parameter tagged as DeepSpeed's own experts tag theirs (``allreduce=False``, ``group_name='ep_size_<ep>'``: ZeRO
+    then reduces and partitions its gradient over the ``dp / ep`` ranks holding the same experts,
+    dividing it by dp), and each MoE layer (``ep_plan['moe']``) made an instance of a subclass of
+    its own class and ``deepspeed.moe.layer.MoE`` (our router and forward first in the MRO;
+    MoE's __init__ never runs): the engine looks for that class to enable its expert groups.
+    The parameters' names, hence the state dict's keys, are unchanged. The ep group."""
+    from deepspeed.moe.layer import MoE
+
+    from parallel.experts import apply_ep, mark_experts
+
+    group = apply_ep(model, ep)
+    name = f"ep_size_{ep}"
+    for p in mark_experts(model):
+        p.allreduce, p.group_name = False, name
+    plan, block = getattr(type(model), "ep_plan", None), getattr(type(model), "block_cls", None)
+    for m in model.modules() if isinstance(plan, dict) and isinstance(block, type) else ():
+        if isinstance(m, block):
+            try:
+                layer, experts = m.get_submodule(plan["moe"]), m.get_submodule(plan["experts"])
+            except AttributeError:  # a dense block of a MoE model
+                continue
+            local = next(experts.parameters()).shape[0]  # (stacked: the expert on dim 0)
+            layer.__class__ = _deepspeed_moe_class(type(layer), MoE)
+            layer.num_experts, layer.num_local_experts = local * ep, local
+            layer.ep_size, layer.expert_group_name = ep, name
+    return group
+
+
+def _deepspeed_moe_class(cls: type, moe: type) -> type:
+    """``cls`` as a ``deepspeed.moe.layer.MoE`` (one subclass per class): the engine calls its
+    ``set_deepspeed_parallelism``, which creates DeepSpeed's expert and expert-data-parallel
+    groups (ep neighbouring ranks; the ranks i, i + ep, ... holding the same experts)."""
+    def set_deepspeed_parallelism(self: Any, use_data_before_expert_parallel_: bool = False) -> None:
+        from deepspeed.utils import groups
+
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+
+    name = f"DeepSpeed{cls.__name__}"
+    cached = _MOE_CLASSES.get(cls)
+    if cached is None:
+        cached = _MOE_CLASSES[cls] = type(name, (cls, moe), {
+            "set_deepspeed_parallelism": set_deepspeed_parallelism, "forward": cls.forward,
+            "__module__": __name__})
+    return cached
+
+
+_MOE_CLASSES: dict[type, type] = {}
+
+
+def moe_optimizer_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer's groups with the experts' parameters in groups of their own marked
+    ``moe`` (DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``; ZeRO-2 asks
+    for them), each keeping its group's settings (weight decay)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    named = [{**g, "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
+    return split_params_into_different_moe_groups_for_optimizer(named)
 
 
 # O_DIRECT, which DeepSpeed's async I/O op uses for every swap file, needs each transfer's memory

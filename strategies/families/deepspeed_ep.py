@@ -2,7 +2,7 @@
 the non-expert parameters; expert gradients and optimizer state partitioned over the dp / ep ranks
 that hold the same experts, DeepSpeed's own expert-data-parallel groups). Trains on Lightning
 (backends/lightning/families/deepspeed_ep.py: the MoE layers made DeepSpeed MoE layers, their
-experts tagged as DeepSpeed tags its own, parallel/experts.py); Accelerate refuses it by name.
+experts tagged as DeepSpeed tags its own, backends/common/deepspeed.py); Accelerate refuses it by name.
 Its checkpoints are ``zero_ep`` (checkpoints/state.py): DeepSpeed's ``save_checkpoint`` keys a
 MoE layer's experts only as its own MoE layer names them. What expert-parallel families share
 lives in ``fsdp2_ep.py``.

@@ -11,7 +11,8 @@ from typing import Any
 
 from backends.lightning.families import builds
 from backends.lightning.families.deepspeed import CPUCapableDeepSpeedStrategy
-from parallel.experts import apply_ep_deepspeed, gather_experts, moe_optimizer_groups
+from backends.common.deepspeed import apply_ep_deepspeed, moe_optimizer_groups
+from parallel.experts import gather_experts
 from parallel.parallelize import find_model
 from strategies.families.deepspeed_ep import ZeroEPConfig
 
