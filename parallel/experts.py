@@ -180,5 +180,5 @@ def gather_experts(state: dict[str, Any], model: Any, group: Any, prefix: str = 
     return out
 
 
-__all__ = ["apply_ep", "apply_ep_fsdp2", "ep_group", "exchange", "experts_of",
-           "gather_experts", "mark_experts", "shard_experts"]
+__all__ = ["apply_ep", "apply_ep_fsdp2", "ep_group", "exchange", "experts_of", "gather_experts", "mark_experts",
+           "shard_experts"]
