@@ -39,17 +39,22 @@ def leaders(run_dir: str | Path) -> frozenset[int] | None:
 
 
 def layout(run_dir: Path, rank: int, world_size: int, share: Any) -> list[tuple[tuple[int, ...], str]]:
-    """Every rank: (the ranks whose marker it sees in ``run_dir``, its host name), per rank.
+    """Every rank: (the ranks whose marker it sees in ``run_dir`` -- rank 0's alone unless the
+    directories are declared per host -- its host name), per rank.
     ``share(value)`` is rank 0's value on every rank. Remembers the leaders where the directories
     are per host and declared so."""
     import torch.distributed as dist
 
     token = share(uuid.uuid4().hex if rank == 0 else None)
+    # Undeclared, only rank 0's marker is asked about (one file, a stat per rank on a shared
+    # filesystem); declared per host, every rank's (a host's local disk), to find the groups.
+    writers = range(world_size) if declared() else (0,)
     run_dir.mkdir(parents=True, exist_ok=True)
     mine = run_dir / f".shared-{token}-{rank}"
-    mine.write_text(token)
+    if rank in writers:
+        mine.write_text(token)
     dist.barrier()
-    here = tuple(r for r in range(world_size) if (run_dir / f".shared-{token}-{r}").is_file())
+    here = tuple(r for r in writers if (run_dir / f".shared-{token}-{r}").is_file())
     seen: list[Any] = [None] * world_size
     dist.all_gather_object(seen, (here, socket.gethostname()))
     dist.barrier()
