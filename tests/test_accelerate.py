@@ -46,7 +46,8 @@ SGD_CASES = {"single", "ddp", "ddp-accumulation", "fsdp", "fsdp-accumulation", "
 # accumulation case keeps DDP's scaling in CI) run in the slow tier.
 SLOW_CASES = {("zero2_offload", "adamw"), ("zero3_offload", "adamw"), ("fsdp_grad_op", "adamw"),
               ("zero2", "adamw"), ("fsdp-accumulation", "sgd"), ("zero1", "sgd"),
-              ("zero3-accumulation", "adamw"), ("ddp", "sgd")}
+              ("zero3-accumulation", "adamw"), ("ddp", "sgd"),
+              ("zero2-accumulation", "sgd"), ("fsdp", "sgd")}
 MATRIX = [(c, o) if not (o == "adamw" and c in SGD_CASES or (c, o) in SLOW_CASES)
           else pytest.param(c, o, marks=pytest.mark.slow)
           for c in ACCELERATE for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]

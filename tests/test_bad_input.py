@@ -168,11 +168,16 @@ def _cli(*overrides: str) -> subprocess.CompletedProcess:
 
 SEED = int(os.environ.get("STRATAGEM_FUZZ_SEED", "7"))
 DRAW = random.Random(SEED).sample(_all_cases(), 16)
+CI_DRAW = 5
+"""The first 5 of the draw run in CI (each a whole train.py start, ~6 s); the other 11 in the slow
+tier. Every value of the draw is also refused in-process by test_bad_value_is_one_clear_error."""
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("overrides", "needle"), DRAW, ids=[" ".join(o) for o, _ in DRAW])
+@pytest.mark.parametrize(("overrides", "needle"),
+                         [pytest.param(*case, marks=() if i < CI_DRAW else pytest.mark.slow)
+                          for i, case in enumerate(DRAW)], ids=[" ".join(o) for o, _ in DRAW])
 def test_cli_exits_2_with_one_message_and_no_traceback(overrides, needle):
     proc = _cli(*overrides)
     log = proc.stdout + proc.stderr

@@ -290,7 +290,7 @@ def _resume_command(log: str) -> list[str]:
 # CI: the default single process (Lightning's own Ctrl-C handling bypassed) and our launcher's ranks
 # on Lightning (its SIGTERM handler replaced); Accelerate's stop is the same step-boundary check
 # (proven in CI by the SIGUSR1 test above), its Ctrl-C here in the slow tier.
-CTRL_C = [("single", "lightning"), ("ddp", "lightning"),
+CTRL_C = [pytest.param("single", "lightning", marks=pytest.mark.slow), ("ddp", "lightning"),
           pytest.param("ddp", "accelerate", marks=pytest.mark.slow)]
 
 

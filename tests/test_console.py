@@ -131,7 +131,7 @@ def _messages(log: str) -> list[str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", CONSOLE_RUNS)
+@pytest.mark.parametrize("name", [pytest.param("single", marks=pytest.mark.slow), "ddp", "zero2"])
 def test_the_console_says_each_thing_once(tmp_path, name):
     run = run_cli("train.py", "model=gpt_nano", "trainer.max_steps=3", "cluster.accelerator=cpu",
                   "data.val_fraction=0.1", *CONSOLE_RUNS[name], out=tmp_path / name, timeout=240)

@@ -28,7 +28,7 @@ EQUIVALENCE = ["fsdp", "fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "f
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, optimizer", by_optimizer(
-    EQUIVALENCE, slow_adamw={"fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "hsdp2-ac"}))
+    EQUIVALENCE, slow_adamw={"fsdp", "fsdp-accumulation", "fsdp_grad_op-ac", "fsdp_hybrid", "hsdp2-ac"}))
 def test_matches_single_process_and_shards(cached, reference, name, optimizer):
     c = CASES[name]
     run = cached(*EQUIV, *c.overrides, *OPTIMIZERS[optimizer], "backend=lightning")

@@ -52,7 +52,7 @@ def single(tmp_path_factory) -> dict:
 
 
 # CI: a replicating and a sharding engine (DDP, DeepSpeed ZeRO-3); the rest in the slow tier.
-CI_PRESETS = {"ddp", "zero3"}
+CI_PRESETS = {"ddp"}  # zero3 through a user script: test_clients and the documented module (zero2)
 
 
 @pytest.mark.parametrize("preset", [p if p in CI_PRESETS else pytest.param(p, marks=pytest.mark.slow)
@@ -72,7 +72,7 @@ def test_user_script_trains_with_preset(preset, single, tmp_path):
 # One process: every preset that runs on one CPU process (not the expert-parallel ones: ep ranks
 # fold into at least ep data-parallel ranks). CI: one per engine.
 ONE_PROCESS = [n for n in CPU_PRESETS if not (m := strategies.load(n).mesh(1, 1)).shard and not m.problems()]
-BUILD_CI = {"ddp_powersgd", "fsdp", "fsdp2", "zero3"}
+BUILD_CI = {"fsdp2", "zero3"}
 
 
 @pytest.mark.parametrize("preset", [p if p in BUILD_CI else pytest.param(p, marks=pytest.mark.slow)

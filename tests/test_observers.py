@@ -108,7 +108,7 @@ STATE_GAPS: dict[str, str] = {}
 
 # The accumulation and SHARD_GRAD_OP variants hold their base case's layout: the slow tier.
 STATE_SLOW = {"ddp-accumulation", "fsdp-accumulation", "fsdp_grad_op", "zero2-accumulation",
-              "zero3-accumulation"}
+              "zero3-accumulation", "ddp_fp16_compress"}  # (compression holds ddp's state)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
