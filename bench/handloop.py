@@ -116,15 +116,15 @@ def main() -> None:
     sampler = GlobalBatchSampler(len(data), global_batch=a.global_batch, micro_batch=a.micro_batch,
                                  dp_rank=rank, dp_size=world, seed=SEED, steps=a.steps)
     batches = iter(DataLoader(data, batch_sampler=sampler))
-    seconds, losses = [], []
+    seconds, cpu, losses = [], [], []
     dist.barrier()
     t_loop = time.perf_counter()
     for _ in range(a.steps):
         micro = []
-        t0 = None
+        t0 = c0 = None
         for k in range(accumulation):
             tokens, targets = next(batches)
-            t0 = t0 or time.perf_counter()
+            t0, c0 = t0 or time.perf_counter(), c0 or time.process_time()
             logits = model(tokens)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             micro.append(loss.detach())
@@ -144,12 +144,14 @@ def main() -> None:
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
         seconds.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     loop = time.perf_counter() - t_loop
     if rank == 0:
         timed = seconds[1:] or seconds
         Path(a.out).write_text(json.dumps({
             "family": a.family, "world_size": world, "steps": a.steps, "losses": losses,
             "step_seconds": statistics.median(timed), "loop_seconds": loop / a.steps,
+            "step_cpu_seconds": statistics.median(cpu[1:] or cpu),
             "seconds": seconds}))
     # gloo processes abort at exit unless torn down in this order (PLATFORM.md).
     del model, opt

@@ -14,7 +14,10 @@ Two measures, both excluding start-up (process launch, imports, model build and 
 - step: median step time, the first step excluded, from the first micro-batch in hand to the
   loss reduced (report.json -> throughput.step_seconds; the hand loop times the same span);
 - loop: the whole training loop over the steps (report.json -> wall_seconds), which also
-  counts what runs between steps (data loading, the engine's hooks) and the first step.
+  counts what runs between steps (data loading, the engine's hooks) and the first step;
+- CPU per step: rank 0's process CPU time over the same span as step (every thread's;
+  report.json -> throughput.step_cpu_seconds): what the step cost the host, which other jobs on
+  the machine move far less than they move the wall clock (a shared machine's measure).
 Targets (issue 15): <= 1.03 without observers, <= 1.10 with them.
 """
 
@@ -45,8 +48,9 @@ def _ours(family: str, backend: str, a: argparse.Namespace, out: Path, observers
     return report
 
 
-def _measures(report: dict) -> tuple[float, float]:
-    return report["throughput"]["step_seconds"], report["wall_seconds"] / report["steps"]
+def _measures(report: dict) -> tuple[float, float, float]:
+    t = report["throughput"]
+    return t["step_seconds"], report["wall_seconds"] / report["steps"], t["step_cpu_seconds"]
 
 
 def _same_losses(ours: dict, hand: dict) -> float:
@@ -71,8 +75,8 @@ def main(argv: list[str]) -> None:
     if a.smoke:
         a.model, a.steps, a.reps, a.families, a.backends, a.observers = "gpt_nano", 3, 1, ["ddp"], ["lightning"], []
 
-    # ratios[(family, backend, label)] = ([step ratios], [loop ratios], [loss differences])
-    ratios: dict[tuple[str, str, str], tuple[list, list, list]] = {}
+    # ratios[(family, backend, label)] = ([step], [loop], [CPU per step] ratios, [loss differences])
+    ratios: dict[tuple[str, str, str], tuple[list, list, list, list]] = {}
     hand_steps: dict[str, list[float]] = {}
     rows = [(f, b, "none") for f in a.families for b in a.backends]
     rows += [("ddp", b, o) for o in a.observers for b in a.backends]
@@ -100,28 +104,31 @@ def main(argv: list[str]) -> None:
                 for row, report in got.items():
                     if report is None:
                         continue
-                    step, loop = _measures(report)
-                    s, lp, d = ratios.setdefault(row, ([], [], []))
+                    step, loop, cpu = _measures(report)
+                    s, lp, c, d = ratios.setdefault(row, ([], [], [], []))
                     s.append(step / hand["step_seconds"])
                     lp.append(loop / hand["loop_seconds"])
+                    c.append(cpu / hand["step_cpu_seconds"])
                     d.append(_same_losses(report, hand))
                 print(f"# repetition {rep + 1}/{a.reps} {family}: done", flush=True)
 
     lines = ["| family | backend | observers on | step time vs hand loop | whole loop vs hand loop | "
-             "hand step (s) | max loss difference |", "|---|---|---|---|---|---|---|"]
+             "CPU per step vs hand loop | hand step (s) | max loss difference |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         family, backend, obs = row
         if row not in ratios:
-            lines.append(f"| {family} | {backend} | {obs} | failed | | | |")
+            lines.append(f"| {family} | {backend} | {obs} | failed | | | | |")
             continue
-        s, lp, d = ratios[row]
+        s, lp, c, d = ratios[row]
         hs = sorted(hand_steps.get(family, [0.0]))[len(hand_steps.get(family, [0.0])) // 2]
-        lines.append(f"| {family} | {backend} | {obs} | {common.fmt_ratio(s)} | {common.fmt_ratio(lp)} | "
+        lines.append(f"| {family} | {backend} | {obs} | {common.fmt_ratio(s)} | {common.fmt_ratio(lp)} | {common.fmt_ratio(c)} | "
                      f"{hs:.3f} | {max(d):.1e} |")
     notes = (f"{a.model}, {a.devices} CPU processes (gloo) x 1 thread, synthetic tokens, global batch "
              f"{a.global_batch}, fp32, AdamW, clip 1.0, {a.steps} steps, {a.reps} alternating repetitions. "
              "Ratio = ours / hand-written loop (bench/handloop.py) per repetition: median (min-max). "
-             "step: median step, first excluded; whole loop: train start to end over the steps. "
+             "step: median step, first excluded; whole loop: train start to end over the steps; CPU: "
+             "rank 0's process CPU time over the step's span (every thread), median. "
              "'observers on': ours with that observer (besides the throughput clock) — the hand loop "
              "has none. Target: <= 1.03 with none, <= 1.10 with observers.")
     common.emit("overhead", common.command_line(), notes, "\n".join(lines), smoke=a.smoke or a.print_only)

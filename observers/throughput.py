@@ -7,7 +7,9 @@ that median, ``tflops_per_second`` (model FLOPs: ``ModelConfig.flops_per_token``
 the whole world) and ``mfu`` -- that rate over the devices' dense peak for the run's precision
 (``PEAK_TFLOPS``, by GPU name, or the matmul rate ``planner.calibrate`` measured on this
 machine; None on an uncalibrated CPU or an unlisted GPU) -- with ``peak_tflops`` and
-``mfu_formula``, the formula and the peak it divides by -- and ``steps_timed``.
+``mfu_formula``, the formula and the peak it divides by -- ``step_cpu_seconds`` (this rank's
+process CPU time per step, every thread's, the same median: what the step cost the host whatever
+else the machine runs, bench/overhead.py's load-independent measure) and ``steps_timed``.
 """
 
 from __future__ import annotations
@@ -46,20 +48,24 @@ class Throughput(Observer):
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.flops_per_token, self.precision, self.peak = flops_per_token, precision, peak
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
         self.world_size = 1
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         self.world_size = engine.world_size
 
     def on_step_start(self, engine: Engine, step: int) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         self.seconds.append(time.perf_counter() - self._t0)
+        self.cpu_seconds.append(time.process_time() - self._c0)
 
-    def step_seconds(self) -> float:
-        timed = self.seconds[1:] or self.seconds
+    def step_seconds(self, cpu: bool = False) -> float:
+        """The median step (the first excluded when there are others): wall clock, or ``cpu``."""
+        times = self.cpu_seconds if cpu else self.seconds
+        timed = times[1:] or times
         return statistics.median(timed) if timed else 0.0
 
     def report(self) -> dict[str, Any]:
@@ -77,7 +83,7 @@ class Throughput(Observer):
             "step_seconds": step, "tokens_per_second": rate(self.tokens_per_step),
             "samples_per_second": rate(self.samples_per_step), "tflops_per_second": tflops,
             "mfu": tflops / (peak * self.world_size) if peak else None,
-            "peak_tflops": peak, "mfu_formula": formula,
+            "peak_tflops": peak, "mfu_formula": formula, "step_cpu_seconds": self.step_seconds(cpu=True),
             "steps_timed": len(self.seconds[1:] or self.seconds)}}
 
 

@@ -125,6 +125,7 @@ def test_throughput_and_activations_are_reported(cached, backend):
     r = _run(cached, "ddp", backend, "sgd").report
     t = r["throughput"]
     assert t["step_seconds"] > 0 and t["tokens_per_second"] > 0 and t["tflops_per_second"] > 0
+    assert t["step_cpu_seconds"] > 0  # this rank's CPU time over the same span
     assert t["mfu"] is None  # CPU: no device peak
     assert all(rank["activations"] > 0 for rank in r["memory"]["ranks"])
     assert set(r["predicted_vs_measured"]) == {"state_bytes", "activations", "communication", "step_seconds",
