@@ -69,11 +69,13 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
     # on CPU) is not measured (0: not priced).
     steps = {"ddp": _ddp_step(ddp, loss),
-             **_fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, loss, run_of),
-             **_zero_steps(lambda: GPT(shape).to(device), rank, loss, run_of, ds)}
+             **(_fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, loss, run_of)
+                if world > 1 else {}),
+             **_zero_steps(lambda: GPT(shape).to(device), rank, world, loss, run_of, ds)}
     t = _median_seconds(steps, sync, barrier)
     elem = 4 if dtype == torch.float32 else 2
-    priced = _priced(params, blocks, world, elem, collectives, t)
+    priced = _priced(params, blocks, world, elem, collectives, t) if world > 1 else {}
+    priced |= _offload_priced(params, world, elem, measured, t, priced)
     unstepped = measured["optimizer_ns_per_param"] * 1e-9 * params * (1 - 1 / world)
     if rank == 0 and os.environ.get("STRATAGEM_CALIBRATION_DEBUG"):
         print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",
@@ -126,19 +128,24 @@ def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: st
     return {"fsdp2": fsdp2_step}
 
 
-def _zero_steps(model: Callable[[], Any], rank: int, loss: Callable[[Any], Any],
+def _zero_steps(model: Callable[[], Any], rank: int, world: int, loss: Callable[[Any], Any],
                 run_of: Callable[[Any], Any], ds: Any) -> dict[str, Callable[[], None]]:
-    """{"zero2", "zero3": DeepSpeed's whole step} as ZeroConfig builds each, less those the
-    preset refuses."""
+    """{"zero2", "zero3", "zero2_offload", "zero3_offload": DeepSpeed's whole step} as ZeroConfig
+    builds each (the offloaded ones over one process too, their optimizer torch AdamW stepping on
+    the host as the run's builders make it), less those the preset refuses."""
     import argparse
 
     import torch
 
+    from recipes.training import auto_impl
     from strategies.families.deepspeed import ZeroConfig
 
     steps = {}
-    for stage in (2, 3):
-        zero = ZeroConfig(stage=stage)
+    for stage, offload in ((2, False), (3, False), (2, True), (3, True)):
+        if world == 1 and not offload:  # (sharding over one rank: never priced)
+            continue
+        where = dict(offload_optimizer="cpu", offload_params="cpu" if stage == 3 else "none") if offload else {}
+        zero = ZeroConfig(stage=stage, **where)
         run = run_of(zero)
         if zero.problems(run):
             continue
@@ -147,17 +154,18 @@ def _zero_steps(model: Callable[[], Any], rank: int, loss: Callable[[Any], Any],
 
         torch.manual_seed(0)
         built = model()
+        impl = auto_impl("adamw", next(built.parameters()).device.type)  # (as the run builds it)
+        opt = torch.optim.AdamW(built.parameters(), lr=1e-4, **{impl: True})
         engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=rank),
                                           config=zero.deepspeed_json(run), model=built,
-                                          model_parameters=list(built.parameters()),
-                                          optimizer=torch.optim.AdamW(built.parameters(), lr=1e-4),
+                                          model_parameters=list(built.parameters()), optimizer=opt,
                                           dist_init_required=False)
 
         def zero_step(engine: Any = engine) -> None:
             engine.backward(loss(engine))
             engine.step()
 
-        steps[f"zero{stage}"] = zero_step
+        steps[f"zero{stage}" + ("_offload" if offload else "")] = zero_step
     return steps
 
 
@@ -193,6 +201,26 @@ def _priced(params: int, blocks: int, world: int, elem: int, collectives: dict[s
             # gathered in forward, the blocks again in backward, reduce-scattered in fp32
             "fsdp2": (wire("all_gather", elem) * (1 + blocks / params) + wire("reduce_scatter", 4)
                       - wire("all_reduce", 4))}.items() if k in measured}
+
+
+def _offload_priced(params: int, world: int, elem: int, measured: dict[str, float],
+                    t: dict[str, float], wire: dict[str, float]) -> dict[str, float]:
+    """Seconds an offloaded ZeRO step adds beyond DDP's that the planner prices itself, at the
+    rates just measured: the collectives (``wire``: the stage's own, ``_priced``'s), the host's
+    optimizer over this rank's partition and its copies (ZeroFootprint.traffic: gradients down and
+    updates up; ZeRO-3's parameter shards fetched twice a micro-batch), less the device's step
+    it replaces (``unstepped`` adds back the sharded share)."""
+    rate = measured.get("host_copy_GBps", 0.0) * 1e9
+    out = {}
+    for stage in (2, 3):
+        if f"zero{stage}_offload" not in t:
+            continue
+        moved = 2 * params * elem / world + (2 * params * elem / world if stage == 3 else 0)
+        host = measured.get("host_optimizer_ns_per_param", 0.0) * 1e-9 * params / world
+        device = measured["optimizer_ns_per_param"] * 1e-9 * params / world
+        out[f"zero{stage}_offload"] = (wire.get(f"zero{stage}", 0.0) + host - device
+                                       + (moved / rate if rate else 0.0))
+    return out
 
 
 if __name__ == "__main__":
