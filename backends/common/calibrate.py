@@ -16,7 +16,11 @@ collectives a stage sends beyond DDP's, as ZeroFootprint prices them at the pres
 stage3_max_live_parameters keeps the parameters through backward -- instead of DDP's
 all-reduce; FSDP2 gathers in forward, the blocks again in backward, and reduce-scatters in
 fp32), at the bandwidths just measured; and the moments a sharded optimizer does not
-step. Each engine is built as its preset builds it, at its defaults (``ZeroConfig.deepspeed_json``,
+step. ZeRO-2 and ZeRO-3 with the optimizer offloaded (zero2_offload, zero3_offload: over one
+process too) run against DDP on one short row, where their own work per parameter is not buried
+under the batch's compute: ``engine_ns_per_param_zero2_offload`` and ``_zero3_offload``, with the
+host's optimizer step (torch AdamW, as our presets hand DeepSpeed the recipe's optimizer) and the
+host<->device copies taken out at the rates just measured. Each engine is built as its preset builds it, at its defaults (``ZeroConfig.deepspeed_json``,
 ``FSDP2Config.plan``); one its preset refuses here (16-mixed on CPU) is not measured.
 """
 
@@ -52,10 +56,15 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
                 else torch.autocast(device.type, enabled=False))
 
-    def loss(model: Any) -> Any:
+    def loss(model: Any, x: Any = tokens) -> Any:
         with autocast:
-            logits = model(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+            logits = model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+
+    def short(model: Any) -> Any:
+        """One short row: what an offloaded engine adds per parameter does not depend on the
+        tokens, and the reference batch's compute would bury it in the machine's noise."""
+        return loss(model, tokens[:1, :32])
 
     def run_of(strategy: Any) -> Any:
         """The run a preset's builders would see here: one micro-batch per rank, clipping at 1."""
@@ -68,10 +77,10 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     blocks = sum(p.numel() for p in ddp.module.layers.parameters())
     # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
     # on CPU) is not measured (0: not priced).
-    steps = {"ddp": _ddp_step(ddp, loss),
+    steps = {**({"ddp": _ddp_step(ddp, loss)} if world > 1 else {}), "ddp_short": _ddp_step(ddp, short),
              **(_fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, loss, run_of)
                 if world > 1 else {}),
-             **_zero_steps(lambda: GPT(shape).to(device), rank, world, loss, run_of, ds)}
+             **_zero_steps(lambda: GPT(shape).to(device), rank, world, (loss, short), run_of, ds)}
     t = _median_seconds(steps, sync, barrier)
     elem = 4 if dtype == torch.float32 else 2
     priced = _priced(params, blocks, world, elem, collectives, t) if world > 1 else {}
@@ -81,7 +90,8 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",
               {k: round(v * 1e3, 1) for k, v in priced.items()}, "unstepped ms", round(unstepped * 1e3, 1),
               flush=True)
-    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - t["ddp"] - priced[k] + unstepped) / params * 1e9)
+    base = {k: t["ddp_short" if k.endswith("_offload") else "ddp"] for k in priced}
+    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - base[k] - priced[k] + unstepped) / params * 1e9)
             for k in priced}
 
 
@@ -128,11 +138,12 @@ def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: st
     return {"fsdp2": fsdp2_step}
 
 
-def _zero_steps(model: Callable[[], Any], rank: int, world: int, loss: Callable[[Any], Any],
+def _zero_steps(model: Callable[[], Any], rank: int, world: int, losses: tuple[Callable[[Any], Any], ...],
                 run_of: Callable[[Any], Any], ds: Any) -> dict[str, Callable[[], None]]:
     """{"zero2", "zero3", "zero2_offload", "zero3_offload": DeepSpeed's whole step} as ZeroConfig
     builds each (the offloaded ones over one process too, their optimizer torch AdamW stepping on
-    the host as the run's builders make it), less those the preset refuses."""
+    the host as the run's builders make it, on the short batch: ``losses[1]``), less those the
+    preset refuses."""
     import argparse
 
     import torch
@@ -161,7 +172,7 @@ def _zero_steps(model: Callable[[], Any], rank: int, world: int, loss: Callable[
                                           model_parameters=list(built.parameters()), optimizer=opt,
                                           dist_init_required=False)
 
-        def zero_step(engine: Any = engine) -> None:
+        def zero_step(engine: Any = engine, loss: Callable[[Any], Any] = losses[offload]) -> None:
             engine.backward(loss(engine))
             engine.step()
 
