@@ -73,6 +73,20 @@ def test_an_offload_plan_adds_the_host_optimizer_copies_and_engine(tmp_path, mon
 
 
 @pytest.mark.unit
+def test_over_several_ranks_an_offloaded_zero_takes_the_stages_engine_figure(tmp_path, monkeypatch):
+    """The calibration measures the offloaded engines over one process only (over two they measured
+    1.00-1.03x the stage's own): sharded, zero2_offload's engine term is ZeRO-2's figure."""
+    from planner import machine
+
+    two = ("model=gpt_nano", "cluster.devices=2", "trainer.global_batch_size=4")
+    _cache(tmp_path, monkeypatch, {**MACHINE, **HOST, "engine_ns_per_param_zero2": 7.0,
+                                   "format": machine.FORMAT}, *two)
+    p = _plan(*two, "strategy=zero2_offload")
+    params = p.memory.host_items["fp32_master"] / 4 * 2  # (each rank's fp32 partition: half)
+    assert p.engine_seconds == pytest.approx(params * 7e-9, rel=1e-3)
+
+
+@pytest.mark.unit
 def test_a_small_model_is_planned_at_the_measured_floor(tmp_path, monkeypatch):
     """gpt_nano's computed step is microseconds; the plan is the measured floor: per step plus
     per block and micro-batch (2 blocks, 2 micro-batches per step here). No calibration: no floor."""
