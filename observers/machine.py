@@ -15,6 +15,12 @@ of its own so that plan.py never imports torch:
   per second, and that over ``matmul_tflops``: what norms, attention and elementwise work leave of
   the matmul rate (the planner's MFU for this machine);
 - ``optimizer_ns_per_param``: AdamW's step with gradient clipping, per fp32 parameter;
+- ``host_optimizer_ns_per_param``, ``host_copy_GBps``: what an offloading run adds on the host
+  -- the optimizer it really runs there (torch AdamW over DeepSpeed's or FSDP's fp32 host
+  partitions, as our presets build it: not DeepSpeedCPUAdam) and the host<->device copy rate
+  (pinned on CUDA; a memcpy on CPU, where the device is the host);
+- ``floor_seconds``, ``layer_floor_seconds``: a step of a GPT too small to compute anything,
+  per step and per block: the launch and Python overhead under which no step goes;
 - ``tp_speedup`` (world > 1 dividing the reference heads and ffn; else absent): a 2-block model's forward and backward, whole on every process
   against tensor-parallel over all of them (``apply_tp``): what tensor parallelism over the
   world really divides a rank's time by -- its all-reduces, DTensor's dispatch and the norms and
@@ -113,6 +119,69 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
             "optimizer_ns_per_param": optimizer}
 
 
+def _host(accelerator: str, device: Any, sync: Any, barrier: Any) -> dict[str, float]:
+    """What an offloading run does on the host, and a step's floor (see the module):
+    ``host_optimizer_ns_per_param`` (torch AdamW as an offloaded ZeRO or FSDP optimizer steps
+    on the host -- fused where the run is on CUDA, as ``trainer.optimizer_impl=auto`` builds it
+    there, foreach on a CPU run -- its gradient norm and clip included, per fp32 parameter, at
+    this process's threads), ``host_copy_GBps`` (bytes per second of a host<->device copy, both
+    ways averaged: pinned host memory on CUDA; on CPU the device is the host and a copy is a
+    memcpy), and ``floor_seconds`` / ``layer_floor_seconds`` (a step of a 1- and a 2-block GPT
+    of width 32: the launch and Python overhead no FLOP count sees, per step and per block)."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(2**20)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    from recipes.training import fused_missing
+
+    fused = accelerator == "gpu" and fused_missing("adamw", "cpu") is None
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+
+    def update() -> None:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        torch._foreach_mul_([p.grad for p in params], float(1.0 / max(1.0, norm.item())))
+        opt.step()
+
+    barrier()
+    host_opt = _timed(update, repeats=5, sync=lambda: None) / sum(p.numel() for p in params) * 1e9
+    n = 2**24  # 64 MiB of fp32
+    host = torch.empty(n, pin_memory=accelerator == "gpu")
+    there = torch.empty(n, device=device)
+    barrier()
+    down = _timed(lambda: there.copy_(host, non_blocking=True), repeats=5, sync=sync)
+    up = _timed(lambda: host.copy_(there, non_blocking=True), repeats=5, sync=sync)
+    floors = [_tiny_step(layers, device, sync, barrier) for layers in (1, 2)]
+    per_layer = max(0.0, floors[1] - floors[0])
+    return {"host_optimizer_ns_per_param": host_opt, "host_copy_GBps": 2 * n * 4 / (down + up) / 1e9,
+            "floor_seconds": max(0.0, floors[0] - per_layer), "layer_floor_seconds": per_layer}
+
+
+def _tiny_step(layers: int, device: Any, sync: Any, barrier: Any) -> float:
+    """Median seconds of a whole training step (forward, backward, clip, AdamW) of a GPT too
+    small to compute anything: what launching its kernels from Python costs."""
+    import torch
+    import torch.nn.functional as F
+
+    from recipes.config import ModelConfig
+    from recipes.gpt import GPT
+
+    shape = ModelConfig(name="floor", dim=32, n_layers=layers, n_heads=4, n_kv_heads=4,
+                        vocab_size=256, seq_len=32, ffn_dim=64)
+    model = GPT(shape).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 256, (2, 32), device=device)
+
+    def step() -> None:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    barrier()
+    return _timed(step, repeats=10, sync=sync)
+
+
 def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, sync: Any,
                      barrier: Any) -> float:
     """How much faster a rank runs our model's forward and backward with tensor parallelism over
@@ -209,7 +278,7 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
         device = torch.device("cuda", rank)
     sync = torch.cuda.synchronize if accelerator == "gpu" else (lambda: None)
     grouped = world > 1
-    if grouped:
+    if grouped or engines is not None:  # (one process too: the offloaded engines need a group)
         # (as torchrun would set them: DeepSpeed's engine reads them)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -218,11 +287,12 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     barrier = dist.barrier if grouped else (lambda: None)
     try:
         mine = _compute(accelerator, precision, device, sync, barrier)
+        mine |= _host(accelerator, device, sync, barrier)
         heads, ffn = REFERENCE[accelerator][1:3]
         if grouped and heads % world == 0 and ffn % world == 0:  # (else: not measured, 0)
             mine["tp_speedup"] = _tensor_parallel(accelerator, precision, world, device, sync, barrier)
         collectives = _collectives(accelerator, rank, world, device, sync, barrier) if grouped else {}
-        if grouped and engines is not None:  # (backends/common/calibrate.py: DeepSpeed's own work)
+        if engines is not None:  # (backends/common/calibrate.py: DeepSpeed's own work)
             mine |= engines(accelerator, precision, world, rank, device, sync, barrier, mine, collectives)
         every = [None] * world
         if grouped:
@@ -238,7 +308,7 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
         if grouped:
             barrier()
     finally:
-        if grouped:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -264,7 +334,7 @@ def main(argv: list[str] | None = None, engines: Any = None) -> None:
 
     threads = a.threads or cpu_threads(a.world)
     if a.world == 1:
-        _rank(0, 1, 0, a.accelerator, a.precision, threads, a.out, engines)
+        _rank(0, 1, _free_port(), a.accelerator, a.precision, threads, a.out, engines)
         return
     import torch.multiprocessing as mp
 

@@ -291,8 +291,10 @@ def assumptions(su: Setup) -> list[str]:
            f"GB = 1e9 bytes, GiB = 2^30; memory is per device; accounting {acc}",
            f"compute = {mfu_formula(su)}; activation checkpointing adds one forward (x 4/3)"
            + ("; step = compute / (1 - bubble) + exposed communication + the optimizer step "
-              "(AdamW's measured ns per parameter this device steps) + the engine's own work (ZeRO's or "
-              "FSDP2's measured ns per parameter this device holds, per micro-batch)"
+              "(AdamW's measured ns per parameter this device steps; offloaded: the host's, its copies "
+              "at the measured host<->device rate) + the engine's own work (ZeRO's, offloaded ZeRO's or "
+              "FSDP2's measured ns per parameter this device holds, per micro-batch), never under the "
+              "measured floor (a tiny model's step: per step + per block and micro-batch)"
               if su.machine is not None else ""),
            "collective time = bandwidth + latency (ring: 2(N-1)/N x bytes per rank for all-reduce, "
            "(N-1)/N for all-gather / reduce-scatter; groups spanning nodes run at inter_node_GBps; "

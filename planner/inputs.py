@@ -163,6 +163,8 @@ class Setup:
         c, o = self.cluster, self.options
         if group == "intra" and self.machine is not None and (got := self.machine.link(op or "all_reduce")):
             return got[0]
+        if group == "host" and self.machine is not None and self.machine.host_copy_GBps:
+            return self.machine.host_copy_GBps  # (the measured host<->device copy)
         return {"intra": c.intra_node_GBps, "inter": c.inter_node_GBps,
                 "host": o.host_link_GBps, "nvme": o.nvme_GBps}[group]
 

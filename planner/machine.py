@@ -22,9 +22,10 @@ from typing import Any
 
 CACHE = Path("~/.cache/stratagem/machine")
 ROOT = Path(__file__).resolve().parents[1]
-FORMAT = 3
+FORMAT = 4
 """The calibration's format: a cache written by an older one (without the engines' own work:
-1; without FSDP2's: 2) is measured again."""
+1; without FSDP2's: 2; without the host's optimizer and copies and the step's floor: 3) is
+measured again."""
 # planner's collective kinds -> the measured operation
 OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
        "send_recv": "send"}
@@ -53,6 +54,20 @@ class Machine:
     """The same for ZeRO-3 (its per-module fetch and release hooks)."""
     engine_ns_per_param_fsdp2: float = 0.0
     """The same for torch FSDP2 (its per-block hooks, all-gather and reduce-scatter copies)."""
+    engine_ns_per_param_zero2_offload: float = 0.0
+    engine_ns_per_param_zero3_offload: float = 0.0
+    """The same for ZeRO-2 and ZeRO-3 with the optimizer (and ZeRO-3's parameters) on the host,
+    their host optimizer step and copies taken out; measured over one process too."""
+    host_optimizer_ns_per_param: float = 0.0
+    """torch AdamW stepping fp32 partitions on the host as an offloaded optimizer does (fused on
+    a CUDA run, foreach on a CPU one), clipping included, ns per parameter at a rank's threads."""
+    host_copy_GBps: float = 0.0
+    """A host<->device copy, GB/s (pinned host memory on CUDA; on CPU a memcpy)."""
+    floor_seconds: float = 0.0
+    """A whole step of a GPT too small to compute anything, less its blocks: launch and Python
+    overhead per step, under which no step goes."""
+    layer_floor_seconds: float = 0.0
+    """The same per block and micro-batch."""
     threads: int = 1
     world: int = 1
     precision: str = "32"
@@ -66,6 +81,18 @@ class Machine:
         got = self.collectives.get(OPS.get(op, ""))
         return (got["GBps"], got["latency_us"] * 1e-6) if got else None
 
+    def optimizer_seconds(self, moments: float, host: bool) -> float:
+        """The optimizer's step over ``moments`` parameters: on the host (``host``: an offloaded
+        optimizer) at the host's measured rate, else on the device."""
+        ns = self.host_optimizer_ns_per_param if host and self.host_optimizer_ns_per_param else \
+            self.optimizer_ns_per_param
+        return moments * ns * 1e-9
+
+    def floor(self, layers: float, micro_batches: int) -> float:
+        """The least a step takes: its launch and Python overhead, ``layers`` blocks per rank
+        run ``micro_batches`` times."""
+        return self.floor_seconds + self.layer_floor_seconds * layers * micro_batches
+
     def describe(self) -> str:
         links = ", ".join(f"{op} {v['GBps']:.2g} GB/s + {v['latency_us']:.3g} us" for op, v in self.collectives.items())
         return (f"measured on {self.host} ({self.device}, {self.world} process(es) x {self.threads} "
@@ -76,6 +103,9 @@ class Machine:
                    f"{self.engine_ns_per_param_zero3:.3g} / FSDP2 {self.engine_ns_per_param_fsdp2:.3g} "
                    "ns/param" if self.engine_ns_per_param_zero2 or self.engine_ns_per_param_zero3
                    or self.engine_ns_per_param_fsdp2 else "")
+                + (f", the host's AdamW {self.host_optimizer_ns_per_param:.3g} ns/param and copies "
+                   f"{self.host_copy_GBps:.3g} GB/s (offload), a step's floor {self.floor_seconds:.3g} s + "
+                   f"{self.layer_floor_seconds:.3g} s per block" if self.host_copy_GBps else "")
                 + (f"; {links}" if links else "") + f" ({self.path})")
 
 

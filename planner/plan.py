@@ -18,7 +18,7 @@ from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.states import GB, float8_gather, gb, state_bytes
 from planner.compute import bubble_fraction, flops_per_step, mfu, peak_flops, peak_source
-from strategies.footprint import SHARDED, Footprint, Sizes
+from strategies.footprint import DEVICE, SHARDED, Footprint, Sizes
 from parallel.pipeline import bubble as pipeline_bubble
 from parallel.pipeline import fsdp_gathers
 
@@ -67,7 +67,11 @@ class Plan:
     compute_seconds: float = 0.0
     exposed_seconds: float = 0.0
     optimizer_seconds: float = 0.0
-    """The optimizer step's own time (calibrated machines only: AdamW's measured ns per parameter)."""
+    """The optimizer step's own time (calibrated machines only: AdamW's measured ns per parameter,
+    the host's where the optimizer is offloaded)."""
+    floor_seconds: float = 0.0
+    """The least a step takes, its launch and Python overhead (calibrated machines only): the
+    step is never planned under it."""
     engine_seconds: float = 0.0
     """The engine's own work beyond its collectives and optimizer step (calibrated machines
     only: DeepSpeed ZeRO's and FSDP2's measured ns per parameter and micro-batch)."""
@@ -384,10 +388,11 @@ class _Seconds:
     engine: float
     bubble: float
     exposed: float
+    floor: float = 0.0
 
     @property
     def step(self) -> float:
-        return self.compute / (1 - self.bubble) + self.exposed + self.optimizer + self.engine
+        return max(self.compute / (1 - self.bubble) + self.exposed + self.optimizer + self.engine, self.floor)
 
 
 def _seconds(lo: _Layout) -> _Seconds:
@@ -409,18 +414,19 @@ def _seconds(lo: _Layout) -> _Seconds:
                    and not c.planned_only)
     if measured_tp:  # the calibration ran this very layout: TP over every process
         compute *= tp / su.machine.tp_speedup
-    optimizer = 0.0
-    if su.machine is not None:  # AdamW's step over the moments this device holds
+    optimizer = floor = 0.0
+    if su.machine is not None:  # AdamW's step over the moments this device holds (offloaded: the host's)
         moments = sizes.trainable / (shard if fp.optimizer == SHARDED else 1)
-        optimizer = moments * su.machine.optimizer_ns_per_param * 1e-9
+        optimizer = su.machine.optimizer_seconds(moments, host=fp.optimizer_offload != DEVICE)
+        floor = su.machine.floor(sizes.units - 1, per_step)  # (units: the blocks and the root)
     engine = 0.0
-    if su.machine is not None and fp.engine and shard > 1 and not c.planned_only:
+    if su.machine is not None and fp.engine and (shard > 1 or "offload" in fp.engine) and not c.planned_only:
         # DeepSpeed's or FSDP2's hooks and copies, measured against DDP on the calibrated world
-        # (the reference model's collectives and sharded step taken out), over this rank's
-        # parameters for each micro-batch it runs; an engine over one rank is not applied
-        # (parallel.py's FSDP2 at dp 1) or not measured (one process)
-        engine = (sizes.params * getattr(su.machine, f"engine_ns_per_param_{fp.engine}", 0.0) * 1e-9
-                  * per_step)
+        # (the reference model's collectives, sharded or host step and copies taken out), over this
+        # rank's parameters for each micro-batch it runs; over one rank not applied (FSDP2 at dp 1)
+        # or not measured, but for an offloaded ZeRO (sharded, offloaded: the stage's own figure)
+        name = fp.engine if shard == 1 else fp.engine.removesuffix("_offload")
+        engine = sizes.params * getattr(su.machine, f"engine_ns_per_param_{name}", 0.0) * 1e-9 * per_step
     try:
         bubble = pipeline_bubble(lo.schedule, pp, lo.virtual, m, recompute=ckpt)
     except (RuntimeError, ValueError, KeyError):  # a schedule that cannot run (its problems say why)
@@ -434,7 +440,7 @@ def _seconds(lo: _Layout) -> _Seconds:
         exposed = max(0.0, exposed - sum(x.seconds for n, x in comm.by_collective.items()
                                          if n.startswith("tp_")))
     return _Seconds(comm=comm, compute=compute, optimizer=optimizer, engine=engine, bubble=bubble,
-                    exposed=exposed)
+                    exposed=exposed, floor=floor)
 
 
 def _stalled(comm: Communication, su: Setup) -> list[str]:
@@ -482,7 +488,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 memory=mem, communication=t.comm,
                 bubble_fraction=t.bubble, step_seconds=step,
                 compute_seconds=t.compute, exposed_seconds=t.exposed, optimizer_seconds=t.optimizer,
-                engine_seconds=t.engine,
+                engine_seconds=t.engine, floor_seconds=t.floor,
                 flops_per_step=flops_per_step(su, lo.recompute), peak_tflops=peak_flops(su) / 1e12,
                 peak_source=peak_source(su), mfu=mfu(su), cluster=cl.name,
                 world_size=mesh.size, device_bytes=device_bytes, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,

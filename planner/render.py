@@ -42,6 +42,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "exposed_seconds": p.exposed_seconds,
         "optimizer_seconds": p.optimizer_seconds,
         "engine_seconds": p.engine_seconds,
+        "floor_seconds": p.floor_seconds,
         "compute": {"flops_per_step": p.flops_per_step, "peak_tflops": p.peak_tflops,
                     "peak_source": p.peak_source, "mfu": p.mfu},
         "device_memory": p.device_bytes,
@@ -203,6 +204,7 @@ def _breakdown(con: Any, p: Plan, accounting: str = "actual") -> None:
               f"{p.microbatches} micro-batch(es) per step")
     optimizer = f", optimizer step {_secs(p.optimizer_seconds)}" if p.optimizer_seconds else ""
     optimizer += f", engine's own work {_secs(p.engine_seconds)}" if p.engine_seconds else ""
+    optimizer += f", at least {_secs(p.floor_seconds)} (launch overhead)" if p.floor_seconds else ""
     con.print(f"compute {_secs(p.compute_seconds)}, exposed communication "
               f"{_secs(p.exposed_seconds)}{optimizer}, bubble {p.bubble_fraction:.1%}: "
               f"step ~ {_secs(p.step_seconds)}")

@@ -407,8 +407,9 @@ class ZeroFootprint(Footprint):
 
     @property
     def engine(self) -> str:
-        """ZeRO-1 and 2 share DeepSpeed's stage_1_and_2 optimizer: one measured overhead."""
-        return "zero3" if self.stage == 3 else "zero2"
+        """ZeRO-1 and 2 share DeepSpeed's stage_1_and_2 optimizer: one measured overhead; with the
+        optimizer offloaded to the host its own (``zero2_offload``, ``zero3_offload``)."""
+        return ("zero3" if self.stage == 3 else "zero2") + ("_offload" if self.optimizer_offload == CPU else "")
 
     def regathered(self, n: Sizes) -> float:
         return max(0.0, n.params - self.live_params / n.mp)
