@@ -121,14 +121,4 @@ def test_engines_that_cannot_compile_blocks_refuse_by_name(preset, reason):
     assert "trainer.compile=false" in msg
 
 
-@pytest.mark.unit
-def test_powersgd_under_compile_is_refused_with_the_measured_reason():
-    """Compiled blocks change the order DDP's gradients arrive in, so its rebuilt buckets and
-    PowerSGD's per-bucket projections: measured 0.10 apart in parameters after 4 compressed steps
-    (the closing note of #40). Refused by name; auto never compiles it."""
-    base = ["strategy=ddp_powersgd", "cluster.devices=2", "cluster.accelerator=cpu"]
-    with pytest.raises(ConfigError) as e:
-        validate(compose([*base, "trainer.compile=true"]))
-    assert "trainer.compile=true with strategy.comm_hook=powersgd" in str(e.value)
-    assert "trainer.compile=false" in str(e.value)
-    assert not validate(compose(base)).run.compile
+# (PowerSGD under compile: tests/test_powersgd_compile.py)

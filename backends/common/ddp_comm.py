@@ -207,11 +207,9 @@ def comm_hook(preset: Any) -> tuple[Any, Any]:
                                      post_local_gradient_allreduce=False)
         return pl.post_localSGD_hook, state
     if preset.comm_hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        from backends.common.powersgd import powersgd
 
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=preset.powersgd_rank,
-                                 start_powerSGD_iter=preset.powersgd_warmup_steps)
-        return one_bucket_at_a_time(ps.powerSGD_hook), state
+        return powersgd(preset.powersgd_rank, preset.powersgd_warmup_steps)
     if preset.comm_hook == "topk":
         return topk_hook, TopKState(preset.topk_ratio, preset.start_step)
     if preset.comm_hook == "int8":

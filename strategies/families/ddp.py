@@ -68,15 +68,6 @@ class DDPConfig(StrategyConfig):
             return [(f"strategy.sync={self.sync} sends no gradients after strategy.start_step (each "
                      f"rank steps on its own), so strategy.comm_hook={self.comm_hook} has nothing to "
                      "compress: set strategy.comm_hook=none")]
-        if self.comm_hook == "powersgd" and run.compile:
-            # measured (gpt_nano, 2 ranks, SGD): equal until the first compressed step, then
-            # losses 2e-3 and parameters 0.10 apart; find_unused_parameters (no rebuild) crashes
-            # the compiled run on gloo with a collective size mismatch
-            return ["trainer.compile=true with strategy.comm_hook=powersgd: compiled blocks hand DDP "
-                    "their gradients in another order, so the buckets it rebuilds from that order, "
-                    "and PowerSGD's per-bucket random projections, differ from the eager run's -- a "
-                    "different run, not the same one faster; use trainer.compile=false (auto keeps "
-                    "it off here), or another strategy.comm_hook"]
         return []
 
     def resume_problem(self) -> str | None:
