@@ -86,7 +86,7 @@ def test_compression_with_relaxed_sync_is_refused():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("preset", ["ddp_topk", "ddp_int8", "local_sgd", "diloco"])
+@pytest.mark.parametrize("preset", ["ddp_topk", "ddp_int8", "ddp_powersgd", "local_sgd", "diloco"])
 def test_resume_is_refused_by_name(preset):
     from recipes.config import compose
     from recipes.job import validate

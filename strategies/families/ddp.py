@@ -72,11 +72,13 @@ class DDPConfig(StrategyConfig):
 
     def resume_problem(self) -> str | None:
         """Why a checkpoint of this preset cannot be continued exactly (None: it can). The
-        checkpoint holds rank 0's parameters and optimizer only: top-k's and int8's per-rank
-        error-feedback residuals, local SGD's diverged replicas between synchronizations and
+        checkpoint holds rank 0's parameters and optimizer only: PowerSGD's error feedback and
+        warm-started factors (torch's hook state), top-k's and int8's per-rank error-feedback
+        residuals, local SGD's diverged replicas between synchronizations and
         DiLoCo's outer parameters and momentum are not in it, so a resumed run would silently
         differ. Refused instead."""
-        extra = {"topk": "top-k's error-feedback residuals", "int8": "int8's error-feedback residuals"
+        extra = {"topk": "top-k's error-feedback residuals", "int8": "int8's error-feedback residuals",
+                 "powersgd": "PowerSGD's error feedback and warm-started P/Q factors"
                  }.get(self.comm_hook) or {"local_sgd": "local SGD's per-rank replicas between "
                                            "synchronizations", "diloco": "DiLoCo's outer parameters "
                                            "and momentum"}.get(self.sync)
