@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_accelerate_user import SCRIPT, TWO, _export, _launch, _ranks
+from tests.test_clients import TRAINING
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -153,3 +154,23 @@ def test_a_gpu_export_on_this_machine_trains_what_the_decision_says(tmp_path, cp
     lone = [line for line in out.splitlines() if line.startswith('{"rank": ')]
     assert len(lone) == 2 and all('"rank": 0, "world": 1, "distributed_type": "NO"' in r for r in lone), out[-2000:]
 
+
+
+ADAMW_RTOL = {"ddp_fp16_compress": 5e-3}
+"""Where AdamW needs another tolerance than test_clients' SGD (measured): fp16-rounded gradients,
+which AdamW's normalization turns into whole-size update errors for the small ones -- the
+predictions' signed sum 2.6e-3 off (cancellation), the losses at most 1.5e-4."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("preset", TRAINING)
+def test_a_documented_lightning_client_gets_its_preset_with_adamw(preset, tmp_path):
+    """test_clients' matrix (fit, validate, test, predict, fit again, validate; 2 CPU ranks,
+    norm clipping) with AdamW: its moments are what ZeRO and FSDP shard."""
+    from tests.test_clients import CLIP, LOOSE, RTOL, assert_calls_equal, client_run, reference
+
+    run = client_run(preset, tmp_path / "calls.json", optimizer="adamw")
+    rtol = ADAMW_RTOL.get(preset, LOOSE.get(preset, RTOL))
+    assert_calls_equal(run["calls"], reference(CLIP, "adamw"), rtol)
