@@ -94,9 +94,9 @@ def unhooked(config: dict[str, Any], *, cuda: bool, cpu: bool) -> str:
     is right (``preset``) and on the others, and once Accelerate dropped the plugin nothing of
     the config runs at ``prepare`` -- the hook checks there (``_checked_class``)."""
     kind = config["distributed_type"]
-    section = config.get("fsdp_config", {}).get("fsdp_auto_wrap_policy", "") if kind == "FSDP" else \
-        config.get("deepspeed_config", {}).get("deepspeed_config_file", "") if kind == "DEEPSPEED" else ""
-    if str(section).startswith(HOOK_REQUIRED):
+    read = {"FSDP": config.get("fsdp_config", {}).get("fsdp_auto_wrap_policy"),  # (what Accelerator()
+            "DEEPSPEED": config.get("deepspeed_config", {}).get("deepspeed_config_file")}.get(kind)  # reads)
+    if str(read).startswith(HOOK_REQUIRED):
         return "refused"
     if config["num_processes"] == 1 or kind == "NO":
         return "preset"  # (one process: nothing to distribute, nothing dropped)
