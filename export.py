@@ -52,11 +52,14 @@ def main(argv: list[str]) -> None:
         atomic_write_text(ds_file, json.dumps(deepspeed_config(job), indent=2) + "\n")
         written.append(ds_file)
     if kind == "accelerate":
-        from backends.accelerate.export import accelerate_yaml, node_instructions
+        from backends.accelerate.export import (accelerate_config, accelerate_yaml, node_instructions,
+                                                unhooked_notes)
 
-        atomic_write_text(out, accelerate_yaml(job, str(out), str(ds_file.resolve()) if ds_file else None))
+        ds_path = str(ds_file.resolve()) if ds_file else None
+        atomic_write_text(out, accelerate_yaml(job, str(out), ds_path))
         written.append(out)
-        for line in node_instructions(job, str(out)):  # (stderr: stdout is the list of files)
+        notes = node_instructions(job, str(out)) + unhooked_notes(job, accelerate_config(job, ds_path))
+        for line in notes:  # (stderr: stdout is the list of files)
             print(line, file=sys.stderr)
     for path in written:
         print(path)

@@ -2,10 +2,10 @@
 (no ``configure_model``), every step hook, plain DataLoaders (Lightning adds the distributed
 sampler) -- and no stratagem import beyond ``import strategies``; one of our presets by name:
 
-    python tests/lightning_client_script.py <strategy> <devices> <out.json> [<gradient_clip_val>]
+    python tests/lightning_client_script.py <strategy> <devices> <out.json> [<gradient_clip_val> [<optimizer>]]
 
 fit (3 steps), validate, test, predict, fit again (3 more steps on the same Trainer), validate,
-on ``devices`` CPU ranks, 8 samples per step over all ranks (SGD). Rank 0 writes each call's
+on ``devices`` CPU ranks, 8 samples per step over all ranks (SGD, or one of ``OPTIMIZERS``). Rank 0 writes each call's
 result: the training losses (averaged over the ranks), the evaluation loss, the predictions'
 count and sum -- so a run can be compared with the same script on one process.
 """
@@ -23,11 +23,14 @@ from torch.utils.data import DataLoader, TensorDataset
 import strategies  # noqa: F401  (our presets join Lightning's registry)
 
 GLOBAL_BATCH, STEPS = 8, 3
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+              "adamw": lambda params: torch.optim.AdamW(params, lr=0.01)}
 
 
 class Regression(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__()
+        self.optimizer = optimizer
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
                                        torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
@@ -53,7 +56,7 @@ class Regression(L.LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return OPTIMIZERS[self.optimizer](self.parameters())
 
     def _loader(self, samples: int, seed: int) -> DataLoader:
         g = torch.Generator().manual_seed(seed)
@@ -88,13 +91,13 @@ def _predicted(trainer, batches) -> dict:
     return {"sum": float(local[0]), "count": int(local[1])}
 
 
-def main(strategy: str, devices: int, out: str, clip: float | None) -> None:
+def main(strategy: str, devices: int, out: str, clip: float | None, optimizer: str = "sgd") -> None:
     losses = Losses()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[losses], gradient_clip_val=clip,
                         num_sanity_val_steps=0)
-    module, done = Regression(), []
+    module, done = Regression(optimizer), []
     trainer.fit(module)
     done.append(["fit", {"losses": losses.losses[:]}])
     done.append(["validate", trainer.validate(module, verbose=False)[0]])
@@ -113,4 +116,5 @@ def main(strategy: str, devices: int, out: str, clip: float | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]) if len(sys.argv) > 4 else None)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]) if len(sys.argv) > 4 else None,
+         *sys.argv[5:6])

@@ -33,9 +33,10 @@ CI = {"fsdp"}
 TRAINING = list(CPU_PRESETS)  # every one (zero2_ep too: tests/test_zero2_ep.py)
 
 
-def reference(clip: float | None) -> list:
-    """The script's calls as Lightning's 2-rank data-parallel run computes them, on one process."""
-    from tests.lightning_client_script import GLOBAL_BATCH, STEPS, Regression
+def reference(clip: float | None, optimizer: str = "sgd") -> list:
+    """The script's calls as Lightning's 2-rank data-parallel run computes them, on one process
+    (each fit a fresh optimizer, as each ``Trainer.fit`` calls ``configure_optimizers``)."""
+    from tests.lightning_client_script import GLOBAL_BATCH, OPTIMIZERS, STEPS, Regression
 
     model, ranks, calls = Regression(), 2, []
 
@@ -52,7 +53,7 @@ def reference(clip: float | None) -> list:
             s = DistributedSampler(range(len(x)), ranks, r, shuffle=True, seed=0)
             s.set_epoch(epoch)
             samplers.append(list(s))
-        opt, losses, per = torch.optim.SGD(model.parameters(), lr=0.1), [], GLOBAL_BATCH // ranks
+        opt, losses, per = OPTIMIZERS[optimizer](model.parameters()), [], GLOBAL_BATCH // ranks
         for step in range(STEPS):
             opt.zero_grad()
             rank_losses = [torch.nn.functional.mse_loss(model(x[i]), y[i]) for i in
@@ -79,9 +80,10 @@ def reference(clip: float | None) -> list:
     return calls
 
 
-def client_run(preset: str, out, clip: float | None = CLIP) -> dict:
+def client_run(preset: str, out, clip: float | None = CLIP, optimizer: str = "sgd") -> dict:
+    assert clip or optimizer == "sgd", "the script takes its optimizer after a clip value"
     proc = subprocess.run([sys.executable, str(SCRIPT), registry_name(preset), "2", str(out),
-                           *([str(clip)] if clip else [])],
+                           *([str(clip)] if clip else []), *([optimizer] if optimizer != "sgd" else [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     log = proc.stdout + proc.stderr

@@ -52,7 +52,12 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
             raise ValueError("a DeepSpeed preset's accelerate config points at its DeepSpeed JSON")
         # precision lives in the JSON; Accelerate refuses it in both places. ZeRO-3: a script's
         # from_pretrained builds the model partitioned (deepspeed.zero.Init) instead of whole on
-        # every rank (train.py builds under zero.Init itself and ignores the flag)
+        # every rank (train.py builds under zero.Init itself and ignores the flag). On CPU a plain
+        # Accelerator() would train DDP or lone processes: the file it reads is the hook's refusal
+        # (train.py and the hook pass their own plugin and never read it)
+        if run.accelerator == "cpu":
+            deepspeed_file = hook_required(job.strategy.name, "DeepSpeed",
+                                           f"the preset's DeepSpeed JSON: {deepspeed_file}")
         return cfg | {"distributed_type": "DEEPSPEED",
                       "deepspeed_config": {"deepspeed_config_file": deepspeed_file,
                                            "zero3_init_flag": job.strategy.stage == 3}}
@@ -60,24 +65,47 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
     if "fsdp_plugin" in kwargs:
         section = _fsdp_section(kwargs["fsdp_plugin"])
         if run.accelerator == "cpu":  # Accelerate alone would train DDP: refuse without the hook
-            section["fsdp_auto_wrap_policy"] = hook_required(job.strategy.name, section)
+            wrap = ("fsdp_transformer_layer_cls_to_wrap" if "fsdp_transformer_layer_cls_to_wrap" in section
+                    else "fsdp_min_num_params")
+            section["fsdp_auto_wrap_policy"] = hook_required(job.strategy.name, "FSDP", f"it wraps by {wrap}")
         return cfg | {"distributed_type": "FSDP", "fsdp_config": section}
     # DDP: the launcher's multi-process path (also for CPU ranks: Accelerate's MULTI_CPU launch
     # starts one process); the preset's hooks and buckets are applied by train.py itself
     return cfg | {"distributed_type": "MULTI_GPU" if w.size > 1 else "NO"}
 
 
-def hook_required(preset: str, section: dict[str, Any]) -> str:
-    """A CPU export's ``fsdp_auto_wrap_policy``: refused by a plain ``Accelerator()`` with this
-    text, read by ``stratagem_accelerator`` (backends/accelerate/user.py)."""
+def hook_required(preset: str, engine: str, note: str) -> str:
+    """A CPU export's value that a plain ``Accelerator()`` reads at its first line and refuses with
+    this text: FSDP's ``fsdp_auto_wrap_policy`` (``Invalid auto wrap policy: ...``), DeepSpeed's
+    ``deepspeed_config_file`` (``Expected a string path to an existing deepspeed config ...
+    Received: ...``), both built from the launcher's variables whatever ``cpu=`` says; read by
+    ``stratagem_accelerator`` (backends/accelerate/user.py), which builds its own plugin."""
     from backends.accelerate.user import HOOK_REQUIRED
 
-    wrap = ("fsdp_transformer_layer_cls_to_wrap" if "fsdp_transformer_layer_cls_to_wrap" in section
-            else "fsdp_min_num_params")
-    return (f"{HOOK_REQUIRED}: on CPU, Accelerate alone drops FSDP and trains DDP; this config runs "
-            f"strategy={preset} only in a script that builds its Accelerator with "
+    return (f"{HOOK_REQUIRED}: on CPU, Accelerate alone drops {engine} and trains DDP or lone processes; "
+            f"this config runs strategy={preset} only in a script that builds its Accelerator with "
             f"`from backends.accelerate import stratagem_accelerator; accelerator = "
-            f"stratagem_accelerator('{preset}')` (it wraps by {wrap})")
+            f"stratagem_accelerator('{preset}')` ({note})")
+
+
+UNHOOKED_SAYS = {"ddp": "trains DDP", "lone": "trains every rank alone"}
+
+
+def unhooked_notes(job: Job, config: dict[str, Any]) -> list[str]:
+    """What export.py says of a GPU export for a script without the hook: the runs Accelerate
+    alone would train without a word (``user.unhooked``; a CPU export refuses them itself)."""
+    from backends.accelerate.user import LAUNCHED, unhooked
+
+    runs = {"with Accelerator(cpu=True)": unhooked(config, cuda=True, cpu=True),
+            "on a machine without GPUs": unhooked(config, cuda=False, cpu=False)}
+    wrong = [f"{UNHOOKED_SAYS[got]} {where}" for where, got in runs.items() if got in UNHOOKED_SAYS]
+    if config["distributed_type"] not in LAUNCHED or not wrong:
+        return []
+    preset = job.strategy.name
+    return [f"a script without the hook gets Accelerate's own {config['distributed_type']} from this "
+            f"file on GPUs, but {' and '.join(wrong)}, without a word; "
+            f"`accelerator = stratagem_accelerator('{preset}')` (from backends.accelerate import "
+            "stratagem_accelerator) runs the preset in each case and checks its engine at prepare"]
 
 
 def node_instructions(job: Job, path: str) -> list[str]:

@@ -20,13 +20,16 @@ DDP or lone processes without a word (state.py). What it refuses, with a ``Confi
 * a prepared model that is not the preset's engine (an FSDP2 module, FSDP1's wrapper, a
   ``DeepSpeedEngine``, DDP), at ``prepare``.
 
-A script without this line (``Accelerator()``) runs none of our code. Under an FSDP preset's CPU
-export it stops at ``Accelerator()``: the YAML's ``fsdp_auto_wrap_policy`` is ``HOOK_REQUIRED``,
-which Accelerate refuses by name (``Invalid auto wrap policy: STRATAGEM_HOOK_REQUIRED: ...``).
-Not caught: a ZeRO preset's CPU export (trains DDP or lone processes: Accelerate 1.15 drops the
-plugin on CPU and its config file refuses any key of ours), and a GPU export on a machine without
-GPUs (lone processes). A GPU export on GPUs is Accelerate's own FSDP or DeepSpeed from the YAML:
-the preset's engine, without the check at ``prepare``.
+A script without this line (``Accelerator()``, with or without ``cpu=True``) runs none of our
+code. Under a CPU export it stops at ``Accelerator()``, which builds the plugin the launcher's
+variables name before it picks a device: an FSDP preset's ``fsdp_auto_wrap_policy`` and a ZeRO
+preset's ``deepspeed_config_file`` are ``HOOK_REQUIRED`` text, which Accelerate refuses by name
+(``Invalid auto wrap policy: STRATAGEM_HOOK_REQUIRED: ...``; ``Expected a string path to an
+existing deepspeed config ... Received: STRATAGEM_HOOK_REQUIRED: ...``). A GPU export on GPUs is
+Accelerate's own FSDP or DeepSpeed from the YAML: the preset's engine, without the check at
+``prepare``. Not caught (``unhooked``): a GPU export run with ``Accelerator(cpu=True)`` or on a
+machine without GPUs (DDP on CPU, or lone processes; Accelerate reads the same plugin values on
+the run that is right, and nothing of a config runs at ``prepare`` once it dropped the plugin).
 
 The wrap policy (FSDP): ``wrap=`` (a class name of the model, several with commas; an int: by
 size, that many parameters a unit), else what the launcher's config says (``export.wrap``), else
@@ -44,10 +47,11 @@ PRECISIONS = {"no": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 """Accelerate's ``mixed_precision`` -> ours."""
 
 HOOK_REQUIRED = "STRATAGEM_HOOK_REQUIRED"
-"""What a CPU export writes as its ``fsdp_auto_wrap_policy``: Accelerate's own ``Accelerator()``
-refuses it by name when it builds the FSDP plugin from the launcher's variables, on CPU too
-(where it would then drop the plugin and train DDP), so an unhooked script stops at its first
-line; the hook passes its own plugin and reads the wrap from the class names or the size."""
+"""What a CPU export writes as its ``fsdp_auto_wrap_policy`` (FSDP) or ``deepspeed_config_file``
+(ZeRO): Accelerate's own ``Accelerator()`` refuses it by name when it builds the plugin from the
+launcher's variables, on CPU too (where it would then drop the plugin and train DDP or lone
+processes), so an unhooked script stops at its first line; the hook passes its own plugin (FSDP:
+the wrap from the class names or the size; ZeRO: the preset's DeepSpeed config)."""
 
 LAUNCHED = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}
 """The engine a launcher's config names -> the variable ``accelerate launch`` sets for it."""
@@ -70,6 +74,37 @@ def _wrap(wrap: str | int | None) -> str | int | None:
 
         return int(os.environ.get("FSDP_MIN_NUM_PARAMS", SIZE_WRAP_PARAMS))
     return None
+
+
+UNHOOKED = ("refused", "preset", "ddp", "lone")
+"""What a script without the hook trains under an exported config (``unhooked``)."""
+
+
+def unhooked(config: dict[str, Any], *, cuda: bool, cpu: bool) -> str:
+    """What a script that builds its own ``Accelerator(cpu=cpu)`` (no hook) trains under the
+    exported launcher config ``config`` (export.py's ``accelerate_config``) on a machine with or
+    without CUDA GPUs, as Accelerate 1.15 decides it (state.py's notes), one of ``UNHOOKED``:
+    ``refused`` (a CPU export's plugin value is ``HOOK_REQUIRED``: it stops at ``Accelerator()``),
+    ``preset`` (Accelerate's own FSDP or DeepSpeed from the YAML, on GPUs), ``ddp`` (the plugin
+    dropped for ``cpu=True``: DDP on gloo, without a word; a DDP preset's YAML is plain DDP
+    without the preset's hooks), ``lone`` (no GPU and no ``cpu=True``: every rank trains alone
+    -- FSDP: ``DistributedType.NO``; DeepSpeed: one process per Accelerate state).
+
+    Only ``refused`` is enforced: a GPU export's values are read the same way on the run that
+    is right (``preset``) and on the others, and once Accelerate dropped the plugin nothing of
+    the config runs at ``prepare`` -- the hook checks there (``_checked_class``)."""
+    kind = config["distributed_type"]
+    read = {"FSDP": config.get("fsdp_config", {}).get("fsdp_auto_wrap_policy"),  # (what Accelerator()
+            "DEEPSPEED": config.get("deepspeed_config", {}).get("deepspeed_config_file")}.get(kind)  # reads)
+    if str(read).startswith(HOOK_REQUIRED):
+        return "refused"
+    if config["num_processes"] == 1 or kind == "NO":
+        return "preset"  # (one process: nothing to distribute, nothing dropped)
+    if kind not in LAUNCHED:
+        return "ddp" if cpu or cuda else "lone"
+    if cpu:
+        return "ddp"
+    return "preset" if cuda else "lone"
 
 
 def _engine(kwargs: dict[str, Any], world: int) -> str:
