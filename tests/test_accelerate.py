@@ -181,7 +181,8 @@ def test_exports_are_safe_at_scale(tmp_path):
     cfg = load_config_from_file(str(yaml_path))
     assert isinstance(cfg, ClusterConfig)
     assert (cfg.num_machines, cfg.num_processes, cfg.machine_rank, cfg.main_process_port) == (8, 64, 0, 29500)
-    assert cfg.deepspeed_config == {"deepspeed_config_file": str(ds_path.resolve()), "zero3_init_flag": True}
+    assert cfg.deepspeed_config == {"deepspeed_config_file": str(ds_path.resolve()), "zero3_init_flag": True,
+                                    "deepspeed_multinode_launcher": "standard"}  # (not pdsh: node_instructions)
     zero = json.loads(ds_path.read_text())["zero_optimization"]
     assert zero["offload_optimizer"]["pin_memory"] is True and zero["offload_param"]["pin_memory"] is True
     # one node, ZeRO-2, CPU: no per-node instructions, no ZeRO-3 init, nothing pinned

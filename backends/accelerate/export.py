@@ -58,9 +58,10 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
         if run.accelerator == "cpu":
             deepspeed_file = hook_required(job.strategy.name, "DeepSpeed",
                                            f"the preset's DeepSpeed JSON: {deepspeed_file}")
-        return cfg | {"distributed_type": "DEEPSPEED",
-                      "deepspeed_config": {"deepspeed_config_file": deepspeed_file,
-                                           "zero3_init_flag": job.strategy.stage == 3}}
+        section = {"deepspeed_config_file": deepspeed_file, "zero3_init_flag": job.strategy.stage == 3}
+        if w.nodes > 1:  # every node runs the same command (node_instructions); Accelerate's
+            section["deepspeed_multinode_launcher"] = "standard"  # default is pdsh from node 0
+        return cfg | {"distributed_type": "DEEPSPEED", "deepspeed_config": section}
     cfg["mixed_precision"] = of(run.precision).accelerate
     if "fsdp_plugin" in kwargs:
         section = _fsdp_section(kwargs["fsdp_plugin"])
