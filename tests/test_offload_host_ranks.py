@@ -8,7 +8,7 @@ bf16 gradients; none on one rank, where the bucket is one slice and flatten a vi
 coalesced_collectives.py ``reduce_scatter_coalesced``'s ``torch.cat`` (+57.4 MB) and gloo's
 ``reduce_scatter_tensor`` (+57.4 MB, a copy of its input; NCCL makes none), on 1 rank too.
 The planner books them in the device plan's backward buffers (``memory.buffers``; on a GPU they
-are device memory, on CPU the host's): ``ZeroFootprint.reduction_copies``. The RSS proof is
+are device memory, on CPU the host's): strategies/footprint.py ``reduction_copies``. The RSS proof is
 tests/test_offload_host.py's 2-rank cases (slow tier)."""
 
 from __future__ import annotations
@@ -56,17 +56,17 @@ def test_zero3_books_the_coalesced_cat_and_gloos_reduce_scatter_copy():
     one, two = _cpu("zero3_offload", 1), _cpu("zero3_offload", 2)
     assert one.buffers == two.buffers
     from strategies.families.deepspeed import ZeroFootprint
-    from strategies.footprint import Sizes, StateBytes
+    from strategies.footprint import Sizes, StateBytes, reduction_copies
 
     sb = StateBytes(params=2, grads=2, master=4, optimizer=8, gather=2, reduce=2, activation=2)
     fp = ZeroFootprint(stage=3, reduce_bucket=200_000_000)
     n = dict(params=3e7, trainable=3e7, bytes=sb, dp=2, shard=2)
-    assert fp.reduction_copies(Sizes(**n, resident=True)) == 2 * 3e7 * 2
-    assert fp.reduction_copies(Sizes(**n)) == 3e7 * 2
-    assert fp.reduction_copies(Sizes(**{**n, "params": 1e9, "trainable": 1e9})) == 2e8 * 2  # one bucket
+    assert reduction_copies(fp, Sizes(**n, resident=True)) == 2 * 3e7 * 2
+    assert reduction_copies(fp, Sizes(**n)) == 3e7 * 2
+    assert reduction_copies(fp, Sizes(**{**n, "params": 1e9, "trainable": 1e9})) == 2e8 * 2  # one bucket
     zero2 = ZeroFootprint(stage=2, reduce_bucket=200_000_000)
-    assert zero2.reduction_copies(Sizes(**n, resident=True)) == 3e7 * 2  # gloo's all_reduce: in place
-    assert zero2.reduction_copies(Sizes(**{**n, "dp": 1, "shard": 1})) == 0
+    assert reduction_copies(zero2, Sizes(**n, resident=True)) == 3e7 * 2  # gloo's all_reduce: in place
+    assert reduction_copies(zero2, Sizes(**{**n, "dp": 1, "shard": 1})) == 0
 
 
 @pytest.mark.unit

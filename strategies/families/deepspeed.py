@@ -34,7 +34,8 @@ from typing import Any
 from core.precision import find
 from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
 from core.knobs import knob
-from strategies.footprint import CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic
+from strategies.footprint import (CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic,
+                                  reduction_copies)
 from core.mesh import Mesh
 from core.run import Run
 
@@ -378,26 +379,8 @@ class ZeroFootprint(Footprint):
         return written * n.bytes.grads
 
     def backward_extra(self, n: Sizes) -> float:
-        # ZeRO-1: full gradients until the boundary's reduction
-        if self.stage == 1:
-            return n.trainable * n.bytes.grads if n.dp > 1 else 0.0
-        return self.reduction_copies(n)
-
-    def reduction_copies(self, n: Sizes) -> float:
-        """The flat copies a bucket's reduction makes beside the bucket at backward's end
-        (measured, DeepSpeed 0.19.8, RSS high-water marks around each call on CPU): ZeRO-2,
-        with dp > 1, stage_1_and_2.py ``allreduce_bucket``'s ``self.flatten(bucket)`` (the
-        bucket's slices, one run per destination rank, concatenated: a copy once the bucket
-        spans two ranks' partitions); ZeRO-3, coalesced_collectives.py
-        ``reduce_scatter_coalesced``'s ``torch.cat`` of the bucket's gradients (any world
-        size), and on a host (gloo) torch's ``reduce_scatter_tensor`` one more copy of its
-        input (ProcessGroupGloo; NCCL makes none). Each holds the bucket's gradients: at most
-        ``reduce_bucket_size`` elements, at most what is reduced."""
-        if not self.reduce_bucket or (self.stage < 3 and n.dp <= 1):
-            return 0.0
-        reduced = n.trainable if self.stage < 3 else n.params
-        copies = 1 + (self.stage >= 3 and n.resident)
-        return copies * min(self._reduce_bucket(n), reduced) * n.bytes.grads
+        # ZeRO-1: full gradients until the boundary's reduction; ZeRO-2/3: the reduction's copies
+        return n.trainable * n.bytes.grads * (n.dp > 1) if self.stage == 1 else reduction_copies(self, n)
 
     def prefetched(self, n: Sizes) -> float:
         return min(self._prefetch(n) / n.mp, n.params) if self._prefetch(n) else n.unit
