@@ -378,3 +378,20 @@ def moe_features(shape: Any) -> dict[str, float]:
 
 __all__ = ["CPU", "DEVICE", "FSDPFootprint", "Footprint", "HOST_STATES", "MiB", "NVME", "REPLICATED", "SHARDED",
            "Sizes", "StateBytes", "States", "Traffic", "moe_features"]
+
+
+def reduction_copies(fp: Any, n: Sizes) -> float:
+    """DeepSpeed ZeRO-2/3 (``fp``: its footprint): the flat copies a bucket's reduction makes
+    beside the bucket at backward's end (measured, DeepSpeed 0.19.8, RSS high-water marks around
+    each call on CPU). ZeRO-2, with dp > 1: stage_1_and_2.py ``allreduce_bucket``'s
+    ``self.flatten(bucket)`` (the bucket's slices, one run per destination rank, concatenated: a
+    copy once the bucket spans two ranks' partitions; on one rank a view). ZeRO-3, on any number
+    of ranks: coalesced_collectives.py ``reduce_scatter_coalesced``'s ``torch.cat`` of the
+    bucket's gradients, and on a host (gloo) torch's ``reduce_scatter_tensor`` one more copy of
+    its input (NCCL makes none). Each is one bucket's gradients: ``reduce_bucket_size`` elements
+    at most, and at most what is reduced. docs/PLANNER.md, "Host memory of offload"."""
+    if not fp.reduce_bucket or (fp.stage < 3 and n.dp <= 1):
+        return 0.0
+    reduced = n.trainable if fp.stage < 3 else n.params
+    copies = 1 + (fp.stage >= 3 and n.resident)
+    return copies * min(fp._reduce_bucket(n), reduced) * n.bytes.grads

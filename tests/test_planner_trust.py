@@ -30,8 +30,8 @@ def test_deepspeed_auto_bucket_sizes_are_planned_from_the_hidden_size():
     h = describe(cfg.model).dim
     z2 = _plans(*BF16_1B, "strategy=zero2")["zero2"]
     auto = _plans(*BF16_1B, "strategy=zero2", f"{raw}.reduce_bucket_size=auto")["zero2"]
-    # two buffers (overlap_comm) of h^2 bf16 elements instead of 200M
-    assert z2.memory.buffers - auto.memory.buffers == (200_000_000 - h * h) * 2 * 2
+    # two buffers (overlap_comm) and the reduction's flat copy of one, h^2 bf16 elements instead of 200M
+    assert z2.memory.buffers - auto.memory.buffers == (200_000_000 - h * h) * 2 * 3
     assert any("reduce_bucket_size=auto: h^2" in n for n in auto.notes)
     z3 = _plans(*BF16_1B, "strategy=zero3", f"{raw}.stage3_prefetch_bucket_size=auto")["zero3"]
     explicit = _plans(*BF16_1B, "strategy=zero3",

@@ -34,7 +34,8 @@ from typing import Any
 from core.precision import find
 from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
 from core.knobs import knob
-from strategies.footprint import CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic
+from strategies.footprint import (CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic,
+                                  reduction_copies)
 from core.mesh import Mesh
 from core.run import Run
 
@@ -378,8 +379,8 @@ class ZeroFootprint(Footprint):
         return written * n.bytes.grads
 
     def backward_extra(self, n: Sizes) -> float:
-        # ZeRO-1: full gradients until the boundary's reduction
-        return n.trainable * n.bytes.grads if self.stage == 1 and n.dp > 1 else 0.0
+        # ZeRO-1: full gradients until the boundary's reduction; ZeRO-2/3: the reduction's copies
+        return n.trainable * n.bytes.grads * (n.dp > 1) if self.stage == 1 else reduction_copies(self, n)
 
     def prefetched(self, n: Sizes) -> float:
         return min(self._prefetch(n) / n.mp, n.params) if self._prefetch(n) else n.unit
