@@ -408,8 +408,7 @@ class ZeroFootprint(Footprint):
 
     @property
     def engine(self) -> str:
-        """ZeRO-1 and 2 share DeepSpeed's stage_1_and_2 optimizer: one measured overhead; with the
-        optimizer offloaded to the host its own (``zero2_offload``, ``zero3_offload``)."""
+        """ZeRO-1 and 2 share stage_1_and_2: one measured overhead; offloaded, its own (``*_offload``)."""
         return ("zero3" if self.stage == 3 else "zero2") + ("_offload" if self.optimizer_offload == CPU else "")
 
     def regathered(self, n: Sizes) -> float:
