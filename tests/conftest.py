@@ -225,11 +225,11 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
-def engines_loaded(*argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+def engines_loaded(*argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 120
                    ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run ``python argv...`` and say which heavy libraries it imported."""
     proc = subprocess.run([sys.executable, "-c", _PROBE % (ENGINES, list(argv))], cwd=cwd,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     line = next((x for x in proc.stderr.splitlines() if x.startswith("ENGINES=")), "ENGINES=?")
     return proc, [m for m in line.removeprefix("ENGINES=").split(",") if m]
 
