@@ -849,6 +849,7 @@ def _assert_startup(report: dict, started: float, within: float = 0.05) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: two torchrun nodes on loopback take their world from torchrun's environment)
 def test_under_torchrun_the_world_comes_from_its_environment(tmp_path):
     """``torchrun --nproc-per-node 2 train.py strategy=ddp`` (no cluster.devices): a 2-rank job
     (it was Lightning's ValueError); its start-up by phase adds up to the time to the first step.
