@@ -39,7 +39,7 @@ class ToyRegressor(torch.nn.Module):
 
 def get_dataloader(batch_size, n=64, features=16):
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, features, generator=g)
+    x = torch.randn(1024, features, generator=g)[:n]  # (the first samples the same for any n)
     y = x.sum(-1, keepdim=True).sin()
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
@@ -65,7 +65,7 @@ def training_function(args):
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = (torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=args.lr))
-    loader = get_dataloader(args.batch_size)
+    loader = get_dataloader(args.batch_size, args.samples)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
     for epoch in range(args.epochs):
@@ -79,9 +79,11 @@ def training_function(args):
     params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    ddp = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
     line = json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
                        "distributed_type": accelerator.distributed_type.name,
                        "model_type": type(model).__name__, "fsdp_units": units,
+                       "comm_hook": ddp.get("comm_hook"),
                        "held_param_bytes": held, "total_param_bytes": total, "losses": losses,
                        "params": params})
     for rank in range(accelerator.num_processes):  # in turn: two ranks' lines once ran together
@@ -99,6 +101,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=64)
     training_function(parser.parse_args())
 
 

@@ -52,11 +52,20 @@ def _ranks(proc: subprocess.Popen) -> list[dict]:
     return rows
 
 
-def _ddp(optimizer: str) -> subprocess.Popen:
+def _ddp(optimizer: str, *args: str) -> subprocess.Popen:
     """The reference: the script without the hook, on Accelerate's own CPU DDP."""
     return _launch("--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                    "--dynamo_backend", "no", "--main_process_port", "29517", SCRIPT, "--cpu",
-                   "--optimizer", optimizer)
+                   "--optimizer", optimizer, *args)
+
+
+STEPS = ("--samples", str(24 * 8))  # 24 steps of 4 x 2: 14 past the ddp family's start_step (10)
+
+
+@pytest.fixture(scope="module")
+def ddp_sgd() -> list[dict]:
+    """Accelerate's own DDP under SGD, 24 steps (the reference of the fsdp2 and ddp-family cases)."""
+    return _ranks(_ddp("sgd", *STEPS))
 
 
 def _assert_preset(rows: list[dict], ref: list[dict], distributed_type: str, model_type: str) -> None:
@@ -74,14 +83,67 @@ def _assert_preset(rows: list[dict], ref: list[dict], distributed_type: str, mod
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_user_script_shards_and_equals_ddp(tmp_path):
+def test_fsdp2_user_script_shards_and_equals_ddp(tmp_path, ddp_sgd):
     """fsdp2, wrapping the script's own block class (export.wrap=ToyBlock): FSDP2 units on the
     root and each ToyBlock, half the parameters a rank, DDP's losses and parameters under SGD."""
     yaml_path = _export(tmp_path, "strategy=fsdp2", "export.wrap=ToyBlock")
-    hooked = _launch("--config_file", yaml_path, SCRIPT, "--strategy", "fsdp2", "--optimizer", "sgd")
+    hooked = _launch("--config_file", yaml_path, SCRIPT, "--strategy", "fsdp2", "--optimizer", "sgd", *STEPS)
     rows = _ranks(hooked)
-    _assert_preset(rows, _ranks(_ddp("sgd")), "FSDP", "FSDPToyRegressor")
+    _assert_preset(rows, ddp_sgd, "FSDP", "FSDPToyRegressor")
     assert rows[0]["fsdp_units"] == 3  # the root and the two ToyBlocks
+
+
+# the ddp family's presets whose gradients or parameters are not plain DDP's -> the comm hook DDP
+# logs (ours, backends/common/ddp_comm.py and powersgd.py, or torch's); Accelerate's enum names
+# fp16 and bf16 only
+DDP_HOOKED = {"ddp_int8": "int8_hook", "ddp_topk": "topk_hook", "ddp_powersgd": "powersgd_hook",
+              "local_sgd": "post_localSGD_hook", "diloco": "post_localSGD_hook",
+              "ddp_fp16_compress": "fp16_compress_hook"}
+START = 10  # the presets' start_step / powersgd_warmup_steps: plain all-reduce before it
+# local SGD and DiLoCo: steps that end on the replicas' last average (sync_every 8: the averager
+# counts from start_step, DiLoCo's outer step from the step after); the others run 24 steps
+LAST_AVERAGE = {"local_sgd": START + 8 + 1, "diloco": START + 8}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset", [p if p == "ddp_int8" else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in DDP_HOOKED])
+def test_a_ddp_family_preset_runs_its_hook_in_a_users_loop(preset, tmp_path, ddp_sgd):
+    """``stratagem_accelerator(<ddp preset>)`` in a user's own loop: DDP with the preset's comm hook
+    registered (it used to be plain DDP for every hook Accelerate's enum cannot name: int8, top-k,
+    PowerSGD, local SGD, DiLoCo), equal to Accelerate's own DDP until start_step and not after;
+    the replicas equal at the end: compression keeps them so, and local SGD and DiLoCo average
+    them from the optimizer's step hooks (without those they drift apart after start_step).
+    The hooks' maths are proven on train.py's path (test_ddp_efficient, test_ddp)."""
+    steps = LAST_AVERAGE.get(preset, 24)
+    yaml_path = _export(tmp_path, f"strategy={preset}")
+    rows = _ranks(_launch("--config_file", yaml_path, SCRIPT, "--strategy", preset, "--optimizer", "sgd",
+                          "--samples", str(8 * steps)))
+    assert [(r["distributed_type"], r["comm_hook"]) for r in rows] == [("MULTI_CPU", DDP_HOOKED[preset])] * 2
+    assert ddp_sgd[0]["comm_hook"] is None
+    ours, theirs = rows[0]["losses"], ddp_sgd[0]["losses"][:steps]
+    assert len(ours) == len(theirs) == steps
+    warm = 0 if preset == "ddp_fp16_compress" else START
+    if warm:
+        assert_losses_close(theirs[:warm], ours[:warm], rtol=1e-6)
+    assert_losses_close(theirs, ours, rtol=0.5)  # (still training the same model)
+    assert max(abs(a - b) / abs(a) for a, b in zip(theirs[warm:], ours[warm:])) > 1e-6, (theirs, ours)
+    assert rows[0]["params"] == rows[1]["params"]
+
+
+@pytest.mark.unit
+def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
+    """A ddp-family YAML is Accelerate's plain multi-process DDP (no field for a comm hook or a
+    sync): export.py says what a script without the hook loses, naming the hook; nothing for ddp."""
+    import export
+
+    for preset, lost in (("ddp_int8", "strategy.comm_hook=int8"), ("diloco", "strategy.sync=diloco")):
+        export.main([f"strategy={preset}", *TWO, "export=accelerate", f"export.out={tmp_path / 'd.yaml'}"])
+        said = capsys.readouterr().err
+        assert "trains plain DDP from this file" in said and lost in said, said
+        assert f"stratagem_accelerator('{preset}')" in said
+    export.main(["strategy=ddp", *TWO, "export=accelerate", f"export.out={tmp_path / 'p.yaml'}"])
+    assert "without the hook" not in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

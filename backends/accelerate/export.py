@@ -93,20 +93,33 @@ UNHOOKED_SAYS = {"ddp": "trains DDP", "lone": "trains every rank alone"}
 
 
 def unhooked_notes(job: Job, config: dict[str, Any]) -> list[str]:
-    """What export.py says of a GPU export for a script without the hook: the runs Accelerate
-    alone would train without a word (``user.unhooked``; a CPU export refuses them itself)."""
+    """What export.py says of an export for a script without the hook: the runs Accelerate alone
+    would train without a word -- a ddp-family preset's comm hook or sync dropped (any machine),
+    a GPU FSDP/ZeRO export's DDP or lone ranks (``user.unhooked``; a CPU one refuses them)."""
     from backends.accelerate.user import LAUNCHED, unhooked
 
+    preset = job.strategy.name
+    if (what := _ddp_hooks(job.strategy)) and config["num_processes"] > 1:
+        return [f"a script without the hook trains plain DDP from this file: Accelerate's config has no "
+                f"field for strategy={preset}'s {what}; `accelerator = stratagem_accelerator('{preset}')` "
+                "(from backends.accelerate import stratagem_accelerator) registers it at prepare"]
     runs = {"with Accelerator(cpu=True)": unhooked(config, cuda=True, cpu=True),
             "on a machine without GPUs": unhooked(config, cuda=False, cpu=False)}
     wrong = [f"{UNHOOKED_SAYS[got]} {where}" for where, got in runs.items() if got in UNHOOKED_SAYS]
     if config["distributed_type"] not in LAUNCHED or not wrong:
         return []
-    preset = job.strategy.name
     return [f"a script without the hook gets Accelerate's own {config['distributed_type']} from this "
             f"file on GPUs, but {' and '.join(wrong)}, without a word; "
             f"`accelerator = stratagem_accelerator('{preset}')` (from backends.accelerate import "
             "stratagem_accelerator) runs the preset in each case and checks its engine at prepare"]
+
+
+def _ddp_hooks(preset: Any) -> str:
+    """The ddp family's settings a launcher's config cannot carry (``comm_hook``, ``sync``), as
+    ``key=value`` text, or '' (Accelerate names its comm hooks only in a script's kwargs)."""
+    knobs = {"comm_hook": "none", "sync": "every_step"}
+    return ", ".join(f"strategy.{k}={getattr(preset, k)}" for k, plain in knobs.items()
+                     if getattr(preset, k, plain) != plain)
 
 
 def node_instructions(job: Job, path: str) -> list[str]:

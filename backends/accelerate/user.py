@@ -11,7 +11,11 @@
 The Accelerator is built by the code train.py's Accelerate backend uses (the preset's builder,
 ``families/``, its kwargs, then ``state.accelerator``), so FSDP1/FSDP2, ZeRO-1/2/3 and their
 offload run for real on GPU and on CPU (gloo), where Accelerate alone drops the plugin and trains
-DDP or lone processes without a word (state.py). What it refuses, with a ``ConfigError``:
+DDP or lone processes without a word (state.py). Once the model and optimizer are prepared it
+does what train.py's loop does around them (``_repair``): the builder's ``repair`` (the ddp
+family's int8, top-k, PowerSGD, local SGD and DiLoCo hooks, which Accelerate's kwargs cannot
+name) and its ``before_step`` / ``after_step`` on the optimizer's step (local SGD and DiLoCo's
+averaging). What it refuses, with a ``ConfigError``:
 
 * a launcher's config for another engine than the preset's (``ACCELERATE_USE_FSDP`` /
   ``ACCELERATE_USE_DEEPSPEED`` from the exported YAML), before any process group;
@@ -145,15 +149,24 @@ def _checked_class(strategy: str, engine: str, builder: Any) -> type:
     which counts the bytes a rank holds as train.py's report does (``held_bytes``)."""
     import torch
     from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
 
     class StratagemAccelerator(Accelerator):
+        _repaired = False
+
         def prepare(self, *args: Any, **kw: Any) -> Any:
             out = super().prepare(*args, **kw)
+            self._parts = getattr(self, "_parts", {})
             for obj in out if isinstance(out, tuple) else (out,):
                 if isinstance(obj, torch.nn.Module) and not is_engine(obj, engine):
                     raise ConfigError(f"strategy={strategy} needs its model wrapped by {engine}, but "
                                       f"prepare() returned {type(obj).__name__} "
                                       f"({self.distributed_type.name}): nothing trains in its place")
+                if isinstance(obj, (torch.nn.Module, AcceleratedOptimizer)):
+                    self._parts["model" if isinstance(obj, torch.nn.Module) else "opt"] = obj
+            if len(self._parts) == 2 and not self._repaired:  # (model and optimizer: one call or two)
+                _repair(builder, engine, **self._parts)
+                self._repaired = True
             return out
 
         def held_bytes(self, model: Any, optimizer: Any = None, what: str = "params") -> int:
@@ -165,6 +178,19 @@ def _checked_class(strategy: str, engine: str, builder: Any) -> type:
 
     StratagemAccelerator.stratagem = (strategy, engine)
     return StratagemAccelerator
+
+
+def _repair(builder: Any, engine: str, model: Any, opt: Any) -> None:
+    """What train.py's loop does around ``prepare`` and each optimizer step (loop.py), for a
+    user's loop: the builder's ``repair`` (the ddp family's comm hook -- int8, top-k, PowerSGD,
+    local SGD, DiLoCo -- which Accelerate's kwargs cannot name; DeepSpeed's swapper fix), and its
+    ``before_step`` / ``after_step`` as hooks on the optimizer's step (local SGD / DiLoCo's
+    parameter synchronization), which Accelerate calls only on a step that syncs gradients."""
+    raw = opt.optimizer  # (Accelerate's AcceleratedOptimizer -> torch's; DeepSpeed: its ZeRO one)
+    builder.repair(model, model.optimizer if engine == "deepspeed" else raw)
+    if engine != "deepspeed":  # (a ZeRO optimizer has no step hooks, and nothing to run there)
+        raw.register_step_pre_hook(lambda *_: builder.before_step(model))
+        raw.register_step_post_hook(lambda *_: builder.after_step(model))
 
 
 def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
