@@ -52,7 +52,7 @@ def single(tmp_path_factory) -> dict:
 
 
 # CI: a replicating and a sharding engine (DDP, DeepSpeed ZeRO-3); the rest in the slow tier.
-CI_PRESETS: set[str] = set()  # CI: a user-written module through every entry (test_clients: fsdp; here the documented module: fsdp2, zero2)
+CI_PRESETS: set[str] = set()  # CI: a user-written module through every entry (test_clients: fsdp; here the documented module: ddp, fsdp2, zero2)
 
 
 @pytest.mark.parametrize("preset", [p if p in CI_PRESETS else pytest.param(p, marks=pytest.mark.slow)
@@ -121,9 +121,10 @@ def test_plain_lightning_ddp_exits_cleanly(variant, runs):
 
 
 CALLS = ROOT / "tests" / "lightning_calls_script.py"
-# CI: FSDP2 (sharded in our setup, repeated calls keep their shards) and ZeRO-2 (DeepSpeed's
-# inference engine on CPU for validate/test/predict); the other families in the slow tier.
-CALLS_CI = {"fsdp2", "zero2"}
+# CI: one preset per family that trains a plain module (issue 39's matrix): DDP, FSDP2 (sharded in
+# our setup, repeated calls keep their shards) and ZeRO-2 (DeepSpeed's inference engine on CPU for
+# validate/test/predict) here, FSDP1 in test_clients.py; zero3 in the slow tier.
+CALLS_CI = {"ddp", "fsdp2", "zero2"}
 
 
 CALLS_OPEN: dict[str, str] = {}  # preset -> why it is expected to fail (none now)
