@@ -33,7 +33,8 @@ Groups are named by role: a DeviceMesh dimension by its axis (``core.mesh.Axis.r
 ``pipeline_parallel`` -> pipeline, ``context_parallel`` -> cp: ring attention's K/V send/recv;
 other libraries' spellings, ``tp``, ``dp_shard``, ..., through ``ALIASES``), a group created with
 an axis as its description likewise (``sp``:
-Ulysses' all-to-all, backends/common/deepspeed.py), the world group by
+Ulysses' all-to-all, backends/common/deepspeed.py), DeepSpeed's MoE groups by its own registry
+(``ep``, ``ep_replicate``: zero2_ep's expert-data-parallel gradient reduction), the world group by
 what the strategy does on it (data-shard when it shards, else data-replicate).
 
 Report key ``communication``: ``per_step[kind] -> {count, bytes, wire_bytes, seconds}`` (rank 0,
@@ -121,6 +122,18 @@ def _process_group(obj: Any) -> Any:
         return None
 
 
+def _deepspeed_axis(pg: Any) -> Axis | None:
+    """The axis of a group DeepSpeed created for its MoE (zero2_ep), which carries no description:
+    found in DeepSpeed's own registry of them (``deepspeed.utils.groups``), when it is loaded."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    for axis, registry in ((Axis.EP, "_EXPERT_PARALLEL_GROUP"), (Axis.EP_REPLICATE, "_EXPERT_DATA_PARALLEL_GROUP")):
+        if any(g is pg for g in (getattr(groups, registry, None) or {}).values()):
+            return axis
+    return None
+
+
 class Recorder:
     """Collects collectives between ``start()`` and ``stop()`` (installs the kernels once)."""
 
@@ -146,6 +159,8 @@ class Recorder:
                 self._labels[name] = ROLES[desc]
             elif name == "0" or desc == "default_pg":
                 self._labels[name] = self.world_role
+            elif (axis := _deepspeed_axis(pg)) is not None:
+                self._labels[name] = axis.role
             else:
                 import torch.distributed as dist
 

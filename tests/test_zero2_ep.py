@@ -103,6 +103,11 @@ def test_zero2_ep_matches_one_process_on_more_ranks_and_with_clipping(runs, worl
     assert_losses_close(ref.losses, run.losses, rtol=1e-5)
     assert run.report["grad_norms"] == pytest.approx(ref.report["grad_norms"], rel=1e-5)
     assert_params_close(ref.params(), run.params(), rtol=1e-5)
+    # every group by its role: DeepSpeed's expert-data-parallel group (the two replicas of each
+    # expert) found in DeepSpeed's registry, not "group<N>" (observers/comm.py)
+    groups = run.report["communication"]["by_group"]
+    assert not [g for g in groups if g.startswith("group")], sorted(groups)
+    assert ("ep_replicate" in groups) == (world == 4), sorted(groups)
 
 
 @pytest.mark.multiprocess
