@@ -59,7 +59,10 @@ def full_params(accelerator, model):
 
 
 def training_function(args):
-    accelerator = stratagem_accelerator(args.strategy) if args.strategy else Accelerator(cpu=args.cpu)
+    acc = args.accumulation
+    accelerator = (stratagem_accelerator(args.strategy, gradient_accumulation_steps=acc,
+                                         grad_clip=args.clip if args.hook_clip else 0.0)
+                   if args.strategy else Accelerator(cpu=args.cpu, gradient_accumulation_steps=acc))
     set_seed(42)
     model = ToyRegressor()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -67,14 +70,17 @@ def training_function(args):
                  else torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = get_dataloader(args.batch_size, args.samples)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses = []
+    losses, norms = [], []
     for epoch in range(args.epochs):
         model.train()
         for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                if args.clip and accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.clip)))
+                optimizer.step()
+                optimizer.zero_grad()
             losses.append(accelerator.gather(loss.detach()[None]).mean().item())
     params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
@@ -84,7 +90,7 @@ def training_function(args):
                        "distributed_type": accelerator.distributed_type.name,
                        "model_type": type(model).__name__, "fsdp_units": units,
                        "comm_hook": ddp.get("comm_hook"),
-                       "held_param_bytes": held, "total_param_bytes": total, "losses": losses,
+                       "held_param_bytes": held, "total_param_bytes": total, "losses": losses, "norms": norms,
                        "params": params})
     for rank in range(accelerator.num_processes):  # in turn: two ranks' lines once ran together
         if rank == accelerator.process_index:
@@ -102,6 +108,9 @@ def main():
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--clip", type=float, default=0.0, help="accelerator.clip_grad_norm_ at this max_norm")
+    parser.add_argument("--hook_clip", action="store_true", help="and the hook's grad_clip (DeepSpeed)")
     training_function(parser.parse_args())
 
 

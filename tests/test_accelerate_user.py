@@ -131,6 +131,57 @@ def test_a_ddp_family_preset_runs_its_hook_in_a_users_loop(preset, tmp_path, ddp
     assert rows[0]["params"] == rows[1]["params"]
 
 
+CLIPPED = ("--clip", "0.1", "--accumulation", "2")  # binds at every step (norms 7-17)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["zero2", "zero3", "fsdp2"])
+def test_a_users_clipping_and_accumulation_equal_ddps(preset, tmp_path):
+    """The script clips with ``accelerator.clip_grad_norm_(params, 0.1)`` and accumulates 2
+    micro-batches (``accelerator.accumulate``), SGD: losses and norms equal Accelerate's own DDP.
+    Under ZeRO, Accelerate's clip_grad_norm_ only returns the norm (DeepSpeed clips inside its
+    step at its config's value): the hook's ``grad_clip`` is that value (without it the run diverged
+    to inf without a word); FSDP2 clips where the script says."""
+    hook = ("--hook_clip",) if preset.startswith("zero") else ()
+    yaml_path = _export(tmp_path, f"strategy={preset}")
+    rows = _ranks(_launch("--config_file", yaml_path, SCRIPT, "--strategy", preset, "--optimizer", "sgd",
+                          *CLIPPED, *hook))
+    ref = _ranks(_ddp("sgd", *CLIPPED))
+    assert len(ref[0]["norms"]) == 4 and min(ref[0]["norms"]) > 0.1  # (clipping binds every step)
+    assert rows[0]["norms"] == pytest.approx(ref[0]["norms"], rel=1e-5)
+    assert_losses_close(ref[0]["losses"], rows[0]["losses"], rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_zero_preset_refuses_a_clip_it_would_not_apply(tmp_path):
+    """zero2 without the hook's grad_clip, the script clipping at 0.1: refused at the first
+    clip_grad_norm_, naming the fix."""
+    rows = _launch("--config_file", _export(tmp_path, "strategy=zero2"), SCRIPT, "--strategy", "zero2",
+                   "--optimizer", "sgd", *CLIPPED)
+    out, err = rows.communicate(timeout=300)
+    assert rows.returncode != 0, out[-2000:]
+    assert "stratagem_accelerator('zero2', grad_clip=0.1)" in err, err[-3000:]
+
+
+@pytest.mark.unit
+def test_the_hooks_grad_clip_is_deepspeeds_and_only_deepspeeds(monkeypatch):
+    """``grad_clip`` reaches the ZeRO config's gradient_clipping; for another engine it is refused
+    (clip in the loop), before any process group."""
+    from backends.accelerate.user import settle
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plugin = settle("zero2", grad_clip=0.1, accumulation=2).kwargs["deepspeed_plugin"]
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.1
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 2
+    assert settle("zero3").kwargs["deepspeed_plugin"].deepspeed_config["gradient_clipping"] == 0.0
+    with pytest.raises(ConfigError, match=r"grad_clip=0.1 is DeepSpeed's .* accelerator.clip_grad_norm_"):
+        settle("fsdp2", grad_clip=0.1)
+
+
 @pytest.mark.unit
 def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
     """A ddp-family YAML is Accelerate's plain multi-process DDP (no field for a comm hook or a

@@ -22,7 +22,10 @@ averaging). What it refuses, with a ``ConfigError``:
 * a state that is not the preset's engine, or a process count other than the launcher's
   ``WORLD_SIZE`` (lone processes), once built (``state.accelerator``);
 * a prepared model that is not the preset's engine (an FSDP2 module, FSDP1's wrapper, a
-  ``DeepSpeedEngine``, DDP), at ``prepare``.
+  ``DeepSpeedEngine``, DDP), at ``prepare``;
+* under ZeRO, ``clip_grad_norm_`` at a max_norm other than the hook's ``grad_clip``: DeepSpeed
+  clips inside its step at its config's ``gradient_clipping`` and Accelerate only returns the
+  norm, so the script's clip would silently not happen (``grad_clip=`` outside ZeRO is refused).
 
 A script without this line (``Accelerator()``, with or without ``cpu=True``) runs none of our
 code. Under a CPU export it stops at ``Accelerator()``, which builds the plugin the launcher's
@@ -43,6 +46,7 @@ the root alone.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from core.errors import ConfigError
@@ -144,9 +148,10 @@ def is_engine(model: Any, engine: str) -> bool:
     return True
 
 
-def _checked_class(strategy: str, engine: str, builder: Any) -> type:
-    """``Accelerator`` whose ``prepare`` refuses a model the preset's engine did not wrap, and
-    which counts the bytes a rank holds as train.py's report does (``held_bytes``)."""
+def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 0.0) -> type:
+    """``Accelerator`` whose ``prepare`` refuses a model the preset's engine did not wrap, whose
+    ``clip_grad_norm_`` refuses a max_norm DeepSpeed does not clip at, and which counts the bytes a
+    rank holds as train.py's report does (``held_bytes``)."""
     import torch
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
@@ -168,6 +173,15 @@ def _checked_class(strategy: str, engine: str, builder: Any) -> type:
                 _repair(builder, engine, **self._parts)
                 self._repaired = True
             return out
+
+        def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+            if engine == "deepspeed" and float(max_norm) != float(grad_clip):
+                raise ConfigError(
+                    f"clip_grad_norm_(max_norm={max_norm}) under strategy={strategy}: DeepSpeed clips "
+                    f"inside its step, at the config's gradient_clipping ({grad_clip or 'off'}), and "
+                    f"Accelerate only returns the norm here, so nothing would clip at {max_norm}: build "
+                    f"the Accelerator with stratagem_accelerator('{strategy}', grad_clip={max_norm})")
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
         def held_bytes(self, model: Any, optimizer: Any = None, what: str = "params") -> int:
             """Bytes of ``what`` (params | grads | optimizer) this rank holds (local shards)."""
@@ -194,14 +208,42 @@ def _repair(builder: Any, engine: str, model: Any, opt: Any) -> None:
 
 
 def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
-                          gradient_accumulation_steps: int = 1, timeout: float | None = None) -> Any:
+                          gradient_accumulation_steps: int = 1, grad_clip: float = 0.0,
+                          timeout: float | None = None) -> Any:
     """An ``accelerate.Accelerator`` that runs preset ``strategy`` for real, in the processes
     ``accelerate launch`` (or torchrun) started; see the module docstring. ``precision``:
-    Accelerate's (no | bf16 | fp16), else the launcher's config's."""
+    Accelerate's (no | bf16 | fp16), else the launcher's config's. ``grad_clip``: a ZeRO preset's
+    ``gradient_clipping`` (DeepSpeed clips inside its step; Accelerate's ``clip_grad_norm_`` only
+    returns the norm there, and is refused for any other max_norm); other engines clip where the
+    script calls ``clip_grad_norm_``."""
+    from backends.accelerate.state import accelerator
+
+    s = settle(strategy, wrap=wrap, precision=precision, accumulation=gradient_accumulation_steps,
+               grad_clip=grad_clip)
+    cls = _checked_class(strategy, _engine(s.kwargs, s.world), s.builder, grad_clip)
+    return accelerator(s.kwargs, on_cpu=s.on_cpu, world_size=s.world, timeout=timeout, cls=cls,
+                       mixed_precision=s.mixed, gradient_accumulation_steps=gradient_accumulation_steps)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What the hook decides before any process group: the preset's builder and Accelerate kwargs."""
+    builder: Any
+    kwargs: dict[str, Any]
+    world: int
+    on_cpu: bool
+    mixed: str
+
+
+def settle(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
+           accumulation: int = 1, grad_clip: float = 0.0) -> Settled:
+    """The run ``stratagem_accelerator`` builds, from the launcher's variables and its arguments;
+    every refusal that needs no process group (a bad precision, the preset's problems, grad_clip
+    outside DeepSpeed, a launcher's config for another engine)."""
     import torch
 
     from backends.accelerate import families
-    from backends.accelerate.state import accelerator, expected_type
+    from backends.accelerate.state import expected_type
     from core.run import derive
     from strategies.presets import load
 
@@ -215,16 +257,18 @@ def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, preci
     preset = load(strategy)
     dp = preset.mesh(max(1, world // local), local).dp
     run = derive(preset, nodes=max(1, world // local), devices=local, accelerator="cpu" if on_cpu else "gpu",
-                 precision=PRECISIONS[mixed], global_batch=gradient_accumulation_steps * dp)
+                 precision=PRECISIONS[mixed], global_batch=accumulation * dp, grad_clip=grad_clip)
     if problems := families.problems(preset, run):
         raise ConfigError("; ".join(problems))
     builder = families.builder(preset, run)
     kwargs = builder.kwargs(_wrap(wrap))
+    if grad_clip and "deepspeed_plugin" not in kwargs:
+        raise ConfigError(f"grad_clip={grad_clip} is DeepSpeed's gradient_clipping, but strategy={strategy} "
+                          f"is not a ZeRO preset: clip in the loop, accelerator.clip_grad_norm_(model.parameters(), "
+                          f"{grad_clip}), and leave grad_clip out")
     want, named = expected_type(kwargs, world, on_cpu), _launched_engine()
     if named is not None and named != want:
         raise ConfigError(f"the launcher's config runs {named} ({LAUNCHED[named]}=true), but "
                           f"strategy={strategy} runs {want}: export this preset's config "
                           f"(python export.py strategy={strategy} export=accelerate) or name its preset")
-    cls = _checked_class(strategy, _engine(kwargs, world), builder)
-    return accelerator(kwargs, on_cpu=on_cpu, world_size=world, timeout=timeout, cls=cls,
-                       mixed_precision=mixed, gradient_accumulation_steps=gradient_accumulation_steps)
+    return Settled(builder, kwargs, world, on_cpu, mixed)
