@@ -183,6 +183,27 @@ def test_the_hooks_grad_clip_is_deepspeeds_and_only_deepspeeds(monkeypatch):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("preset, unsaved", [("ddp_powersgd", "PowerSGD's error feedback"),
+                                             ("local_sgd", "local SGD's per-rank replicas"), ("ddp", None)])
+def test_load_state_is_refused_where_the_checkpoint_lacks_the_presets_state(monkeypatch, preset, unsaved):
+    """As train.py refuses trainer.resume_from for them: the hook's load_state names what
+    Accelerate's saved state lacks before reading anything (ddp loads as Accelerate does)."""
+    from backends.accelerate.user import _checked_class, settle
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    builder = settle(preset).builder
+    cls = _checked_class(preset, "ddp", builder)
+    if unsaved is None:  # (Accelerate's own load_state)
+        assert builder.preset.unsaved_state() is None
+        return
+    with pytest.raises(ConfigError, match=rf"load_state\(\) under strategy={preset}: .*{unsaved}.*"
+                                          r"stratagem_accelerator\('ddp'\)"):
+        cls.load_state(object(), "nowhere")
+
+
+@pytest.mark.unit
 def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
     """A ddp-family YAML is Accelerate's plain multi-process DDP (no field for a comm hook or a
     sync): export.py says what a script without the hook loses, naming the hook; nothing for ddp."""

@@ -23,6 +23,9 @@ averaging). What it refuses, with a ``ConfigError``:
   ``WORLD_SIZE`` (lone processes), once built (``state.accelerator``);
 * a prepared model that is not the preset's engine (an FSDP2 module, FSDP1's wrapper, a
   ``DeepSpeedEngine``, DDP), at ``prepare``;
+* ``load_state`` under a ddp-family preset whose own state no checkpoint holds (PowerSGD's, top-k's
+  and int8's error feedback, local SGD's replicas, DiLoCo's outer step: ``unsaved_state``), as
+  train.py refuses ``trainer.resume_from`` for them;
 * under ZeRO, ``clip_grad_norm_`` at a max_norm other than the hook's ``grad_clip``: DeepSpeed
   clips inside its step at its config's ``gradient_clipping`` and Accelerate only returns the
   norm, so the script's clip would silently not happen (``grad_clip=`` outside ZeRO is refused).
@@ -182,6 +185,14 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                     f"Accelerate only returns the norm here, so nothing would clip at {max_norm}: build "
                     f"the Accelerator with stratagem_accelerator('{strategy}', grad_clip={max_norm})")
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+
+        def load_state(self, *args: Any, **kw: Any) -> Any:
+            if (unsaved := getattr(builder.preset, "unsaved_state", lambda: None)()) is not None:
+                raise ConfigError(
+                    f"accelerator.load_state() under strategy={strategy}: the state Accelerate saved does "
+                    f"not hold {unsaved}, so the run would not continue exactly; start again without "
+                    f"load_state, or resume with stratagem_accelerator('ddp')")
+            return super().load_state(*args, **kw)
 
         def held_bytes(self, model: Any, optimizer: Any = None, what: str = "params") -> int:
             """Bytes of ``what`` (params | grads | optimizer) this rank holds (local shards)."""

@@ -70,6 +70,14 @@ class DDPConfig(StrategyConfig):
                      "compress: set strategy.comm_hook=none")]
         return []
 
+    def unsaved_state(self) -> str | None:
+        """What this preset keeps that a checkpoint of the model and optimizer does not hold."""
+        return {"topk": "top-k's error-feedback residuals", "int8": "int8's error-feedback residuals",
+                "powersgd": "PowerSGD's error feedback and warm-started P/Q factors"
+                }.get(self.comm_hook) or {"local_sgd": "local SGD's per-rank replicas between "
+                                          "synchronizations", "diloco": "DiLoCo's outer parameters "
+                                          "and momentum"}.get(self.sync)
+
     def resume_problem(self) -> str | None:
         """Why a checkpoint of this preset cannot be continued exactly (None: it can). The
         checkpoint holds rank 0's parameters and optimizer only: PowerSGD's error feedback and
@@ -77,12 +85,7 @@ class DDPConfig(StrategyConfig):
         residuals, local SGD's diverged replicas between synchronizations and
         DiLoCo's outer parameters and momentum are not in it, so a resumed run would silently
         differ. Refused instead."""
-        extra = {"topk": "top-k's error-feedback residuals", "int8": "int8's error-feedback residuals",
-                 "powersgd": "PowerSGD's error feedback and warm-started P/Q factors"
-                 }.get(self.comm_hook) or {"local_sgd": "local SGD's per-rank replicas between "
-                                           "synchronizations", "diloco": "DiLoCo's outer parameters "
-                                           "and momentum"}.get(self.sync)
-        if extra is None:
+        if (extra := self.unsaved_state()) is None:
             return None
         return (f"strategy={self.name} keeps state the checkpoint does not hold ({extra}), so it "
                 "cannot resume exactly; start the run again without trainer.resume_from, or resume "
