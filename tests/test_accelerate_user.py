@@ -93,6 +93,17 @@ def test_fsdp2_user_script_shards_and_equals_ddp(tmp_path, ddp_sgd):
     assert rows[0]["fsdp_units"] == 3  # the root and the two ToyBlocks
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fsdp1_user_script_shards_and_equals_ddp(tmp_path, ddp_sgd):
+    """fsdp (FSDP1) wrapping ToyBlock, half the parameters a rank, DDP's losses and parameters;
+    the script's ``accelerator.get_state_dict`` (Accelerate's FSDP1 gather with offload_to_cpu)
+    segfaulted rank 0 on CPU: the hook gathers with torch's own call there."""
+    yaml_path = _export(tmp_path, "strategy=fsdp", "export.wrap=ToyBlock")
+    rows = _ranks(_launch("--config_file", yaml_path, SCRIPT, "--strategy", "fsdp", "--optimizer", "sgd", *STEPS))
+    _assert_preset(rows, ddp_sgd, "FSDP", "FullyShardedDataParallel")
+
+
 # the ddp family's presets whose gradients or parameters are not plain DDP's -> the comm hook DDP
 # logs (ours, backends/common/ddp_comm.py and powersgd.py, or torch's); Accelerate's enum names
 # fp16 and bf16 only

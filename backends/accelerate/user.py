@@ -194,6 +194,17 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                     f"load_state, or resume with stratagem_accelerator('ddp')")
             return super().load_state(*args, **kw)
 
+        def get_state_dict(self, model: Any, unwrap: bool = True) -> Any:
+            if engine == "fsdp1" and self.device.type == "cpu":
+                # Accelerate gathers FSDP1 with offload_to_cpu=True, whose move to the CPU is a
+                # no-op on a CPU device: torch then frees the gathered parameters it is about to
+                # clone, and rank 0 segfaults (save_model too). torch's own full gather instead,
+                # the one train.py's checkpoints use (every rank gets it; Accelerate: rank 0).
+                from backends.common.torch import gathered_state_dict
+
+                return gathered_state_dict(model)
+            return super().get_state_dict(model, unwrap)
+
         def held_bytes(self, model: Any, optimizer: Any = None, what: str = "params") -> int:
             """Bytes of ``what`` (params | grads | optimizer) this rank holds (local shards)."""
             opt = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper -> torch's
