@@ -256,9 +256,8 @@ class ZeroConfig(StrategyConfig):
         return self.pin_memory if self.pin_memory is not None else run is not None and run.accelerator == "gpu"
 
     def deepspeed_json(self, run: Run | None = None) -> dict[str, Any]:
-        """The DeepSpeed config of this preset: plain dicts, lists and scalars. With ``run``, also
-        the micro batch, accumulation, clipping and precision (for engines that do not fill them;
-        Lightning does)."""
+        """The DeepSpeed config of this preset (plain dicts, lists, scalars); with ``run``, also the micro
+        batch, accumulation, clipping and precision (engines that do not fill them; Lightning does)."""
         zero: dict[str, Any] = {
             "stage": self.stage,
             "overlap_comm": self.overlap_comm,
@@ -269,11 +268,12 @@ class ZeroConfig(StrategyConfig):
         if self.stage < 3:
             zero |= {"allgather_partitions": True, "allgather_bucket_size": self.allgather_bucket_size,
                      "reduce_scatter": True}
-        else:
+        else:  # (gather_16bit: a script's accelerator.get_state_dict / save_model; it gathers only then)
             zero |= {"stage3_prefetch_bucket_size": self.prefetch_bucket_size,
                      "stage3_param_persistence_threshold": self.param_persistence_threshold,
                      "stage3_max_live_parameters": self.max_live_parameters,
-                     "stage3_max_reuse_distance": self.max_reuse_distance}
+                     "stage3_max_reuse_distance": self.max_reuse_distance,
+                     "stage3_gather_16bit_weights_on_model_save": True}
         if self.offload_optimizer != "none":
             zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": self.pins(run)}
             if self.offload_optimizer == "nvme":
