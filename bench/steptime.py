@@ -46,8 +46,9 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             r = run(preset, model, steps, Path(tmp), calibrate=not a.smoke)
-            if r is not None:
-                rows.append(f"| {preset} | {r['predicted']:.3f} | {r['measured']:.3f} | {r['ratio']:.2f} |")
+            if r is not None:  # (uncalibrated, --smoke: the plan is the nominal peak's, no ratio)
+                ratio = "– (uncalibrated)" if r["ratio"] is None else f"{r['ratio']:.2f}"
+                rows.append(f"| {preset} | {r['predicted']:.3f} | {r['measured']:.3f} | {ratio} |")
                 print(rows[-1], flush=True)
     table = "\n".join(["| preset | predicted (s) | measured (s) | measured / predicted |",
                        "|---|---|---|---|", *rows,

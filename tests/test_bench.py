@@ -51,6 +51,9 @@ def _check(bench: str, out: str) -> None:
         assert "deepspeed" not in single[6] and "wandb" not in single[6], single
     elif bench == "presets":
         assert _row(out, "presets", "ddp", "lightning")[4].endswith("MiB")
+    elif bench == "steptime":  # uncalibrated in smoke mode: a measured step, no verdict
+        ddp = _row(out, "steptime", "ddp")
+        assert float(ddp[2]) > 0 and ddp[3].startswith("–"), ddp
     elif bench == "scaling":
         assert float(_row(out, "scaling", "gpt_nano", "1")[6]) > 0
     elif bench == "gpu":  # its CPU smoke: every variant row measured, the offload ladder trained
