@@ -36,11 +36,17 @@ def registry_name(preset: str) -> str:
     return f"stratagem_{preset}" if preset in ("ddp", "fsdp") else preset
 
 
+def _env() -> dict[str, str]:
+    """The scripts import this checkout (as the other client tests do), not whatever an earlier
+    `pip install -e` elsewhere left in site-packages."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
 def _user_run(strategy: str, devices: int, tmp_path) -> dict:
     out = tmp_path / f"{strategy}.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), registry_name(strategy), str(devices), str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+                          env=_env(), stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and GLOO_ABORT not in log, log[-4000:]
     return json.loads(out.read_text())
@@ -84,7 +90,7 @@ def test_registry_builds_what_train_py_builds_once_set_up(preset, tmp_path):
     out = tmp_path / "both.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "registry_vs_train.py"), preset, str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+                          env=_env(), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     both = json.loads(out.read_text())
     assert both["ours"] == both["theirs"], both
@@ -141,7 +147,7 @@ def test_a_documented_lightning_module_goes_through_every_trainer_entry(preset, 
     out = tmp_path / "calls.json"
     proc = subprocess.run([sys.executable, str(CALLS), registry_name(preset), str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+                          env=_env(), stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and GLOO_ABORT not in log, log[-4000:]
     calls = json.loads(out.read_text())["calls"]
