@@ -41,6 +41,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     assert not (tmp_path / "cfg" / "report.json").exists()
 
 
+@pytest.mark.slow  # (CI: test_launch's multirun of three 2-process strategies, each into its own dir)
 def test_multirun_sweeps_each_job_into_its_own_dir(tmp_path):
     sweep = tmp_path / "sweep"
     run = run_cli("train.py", "-m", "trainer.lr=1e-3,3e-3", "model=gpt_nano", "trainer.max_steps=2",

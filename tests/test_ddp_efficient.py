@@ -291,7 +291,8 @@ def test_topk_sends_two_percent_and_still_learns(cached, reference):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["local_sgd", "diloco"])
+@pytest.mark.parametrize("preset", [  # (CI: DiLoCo's averaging by its exact settings, above)
+    "local_sgd", pytest.param("diloco", marks=pytest.mark.slow)])
 def test_relaxed_sync_sends_parameters_every_h_steps(cached, preset):
     """sync_every=2 from the first step, 9 steps: the steps the observer averages (all but the
     first) hold 4 parameter all-reduces in 8 steps -- half of DDP's bytes -- as planned; no
@@ -404,7 +405,8 @@ ODD = ("model.dim=42", "model.n_heads=3", "model.n_kv_heads=1", "model.ffn_dim=6
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["ddp_int8", "ddp_topk"])
+@pytest.mark.parametrize("preset", [  # (the packing both share: int8's three dtypes in CI)
+    "ddp_int8", pytest.param("ddp_topk", marks=pytest.mark.slow)])
 def test_compression_of_a_bucket_of_any_size_trains_past_its_start_step(cached, preset):
     """The compressed payload packs parts of different dtypes (int8: uint8 codes and the fp32
     scale and zero point; top-k: values and int32 indices) into one all-gather: unpacking must

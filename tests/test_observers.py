@@ -39,8 +39,11 @@ def _predicted(report: dict, *names: str) -> float:
     return sum(by[k]["bytes"] / ring[by[k]["op"]] for k in names if k in by)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["ddp", "ddp-accumulation"])
+# Accelerate's DDP runs are the observers' own (the Lightning ones are test_ddp's): the slow tier.
+# (CI: Accelerate's DDP all-reduce is counted by test_fp16_compression_halves_the_payload.)
+@pytest.mark.parametrize("case, backend", [
+    (c, "lightning") if b == "lightning" else pytest.param(c, b, marks=pytest.mark.slow)
+    for c in ("ddp", "ddp-accumulation") for b in BACKENDS])
 def test_ddp_all_reduces_the_gradients_once_per_step(cached, case, backend):
     r = _run(cached, case, backend, "sgd").report
     ar = _kinds(r, "data-replicate")["all_reduce"]
@@ -55,8 +58,11 @@ def test_fp16_compression_halves_the_payload(cached, backend):
     assert (ar["count"], ar["bytes"]) == (1, P // 2), ar
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["fsdp", "fsdp2", "zero3"])
+# CI reads runs other tests train: the three on Lightning and ZeRO-3 on Accelerate (test_fsdp,
+# test_zero, test_accelerate); Accelerate's FSDP runs would be trained for this test alone: slow.
+@pytest.mark.parametrize("case, backend", [
+    (c, b) if b == "lightning" or c == "zero3" else pytest.param(c, b, marks=pytest.mark.slow)
+    for c in ("fsdp", "fsdp2", "zero3") for b in BACKENDS])
 def test_sharded_gathers_and_reduce_scatters_match_the_planner(cached, case, backend):
     """Payload per step: parameters gathered for forward (and again for backward, but the root
     FSDP unit / what DeepSpeed keeps live), gradients reduce-scattered once. Tolerance: padding
@@ -120,7 +126,8 @@ def test_measured_state_bytes_equal_the_prediction(cached, case):
     assert row["ratio"] == pytest.approx(1.0, abs=0.02), (case, row)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [  # (Accelerate's ddp run is the slow tier's, above)
+    "lightning", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_throughput_and_activations_are_reported(cached, backend):
     r = _run(cached, "ddp", backend, "sgd").report
     t = r["throughput"]
@@ -136,32 +143,35 @@ def test_throughput_and_activations_are_reported(cached, backend):
     assert step["calibrated"] is False and step["ratio"] is None
 
 
-
-def test_loggers_plots_and_no_secret_leak(tmp_path):
-    """A fake API key and token in the environment appear nowhere in the run directory."""
+@pytest.mark.parametrize("logger", ["wandb", "csv", pytest.param("tensorboard", marks=pytest.mark.slow)])
+def test_loggers_plots_and_no_secret_leak(tmp_path, logger):
+    """A fake API key and token in the environment appear nowhere in the run directory.
+    (TensorBoard writes what the CSV logger writes, through Lightning's other logger: slow tier.)"""
     secret = "sk-stratagem-test-0123456789abcdef"
     env = {"WANDB_API_KEY": secret, "HF_TOKEN": secret, "WANDB_MODE": "offline"}
-    for logger in ("wandb", "csv", "tensorboard"):
-        out = tmp_path / logger
-        run = run_cli("train.py", *TINY, "callbacks.plots=true", "trainer.max_steps=3",
-                      f"logger={logger}", "strategy=ddp",
-                      "cluster.devices=2", out=out, env=env)
-        assert run.report["steps"] == 3
-        for path in out.rglob("*"):
-            if path.is_file():
-                assert secret.encode() not in path.read_bytes(), f"secret in {path}"
-        assert secret not in run.log
-    assert (tmp_path / "csv" / "memory.png").stat().st_size > 0
-    assert (tmp_path / "csv" / "communication.png").stat().st_size > 0
-    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
-    assert [int(r["step"]) for r in rows] == [1, 2, 3] and float(rows[0]["loss"]) > 0
-    assert list((tmp_path / "tensorboard" / "tensorboard").glob("events.out.tfevents.*"))
-    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1, runs
-    files = {p.name for p in runs[0].rglob("*")}
-    assert any(name.endswith(".wandb") for name in files)  # the run's data, config and tables
-    config = json.dumps(json.load((tmp_path / "wandb" / "report.json").open())["config"])
-    assert secret not in config
+    out = tmp_path / logger
+    run = run_cli("train.py", *TINY, "callbacks.plots=true", "trainer.max_steps=3",
+                  f"logger={logger}", "strategy=ddp",
+                  "cluster.devices=2", out=out, env=env)
+    assert run.report["steps"] == 3
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), f"secret in {path}"
+    assert secret not in run.log
+    if logger == "csv":
+        assert (out / "memory.png").stat().st_size > 0
+        assert (out / "communication.png").stat().st_size > 0
+        rows = list(csv.DictReader((out / "metrics.csv").open()))
+        assert [int(r["step"]) for r in rows] == [1, 2, 3] and float(rows[0]["loss"]) > 0
+    if logger == "tensorboard":
+        assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    if logger == "wandb":
+        runs = list((out / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1, runs
+        files = {p.name for p in runs[0].rglob("*")}
+        assert any(name.endswith(".wandb") for name in files)  # the run's data, config and tables
+        config = json.dumps(json.load((out / "report.json").open())["config"])
+        assert secret not in config
 
 
 def test_observers_off_intercept_nothing(tmp_path):
