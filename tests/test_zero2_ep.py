@@ -107,7 +107,8 @@ def test_zero2_ep_matches_one_process_on_more_ranks_and_with_clipping(runs, worl
     # expert) found in DeepSpeed's registry, not "group<N>" (observers/comm.py)
     groups = run.report["communication"]["by_group"]
     assert not [g for g in groups if g.startswith("group")], sorted(groups)
-    assert ("ep_replicate" in groups) == (world == 4), sorted(groups)
+    # (on 2 ranks that group is one rank, yet clipping's norm still all-reduces over it: labeled too)
+    assert world == 2 or "ep_replicate" in groups, sorted(groups)
 
 
 @pytest.mark.multiprocess
