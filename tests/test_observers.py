@@ -258,7 +258,8 @@ PEAK_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # the activations are freed, and with RSS following live bytes the copies never reach the peak:
 # zero3 plans 451.2 MB (fp32) / 331.1 MB (bf16) against 342 / 277 measured, as before dc5c810
 # (358.8 / 284.8 planned then). The 2-rank offload RSS cases that motivated it run without the
-# fixed mmap threshold (glibc keeps the freed activations; copies over 32 MB get fresh pages).
+# fixed mmap threshold (a reading, not proven: glibc keeps the freed activations in its heap while
+# copies over its 32 MB maximum threshold get fresh pages).
 PEAK_GAPS = {("zero3", "32"): "planned growth 451.2 MB, measured 342.2 (0.76): reduction copies beside "
                               "the activations", ("zero3", "bf16-mixed"): "planned 331.1 MB, measured "
                               "276.8 (0.84): reduction copies beside the activations"}
