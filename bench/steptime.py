@@ -1,5 +1,6 @@
 """Predicted against measured step time on this machine after ``planner.calibrate=true``: the
-presets single, ddp, fsdp2, zero2, zero3, tp and pipeline at gpt_small, 2 processes (single: 1).
+presets single, ddp, fsdp2, zero2, zero3, tp, pipeline and the offloaded zero2_offload and
+zero3_offload (issue #38) at gpt_small, 2 processes (single: 1).
 
     python -m bench steptime                  # 12 steps each, the median step (first excluded)
     python -m bench steptime --smoke          # gpt_nano, ddp only, 3 steps, uncalibrated; nothing written
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from bench import common
 
-PRESETS = ["single", "ddp", "fsdp2", "zero2", "zero3", "tp", "pipeline"]
+PRESETS = ["single", "ddp", "fsdp2", "zero2", "zero3", "tp", "pipeline", "zero2_offload", "zero3_offload"]
 DOC = common.ROOT / "docs" / "PLANNER.md"
 
 

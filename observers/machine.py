@@ -53,12 +53,17 @@ LARGE = {"cpu": 16 * 2**20, "gpu": 256 * 2**20}
 REFERENCE = {"cpu": (384, 6, 1024, 128, 8), "gpu": (2048, 16, 5632, 2048, 2)}
 
 
-def _timed(fn: Any, *, repeats: int, sync: Any) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up."""
+def _timed(fn: Any, *, repeats: int, sync: Any, together: Any = None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up; ``together``: a barrier
+    every process passes before each run, so that each run overlaps the other processes' as a
+    run's lockstep steps do (one barrier before the loop lets a process that finished first leave
+    the machine to the others)."""
     fn()
     sync()
     times = []
     for _ in range(repeats):
+        if together is not None:
+            together()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -85,7 +90,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
             for k, n in gemms]
     flops = sum(2 * tokens * k * n for k, n in gemms)
     barrier()
-    matmul = flops / _timed(lambda: [a @ b for a, b in mats], repeats=5, sync=sync) / 1e12
+    matmul = flops / _timed(lambda: [a @ b for a, b in mats], repeats=5, sync=sync, together=barrier) / 1e12
 
     shape = ModelConfig(name="reference", dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads,
                         vocab_size=256, seq_len=seq, ffn_dim=ffn)
@@ -102,7 +107,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
 
     model_flops = (6 * (shape.block_params() - 2 * dim) + 12 * seq * dim) * tokens
     barrier()
-    block_tflops = model_flops / _timed(step, repeats=15, sync=sync) / 1e12  # (5: +-12% run to run)
+    block_tflops = model_flops / _timed(step, repeats=15, sync=sync, together=barrier) / 1e12  # (5: +-12% run to run)
 
     params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(4)]
     for p in params:
@@ -114,7 +119,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
         opt.step()
 
     barrier()
-    optimizer = _timed(update, repeats=5, sync=sync) / sum(p.numel() for p in params) * 1e9
+    optimizer = _timed(update, repeats=5, sync=sync, together=barrier) / sum(p.numel() for p in params) * 1e9
     return {"matmul_tflops": matmul, "block_tflops": block_tflops, "efficiency": block_tflops / matmul,
             "optimizer_ns_per_param": optimizer}
 
@@ -144,7 +149,7 @@ def _host(accelerator: str, device: Any, sync: Any, barrier: Any) -> dict[str, f
         opt.step()
 
     barrier()
-    host_opt = _timed(update, repeats=5, sync=lambda: None) / sum(p.numel() for p in params) * 1e9
+    host_opt = _timed(update, repeats=5, sync=lambda: None, together=barrier) / sum(p.numel() for p in params) * 1e9
     n = 2**24  # 64 MiB of fp32
     host = torch.empty(n, pin_memory=accelerator == "gpu")
     there = torch.empty(n, device=device)
@@ -179,7 +184,7 @@ def _tiny_step(layers: int, device: Any, sync: Any, barrier: Any) -> float:
         opt.zero_grad()
 
     barrier()
-    return _timed(step, repeats=10, sync=sync)
+    return _timed(step, repeats=10, sync=sync, together=barrier)
 
 
 def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, sync: Any,
@@ -211,7 +216,7 @@ def _tensor_parallel(accelerator: str, precision: str, world: int, device: Any, 
             F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
 
         barrier()
-        return _timed(step, repeats=10, sync=sync)
+        return _timed(step, repeats=10, sync=sync, together=barrier)
 
     torch.manual_seed(0)
     whole = timed(GPT(shape).to(device))

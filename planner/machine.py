@@ -22,10 +22,11 @@ from typing import Any
 
 CACHE = Path("~/.cache/stratagem/machine")
 ROOT = Path(__file__).resolve().parents[1]
-FORMAT = 4
+FORMAT = 5
 """The calibration's format: a cache written by an older one (without the engines' own work:
-1; without FSDP2's: 2; without the host's optimizer and copies and the step's floor: 3) is
-measured again."""
+1; without FSDP2's: 2; without the host's optimizer and copies and the step's floor: 3; with
+several processes' compute timed out of lockstep, so optimistic where they slow each other: 4)
+is measured again."""
 # planner's collective kinds -> the measured operation
 OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
        "send_recv": "send"}

@@ -130,17 +130,21 @@ def test_a_cache_of_an_older_format_is_measured_again(tmp_path, monkeypatch):
 SHAPE = ("model=gpt_nano", "model.dim=384", "model.n_layers=4", "model.ffn_dim=1024", "model.n_heads=6",
          "model.n_kv_heads=6", "model.seq_len=128", "model.dropout=0")
 RUN = ("cluster=local", "cluster.accelerator=cpu", "trainer.precision=32", "callbacks.progress_bar=false",
-       "trainer.warmup_steps=0", "planner.enforce=false", "trainer.max_steps=4", "trainer.micro_batch_size=2",
+       "trainer.warmup_steps=0", "planner.enforce=false", "trainer.max_steps=12", "trainer.micro_batch_size=2",
        "planner.calibrate=true")
 CASES = {"zero2-1rank": ("zero2_offload", 1), "zero3-1rank": ("zero3_offload", 1),
          "zero2-2ranks": ("zero2_offload", 2), "zero3-2ranks": ("zero3_offload", 2)}
-# Measured on a 2-core VM shared with other jobs (load average 4-7): zero2-1rank 0.84, zero3-1rank
-# 0.90 (one try of three failed under load), zero2-2ranks 1.03-1.10; zero3-2ranks 1.53-1.64 in
-# three runs whose own steps varied 2.3-3.5 s (the plan before this change: 0.98-1.52), on
-# intermediate versions of the calibration; on the final one, the machine otherwise idle
-# (2026-11-27 16:40 UTC), it passed (xpass) -- kept as a known gap until it passes under load too.
-GAPS = {"zero3-2ranks": "measured 1.53-1.64 under load (passed once idle); ZeRO-3's own work over "
-                        "gloo is not yet planned within 25% on a loaded 2-core machine"}
+# 12 steps: the plan is a steady step, and an offloading run's first 3-4 steps are not one (one
+# rank, zero2_offload: 0.68, 0.49, 0.37, then 0.29-0.33 s; two ranks 0.80-0.56 then 0.45-0.50):
+# with 4 steps the median (of steps 2-4) measured the warm-up, 1.13-1.49 of plans the steady
+# steps meet. Measured 2026-11-28 (AMD EPYC host, format-5 calibration, 12 steps), this test
+# twice: zero2-1rank 0.97-1.14, zero3-1rank 1.05-1.11, zero2-2ranks 1.03-1.05, zero3-2ranks
+# 0.72-0.85 (the gap below); at gpt_small (python -m bench steptime) zero2_offload 1.07 and
+# zero3_offload 1.11 over 2 ranks. Earlier (Intel host, format 4, 4 steps, load 4-7): zero2-1rank
+# 0.84, zero3-1rank 0.90, zero2-2ranks 1.03-1.10, zero3-2ranks 1.53-1.64 under load.
+GAPS = {"zero3-2ranks": "ZeRO-3's own work is priced per parameter from a 2-block calibration and "
+                        "misses here both ways: 1.53-1.64 (format 4, under load), 0.72-0.85 (format "
+                        "5, idle, 2026-11-28) at this shape, against 0.97-1.11 at gpt_small"}
 
 
 def _case(case: str):
@@ -150,7 +154,7 @@ def _case(case: str):
     return pytest.param(case, marks=marks)
 
 
-# a calibration (36 s for one process, 1-5 min for two on 2 loaded cores; cached) and a 4-step run each
+# a calibration (36 s for one process, 1-5 min for two on 2 loaded cores; cached) and a 12-step run each
 @pytest.mark.parametrize("case", [_case(c) for c in CASES])
 def test_offload_step_time_is_within_25_percent_after_calibration(tmp_path, case):
     strategy, ranks = CASES[case]

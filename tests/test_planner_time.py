@@ -349,12 +349,26 @@ def test_deepspeeds_measured_engine_work_prices_zero_steps(tmp_path, monkeypatch
     assert _plans(*base, "strategy=zero3")["zero3"].optimizer_seconds == 0  # priced uncalibrated
 
 
+@pytest.mark.unit
+def test_the_calibration_times_each_repeat_of_the_compute_in_lockstep():
+    """Format 5: every process passes a barrier before each timed repeat (a run's steps are locked
+    by their collectives), not once before the loop, where the process done first left the
+    machine to the others: 2-process plans measured 1.27-1.57 against 0.91-1.11 in lockstep."""
+    from observers import machine as measure
+
+    calls = []
+    measure._timed(lambda: calls.append("run"), repeats=3, sync=lambda: None,
+                   together=lambda: calls.append("barrier"))
+    assert calls == ["run"] + ["barrier", "run"] * 3  # (the warm-up alone, then each repeat)
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow  # a whole calibration: 108 s in CI before format 4 added the host's measurements
 def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     """planner.calibrate=true: plan.py measures this machine once (a subprocess running
     backends.common.calibrate: ~50 s on 2 cores), caches it under the user's cache directory, plans
     with it, and itself imports no torch; the second call reads the cache."""
+    from planner import machine
     from tests.conftest import engines_loaded
 
     env = {"HOME": str(tmp_path)}
@@ -369,7 +383,7 @@ def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     assert m["matmul_tflops"] > 0 and 0 < m["efficiency"] < 1.5 and m["optimizer_ns_per_param"] > 0
     assert set(m["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
     assert m["tp_speedup"] > 0  # TP over both processes, measured
-    assert m["format"] == 4  # ZeRO-2, ZeRO-3, FSDP2 and the offloaded ZeRO measured against DDP
+    assert m["format"] == machine.FORMAT == 5  # lockstep compute; the engines measured against DDP
     assert all(m[k] > 0 for k in ("host_optimizer_ns_per_param", "host_copy_GBps", "floor_seconds"))
     assert all(m[f"engine_ns_per_param_{e}"] >= 0 for e in ("zero2", "zero3", "fsdp2"))
     again = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
