@@ -214,7 +214,8 @@ class Footprint:
             backward += gathered * sb.gather + self.block(n) * sb.reduce
         elif sb.params > sb.gather:
             backward += n.params * sb.gather  # autocast's bf16 weight copies, saved for backward
-        step += self.step_extra(n)
+        # (the end of backward and the step come one after the other: the larger of the two)
+        step += max(self.step_extra(n), self.final_extra(n))
         return int(backward), int(step)
 
     def bucket_buffer(self, n: Sizes) -> float:
@@ -222,6 +223,12 @@ class Footprint:
         return 2 * self.bucket_bytes if n.dp > 1 or self.optimizer_offload != DEVICE else 0.0
 
     def backward_extra(self, n: Sizes) -> float:
+        """Transients made while the activations are alive."""
+        return 0.0
+
+    def final_extra(self, n: Sizes) -> float:
+        """Transients made at backward's very end, once every activation is freed (a reduction
+        whose only flush is the last one)."""
         return 0.0
 
     def gathered(self, n: Sizes) -> float:
@@ -389,9 +396,19 @@ def reduction_copies(fp: Any, n: Sizes) -> float:
     of ranks: coalesced_collectives.py ``reduce_scatter_coalesced``'s ``torch.cat`` of the
     bucket's gradients, and on a host (gloo) torch's ``reduce_scatter_tensor`` one more copy of
     its input (NCCL makes none). Each is one bucket's gradients: ``reduce_bucket_size`` elements
-    at most, and at most what is reduced. docs/PLANNER.md, "Host memory of offload"."""
+    at most, and at most what is reduced. docs/PLANNER.md, "Host memory of offload". Where all
+    that is reduced fits one bucket, its only flush is backward's last (``final_flush``): the
+    copies come after every activation is freed (ZeroConfig.final_extra), else beside them."""
     if not fp.reduce_bucket or (fp.stage < 3 and n.dp <= 1):
         return 0.0
     reduced = n.trainable if fp.stage < 3 else n.params
     copies = 1 + (fp.stage >= 3 and n.resident)
     return copies * min(fp._reduce_bucket(n), reduced) * n.bytes.grads
+
+
+def final_flush(fp: Any, n: Sizes) -> bool:
+    """DeepSpeed ZeRO-2/3: whether everything a backward reduces fits one reduce bucket, so that
+    the bucket is flushed once, at backward's end (stage_1_and_2.py / stage3.py's epilogue),
+    when no activation is alive any more."""
+    reduced = n.trainable if fp.stage < 3 else n.params
+    return bool(fp.reduce_bucket) and reduced <= fp._reduce_bucket(n)

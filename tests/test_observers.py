@@ -252,22 +252,8 @@ PEAK_SHAPE = ("model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_k
 PEAK_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-# Known gaps (strict: fixing one fails here until it is removed). Since dc5c810 (#38) the plan books
-# ZeRO's reduction copies (strategies/footprint.py reduction_copies) beside every activation; this
-# model is smaller than one reduce bucket, so its only reduction is backward's final flush, after
-# the activations are freed, and with RSS following live bytes the copies never reach the peak:
-# zero3 plans 451.2 MB (fp32) / 331.1 MB (bf16) against 342 / 277 measured, as before dc5c810
-# (358.8 / 284.8 planned then). The 2-rank offload RSS cases that motivated it run without the
-# fixed mmap threshold (a reading, not proven: glibc keeps the freed activations in its heap while
-# copies over its 32 MB maximum threshold get fresh pages).
-PEAK_GAPS = {("zero3", "32"): "planned growth 451.2 MB, measured 342.2 (0.76): reduction copies beside "
-                              "the activations", ("zero3", "bf16-mixed"): "planned 331.1 MB, measured "
-                              "276.8 (0.84): reduction copies beside the activations"}
-
-
 @pytest.mark.parametrize("strategy, precision", [
-    (s, p) if (s, p) == ("fsdp2", "32") else pytest.param(s, p, marks=[pytest.mark.slow] + (
-        [pytest.mark.xfail(reason=PEAK_GAPS[s, p], strict=True)] if (s, p) in PEAK_GAPS else []))
+    (s, p) if (s, p) == ("fsdp2", "32") else pytest.param(s, p, marks=pytest.mark.slow)
     for s in ("single", "ddp", "fsdp2", "zero3") for p in ("32", "bf16-mixed")])
 def test_measured_peak_growth_is_within_ten_percent_of_the_plan(tmp_path, strategy, precision):
     """How far a step's resident memory rises above what it leaves behind (activations, the

@@ -7,9 +7,13 @@ ZeRO-2: stage_1_and_2.py ``allreduce_bucket``'s ``self.flatten(bucket)`` (+57.4 
 bf16 gradients; none on one rank, where the bucket is one slice and flatten a view); ZeRO-3:
 coalesced_collectives.py ``reduce_scatter_coalesced``'s ``torch.cat`` (+57.4 MB) and gloo's
 ``reduce_scatter_tensor`` (+57.4 MB, a copy of its input; NCCL makes none), on 1 rank too.
-The planner books them in the device plan's backward buffers (``memory.buffers``; on a GPU they
-are device memory, on CPU the host's): strategies/footprint.py ``reduction_copies``. The RSS proof is
-tests/test_offload_host.py's 2-rank cases (slow tier)."""
+The planner books them in the device plan (on a GPU they are device memory, on CPU the host's):
+strategies/footprint.py ``reduction_copies``. Where everything reduced fits one bucket (these
+models: reduce_bucket_size is 2e8 elements) the only flush is backward's last, after every
+activation is freed, so they are in the end-of-backward phase (``memory.step``), not beside the
+activations (``memory.buffers``): with them there, ZeRO-3's growth was planned 451 MB against
+342 measured (tests/test_observers.py). The RSS proof is tests/test_offload_host.py's 2-rank cases
+(slow tier)."""
 
 from __future__ import annotations
 
@@ -38,14 +42,15 @@ def _cpu(strategy: str, ranks: int, *more: str):
 def test_zero2_books_the_bucket_flatten_copy_only_with_a_second_rank():
     one, two = _cpu("zero2_offload", 1), _cpu("zero2_offload", 2)
     grads = two.params  # bf16: the whole model's gradients, as many bytes as its bf16 parameters
-    # one rank: the ipg bucket alone; two: the bucket and its flat copy (reduce_bucket_size is
-    # 2e8 elements, more than the model)
-    assert one.buffers == grads
-    assert two.buffers == 2 * grads
-    # the copy lives at backward's end, not in the optimizer step nor between steps
-    assert two.step == one.step and two.total - one.total == grads
+    # one rank: the ipg bucket alone; two: the bucket and its flat copy, made by the only flush,
+    # at backward's end (reduce_bucket_size is 2e8 elements, more than the model): beside the
+    # bucket, not beside the activations
+    assert one.buffers == two.buffers == grads
+    assert two.step == one.step + grads
+    assert two.total == max(one.total, two.step) and two.growth == two.total - (two.step - grads)
     smaller = _cpu("zero2_offload", 2, "strategy.reduce_bucket_size=1000000")
-    # overlap_comm's two buckets (the model fills both) and one copy, each 1e6 bf16 elements
+    # flushed through backward: overlap_comm's two buckets (the model fills both) and one copy,
+    # each 1e6 bf16 elements, beside the activations
     assert smaller.buffers == 3 * 1_000_000 * 2
 
 
