@@ -8,6 +8,7 @@ zero3_offload runs through train.py step within 25% of the calibrated plan (slow
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -154,11 +155,22 @@ def _case(case: str):
     return pytest.param(case, marks=marks)
 
 
-# a calibration (36 s for one process, 1-5 min for two on 2 loaded cores; cached) and a 12-step run each
+@pytest.fixture(scope="module")
+def fresh_home(tmp_path_factory):
+    """A home whose calibration cache starts empty, shared by this module's cases: each world size
+    is calibrated minutes before its runs. This machine's own cache may be hours old, and a VM's
+    speed drifts 15-25% between hours (2026-11-28: 03:30 calibrations against 05:35 runs measured
+    1.27-1.50, the same runs 0.97-1.14 against fresh ones). Built extensions stay where they are."""
+    home = tmp_path_factory.mktemp("home")
+    return {"HOME": str(home), "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))}
+
+
+# a calibration (36 s for one process, 1-5 min for two; one per world size) and a 12-step run each
 @pytest.mark.parametrize("case", [_case(c) for c in CASES])
-def test_offload_step_time_is_within_25_percent_after_calibration(tmp_path, case):
+def test_offload_step_time_is_within_25_percent_after_calibration(tmp_path, case, fresh_home):
     strategy, ranks = CASES[case]
     run = run_cli("train.py", *RUN, *SHAPE, f"strategy={strategy}", f"cluster.devices={ranks}",
-                  f"trainer.global_batch_size={2 * ranks}", out=tmp_path / case, timeout=900)
+                  f"trainer.global_batch_size={2 * ranks}", out=tmp_path / case, timeout=900, env=fresh_home)
     row = run.report["predicted_vs_measured"]["step_seconds"]
     assert row["ratio"] == pytest.approx(1.0, abs=0.25), row
