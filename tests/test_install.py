@@ -5,6 +5,7 @@ calibration are package data)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -81,8 +82,10 @@ def test_a_regular_install_trains_and_plans_from_elsewhere(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # (without the caller's PYTHONPATH: a checkout on it would be imported instead of the install)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([str(venv / "bin" / "python"), "-c", SCRIPT, site], cwd=elsewhere,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     from planner import plan_all
     from recipes.config import compose
