@@ -368,7 +368,9 @@ def test_powersgd_with_several_buckets_keeps_the_collective_order(tmp_path, back
         assert len(run.losses) == 12
 
 
+# (slow tier: CI proves local SGD's sync on one node, exact at sync_every=1 and every H steps)
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_local_sgd_on_two_nodes_averages_hierarchically_as_one_node_does(tmp_path, cached):
     """Two torchrun "nodes" of one process each on loopback take torch's

@@ -66,7 +66,10 @@ def test_more_layouts_match_single_process(runs, name):
     _equivalent(runs(*CASES[name]), _reference(runs, "sgd"), "sgd")
 
 
+# (slow tier: CI runs the interleaved schedule in tests/test_planner_time.py's virtual-stage
+# traffic case, and 1F1B's and GPipe's equivalence here and in tests/test_schedules.py)
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_interleaved_pipeline_matches_and_reports(runs):
     run = runs(*INTERLEAVED)
     _equivalent(run, _reference(runs, "sgd", *DEEP), "sgd")
