@@ -52,7 +52,8 @@ SLOW_CASES = {("zero2_offload", "adamw"), ("zero3_offload", "adamw"), ("fsdp_gra
 # (CI keeps on Accelerate: single, zero3; ddp and fsdp2 train the same as one process there in
 # tests/test_schedules.py, fsdp2 a user's script in tests/test_accelerate_user.py; the fp16 hook's
 # halved payload is counted on Accelerate in tests/test_observers.py, its closeness to DDP on
-# Lightning in tests/test_ddp.py, and ddp_int8's hook trains a user's script there too)
+# Lightning in tests/test_ddp.py; ddp_int8's hook trains a user's Accelerate script in
+# tests/test_accelerate_user.py)
 MATRIX = [(c, o) if not (o == "adamw" and c in SGD_CASES or (c, o) in SLOW_CASES)
           else pytest.param(c, o, marks=pytest.mark.slow)
           for c in ACCELERATE for o in OPTIMIZERS if o != "sgd" or c in SGD_CASES]

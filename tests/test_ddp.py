@@ -10,10 +10,8 @@ from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
-# (DDP's AdamW runs in CI wherever a test leaves the optimizer at its default: the console, the
-# fault and resume tests)
 @pytest.mark.parametrize("case, optimizer", by_optimizer(["ddp", "ddp-accumulation"],
-                                                         slow_adamw={"ddp", "ddp-accumulation"}))
+                                                         slow_adamw={"ddp-accumulation"}))
 def test_ddp_matches_single_process(cached, reference, case, optimizer):
     c = CASES[case]
     run = cached(*EQUIV, *OPTIMIZERS[optimizer], *c.overrides)
