@@ -9,7 +9,7 @@
   live peak (a pipeline's first schedule runs forward and backward of every micro-batch inside
   that window: the most its chunks held at once). With activation checkpointing it falls to the
   blocks' inputs.
-- ``peak_rss``: the process's peak resident memory.
+- ``peak_rss``: the process's own peak resident memory (``VmHWM``; see ``peak_rss``).
 - ``peak_rss_growth``: how far a training step's resident memory rises above what the step
   leaves behind -- its peak (reset at the step's start, Linux ``/proc/self/clear_refs``) minus
   the RSS once its update is done, when every state exists and the transients are freed: the
@@ -50,7 +50,22 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's own peak resident bytes: Linux's ``VmHWM`` (/proc/self/status), the
+    high-water mark ``reset_peak_rss`` resets. Not ``getrusage``'s ``ru_maxrss``: Linux carries
+    the parent's peak across fork and exec into it (a train.py started by a 2 GB notebook or
+    test runner reports 2 GB) and ``clear_refs`` does not reset it. ``ru_maxrss`` only where
+    there is no /proc (macOS reports bytes)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    import sys
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 def current_rss() -> int | None:

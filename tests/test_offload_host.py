@@ -97,9 +97,9 @@ CASES = {  # name: (strategy, ranks, shape)
 
 
 def _tier(case: str):
-    # (one rank too: DeepSpeed starts torch.distributed, gloo, in it.) All in the slow tier: in a
-    # whole fresh-ci run zero3-1rank measured 504 MB against 297 then planned (1.69; 327 now), where alone it
-    # measures 305-315 MB (1.03-1.06), CI=true included; the extra ~200 MB is not explained yet.
+    # (one rank too: DeepSpeed starts torch.distributed, gloo, in it.) All in the slow tier (15-60 s
+    # each). Deep in a suite the 1-rank cases once measured pytest's own peak (ru_maxrss crosses
+    # exec; observers/memory.py reads VmHWM since, tests/test_allocator.py).
     marks = [pytest.mark.multiprocess, pytest.mark.slow]
     if case == "zero3-2ranks":  # known gap, not strict (it passes on some runs)
         marks.append(pytest.mark.xfail(strict=False, reason=(
