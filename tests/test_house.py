@@ -155,11 +155,16 @@ def test_the_lightning_backend_defers_the_transformers_torchmetrics_imports():
 
 
 # --------------------------------------------------------------------- Lightning's registry
+ORDERS = {"strategies first": ("strategies", "lightning"), "lightning first": ("lightning", "strategies"),
+          # (what train.py and an Accelerate user's `from backends.accelerate import ...` import:
+          # `backends` imports `strategies`, whose registration then ran inside it and failed)
+          "lightning, then backends": ("lightning", "backends")}
+
+
 @pytest.mark.subprocess
-@pytest.mark.parametrize("order", ["strategies first", "lightning first"])
+@pytest.mark.parametrize("order", ORDERS)
 def test_presets_register_in_either_import_order(order):
-    first, second = (("strategies", "lightning") if order == "strategies first"
-                     else ("lightning", "strategies"))
+    first, second = ORDERS[order]
     code = (f"import {first}, {second}\n"
             "from lightning.pytorch.strategies import StrategyRegistry\n"
             "import strategies as s\n"

@@ -52,7 +52,12 @@ def register() -> None:
     for key, name in entries().items():
         StrategyRegistry.register(key, _factory(name), override=True,
                                   description=f"stratagem preset conf/strategy/{name}.yaml")
+    atexit.unregister(_teardown_at_exit)  # once, however often this is called
+    atexit.register(_teardown_at_exit)
+
+
+def _teardown_at_exit() -> None:
+    # (looked up at exit: ``register`` runs inside ``import backends`` when Lightning came first)
     from backends import teardown_at_exit
 
-    atexit.unregister(teardown_at_exit)  # once, however often this is called
-    atexit.register(teardown_at_exit)
+    teardown_at_exit()
