@@ -7,12 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.zygote import Zygote
+
 ROOT = Path(__file__).resolve().parents[1]
+_SESSION_ENV = dict(os.environ)  # (as the session started: no test's changes)
 
 
 def product_files() -> list[Path]:
@@ -88,14 +92,37 @@ def typed(cfg):
     return validate(cfg, depth=CONFIG)
 
 
+RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+_zygote: Zygote | None = None
+
+
+def _forked(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """The run forked from tests/zygote.py's pre-imported interpreter (None: start a plain one)."""
+    global _zygote
+    if os.environ.get("STRATAGEM_TEST_ZYGOTE", "1") == "0":
+        return None
+    if _zygote is None:
+        _zygote = Zygote(Path(tempfile.mkdtemp(prefix="zygote")), {**_SESSION_ENV, **RUN_ENV})
+    return _zygote.run(cmd, env, ROOT, timeout)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _zygote is not None:
+        _zygote.close()
+
+
 def run_cli(script: str, *overrides: str, out: Path, timeout: float = 240, check: bool = True,
-            env: dict[str, str] | None = None) -> Run:
-    """``python <script> overrides... hydra.run.dir=<out>`` in a subprocess, with a hard timeout."""
+            env: dict[str, str] | None = None, fresh: bool = False) -> Run:
+    """``python <script> overrides... hydra.run.dir=<out>`` in a subprocess, with a hard timeout:
+    forked from tests/zygote.py's pre-imported interpreter unless ``fresh`` (a run whose start-up
+    is measured) or its environment changes what the libraries read at import."""
     cmd = [sys.executable, str(ROOT / script), *overrides, f"hydra.run.dir={out}"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, **RUN_ENV, **(env or {})}
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=full_env, stdin=subprocess.DEVNULL)
+        proc = None if fresh else _forked(cmd, full_env, timeout)
+        if proc is None:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                  env=full_env, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"timed out after {timeout}s (deadlock?): {' '.join(cmd)}\n"
                     f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-3000:]!r}")
