@@ -58,6 +58,7 @@ def _child(request: dict) -> None:
 
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
+    os.close(devnull)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -149,18 +150,26 @@ class Zygote:
         self.stream.write(json.dumps({"argv": cmd, "env": env, "cwd": str(cwd), "stdout": str(out),
                                       "stderr": str(err)}) + "\n")
         self.stream.flush()
-        pid = json.loads(self.stream.readline())["pid"]
+        pid = self._answer()["pid"]
         # (the exit code is the next line; nothing else is buffered until the child is done)
         timed_out = not select.select([self.sock], [], [], timeout)[0]
         if timed_out:
             os.kill(pid, signal.SIGKILL)
-        code = json.loads(self.stream.readline())["returncode"]
+        code = self._answer()["returncode"]
         stdout, stderr = (p.read_text(errors="replace") for p in (out, err))
         out.unlink()
         err.unlink()
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, output=stdout.encode(), stderr=stderr.encode())
         return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+    def _answer(self) -> dict:
+        line = self.stream.readline()
+        if not line:
+            self.failed = True
+            raise RuntimeError("tests/zygote.py stopped answering (its stderr is above); "
+                               "STRATAGEM_TEST_ZYGOTE=0 runs every command in a fresh interpreter")
+        return json.loads(line)
 
     def close(self) -> None:
         if self.proc is not None:
