@@ -12,15 +12,19 @@ import pytest
 
 from tests.conftest import ROOT
 
-_RETURNED = r"""
+_GLIBC = r"""
 import ctypes, ctypes.util, sys
-from observers.memory import allocate_exactly
 class MallInfo2(ctypes.Structure):
     _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes, libc.mallinfo2.restype = [ctypes.c_void_p], MallInfo2
+"""
+"""glibc's malloc, free and mallinfo2 through ctypes, for the scripts below."""
+
+_RETURNED = _GLIBC + r"""
+from observers.memory import allocate_exactly
 if sys.argv[1] == "observed":
     allocate_exactly(True); allocate_exactly(False)
 elif sys.argv[1] == "regression":  # the mmap threshold set, the trim threshold left at 128 KiB
@@ -33,6 +37,14 @@ print(((a.hblkhd - b.hblkhd) + (a.arena - b.arena)) / n)
 """
 
 
+def _fraction(script: str, mode: str) -> float:
+    """What ``script`` prints in a fresh process (glibc's state is per process)."""
+    proc = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return float(proc.stdout.split()[-1])
+
+
 @pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_after_the_exact_steps_a_freed_step_stays_in_the_process_as_under_glibcs_defaults():
@@ -43,25 +55,13 @@ def test_after_the_exact_steps_a_freed_step_stays_in_the_process_as_under_glibcs
     per case: a step-sized block freed the second time is kept under glibc's defaults and after
     the exact steps, and handed back under the regression's settings. (The per-step page-fault
     count this test compared before moves 6x between identical processes at this size.)"""
-    returned = {}
-    for mode in ("default", "observed", "regression"):
-        proc = subprocess.run([sys.executable, "-c", _RETURNED, mode], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        returned[mode] = float(proc.stdout.split()[-1])
+    returned = {mode: _fraction(_RETURNED, mode) for mode in ("default", "observed", "regression")}
     assert returned["default"] == 0 and returned["observed"] == 0, returned
     assert returned["regression"] >= 0.99, returned  # the test can fail: the old settings hand it back
 
 
-_BUILD = r"""
-import ctypes, ctypes.util, sys
+_BUILD = _GLIBC + r"""
 from observers.memory import MemoryProfile
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes, libc.mallinfo2.restype = [ctypes.c_void_p], MallInfo2
 big = libc.malloc(24 << 20); libc.free(big)  # glibc's dynamic rule: the mmap threshold is now 24 MiB
 if sys.argv[1] == "observed":
     MemoryProfile()  # (as every rank makes it, before the backend builds the model)
@@ -79,12 +79,7 @@ def test_what_the_model_build_allocates_gets_pages_of_its_own():
     plan, 0.99 once exact from the build; docs/PLANNER.md). So the observer allocates exactly from
     its construction: an 8 MiB block made after it is mmapped (mallinfo2's hblkhd), where glibc's
     dynamic threshold, raised by an earlier free, puts it in the heap."""
-    mmapped = {}
-    for mode in ("default", "observed"):
-        proc = subprocess.run([sys.executable, "-c", _BUILD, mode], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        mmapped[mode] = float(proc.stdout.split()[-1])
+    mmapped = {mode: _fraction(_BUILD, mode) for mode in ("default", "observed")}
     assert mmapped["default"] == 0, mmapped  # (the premise: without the observer, the heap)
     assert mmapped["observed"] >= 1.0, mmapped
 
