@@ -1,6 +1,7 @@
 """Where ``conf/`` is: the one place that locates it (presets, schemas, the command line and the
-backends' YAML all read it through ``CONF_DIR``); and the helpers that turn its Hydra/OmegaConf
-containers into the plain dicts the engines take (``plain``, ``merge``, ``has``).
+backends' YAML all read it through ``CONF_DIR``); where our caches are (``cache_dir``); and the
+helpers that turn its Hydra/OmegaConf containers into the plain dicts the engines take
+(``plain``, ``merge``, ``has``).
 
 In a checkout (and an editable install) it is the ``conf/`` beside the packages; a regular
 install ships the same files as the package data ``stratagem_conf`` (pyproject.toml maps it).
@@ -9,6 +10,7 @@ install ships the same files as the package data ``stratagem_conf`` (pyproject.t
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,13 @@ def _locate() -> Path:
 
 
 CONF_DIR = _locate()
+
+
+def cache_dir(name: str) -> Path:
+    """Our cache ``name`` (``machine``: the calibrations, ``tokens``: tokenized data):
+    ``$XDG_CACHE_HOME/stratagem/<name>``, ``~/.cache`` where it is unset -- the rule torch's and
+    Hugging Face's caches follow, so a cluster that moves caches off a small home moves ours too."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "stratagem" / name
 
 
 def plain(node: Any) -> Any:

@@ -2,7 +2,8 @@
 what a transformer block leaves of it, AdamW's step per parameter, the process group's
 bandwidth and latency per collective, and the engines' own work (ZeRO-2, ZeRO-3, FSDP2),
 measured once by ``python -m backends.common.calibrate`` (observers/machine.py and the engines)
-in a subprocess (plan.py imports no torch) and cached under ``~/.cache/stratagem/machine``, one file
+in a subprocess (plan.py imports no torch) and cached under ``$XDG_CACHE_HOME/stratagem/machine``
+(``~/.cache/stratagem/machine`` where XDG_CACHE_HOME is unset), one file
 per host, device, world size and precision. The planner prices ``cluster=local`` with these
 numbers instead of ``cluster.peak_tflops`` x ``planner.mfu``, ``cluster.intra_node_GBps`` and
 ``planner.intra_latency_us``.
@@ -20,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CACHE = Path("~/.cache/stratagem/machine")
+from core.conf import cache_dir
+
+CACHE: Path | None = None
+"""Where the calibrations are; None: ``core.conf.cache_dir("machine")``, read when used."""
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT = 5
 """The calibration's format: a cache written by an older one (without the engines' own work:
@@ -139,7 +143,7 @@ def key(cluster: Any, precision: str) -> dict[str, Any]:
 
 def path(k: dict[str, Any]) -> Path:
     name = f"{k['host']}-{k['device']}-w{k['world']}-t{k['threads']}-{k['precision']}"
-    return CACHE.expanduser() / (re.sub(r"[^\w.-]+", "_", name) + ".json")
+    return (CACHE or cache_dir("machine")).expanduser() / (re.sub(r"[^\w.-]+", "_", name) + ".json")
 
 
 def applies(job: Any) -> bool:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.conf import cache_dir
+
 LOADERS = {"jsonl": "json", "parquet": "parquet", "text": "text"}  # data.name -> datasets loader
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 SUFFIXES = {"jsonl": JSON_SUFFIXES, "parquet": (".parquet",), "text": (".txt",),
@@ -29,7 +31,7 @@ GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def default_cache_dir() -> Path:
-    return Path("~/.cache/stratagem/tokens").expanduser()
+    return cache_dir("tokens")
 
 
 

@@ -165,7 +165,7 @@ def fresh_home(tmp_path_factory):
     speed drifts 15-25% between hours (2026-11-28: 03:30 calibrations against 05:35 runs measured
     1.27-1.50, the same runs 0.97-1.14 against fresh ones). Built extensions stay where they are."""
     home = tmp_path_factory.mktemp("home")
-    return {"HOME": str(home), "TORCH_EXTENSIONS_DIR": os.environ.get(
+    return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "TORCH_EXTENSIONS_DIR": os.environ.get(
         "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -350,6 +351,24 @@ def test_deepspeeds_measured_engine_work_prices_zero_steps(tmp_path, monkeypatch
 
 
 @pytest.mark.unit
+def test_the_caches_follow_xdg_cache_home(tmp_path, monkeypatch):
+    """The calibrations and the tokenized data live under $XDG_CACHE_HOME/stratagem where it is
+    set (a cluster's small home), under ~/.cache/stratagem where it is not."""
+    from planner import machine
+    from recipes.token_inputs import default_cache_dir
+
+    def where() -> list[Path]:
+        return [machine.path({"host": "h", "device": "d", "world": 1, "threads": 1, "precision": "32"}).parent,
+                default_cache_dir()]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert where() == [tmp_path / "xdg" / "stratagem" / x for x in ("machine", "tokens")]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert where() == [tmp_path / ".cache" / "stratagem" / x for x in ("machine", "tokens")]
+
+
+@pytest.mark.unit
 def test_the_calibration_times_each_repeat_of_the_compute_in_lockstep():
     """Format 5: every process passes a barrier before each timed repeat (a run's steps are locked
     by their collectives), not once before the loop, where the process done first left the
@@ -371,7 +390,7 @@ def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     from planner import machine
     from tests.conftest import engines_loaded
 
-    env = {"HOME": str(tmp_path)}
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / ".cache")}
     args = ("plan.py", "model=gpt_nano", "cluster.devices=2", "cluster.accelerator=cpu", "strategy=ddp",
             "planner.calibrate=true", "planner.format=json")
     proc, loaded = engines_loaded(*args, env=env, timeout=400)
