@@ -13,7 +13,8 @@ of its own so that plan.py never imports torch:
   reference shape (CPU: dim 384, seq 128, micro batch 8, gpt_small's; GPU: dim 2048, seq 2048,
   llama_1b's), in model FLOPs (6 per matmul parameter and token, 12 x seq x dim for attention)
   per second, and that over ``matmul_tflops``: what norms, attention and elementwise work leave of
-  the matmul rate (the planner's MFU for this machine);
+  the matmul rate (the planner's MFU for this machine), its runs in three bursts spread over the
+  calibration (a VM's speed drifts within a minute);
 - ``optimizer_ns_per_param``: AdamW's step with gradient clipping, per fp32 parameter;
 - ``host_optimizer_ns_per_param``, ``host_copy_GBps``: what an offloading run adds on the host
   -- the optimizer it really runs there (torch AdamW over DeepSpeed's or FSDP's fp32 host
@@ -53,8 +54,8 @@ LARGE = {"cpu": 16 * 2**20, "gpu": 256 * 2**20}
 REFERENCE = {"cpu": (384, 6, 1024, 128, 8), "gpu": (2048, 16, 5632, 2048, 2)}
 
 
-def _timed(fn: Any, *, repeats: int, sync: Any, together: Any = None) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up; ``together``: a barrier
+def _samples(fn: Any, *, repeats: int, sync: Any, together: Any = None) -> list[float]:
+    """Seconds of ``fn`` in each of ``repeats`` runs, after one warm-up; ``together``: a barrier
     every process passes before each run, so that each run overlaps the other processes' as a
     run's lockstep steps do (one barrier before the loop lets a process that finished first leave
     the machine to the others)."""
@@ -68,7 +69,12 @@ def _timed(fn: Any, *, repeats: int, sync: Any, together: Any = None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _timed(fn: Any, *, repeats: int, sync: Any, together: Any = None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs (``_samples``)."""
+    return statistics.median(_samples(fn, repeats=repeats, sync=sync, together=together))
 
 
 def compute_dtype(precision: str, accelerator: str) -> Any:
@@ -77,11 +83,54 @@ def compute_dtype(precision: str, accelerator: str) -> Any:
     return dtype(p.measured(accelerator))
 
 
-def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: Any) -> dict[str, float]:
-    import torch
+class _Block:
+    """One block of recipes/gpt.py, forward and backward at the reference shape, timed in bursts
+    (``burst``) spread over the calibration: ``tflops`` is its model FLOP/s over all of them. A
+    VM's speed drifts within a minute (2 CPU processes, six 4-s measurements in a row: 0.034-0.045
+    TFLOP/s), and the plan should price the machine's usual speed, not one moment of it."""
 
-    from recipes.config import ModelConfig
-    from recipes.gpt import Block, rope_table
+    BURST = 5
+    """Runs per burst; three bursts (the start, after the collectives, the end): 15 runs, as one
+    burst was before (5 runs: +-12% run to run)."""
+
+    def __init__(self, accelerator: str, precision: str, device: Any, sync: Any, barrier: Any) -> None:
+        import torch
+
+        from recipes.config import ModelConfig
+        from recipes.gpt import Block, rope_table
+
+        dim, heads, ffn, seq, micro = REFERENCE[accelerator]
+        dtype = compute_dtype(precision, accelerator)
+        shape = ModelConfig(name="reference", dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads,
+                            vocab_size=256, seq_len=seq, ffn_dim=ffn)
+        block = Block(shape).to(device)
+        rope = rope_table(shape.head_dim, seq, shape.rope_theta).to(device)
+        x = torch.randn(micro, seq, dim, device=device, requires_grad=True)
+        autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+                    else torch.autocast(device.type, enabled=False))
+
+        def step() -> None:
+            with autocast:
+                y = block(x, rope)
+            y.float().sum().backward()
+
+        self.step, self.sync, self.barrier = step, sync, barrier
+        self.flops = (6 * (shape.block_params() - 2 * dim) + 12 * seq * dim) * seq * micro
+        self.times: list[float] = []
+
+    def burst(self) -> None:
+        self.barrier()
+        self.times += _samples(self.step, repeats=self.BURST, sync=self.sync, together=self.barrier)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / statistics.median(self.times) / 1e12
+
+
+def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: Any,
+             block: _Block) -> dict[str, float]:
+    """The matmul rate, the optimizer's step and ``block``'s first burst."""
+    import torch
 
     dim, heads, ffn, seq, micro = REFERENCE[accelerator]
     tokens, dtype = seq * micro, compute_dtype(precision, accelerator)
@@ -91,23 +140,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
     flops = sum(2 * tokens * k * n for k, n in gemms)
     barrier()
     matmul = flops / _timed(lambda: [a @ b for a, b in mats], repeats=5, sync=sync, together=barrier) / 1e12
-
-    shape = ModelConfig(name="reference", dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads,
-                        vocab_size=256, seq_len=seq, ffn_dim=ffn)
-    block = Block(shape).to(device)
-    rope = rope_table(shape.head_dim, seq, shape.rope_theta).to(device)
-    x = torch.randn(micro, seq, dim, device=device, requires_grad=True)
-    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
-                else torch.autocast(device.type, enabled=False))
-
-    def step() -> None:
-        with autocast:
-            y = block(x, rope)
-        y.float().sum().backward()
-
-    model_flops = (6 * (shape.block_params() - 2 * dim) + 12 * seq * dim) * tokens
-    barrier()
-    block_tflops = model_flops / _timed(step, repeats=15, sync=sync, together=barrier) / 1e12  # (5: +-12% run to run)
+    block.burst()
 
     params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(4)]
     for p in params:
@@ -120,8 +153,7 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
 
     barrier()
     optimizer = _timed(update, repeats=5, sync=sync, together=barrier) / sum(p.numel() for p in params) * 1e9
-    return {"matmul_tflops": matmul, "block_tflops": block_tflops, "efficiency": block_tflops / matmul,
-            "optimizer_ns_per_param": optimizer}
+    return {"matmul_tflops": matmul, "optimizer_ns_per_param": optimizer}
 
 
 def _host(accelerator: str, device: Any, sync: Any, barrier: Any) -> dict[str, float]:
@@ -291,14 +323,18 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
                                 init_method=f"tcp://127.0.0.1:{port}")
     barrier = dist.barrier if grouped else (lambda: None)
     try:
-        mine = _compute(accelerator, precision, device, sync, barrier)
+        block = _Block(accelerator, precision, device, sync, barrier)
+        mine = _compute(accelerator, precision, device, sync, barrier, block)
         mine |= _host(accelerator, device, sync, barrier)
         heads, ffn = REFERENCE[accelerator][1:3]
         if grouped and heads % world == 0 and ffn % world == 0:  # (else: not measured, 0)
             mine["tp_speedup"] = _tensor_parallel(accelerator, precision, world, device, sync, barrier)
         collectives = _collectives(accelerator, rank, world, device, sync, barrier) if grouped else {}
+        block.burst()
         if engines is not None:  # (backends/common/calibrate.py: DeepSpeed's own work)
             mine |= engines(accelerator, precision, world, rank, device, sync, barrier, mine, collectives)
+        block.burst()
+        mine |= {"block_tflops": block.tflops, "efficiency": block.tflops / mine["matmul_tflops"]}
         every = [None] * world
         if grouped:
             dist.all_gather_object(every, mine)

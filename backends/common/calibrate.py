@@ -1,28 +1,36 @@
 """The machine benchmark that ``planner.calibrate=true`` runs, with the engines: what
 observers/machine.py measures (matmul, a block, AdamW, tensor parallelism, the collectives),
 then, on every rank of the same process group, the engines' own work: DeepSpeed's per ZeRO
-stage, torch FSDP2's.
+stage, with and without the optimizer offloaded, and torch FSDP2's.
 
     python -m backends.common.calibrate --world 2 --precision 32 --accelerator cpu --out machine.json
 
-DeepSpeed's ZeRO-2 and ZeRO-3 engines and FSDP2 run against torch DDP on the same 2-block GPT (the
-reference block's shape), the same batch and every process: a whole step each (forward,
-backward, clipping, AdamW), interleaved round by round so that a slow moment of the machine slows
-every engine alike. What a stage adds beyond what the planner prices is the engine's own work --
-on CPU its Python hooks, bucket and flattening copies: ``engine_ns_per_param_zero2``,
-``_zero3`` and ``_fsdp2``, per parameter per micro-batch (measured with one). Priced and taken out: the
-collectives a stage sends beyond DDP's, as ZeroFootprint prices them at the presets' defaults
-(ZeRO-2 adds the post-step all-gather; ZeRO-3 reduce-scatters and gathers once, in forward --
-stage3_max_live_parameters keeps the parameters through backward -- instead of DDP's
-all-reduce; FSDP2 gathers in forward, the blocks again in backward, and reduce-scatters in
-fp32), at the bandwidths just measured; and the moments a sharded optimizer does not
-step. Over one process, ZeRO-2 and ZeRO-3 with the optimizer offloaded (zero2_offload,
-zero3_offload) run against a plain step on one short row, where their own work per parameter is
-not buried under the batch's compute (over several the plan uses the stage's own figure: measured
-the same, 1.00-1.03x, on 2 CPU processes): ``engine_ns_per_param_zero2_offload`` and ``_zero3_offload``, with the
-host's optimizer step (torch AdamW, as our presets hand DeepSpeed the recipe's optimizer) and the
-host<->device copies taken out at the rates just measured. Each engine is built as its preset builds it, at its defaults (``ZeroConfig.deepspeed_json``,
-``FSDP2Config.plan``); one its preset refuses here (16-mixed on CPU) is not measured.
+DeepSpeed's ZeRO-2 and ZeRO-3 engines (``zero2``, ``zero3``, and ``zero2_offload``,
+``zero3_offload`` with the optimizer -- and ZeRO-3's parameters -- on the host) and FSDP2 run
+against torch DDP on the same 2-block GPT (the reference block's shape), the same batch and
+every process: a whole step each (forward, backward, clipping, AdamW), interleaved round by
+round so that a slow moment of the machine slows every engine alike. What an engine adds beyond
+what the planner prices is its own work -- its Python hooks, bucket and flattening copies:
+``engine_ns_per_param_<engine>``, per parameter per micro-batch (measured with one). Priced and
+taken out: the collectives an engine sends beyond DDP's, as ZeroFootprint prices them at the
+presets' defaults (ZeRO-2 adds the post-step all-gather; ZeRO-3 reduce-scatters and gathers
+once, in forward -- stage3_max_live_parameters keeps the parameters through backward -- instead
+of DDP's all-reduce; FSDP2 gathers in forward, the blocks again in backward, and reduce-scatters
+in fp32), at the bandwidths just measured; the moments a sharded optimizer does not step; and
+for the offloaded engines the host's optimizer step (torch AdamW, as our presets hand DeepSpeed
+the recipe's optimizer) and the host<->device copies, at the rates just measured. ZeRO-2 and
+ZeRO-3 unoffloaded and FSDP2 are measured over several processes only (over one the plan
+prices no engine for them). Each engine is built as its preset builds it, at its defaults
+(``ZeroConfig.deepspeed_json``, ``FSDP2Config.plan``); one its preset refuses here (16-mixed on
+CPU) is not measured.
+
+On CPU every step runs one short row (``SHORT``): an engine's own work is per parameter and
+module, not per token, and on CPU nothing of it hides under the compute, so the compute only
+adds noise. With the reference batch, a 0.6 s step on 2 processes of a 2-core VM jittered
++-100 ms round to round, so ZeRO-2's figure (the difference of two such medians, ~40 ms) read
+2.8-20.7 ns per parameter over seven calibrations; on one short row it read 8.3-9.4 over five
+(and ZeRO-3 18-23, FSDP2 13.5-15.9). On a GPU the reference batch stays: there the engine's
+host work runs beside the kernels, and only what the batch does not hide is the step's.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ import time
 from typing import Any, Callable
 
 from observers import machine
+
+SHORT = (1, 32)
+"""The rows and tokens of the batch every engine steps on CPU (the module says why)."""
 
 
 def engines(accelerator: str, precision: str, world: int, rank: int, device: Any, sync: Any, barrier: Any,
@@ -63,10 +74,11 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         return F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
 
     def short(model: Any) -> Any:
-        """One short row, over one process: with no collectives, what an offloaded engine adds per
-        parameter does not depend on the tokens, and the reference batch's compute would bury it
-        in the machine's noise."""
-        return loss(model, tokens[:1, :32])
+        """One short row (``SHORT``): on CPU what an engine adds per parameter does not depend on
+        the tokens, and the reference batch's compute would bury it in the machine's noise."""
+        return loss(model, tokens[:SHORT[0], :SHORT[1]])
+
+    step_loss = short if accelerator == "cpu" else loss
 
     def run_of(strategy: Any) -> Any:
         """The run a preset's builders would see here: one micro-batch per rank, clipping at 1."""
@@ -79,10 +91,10 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     blocks = sum(p.numel() for p in ddp.module.layers.parameters())
     # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
     # on CPU) is not measured (0: not priced).
-    steps = {"ddp": _ddp_step(ddp, loss)} if world > 1 else {"ddp_short": _ddp_step(ddp, short)}
+    steps = {"ddp": _ddp_step(ddp, step_loss)}
     if world > 1:
-        steps |= _fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, loss, run_of)
-    steps |= _zero_steps(lambda: GPT(shape).to(device), rank, world, (loss, short), run_of, ds)
+        steps |= _fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, step_loss, run_of)
+    steps |= _zero_steps(lambda: GPT(shape).to(device), rank, world, step_loss, run_of, ds)
     t = _median_seconds(steps, sync, barrier)
     elem = 4 if dtype == torch.float32 else 2
     priced = _priced(params, blocks, world, elem, collectives, t) if world > 1 else {}
@@ -92,8 +104,7 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
         print("step ms", {k: round(v * 1e3, 1) for k, v in t.items()}, "priced ms",
               {k: round(v * 1e3, 1) for k, v in priced.items()}, "unstepped ms", round(unstepped * 1e3, 1),
               flush=True)
-    base = {k: t["ddp_short" if world == 1 else "ddp"] for k in priced}
-    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - base[k] - priced[k] + unstepped) / params * 1e9)
+    return {f"engine_ns_per_param_{k}": max(0.0, (t[k] - t["ddp"] - priced[k] + unstepped) / params * 1e9)
             for k in priced}
 
 
@@ -140,12 +151,11 @@ def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: st
     return {"fsdp2": fsdp2_step}
 
 
-def _zero_steps(model: Callable[[], Any], rank: int, world: int, losses: tuple[Callable[[Any], Any], ...],
+def _zero_steps(model: Callable[[], Any], rank: int, world: int, loss: Callable[[Any], Any],
                 run_of: Callable[[Any], Any], ds: Any) -> dict[str, Callable[[], None]]:
-    """{"zero2", "zero3": DeepSpeed's whole step} over several processes, {"zero2_offload",
-    "zero3_offload"} over one (their optimizer torch AdamW stepping on the host as the run's
-    builders make it, on the short batch: ``losses[1]``), as ZeroConfig builds each, less those
-    the preset refuses."""
+    """{"zero2", "zero3": DeepSpeed's whole step} over several processes and {"zero2_offload",
+    "zero3_offload"} over any (their optimizer torch AdamW stepping on the host as the run's
+    builders make it), as ZeroConfig builds each, less those the preset refuses."""
     import argparse
 
     import torch
@@ -155,8 +165,8 @@ def _zero_steps(model: Callable[[], Any], rank: int, world: int, losses: tuple[C
 
     steps = {}
     for stage, offload in ((2, False), (3, False), (2, True), (3, True)):
-        if (world == 1) != offload:  # (sharding over one rank: never priced; offloaded over several:
-            continue                 # measured 1.00-1.03x the stage's own, which the plan uses there)
+        if world == 1 and not offload:  # (sharding over one rank: never priced)
+            continue
         where = dict(offload_optimizer="cpu", offload_params="cpu" if stage == 3 else "none") if offload else {}
         zero = ZeroConfig(stage=stage, **where)
         run = run_of(zero)
@@ -174,7 +184,7 @@ def _zero_steps(model: Callable[[], Any], rank: int, world: int, losses: tuple[C
                                           model_parameters=list(built.parameters()), optimizer=opt,
                                           dist_init_required=False)
 
-        def zero_step(engine: Any = engine, loss: Callable[[Any], Any] = losses[offload]) -> None:
+        def zero_step(engine: Any = engine) -> None:
             engine.backward(loss(engine))
             engine.step()
 
