@@ -101,15 +101,16 @@ class Machine:
         return self.floor_seconds + self.layer_floor_seconds * layers * micro_batches
 
     def describe(self) -> str:
+        names = {"zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2", "zero2_offload": "ZeRO-2 offload",
+                 "zero3_offload": "ZeRO-3 offload"}
+        ns = {name: getattr(self, f"engine_ns_per_param_{k}") for k, name in names.items()}
+        engines = " / ".join(f"{name} {v:.3g}" for name, v in ns.items() if v)
         links = ", ".join(f"{op} {v['GBps']:.2g} GB/s + {v['latency_us']:.3g} us" for op, v in self.collectives.items())
         return (f"measured on {self.host} ({self.device}, {self.world} process(es) x {self.threads} "
                 f"thread(s), precision {self.precision}, {self.measured}): matmul "
                 f"{self.matmul_tflops:.3g} TFLOP/s per process, a transformer block reaches "
                 f"{self.efficiency:.0%} of it, AdamW {self.optimizer_ns_per_param:.3g} ns/param"
-                + (f", the engines' own work ZeRO-2 {self.engine_ns_per_param_zero2:.3g} / ZeRO-3 "
-                   f"{self.engine_ns_per_param_zero3:.3g} / FSDP2 {self.engine_ns_per_param_fsdp2:.3g} "
-                   "ns/param" if self.engine_ns_per_param_zero2 or self.engine_ns_per_param_zero3
-                   or self.engine_ns_per_param_fsdp2 else "")
+                + (f", the engines' own work {engines} ns/param" if engines else "")
                 + (f", the host's AdamW {self.host_optimizer_ns_per_param:.3g} ns/param and copies "
                    f"{self.host_copy_GBps:.3g} GB/s (offload), a step's floor {self.floor_seconds:.3g} s + "
                    f"{self.layer_floor_seconds:.3g} s per block" if self.host_copy_GBps else "")

@@ -125,6 +125,8 @@ def test_a_cache_of_an_older_format_is_measured_again(tmp_path, monkeypatch):
     got = machine.load(typed(cfg).cluster, "32")
     assert got is not None and all(getattr(got, k) == v for k, v in HOST.items())
     assert "host's AdamW 30 ns/param" in got.describe()
+    # (a one-process calibration measures the offloaded engines only: they are named)
+    assert "own work ZeRO-2 offload 20 / ZeRO-3 offload 50 ns/param" in got.describe()
 
 
 # ------------------------------------------------------------------ the CPU proof (train.py)
