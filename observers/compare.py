@@ -9,7 +9,8 @@ backward, gathered units -- against the plan's ``memory.growth``; the largest ra
 runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak against
 ``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
 ``communication``
-(bytes the busiest rank sends per optimizer step on a ring: the planner's unit) and
+(bytes the busiest rank sends per optimizer step on a ring: the planner's unit; offload's
+host and NVMe copies are not collectives and are left out of the prediction) and
 ``step_seconds`` (the planner's step time against the throughput observer's median step, the
 first excluded; planned from the nominal cluster.peak_tflops x planner.mfu rather than this
 machine's measured matmul rate, it is marked ``calibrated: false`` and has no ratio: "not
@@ -40,6 +41,16 @@ def predicted_state_bytes(memory: dict[str, Any]) -> int:
     return memory["params"] + memory["grads"] + memory["master"] + memory["optimizer"] + host
 
 
+def predicted_wire_bytes(communication: dict[str, Any]) -> float:
+    """What the communication observer can measure of the plan's ``communication``: its
+    collectives, not offload's host<->device or NVMe copies (their ``group``), which are memory
+    copies no process group sees (zero3_offload's ratio read 0.33 with them)."""
+    by = communication.get("by_collective")
+    if not by:
+        return communication["bytes_per_step"]
+    return sum(x["bytes"] for x in by.values() if x.get("group") not in ("host", "nvme"))
+
+
 class Comparison(Observer):
     """Reads the memory and communication observers' results (whichever are on)."""
 
@@ -61,7 +72,7 @@ class Comparison(Observer):
         if self.communication is not None and self.communication.steps:
             sent = sum(v["wire_bytes"] for v in self.communication.per_step().values())
             sent = max([sent, *(r["wire_bytes"] for r in self.communication.ranks or [])])
-            out["communication"] = _row(self.plan["communication"]["bytes_per_step"], sent)
+            out["communication"] = _row(predicted_wire_bytes(self.plan["communication"]), sent)
         if self.throughput is not None and self.throughput.seconds and self.plan.get("step_seconds"):
             row = _row(self.plan["step_seconds"], self.throughput.step_seconds())
             source = (self.plan.get("compute") or {}).get("peak_source", "")
