@@ -45,10 +45,8 @@ def predicted_wire_bytes(communication: dict[str, Any]) -> float:
     """What the communication observer can measure of the plan's ``communication``: its
     collectives, not offload's host<->device or NVMe copies (their ``group``), which are memory
     copies no process group sees (zero3_offload's ratio read 0.33 with them)."""
-    by = communication.get("by_collective")
-    if not by:
-        return communication["bytes_per_step"]
-    return sum(x["bytes"] for x in by.values() if x.get("group") not in ("host", "nvme"))
+    by = communication["by_collective"].values()
+    return sum(x["bytes"] for x in by if x["group"] not in ("host", "nvme"))
 
 
 class Comparison(Observer):

@@ -127,12 +127,11 @@ class _Block:
         return self.flops / statistics.median(self.times) / 1e12
 
 
-def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: Any,
-             block: _Block) -> dict[str, float]:
-    """The matmul rate, the optimizer's step and ``block``'s first burst."""
+def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: Any) -> dict[str, float]:
+    """The matmul rate and the optimizer's step (the block's rate: ``_Block``)."""
     import torch
 
-    dim, heads, ffn, seq, micro = REFERENCE[accelerator]
+    dim, _, ffn, seq, micro = REFERENCE[accelerator]
     tokens, dtype = seq * micro, compute_dtype(precision, accelerator)
     gemms = [(dim, dim), (dim, ffn), (ffn, dim)]
     mats = [(torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
@@ -140,7 +139,6 @@ def _compute(accelerator: str, precision: str, device: Any, sync: Any, barrier: 
     flops = sum(2 * tokens * k * n for k, n in gemms)
     barrier()
     matmul = flops / _timed(lambda: [a @ b for a, b in mats], repeats=5, sync=sync, together=barrier) / 1e12
-    block.burst()
 
     params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(4)]
     for p in params:
@@ -324,7 +322,8 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     barrier = dist.barrier if grouped else (lambda: None)
     try:
         block = _Block(accelerator, precision, device, sync, barrier)
-        mine = _compute(accelerator, precision, device, sync, barrier, block)
+        mine = _compute(accelerator, precision, device, sync, barrier)
+        block.burst()  # (three bursts: here, after the collectives, at the end)
         mine |= _host(accelerator, device, sync, barrier)
         heads, ffn = REFERENCE[accelerator][1:3]
         if grouped and heads % world == 0 and ffn % world == 0:  # (else: not measured, 0)
