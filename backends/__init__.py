@@ -85,7 +85,9 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     from checkpoints.interrupt import Interrupted
     from checkpoints.interrupt import current as interruption
     from observers import startup
+    from observers.memory import allocate_exactly
 
+    allocate_exactly(False)  # glibc's steady state for a training loop (observers/memory.py says why)
     startup.adopt()  # a rank our launcher started continues its timeline (report.json's startup)
     startup.mark("rendezvous")  # (starting the ranks)
     quiet.install()  # third-party console noise, filtered in one place (backends/common/quiet.py)

@@ -305,6 +305,9 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     import torch
     import torch.distributed as dist
 
+    from observers.memory import allocate_exactly
+
+    allocate_exactly(False)  # (as every rank of a run allocates: backends.run)
     if accelerator == "cpu":
         torch.set_num_threads(threads)
         device = torch.device("cpu")

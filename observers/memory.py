@@ -23,7 +23,7 @@
   offers no reset. RSS follows the live bytes only as far as the allocator returns freed memory
   (glibc's default dynamic mmap threshold keeps freed 1-30 MB tensors in its heap), so the model
   build and the first ``MEASURED_STEPS`` steps allocate exactly (``allocate_exactly``) and later
-  steps as usual.
+  steps in the rank's steady state (a heap that is never trimmed by itself).
 - On GPU, ``cuda``: peak allocated and reserved bytes per phase -- forward, backward, optimizer
   step -- over the run (``torch.cuda`` peak counters, reset at each phase boundary), and on
   request (``callbacks.memory.snapshot=true``) a CUDA memory snapshot of the first steps per
@@ -90,22 +90,29 @@ def _libc():
 
 
 def allocate_exactly(exact: bool) -> None:
-    """glibc only (a no-op elsewhere): with ``exact``, tensors over 64 KiB get pages of their own
-    (``M_MMAP_THRESHOLD``, what ``MALLOC_MMAP_THRESHOLD_=65536`` sets) and the freed pages go back
-    to the kernel (``malloc_trim``), so RSS follows the live bytes; without, the threshold returns
-    to glibc's ceiling (32 MiB), where its default dynamic threshold ends up on a training loop,
-    and the trim threshold to twice that, where the dynamic rule puts it: setting either turns the
-    dynamic rule off, and a trim threshold left at its 128 KiB default gives each step's freed
-    heap back to the kernel and faults it in again on the next (3.7x glibc's default page faults
-    per step on a CPU transformer step, 15% of its CPU time; tests/test_allocator.py)."""
+    """glibc only (a no-op elsewhere). With ``exact`` (the memory observer's measured steps),
+    tensors over 64 KiB get pages of their own (``M_MMAP_THRESHOLD``, what
+    ``MALLOC_MMAP_THRESHOLD_=65536`` sets), the heap is trimmed past glibc's default 128 KiB and
+    the freed pages go back to the kernel now (``malloc_trim``), so RSS follows the live bytes.
+
+    Without (every rank's steady state: ``backends.run`` and the calibration set it first), the
+    mmap threshold is glibc's ceiling (32 MiB) and the heap is never trimmed by itself: a
+    training step frees what the next one allocates again, so giving it back to the kernel only
+    buys a page fault per page on the next step. Setting either threshold turns glibc's dynamic
+    rule off, and neither its defaults nor a fixed trim threshold keep a large step: a trim
+    threshold left at 128 KiB gave each step's freed heap back (3.7x glibc's page faults on a
+    CPU transformer step, 15% of its CPU time), and at 64 MiB a ZeRO-3 step, whose gathered
+    parameters, gradients and reduce-scatter buffer free together above it, still faulted
+    ~5,000 pages a step back in on 2 ranks (glibc's defaults: 14,000; never trimmed: 20;
+    tests/test_allocator.py, docs/PLANNER.md). The peak a step reaches is the same either way:
+    only the give-back between steps goes."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
     libc.mallopt(-3, 65536 if exact else 32 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 128 << 10 if exact else -1)  # M_TRIM_THRESHOLD (-1: never, man mallopt)
     if exact:
         libc.malloc_trim(0)
-    else:
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
 
 
 MEASURED_STEPS = 2

@@ -26,13 +26,15 @@ from core.conf import cache_dir
 CACHE: Path | None = None
 """Where the calibrations are; None: ``core.conf.cache_dir("machine")``, read when used."""
 ROOT = Path(__file__).resolve().parents[1]
-FORMAT = 6
+FORMAT = 7
 """The calibration's format: a cache written by an older one (without the engines' own work:
 1; without FSDP2's: 2; without the host's optimizer and copies and the step's floor: 3; with
 several processes' compute timed out of lockstep, so optimistic where they slow each other: 4;
 with the engines on CPU timed at the reference batch, several times noisier, the offloaded ones
-over one process only, and the block's rate from one 4-second moment of a drifting machine: 5)
-is measured again."""
+over one process only, and the block's rate from one 4-second moment of a drifting machine: 5;
+under glibc's default allocator, whose give-back of every large step -- faulted in again on the
+next -- inflated ZeRO-3's figure where a run no longer pays it (observers/memory.py): 6) is
+measured again."""
 # planner's collective kinds -> the measured operation
 OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
        "send_recv": "send"}
