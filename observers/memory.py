@@ -115,6 +115,16 @@ def allocate_exactly(exact: bool) -> None:
         libc.malloc_trim(0)
 
 
+def release_freed() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc's ``malloc_trim``; a no-op
+    elsewhere). The steady state never trims by itself, so each backend calls this once, after
+    the build and a checkpoint's restore: what those freed for good (a loaded state's tensors
+    under 32 MiB, the engine's build copies) would otherwise stay resident through the run."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 MEASURED_STEPS = 2
 """Steps whose RSS growth is measured, the first (one-time allocations) aside: one step
 allocating exactly costs a page fault per fresh page (~40% of a gpt_small CPU step), so only the

@@ -134,3 +134,33 @@ def test_the_peak_rss_is_the_processs_own_not_its_parents():
     start, inherited, grown, after_reset = map(int, proc.stdout.split())
     assert inherited >= 590, proc.stdout  # the kernel's behaviour this guards against, seen here
     assert start < 100 and grown >= start + 195 and after_reset < grown - 150, proc.stdout
+
+
+_RELEASED = _GLIBC + r"""
+from observers.memory import allocate_exactly, current_rss, release_freed
+allocate_exactly(False)  # (a rank's steady state)
+n, k = 8 << 20, 4
+blocks = [libc.malloc(n) for _ in range(k)]  # a restored state's tensors, each under 32 MiB ...
+for block in blocks: ctypes.memset(block, 1, n)
+pin = libc.malloc(1024)  # ... below something that lives on (the heap cannot shrink from its top)
+a = current_rss()
+for block in blocks: libc.free(block)
+b = current_rss()
+release_freed()
+print((a - b) / (n * k), (a - current_rss()) / (n * k))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_what_the_build_and_restore_freed_goes_back_once_training_starts():
+    """A heap that never trims by itself would keep what a restore freed for good (a checkpoint's
+    tensors under 32 MiB) resident through the run: each backend hands it back once, before the
+    first step (``release_freed``). Asked of the kernel (RSS): four freed 8 MiB blocks under a
+    live one stay resident in the steady state and go back on ``release_freed``."""
+    proc = subprocess.run([sys.executable, "-c", _RELEASED], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    freed, released = map(float, proc.stdout.split())
+    assert freed < 0.05, proc.stdout  # kept: the steady state's premise
+    assert released > 0.95, proc.stdout

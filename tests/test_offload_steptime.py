@@ -165,7 +165,7 @@ CASES = {"zero2-1rank": ("zero2_offload", 1), "zero3-1rank": ("zero3_offload", 1
 # zero3-2ranks 0.72-1.64: its 2-rank engine figures were the difference of two noisy medians.
 # The zero3 gap was glibc handing each ZeRO-3 step's freed heap back to the kernel and faulting
 # it in again (~5,000 pages a step per rank; observers/memory.py allocate_exactly). With the
-# ranks' heap never trimmed (format 7), 2026-11-28 22:55-23:10, five runs on a fresh VM:
+# ranks' heap never trimmed (format 7), 2026-11-28 22:40-22:55, five runs on a fresh VM:
 # zero2-1rank 1.11-1.14, zero3-1rank 1.10-1.17, zero2-2ranks 1.05-1.12, zero3-2ranks 1.10-1.16.
 DRIFT = ("this VM's speed moves 30-35% for tens of seconds at a time (2026-11-28: six 4-s block "
          "measurements in a row read 0.034-0.045 TFLOP/s; a 2-rank zero3_offload run stepped at "

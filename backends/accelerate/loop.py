@@ -26,6 +26,7 @@ from backends.accelerate import families
 from backends.accelerate.state import accelerator
 from core.precision import of
 from observers import startup
+from observers.memory import release_freed
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
 from recipes.data import CountedShare, GlobalBatchSampler, SequenceShard, build_datasets, data_facts
@@ -146,6 +147,7 @@ def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
                              device=p.acc.device)
     start = checkpoints.load(p.handles, ckpt) if ckpt is not None else 0
     startup.mark("checkpoint_load")
+    release_freed()  # (the build's and the restore's one-off buffers: observers/memory.py)
     saved: tuple[int, Path | None] = (start, ckpt.path) if ckpt is not None else (-1, None)
 
     def save(step: int) -> Path:

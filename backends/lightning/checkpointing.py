@@ -20,6 +20,7 @@ import checkpoints
 from backends.lightning.bridge import LightningEngine
 from backends.lightning.module import MODEL_PREFIX
 from observers import startup
+from observers.memory import release_freed
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -90,6 +91,7 @@ class Checkpointing(L.Callback):
             self.observers.resume(LightningEngine(trainer), ckpt.step, ckpt.path, ckpt.history())
         self._checked = trainer.global_step
         startup.mark("checkpoint_load")
+        release_freed()  # (the build's and the restore's one-off buffers: observers/memory.py)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
