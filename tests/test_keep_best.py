@@ -210,13 +210,17 @@ def test_accelerate_stops_where_lightning_does(bouncy):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])
 def test_a_resumed_run_judges_as_the_uninterrupted_one(bouncy, tmp_path, backend):
-    """Interrupted at step 16 (after its best so far, one stale validation), the run resumes,
-    stops where the uninterrupted one did and keeps the same best; a re-run is already finished."""
+    """Interrupted one validation before the uninterrupted run stops (after its best, one stale
+    validation), the run resumes, stops where the uninterrupted one did and keeps the same best;
+    a re-run is already finished. (The step is read off the whole run: a fixed step 16 became
+    the stop itself when the data's trajectory moved, and the first run then stopped early.)"""
     whole = bouncy(backend).report
+    cut = whole["stopped"]["step"] - 2  # (trainer.val_every=2)
+    assert whole["best"]["step"] < cut, whole["stopped"]  # the premise: the best is behind the cut
     args = (*TINY, *BOUNCY, *ON, f"backend={backend}", "strategy=ddp")
-    run_cli("train.py", *args, "trainer.max_steps=16", out=tmp_path / "run", timeout=300)
+    run_cli("train.py", *args, f"trainer.max_steps={cut}", out=tmp_path / "run", timeout=300)
     resumed = run_cli("train.py", *args, out=tmp_path / "run", timeout=300)
-    assert resumed.report["resumed_from"]["step"] == 16
+    assert resumed.report["resumed_from"]["step"] == cut
     assert resumed.report["stopped"] == whole["stopped"]
     assert resumed.report["best"]["step"] == whole["best"]["step"]
     again = run_cli("train.py", *args, out=tmp_path / "run", timeout=300)
