@@ -135,8 +135,9 @@ def test_who_holds_a_lock_and_who_builds_beside_it(tmp_path, monkeypatch):
 @pytest.mark.timeout(1800)
 def test_a_first_op_build_is_announced_and_is_its_own_startup_phase(tmp_path):
     """A ZeRO-2 run on CPU with an empty extensions folder compiles DeepSpeed's CPU collective
-    (measured 104-214 s on 2 shared cores): the run says so as it begins, and report.json's
-    start-up gives that time to op_build, not to the phase around it (rendezvous, which it was);
+    (measured 104-214 s on 2 shared cores, from 24 s on a faster VM): the run says so as it begins,
+    and report.json's start-up gives that time to op_build, not to the phase around it
+    (rendezvous, which it was);
     a second run loads what the first built, in seconds, and says nothing."""
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
     runs = [run_cli("train.py", *TINY, "strategy=zero2", "trainer.max_steps=1", out=tmp_path / name,
@@ -145,5 +146,6 @@ def test_a_first_op_build_is_announced_and_is_its_own_startup_phase(tmp_path):
     assert f"building DeepSpeed's {CPU_OP} op in {(tmp_path / 'extensions' / CPU_OP).resolve()}: first run " \
            "only" in runs[0].log, runs[0].log[-3000:]
     assert f"built DeepSpeed's {CPU_OP} op in" in runs[0].log
-    assert cold["op_build"] > 30 and cold["rendezvous"] < 10, cold
+    # (the compile's own time: 104-214 s on 2 shared cores, 24 s on a faster 2-core VM)
+    assert cold["op_build"] > max(10, 5 * warm["op_build"]) and cold["rendezvous"] < 10, (cold, warm)
     assert "building DeepSpeed's" not in runs[1].log and warm["op_build"] < 5, warm
