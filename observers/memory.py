@@ -93,7 +93,7 @@ def allocate_exactly(exact: bool) -> None:
     """glibc only (a no-op elsewhere). With ``exact`` (the memory observer's measured steps),
     tensors over 64 KiB get pages of their own (``M_MMAP_THRESHOLD``, what
     ``MALLOC_MMAP_THRESHOLD_=65536`` sets), the heap is trimmed past glibc's default 128 KiB and
-    the freed pages go back to the kernel now (``malloc_trim``), so RSS follows the live bytes.
+    the freed pages go back to the kernel now (``release_freed``), so RSS follows the live bytes.
 
     Without (every rank's steady state: ``backends.run`` and the calibration set it first), the
     mmap threshold is glibc's ceiling (32 MiB) and the heap is never trimmed by itself: a
@@ -112,7 +112,7 @@ def allocate_exactly(exact: bool) -> None:
     libc.mallopt(-3, 65536 if exact else 32 << 20)  # M_MMAP_THRESHOLD
     libc.mallopt(-1, 128 << 10 if exact else -1)  # M_TRIM_THRESHOLD (-1: never, man mallopt)
     if exact:
-        libc.malloc_trim(0)
+        release_freed()
 
 
 def release_freed() -> None:

@@ -137,8 +137,8 @@ def test_a_first_op_build_is_announced_and_is_its_own_startup_phase(tmp_path):
     """A ZeRO-2 run on CPU with an empty extensions folder compiles DeepSpeed's CPU collective
     (measured 104-214 s on 2 shared cores, from 24 s on a faster VM): the run says so as it begins,
     and report.json's start-up gives that time to op_build, not to the phase around it
-    (rendezvous, which it was);
-    a second run loads what the first built, in seconds, and says nothing."""
+    (rendezvous, which it was); a second run loads what the first built, in seconds, and says
+    nothing."""
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
     runs = [run_cli("train.py", *TINY, "strategy=zero2", "trainer.max_steps=1", out=tmp_path / name,
                     timeout=900, env=env) for name in ("cold", "warm")]
