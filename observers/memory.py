@@ -95,10 +95,11 @@ def allocate_exactly(exact: bool) -> None:
     ``MALLOC_MMAP_THRESHOLD_=65536`` sets), the heap is trimmed past glibc's default 128 KiB and
     the freed pages go back to the kernel now (``release_freed``), so RSS follows the live bytes.
 
-    Without (every rank's steady state: ``backends.run`` and the calibration set it first), the
-    mmap threshold is glibc's ceiling (32 MiB) and the heap is never trimmed by itself: a
-    training step frees what the next one allocates again, so giving it back to the kernel only
-    buys a page fault per page on the next step. Setting either threshold turns glibc's dynamic
+    Without (every rank's steady state: ``backends.run`` and the calibration set it first; a
+    user's own script on a preset gets it from the preset's Lightning strategy or from
+    ``stratagem_accelerator``), the mmap threshold is glibc's ceiling (32 MiB) and the heap is
+    never trimmed by itself: a training step frees what the next one allocates again, so giving
+    it back to the kernel only buys a page fault per page on the next step. Setting either threshold turns glibc's dynamic
     rule off, and neither its defaults nor a fixed trim threshold keep a large step: a trim
     threshold left at 128 KiB gave each step's freed heap back (3.7x glibc's page faults on a
     CPU transformer step, 15% of its CPU time), and at 64 MiB a ZeRO-3 step, whose gathered
@@ -119,7 +120,8 @@ def release_freed() -> None:
     """Hand the heap's free pages back to the kernel now (glibc's ``malloc_trim``; a no-op
     elsewhere). The steady state never trims by itself, so each backend calls this once, after
     the build and a checkpoint's restore: what those freed for good (a loaded state's tensors
-    under 32 MiB, the engine's build copies) would otherwise stay resident through the run."""
+    under 32 MiB, the engine's build copies) would otherwise stay resident through the run (the
+    Lightning backend's call is its strategies' ``on_train_start``, a user's script's too)."""
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)

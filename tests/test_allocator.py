@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY
 
 _GLIBC = r"""
 import ctypes, ctypes.util, sys
@@ -164,3 +164,73 @@ def test_what_the_build_and_restore_freed_goes_back_once_training_starts():
     freed, released = map(float, proc.stdout.split())
     assert freed < 0.05, proc.stdout  # kept: the steady state's premise
     assert released > 0.95, proc.stdout
+
+
+_CLIENT = _GLIBC + r"""
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies  # noqa: F401  (the presets join Lightning's registry)
+
+kind, name = sys.argv[1], sys.argv[2]
+data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+if kind == "lightning":  # a user's own module, as Lightning's docs write one
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    L.Trainer(strategy=name, accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(Tiny(), DataLoader(data, batch_size=4))
+elif kind == "train":  # train.py's rank: backends.run (a 1-process job runs in train.py's process)
+    import tempfile
+    from pathlib import Path
+
+    import backends
+    from recipes.compose import compose
+    from recipes.job import validate
+
+    backends.run(validate(compose(sys.argv[3:])), Path(tempfile.mkdtemp()))
+else:  # a user's own Accelerate loop, with the hook's one line
+    from backends.accelerate import stratagem_accelerator
+
+    acc = stratagem_accelerator(name)
+    model = torch.nn.Linear(4, 1)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4))
+    for x, y in loader:
+        acc.backward(torch.nn.functional.mse_loss(model(x), y)); opt.step(); opt.zero_grad()
+n, k = 24 << 20, 4  # then a step as test_a_large_step_... makes it
+for _ in range(2):
+    blocks = [libc.malloc(n) for _ in range(k)]
+    for block in blocks: ctypes.memset(block, 1, n)
+    a = libc.mallinfo2()
+    for block in blocks: libc.free(block)
+    b = libc.mallinfo2()
+print(((a.hblkhd - b.hblkhd) + (a.arena - b.arena)) / (n * k))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("kind,name,kept", [("lightning", "auto", False), ("lightning", "single", True),
+                                            ("lightning", "zero2", True), ("accelerate", "single", True),
+                                            ("train", "single", True)])
+def test_a_users_own_script_on_a_preset_allocates_as_train_pys_ranks(kind, name, kept):
+    """train.py's ranks set the steady allocator in ``backends.run`` (a 1-process job, in-process:
+    the "train" case); a user's own Lightning script
+    (``Trainer(strategy=<preset>)``) gets it from the preset's strategy at ``setup_environment``
+    (``PresetStrategy.begin``: DeepSpeed's replaces Lightning's, so zero2 is a case of its own),
+    and an Accelerate script from ``stratagem_accelerator``. Asked of glibc after a 1-process
+    fit, as above: a step of four 24 MiB tensors is kept; under Lightning's own strategy (none of
+    ours ran) it is handed back."""
+    job = (*TINY, f"strategy={name}", "trainer.max_steps=2", "callbacks=none", "data.num_workers=0")
+    returned = _fraction(_CLIENT, kind, name, *(job if kind == "train" else ()))
+    assert (returned == 0) if kept else (returned >= 0.99), (kind, name, returned)

@@ -15,7 +15,9 @@ DDP or lone processes without a word (state.py). Once the model and optimizer ar
 does what train.py's loop does around them (``_repair``): the builder's ``repair`` (the ddp
 family's int8, top-k, PowerSGD, local SGD and DiLoCo hooks, which Accelerate's kwargs cannot
 name) and its ``before_step`` / ``after_step`` on the optimizer's step (local SGD and DiLoCo's
-averaging). What it refuses, with a ``ConfigError``:
+averaging). Its process allocates as train.py's ranks do: glibc's heap kept between steps, and
+what ``prepare`` and ``load_state`` freed handed back once (``observers.memory``). What it
+refuses, with a ``ConfigError``:
 
 * a launcher's config for another engine than the preset's (``ACCELERATE_USE_FSDP`` /
   ``ACCELERATE_USE_DEEPSPEED`` from the exported YAML), before any process group;
@@ -159,6 +161,8 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 
+    from observers.memory import release_freed
+
     class StratagemAccelerator(Accelerator):
         _repaired = False
 
@@ -175,6 +179,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
             if len(self._parts) == 2 and not self._repaired:  # (model and optimizer: one call or two)
                 _repair(builder, engine, **self._parts)
                 self._repaired = True
+                release_freed()  # (the build's one-off buffers, as train.py's loop: observers/memory.py)
             return out
 
         def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
@@ -192,7 +197,9 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                     f"accelerator.load_state() under strategy={strategy}: the state Accelerate saved does "
                     f"not hold {unsaved}, so the run would not continue exactly; start again without "
                     f"load_state, or resume with stratagem_accelerator('ddp')")
-            return super().load_state(*args, **kw)
+            out = super().load_state(*args, **kw)
+            release_freed()  # (the restore's)
+            return out
 
         def get_state_dict(self, model: Any, unwrap: bool = True) -> Any:
             if engine == "fsdp1" and self.device.type == "cpu":
@@ -239,7 +246,9 @@ def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, preci
     returns the norm there, and is refused for any other max_norm); other engines clip where the
     script calls ``clip_grad_norm_``."""
     from backends.accelerate.state import accelerator
+    from observers.memory import allocate_exactly
 
+    allocate_exactly(False)  # (every rank's steady allocator, as train.py's: observers/memory.py)
     s = settle(strategy, wrap=wrap, precision=precision, accumulation=gradient_accumulation_steps,
                grad_clip=grad_clip)
     cls = _checked_class(strategy, _engine(s.kwargs, s.world), s.builder, grad_clip)

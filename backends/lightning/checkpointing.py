@@ -20,7 +20,6 @@ import checkpoints
 from backends.lightning.bridge import LightningEngine
 from backends.lightning.module import MODEL_PREFIX
 from observers import startup
-from observers.memory import release_freed
 
 if TYPE_CHECKING:
     from observers import Observers
@@ -90,8 +89,7 @@ class Checkpointing(L.Callback):
                 self.validator.resume(ckpt.history(), ckpt.step)
             self.observers.resume(LightningEngine(trainer), ckpt.step, ckpt.path, ckpt.history())
         self._checked = trainer.global_step
-        startup.mark("checkpoint_load")
-        release_freed()  # (the build's and the restore's one-off buffers: observers/memory.py)
+        startup.mark("checkpoint_load")  # (then the strategy hands back what the restore freed: preset.py)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -82,9 +82,27 @@ class PresetStrategy:
         if problems:
             raise ConfigError(problems)
 
-    def setup_environment(self) -> None:
+    def begin(self) -> None:
+        """What every rank does first in ``setup_environment`` (a family that replaces Lightning's
+        calls it too): glibc's steady allocator, which train.py's ranks get in ``backends.run``
+        and a user's own script gets here (``observers.memory.allocate_exactly``), then ``check``."""
+        from observers.memory import allocate_exactly
+
+        allocate_exactly(False)
         self.check()
+
+    def setup_environment(self) -> None:
+        self.begin()
         super().setup_environment()
+
+    def on_train_start(self) -> None:
+        """Training starts: the build and a checkpoint's restore are done (Lightning calls this
+        after every callback's ``on_fit_start`` and ``on_train_start``), so what they freed for
+        good goes back to the kernel now, once (``observers.memory.release_freed``)."""
+        from observers.memory import release_freed
+
+        release_freed()
+        super().on_train_start()
 
     def describe(self) -> dict[str, Any]:
         """What this strategy applies, as plain data (logged once; compared in tests)."""

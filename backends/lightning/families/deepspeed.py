@@ -58,7 +58,7 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
         return {"config": self.config, "remote_device": self.remote_device}
 
     def setup_environment(self) -> None:
-        self.check()
+        self.begin()
         if not self._on_cpu:
             return DeepSpeedStrategy.setup_environment(self)
         ds.check_accelerator()

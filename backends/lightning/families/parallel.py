@@ -34,7 +34,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
 
     # ---------------------------------------------------------- the mesh
     def setup_environment(self) -> None:
-        self.check()
+        self.begin()
         self._setup_distributed()  # Lightning's: the process group, without its 2-D mesh
         from torch.distributed.device_mesh import init_device_mesh
 
