@@ -23,6 +23,18 @@ libc.free.argtypes, libc.mallinfo2.restype = [ctypes.c_void_p], MallInfo2
 """
 """glibc's malloc, free and mallinfo2 through ctypes, for the scripts below."""
 
+_STEP = r"""
+for _ in range(2):  # (a step's k tensors of n bytes, twice: glibc's dynamic rule adapts on the first free)
+    blocks = [libc.malloc(n) for _ in range(k)]
+    for block in blocks: ctypes.memset(block, 1, n)
+    a = libc.mallinfo2()
+    for block in blocks: libc.free(block)
+    b = libc.mallinfo2()
+print(((a.hblkhd - b.hblkhd) + (a.arena - b.arena)) / (n * k))
+"""
+"""A step as the allocator sees it (``n``, ``k`` set before): the fraction of its bytes a free
+hands back to the kernel (mallinfo2: heap and mmapped)."""
+
 _RETURNED = _GLIBC + r"""
 from observers.memory import allocate_exactly
 mode, n, k = sys.argv[1], int(sys.argv[2]) << 20, int(sys.argv[3])
@@ -32,14 +44,7 @@ elif mode == "regression":  # the mmap threshold set, the trim threshold left at
     libc.mallopt(-3, 32 << 20)
 elif mode == "trim64":  # the steady state before: mmap threshold 32 MiB, trim threshold 64 MiB
     libc.mallopt(-3, 32 << 20); libc.mallopt(-1, 64 << 20)
-for _ in range(2):  # (a step's k tensors of n bytes, twice: glibc's dynamic rule adapts on the first free)
-    blocks = [libc.malloc(n) for _ in range(k)]
-    for block in blocks: ctypes.memset(block, 1, n)
-    a = libc.mallinfo2()
-    for block in blocks: libc.free(block)
-    b = libc.mallinfo2()
-print(((a.hblkhd - b.hblkhd) + (a.arena - b.arena)) / (n * k))
-"""
+""" + _STEP
 
 
 def _fraction(script: str, *args: str) -> float:
@@ -208,14 +213,7 @@ else:  # a user's own Accelerate loop, with the hook's one line
     for x, y in loader:
         acc.backward(torch.nn.functional.mse_loss(model(x), y)); opt.step(); opt.zero_grad()
 n, k = 24 << 20, 4  # then a step as test_a_large_step_... makes it
-for _ in range(2):
-    blocks = [libc.malloc(n) for _ in range(k)]
-    for block in blocks: ctypes.memset(block, 1, n)
-    a = libc.mallinfo2()
-    for block in blocks: libc.free(block)
-    b = libc.mallinfo2()
-print(((a.hblkhd - b.hblkhd) + (a.arena - b.arena)) / (n * k))
-"""
+""" + _STEP
 
 
 @pytest.mark.subprocess
