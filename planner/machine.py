@@ -190,15 +190,22 @@ def ensure(job: Any, *, measure: bool | None = None, force: bool = False) -> Mac
           f"{k['accelerator']}, precision {precision}; about a minute) into {p}", file=sys.stderr,
           flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # (two runs measuring at once: one file each)
     cmd = [sys.executable, "-m", "backends.common.calibrate", f"--world={k['world']}",
-           f"--precision={precision}", f"--accelerator={k['accelerator']}", f"--out={p}.tmp"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    if done.returncode != 0 or not Path(f"{p}.tmp").is_file():
+           f"--precision={precision}", f"--accelerator={k['accelerator']}", f"--out={tmp}"]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                              check=False)
+    except subprocess.TimeoutExpired as e:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"planner.calibrate=true: measuring this machine took over {e.timeout:.0f} s and "
+                           f"was stopped ({' '.join(cmd)}); run with planner.calibrate=false to plan from "
+                           f"the cluster's datasheet figures") from None
+    if done.returncode != 0 or not tmp.is_file():
         raise RuntimeError(f"planner.calibrate=true: measuring this machine failed ({' '.join(cmd)}):\n"
                            + (done.stderr or done.stdout)[-2000:])
-    data = (json.loads(Path(f"{p}.tmp").read_text()) | {f: k[f] for f in ("world", "precision", "device")}
+    data = (json.loads(tmp.read_text()) | {f: k[f] for f in ("world", "precision", "device")}
             | {"format": FORMAT})
-    p.write_text(json.dumps(data, indent=1) + "\n")
-    Path(f"{p}.tmp").unlink()
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, p)  # (atomic: a run reading the cache meanwhile sees the old file or the new)
     return load(cluster, precision)
