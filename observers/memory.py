@@ -97,7 +97,7 @@ def allocate_exactly(exact: bool) -> None:
 
     Without (every rank's steady state: ``backends.run`` and the calibration set it first; a
     user's own script on a preset gets it from the preset's Lightning strategy or from
-    ``stratagem_accelerator``), the mmap threshold is glibc's ceiling (32 MiB) and the heap is
+    ``stratagem_accelerator``: ``allocate_steadily``), the mmap threshold is glibc's ceiling (32 MiB) and the heap is
     never trimmed by itself: a training step frees what the next one allocates again, so giving
     it back to the kernel only buys a page fault per page on the next step. Setting either threshold turns glibc's dynamic
     rule off, and neither its defaults nor a fixed trim threshold keep a large step: a trim
@@ -107,6 +107,8 @@ def allocate_exactly(exact: bool) -> None:
     ~5,000 pages a step back in on 2 ranks (glibc's defaults: 14,000; never trimmed: 20;
     tests/test_allocator.py, docs/PLANNER.md). The peak a step reaches is the same either way:
     only the give-back between steps goes."""
+    global _chosen
+    _chosen = True
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
@@ -114,6 +116,19 @@ def allocate_exactly(exact: bool) -> None:
     libc.mallopt(-1, 128 << 10 if exact else -1)  # M_TRIM_THRESHOLD (-1: never, man mallopt)
     if exact:
         release_freed()
+
+
+_chosen = False
+"""Whether this process has set its allocator (``allocate_exactly``)."""
+
+
+def allocate_steadily() -> None:
+    """The steady state for a process whose allocator nobody chose yet: a user's own script on
+    a preset (the preset's Lightning strategy at ``setup_environment``, ``stratagem_accelerator``).
+    A train.py rank chose already (``backends.run``, then the memory observer, whose exact mode
+    must hold through the build it measures), so it is left as it is."""
+    if not _chosen:
+        allocate_exactly(False)
 
 
 def release_freed() -> None:

@@ -88,8 +88,11 @@ def test_a_large_step_stays_in_the_process_where_glibcs_defaults_hand_it_back():
 _BUILD = _GLIBC + r"""
 from observers.memory import MemoryProfile
 big = libc.malloc(24 << 20); libc.free(big)  # glibc's dynamic rule: the mmap threshold is now 24 MiB
-if sys.argv[1] == "observed":
+if sys.argv[1].startswith("observed"):
     MemoryProfile()  # (as every rank makes it, before the backend builds the model)
+if sys.argv[1].endswith("strategy"):  # then the preset's strategy sets up (a user's script: alone)
+    from observers.memory import allocate_steadily
+    allocate_steadily()
 n = 8 << 20  # a buffer the build makes, which a measured step will free
 a = libc.mallinfo2(); block = libc.malloc(n); ctypes.memset(block, 1, n); b = libc.mallinfo2()
 print((b.hblkhd - a.hblkhd) / n)
@@ -103,10 +106,13 @@ def test_what_the_model_build_allocates_gets_pages_of_its_own():
     its replacement's fresh pages: RSS counted both (zero3_offload on 2 ranks read 1.06-1.12 of the
     plan, 0.99 once exact from the build; docs/PLANNER.md). So the observer allocates exactly from
     its construction: an 8 MiB block made after it is mmapped (mallinfo2's hblkhd), where glibc's
-    dynamic threshold, raised by an earlier free, puts it in the heap."""
-    mmapped = {mode: _fraction(_BUILD, mode) for mode in ("default", "observed")}
-    assert mmapped["default"] == 0, mmapped  # (the premise: without the observer, the heap)
-    assert mmapped["observed"] >= 1.0, mmapped
+    dynamic threshold, raised by an earlier free, puts it in the heap. The preset's strategy,
+    which sets the steady state up for a user's own script, leaves the observer's choice as it is
+    (it sets up after the observer exists, before the build), and alone gives the steady heap."""
+    modes = ("default", "observed", "observed-strategy", "strategy")
+    mmapped = {mode: _fraction(_BUILD, mode) for mode in modes}
+    assert mmapped["default"] == 0 and mmapped["strategy"] == 0, mmapped  # (without the observer: the heap)
+    assert mmapped["observed"] >= 1.0 and mmapped["observed-strategy"] >= 1.0, mmapped
 
 
 _PEAK = r"""

@@ -246,9 +246,9 @@ def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, preci
     returns the norm there, and is refused for any other max_norm); other engines clip where the
     script calls ``clip_grad_norm_``."""
     from backends.accelerate.state import accelerator
-    from observers.memory import allocate_exactly
+    from observers.memory import allocate_steadily
 
-    allocate_exactly(False)  # (every rank's steady allocator, as train.py's: observers/memory.py)
+    allocate_steadily()  # (every rank's steady allocator, as train.py's: observers/memory.py)
     s = settle(strategy, wrap=wrap, precision=precision, accumulation=gradient_accumulation_steps,
                grad_clip=grad_clip)
     cls = _checked_class(strategy, _engine(s.kwargs, s.world), s.builder, grad_clip)

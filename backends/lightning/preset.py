@@ -85,10 +85,10 @@ class PresetStrategy:
     def begin(self) -> None:
         """What every rank does first in ``setup_environment`` (a family that replaces Lightning's
         calls it too): glibc's steady allocator, which train.py's ranks get in ``backends.run``
-        and a user's own script gets here (``observers.memory.allocate_exactly``), then ``check``."""
-        from observers.memory import allocate_exactly
+        and a user's own script gets here (``observers.memory.allocate_steadily``), then ``check``."""
+        from observers.memory import allocate_steadily
 
-        allocate_exactly(False)
+        allocate_steadily()
         self.check()
 
     def setup_environment(self) -> None:
