@@ -12,7 +12,8 @@ per-step loss all-reduce (what any loop that logs its loss does) as ``train.py``
 Timing matches the throughput observer's: a step runs from having its first micro-batch in
 hand to the loss reduced (median over steps, the first excluded); ``loop_seconds`` is the whole
 loop (first step included, data loading included) over the steps, like report.json's
-``wall_seconds``.
+``wall_seconds``. It allocates as our ranks do (glibc's heap kept between steps:
+``observers.memory.allocate_exactly``) unless ``--glibc-defaults``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,15 @@ def main() -> None:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", required=True)
+    p.add_argument("--glibc-defaults", action="store_true",
+                   help="leave glibc's allocator as it is (what a hand loop gets without this line)")
     a = p.parse_args()
+    if not a.glibc_defaults:
+        # Our ranks' allocator (observers/memory.py), so the ratio is of the layer, not of glibc's
+        # settings: under glibc's defaults the same loop pays a page fault per freed page a step.
+        from observers.memory import allocate_exactly
+
+        allocate_exactly(False)
 
     from recipes.data import GlobalBatchSampler, SyntheticDataset
     from recipes.gpt import GPT
