@@ -89,6 +89,10 @@ def _libc():
         return None
 
 
+_chosen = False
+"""Whether this process has set its allocator (``allocate_exactly``)."""
+
+
 def allocate_exactly(exact: bool) -> None:
     """glibc only (a no-op elsewhere). With ``exact`` (the memory observer's measured steps),
     tensors over 64 KiB get pages of their own (``M_MMAP_THRESHOLD``, what
@@ -97,16 +101,16 @@ def allocate_exactly(exact: bool) -> None:
 
     Without (every rank's steady state: ``backends.run`` and the calibration set it first; a
     user's own script on a preset gets it from the preset's Lightning strategy or from
-    ``stratagem_accelerator``: ``allocate_steadily``), the mmap threshold is glibc's ceiling (32 MiB) and the heap is
-    never trimmed by itself: a training step frees what the next one allocates again, so giving
-    it back to the kernel only buys a page fault per page on the next step. Setting either threshold turns glibc's dynamic
-    rule off, and neither its defaults nor a fixed trim threshold keep a large step: a trim
-    threshold left at 128 KiB gave each step's freed heap back (3.7x glibc's page faults on a
-    CPU transformer step, 15% of its CPU time), and at 64 MiB a ZeRO-3 step, whose gathered
-    parameters, gradients and reduce-scatter buffer free together above it, still faulted
-    ~5,000 pages a step back in on 2 ranks (glibc's defaults: 14,000; never trimmed: 20;
-    tests/test_allocator.py, docs/PLANNER.md). The peak a step reaches is the same either way:
-    only the give-back between steps goes."""
+    ``stratagem_accelerator``: ``allocate_steadily``), the mmap threshold is glibc's ceiling (32
+    MiB) and the heap is never trimmed by itself: a training step frees what the next one
+    allocates again, so giving it back to the kernel only buys a page fault per page on the next
+    step. Setting either threshold turns glibc's dynamic rule off, and neither its defaults nor a
+    fixed trim threshold keep a large step: a trim threshold left at 128 KiB gave each step's
+    freed heap back (3.7x glibc's page faults on a CPU transformer step, 15% of its CPU time), and
+    at 64 MiB a ZeRO-3 step, whose gathered parameters, gradients and reduce-scatter buffer free
+    together above it, still faulted ~5,000 pages a step back in on 2 ranks (glibc's defaults:
+    14,000; never trimmed: 20; tests/test_allocator.py, docs/PLANNER.md). The peak a step reaches
+    is the same either way: only the give-back between steps goes."""
     global _chosen
     _chosen = True
     libc = _libc()
@@ -116,10 +120,6 @@ def allocate_exactly(exact: bool) -> None:
     libc.mallopt(-1, 128 << 10 if exact else -1)  # M_TRIM_THRESHOLD (-1: never, man mallopt)
     if exact:
         release_freed()
-
-
-_chosen = False
-"""Whether this process has set its allocator (``allocate_exactly``)."""
 
 
 def allocate_steadily() -> None:

@@ -198,9 +198,9 @@ def ensure(job: Any, *, measure: bool | None = None, force: bool = False) -> Mac
                               check=False)
     except subprocess.TimeoutExpired as e:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"planner.calibrate=true: measuring this machine took over {e.timeout:.0f} s and "
-                           f"was stopped ({' '.join(cmd)}); run with planner.calibrate=false to plan from "
-                           f"the cluster's datasheet figures") from None
+        raise RuntimeError(f"planner.calibrate=true: measuring this machine took over {e.timeout:.0f} s "
+                           f"and was stopped ({' '.join(cmd)}); run with planner.calibrate=false to plan "
+                           f"step time from the cluster config's peak_tflops and link rates") from None
     if done.returncode != 0 or not tmp.is_file():
         raise RuntimeError(f"planner.calibrate=true: measuring this machine failed ({' '.join(cmd)}):\n"
                            + (done.stderr or done.stdout)[-2000:])

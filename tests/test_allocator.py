@@ -199,8 +199,9 @@ if kind == "lightning":  # a user's own module, as Lightning's docs write one
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    L.Trainer(strategy=name, accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(Tiny(), DataLoader(data, batch_size=4))
+    L.Trainer(strategy=name, accelerator="cpu", devices=1, max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(Tiny(), DataLoader(data, batch_size=4))
 elif kind == "train":  # train.py's rank: backends.run (a 1-process job runs in train.py's process)
     import tempfile
     from pathlib import Path
@@ -215,7 +216,8 @@ else:  # a user's own Accelerate loop, with the hook's one line
 
     acc = stratagem_accelerator(name)
     model = torch.nn.Linear(4, 1)
-    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4))
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     DataLoader(data, batch_size=4))
     for x, y in loader:
         acc.backward(torch.nn.functional.mse_loss(model(x), y)); opt.step(); opt.zero_grad()
 n, k = 24 << 20, 4  # then a step as test_a_large_step_... makes it
@@ -229,12 +231,11 @@ n, k = 24 << 20, 4  # then a step as test_a_large_step_... makes it
                                             ("train", "single", True)])
 def test_a_users_own_script_on_a_preset_allocates_as_train_pys_ranks(kind, name, kept):
     """train.py's ranks set the steady allocator in ``backends.run`` (a 1-process job, in-process:
-    the "train" case); a user's own Lightning script
-    (``Trainer(strategy=<preset>)``) gets it from the preset's strategy at ``setup_environment``
-    (``PresetStrategy.begin``: DeepSpeed's replaces Lightning's, so zero2 is a case of its own),
-    and an Accelerate script from ``stratagem_accelerator``. Asked of glibc after a 1-process
-    fit, as above: a step of four 24 MiB tensors is kept; under Lightning's own strategy (none of
-    ours ran) it is handed back."""
+    the "train" case); a user's own Lightning script (``Trainer(strategy=<preset>)``) gets it from
+    the preset's strategy at ``setup_environment`` (``PresetStrategy.begin``: DeepSpeed's replaces
+    Lightning's, so zero2 is a case of its own), and an Accelerate script from
+    ``stratagem_accelerator``. Asked of glibc after a 1-process fit, as above: a step of four 24
+    MiB tensors is kept; under Lightning's own strategy (none of ours ran) it is handed back."""
     job = (*TINY, f"strategy={name}", "trainer.max_steps=2", "callbacks=none", "data.num_workers=0")
     returned = _fraction(_CLIENT, kind, name, *(job if kind == "train" else ()))
     assert (returned == 0) if kept else (returned >= 0.99), (kind, name, returned)
