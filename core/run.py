@@ -47,9 +47,15 @@ class Run:
         return self.batch.accumulation
 
     def problems(self) -> list[str]:
-        """The mesh arithmetic, then (when it holds) the batch arithmetic; trainer.compile on CPU
-        without a C++ compiler (inductor compiles its kernels with one)."""
+        """The mesh arithmetic, then (when it holds) the batch arithmetic; fp16 mixed precision
+        on CPU; trainer.compile on CPU without a C++ compiler (inductor compiles its kernels with
+        one)."""
         out = self.mesh.problems() or self.batch.problems()
+        if self.precision == "16-mixed" and self.accelerator == "cpu":
+            out = [*out, "trainer.precision=16-mixed on CPU: fp16 mixed precision needs a GPU (Lightning "
+                         "trains bf16-mixed in its place, Accelerate and DeepSpeed have no fp16 autocast "
+                         "or loss scaling on CPU): use trainer.precision=bf16-mixed or 32, or "
+                         "cluster.accelerator=gpu"]
         if self.compile and self.accelerator == "cpu" and not cxx():
             out = [*out, "trainer.compile=true on CPU needs a C++ compiler for inductor's kernels, "
                          "and none was found (CXX, g++, c++): install one (apt-get install g++) "

@@ -86,3 +86,41 @@ def test_through_the_registry_the_run_is_derived_once_from_lightnings_world():
     run = trainer.strategy.run()
     assert run.mesh.size == 2 and run.precision == "bf16-mixed" and run.accelerator == "cpu"
     assert trainer.strategy.run() is run
+
+
+@pytest.mark.parametrize("overrides", [("strategy=single", "cluster.devices=1"), ("strategy=ddp",),
+                                       ("strategy=fsdp",), ("strategy=zero2",),
+                                       ("strategy=ddp", "backend=accelerate")])
+def test_fp16_mixed_on_cpu_is_refused_once_for_every_backend_and_preset(overrides):
+    """On CPU Lightning would train bf16-mixed in 16-mixed's place (its accelerator connector, a
+    warning only; the report said 16-mixed), FSDP1 fp16 unscaled (ShardedGradScaler disables
+    itself without CUDA); Accelerate and DeepSpeed have no fp16 there. One refusal, the fix named."""
+    from strategies import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _job("trainer.precision=16-mixed", *overrides)
+    assert len(e.value.problems) == 1, e.value.problems
+    assert e.value.problems[0].startswith("trainer.precision=16-mixed on CPU")
+    assert "use trainer.precision=bf16-mixed or 32, or cluster.accelerator=gpu" in e.value.problems[0]
+
+
+def test_fsdp1_takes_lightnings_fp16_precision_plugin():
+    """Lightning 2.6's FSDPPrecision refuses a scaler handed to its constructor under 16-mixed (it
+    checks the class default precision first): our plugin swap crashed every FSDP1 run at
+    16-mixed, GPU included. It keeps Lightning's scaler; on CPU Lightning's rule applies (bf16-mixed,
+    no scaler), as for its other strategies."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+
+    from backends.lightning import families
+
+    job = _job("strategy=fsdp")
+    strategy = families.build(job.strategy, job.run)
+    given = FSDPPrecision("16-mixed")
+    strategy.precision_plugin = given  # (no accelerator yet: as on a GPU, the scaler kept)
+    assert strategy.precision_plugin.precision == "16-mixed"
+    assert strategy.precision_plugin.scaler is given.scaler is not None
+    strategy.accelerator = CPUAccelerator()
+    with pytest.warns(UserWarning, match="FSDP trains precision='bf16-mixed' instead"):
+        strategy.precision_plugin = FSDPPrecision("16-mixed")
+    assert strategy.precision_plugin.precision == "bf16-mixed" and strategy.precision_plugin.scaler is None

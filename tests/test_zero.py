@@ -212,7 +212,7 @@ def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
 
     msg = _problems("strategy=zero2", "strategy.offload_params=cpu", "trainer.precision=16-mixed")
     assert "strategy.offload_params=cpu needs strategy.stage=3 (got 2)" in msg
-    assert "trainer.precision=16-mixed with DeepSpeed on CPU" in msg
+    assert "trainer.precision=16-mixed on CPU: fp16 mixed precision needs a GPU" in msg
 
     msg = _problems("strategy=zero_infinity")
     assert ("strategy.nvme_path=None but strategy.offload_optimizer=nvme and "

@@ -39,11 +39,7 @@ def load_engine() -> None:
 def problems(job: Job) -> list[str]:
     from backends.accelerate import families
 
-    out = families.problems(job.strategy, job.run)
-    if job.run.precision == "16-mixed" and job.run.accelerator == "cpu":
-        out.append("trainer.precision=16-mixed with backend=accelerate on CPU: Accelerate has no "
-                   "fp16 autocast on CPU; use trainer.precision=bf16-mixed or 32")
-    return out
+    return families.problems(job.strategy, job.run)
 
 
 def build(job: Job, out: Path, observers: Observers) -> Built:

@@ -21,8 +21,8 @@ for the offloaded engines the host's optimizer step (torch AdamW, as our presets
 the recipe's optimizer) and the host<->device copies, at the rates just measured. ZeRO-2 and
 ZeRO-3 unoffloaded and FSDP2 are measured over several processes only (over one the plan
 prices no engine for them). Each engine is built as its preset builds it, at its defaults
-(``ZeroConfig.deepspeed_json``, ``FSDP2Config.plan``); one its preset refuses here (16-mixed on
-CPU) is not measured.
+(``ZeroConfig.deepspeed_json``, ``FSDP2Config.plan``); one its preset or the run refuses here
+(16-mixed on CPU) is not measured.
 
 On CPU every step runs one short row (``SHORT``): an engine's own work is per parameter and
 module, not per token, and on CPU nothing of it hides under the compute, so the compute only
@@ -89,8 +89,8 @@ def engines(accelerator: str, precision: str, world: int, rank: int, device: Any
     ddp = torch.nn.parallel.DistributedDataParallel(GPT(shape).to(device))
     params = sum(p.numel() for p in ddp.parameters())
     blocks = sum(p.numel() for p in ddp.module.layers.parameters())
-    # Each engine as its preset builds it, at its defaults; one its preset refuses here (16-mixed
-    # on CPU) is not measured (0: not priced).
+    # Each engine as its preset builds it, at its defaults; one its preset or the run refuses
+    # here (16-mixed on CPU) is not measured (0: not priced).
     steps = {"ddp": _ddp_step(ddp, step_loss)}
     if world > 1:
         steps |= _fsdp2_step(lambda: GPT(shape).to(device), world, device, precision, step_loss, run_of)
@@ -132,7 +132,7 @@ def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: st
     from parallel.parallelize import apply_fsdp2, clip_global_
 
     fsdp2 = FSDP2Config()
-    if fsdp2.problems(run_of(fsdp2)):
+    if fsdp2.problems(run := run_of(fsdp2)) or run.problems():
         return {}
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -170,7 +170,7 @@ def _zero_steps(model: Callable[[], Any], rank: int, world: int, loss: Callable[
         where = dict(offload_optimizer="cpu", offload_params="cpu" if stage == 3 else "none") if offload else {}
         zero = ZeroConfig(stage=stage, **where)
         run = run_of(zero)
-        if zero.problems(run):
+        if zero.problems(run) or run.problems():
             continue
         ds.select_accelerator(run)
         import deepspeed

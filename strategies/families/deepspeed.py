@@ -161,10 +161,6 @@ class ZeroConfig(StrategyConfig):
         if self.pin_memory and run.accelerator == "cpu":
             out.append("strategy.pin_memory=true needs CUDA (page-locked memory for host<->GPU "
                        "copies): set strategy.pin_memory=false on cluster.accelerator=cpu")
-        if run.precision == "16-mixed" and run.accelerator == "cpu":
-            out.append("trainer.precision=16-mixed with DeepSpeed on CPU: its CPU accelerator has "
-                       "no fp16 loss scaling; use trainer.precision=32 or bf16-mixed, or "
-                       "cluster.accelerator=gpu")
         for dotted, fix in _OWNED.items():
             if has(self.deepspeed_config, dotted):
                 out.append(f"strategy.deepspeed_config.{dotted} is set, but that knob has a typed "

@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from backends.common import torch as torch_common
 from backends.lightning.families import builds
@@ -89,7 +91,17 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
         if isinstance(plugin, FSDPPrecision) and not isinstance(plugin, _DeviceAutocastFSDPPrecision):
-            plugin = _DeviceAutocastFSDPPrecision(plugin.precision, scaler=plugin.scaler)
+            name, scaler = plugin.precision, plugin.scaler
+            if name == "16-mixed" and isinstance(self.accelerator, CPUAccelerator):
+                # Lightning's rule for its other strategies on CPU (its accelerator connector);
+                # fp16 would run unscaled: ShardedGradScaler disables itself without CUDA
+                rank_zero_warn("Trainer(accelerator='cpu', precision='16-mixed'): AMP with fp16 is "
+                               "not supported on CPU; FSDP trains precision='bf16-mixed' instead.")
+                name, scaler = "bf16-mixed", None
+            # (the scaler set after: Lightning 2.6's FSDPPrecision checks a given scaler against
+            # the class's default precision, before it sets its own, so refuses 16-mixed's)
+            plugin = _DeviceAutocastFSDPPrecision(name)
+            plugin.scaler = scaler
         FSDPStrategy.precision_plugin.fset(self, plugin)
 
     def mesh_shape(self) -> tuple[int, int] | None:
