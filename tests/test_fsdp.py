@@ -141,6 +141,18 @@ def test_fsdp2_checkpointing_under_bf16_trains_on_gpu(train):
     assert_losses_close(off.losses, on.losses, rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (16-mixed is refused on CPU)")
+def test_fsdp1_trains_under_fp16_with_its_sharded_scaler_on_gpu(train):
+    """FSDP1 at 16-mixed crashed at the Trainer's construction (our precision plugin swap handed
+    Lightning's scaler to a constructor that refuses it); it now trains as one GPU does, the same
+    loss scaling skipping the same steps."""
+    single, fsdp = (train(*EQUIV, f"strategy={s}", "cluster.accelerator=gpu", "cluster.devices=1",
+                          "trainer.precision=16-mixed") for s in ("single", "fsdp"))
+    assert_losses_close(single.losses, fsdp.losses, rtol=1e-3)
+
+
 @pytest.mark.unit
 def test_registry_derives_the_hybrid_mesh_from_the_world_lightning_sets_up():
     from lightning.pytorch import Trainer
