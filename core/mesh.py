@@ -136,11 +136,15 @@ class Mesh:
                     "must be >= 1"]
         model = self.tp * self.pp * self.seq
         if self.size % model:
-            seq = (f" * cp({self.cp})" if self.cp > 1 else "") + (f" * sp({self.sp})" if self.sp > 1 else "")
-            names = "tp * pp" + (" * cp" if self.cp > 1 else "") + (" * sp" if self.sp > 1 else "")
-            return [f"dp({self.size / model:g}){seq} * tp({self.tp}) * pp({self.pp}) "
-                    f"!= world size {self.size} (nodes {self.nodes} x devices {self.devices}): "
-                    f"choose {names} that divides the world size"]
+            set_ = [f"strategy.{k}={v}" for k, v in
+                    (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("sp", self.sp)) if v > 1]
+            degrees = " x ".join(set_) + (f" = {model}" if len(set_) > 1 else "")
+            fit = [d for d in range(1, 2 * max(self.devices, model) + 1) if self.nodes * d % model == 0]
+            near = sorted(fit, key=lambda d: (abs(d - self.devices), d))[:2]
+            return [f"world size {self.size} (cluster.nodes={self.nodes} x cluster.devices={self.devices}) "
+                    f"is not a multiple of {degrees}, the ranks of one model replica "
+                    f"(data-parallel degree {self.size / model:g}): set cluster.devices="
+                    f"{' or '.join(map(str, sorted(near)))}, or degrees whose product divides {self.size}"]
         fold = self.dp_shard * self.seq
         if self.ep < 1 or fold % self.ep:
             return [f"strategy.ep={self.ep} must divide dp_shard({self.dp_shard}) * cp({self.seq}) "

@@ -204,7 +204,12 @@ def test_mesh_arithmetic_error_prints_it():
     from strategies import Mesh
 
     (msg,) = Mesh(nodes=1, devices=6, tp=4).problems()
-    assert "dp(1.5) * tp(4) * pp(1) != world size 6" in msg
+    assert msg.startswith("world size 6 (cluster.nodes=1 x cluster.devices=6) is not a multiple of "
+                          "strategy.tp=4, the ranks of one model replica (data-parallel degree 1.5)"), msg
+    assert msg.endswith("set cluster.devices=4 or 8, or degrees whose product divides 6"), msg
+    (msg,) = Mesh(nodes=2, devices=3, tp=2, pp=2).problems()
+    assert "world size 6 (cluster.nodes=2 x cluster.devices=3) is not a multiple of strategy.tp=2 x " \
+           "strategy.pp=2 = 4" in msg and "set cluster.devices=2 or 4" in msg, msg
 
 
 # --- data order: a function of seed and global batch only -----------------------------------

@@ -228,7 +228,7 @@ def test_ulysses_with_kv_heads_sp_does_not_divide_equals_one_process(runs):
 @pytest.mark.unit
 def test_world_not_divisible_by_the_sequence_degree_prints_the_arithmetic():
     msg = _problems("strategy=ulysses", "cluster.devices=3", "cluster.oversubscribe=true")
-    assert "dp(1.5) * sp(2) * tp(1) * pp(1) != world size 3" in msg, msg
+    assert "world size 3 (cluster.nodes=1 x cluster.devices=3) is not a multiple of strategy.sp=2" in msg, msg
 
 
 @pytest.mark.unit
