@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from strategies import ConfigError
+from core.collect import collect_here
 from core.conf import CONF_DIR
 
 if TYPE_CHECKING:
@@ -157,28 +158,3 @@ def teardown_at_exit() -> None:
         return
     collect_here()
     dist.destroy_process_group()
-
-
-def collect_here(wait_s: float = 10.0) -> None:
-    """``gc.collect()`` in the calling thread. While another thread is collecting, ``gc.collect()``
-    returns at once without collecting; then wait (up to ``wait_s``) for that collection to end --
-    it may be freeing the run's tensors -- and collect here."""
-    import gc
-    import threading
-    import time
-
-    me, ran = threading.get_ident(), []
-
-    def started(phase: str, info: dict) -> None:
-        if phase == "start" and threading.get_ident() == me:
-            ran.append(True)
-
-    gc.callbacks.append(started)
-    try:
-        deadline = time.monotonic() + wait_s
-        gc.collect()
-        while not ran and time.monotonic() < deadline:
-            time.sleep(0.005)  # the GIL to the collecting thread
-            gc.collect()
-    finally:
-        gc.callbacks.remove(started)

@@ -305,6 +305,7 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
     import torch
     import torch.distributed as dist
 
+    from core.collect import collect_here
     from observers.memory import allocate_exactly
 
     allocate_exactly(False)  # (as every rank of a run allocates: backends.run)
@@ -352,6 +353,7 @@ def _rank(rank: int, world: int, port: int, accelerator: str, precision: str, th
             barrier()
     finally:
         if dist.is_initialized():
+            collect_here()  # (the measured models' cyclic garbage, here, not in finalization)
             dist.destroy_process_group()
 
 
