@@ -191,7 +191,10 @@ def _feedback_worker(rank: int, world: int, init: str, kind: str, out: dict) -> 
         "residual": max(float(e["new"].abs().max()) for e in log),
         "recorded": list(getattr(state, "check", [])),
     }
-    dist.destroy_process_group()
+    del ddp, model, opt  # (then torn down as a run is: the DDP, which holds the group, collected first)
+    from backends import teardown
+
+    teardown(True)
 
 
 def _spawn(kind: str, tmp_path) -> dict:
