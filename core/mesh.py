@@ -136,9 +136,9 @@ class Mesh:
                     "must be >= 1"]
         model = self.tp * self.pp * self.seq
         if self.size % model:
-            set_ = [f"strategy.{k}={v}" for k, v in
+            given = [f"strategy.{k}={v}" for k, v in
                     (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("sp", self.sp)) if v > 1]
-            degrees = " x ".join(set_) + (f" = {model}" if len(set_) > 1 else "")
+            degrees = " x ".join(given) + (f" = {model}" if len(given) > 1 else "")
             fit = [d for d in range(1, 2 * max(self.devices, model) + 1) if self.nodes * d % model == 0]
             near = sorted(fit, key=lambda d: (abs(d - self.devices), d))[:2]
             return [f"world size {self.size} (cluster.nodes={self.nodes} x cluster.devices={self.devices}) "
