@@ -85,8 +85,9 @@ def nothing_fits(plans: list[Plan]) -> str:
         # the problem most of them share (the batch, say: named by its key), then the smallest
         keys = Counter(p.blocking[0].split(" ")[0] for p in roomy)
         first = min(roomy, key=lambda p: (-keys[p.blocking[0].split(" ")[0]], p.memory.total))
+        more = keys[first.blocking[0].split(" ")[0]] - 1
         return (f"nothing can run here: the layouts that fit in memory cannot run "
-                f"({first.strategy}: {first.blocking[0]})")
+                f"({first.strategy}{f' and {more} more' if more else ''}: {first.blocking[0]})")
     stalled = [p for p in plans if p.fits and not p.problems and p.stalled]
     if stalled:
         first = min(stalled, key=lambda p: p.memory.total)

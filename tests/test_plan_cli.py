@@ -4,6 +4,7 @@ seconds, the messages, and ``strategy=auto`` end to end through train.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -74,6 +75,19 @@ def test_cli_not_fit_message():
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "does not fit on node_8x_a100_80g: needs 154.0 GB per device, has 80.0 GB" in text
+
+
+@pytest.mark.subprocess
+def test_nothing_runs_names_the_shared_problem_and_how_many_layouts_it_stops():
+    """Three ranks and a global batch of 16 in micro-batches of 8: every layout fits in memory
+    and none can run; the recommendation names the batch key and its fix, for all of them."""
+    proc = _plan_cli("model=gpt_nano", "cluster.devices=3", "cluster.accelerator=cpu",
+                     "trainer.global_batch_size=16", "trainer.micro_batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "recommendation: none -- nothing can run here: the layouts that fit in memory cannot run (" in text
+    assert re.search(r"\(\w+ and \d+ more: trainer.global_batch_size=16 is not divisible by", text), text
+    assert "use global_batch_size=24 or 48" in text
 
 
 @pytest.mark.subprocess
