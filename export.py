@@ -23,8 +23,13 @@ def _problems(job) -> list[str]:
     if job.export is None:
         return ["export=null: choose what to write: export=accelerate (an accelerate launch config "
                 "YAML) or export=deepspeed (the DeepSpeed JSON)"]
-    kind = job.export.name
-    if kind == "deepspeed" and job.strategy.capabilities.native_config != "deepspeed":
+    kind, s = job.export.name, job.strategy
+    if s.family == "deepspeed" and getattr(s, "sp", 1) > 1:
+        return [f"export={kind}: strategy={s.name} adds DeepSpeed Ulysses sequence parallelism "
+                f"(strategy.sp={s.sp}), which train.py applies to its model's attention; neither a "
+                f"DeepSpeed JSON nor an accelerate launch config carries it: export strategy=zero{s.stage} "
+                f"(ZeRO-{s.stage} alone), or train it with train.py strategy={s.name}"]
+    if kind == "deepspeed" and s.capabilities.native_config != "deepspeed":
         return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name} is a "
                 f"{job.strategy.family} preset: choose a zero* preset, or export=accelerate"]
     from backends.accelerate import families

@@ -168,6 +168,22 @@ def test_export_refuses_a_bad_combination(tmp_path):
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("preset, kind", [("ulysses", "accelerate"), ("zero3_ulysses", "deepspeed")])
+def test_export_refuses_ulysses_naming_its_zero_base(tmp_path, preset, kind):
+    """Ulysses is applied to the model by train.py: no native file carries it. The accelerate
+    export crashed (a traceback) and the DeepSpeed one told a DeepSpeed preset to pick a zero* one."""
+    proc = subprocess.run([sys.executable, str(ROOT / "export.py"), f"strategy={preset}", f"export={kind}",
+                           "cluster=node_8x_h100"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    stage = 3 if preset == "zero3_ulysses" else 1
+    assert (f"export={kind}: strategy={preset} adds DeepSpeed Ulysses sequence parallelism (strategy.sp=2)"
+            in proc.stderr), proc.stderr
+    assert f"export strategy=zero{stage} (ZeRO-{stage} alone)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.subprocess
 def test_exports_are_safe_at_scale(tmp_path):
     """ZeRO-3 on 8 nodes of 8 GPUs: the YAML turns on zero3_init_flag (a script's from_pretrained
     builds the model partitioned, not whole on every rank) and says, above its machine_rank: 0,
