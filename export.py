@@ -6,7 +6,8 @@
         train.py backend=accelerate strategy=zero3_offload cluster=node_8x_h100
 
 Takes train.py's overrides (the batch, precision and cluster shape the files describe) and checks
-the run they describe as train.py would, but not this machine. Files are written atomically;
+the run they describe as train.py would, but not this machine; ``strategy=auto`` writes the files
+of the preset the planner picks, as train.py would run it. Files are written atomically;
 their paths are printed.
 """
 
@@ -30,7 +31,8 @@ def _problems(job) -> list[str]:
                 f"DeepSpeed JSON nor an accelerate launch config carries it: export strategy=zero{s.stage} "
                 f"(ZeRO-{s.stage} alone), or train it with train.py strategy={s.name}"]
     if kind == "deepspeed" and s.capabilities.native_config != "deepspeed":
-        return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name} is a "
+        chose = " (strategy=auto chose it)" if job.auto else ""
+        return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name}{chose} is a "
                 f"{job.strategy.family} preset: choose a zero* preset, or export=accelerate"]
     from backends.accelerate import families
 
@@ -41,9 +43,13 @@ def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
     cfg, _, _ = composed
+    from planner import choose
     from recipes.job import RUN, validate
 
-    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems]))
+    # strategy=auto: the preset the planner picks, as train.py strategy=auto would run it
+    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=choose))
+    if job.auto:
+        print(job.chosen_by, file=sys.stderr)
     from backends.accelerate.export import deepspeed_config
     from observers.files import atomic_write_text
 

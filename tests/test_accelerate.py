@@ -168,6 +168,20 @@ def test_export_refuses_a_bad_combination(tmp_path):
 
 
 @pytest.mark.subprocess
+def test_export_of_auto_writes_the_preset_the_planner_picks(tmp_path):
+    """llama_7b on 8 H100s does not fit replicated: strategy=auto's export wrote a plain DDP config
+    (MULTI_GPU) under the name auto; it now writes the planner's pick and says why."""
+    proc = subprocess.run([sys.executable, str(ROOT / "export.py"), "strategy=auto", "model=llama_7b",
+                           "cluster=node_8x_h100", "export=accelerate"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "strategy=auto chose fsdp: replicated needs 154.0 GB per device" in proc.stderr
+    written = tmp_path / proc.stdout.split()[-1]
+    assert written.name == "fsdp-node_8x_h100.accelerate.yaml"
+    assert "distributed_type: FSDP" in written.read_text()
+
+
+@pytest.mark.subprocess
 @pytest.mark.parametrize("preset, kind", [("ulysses", "accelerate"), ("zero3_ulysses", "deepspeed")])
 def test_export_refuses_ulysses_naming_its_zero_base(tmp_path, preset, kind):
     """Ulysses is applied to the model by train.py: no native file carries it. The accelerate
