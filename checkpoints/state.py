@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from checkpoints.store import Checkpoint, CheckpointError
+from core.keys import plain_key
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,8 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         _check_pickles(path / DEEPSPEED)
         with _zero_to_fp32_quietly():
             sd = get_fp32_state_dict_from_zero_checkpoint(str(path / DEEPSPEED), tag=TAG)
-        sd = _strip(sd, meta["prefix"])
+        # (DeepSpeed saves its module's own names: activation checkpointing's wrapper in them)
+        sd = _strip({plain_key(k): v for k, v in sd.items()}, meta["prefix"])
     return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
 
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.keys import plain_key
 from core.precision import dtype, find, low_dtype, of
-
-# Module-path pieces that wrappers insert; the plain model's state_dict has none of them.
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 @dataclass(frozen=True)
@@ -308,13 +306,6 @@ def _plain_tensor(t: Any) -> Any:
         names, _ = t.__tensor_flatten__()
         t = getattr(t, names[0])
     return t
-
-
-def plain_key(key: str) -> str:
-    """A state-dict key as the plain model names it (wrappers' path pieces removed)."""
-    for piece in WRAPPER_PREFIXES:
-        key = key.replace(piece, "")
-    return key
 
 
 def clip_global_(params: list[Any], max_norm: float, groups: tuple[Any, ...] = ()) -> Any:

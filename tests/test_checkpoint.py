@@ -123,6 +123,25 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_deepspeed_checkpoint_under_activation_checkpointing_has_the_plain_models_keys(train, tmp_path):
+    """DeepSpeed saves its module's own names, activation checkpointing's wrapper among them:
+    convert.py wrote ``layers.0._checkpoint_wrapped_module.attn.wq.weight`` and a torch preset
+    could not resume from it. Both read it as the plain model now."""
+    zero2 = train(*EQUIV, *PRESETS["zero2"], "strategy.activation_checkpointing=true", "trainer.max_steps=3",
+                  CKPT3, QUIET, name="zero2-ac")
+    step3 = zero2.out / "checkpoints" / "step3"
+    saved = _convert(step3, tmp_path / "zero2.safetensors")
+    from recipes.config import compose, describe
+    from recipes.gpt import GPT
+
+    GPT(describe(compose(TINY).model)).load_state_dict(saved, strict=True)
+    _same_params(zero2.params(), saved)
+    single = train(*EQUIV, *PRESETS["single"], "trainer.max_steps=3", f"trainer.resume_from={step3}",
+                   QUIET, name="single")
+    _same_params(saved, single.params())
+
+
+@pytest.mark.multiprocess
 def test_fsdp2_on_2_resumes_as_single(cached, train, tmp_path):
     """DCP reshards model and optimizer from 2 ranks to 1, and from Lightning to Accelerate: the
     rest of the run is the uninterrupted one."""
