@@ -32,8 +32,8 @@ def _problems(job) -> list[str]:
                 f"(ZeRO-{s.stage} alone), or train it with train.py strategy={s.name}"]
     if kind == "deepspeed" and s.capabilities.native_config != "deepspeed":
         chose = " (strategy=auto chose it)" if job.auto else ""
-        return [f"export=deepspeed writes a DeepSpeed config, but strategy={job.strategy.name}{chose} is a "
-                f"{job.strategy.family} preset: choose a zero* preset, or export=accelerate"]
+        return [f"export=deepspeed writes a DeepSpeed config, but strategy={s.name}{chose} is a "
+                f"{s.family} preset: choose a zero* preset, or export=accelerate"]
     from backends.accelerate import families
 
     return families.problems(job.strategy, job.run)
