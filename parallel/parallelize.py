@@ -361,4 +361,4 @@ def neighbour_group(size: int, desc: str) -> tuple[Any, int]:
 
 __all__ = ["neighbour_group", "FSDP2Plan", "ParallelPlan", "apply_fsdp2", "apply_tp", "checkpoint_blocks", "clip_global_",
            "compile_blocks", "plan_for", "find_model", "low_dtype", "materialize", "mixed_policy",
-           "parallelize", "plain_key", "plain_state_dict"]
+           "parallelize", "plain_state_dict"]

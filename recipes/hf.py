@@ -205,7 +205,7 @@ def document_positions(tokens: torch.Tensor, eos: int) -> torch.Tensor:
 def hf_key(name: str) -> str:
     """A parameter's name in ``HFCausalLM.hf`` as the checkpoint names it (peft's and
     strategies' wrapper pieces removed)."""
-    from parallel.parallelize import plain_key
+    from core.keys import plain_key
 
     return plain_key(name).replace(".base_layer", "")  # (peft's wrapped layer)
 
