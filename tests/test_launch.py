@@ -61,17 +61,20 @@ def _sweep(tmp_path: Path, *overrides: str, name: str = "sweep", timeout: float 
 def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     """Three 2-process jobs one after another, each its own process group and directory; no rank
     re-runs the sweep (Lightning's launcher would re-execute the command line); the sweep
-    report compares them; the sweep costs about three single runs (one interpreter)."""
+    report compares them; the jobs share one interpreter (the later ones import nothing)."""
     steps = ("trainer.max_steps=3", "cluster.devices=2")
     t0 = time.perf_counter()
     single = run_cli("train.py", *TINY, *steps, "strategy=ddp", out=tmp_path / "single")
     one = time.perf_counter() - t0
     run, sweep, elapsed = _sweep(tmp_path, *steps, "strategy=ddp,fsdp,zero2")
     print(f"single 2-process run {one:.1f}s; sweep of 3 {elapsed:.1f}s")
-    assert elapsed < 3 * one * 1.25, f"sweep {elapsed:.1f}s vs 3 x {one:.1f}s"
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1", "2"], jobs  # nothing else: no rank started a sweep of its own
     reports = [json.loads((sweep / j / "report.json").read_text()) for j in jobs]
+    # one interpreter (not a wall-clock bound, which a loaded CI machine broke: 11.1 s against
+    # 3 x 2.9 s x 1.25): the later jobs find every library imported
+    later = [r["startup"]["seconds"]["import"] for r in reports[1:]]
+    assert all(t < 0.05 for t in later), later
     assert [(r["strategy"], r["world_size"]) for r in reports] == [("ddp", 2), ("fsdp", 2), ("zero2", 2)]
     assert all([m["rank"] for m in r["memory"]["ranks"]] == [0, 1] for r in reports)
     assert_losses_close(single.losses, reports[0]["losses"], rtol=1e-6)
