@@ -239,9 +239,24 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         _check_pickles(path / DEEPSPEED)
         with _zero_to_fp32_quietly():
             sd = get_fp32_state_dict_from_zero_checkpoint(str(path / DEEPSPEED), tag=TAG)
+        sd |= _zero1_frozen(path / DEEPSPEED / TAG, sd)
         # (DeepSpeed saves its module's own names: activation checkpointing's wrapper in them)
         sd = _strip({plain_key(k): v for k, v in sd.items()}, meta["prefix"])
     return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+
+
+def _zero1_frozen(state_dir: Path, have: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The frozen parameters (LoRA's base weights) of a ZeRO-1 checkpoint. DeepSpeed records
+    frozen parameters for zero_to_fp32 only when it partitions gradients (stage 2 and 3), so at
+    stage 1 the conversion returns the trained ones alone; their only copy is the module state
+    the engine saves whole. (Frozen means never updated: that copy is exact, in the module's
+    dtype.)"""
+    files = sorted(state_dir.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        return {}
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        module = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True).get("module") or {}
+    return {k: v for k, v in module.items() if k not in have and v.numel() > 0}
 
 
 def _load_full_model(h: Handles, full: dict[str, torch.Tensor]) -> None:
