@@ -302,3 +302,33 @@ def test_exported_wrap_fits_any_model(wrap, policy):
     assert ("fsdp_min_num_params" in fsdp) == (wrap is None)
     cpu = validate(compose(["strategy=fsdp2", *TWO, "export=accelerate"]), depth=RUN)
     assert accelerate_config(cpu)["fsdp_config"]["fsdp_auto_wrap_policy"].startswith("STRATAGEM_HOOK_REQUIRED")
+
+
+PARTITIONED = """
+from backends.accelerate import stratagem_accelerator
+acc = stratagem_accelerator({preset!r})
+from transformers import AutoModelForCausalLM
+p = AutoModelForCausalLM.from_pretrained({path!r}).model.embed_tokens.weight
+print("rank", acc.process_index, "partitioned", p.numel() == 0 and getattr(p, "ds_numel", 0) > 0)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset, partitioned", [("zero3", True), ("zero2", False)])
+def test_a_scripts_from_pretrained_builds_partitioned_under_zero3(tmp_path, preset, partitioned):
+    """After the hook's Accelerator, a script's from_pretrained builds under zero.Init at ZeRO-3
+    (transformers' hook, as Accelerate's zero3_init_flag does), whole below it. (train.py keeps
+    that hook off: it partitions the model itself.)"""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    script = tmp_path / "script.py"
+    script.write_text(PARTITIONED.format(preset=preset, path=str(tmp_path / "llama")))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--standalone", str(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert sorted(done.stdout.split("\n"))[-2:] == [f"rank {r} partitioned {partitioned}" for r in (0, 1)]

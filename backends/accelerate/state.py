@@ -12,7 +12,7 @@ single-process reference):
    against parameters on ``cpu``; ``ACCELERATE_TORCH_DEVICE=cpu`` (read by ``PartialState``) pins
    plain ``cpu``.
 3. ``DeepSpeedPlugin.select()`` imports ``transformers`` (for its ``from_pretrained`` ZeRO-3 hook)
-   even when it is not installed; ``DeepSpeedPlugin`` below skips that hook without it.
+   even when it is not installed; the plugin (``families/deepspeed.py``) skips that hook without it.
 
 ``accelerator()`` (the loop's, with the kwargs of the preset's builder, ``families/``) therefore: creates ``PartialState(cpu=True)`` first (gloo group, ranks from
 the launcher's environment); for DeepSpeed, builds ``Accelerator(cpu=False, ...)`` on that
@@ -25,26 +25,10 @@ to DDP fails loudly. On a GPU none of this runs: ``Accelerator(**kwargs)`` as us
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
 from core.errors import ConfigError
-
-
-def deepspeed_plugin(config: dict[str, Any]) -> Any:
-    """Accelerate's DeepSpeedPlugin fed with the preset's generated DeepSpeed config (the same
-    one the Lightning builder hands Lightning)."""
-    from accelerate.utils import DeepSpeedPlugin
-
-    class _Plugin(DeepSpeedPlugin):
-        """(3): the transformers ZeRO-3 hook only when transformers is installed."""
-
-        def set_deepspeed_weakref(self) -> None:
-            if importlib.util.find_spec("transformers") is not None:
-                super().set_deepspeed_weakref()
-
-    return _Plugin(hf_ds_config=config, zero3_init_flag=False)
 
 
 def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:

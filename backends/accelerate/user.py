@@ -293,6 +293,10 @@ def settle(strategy: str, *, wrap: str | int | None = None, precision: str | Non
         raise ConfigError("; ".join(problems))
     builder = families.builder(preset, run)
     kwargs = builder.kwargs(_wrap(wrap))
+    if (plugin := kwargs.get("deepspeed_plugin")) is not None:
+        # the script builds its model after the Accelerator: at ZeRO-3 its from_pretrained builds
+        # it partitioned (transformers' hook), as Accelerate's zero3_init_flag does
+        plugin.zero3_init_flag = plugin.hf_ds_config.is_zero3()
     if grad_clip and "deepspeed_plugin" not in kwargs:
         raise ConfigError(f"grad_clip={grad_clip} is DeepSpeed's gradient_clipping, but strategy={strategy} "
                           f"is not a ZeRO preset: clip in the loop, accelerator.clip_grad_norm_(model.parameters(), "

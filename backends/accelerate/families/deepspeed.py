@@ -13,14 +13,19 @@ from strategies.families.deepspeed import ZeroConfig
 
 
 def deepspeed_plugin(config: dict[str, Any]) -> Any:
-    """Accelerate's DeepSpeedPlugin for ``config``. ``DeepSpeedPlugin.select()`` imports
-    ``transformers`` (for its ``from_pretrained`` ZeRO-3 hook) even when it is not installed:
-    the hook is set only when transformers is there."""
+    """Accelerate's DeepSpeedPlugin for ``config``, with transformers' ZeRO-3 hook (a global that
+    makes its ``from_config``/``from_pretrained`` build under ``deepspeed.zero.Init``) set only
+    when ``zero3_init_flag`` says so, as Accelerate documents the flag (1.15 sets it on every
+    select). train.py builds and partitions the model itself (``model_context``): the hook left on
+    there would also partition the builds one rank makes alone -- the checkpoint's meta shapes,
+    DPO's reference model -- which then wait on collectives the other ranks never start. A user's
+    script turns the flag on (backends/accelerate/user.py). ``DeepSpeedPlugin.select()`` imports
+    transformers even when it is not installed: the hook needs it there."""
     from accelerate.utils import DeepSpeedPlugin
 
     class _Plugin(DeepSpeedPlugin):
         def set_deepspeed_weakref(self) -> None:
-            if importlib.util.find_spec("transformers") is not None:
+            if self.zero3_init_flag and importlib.util.find_spec("transformers") is not None:
                 super().set_deepspeed_weakref()
 
     return _Plugin(hf_ds_config=config, zero3_init_flag=False)
