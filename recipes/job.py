@@ -288,7 +288,7 @@ def _lora_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
     per-parameter requires_grad (``capabilities.lora``)."""
     if not model.lora.rank or strategy.capabilities.lora:
         return []
-    able = ", ".join(n for n in names() if load(n).capabilities.lora)
+    able = ", ".join(n for n in names() if (c := load(n).capabilities).lora and not c.cuts_model)  # (model=hf)
     return [f"model.lora.rank={model.lora.rank} with strategy={strategy.name}: LoRA runs with "
             f"{able}; choose one of them, or model.lora.rank=0 for a full fine-tune"]
 

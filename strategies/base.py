@@ -61,8 +61,8 @@ class Capabilities:
     planned_only: bool = False
     """The planner prices it; no backend builds it."""
     cuts_model: bool = False
-    """It cuts the model at modules the model must declare (pipeline stages, sequence-parallel
-    norms): models that declare none (model=hf) are refused."""
+    """It cuts or replaces modules the model must declare (pipeline stages, sequence-parallel
+    norms, the attention core): models that declare none (model=hf) are refused."""
     param_groups: bool = True
     """Its optimizer sees each parameter on its own, so parameters can get their own settings
     (no weight decay for norms, biases and embeddings: trainer.no_decay)."""
@@ -192,8 +192,8 @@ class StrategyConfig:
                     "blocks (their tp_plan / pp_plan name a dense MLP); use strategy=fsdp_ep "
                     "(expert parallelism) or a data-parallel preset"]
         if self.capabilities.cuts_model and getattr(model, "is_hf", False):
-            return [f"strategy={self.name} with model=hf: it cuts the model at modules the "
-                    "built-in GPT declares (pipeline stages, sequence-parallel norms); model=hf "
+            return [f"strategy={self.name} with model=hf: it cuts or replaces modules the "
+                    "built-in GPT declares (pipeline stages, sequence-parallel norms, the attention core); model=hf "
                     "trains with the data-parallel presets and tensor parallelism (strategy=tp, "
                     "fsdp_tp with strategy.sequence_parallel=false), or use a built-in model"]
         return []
