@@ -129,7 +129,7 @@ LEGEND = {
                      "unit; communication.png plots each collective's payload)",
     "peak": f"peak: a plan under {SMALL_PEAK >> 20} MiB is mostly the allocator's and runtime's own memory, "
             "which no plan counts: a large ratio there says nothing of the layout",
-    "step_seconds": "uncal.: step time planned from cluster.peak_tflops, not this machine "
+    "step_seconds": "uncal.: step time planned from cluster.peak_tflops x planner.mfu, not this machine "
                     "(planner.calibrate=true measures it)",
 }
 

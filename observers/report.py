@@ -148,11 +148,7 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
     from observers.compare import summary_lines
 
     table = report.get("predicted_vs_measured")
-    lines = summary_lines(table) if table else []
-    planner = (report.get("config") or {}).get("planner") or {}
-    if table and "step_seconds" in table and not planner.get("calibrate", True):
-        lines.append(f"{'':>14} step_seconds uncalibrated (from cluster.peak_tflops x planner.mfu, not "
-                     "this machine): planner.calibrate=true measures it")
+    lines = summary_lines(table) if table else []  # its legend says when step time is uncalibrated
     return (["predicted vs measured:\n" + "\n".join(lines)] if lines else []) + [summary(report, path)]
 
 
