@@ -247,6 +247,11 @@ def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
     blocks = model.get_submodule(where["blocks"])
     for b in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
         parallelize_module(b, mesh, plan)
+    # Tied embeddings (model.tie_embeddings, a Hugging Face tie_word_embeddings): parallelizing
+    # each module swaps in its own new parameter, which would train two; both shard the vocabulary
+    # rows (the embedding row-wise, the head column-wise: Shard(0)), so one is set back in both.
+    tied = (_present(model, where["embedding"]) and _present(model, where["head"])
+            and model.get_submodule(where["embedding"]).weight is model.get_submodule(where["head"]).weight)
     top: dict[str, Any] = {}
     if _present(model, where["embedding"]):
         top[where["embedding"]] = RowwiseParallel(input_layouts=Replicate(),
@@ -257,6 +262,8 @@ def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
         top[where["head"]] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                              output_layouts=Replicate())
     parallelize_module(model, mesh, top)
+    if tied:
+        model.get_submodule(where["head"]).weight = model.get_submodule(where["embedding"]).weight
     return model
 
 
