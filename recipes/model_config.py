@@ -142,6 +142,30 @@ class ModelConfig:
                  "up_proj": (self.dim, self.hidden), "down_proj": (self.hidden, self.dim)}
         return self.n_layers * sum(r * sum(sizes[m]) for m in self.lora.target_modules if m in sizes)
 
+    def tensor_sizes(self) -> dict[int, int]:
+        """Elements of each parameter tensor -> how many tensors have that size (LoRA's adapters
+        included): what DeepSpeed's ZeRO-3 persistence threshold sorts. Sums to
+        ``num_params() + lora_params()``."""
+        d, kv, f = self.dim, self.n_kv_heads * self.head_dim, self.hidden
+        attn = [d * d, d * kv, d * kv, d * d, d, d]  # q, k, v, o and the two norms
+        attn += {"none": [], "qkv": [d, kv, kv], "all": [d, kv, kv, d]}[self.attention_bias]
+        dense = attn + [d * f] * 3
+        moe = attn + [d * self.n_experts] + [self.n_experts * d * self.expert_hidden] * 3
+        if self.is_moe and self.n_shared_experts:
+            moe += [d * self.n_shared_experts * self.expert_hidden] * 3
+        tensors = (dense * (self.n_layers - self.moe_layers) + moe * self.moe_layers
+                   + [self.embedding_params()] * (1 if self.tie_embeddings else 2) + [d])
+        r = self.lora.rank
+        io = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+        for m in self.lora.target_modules if r else ():
+            if m in io:
+                tensors += [r * io[m][0], r * io[m][1]] * self.n_layers  # A (r x in), B (out x r)
+        out: dict[int, int] = {}
+        for t in tensors:
+            out[t] = out.get(t, 0) + 1
+        return out
+
     def embedding_params(self) -> int:
         """Parameters of one vocab x dim matrix (the input embedding; the output head is
         another unless ``tie_embeddings``)."""

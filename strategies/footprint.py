@@ -268,6 +268,10 @@ class Footprint:
         ``zero3``: DeepSpeed's, ``fsdp2``: torch's); "": none beyond what the footprint prices."""
         return ""
 
+    def gathered_params(self, n: Sizes) -> float:
+        """Parameters a forward gathers: all (ZeRO-3 keeps its small tensors whole)."""
+        return n.params
+
     def regathered(self, n: Sizes) -> float:
         """Parameters gathered again for backward under ``reshard_after_forward``: all."""
         return n.params
@@ -286,13 +290,14 @@ class Footprint:
                                    stride * n.shard, grad / n.shard, "backward",
                                    per_micro=per_micro_grads, calls=n.units))
             if self.params == SHARDED:
+                once = self.gathered_params(n)
                 out.append(Traffic("param_all_gather_forward", "all_gather", n.shard, stride,
-                                   n.params * sb.gather, "forward", per_micro=True, calls=n.units))
+                                   once * sb.gather, "forward", per_micro=True, calls=n.units))
                 again = self.regathered(n)
                 if self.reshard_after_forward and again > 0:
                     out.append(Traffic("param_all_gather_backward", "all_gather", n.shard, stride,
                                        again * sb.gather, "backward", per_micro=True,
-                                       calls=n.units * again / n.params))
+                                       calls=n.units * again / max(once, 1.0)))
             else:  # optimizer-sharded: the updated shards (trainable parameters) are gathered
                 out.append(Traffic("param_all_gather", "all_gather", n.shard, stride,
                                    n.trainable * sb.gather, "none"))

@@ -98,6 +98,10 @@ def test_shape_from_config_counts_every_parameter(tmp_path, family, extra):
         model = training.build_model(shape, 0, meta=True)
     assert sum(p.numel() for p in model.parameters()) == shape.num_params() + shape.lora_params()
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == shape.lora_params()
+    sizes: dict[int, int] = {}  # (tensor for tensor: what ZeRO-3's persistence threshold sorts)
+    for p in model.parameters():
+        sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
+    assert shape.tensor_sizes() == sizes
 
 
 @pytest.mark.unit

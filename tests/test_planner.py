@@ -618,3 +618,23 @@ def test_zero3_holds_what_it_does_not_gather_again():
     kept, unit = 1e9, unit_params(m)
     assert default.memory.buffers - low.memory.buffers == pytest.approx((kept - unit - 50e6) * 2, abs=8)
     assert kept < m.num_params()
+
+
+@pytest.mark.parametrize("overrides", [
+    ("model=gpt_nano",), ("model=gpt_small", "model.tie_embeddings=true"), ("model=gpt_moe_nano",),
+    ("model=gpt_moe_nano", "model.n_shared_experts=1", "model.first_dense_layers=1")])
+def test_tensor_sizes_are_the_built_models_tensors(overrides):
+    """What ZeRO-3's persistence threshold sorts: the planner's list of tensor sizes is the
+    built model's, tensor for tensor (a meta build: no memory)."""
+    import torch
+
+    from recipes import training
+    from recipes.config import compose, describe
+
+    shape = describe(compose(list(overrides)).model)
+    with torch.device("meta"):
+        built = training.build_model(shape, 0)
+    counts: dict[int, int] = {}
+    for p in built.parameters():
+        counts[p.numel()] = counts.get(p.numel(), 0) + 1
+    assert shape.tensor_sizes() == counts

@@ -35,7 +35,7 @@ from core.conf import has, merge, plain
 from core.precision import find
 from strategies.base import DEEPSPEED, Capabilities, StrategyConfig, family
 from core.knobs import knob
-from strategies.footprint import (CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, Traffic,
+from strategies.footprint import (CPU, DEVICE, NVME, REPLICATED, SHARDED, Footprint, Sizes, States, Traffic,
                                   final_flush, reduction_copies)
 from core.mesh import Mesh
 from core.run import Run
@@ -232,6 +232,8 @@ class ZeroConfig(StrategyConfig):
             auto=frozenset(k for k in _HIDDEN_AUTO if zero.get(k) == AUTO
                            and (s >= 3 or not k.startswith("stage3"))),
             sub_group=_or(_count(zero.get("sub_group_size"), 1), self.sub_group_size),
+            persistence=(_or(_count(zero.get("stage3_param_persistence_threshold"), 0),
+                             self.param_persistence_threshold) if s >= 3 else 0),
             pin_memory=self.pin_memory,
             swap_buffers=(self.param_buffer_count * self.param_buffer_size, self.optimizer_buffer_count),
         )
@@ -330,6 +332,42 @@ class ZeroFootprint(Footprint):
     sub_group: int = 1_000_000_000
     """ZeRO-3: partition elements the optimizer steps at once (sub_group_size): its fp32
     gradient copy exists for one sub-group at a time."""
+    persistence: int = 0
+    """ZeRO-3: tensors of at most this many elements (stage3_param_persistence_threshold) stay
+    whole on every rank once first gathered, beside their partition."""
+
+    def _persistent(self, n: Sizes) -> tuple[float, int]:
+        if self.stage < 3 or n.model is None or not hasattr(n.model, "tensor_sizes"):
+            return 0.0, 0
+        limit = self._sized("stage3_param_persistence_threshold", n, self.persistence)
+        small = {k: c for k, c in n.model.tensor_sizes().items() if k <= limit}
+        return float(sum(k * c for k, c in small.items())) / n.mp, sum(small.values())
+
+    def persistent(self, n: Sizes) -> float:
+        """ZeRO-3: elements of this rank's tensors under the persistence threshold, which
+        DeepSpeed keeps whole beside their partition (parameter_offload.py
+        ``mark_persistent_parameters``: a model's norms and biases, a small model's every
+        tensor): never released nor gathered for compute, all-gathered once after each step
+        instead (stage3.py, ``persistent_parameters``); 0 when the planner knows only the
+        parameter count."""
+        return self._persistent(n)[0]
+
+    def traffic(self, n: Sizes) -> list[Traffic]:
+        out = super().traffic(n)
+        persist, tensors = self._persistent(n)
+        if persist:  # (after the step: nothing to hide under)
+            out.append(Traffic("param_all_gather_persistent", "all_gather", n.shard, n.tp,
+                               persist * n.bytes.gather, "none", calls=tensors))
+        return out
+
+    def states(self, n: Sizes) -> States:
+        # the persistent tensors' whole copies, on the device even when the partitions are offloaded
+        out = super().states(n)
+        extra = math.ceil(self.persistent(n) * n.bytes.params)
+        return dataclasses.replace(out, params=out.params + extra) if extra else out
+
+    def gathered_params(self, n: Sizes) -> float:
+        return n.params - self.persistent(n)
 
     def _sized(self, key: str, n: Sizes, configured: int) -> int:
         return _HIDDEN_AUTO[key][0](hidden_size(n)) if key in self.auto else configured
@@ -394,7 +432,8 @@ class ZeroFootprint(Footprint):
         # what is reused soon stays gathered, up to stage3_max_live_parameters
         if not self.reshard_after_forward:
             return gathered
-        return min(n.params, max(gathered, self.live_params / n.mp))  # (never more than the model)
+        # (never more than the model's gathered part: the persistent tensors are states)
+        return min(self.gathered_params(n), max(gathered, self.live_params / n.mp))
 
     def step_extra(self, n: Sizes) -> float:
         # the step's .to(fp32) of the gradient partition (on the host when offloaded)
@@ -417,7 +456,7 @@ class ZeroFootprint(Footprint):
         return ("zero3" if self.stage == 3 else "zero2") + ("_offload" if self.optimizer_offload == CPU else "")
 
     def regathered(self, n: Sizes) -> float:
-        return max(0.0, n.params - self.live_params / n.mp)
+        return max(0.0, self.gathered_params(n) - self.live_params / n.mp)
 
     def grad_reduction(self, n: Sizes, grad: float, bucket: float) -> list[Traffic]:
         if self.stage < 3:  # measured: DeepSpeed 0.19 all-reduces ZeRO-1/2 buckets, each rank keeps its part
