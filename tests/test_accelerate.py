@@ -75,6 +75,10 @@ def test_accelerate_trains_what_lightning_trains(both, reference, case, optimize
     held = ("params", "grads", "optimizer")
     for lr, ar in zip(lightning.report["memory"]["ranks"], a["memory"]["ranks"], strict=True):
         assert {k: lr[k] for k in held} == {k: ar[k] for k in held}, (case, lr, ar)
+    # and the same bytes sent (FSDP's accumulation: every micro-batch reduce-scattered on both,
+    # not Accelerate's no_sync holding unsharded gradients to the boundary)
+    sent = [r.report["predicted_vs_measured"]["communication"]["measured"] for r in (lightning, accelerate)]
+    assert sent[1] == pytest.approx(sent[0], rel=0.01), (case, sent)
 
 
 @pytest.mark.subprocess

@@ -48,6 +48,9 @@ def test_matches_single_process_and_shards(cached, reference, name, optimizer):
             assert abs(rank[what] - fraction * P) <= PAD * (2 if what == "optimizer" else 1), (name, rank)
     # Every byte is held somewhere: one shard group together holds at least the whole model.
     assert sum(rank["params"] for rank in ranks) >= P * c.world // c.shard
+    if c.accumulation > 1:  # reduce-scattered every micro-batch, as planned (not FSDP's no_sync)
+        sent = r["predicted_vs_measured"]["communication"]
+        assert sent["ratio"] == pytest.approx(1.0, abs=0.02), sent
 
 
 # ----------------------------------------------------------------------------- config problems

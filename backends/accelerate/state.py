@@ -31,6 +31,19 @@ from typing import Any
 from core.errors import ConfigError
 
 
+def sharded_accumulation(more: dict[str, Any]) -> dict[str, Any]:
+    """FSDP reduce-scatters every micro-batch's gradients (``sync_each_batch``), as the Lightning
+    backend and DeepSpeed's ZeRO-2/3 do and the planner books: Accelerate's default no_sync
+    would keep the whole model's unsharded gradients on every rank until the accumulation
+    boundary (gpt_small, 4 micro-batches: the step's memory 1.15-1.32x the plan)."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    more = dict(more)
+    steps = more.pop("gradient_accumulation_steps")
+    return more | {"gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=steps,
+                                                                              sync_each_batch=True)}
+
+
 def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
     """The ``DistributedType`` name these Accelerator kwargs must produce."""
     if world_size == 1:
@@ -58,6 +71,8 @@ def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
 
     Accelerator = cls or default  # noqa: N806
     group = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if "fsdp_plugin" in kwargs and more.get("gradient_accumulation_steps", 1) > 1:
+        more = sharded_accumulation(more)
     if not on_cpu:
         if group:
             kwargs = {**kwargs, "kwargs_handlers": [*kwargs.get("kwargs_handlers", []),

@@ -20,6 +20,8 @@ class (``_setup_model``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -159,6 +161,14 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
         self._root = self.precision_plugin.root = root
         self.precision_plugin.clip = self.clip_grad_norm
         return root
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Gradients reduce-scatter on every micro-batch, as FSDP2 and ZeRO-2/3 do and the
+        planner books: Lightning's default (FSDP's ``no_sync`` through accumulation) would keep
+        the whole model's unsharded gradients on every rank until the last micro-batch
+        (gpt_small, 4 micro-batches: the step's memory 1.15x the plan)."""
+        yield
 
     def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
         """Through the root unit, which sums the shards' squares (inf: measure only)."""
