@@ -56,11 +56,11 @@ _OWNED = {
 AUTO = "auto"
 # zero_optimization keys DeepSpeed's integrations fill from the model's hidden size when "auto"
 # (accelerate's Accelerator._prepare_deepspeed, transformers' integrations/deepspeed.py):
-# key -> (elements for hidden size h, the least value, the typed key it overrides)
+# key -> (elements for hidden size h, the least value, the typed key it overrides, the rule)
 _HIDDEN_AUTO = {
-    "reduce_bucket_size": (lambda h: h * h, 1, "reduce_bucket_size"),
-    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), 0, "prefetch_bucket_size"),
-    "stage3_param_persistence_threshold": (lambda h: 10 * h, 0, "param_persistence_threshold"),
+    "reduce_bucket_size": (lambda h: h * h, 1, "reduce_bucket_size", "h^2"),
+    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), 0, "prefetch_bucket_size", "0.9 x h^2"),
+    "stage3_param_persistence_threshold": (lambda h: 10 * h, 0, "param_persistence_threshold", "10 x h"),
 }
 
 
@@ -171,15 +171,14 @@ class ZeroConfig(StrategyConfig):
         """Raw ``deepspeed_config.zero_optimization`` sizes: an integer in range or "auto"."""
         zero = plain(self.deepspeed_config).get("zero_optimization", {})
         out = []
-        for key, (rule, least, typed) in _HIDDEN_AUTO.items():
+        for key, (_, least, typed, rule) in _HIDDEN_AUTO.items():
             if (not isinstance(zero, dict) or key not in zero or zero[key] == AUTO
                     or _count(zero[key], least) is not None):
                 continue
             out.append(f"strategy.deepspeed_config.zero_optimization.{key}={zero[key]!r}: must be "
                        f"an integer >= {least} (elements) or \"auto\" (filled from the model's "
-                       f"hidden size h, as Accelerate does: {_AUTO_RULE[key]}); set it to e.g. "
-                       f"{_default(typed)} or \"auto\", or remove it "
-                       f"and set strategy.{typed}")
+                       f"hidden size h, as Accelerate does: {rule}); set it to e.g. "
+                       f"{_default(typed)} or \"auto\", or remove it and set strategy.{typed}")
         return out
 
     def _nvme_problems(self) -> list[str]:
@@ -232,8 +231,8 @@ class ZeroConfig(StrategyConfig):
             auto=frozenset(k for k in _HIDDEN_AUTO if zero.get(k) == AUTO
                            and (s >= 3 or not k.startswith("stage3"))),
             sub_group=_or(_count(zero.get("sub_group_size"), 1), self.sub_group_size),
-            persistence=(_or(_count(zero.get("stage3_param_persistence_threshold"), 0),
-                             self.param_persistence_threshold) if s >= 3 else 0),
+            persistence=_or(_count(zero.get("stage3_param_persistence_threshold"), 0),
+                            self.param_persistence_threshold),
             pin_memory=self.pin_memory,
             swap_buffers=(self.param_buffer_count * self.param_buffer_size, self.optimizer_buffer_count),
         )
@@ -332,42 +331,33 @@ class ZeroFootprint(Footprint):
     sub_group: int = 1_000_000_000
     """ZeRO-3: partition elements the optimizer steps at once (sub_group_size): its fp32
     gradient copy exists for one sub-group at a time."""
-    persistence: int = 0
-    """ZeRO-3: tensors of at most this many elements (stage3_param_persistence_threshold) stay
-    whole on every rank once first gathered, beside their partition."""
+    persistence: int = 0  # (ZeRO-3's stage3_param_persistence_threshold: ``persistent``)
 
-    def _persistent(self, n: Sizes) -> tuple[float, int]:
+    def persistent(self, n: Sizes) -> tuple[float, int]:
+        """ZeRO-3: (elements, tensors) of this rank's tensors at most the persistence threshold,
+        which DeepSpeed keeps whole beside their partition, never releases nor gathers for
+        compute, and all-gathers once after each step (parameter_offload.py
+        ``mark_persistent_parameters``, stage3.py ``persistent_parameters``): a model's norms and
+        biases, a small model's every tensor; none when only the parameter count is known."""
         if self.stage < 3 or n.model is None or not hasattr(n.model, "tensor_sizes"):
             return 0.0, 0
         limit = self._sized("stage3_param_persistence_threshold", n, self.persistence)
         small = {k: c for k, c in n.model.tensor_sizes().items() if k <= limit}
         return float(sum(k * c for k, c in small.items())) / n.mp, sum(small.values())
 
-    def persistent(self, n: Sizes) -> float:
-        """ZeRO-3: elements of this rank's tensors under the persistence threshold, which
-        DeepSpeed keeps whole beside their partition (parameter_offload.py
-        ``mark_persistent_parameters``: a model's norms and biases, a small model's every
-        tensor): never released nor gathered for compute, all-gathered once after each step
-        instead (stage3.py, ``persistent_parameters``); 0 when the planner knows only the
-        parameter count."""
-        return self._persistent(n)[0]
-
     def traffic(self, n: Sizes) -> list[Traffic]:
-        out = super().traffic(n)
-        persist, tensors = self._persistent(n)
+        out, (persist, tensors) = super().traffic(n), self.persistent(n)
         if persist:  # (after the step: nothing to hide under)
             out.append(Traffic("param_all_gather_persistent", "all_gather", n.shard, n.tp,
                                persist * n.bytes.gather, "none", calls=tensors))
         return out
 
-    def states(self, n: Sizes) -> States:
-        # the persistent tensors' whole copies, on the device even when the partitions are offloaded
-        out = super().states(n)
-        extra = math.ceil(self.persistent(n) * n.bytes.params)
+    def states(self, n: Sizes) -> States:  # (the whole copies stay on the device under offload)
+        out, extra = super().states(n), math.ceil(self.persistent(n)[0] * n.bytes.params)
         return dataclasses.replace(out, params=out.params + extra) if extra else out
 
     def gathered_params(self, n: Sizes) -> float:
-        return n.params - self.persistent(n)
+        return n.params - self.persistent(n)[0]
 
     def _sized(self, key: str, n: Sizes, configured: int) -> int:
         return _HIDDEN_AUTO[key][0](hidden_size(n)) if key in self.auto else configured
@@ -380,7 +370,7 @@ class ZeroFootprint(Footprint):
 
     def notes(self, n: Sizes) -> list[str]:
         h = hidden_size(n)
-        return [f"zero_optimization.{k}=auto: {_AUTO_RULE[k]} = {_HIDDEN_AUTO[k][0](h):,} elements "
+        return [f"zero_optimization.{k}=auto: {_HIDDEN_AUTO[k][3]} = {_HIDDEN_AUTO[k][0](h):,} elements "
                 f"(h={h:,}{'' if n.model is not None else ', estimated from the parameter count'}; "
                 "as Accelerate fills it)" for k in _HIDDEN_AUTO if k in self.auto]
 
@@ -468,10 +458,6 @@ class ZeroFootprint(Footprint):
 
 
 # -------------------------------------------------------------------- helpers
-_AUTO_RULE = {"reduce_bucket_size": "h^2", "stage3_prefetch_bucket_size": "0.9 x h^2",
-              "stage3_param_persistence_threshold": "10 x h"}
-
-
 def _default(typed: str) -> Any:
     return next(f.default for f in ZeroConfig.__dataclass_fields__.values() if f.name == typed)
 
