@@ -123,44 +123,43 @@ class ModelConfig:
     def block_params(self, moe: bool | None = None) -> int:
         """Parameters of one transformer block (attention, SwiGLU MLP, two norms); of a MoE
         model, a MoE block (router, routed and shared experts) unless ``moe=False``."""
-        kv = self.n_kv_heads * self.head_dim
-        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
-        bias = {"none": 0, "qkv": self.dim + 2 * kv, "all": 2 * self.dim + 2 * kv}[self.attention_bias]
-        if self.is_moe and moe is not False:
-            e = self.expert_hidden
-            mlp = self.dim * self.n_experts + (self.n_experts + self.n_shared_experts) * 3 * self.dim * e
-        else:
-            mlp = 3 * self.dim * self.hidden
-        return attn + bias + mlp + 2 * self.dim
+        return sum(self._block_tensors(self.is_moe and moe is not False))
+
+    def _block_tensors(self, moe: bool) -> list[int]:
+        """Elements of each of a block's tensors: q, k, v, o, the two norms, the attention's
+        biases, then the MLP's three (a MoE block: the router and the stacked experts' three,
+        and the shared experts' three)."""
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        out = [d * d, d * kv, d * kv, d * d, d, d]
+        out += {"none": [], "qkv": [d, kv, kv], "all": [d, kv, kv, d]}[self.attention_bias]
+        if not moe:
+            return out + [d * self.hidden] * 3
+        e = self.expert_hidden
+        out += [d * self.n_experts] + [self.n_experts * d * e] * 3
+        return out + ([d * self.n_shared_experts * e] * 3 if self.n_shared_experts else [])
+
+    def _lora_tensors(self) -> list[int]:
+        """Elements of each LoRA adapter tensor, A (rank x in) and B (out x rank) per targeted
+        linear layer of every block; none without LoRA."""
+        r, d, kv, f = self.lora.rank, self.dim, self.n_kv_heads * self.head_dim, self.hidden
+        io = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+        one = [r * x for m in self.lora.target_modules if m in io for x in io[m]] if r else []
+        return one * self.n_layers
 
     def lora_params(self) -> int:
         """Parameters of the LoRA adapters (rank x (in + out) per targeted linear layer); 0
         without LoRA."""
-        r, kv = self.lora.rank, self.n_kv_heads * self.head_dim
-        sizes = {"q_proj": (self.dim, self.dim), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv),
-                 "o_proj": (self.dim, self.dim), "gate_proj": (self.dim, self.hidden),
-                 "up_proj": (self.dim, self.hidden), "down_proj": (self.hidden, self.dim)}
-        return self.n_layers * sum(r * sum(sizes[m]) for m in self.lora.target_modules if m in sizes)
+        return sum(self._lora_tensors())
 
     def tensor_sizes(self) -> dict[int, int]:
         """Elements of each parameter tensor -> how many tensors have that size (LoRA's adapters
         included): what DeepSpeed's ZeRO-3 persistence threshold sorts. Sums to
         ``num_params() + lora_params()``."""
-        d, kv, f = self.dim, self.n_kv_heads * self.head_dim, self.hidden
-        attn = [d * d, d * kv, d * kv, d * d, d, d]  # q, k, v, o and the two norms
-        attn += {"none": [], "qkv": [d, kv, kv], "all": [d, kv, kv, d]}[self.attention_bias]
-        dense = attn + [d * f] * 3
-        moe = attn + [d * self.n_experts] + [self.n_experts * d * self.expert_hidden] * 3
-        if self.is_moe and self.n_shared_experts:
-            moe += [d * self.n_shared_experts * self.expert_hidden] * 3
-        tensors = (dense * (self.n_layers - self.moe_layers) + moe * self.moe_layers
-                   + [self.embedding_params()] * (1 if self.tie_embeddings else 2) + [d])
-        r = self.lora.rank
-        io = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
-              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-        for m in self.lora.target_modules if r else ():
-            if m in io:
-                tensors += [r * io[m][0], r * io[m][1]] * self.n_layers  # A (r x in), B (out x r)
+        tensors = (self._block_tensors(False) * (self.n_layers - self.moe_layers)
+                   + self._block_tensors(True) * self.moe_layers
+                   + [self.embedding_params()] * (1 if self.tie_embeddings else 2) + [self.dim]
+                   + self._lora_tensors())
         out: dict[int, int] = {}
         for t in tensors:
             out[t] = out.get(t, 0) + 1
