@@ -20,7 +20,8 @@ state, so DeepSpeed is chosen by Accelerate's own code; for FSDP, builds ``Accel
 ...)`` and then sets what the skipped branch of ``AcceleratorState`` would have set (the plugin,
 its mixed precision, ``distributed_type=FSDP`` on the shared state). Then it asserts the
 distributed type on every view of the state, and the number of processes, so a silent fallback
-to DDP fails loudly. On a GPU none of this runs: ``Accelerator(**kwargs)`` as usual.
+to DDP fails loudly. On a GPU none of this runs: ``Accelerator(**kwargs)`` as usual. On either, FSDP with
+accumulation reduces every micro-batch (``sharded_accumulation``).
 """
 
 from __future__ import annotations
