@@ -264,7 +264,34 @@ def apply_tp(model: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
     parallelize_module(model, mesh, top)
     if tied:
         model.get_submodule(where["head"]).weight = model.get_submodule(where["embedding"]).weight
+    if _present(model, where["embedding"]):
+        model.get_submodule(where["embedding"]).register_forward_pre_hook(_cut_weight_grad)
     return model
+
+
+def _cut_weight_grad(embedding: Any, args: Any) -> None:
+    """DTensor has no row-sharded rule for the embedding's backward: the gradient of a
+    vocabulary-sharded embedding comes out whole (Replicate) on every rank, and without FSDP2
+    (which reshards it) ``.grad`` would hold the whole table's gradient per rank through the
+    optimizer step: 1.8 GB more per rank at Llama 3's vocabulary in fp32. A hook on the weight
+    cuts each incoming gradient to this rank's rows (a copy, no communication) before it
+    accumulates. Set at the forward, on the weight the forward uses: materializing a meta model
+    and FSDP2 replace the parameter that ``apply_tp`` saw."""
+    weight = embedding.weight
+    if getattr(weight, "_grad_cut", False) or not hasattr(weight, "placements") or not weight.requires_grad:
+        return
+    mesh, placements, shape, stride = weight.device_mesh, tuple(weight.placements), weight.shape, weight.stride()
+
+    def cut(grad: Any) -> Any:
+        if tuple(grad.placements) == placements:
+            return grad
+        shard = grad.redistribute(mesh, placements).to_local()
+        if shard.untyped_storage().nbytes() > shard.numel() * shard.element_size():
+            shard = shard.clone()  # a view would keep the whole gradient alive
+        return type(grad).from_local(shard, mesh, placements, shape=shape, stride=stride)
+
+    weight.register_hook(cut)
+    weight._grad_cut = True
 
 
 def _present(model: Any, path: str) -> bool:
