@@ -319,6 +319,8 @@ def materialize(module: Any, device: Any) -> None:
     for m in module.modules():
         if getattr(m, "pending_weights", False):
             m.load_pretrained()
+        elif getattr(m, "pending_init", None) is not None:
+            m.init_shards()
 
 
 def plain_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

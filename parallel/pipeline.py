@@ -78,15 +78,16 @@ def stage_owner(schedule: str, stage: int, pp: int, virtual: int) -> int:
 def build_stage(full: Any, layer_ids: list[int], first: bool, last: bool) -> Any:
     """A view of the model that runs only ``layer_ids``: it shares the kept blocks and modules
     with ``full`` (no copy) and has the others deleted (set to None), so what stays keeps its
-    names. Several views of one model share their parameters."""
+    names. Several views of one model share their parameters and buffers (its own ones too:
+    the views' one dict of them, so storage given to one view's, as a meta build's rotary table
+    is by ``materialize``, is every view's)."""
     import copy
 
     import torch
 
     plan = type(full).pp_plan
     stage = copy.copy(full)  # a new module object over the same children
-    stage._modules, stage._parameters, stage._buffers = (
-        dict(full._modules), dict(full._parameters), dict(full._buffers))
+    stage._modules = dict(full._modules)  # (its own: the deleted ones are set to None in it)
     blocks = getattr(full, plan["blocks"])
     setattr(stage, plan["blocks"], torch.nn.ModuleDict({str(i): blocks[str(i)] for i in layer_ids}))
     for name in plan["first"] if not first else ():

@@ -9,13 +9,14 @@ themselves from outside.
 
 The shape is ``recipes.model_config.ModelConfig`` (the same object the planner reads). Weights are
 initialised inside each module's constructor (never by a pass over the built
-model), so construction under DeepSpeed's ``zero.Init`` or on the meta device stays correct.
+model), so construction under DeepSpeed's ``zero.Init`` or on the meta device stays correct; a
+meta-built model that was sharded draws the same values into its shards (``GPT.init_shards``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -228,6 +229,16 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
+def parts(shape: ModelConfig) -> dict[str, Any]:
+    """GPT's parts with parameters, by name, each a constructor, in the order ``GPT.__init__``
+    makes them (the order of their random draws; ``GPT.init_shards`` replays it)."""
+    moe = lambda i: shape.is_moe and i >= shape.first_dense_layers  # noqa: E731
+    return {"tok_embeddings": lambda: nn.Embedding(shape.vocab_size, shape.dim),
+            **{f"layers.{i}": (lambda i=i: Block(shape, moe=moe(i))) for i in range(shape.n_layers)},
+            "norm": lambda: RMSNorm(shape.dim, shape.norm_eps),
+            "output": lambda: Head(shape.dim, shape.vocab_size, bias=False)}
+
+
 class GPT(nn.Module):
     block_cls = Block
     # Megatron-style tensor-parallel plan, relative to each block: column-parallel layers split
@@ -259,18 +270,51 @@ class GPT(nn.Module):
     def __init__(self, shape: ModelConfig):
         super().__init__()
         self.shape = shape
-        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        part = parts(shape)
+        self.tok_embeddings = part["tok_embeddings"]()
         self.drop = nn.Dropout(shape.dropout)
         # A dict keyed by the layer's index: a pipeline stage deletes the layers it does not run
         # and the others keep their names (and state-dict keys).
-        self.layers = nn.ModuleDict({str(i): Block(shape, moe=shape.is_moe and i >= shape.first_dense_layers)
-                                     for i in range(shape.n_layers)})
-        self.norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.output = Head(shape.dim, shape.vocab_size, bias=False)  # nn.Linear, or the chunked loss
+        self.layers = nn.ModuleDict({str(i): part[f"layers.{i}"]() for i in range(shape.n_layers)})
+        self.norm = part["norm"]()
+        self.output = part["output"]()  # nn.Linear, or the chunked loss
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(shape.head_dim, shape.seq_len, shape.rope_theta),
                              persistent=False)
+        self.pending_init: int | None = None
+        """A meta build's seed (recipes/training.py ``build_model``): ``init_shards`` gives the
+        sharded parameters the values this constructor would have drawn from it."""
+
+    def init_shards(self) -> None:
+        """After a meta build was sharded and given storage (parallel/parallelize.py
+        ``materialize``): each parameter's local shard gets exactly the values a whole build
+        from the same seed holds, the parts made again one at a time in the constructor's order
+        (the same random draws), so a rank never holds more than one whole block (or the
+        embedding) beyond its shards. Parts this rank does not hold (pipeline stages) are made
+        too, for their draws."""
+        from torch.distributed.tensor import distribute_tensor
+
+        seed, self.pending_init = self.pending_init, None
+        filled: set[int] = set()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            for name, make in parts(self.shape).items():
+                for key, whole in make().named_parameters():
+                    try:
+                        target = self.get_parameter(f"{name}.{key}")
+                    except AttributeError:  # not on this pipeline stage
+                        continue
+                    if id(target) in filled:  # tied: the embedding's values, not the head's
+                        continue
+                    filled.add(id(target))
+                    if hasattr(target, "device_mesh"):
+                        whole = distribute_tensor(whole, target.device_mesh, target.placements,
+                                                  src_data_rank=None).to_local()
+                        target = target.to_local()
+                    target.copy_(whole)
+        s = self.shape
+        self.rope.copy_(rope_table(s.head_dim, s.seq_len, s.rope_theta))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_chunk: int = 0) -> torch.Tensor:

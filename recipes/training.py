@@ -35,15 +35,21 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
                 gather: Callable[[list[torch.Tensor]], Any] | None = None) -> torch.nn.Module:
     """The plain single-device model, initialised from ``seed`` alone: every rank, and the
     single-process reference, start from identical weights whatever RNG state they are in.
-    ``meta``: a pretrained HF model's parameters stay on the meta device, for a strategy that
-    shards them first and then materializes them (parallel/parallelize.py ``materialize``);
+    ``meta``: the parameters stay on the meta device (a pretrained HF model's; a random-init
+    HF model is built whole), for a strategy that shards them first and then materializes them
+    (parallel/parallelize.py ``materialize``: a GPT draws the same values, one part at a time);
     ``gather``: the engine's context that makes partitioned parameters whole (ZeRO-3), which a
     model that writes its own weights (recipes/hf.py) uses."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if shape.is_hf:
             return model_class(shape)(shape, meta=meta and shape.pretrained, seed=seed, gather=gather)
-        return model_class(shape)(shape)
+        if not meta:
+            return model_class(shape)(shape)
+        with torch.device("meta"):
+            model = model_class(shape)(shape)
+        model.pending_init = seed  # (recipes/gpt.py GPT.init_shards, once sharded)
+        return model
 
 
 def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], chunk: int = 0,

@@ -22,7 +22,7 @@ from recipes import evaluation, training
 from recipes.data import IGNORE
 from core.mesh import Axis
 from strategies.families.parallel import ParallelConfig
-from parallel.parallelize import ParallelPlan, parallelize
+from parallel.parallelize import ParallelPlan, materialize, parallelize
 from parallel.pipeline import SCHEDULES, bubble, build_stage, split_model, stage_ids, stage_owner
 
 
@@ -85,6 +85,7 @@ class Pipeline:
             stages.append(holder.model)
         module.model = build_stage(full, [j for i in ids for j in layers[i]],
                                    first=0 in ids, last=n - 1 in ids)
+        materialize(module, device)  # (a meta build: only this rank's stages get storage)
         self.stages = [TimedStage(m, i, n, device, group=self.group) for m, i in zip(stages, ids)]
         cls = getattr(schedules, SCHEDULES[preset.schedule][0])
         self.schedule = (cls(self.stages[0], preset.microbatches, loss_fn=self._loss)

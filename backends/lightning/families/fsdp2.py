@@ -48,8 +48,9 @@ class PresetModelParallelStrategy(PresetStrategy, ModelParallelStrategy):
 
         return init_device_mesh(dp.device_type, shape, mesh_dim_names=(Axis.REPLICATE, Axis.SHARD))
 
-    # The module builds a pretrained model's parameters on the meta device; ``setup`` shards
-    # them, then each rank loads only its shards (``materialize``).
+    # The module builds the model on the meta device; ``setup`` shards it, then each rank
+    # gives only its shards storage and values (``materialize``: a pretrained model's weights
+    # read, or a GPT's initial values drawn one part at a time).
     builds_on_meta = True
 
     def setup(self, trainer: Any) -> None:

@@ -19,7 +19,7 @@ from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy, sharded, sharded_here
 from core.mesh import Axis
 from strategies.families.parallel import ParallelConfig
-from parallel.parallelize import clip_global_, parallelize, plan_for
+from parallel.parallelize import clip_global_, materialize, parallelize, plan_for
 
 
 @builds(ParallelConfig)
@@ -46,6 +46,10 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     # ---------------------------------------------------------- the model
+    # The module builds the model on the meta device; ``setup`` shards it (a pipeline: cuts its
+    # stages first), then each rank gives only what it holds storage and values (``materialize``).
+    builds_on_meta = True
+
     def setup(self, trainer: Any) -> None:
         self.check_model()  # (a module that built its model in configure_model)
         module, preset, run = self.lightning_module, self.preset, self.run()
@@ -58,6 +62,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         elif not sharded(module):  # (a later trainer call: fit, then test)
             parallelize(module, plan, tp_mesh=mesh[Axis.TENSOR], dp_mesh=self._data_mesh(),
                         cp_mesh=self._cp_mesh(), precision=run.precision)
+        materialize(module, self.root_device)
         sharded_here(module)
         super().setup(trainer)  # optimizers over this rank's (stage) parameters
 
