@@ -3,7 +3,9 @@ stage_1_and_2.py / stage3.py / partition_parameters.py / swap_tensor, torch FSDP
 torch's optimizers). ``plans[].memory.host_items``: one integer per item, per device; the plan's
 ``memory.host`` is their sum less ``process`` (what the run adds above the process before the
 model was built, as the memory observer measures it), and the node's host-memory check adds the
-process base back. Table and sources: docs/PLANNER.md, "Host memory of offload".
+process base back. Table and sources: docs/PLANNER.md, "Host memory of offload". Also the
+node's checks: what the processes offload (``offload_problems``) and the whole fp32 model each
+process of a preset that does not build sharded makes first (``build_problems``).
 
 Page-locked (pinned) buffers exist only on CUDA: torch's caching host allocator rounds each one
 up to a power of two (``CachingHostAllocator``: ``c10::llvm::PowerOf2Ceil``) and keeps freed
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from planner.states import gb
 from strategies.footprint import CPU, HOST_STATES, NVME, SHARDED
 
 GB = 10**9
@@ -166,3 +169,33 @@ def moved_states(fp: Any, n: Any) -> dict[str, int]:
     """The states ``fp`` moves to the host, by name, at the bytes it holds there."""
     held = fp.held(n)
     return {k: held[k] for k, place in fp.placement().items() if place == CPU}
+
+
+def offload_problems(mem: Any, su: Any) -> list[str]:
+    """Host memory and NVMe the node lacks for what every device moved off it (with each
+    offloading process's own base)."""
+    cl, out = su.cluster, []
+    host = (mem.host + mem.host_items.get("process", 0)) * cl.devices
+    if host > su.host_bytes:
+        out.append(f"host memory: needs {gb(host)} per node, has {gb(su.host_bytes)}")
+    if mem.nvme * cl.devices > su.nvme_bytes:
+        out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
+    return out
+
+
+def build_problems(c: Any, su: Any) -> list[str]:
+    """Host memory the node lacks while each of its processes builds the whole fp32 model
+    before the preset shards it (presets without ``Capabilities.sharded_build`` on this backend;
+    each process's own base too). Planned-only layouts: their engine's build (Megatron's is
+    sharded)."""
+    cl = su.cluster
+    if c.planned_only or not su.params or su.backend in c.config.capabilities.sharded_build:
+        return []
+    whole = 4 * su.params
+    need = (whole + PROCESS_BYTES["gpu" if cl.accelerator == "gpu" else "cpu"]) * cl.devices
+    if need <= su.host_bytes:
+        return []
+    return [f"host memory: each of the node's {cl.devices} processes builds the whole fp32 model "
+            f"({gb(whole)}) before strategy={c.name} shards it, {gb(need)} per node, has "
+            f"{gb(su.host_bytes)}; fsdp2 and the tp/pp presets build their shards alone "
+            "(backend=lightning), zero3 under zero.Init"]

@@ -85,6 +85,9 @@ class Setup:
     """This machine as measured (``planner.calibrate=true`` on ``cluster=local``), else None."""
     hardware: str | None = None
     """What ``cluster.accelerator=auto`` found on this machine (its GPUs), for the assumptions."""
+    backend: str = "lightning"
+    """The job's backend: whether a preset builds the model whole on every rank first
+    (``Capabilities.sharded_build``)."""
 
     @classmethod
     def of(cls, job: Inputs, model: ModelDescription | None = None) -> Setup:
@@ -101,7 +104,8 @@ class Setup:
         hardware = cluster.hardware()  # accelerator=auto: this machine's GPUs (nvidia-smi, no torch)
         cluster = cluster.planned()
         measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None
-        su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware)
+        su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware,
+                 getattr(job, "backend", "lightning"))
         if problems := su.problems():
             from core.errors import ConfigError
 

@@ -16,6 +16,7 @@ from planner.activations import (activation_bytes, estimated_unit, loss_backward
                                  loss_chunk_problems, recomputed_share)
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
+from planner.host import build_problems, offload_problems
 from planner.states import GB, float8_gather, gb, state_bytes
 from planner.compute import bubble_fraction, flops_per_step, mfu, peak_flops, peak_source
 from strategies.footprint import DEVICE, SHARDED, Footprint, Sizes
@@ -368,18 +369,6 @@ def _host_items(lo: _Layout) -> dict[str, int]:
                       impl=impl, accumulation=lo.run.batch.accumulation)
 
 
-def _offload_problems(mem: Memory, su: Setup) -> list[str]:
-    """Host memory and NVMe the node lacks for what every device moved off it (with each
-    offloading process's own base)."""
-    cl, out = su.cluster, []
-    host = (mem.host + mem.host_items.get("process", 0)) * cl.devices
-    if host > su.host_bytes:
-        out.append(f"host memory: needs {gb(host)} per node, has {gb(su.host_bytes)}")
-    if mem.nvme * cl.devices > su.nvme_bytes:
-        out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
-    return out
-
-
 @dataclass(frozen=True)
 class _Seconds:
     comm: Communication
@@ -468,7 +457,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]
     mem, act_full, act_ckpt, checkpointed = _memory(lo)
     device_bytes = cl.device_bytes()
-    notes = _offload_problems(mem, su)
+    notes = offload_problems(mem, su) + build_problems(c, su)
     memory_fits = mem.total <= device_bytes and not notes
     t = _seconds(lo)
     notes += c.footprint.notes(lo.sizes)

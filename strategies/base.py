@@ -56,6 +56,10 @@ class Capabilities:
     selective`` and ``strategy.ac_every`` apply (FSDP1's engines checkpoint their own way)."""
     degrees: tuple[str, ...] = ()
     """Model-parallel degrees its fields set, which a planner may choose (``with_degrees``)."""
+    sharded_build: tuple[str, ...] = ()
+    """Backends on which a rank's build never holds the whole model (built on the meta device
+    and sharded, or partitioned under ``zero.Init``); on the others every rank builds the whole
+    fp32 model on the host first, which the planner checks against the node's host memory."""
     native_config: str | None = None
     """A native engine config the preset can be exported as (``deepspeed``: its JSON)."""
     planned_only: bool = False

@@ -15,7 +15,7 @@ from planner import (GB, MiB, Candidate, Setup, activation_bytes, all_gather_byt
                      layer_activation_bytes, model_states, plan_candidate, planned_candidates,
                      recommend, ring_all_reduce_bytes, state_bytes, transfer_seconds)
 from recipes.config import ClusterConfig, ModelConfig, PlannerConfig, TrainerConfig
-from strategies.base import StrategyConfig
+from strategies.base import Capabilities, StrategyConfig
 from strategies.families.ddp import DDPFootprint
 from strategies.footprint import Footprint
 from core.mesh import Mesh
@@ -38,6 +38,11 @@ class Fixed(StrategyConfig):
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, shard=self.shard_group)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # a memory layout, not an engine: one that shards its parameters builds them sharded
+        return Capabilities(sharded_build=("lightning", "accelerate") if self.fp.params == S else ())
 
 
 def Layout(*, shard_group: int | None = None, grad_bytes_ratio: float = 1.0, master_weights: bool = False,
@@ -319,6 +324,24 @@ def test_decision_table_on_presets(row):
     # a vocabulary TP divides, and fsdp is as fast)
     apart = {p.strategy for p in report.plans if p.planned_only and f"{p.strategy} would be" in rec.reason}
     assert rec.strategy in accepted or apart & accepted, rec.reason
+
+
+@pytest.mark.parametrize("strategy, backend, fits", [
+    ("fsdp", "lightning", False), ("fsdp2", "lightning", True), ("fsdp2", "accelerate", False),
+    ("3d", "lightning", True), ("zero3", "accelerate", True)])
+def test_a_whole_build_on_every_rank_is_checked_against_the_nodes_host_memory(strategy, backend, fits):
+    """llama_70b on 8 x 8 GPUs of 200 GB (each layout fits on the device): a preset that builds
+    the whole fp32 model in every process first (282 GB, x 8 on a node of 2 TB) does not fit;
+    FSDP2 and the tp/pp presets on Lightning build their shards alone, ZeRO-3 under zero.Init."""
+    from planner import preflight
+
+    cfg = _compose(("model=llama_70b", "cluster=slurm_8x8_h100", "cluster.device_memory_GB=200",
+                    f"strategy={strategy}", f"backend={backend}"))
+    plan = preflight(typed(cfg))
+    host = [n for n in plan.notes if "builds the whole fp32 model" in n]
+    assert plan.memory.total < 200 * GB and plan.fits == fits and bool(host) != fits, (plan.notes, plan.problems)
+    if host:
+        assert "2,231.3 GB per node, has 2,000.0 GB" in host[0], host
 
 
 # -------------------------------------------------------- preflight (train.py) and the CLI

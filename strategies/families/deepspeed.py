@@ -124,9 +124,9 @@ class ZeroConfig(StrategyConfig):
         # whole on every rank (ZeRO-3's partitioned parameters lose per-parameter requires_grad);
         # Ulysses replaces the attention core the built-in GPT declares (cuts_model), which a
         # DeepSpeed JSON alone does not say (no native config)
-        return Capabilities(checkpoint=DEEPSPEED, lora=self.stage <= 2,
-                            native_config="deepspeed" if self.sp == 1 else None,
-                            degrees=("sp",), cuts_model=self.sp > 1)
+        return Capabilities(checkpoint=DEEPSPEED, lora=self.stage <= 2, degrees=("sp",),
+                            native_config="deepspeed" if self.sp == 1 else None, cuts_model=self.sp > 1,
+                            sharded_build=("lightning", "accelerate") if self.stage == 3 else ())
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, sp=self.sp)

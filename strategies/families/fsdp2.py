@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strategies.base import StrategyConfig, family
+from strategies.base import Capabilities, StrategyConfig, family
 from core.knobs import knob
 from strategies.families.fsdp import hybrid_problems
 from strategies.footprint import FSDPFootprint
@@ -23,6 +23,8 @@ from core.run import Run
 @dataclass
 class FSDP2Config(StrategyConfig):
     """torch FSDP2 (``fully_shard``)."""
+
+    CAPABILITIES = Capabilities(sharded_build=("lightning",))  # (Accelerate's plugin: whole)
 
     hybrid: bool = False
     """HSDP: shard inside groups of shard_group_size ranks, replicate across groups (2-D mesh)."""

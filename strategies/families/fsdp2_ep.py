@@ -128,7 +128,7 @@ class FSDP2EPConfig(FSDP2Config):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(lora=False, degrees=("ep",))
+        return Capabilities(lora=False, degrees=("ep",), sharded_build=("lightning",))
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, ep=self.ep)
