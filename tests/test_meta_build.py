@@ -25,7 +25,10 @@ def _ranks(tied: str) -> list[dict]:
                                # (freed blocks go back to the kernel: RSS follows live bytes)
                                "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    out, decoder = proc.stdout, json.JSONDecoder()
+    # (each rank's object wherever it starts: the launcher's pipe can join two ranks' lines)
+    return sorted((decoder.raw_decode(out, i)[0] for i in range(len(out)) if out.startswith('{"rank": ', i)),
+                  key=lambda r: r["rank"])
 
 
 @pytest.mark.parametrize("tied", ["untied", pytest.param("tied", marks=pytest.mark.slow)])
