@@ -293,9 +293,16 @@ class GPT(nn.Module):
         (the same random draws), so a rank never holds more than one whole block (or the
         embedding) beyond its shards. Parts this rank does not hold (pipeline stages) are made
         too, for their draws."""
+        import logging
+        import os
+
         from torch.distributed.tensor import distribute_tensor
 
         seed, self.pending_init = self.pending_init, None
+        if os.environ.get("RANK", "0") == "0":  # (minutes at 70B: every rank draws every part)
+            logging.getLogger(__name__).info(
+                "initial values: %s parameters drawn from trainer.seed=%d a part at a time, "
+                "each rank keeping its shards", f"{self.shape.num_params():,}", seed)
         filled: set[int] = set()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
