@@ -4,8 +4,7 @@ torch's optimizers). ``plans[].memory.host_items``: one integer per item, per de
 ``memory.host`` is their sum less ``process`` (what the run adds above the process before the
 model was built, as the memory observer measures it), and the node's host-memory check adds the
 process base back. Table and sources: docs/PLANNER.md, "Host memory of offload". Also the
-node's checks: what the processes offload (``offload_problems``) and the whole fp32 model each
-process of a preset that does not build sharded makes first (``build_problems``).
+node's check of what its processes offload (``offload_problems``).
 
 Page-locked (pinned) buffers exist only on CUDA: torch's caching host allocator rounds each one
 up to a power of two (``CachingHostAllocator``: ``c10::llvm::PowerOf2Ceil``) and keeps freed
@@ -181,21 +180,3 @@ def offload_problems(mem: Any, su: Any) -> list[str]:
     if mem.nvme * cl.devices > su.nvme_bytes:
         out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
     return out
-
-
-def build_problems(c: Any, su: Any) -> list[str]:
-    """Host memory the node lacks while each of its processes builds the whole fp32 model
-    before the preset shards it (presets without ``Capabilities.sharded_build`` on this backend;
-    each process's own base too). Planned-only layouts: their engine's build (Megatron's is
-    sharded)."""
-    cl = su.cluster
-    if c.planned_only or not su.params or su.backend in c.config.capabilities.sharded_build:
-        return []
-    whole = 4 * su.params
-    need = (whole + PROCESS_BYTES["gpu" if cl.accelerator == "gpu" else "cpu"]) * cl.devices
-    if need <= su.host_bytes:
-        return []
-    return [f"host memory: each of the node's {cl.devices} processes builds the whole fp32 model "
-            f"({gb(whole)}) before strategy={c.name} shards it, {gb(need)} per node, has "
-            f"{gb(su.host_bytes)}; fsdp2 and the tp/pp presets build their shards alone "
-            "(backend=lightning), zero3 under zero.Init"]

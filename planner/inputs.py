@@ -85,6 +85,9 @@ class Setup:
     """This machine as measured (``planner.calibrate=true`` on ``cluster=local``), else None."""
     hardware: str | None = None
     """What ``cluster.accelerator=auto`` found on this machine (its GPUs), for the assumptions."""
+    reference: bool = False
+    """objective=dpo: each rank first runs the training pairs through the whole fp32 reference
+    model (recipes/dpo.py ``reference_logps``)."""
     backend: str = "lightning"
     """The job's backend: whether a preset builds the model whole on every rank first
     (``Capabilities.sharded_build``)."""
@@ -105,7 +108,7 @@ class Setup:
         cluster = cluster.planned()
         measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None
         su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware,
-                 getattr(job, "backend", "lightning"))
+                 rows_per_sample(job) > 1, getattr(job, "backend", "lightning"))
         if problems := su.problems():
             from core.errors import ConfigError
 

@@ -16,7 +16,8 @@ from planner.activations import (activation_bytes, estimated_unit, loss_backward
                                  loss_chunk_problems, recomputed_share)
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
-from planner.host import build_problems, offload_problems
+from planner.host import offload_problems
+from planner.startup import build_problems, reference_problems
 from planner.states import GB, float8_gather, gb, state_bytes
 from planner.compute import bubble_fraction, flops_per_step, mfu, peak_flops, peak_source
 from strategies.footprint import DEVICE, SHARDED, Footprint, Sizes
@@ -152,7 +153,7 @@ class Plan:
         if not self.fits and self.margin < 0:
             verdict = f"does NOT fit on the device, short {gb(-self.margin)}"
         elif not self.fits:  # the device has room: host memory or NVMe overflows (or the layout)
-            over = [n for n in self.notes if n.startswith(("host", "NVMe"))]
+            over = [n for n in self.notes if n.startswith(OVERFLOWS)]
             verdict = (f"fits on the device, but does NOT fit: {'; '.join(over)}" if over
                        else "does NOT fit")
         elif self.margin < self.reserve:
@@ -176,9 +177,13 @@ class Plan:
         if self.memory.total > self.device_bytes:
             need = f"needs {gb(self.memory.total)} per device, has {gb(self.device_bytes)}"
         else:  # host memory or NVMe is what overflows
-            need = "; ".join(n for n in self.notes if n.startswith(("host", "NVMe")))
+            need = "; ".join(n for n in self.notes if n.startswith(OVERFLOWS))
         line = f"does not fit on {self.cluster}: {need}"
         return line + (f"; {self.hint}" if self.hint else "")
+
+
+OVERFLOWS = ("host", "NVMe", "objective=dpo")
+"""How the notes that make a layout not fit beside the device's steady state begin."""
 
 
 @dataclass
@@ -457,7 +462,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]
     mem, act_full, act_ckpt, checkpointed = _memory(lo)
     device_bytes = cl.device_bytes()
-    notes = offload_problems(mem, su) + build_problems(c, su)
+    notes = offload_problems(mem, su) + build_problems(c, su) + reference_problems(c, mem, su)
     memory_fits = mem.total <= device_bytes and not notes
     t = _seconds(lo)
     notes += c.footprint.notes(lo.sizes)

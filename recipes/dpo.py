@@ -169,9 +169,12 @@ def reference_logps(pairs: PreferencePairs, shape: Any, seed: int, device: str |
     return torch.cat(out)
 
 
-def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, accelerator: str) -> None:
+def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, accelerator: str,
+                     batch: int = 8) -> None:
     """The reference log-probs of every pair, from ``out/dpo_reference.pt`` when it holds these
-    pairs' (a resumed run), else computed here (each rank; rank 0 writes the cache)."""
+    pairs' (a resumed run), else computed here (each rank, ``batch`` pairs a forward: the
+    training micro-batch's, so its logits are no larger than training's; rank 0 writes the
+    cache). The planner plans this pass (planner/plan.py ``reference_problems``)."""
     path = Path(out) / REFERENCE_FILE
     key = [len(pairs), int(pairs.x.sum()), int(pairs.y.sum())]
     if path.exists():
@@ -182,7 +185,7 @@ def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, a
             return
     local = int(os.environ.get("LOCAL_RANK") or 0)
     device = f"cuda:{local}" if accelerator != "cpu" and torch.cuda.is_available() else "cpu"
-    pairs.ref = reference_logps(pairs, shape, seed, device)
+    pairs.ref = reference_logps(pairs, shape, seed, device, batch)
     log.info("dpo: reference log-probs of %d pairs computed on %s", len(pairs), device)
     if int(os.environ.get("RANK") or 0) == 0:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -248,5 +251,6 @@ def objective_for(job: Any, train: Dataset, out: Path, meta: dict[str, Any]) -> 
     o = getattr(job, "objective", None)
     if o is None or o.name != "dpo":
         return None
-    attach_reference(train, job.model, job.trainer.seed, out, job.run.accelerator)
+    attach_reference(train, job.model, job.trainer.seed, out, job.run.accelerator,
+                     batch=job.trainer.micro_batch_size)
     return Dpo(o.beta, o.label_smoothing, meta)
