@@ -302,24 +302,28 @@ def _present(model: Any, path: str) -> bool:
 def materialize(module: Any, device: Any) -> None:
     """After sharding a model built on the meta device: give its meta parameters real (local,
     sharded) storage on ``device``, keep every tensor that was real already (LoRA adapters,
-    buffers), then let the model load its weights into the shards (a module with
-    ``pending_weights`` set has ``load_pretrained``, as recipes/hf.py's models do)."""
+    buffers), then let the model fill its shards (``pending_weights``: recipes/hf.py's
+    ``load_pretrained``; ``pending_init``: recipes/gpt.py's ``GPT.init_shards``). A module with
+    neither (a user's own) is left to the engine."""
     import torch
 
     tensors = lambda: [*module.named_parameters(), *module.named_buffers()]  # noqa: E731
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    if not any(t.is_meta for _, t in tensors()):
-        return
+    ours = [m for m in module.modules()
+            if getattr(m, "pending_weights", False) or getattr(m, "pending_init", None) is not None]
+    if not ours or not any(t.is_meta for _, t in tensors()):
+        return  # (a user's own meta-built module: the engine's materialization, e.g. Lightning's
+        # to_empty + reset_parameters after sharding, as its docs promise)
     with torch.no_grad():
         keep = {n: local(t).detach().clone() for n, t in tensors() if not t.is_meta}
         module.to_empty(device=device)
         for n, t in tensors():
             if n in keep:
                 local(t).copy_(keep[n])
-    for m in module.modules():
+    for m in ours:
         if getattr(m, "pending_weights", False):
             m.load_pretrained()
-        elif getattr(m, "pending_init", None) is not None:
+        else:
             m.init_shards()
 
 

@@ -6,6 +6,7 @@ reached both ways -- train.py and Lightning's registry -- builds the same engine
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,9 +43,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def _user_run(strategy: str, devices: int, tmp_path) -> dict:
+def _user_run(strategy: str, devices: int, tmp_path, *extra: str) -> dict:
     out = tmp_path / f"{strategy}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), registry_name(strategy), str(devices), str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), registry_name(strategy), str(devices), str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=_env(), stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr
@@ -73,6 +74,17 @@ def test_user_script_trains_with_preset(preset, single, tmp_path):
     # whole: every one of this small module's)
     if strategies.load(preset).family in ("fsdp", "fsdp2"):
         assert run["params_bytes_rank0"] <= FULL_PARAMS * 0.55, run
+
+
+def test_a_module_built_on_the_meta_device_gets_lightnings_initialisation_under_fsdp2(tmp_path):
+    """Lightning's FSDP2 docs build the layers on the meta device; Lightning gives them storage
+    after sharding and calls each layer's reset_parameters. fsdp2 gave them storage first (for
+    its own meta builds), so Lightning saw nothing to initialise: uninitialised memory as weights
+    (7.8e34 in one run) and losses of 5.9e11 rising. nn.Linear(16, .)'s initial weights lie
+    within 1/sqrt(16)."""
+    run = _user_run("fsdp2", 2, tmp_path, "meta")
+    assert 0 < run["first_weight"] <= 0.25, run
+    assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0], run
 
 
 # One process: every preset that runs on one CPU process (not the expert-parallel ones: ep ranks
