@@ -320,6 +320,10 @@ class GPT(nn.Module):
                                                   src_data_rank=None).to_local()
                         target = target.to_local()
                     target.copy_(whole)
+        unfilled = [n for n, p in self.named_parameters() if id(p) not in filled]
+        if unfilled:  # (a wrapper that renamed them: they would train uninitialised memory)
+            raise RuntimeError(f"GPT.init_shards: no initial values for {', '.join(unfilled[:3])}"
+                               f"{' ...' if len(unfilled) > 3 else ''}: a wrapper changed their names")
         s = self.shape
         self.rope.copy_(rope_table(s.head_dim, s.seq_len, s.rope_theta))
 
