@@ -214,8 +214,18 @@ def _load_dcp(h: Handles, path: Path) -> None:
             dcp.load(state, checkpoint_id=str(path / DCP))
     except Exception as e:  # noqa: BLE001  (DCP reports a missing key or a bad file in its own words)
         raise CheckpointError(f"cannot load {path / DCP}: {_first_line(e)}") from e
+    # how this run's optimizer steps (trainer.optimizer_impl, decided for this layout: one tensor
+    # at a time where a group mixes DTensors with plain tensors) is not the checkpoint's to say:
+    # an fsdp2 run's foreach=True restored into tp's groups, which mix, crashed the first step
+    steps_as = [{k: g[k] for k in _STEPPING if k in g} for g in h.optimizer.param_groups]
     set_state_dict(h.model, h.optimizer, model_state_dict=_add(state["model"], h.prefix),
                    optim_state_dict=_add_optim(state["optim"], h.prefix), options=_options())
+    for group, keep in zip(h.optimizer.param_groups, steps_as):
+        group.update(keep)
+
+
+_STEPPING = ("foreach", "fused", "capturable", "differentiable")
+"""torch optimizers' param-group flags that choose the kernel, not training state."""
 
 
 def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:

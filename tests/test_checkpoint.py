@@ -123,6 +123,20 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_fsdp2_on_2_resumes_as_tp_on_2(cached, train):
+    """The checkpoint's optimizer groups carried fsdp2's foreach=True into tp's, whose groups mix
+    DTensors with plain norm weights and step one tensor at a time: the resumed run's first step
+    crashed ("aten._foreach_lerp_.Scalar got mixed torch.Tensor and DTensor"). How a run steps
+    is its own; the state is the checkpoint's, and the rest of the run is the uninterrupted one."""
+    fsdp2 = _straight(cached, "fsdp2")
+    step3 = fsdp2.out / "checkpoints" / "step3"
+    tp = train(*EQUIV, *CASES["tp"].overrides, f"trainer.resume_from={step3}", QUIET, name="tp")
+    assert tp.losses[:3] == fsdp2.losses[:3]
+    assert_losses_close(fsdp2.losses[3:], tp.losses[3:], rtol=1e-5)
+    assert_params_close(fsdp2.params(), tp.params(), rtol=1e-4)
+
+
+@pytest.mark.multiprocess
 def test_a_deepspeed_checkpoint_under_activation_checkpointing_has_the_plain_models_keys(train, tmp_path):
     """DeepSpeed saves its module's own names, activation checkpointing's wrapper among them:
     convert.py wrote ``layers.0._checkpoint_wrapped_module.attn.wq.weight`` and a torch preset
