@@ -98,8 +98,8 @@ class Setup:
         (``model``: another description than the job's own, else ``job.model``)."""
         from planner import machine
 
-        cluster, trainer = job.cluster, job.trainer
-        if rows_per_sample(job) > 1:  # objective=dpo: a sample is a (chosen, rejected) pair of rows
+        cluster, trainer, pairs = job.cluster, job.trainer, rows_per_sample(job) > 1
+        if pairs:  # objective=dpo: a sample is a (chosen, rejected) pair of rows
             import dataclasses
 
             trainer = dataclasses.replace(trainer, micro_batch_size=2 * trainer.micro_batch_size,
@@ -108,7 +108,7 @@ class Setup:
         cluster = cluster.planned()
         measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None
         su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware,
-                 rows_per_sample(job) > 1, getattr(job, "backend", "lightning"))
+                 pairs, getattr(job, "backend", "lightning"))
         if problems := su.problems():
             from core.errors import ConfigError
 

@@ -14,9 +14,6 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-
-
 def _ranks(tied: str) -> list[dict]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", str(ROOT / "tests" / "meta_build_script.py"), tied],
@@ -31,6 +28,8 @@ def _ranks(tied: str) -> list[dict]:
                   key=lambda r: r["rank"])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("tied", ["untied", pytest.param("tied", marks=pytest.mark.slow)])
 def test_a_sharded_build_holds_its_shards_and_draws_the_whole_builds_values(tied):
     """FSDP2 over 2 ranks, 16 blocks: a rank's build peaks at its half plus one block (0.56 of
@@ -41,3 +40,22 @@ def test_a_sharded_build_holds_its_shards_and_draws_the_whole_builds_values(tied
     for r in ranks:
         assert r["growth"] < 0.75, r
         assert r["equal"] == ["fsdp2", "tp", "fsdp_tp"], r
+
+
+@pytest.mark.unit
+def test_the_planners_sharded_build_is_what_the_lightning_strategies_build():
+    """Two statements of one fact: a Lightning strategy that builds on the meta device
+    (``builds_on_meta``) must be one the planner exempts from the whole-build host check
+    (``Capabilities.sharded_build``), and a preset the planner exempts must build sharded there
+    (on the meta device, or ZeRO-3 under zero.Init)."""
+    import strategies
+    from backends.lightning.families import builder_for
+
+    for name in strategies.names():
+        preset = strategies.load(name)
+        cls = builder_for(preset)
+        if cls is None or preset.capabilities.planned_only:
+            continue
+        on_meta = getattr(cls, "builds_on_meta", False)
+        zero3 = getattr(preset, "stage", 0) == 3
+        assert ("lightning" in preset.capabilities.sharded_build) == (on_meta or zero3), name
