@@ -245,10 +245,18 @@ def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, preci
     ``gradient_clipping`` (DeepSpeed clips inside its step; Accelerate's ``clip_grad_norm_`` only
     returns the norm there, and is refused for any other max_norm); other engines clip where the
     script calls ``clip_grad_norm_``."""
+    import atexit
+
+    from backends import teardown_at_exit
     from backends.accelerate.state import accelerator
     from observers.memory import allocate_steadily
 
     allocate_steadily()  # (every rank's steady allocator, as train.py's: observers/memory.py)
+    # a script that ends without destroying its process group (no end_training) leaves gloo and
+    # the run's garbage to interpreter finalization: SIGABRT at exit, now and then (as a Lightning
+    # user's script would: backends/lightning/registry.py registers the same)
+    atexit.unregister(teardown_at_exit)
+    atexit.register(teardown_at_exit)
     s = settle(strategy, wrap=wrap, precision=precision, accumulation=gradient_accumulation_steps,
                grad_clip=grad_clip)
     cls = _checked_class(strategy, _engine(s.kwargs, s.world), s.builder, grad_clip)
