@@ -46,10 +46,12 @@ def main(argv: list[str]) -> None:
         for p in problems:
             print(f"  - {p}", file=sys.stderr)
         sys.exit(2)
-    if not chosen and fmt != "json" and (picked := recommended(job, report)) is not None:
+    if not chosen and fmt != "json" and (picked := recommended(report)) is not None:
         keep = argv  # (no strategy among them: the composition did not choose one)
         run = run_overrides(picked)  # every degree and setting the plan used
-        print(f"run it: python train.py {' '.join([*keep, *run])}   (or strategy=auto)")
+        auto = ("(tight: strategy=auto refuses it; lower planner.reserve_GB to let it)"
+                if report.recommendation.tight else "(or strategy=auto)")
+        print(f"run it: python train.py {' '.join([*keep, *run])}   {auto}")
         if (micro := report.recommendation.micro_batch_size) is not None:
             keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]
             print(f"   or: python train.py {' '.join([*keep, *run, f'trainer.micro_batch_size={micro}'])}"

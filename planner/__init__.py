@@ -22,7 +22,8 @@ from planner.communication import (Collective, Communication, all_gather_bytes, 
                                    ring_all_reduce_bytes, transfer_seconds)
 from planner.inputs import Candidate, Inputs, ModelDescription, Setup, candidate, rows_per_sample
 from planner.compute import bubble_fraction
-from planner.plan import Memory, Plan, Recommendation, Report, plan_candidate
+from planner.plan import plan_candidate
+from planner.results import Memory, Plan, Recommendation, Report
 from planner.recommend import MOVE_UP, largest_micro_batch, nothing_fits, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, gb, model_states, state_bytes
@@ -44,19 +45,20 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
     the planned-only layouts; ``chosen``: only the job's preset. ``model``: another description
     of the model than ``job.model``."""
     su = Setup.of(job, model)
-    own = job.preset
-    megatron = [] if chosen else planned_candidates(su, su.options.tp, su.options.pp)
-    presets = [own] if chosen else [own if n == own.name else _ep_degree(_seq_degree(_degrees(load(n), megatron), su), su)
-                                    for n in names()]
-    cands = [candidate(p) for p in presets] + megatron
+    cands = _candidates(su, job.preset, chosen)
     plans = [plan_candidate(c, su) for c in cands]
     rec = _recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
-    ckpt = su
+    ckpt, pool = su, cands
     if not chosen and su.shape is not None and su.options.activation_checkpointing is None:
         ckpt = dataclasses.replace(su, options=dataclasses.replace(su.options, activation_checkpointing=True))
-        _suggest_checkpointing(rec, plans, [plan_candidate(c, ckpt) for c in cands])
-    if rec.strategy and not chosen and rows_per_sample(job) == 1:  # (dpo: rows are not samples)
-        best = next(c for c in cands if c.name == rec.strategy)
+        with_ckpt = _candidates(ckpt, job.preset, chosen)  # (degrees chosen again: more of them fit)
+        _suggest_checkpointing(rec, plans, [plan_candidate(c, ckpt) for c in with_ckpt], with_ckpt)
+        pool = with_ckpt if rec.activation_checkpointing else cands
+    best = next((c for c in pool if c.name == rec.strategy), None)
+    if best is not None and not best.planned_only:
+        rec.config = best.config if not rec.activation_checkpointing else dataclasses.replace(
+            best.config, activation_checkpointing=True)
+    if best is not None and not chosen and rows_per_sample(job) == 1:  # (dpo: rows are not samples)
         if (micro := largest_micro_batch(best, ckpt if rec.activation_checkpointing else su)) is not None:
             rec.micro_batch_size = micro
             rec.reason += (f"; it also fits micro batch {micro} (trainer.micro_batch_size={micro}: "
@@ -68,6 +70,15 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
     return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
                   assumptions=assumptions(su), batch=_batch(su))
+
+
+def _candidates(su: Setup, own: StrategyConfig, chosen: bool) -> list[Candidate]:
+    """What plan_all plans: the job's preset as composed, and (unless ``chosen``) every other
+    preset at the degrees the planner chooses for it on ``su``, and the planned-only layouts."""
+    if chosen:
+        return [candidate(own)]
+    megatron = planned_candidates(su, su.options.tp, su.options.pp)
+    return [candidate(own if n == own.name else _as_planned(n, su, megatron)) for n in names()] + megatron
 
 
 def _recommend(plans: list[Plan]) -> Recommendation:
@@ -95,11 +106,13 @@ def _recommend(plans: list[Plan]) -> Recommendation:
 CHECKPOINTING = "strategy.activation_checkpointing=true"
 
 
-def _suggest_checkpointing(rec: Recommendation, plans: list[Plan], checkpointed: list[Plan]) -> None:
-    """Activation checkpointing when it changes the answer (``checkpointed``: the same layouts
-    with it): when nothing runnable fits without it, the best that fits with it becomes the
-    recommendation (``rec.activation_checkpointing``); when the recommendation is tight and a
-    layout fits with margin with it, or one is MOVE_UP times faster with it, the reason names it
+def _suggest_checkpointing(rec: Recommendation, plans: list[Plan], checkpointed: list[Plan],
+                           cands: list[Candidate]) -> None:
+    """Activation checkpointing when it changes the answer (``checkpointed``: the layouts with
+    it, planned from ``cands``, whose degrees were chosen with it): when nothing runnable fits
+    without it, the best that fits with it becomes the recommendation
+    (``rec.activation_checkpointing``); when the recommendation is tight and a layout fits with
+    margin with it, or one is MOVE_UP times faster with it, the reason names it and the command
     (``rec.with_checkpointing``)."""
     other = _recommend(checkpointed)
     if other.strategy is None:
@@ -107,7 +120,7 @@ def _suggest_checkpointing(rec: Recommendation, plans: list[Plan], checkpointed:
     theirs = next(p for p in checkpointed if p.strategy == other.strategy)
     mine = next((p for p in plans if p.strategy == rec.strategy), None)
     if mine is None:
-        rec.strategy, rec.activation_checkpointing = other.strategy, True
+        rec.strategy, rec.activation_checkpointing, rec.tight = other.strategy, True, other.tight
         rec.reason = (f"{rec.reason}; with activation checkpointing ({CHECKPOINTING}) {other.strategy} "
                       f"fits: {other.reason}")
         return
@@ -116,7 +129,9 @@ def _suggest_checkpointing(rec: Recommendation, plans: list[Plan], checkpointed:
         rec.with_checkpointing = other.strategy
         why = (f"with margin ({gb(theirs.margin)} free)" if tight else
                f"{mine.step_seconds / theirs.step_seconds:.2f}x faster")
-        rec.reason += (f"; with activation checkpointing (strategy={other.strategy} {CHECKPOINTING}) "
+        config = next(c.config for c in cands if c.name == other.strategy)
+        command = " ".join(run_overrides(dataclasses.replace(config, activation_checkpointing=True)))
+        rec.reason += (f"; with activation checkpointing ({command}) "
                        f"{other.strategy} fits {why}: {gb(theirs.memory.total)} per device, step ~ "
                        f"{theirs.step_seconds:.3g} s")
 
@@ -171,11 +186,15 @@ def _ep_degree(preset: StrategyConfig, su: Setup) -> StrategyConfig:
     return preset.with_degrees(ep=min(fitting)[1] if fitting else options[-1])
 
 
+def _as_planned(name: str, su: Setup, megatron: list[Candidate]) -> StrategyConfig:
+    """A preset the user did not compose, at the degrees the planner chooses for it here."""
+    return _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su)
+
+
 def _others(su: Setup, skip: Plan) -> list[Plan]:
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
-    return [plan_candidate(candidate(p), su)
-            for p in (_seq_degree(_degrees(load(n), megatron), su) for n in names())
-            if p.name != skip.strategy]
+    return [plan_candidate(candidate(_as_planned(n, su, megatron)), su)
+            for n in names() if n != skip.strategy]
 
 
 def _hint(plans: list[Plan]) -> str:
@@ -185,6 +204,9 @@ def _hint(plans: list[Plan]) -> str:
     planned = recommend([p for p in plans if p.planned_only])
     if planned.strategy:
         return f"no preset fits; the planned-only layout {planned.strategy} would"
+    if any(p.memory.total <= p.device_bytes for p in plans if p.overflows and not p.blocking):
+        return ("no preset fits: those with room on the device overflow the host or NVMe (more nodes "
+                "split offloaded state; activation checkpointing and micro batches do not change it)")
     return "no preset fits: use more devices, a smaller micro batch or activation checkpointing"
 
 
@@ -200,34 +222,22 @@ def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[Strategy
     machine.ensure(job)  # planner.calibrate=true: this machine measured once (a subprocess), cached
     report = plan_all(job, model)
     rec = report.recommendation
-    chosen = next((p for p in report.plans if p.strategy == rec.strategy), None)
-    if chosen is None or chosen.planned_only:
+    if (picked := recommended(report)) is None:
         raise ConfigError(f"strategy=auto: no runnable preset fits on {report.cluster}: {rec.reason}; "
                           "choose strategy=<preset> (python plan.py ranks them)")
-    if chosen.tight:
+    if rec.tight:
         raise ConfigError(f"strategy=auto: no runnable preset fits with margin on {report.cluster}: "
                           f"{rec.strategy} is the best and {rec.reason}; choose it yourself "
-                          f"(strategy={rec.strategy}) or lower planner.reserve_GB")
-    return recommended(job, report, model), rec.reason
+                          f"({' '.join(run_overrides(picked))}) or lower planner.reserve_GB")
+    return picked, rec.reason
 
 
-def recommended(job: Inputs, report: Report, model: ModelDescription | None = None) -> StrategyConfig | None:
+def recommended(report: Report) -> StrategyConfig | None:
     """The recommendation's preset as it was planned: at the degrees the plan used (TP/PP,
-    the sequence degree), with activation checkpointing when it fits only so; None when the
-    recommendation is no runnable preset. What ``strategy=auto`` runs and what plan.py's
-    ``run it`` line spells out (``run_overrides``)."""
-    rec = report.recommendation
-    chosen = next((p for p in report.plans if p.strategy == rec.strategy), None)
-    if chosen is None or chosen.planned_only:
-        return None
-    picked = load(rec.strategy)
-    planned = {d: getattr(chosen, d) for d in picked.capabilities.degrees if hasattr(chosen, d)}
-    if planned:  # at the degrees it was planned with (a sequence degree: chosen again, the same way)
-        picked = picked.with_degrees(**planned)
-    picked = _seq_degree(picked, Setup.of(job, model))
-    if rec.activation_checkpointing:  # it fits only so
-        picked = dataclasses.replace(picked, activation_checkpointing=True)
-    return picked
+    the sequence and expert degrees), with activation checkpointing when it fits only so; None
+    when the recommendation is no runnable preset. What ``strategy=auto`` runs and what
+    plan.py's ``run it`` line spells out (``run_overrides``)."""
+    return report.recommendation.config
 
 
 def run_overrides(picked: StrategyConfig) -> list[str]:

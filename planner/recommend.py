@@ -8,7 +8,8 @@ import math
 from collections import Counter
 
 from planner.inputs import Candidate, Setup
-from planner.plan import Plan, Recommendation, plan_candidate
+from planner.plan import plan_candidate
+from planner.results import Plan, Recommendation
 from planner.states import gb
 from strategies.families.megatron import MegatronConfig
 
@@ -94,6 +95,9 @@ def nothing_fits(plans: list[Plan]) -> str:
         return f"nothing can be timed here: every layout that fits needs a 0 GB/s link ({first.stalled[0]})"
     # (a layout that cannot run here has no need to name: its numbers may be on an impossible mesh)
     need = min([p for p in plans if not p.blocking] or plans, key=lambda p: p.memory.total)
+    if need.memory.total <= need.device_bytes and need.overflows:  # the device has room
+        return (f"nothing fits; the smallest need is {need.strategy}'s {gb(need.memory.total)} per "
+                f"device, which the device has, but {'; '.join(need.overflows)}")
     return (f"nothing fits; the smallest need is {need.strategy}'s {gb(need.memory.total)} per device, "
             f"has {gb(need.device_bytes)}")
 
@@ -138,7 +142,7 @@ def _ladder(plans: list[Plan], roomy: bool = False) -> Recommendation:
                 "for the CUDA context, NCCL and fragmentation")
     if best.planned_only:
         why += "; planned only: needs a TP/PP implementation"
-    return Recommendation(best.strategy, why)
+    return Recommendation(best.strategy, why, tight=best.tight)
 
 
 def best_of(plans: list[Plan]) -> Plan | None:

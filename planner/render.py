@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from planner.plan import Plan, Report
+from planner.results import Plan, Report
 from planner.states import GB, GiB, gb
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "loss", "step",
@@ -52,7 +52,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "memory_fits": p.memory_fits,
         "runnable": p.runnable,
         "incomplete": list(p.missing),
-        "tp": p.tp, "pp": p.pp, "dp": p.dp, "shard": p.shard,
+        "tp": p.tp, "pp": p.pp, "dp": p.dp, "shard": p.shard, "cp": p.cp, "sp": p.sp, "ep": p.ep,
         "microbatches": p.microbatches,
         "activation_checkpointing": p.activation_checkpointing,
         "activations_full": p.activations_full,
@@ -72,7 +72,8 @@ def report_dict(r: Report) -> dict[str, Any]:
                                "reason": r.recommendation.reason,
                                "micro_batch_size": r.recommendation.micro_batch_size,
                                "activation_checkpointing": r.recommendation.activation_checkpointing,
-                               "with_checkpointing": r.recommendation.with_checkpointing},
+                               "with_checkpointing": r.recommendation.with_checkpointing,
+                               "tight": r.recommendation.tight},
             "assumptions": list(r.assumptions), "batch": r.batch}
 
 
@@ -200,7 +201,8 @@ def _breakdown(con: Any, p: Plan, accounting: str = "actual") -> None:
         c.add_row(name + (" (per micro-batch)" if x.per_micro else ""), x.group, str(x.ranks),
                   gb(x.bytes), _secs(x.seconds), x.overlap)
     con.print(c)
-    con.print(f"layout: tp={p.tp} pp={p.pp} dp={p.dp} shard group={p.shard}, "
+    seq = "".join(f" {k}={getattr(p, k)}" for k in ("cp", "sp", "ep") if getattr(p, k) > 1)
+    con.print(f"layout: tp={p.tp} pp={p.pp} dp={p.dp}{seq} shard group={p.shard}, "
               f"{p.microbatches} micro-batch(es) per step")
     optimizer = f", optimizer step {_secs(p.optimizer_seconds)}" if p.optimizer_seconds else ""
     optimizer += f", engine's own work {_secs(p.engine_seconds)}" if p.engine_seconds else ""

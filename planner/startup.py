@@ -1,7 +1,7 @@
 """What a run needs before its first step, beside the steady state the plan sizes: every
 process's build of the whole model on the host (``build_problems``) and objective=dpo's
 reference pass on the device (``reference_problems``). Each returns the sentences that make a
-layout not fit (planner/plan.py ``OVERFLOWS``). docs/PLANNER.md, "The build"."""
+layout not fit (planner/results.py ``OVERFLOWS``). docs/PLANNER.md, "The build"."""
 
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ def test_cli_json_contract(tmp_path):
                         "recommendation"}
     assert out["model"] == "llama_7b" and out["world_size"] == 8
     assert set(out["recommendation"]) == {"strategy", "reason", "micro_batch_size",
-                                          "activation_checkpointing", "with_checkpointing"}
+                                          "activation_checkpointing", "with_checkpointing", "tight"}
     for p in out["plans"]:
         assert set(p) >= {"strategy", "fits", "memory", "communication", "bubble_fraction",
-                          "step_seconds"}
+                          "step_seconds", "tp", "pp", "dp", "cp", "sp", "ep"}
         assert set(p["memory"]) == {"params", "grads", "master", "optimizer", "activations",
                                     "buffers", "loss", "step", "total", "growth", "host", "nvme",
                                     "host_items"}
@@ -127,3 +127,22 @@ def test_plan_py_prints_the_command_that_runs_the_recommendation():
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
     assert "python train.py model=llama_7b cluster=node_8x_h100 strategy=" in line
+
+
+@pytest.mark.subprocess
+def test_a_tight_recommendation_is_not_offered_as_strategy_auto():
+    """qwen2_5_7b on one H200: zero3 fits with 0.6 GB free, under planner.reserve_GB, so
+    strategy=auto refuses it; the run it line said "(or strategy=auto)" all the same."""
+    import subprocess
+    import sys
+
+    over = ["model=qwen2_5_7b", "cluster=h200_1x"]
+    proc = subprocess.run([sys.executable, "plan.py", *over], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
+    assert "strategy=zero3" in line and "or strategy=auto" not in line, line
+    assert "tight: strategy=auto refuses it" in line
+    auto = subprocess.run([sys.executable, "plan.py", *over, "strategy=auto"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert auto.returncode != 0 and "no runnable preset fits with margin" in auto.stderr + auto.stdout
+    assert "choose it yourself (strategy=zero3)" in auto.stderr + auto.stdout
