@@ -176,7 +176,7 @@ def offload_problems(mem: Any, su: Any) -> list[str]:
     cl, out = su.cluster, []
     host = (mem.host + mem.host_items.get("process", 0)) * cl.devices
     if host > su.host_bytes:
-        out.append(f"host memory: needs {gb(host)} per node, has {gb(su.host_bytes)}")
+        out.append(f"host memory: needs {gb(host)} per node, has {su.host_has}")
     if mem.nvme * cl.devices > su.nvme_bytes:
         out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
     return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from planner.machine import Machine
-from planner.states import GB
+from planner.states import GB, gb
 from strategies.base import StrategyConfig
 from strategies.footprint import Footprint
 from core.mesh import Mesh
@@ -185,7 +185,14 @@ class Setup:
 
     @property
     def host_bytes(self) -> int:
-        return int(self.cluster.host_memory_GB * GB)
+        """Host memory per node: host_memory_GB, or the launcher's limit when lower."""
+        return int(self.cluster.host_limit()[0] * GB)
+
+    @property
+    def host_has(self) -> str:
+        """What a host-memory note says the node has, and the key behind a launcher's limit."""
+        key = self.cluster.host_limit()[1]
+        return gb(self.host_bytes) + ("" if key == "cluster.host_memory_GB" else f" ({key})")
 
     @property
     def nvme_bytes(self) -> int:

@@ -152,6 +152,17 @@ class ClusterConfig:
 
         return dataclasses.replace(self, accelerator="gpu" if local_gpus() else "cpu")
 
+    def host_limit(self) -> tuple[float, str]:
+        """The memory a node's processes may use, GB, and the key that sets it: host_memory_GB,
+        or the launcher's per-node limit when lower -- what the kernel's OOM killer enforces (a
+        pod's cluster.k8s.memory_GB, sbatch --mem as cluster.slurm.mem_gb)."""
+        limits = [(self.host_memory_GB, "cluster.host_memory_GB")]
+        if self.launcher == "k8s":
+            limits.append((self.k8s.memory_GB, "cluster.k8s.memory_GB: each pod's memory limit"))
+        if self.launcher == "slurm" and self.slurm.mem_gb is not None:
+            limits.append((float(self.slurm.mem_gb), "cluster.slurm.mem_gb: sbatch --mem"))
+        return min(limits, key=lambda x: x[0])
+
     def hardware(self) -> str | None:
         """What this machine was found to have, for the plan's assumptions: the GPUs
         ``accelerator=auto`` found, and ``cluster=local``'s host memory and where it was read;

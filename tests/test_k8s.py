@@ -261,3 +261,21 @@ def test_a_read_write_many_claim_submits_and_a_missing_one_is_named(tmp_path):
     finally:
         api.server.shutdown()
         missing.server.shutdown()
+
+
+@pytest.mark.subprocess
+def test_a_job_over_the_pods_memory_limit_is_refused_before_submission():
+    """The pod's memory limit (cluster.k8s.memory_GB) is the host memory the planner plans
+    against: llama_70b zero3_offload keeps 945 GB per node on the host, which the planner had
+    passed against the node preset's 2,000 GB while each pod is limited to 512 and the kernel
+    would kill it. With pods of 1,000 GB it is submitted."""
+    over = [*OVERRIDES, "model=llama_70b", "strategy=zero3_offload", "strategy.activation_checkpointing=true",
+            "trainer.micro_batch_size=1", "--dry-run"]
+    proc = subprocess.run([sys.executable, "launch.py", *over], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode != 0 and "{" not in proc.stdout
+    assert "has 512.0 GB (cluster.k8s.memory_GB: each pod's memory limit)" in proc.stderr, proc.stderr[-2000:]
+    roomy = subprocess.run([sys.executable, "launch.py", *over, "cluster.k8s.memory_GB=1000"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert roomy.returncode == 0, roomy.stderr[-2000:]
+    assert '"memory": "1000G"' in roomy.stdout

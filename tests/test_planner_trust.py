@@ -283,6 +283,18 @@ def test_when_only_the_host_overflows_the_verdicts_say_so():
 
 
 @pytest.mark.unit
+def test_slurms_memory_limit_is_the_hosts():
+    """sbatch --mem (cluster.slurm.mem_gb) caps what a node's processes may hold: the planner
+    plans host memory against it, names the key, and without it the node's own."""
+    over = ("model=llama_13b", "cluster=slurm_8x8_h100", "strategy=zero3_offload")
+    plan = next(p for p in _report(*over, "cluster.slurm.mem_gb=20").plans if p.strategy == "zero3_offload")
+    assert not plan.fits and plan.memory.total <= plan.device_bytes
+    assert any(n.endswith("has 20.0 GB (cluster.slurm.mem_gb: sbatch --mem)") for n in plan.overflows), plan.notes
+    plan = next(p for p in _report(*over).plans if p.strategy == "zero3_offload")
+    assert plan.fits and not plan.overflows
+
+
+@pytest.mark.unit
 def test_a_tight_layout_is_not_recommended_over_an_as_fast_roomy_one():
     from planner import recommend
 
