@@ -256,12 +256,23 @@ def _stalled(comm: Communication, su: Setup) -> list[str]:
     return out
 
 
+def backend_problems(c: Candidate, su: Setup) -> list[str]:
+    """A preset the job's backend does not run (``Capabilities.backends``; the backend's own
+    refusal says why, before launch): never recommended, nor chosen by strategy=auto."""
+    runs = c.config.capabilities.backends
+    if c.planned_only or su.backend in runs:
+        return []
+    return [f"strategy={c.name} is not supported by backend={su.backend}: "
+            f"{' or '.join(f'backend={b}' for b in runs)} runs it"]
+
+
 def plan_candidate(c: Candidate, su: Setup) -> Plan:
     """Memory, communication and step time of one candidate on one setup."""
     cl, shape, o = su.cluster, su.shape, su.options
     lo = _layout(c, su)
     run, mesh = lo.run, lo.mesh
-    problems = [*c.config.problems(run), *(c.config.model_problems(shape) if shape is not None else ()),
+    problems = [*backend_problems(c, su), *c.config.problems(run),
+                *(c.config.model_problems(shape) if shape is not None else ()),
                 *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ()),
                 *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]
     mem, act_full, act_ckpt, checkpointed = _memory(lo)

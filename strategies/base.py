@@ -56,6 +56,9 @@ class Capabilities:
     selective`` and ``strategy.ac_every`` apply (FSDP1's engines checkpoint their own way)."""
     degrees: tuple[str, ...] = ()
     """Model-parallel degrees its fields set, which a planner may choose (``with_degrees``)."""
+    backends: tuple[str, ...] = ("lightning", "accelerate")
+    """The backends that run it; the others refuse it before launch with their reason
+    (backends/*/families), which the planner reads from here (it imports no backend)."""
     sharded_build: tuple[str, ...] = ()
     """Backends on which a rank's build never holds the whole model (built on the meta device
     and sharded, or partitioned under ``zero.Init``); on the others every rank builds the whole

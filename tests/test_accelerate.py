@@ -171,6 +171,48 @@ def test_export_refuses_a_bad_combination(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.unit
+def test_the_planners_backends_are_what_each_backend_runs():
+    """Two statements of one fact: a backend refuses a preset before launch (its families'
+    ``problems``) exactly when the preset's ``Capabilities.backends`` leaves it out, which is
+    what the planner reads (it imports no backend)."""
+    import backends
+    import strategies
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    for name in strategies.names():
+        if name == "auto":
+            continue
+        model = "gpt_moe_nano" if name.endswith("_ep") else "gpt_nano"
+        for b in ("lightning", "accelerate"):
+            job = validate(compose([f"strategy={name}", f"backend={b}", f"model={model}", "cluster.devices=4",
+                                    "cluster.oversubscribe=true", "cluster.accelerator=cpu",
+                                    "trainer.global_batch_size=16", "trainer.micro_batch_size=1"]), depth=CONFIG)
+            refused = backends.get(b).problems(job)
+            assert (b in job.strategy.capabilities.backends) == (not refused), (name, b, refused)
+
+
+@pytest.mark.unit
+def test_on_accelerate_the_planner_recommends_only_what_accelerate_runs():
+    """mixtral_8x7b on 64 H100s: the planner recommended fsdp_ep at ep=8 for backend=accelerate,
+    and strategy=auto chose it, which Accelerate refuses before launch."""
+    import strategies
+    from planner import choose, plan_all
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    over = ["model=mixtral_8x7b", "cluster=slurm_8x8_h100", "backend=accelerate"]
+    report = plan_all(validate(compose(over), depth=CONFIG))
+    plans = {p.strategy: p for p in report.plans}
+    assert not plans["fsdp_ep"].runnable and "not supported by backend=accelerate" in plans["fsdp_ep"].problems[0]
+    assert "accelerate" in strategies.load(report.recommendation.strategy).capabilities.backends
+    picked, _ = choose(validate(compose([*over, "strategy=auto"]), depth=CONFIG, auto=None))
+    assert picked.name == report.recommendation.strategy
+    lightning = plan_all(validate(compose(over[:2]), depth=CONFIG)).recommendation
+    assert lightning.strategy == "fsdp_ep"  # (what Lightning runs fastest)
+
+
 @pytest.mark.subprocess
 def test_export_of_auto_writes_the_preset_the_planner_picks(tmp_path):
     """llama_7b on 8 H100s does not fit replicated: strategy=auto's export wrote a plain DDP config

@@ -40,7 +40,7 @@ class ZeroEPConfig(ZeroConfig):
 
     @property
     def capabilities(self) -> Capabilities:
-        return dataclasses.replace(super().capabilities, lora=False, degrees=("ep",),
+        return dataclasses.replace(super().capabilities, lora=False, degrees=("ep",), backends=("lightning",),
                                    native_config=None, checkpoint=ZERO_EP)
 
     def mesh(self, nodes: int, devices: int) -> Mesh:

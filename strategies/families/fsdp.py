@@ -60,7 +60,9 @@ class FSDPConfig(StrategyConfig):
     def capabilities(self) -> Capabilities:
         # use_orig_params=false hands the optimizer flat parameters: one per unit, mixing norms,
         # biases and weights
-        return dataclasses.replace(self.CAPABILITIES, param_groups=self.use_orig_params)
+        # (Accelerate builds FSDP1 without a device mesh: HYBRID_SHARD is Lightning's alone)
+        return dataclasses.replace(self.CAPABILITIES, param_groups=self.use_orig_params,
+                                   backends=("lightning",) if self.hybrid else self.CAPABILITIES.backends)
 
     @property
     def hybrid(self) -> bool:

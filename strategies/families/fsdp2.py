@@ -8,6 +8,7 @@ the sharded DTensor parameters.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from strategies.base import Capabilities, StrategyConfig, family
@@ -37,6 +38,11 @@ class FSDP2Config(StrategyConfig):
     """Under bf16-mixed/16-mixed, reduce-scatter gradients in fp32 (false: in the low dtype)."""
     distributed_checkpoint: bool = True
     """Checkpoints as a directory of per-rank DCP shards (false: one full file gathered on rank 0)."""
+
+    @property
+    def capabilities(self) -> Capabilities:  # (Accelerate's HSDP mesh: ParallelismConfig, CUDA only)
+        caps = self.CAPABILITIES
+        return dataclasses.replace(caps, backends=("lightning",)) if self.hybrid else caps
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, shard=(self.shard_group_size or devices) if self.hybrid else None)

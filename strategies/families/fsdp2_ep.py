@@ -128,7 +128,8 @@ class FSDP2EPConfig(FSDP2Config):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(lora=False, degrees=("ep",), sharded_build=("lightning",))
+        return Capabilities(lora=False, degrees=("ep",), backends=("lightning",),
+                            sharded_build=("lightning",))
 
     def mesh(self, nodes: int, devices: int) -> Mesh:
         return Mesh(nodes, devices, ep=self.ep)

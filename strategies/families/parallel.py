@@ -67,7 +67,8 @@ class ParallelConfig(StrategyConfig):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(lora=False, degrees=("tp", "pp"), sharded_build=("lightning",),
+        return Capabilities(lora=False, degrees=("tp", "pp"), backends=("lightning",),
+                            sharded_build=("lightning",),
                             cuts_model=self.pp > 1 or self.sequence_parallel or self.cp > 1)
 
     def with_degrees(self, **degrees: int) -> ParallelConfig:
