@@ -91,6 +91,9 @@ class Setup:
     backend: str = "lightning"
     """The job's backend: whether a preset builds the model whole on every rank first
     (``Capabilities.sharded_build``)."""
+    layout_problems: Any = None
+    """What the job's other groups ask of a preset, ``(preset, run) -> problems`` (LoRA,
+    packing, DPO, callbacks.samples: ``recipes.job.Job.layout_problems``); None: nothing."""
 
     @classmethod
     def of(cls, job: Inputs, model: ModelDescription | None = None) -> Setup:
@@ -108,7 +111,7 @@ class Setup:
         cluster = cluster.planned()
         measured = machine.load(cluster, trainer.precision) if machine.applies(job) else None
         su = cls(cluster, trainer, job.planner, job.model if model is None else model, measured, hardware,
-                 pairs, getattr(job, "backend", "lightning"))
+                 pairs, getattr(job, "backend", "lightning"), getattr(job, "layout_problems", None))
         if problems := su.problems():
             from core.errors import ConfigError
 

@@ -271,7 +271,8 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     cl, shape, o = su.cluster, su.shape, su.options
     lo = _layout(c, su)
     run, mesh = lo.run, lo.mesh
-    problems = [*backend_problems(c, su), *c.config.problems(run),
+    asked = su.layout_problems(c.config, run) if su.layout_problems and not c.planned_only else []
+    problems = [*backend_problems(c, su), *c.config.problems(run), *asked,
                 *(c.config.model_problems(shape) if shape is not None else ()),
                 *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ()),
                 *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]

@@ -9,6 +9,7 @@ and batch arithmetic and the preset on that world, on the configured accelerator
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterable
@@ -70,6 +71,10 @@ class Job:
     named the preset."""
     sweep: str | None = None
     """The Hydra sweep this job belongs to (its directory), None for a single run."""
+    layout_problems: Callable[[StrategyConfig, Run], list[str]] | None = field(
+        default=None, repr=False, compare=False)
+    """What the job asks of any preset beyond its own checks (LoRA, packing, DPO, samples): the
+    planner asks it of every preset it ranks, so it never recommends one validation refuses."""
 
     @property
     def chosen_by(self) -> str | None:
@@ -385,7 +390,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if (strategy.name == AUTO and auto is not None and not shape
             and not any(bad.get(g) for g in ("model", "trainer", "cluster", "planner", "strategy"))):
         # (the planner derives each candidate's run itself: this one is the placeholder's)
-        preset, why = auto(_job(cfg, objs, strategy, *settle(strategy, c, t, accelerator="cpu")))
+        preset, why = auto(_job(cfg, objs, bad, strategy, *settle(strategy, c, t, accelerator="cpu")))
     strategy = preset
     problems += _logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
@@ -425,7 +430,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if not bad["trainer"] and not bad["strategy"] and preset.name != AUTO:
         problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
                                            accelerator=c.accelerator, launch=depth >= LAUNCH)
-    job = replace(_job(cfg, objs, preset, strategy, run), auto=why)
+    job = replace(_job(cfg, objs, bad, preset, strategy, run), auto=why)
     if not problems:  # (a backend's checks assume a sound job)
         for check in extra:
             problems += check(job)
@@ -464,8 +469,16 @@ def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
     model = objs["model"]
     out = strategy.problems(run)
     if not bad["model"]:
-        out += (strategy.model_problems(model) + _lora_problems(strategy, model)
-                + run.mesh.model_problems(model, strategy.name))
+        out += strategy.model_problems(model) + run.mesh.model_problems(model, strategy.name)
+    return out + _layout_problems(strategy, run, objs, bad)
+
+
+def _layout_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
+                     bad: dict[str, list[str]]) -> list[str]:
+    """What the job's other groups ask of a preset (``Job.layout_problems``, the planner's)."""
+    model, out = objs["model"], []
+    if not bad["model"]:
+        out += _lora_problems(strategy, model)
     if not bad["data"]:
         out += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
     if not bad.get("objective"):
@@ -476,12 +489,12 @@ def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
     return out
 
 
-def _job(cfg: DictConfig, objs: dict[str, Any], preset: StrategyConfig, strategy: StrategyConfig,
-         run: Run) -> Job:
+def _job(cfg: DictConfig, objs: dict[str, Any], bad: dict[str, list[str]], preset: StrategyConfig,
+         strategy: StrategyConfig, run: Run) -> Job:
     """The Job of the typed groups with ``preset``, settled as ``strategy`` with its ``run``."""
     return Job(cfg=cfg, model=objs["model"], trainer=objs["trainer"], data=objs["data"],
                cluster=objs["cluster"], callbacks=objs["callbacks"], logger=objs["logger"],
                strategy=strategy, run=run, backend=objs["backend"].name, preset=preset,
                planner=objs.get("planner") or PlannerConfig(), objective=objs.get("objective"),
-               export=objs.get("export"),
-               paths=_paths(cfg))
+               export=objs.get("export"), paths=_paths(cfg),
+               layout_problems=functools.partial(_layout_problems, objs=objs, bad=bad))

@@ -41,11 +41,13 @@ def _pairs(n: int = 24) -> list[dict]:
 def test_the_planner_plans_the_reference_pass(chat_tokenizer, tmp_path):
     """Before training every rank runs the pairs through the whole fp32 model (recipes/dpo.py
     ``reference_logps``, a micro-batch at a time): llama_70b's 282 GB on devices of 200 GB, where
-    3d's training itself fits, does not fit; the same job as next-token training does."""
-    from planner import preflight
+    fsdp2's training itself fits, does not fit; the same job as next-token training does. (DPO
+    runs on data-parallel presets only: 3d is refused, by validation and by the planner.)"""
+    from planner import plan_all, preflight
     from tests.conftest import typed
 
-    big = ("model=llama_70b", "cluster=slurm_8x8_h100", "cluster.device_memory_GB=200", "strategy=3d",
+    big = ("model=llama_70b", "cluster=slurm_8x8_h100", "cluster.device_memory_GB=200", "strategy=fsdp2",
+           "strategy.activation_checkpointing=true",
            "trainer.micro_batch_size=1", "trainer.global_batch_size=64", "callbacks=none")
     pairs = _jsonl(tmp_path / "pairs.jsonl", _pairs(24))
     dpo = preflight(typed(compose([*big, "objective=dpo", "data=preference", f"data.path={pairs}",
@@ -54,6 +56,10 @@ def test_the_planner_plans_the_reference_pass(chat_tokenizer, tmp_path):
     assert lm.fits and dpo.memory.total < 200e9 and not dpo.fits
     assert dpo.message().startswith("does not fit on slurm_8x8_h100: objective=dpo's reference pass: "
                                      "each rank runs the pairs through the whole fp32 model"), dpo.message()
+    plans = {p.strategy: p for p in plan_all(typed(compose([*big, "objective=dpo", "data=preference",
+                                                             f"data.path={pairs}",
+                                                             f"data.tokenizer={chat_tokenizer}"]))).plans}
+    assert not plans["3d"].runnable and "objective=dpo runs on data-parallel presets only" in plans["3d"].problems[0]
 
 
 def _jsonl(path: Path, records: list[dict]) -> Path:

@@ -494,6 +494,34 @@ def test_lora_under_zero2_gathers_only_the_trainable_partitions():
     assert full.bytes > 50 * gather.bytes
 
 
+@pytest.mark.unit
+def test_a_lora_fine_tune_is_recommended_a_preset_that_runs_lora(tmp_path):
+    """A Llama 3 70B config.json with model.lora.rank=8 on 8 H100s: the planner recommended
+    fsdp_tp at tp=8 (and strategy=auto chose it), which validation refuses ("LoRA runs with
+    ddp, ..., fsdp2, ..."). What the job's groups ask of a preset (``Job.layout_problems``:
+    LoRA, packing, DPO, samples) is now every plan's problem."""
+    import json
+
+    from planner import choose, recommended, run_overrides
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 80, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}))
+    over = ["model=hf", f"model.path={tmp_path}", "model.lora.rank=8", "cluster=node_8x_h100",
+            "data.tokenizer=null", "model.pretrained=false"]
+    report = _report(*over)
+    plans = {p.strategy: p for p in report.plans}
+    assert not plans["fsdp_tp"].runnable and "LoRA runs with" in plans["fsdp_tp"].problems[0]
+    picked = recommended(report)
+    assert picked is not None and picked.capabilities.lora, report.recommendation.reason
+    assert choose(typed(_compose((*over, "strategy=auto"))))[0].name == picked.name
+    validate(compose([*over, *run_overrides(picked)]), depth=RUN)  # what run it prints: valid
+
+
 # ----------------------------------------------------------------------------- 9. machine checks at launch
 @pytest.mark.unit
 def test_plan_py_plans_an_nvme_path_absent_on_this_machine(tmp_path):
