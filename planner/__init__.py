@@ -65,7 +65,7 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
                            f"fewer accumulation steps)")
     for p in plans:
         if not p.fits:
-            p.hint = _hint(plans if not chosen else _others(su, p))
+            p.hint = _hint(*((plans, cands) if not chosen else _others(su, p)))
     name = f"{su.params:,} parameters" if su.shape is None else str(job.model.name)
     return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
@@ -191,16 +191,19 @@ def _as_planned(name: str, su: Setup, megatron: list[Candidate]) -> StrategyConf
     return _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su)
 
 
-def _others(su: Setup, skip: Plan) -> list[Plan]:
+def _others(su: Setup, skip: Plan) -> tuple[list[Plan], list[Candidate]]:
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
-    return [plan_candidate(candidate(_as_planned(n, su, megatron)), su)
-            for n in names() if n != skip.strategy]
+    cands = [candidate(_as_planned(n, su, megatron)) for n in names() if n != skip.strategy]
+    return [plan_candidate(c, su) for c in cands], cands
 
 
-def _hint(plans: list[Plan]) -> str:
+def _hint(plans: list[Plan], cands: list[Candidate]) -> str:
+    """What to run instead: the best runnable preset that fits, spelled at the degrees it was
+    planned with (``run_overrides``), or why nothing does."""
     rec = recommend([p for p in plans if p.runnable])
     if rec.strategy:
-        return f"cheapest preset that fits: {rec.strategy} (strategy={rec.strategy})"
+        config = next(c.config for c in cands if c.name == rec.strategy)
+        return f"cheapest preset that fits: {rec.strategy} ({' '.join(run_overrides(config))})"
     planned = recommend([p for p in plans if p.planned_only])
     if planned.strategy:
         return f"no preset fits; the planned-only layout {planned.strategy} would"

@@ -245,6 +245,24 @@ def test_the_run_it_command_plans_to_the_recommendations_numbers(over):
         assert "strategy.activation_checkpointing=true" in run_overrides(picked)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("model, best", [("llama_70b", "3d"), ("mixtral_8x7b", "fsdp_ep")])
+def test_the_hint_of_a_preset_that_does_not_fit_is_a_command_that_fits(model, best):
+    """train.py's refusal and plan.py's verdict name what to run instead; the command said
+    ``strategy=3d`` (tp=2: 109 GB of 80) and ``strategy=fsdp_ep`` (ep=2: 3.5x slower), not the
+    degrees the hint's plan was made at."""
+    from planner import preflight
+
+    over = (f"model={model}", "cluster=slurm_8x8_h100")
+    plan = preflight(typed(_compose((*over, "strategy=ddp"))))
+    assert not plan.fits and plan.hint.startswith(f"cheapest preset that fits: {best} (strategy={best} ")
+    command = plan.hint.split("(", 1)[1].rstrip(")").split()
+    again = preflight(typed(_compose((*over, *command))))
+    assert again.fits and again.strategy == best
+    ranked = next(p for p in _report(*over).plans if p.strategy == best)
+    assert again.step_seconds == pytest.approx(ranked.step_seconds)
+
+
 @pytest.mark.subprocess
 def test_plan_py_strategy_auto_plans_the_choice():
     proc = _cli(*_70B, "strategy=auto")
