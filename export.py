@@ -25,6 +25,9 @@ def _problems(job) -> list[str]:
         return ["export=null: choose what to write: export=accelerate (an accelerate launch config "
                 "YAML) or export=deepspeed (the DeepSpeed JSON)"]
     kind, s = job.export.name, job.strategy
+    if kind == "accelerate" and job.backend != "accelerate":
+        return [f"export=accelerate writes a config for backend=accelerate, and backend={job.backend} "
+                "was given: remove the backend override"]
     if s.family == "deepspeed" and getattr(s, "sp", 1) > 1:
         return [f"export={kind}: strategy={s.name} adds DeepSpeed Ulysses sequence parallelism "
                 f"(strategy.sp={s.sp}), which train.py applies to its model's attention; neither a "
@@ -40,6 +43,8 @@ def _problems(job) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    if "export=accelerate" in argv and not any(a.startswith("backend=") for a in argv):
+        argv = [*argv, "backend=accelerate"]  # (what it runs on: strategy=auto picks for it)
     if (composed := cli.query(argv, __doc__)) is None:
         return
     cfg, _, _ = composed

@@ -213,6 +213,23 @@ def test_on_accelerate_the_planner_recommends_only_what_accelerate_runs():
     assert lightning.strategy == "fsdp_ep"  # (what Lightning runs fastest)
 
 
+@pytest.mark.unit
+def test_export_of_auto_for_accelerate_picks_what_accelerate_runs(tmp_path, capsys):
+    """export=accelerate strategy=auto planned for Lightning (the default backend): mixtral_8x7b
+    on 64 H100s got fsdp_ep, which the accelerate export then refused. It plans for
+    backend=accelerate, and a backend=lightning beside export=accelerate is refused."""
+    import export
+
+    out = tmp_path / "auto.accelerate.yaml"
+    export.main(["strategy=auto", "model=mixtral_8x7b", "cluster=slurm_8x8_h100", "export=accelerate",
+                 f"export.out={out}"])
+    said = capsys.readouterr().err
+    assert "strategy=auto chose zero3_offload" in said and "distributed_type: DEEPSPEED" in out.read_text()
+    with pytest.raises(SystemExit):
+        export.main(["strategy=zero2", "backend=lightning", "export=accelerate", f"export.out={out}"])
+    assert "export=accelerate writes a config for backend=accelerate" in capsys.readouterr().err
+
+
 @pytest.mark.subprocess
 def test_export_of_auto_writes_the_preset_the_planner_picks(tmp_path):
     """llama_7b on 8 H100s does not fit replicated: strategy=auto's export wrote a plain DDP config
