@@ -47,7 +47,14 @@ def main(argv: list[str]) -> None:
             print(f"  - {p}", file=sys.stderr)
         sys.exit(2)
     if not chosen and fmt != "json" and (picked := recommended(report)) is not None:
-        keep = argv  # (no strategy among them: the composition did not choose one)
+        # (no strategy= among them; a strategy.<key> set the default preset, planned with it, and
+        # no other: the command keeps it only if that preset is the one picked)
+        mine = [a for a in argv if a.split("=")[0].lstrip("+~").startswith("strategy.")]
+        keep = argv if picked.name == job.preset.name else [a for a in argv if a not in mine]
+        if mine and keep is not argv:
+            print(f"note: {' '.join(mine)} set the default preset ({job.preset.name}), which the ranking "
+                  f"planned with it, and no other: the command leaves it out (planner.activation_"
+                  f"checkpointing, planner.tp and planner.pp plan every preset with theirs)")
         run = run_overrides(picked)  # every degree and setting the plan used
         auto = ("(tight: strategy=auto refuses it; lower planner.reserve_GB to let it)"
                 if report.recommendation.tight else "(or strategy=auto)")

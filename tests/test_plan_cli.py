@@ -146,3 +146,20 @@ def test_a_tight_recommendation_is_not_offered_as_strategy_auto():
                           capture_output=True, text=True, timeout=60)
     assert auto.returncode != 0 and "no runnable preset fits with margin" in auto.stderr + auto.stdout
     assert "choose it yourself (strategy=zero3)" in auto.stderr + auto.stdout
+
+
+@pytest.mark.subprocess
+def test_a_strategy_key_for_the_default_preset_is_not_carried_to_another():
+    """``strategy.activation_checkpointing=true`` without a preset sets the default preset only;
+    the ranking plans every other preset from its file. The run it line printed it beside
+    ``strategy=fsdp`` anyway: fsdp planned at 70.3 GB and 7.2 s ran with checkpointing (33.0 GB,
+    9.6 s). The line now leaves it out and says why."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "plan.py", "model=llama_13b", "cluster=node_8x_h100",
+                           "strategy.activation_checkpointing=true"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
+    assert "strategy=fsdp" in line and "activation_checkpointing" not in line, line
+    assert "note: strategy.activation_checkpointing=true set the default preset (single)" in proc.stdout
