@@ -187,8 +187,11 @@ def _ep_degree(preset: StrategyConfig, su: Setup) -> StrategyConfig:
 
 
 def _as_planned(name: str, su: Setup, megatron: list[Candidate]) -> StrategyConfig:
-    """A preset the user did not compose, at the degrees the planner chooses for it here."""
-    return _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su)
+    """A preset the user did not compose, at the degrees the planner chooses for it here (and
+    ``planner.activation_checkpointing`` when set: what it was planned with, it runs with)."""
+    preset = _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su)
+    forced = su.options.activation_checkpointing
+    return preset if forced is None else dataclasses.replace(preset, activation_checkpointing=forced)
 
 
 def _others(su: Setup, skip: Plan) -> tuple[list[Plan], list[Candidate]]:

@@ -119,7 +119,31 @@ def gradient_checkpointing(cfg: Any) -> tuple[Any, list[str]]:
     """``trainer.gradient_checkpointing`` into ``strategy.activation_checkpointing``, the one key
     the engines and the planner read: true turns it on (full) where it is off, and keeps true or
     selective; false with it on is a conflict; None (the default) leaves it. Returns the config
-    to validate (a copy when changed) and the problem, if any."""
+    to validate (a copy when changed) and the problem, if any. Then (``_planned_checkpointing``)
+    the planner's and strategy=auto's share of that switch."""
+    cfg, problems = _gradient_checkpointing(cfg)
+    return (cfg if problems else _planned_checkpointing(cfg)), problems
+
+
+def _planned_checkpointing(cfg: Any) -> Any:
+    """``planner.activation_checkpointing`` plans every preset with (or without) checkpointing,
+    so the run, planned so, runs so: the preset's key takes it. Under strategy=auto the
+    placeholder's key (``strategy.activation_checkpointing=true``, or the alias) is the
+    planner's: every candidate is planned, and the chosen one run, with it."""
+    s, p = cfg.get("strategy"), cfg.get("planner")
+    if s is None or p is None or "activation_checkpointing" not in s or "activation_checkpointing" not in p:
+        return cfg
+    forced, ac = p.get("activation_checkpointing"), s.get("activation_checkpointing")
+    if s.get("name") == "auto" and forced is None and ac:
+        cfg = copy.deepcopy(cfg)
+        cfg.planner.activation_checkpointing = ac
+    elif s.get("name") != "auto" and forced is not None and forced != ac:
+        cfg = copy.deepcopy(cfg)
+        cfg.strategy.activation_checkpointing = forced
+    return cfg
+
+
+def _gradient_checkpointing(cfg: Any) -> tuple[Any, list[str]]:
     t, s = cfg.get("trainer"), cfg.get("strategy")
     gc = None if t is None else t.get("gradient_checkpointing")
     if gc is None or s is None or "activation_checkpointing" not in s:

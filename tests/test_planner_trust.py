@@ -263,6 +263,27 @@ def test_the_hint_of_a_preset_that_does_not_fit_is_a_command_that_fits(model, be
     assert again.step_seconds == pytest.approx(ranked.step_seconds)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("asked", ["strategy=auto strategy.activation_checkpointing=true",
+                                   "strategy=auto trainer.gradient_checkpointing=true",
+                                   "strategy=zero3 planner.activation_checkpointing=true",
+                                   "planner.activation_checkpointing=true strategy=auto"])
+def test_checkpointing_asked_for_is_planned_and_run(asked):
+    """strategy=auto dropped the placeholder's checkpointing (the user's key, or the
+    fine-tuner's alias): fsdp was chosen and run without it. planner.activation_checkpointing
+    planned the job's preset with it while the run, reading the preset's key, went without:
+    train.py's check passed a run that was not the one planned. What is planned now runs."""
+    from planner import choose, preflight
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    over = ["model=llama_13b", "cluster=node_8x_h100", *asked.split()]
+    job = validate(compose(over), depth=CONFIG, auto=choose)
+    assert job.strategy.activation_checkpointing is True, job.strategy.name
+    plan = preflight(job)
+    assert plan.activation_checkpointing is True and plan.memory.total < 40e9, plan.summary()
+
+
 @pytest.mark.subprocess
 def test_plan_py_strategy_auto_plans_the_choice():
     proc = _cli(*_70B, "strategy=auto")
