@@ -188,10 +188,14 @@ def _ep_degree(preset: StrategyConfig, su: Setup) -> StrategyConfig:
 
 def _as_planned(name: str, su: Setup, megatron: list[Candidate]) -> StrategyConfig:
     """A preset the user did not compose, at the degrees the planner chooses for it here (and
-    ``planner.activation_checkpointing`` when set: what it was planned with, it runs with)."""
-    preset = _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su)
-    forced = su.options.activation_checkpointing
-    return preset if forced is None else dataclasses.replace(preset, activation_checkpointing=forced)
+    ``planner.activation_checkpointing`` and ``planner.microbatches`` when set: what it was
+    planned with, it runs with)."""
+    preset, o = _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su), su.options
+    if o.activation_checkpointing is not None:
+        preset = dataclasses.replace(preset, activation_checkpointing=o.activation_checkpointing)
+    if o.microbatches is not None and preset.pipeline_microbatches() is not None:  # (a pipeline)
+        preset = dataclasses.replace(preset, microbatches=o.microbatches)
+    return preset
 
 
 def _others(su: Setup, skip: Plan) -> tuple[list[Plan], list[Candidate]]:

@@ -140,6 +140,10 @@ def _planned_checkpointing(cfg: Any) -> Any:
     elif s.get("name") != "auto" and forced is not None and forced != ac:
         cfg = copy.deepcopy(cfg)
         cfg.strategy.activation_checkpointing = forced
+    m = p.get("microbatches")  # (the same for a pipeline's micro-batches)
+    if m is not None and "microbatches" in s and (s.get("pp") or 1) > 1 and s.get("microbatches") != m:
+        cfg = copy.deepcopy(cfg)
+        cfg.strategy.microbatches = m
     return cfg
 
 

@@ -284,6 +284,20 @@ def test_checkpointing_asked_for_is_planned_and_run(asked):
     assert plan.activation_checkpointing is True and plan.memory.total < 40e9, plan.summary()
 
 
+@pytest.mark.unit
+def test_pipeline_micro_batches_planned_are_run():
+    """planner.microbatches planned every pipeline with its micro-batches while the run (and
+    the run it line) kept the preset's: the job's preset and the recommendation take it."""
+    from planner import recommended, run_overrides
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    over = ("model=llama_70b", "cluster=slurm_8x8_h100", "planner.microbatches=16")
+    assert validate(compose([*over, "strategy=pipeline"]), depth=CONFIG).strategy.microbatches == 16
+    picked = recommended(_report(*over))
+    assert picked.pipeline_microbatches() == 16 and "strategy.microbatches=16" in run_overrides(picked)
+
+
 @pytest.mark.subprocess
 def test_plan_py_strategy_auto_plans_the_choice():
     proc = _cli(*_70B, "strategy=auto")
