@@ -275,7 +275,12 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
     ``planner.enforce`` is on (``to``: what ``planner.enforce=false`` would do anyway). The one
     place that rule lives. With ``planner.calibrate=true`` this machine is measured first."""
     from planner import machine
+    from core.errors import ConfigError
 
+    what_if = [f"planner.{k}={v:g}" for k in ("params", "trainable") if (v := getattr(job.planner, k)) is not None]
+    if what_if:  # (plan.py's questions: the run's own counts come from model=...)
+        raise ConfigError([f"{', '.join(what_if)}: plan.py's what-if of a parameter count, which a run "
+                           f"does not train; the run's own come from model= (and model.lora): remove it"])
     machine.ensure(job)
     result = preflight(job)
     if not result.fits and job.planner.enforce:

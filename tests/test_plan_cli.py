@@ -163,3 +163,22 @@ def test_a_strategy_key_for_the_default_preset_is_not_carried_to_another():
     line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
     assert "strategy=fsdp" in line and "activation_checkpointing" not in line, line
     assert "note: strategy.activation_checkpointing=true set the default preset (single)" in proc.stdout
+
+
+@pytest.mark.subprocess
+def test_a_parameter_count_what_if_prints_no_command_and_a_run_refuses_it(tmp_path):
+    """planner.params=1e10 ranked the presets for 10B parameters and printed 'run it: python
+    train.py planner.params=1e10 ... strategy=fsdp_tp strategy.tp=8', which trains the default
+    model while its check planned 10B parameters (and refused a tiny run as needing 160 GB)."""
+    import subprocess
+    import sys
+
+    plan = subprocess.run([sys.executable, "plan.py", "planner.params=1e10", "cluster=node_8x_h100"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    line = next(x for x in plan.stdout.splitlines() if x.startswith("run it: "))
+    assert "train.py" not in line and "name the model" in line, line
+    run = subprocess.run([sys.executable, "train.py", "planner.params=1e10", "trainer.max_steps=1",
+                          f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "planner.params=1e+10: plan.py's what-if of a parameter count" in run.stdout + run.stderr
