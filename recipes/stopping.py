@@ -122,6 +122,11 @@ def gradient_checkpointing(cfg: Any) -> tuple[Any, list[str]]:
     to validate (a copy when changed) and the problem, if any. Then (``_planned_checkpointing``)
     the planner's and strategy=auto's share of that switch."""
     cfg, problems = _gradient_checkpointing(cfg)
+    s = cfg.get("strategy")
+    if s is not None and s.get("name") == "auto" and (s.get("ac_every") or 1) != 1:
+        problems.append(f"strategy.ac_every={s.get('ac_every')} with strategy=auto: the chosen preset "
+                        "takes only the placeholder's strategy.activation_checkpointing; name the "
+                        "preset to checkpoint every n-th block (python plan.py ranks them)")
     return (cfg if problems else _planned_checkpointing(cfg)), problems
 
 

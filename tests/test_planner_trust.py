@@ -285,6 +285,17 @@ def test_checkpointing_asked_for_is_planned_and_run(asked):
 
 
 @pytest.mark.unit
+def test_strategy_auto_refuses_an_every_nth_block_it_would_drop():
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+    from strategies import ConfigError
+
+    with pytest.raises(ConfigError, match="strategy.ac_every=2 with strategy=auto"):
+        validate(compose(["model=llama_13b", "cluster=node_8x_h100", "strategy=auto",
+                          "strategy.activation_checkpointing=true", "strategy.ac_every=2"]), depth=CONFIG)
+
+
+@pytest.mark.unit
 def test_pipeline_micro_batches_planned_are_run():
     """planner.microbatches planned every pipeline with its micro-batches while the run (and
     the run it line) kept the preset's: the job's preset and the recommendation take it."""
