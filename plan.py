@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__)) is None:
         return
     cfg, groups, argv = composed
-    from planner import choose, plan_all, recommended, run_overrides
+    from planner import choose, plan_all, run_overrides, what_ifs
     from planner.machine import ensure
     from planner.render import render
     from recipes.job import CONFIG, validate
@@ -46,11 +46,10 @@ def main(argv: list[str]) -> None:
         for p in problems:
             print(f"  - {p}", file=sys.stderr)
         sys.exit(2)
-    what_if = job.planner.params is not None or job.planner.trainable is not None
-    if what_if and not chosen and fmt != "json":
+    if what_ifs(job) and not chosen and fmt != "json":
         print("run it: no command for planner.params / planner.trainable, a what-if of a parameter "
               "count: name the model (model=..., model.lora.rank=...) to get one")
-    elif not chosen and fmt != "json" and (picked := recommended(report)) is not None:
+    elif not chosen and fmt != "json" and (picked := report.recommendation.config) is not None:
         # (no strategy= among them; a strategy.<key> set the default preset, planned with it, and
         # no other: the command keeps it only if that preset is the one picked)
         mine = [a for a in argv if a.split("=")[0].lstrip("+~").startswith("strategy.")]

@@ -232,7 +232,7 @@ def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[Strategy
     machine.ensure(job)  # planner.calibrate=true: this machine measured once (a subprocess), cached
     report = plan_all(job, model)
     rec = report.recommendation
-    if (picked := recommended(report)) is None:
+    if (picked := rec.config) is None:
         raise ConfigError(f"strategy=auto: no runnable preset fits on {report.cluster}: {rec.reason}; "
                           "choose strategy=<preset> (python plan.py ranks them)")
     if rec.tight:
@@ -240,14 +240,6 @@ def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[Strategy
                           f"{rec.strategy} is the best and {rec.reason}; choose it yourself "
                           f"({' '.join(run_overrides(picked))}) or lower planner.reserve_GB")
     return picked, rec.reason
-
-
-def recommended(report: Report) -> StrategyConfig | None:
-    """The recommendation's preset as it was planned: at the degrees the plan used (TP/PP,
-    the sequence and expert degrees), with activation checkpointing when it fits only so; None
-    when the recommendation is no runnable preset. What ``strategy=auto`` runs and what
-    plan.py's ``run it`` line spells out (``run_overrides``)."""
-    return report.recommendation.config
 
 
 def run_overrides(picked: StrategyConfig) -> list[str]:
@@ -269,6 +261,13 @@ def preflight(job: Inputs, model: ModelDescription | None = None) -> Plan:
     return plan_all(job, model, chosen=True).plans[0]
 
 
+def what_ifs(job: Inputs) -> list[str]:
+    """``planner.params`` / ``planner.trainable`` as set: a parameter count plan.py prices, which
+    no run trains (plan.py prints no command for it; ``check`` refuses it)."""
+    return [f"planner.{k}={v:g}" for k in ("params", "trainable")
+            if (v := getattr(job.planner, k)) is not None]
+
+
 def check(job: Inputs, *, to: str = "launch") -> Plan:
     """The pre-launch check (train.py, a sweep's preflight, launch.py's submission): the plan of
     the job's preset; raises ``WillNotFit`` when it is predicted not to fit and
@@ -277,9 +276,8 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
     from planner import machine
     from core.errors import ConfigError
 
-    what_if = [f"planner.{k}={v:g}" for k in ("params", "trainable") if (v := getattr(job.planner, k)) is not None]
-    if what_if:  # (plan.py's questions: the run's own counts come from model=...)
-        raise ConfigError([f"{', '.join(what_if)}: plan.py's what-if of a parameter count, which a run "
+    if asked := what_ifs(job):  # (plan.py's questions: the run's own counts come from model=...)
+        raise ConfigError([f"{', '.join(asked)}: plan.py's what-if of a parameter count, which a run "
                            f"does not train; the run's own come from model= (and model.lora): remove it"])
     machine.ensure(job)
     result = preflight(job)

@@ -1,7 +1,7 @@
 """One layout on one setup: per-device memory, communication and step time (``plan_candidate``;
-its result types: planner/results.py). Everything is closed-form arithmetic on shapes and footprints; no
-model is built and no device is touched, so a 70B plan takes milliseconds. Formulas and their
-sources: docs/PLANNER.md; the reference documents' worked numbers are tests.
+its result types: planner/results.py). Everything is closed-form arithmetic on shapes and
+footprints; no model is built and no device is touched, so a 70B plan takes milliseconds.
+Formulas and their sources: docs/PLANNER.md; the reference documents' worked numbers are tests.
 """
 
 from __future__ import annotations

@@ -119,20 +119,21 @@ def gradient_checkpointing(cfg: Any) -> tuple[Any, list[str]]:
     """``trainer.gradient_checkpointing`` into ``strategy.activation_checkpointing``, the one key
     the engines and the planner read: true turns it on (full) where it is off, and keeps true or
     selective; false with it on is a conflict; None (the default) leaves it. Returns the config
-    to validate (a copy when changed) and the problem, if any. Then (``_planned_checkpointing``)
-    the planner's and strategy=auto's share of that switch."""
+    to validate (a copy when changed) and the problem, if any. Then (``_planned_settings``)
+    what the planner plans every preset with becomes the run's too."""
     cfg, problems = _gradient_checkpointing(cfg)
     s = cfg.get("strategy")
     if s is not None and s.get("name") == "auto" and (s.get("ac_every") or 1) != 1:
         problems.append(f"strategy.ac_every={s.get('ac_every')} with strategy=auto: the chosen preset "
                         "takes only the placeholder's strategy.activation_checkpointing; name the "
                         "preset to checkpoint every n-th block (python plan.py ranks them)")
-    return (cfg if problems else _planned_checkpointing(cfg)), problems
+    return (cfg if problems else _planned_settings(cfg)), problems
 
 
-def _planned_checkpointing(cfg: Any) -> Any:
+def _planned_settings(cfg: Any) -> Any:
     """``planner.activation_checkpointing`` plans every preset with (or without) checkpointing,
-    so the run, planned so, runs so: the preset's key takes it. Under strategy=auto the
+    and ``planner.microbatches`` every pipeline with that many micro-batches: the run, planned
+    so, runs so (the preset's key takes it). Under strategy=auto the
     placeholder's key (``strategy.activation_checkpointing=true``, or the alias) is the
     planner's: every candidate is planned, and the chosen one run, with it."""
     s, p = cfg.get("strategy"), cfg.get("planner")

@@ -227,13 +227,13 @@ def test_the_run_it_command_plans_to_the_recommendations_numbers(over):
     8.8 s). The 70B on one node fits only with activation checkpointing; on two, where with
     it the degrees that fit change, the line used to keep the ones chosen without it
     (zero3_ulysses at sp=8, 499 s a step, where sp=2 fits at 125 s)."""
-    from planner import choose, recommended, run_overrides
+    from planner import choose, run_overrides
 
     report = _report(*over)
     rec = report.recommendation
     planned = _report(*over, "planner.activation_checkpointing=true") if rec.activation_checkpointing else report
     want = next(p for p in planned.plans if p.strategy == rec.strategy)
-    picked = recommended(report)
+    picked = report.recommendation.config
     again = _report(*over, *run_overrides(picked)).plans[0]
     auto = choose(typed(_compose((*over, "strategy=auto"))))[0]
     assert run_overrides(auto) == run_overrides(picked)
@@ -299,13 +299,13 @@ def test_strategy_auto_refuses_an_every_nth_block_it_would_drop():
 def test_pipeline_micro_batches_planned_are_run():
     """planner.microbatches planned every pipeline with its micro-batches while the run (and
     the run it line) kept the preset's: the job's preset and the recommendation take it."""
-    from planner import recommended, run_overrides
+    from planner import run_overrides
     from recipes.config import compose
     from recipes.job import CONFIG, validate
 
     over = ("model=llama_70b", "cluster=slurm_8x8_h100", "planner.microbatches=16")
     assert validate(compose([*over, "strategy=pipeline"]), depth=CONFIG).strategy.microbatches == 16
-    picked = recommended(_report(*over))
+    picked = _report(*over).recommendation.config
     assert picked.pipeline_microbatches() == 16 and "strategy.microbatches=16" in run_overrides(picked)
 
 
@@ -566,7 +566,7 @@ def test_a_lora_fine_tune_is_recommended_a_preset_that_runs_lora(tmp_path):
     LoRA, packing, DPO, samples) is now every plan's problem."""
     import json
 
-    from planner import choose, recommended, run_overrides
+    from planner import choose, run_overrides
     from recipes.config import compose
     from recipes.job import RUN, validate
 
@@ -580,7 +580,7 @@ def test_a_lora_fine_tune_is_recommended_a_preset_that_runs_lora(tmp_path):
     report = _report(*over)
     plans = {p.strategy: p for p in report.plans}
     assert not plans["fsdp_tp"].runnable and "LoRA runs with" in plans["fsdp_tp"].problems[0]
-    picked = recommended(report)
+    picked = report.recommendation.config
     assert picked is not None and picked.capabilities.lora, report.recommendation.reason
     assert choose(typed(_compose((*over, "strategy=auto"))))[0].name == picked.name
     validate(compose([*over, *run_overrides(picked)]), depth=RUN)  # what run it prints: valid
