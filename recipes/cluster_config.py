@@ -28,8 +28,10 @@ class SlurmConfig:
     constraint: str | None = free(None, "a feature expression, checked by Slurm")
     cpus_per_task: int = knob(1, min=1)
     """CPUs per rank (sbatch --cpus-per-task)."""
-    mem_gb: int | None = knob(None, min=1)
-    """Memory per node, GB (sbatch --mem); None: the partition's default."""
+    mem_gb: int | None = knob(None, min=0)
+    """Memory per node, GB (sbatch --mem); 0: all of each node's; None: the partition's default,
+    which the planner reads from Slurm where Slurm counts memory (scontrol's DefMemPerNode or
+    DefMemPerCPU; in a job, its allocation)."""
     requeue_signal_s: int = knob(90, min=0)
     """Seconds before the time limit Slurm sends SIGUSR1: Lightning saves a checkpoint and
     requeues the job, which resumes from it (0: no signal)."""
@@ -155,12 +157,18 @@ class ClusterConfig:
     def host_limit(self) -> tuple[float, str]:
         """The memory a node's processes may use, GB, and the key that sets it: host_memory_GB,
         or the launcher's per-node limit when lower -- what the kernel's OOM killer enforces (a
-        pod's cluster.k8s.memory_GB, sbatch --mem as cluster.slurm.mem_gb)."""
+        pod's cluster.k8s.memory_GB; under Slurm sbatch --mem as cluster.slurm.mem_gb, and what
+        Slurm itself says: its nodes' memory, the default a job asking for none gets)."""
         limits = [(self.host_memory_GB, "cluster.host_memory_GB")]
         if self.launcher == "k8s":
             limits.append((self.k8s.memory_GB, "cluster.k8s.memory_GB: each pod's memory limit"))
-        if self.launcher == "slurm" and self.slurm.mem_gb is not None:
+        if self.launcher == "slurm" and self.slurm.mem_gb:
             limits.append((float(self.slurm.mem_gb), "cluster.slurm.mem_gb: sbatch --mem"))
+        if self.launcher == "slurm":  # (the nodes and the memory Slurm grants)
+            from launchers.slurm import memory_limits
+
+            limits += memory_limits(self.slurm.partition, self.devices * self.slurm.cpus_per_task,
+                                    self.slurm.mem_gb)
         return min(limits, key=lambda x: x[0])
 
     def hardware(self) -> str | None:

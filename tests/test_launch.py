@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -256,19 +257,18 @@ def _no_slurm() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A real one-node Slurm (slurmctld + slurmd, munge) on localhost, for this module: the
-    environment its clients need (SLURM_CONF; PATH with an sacct stand-in, as there is no
-    accounting database). The node advertises 4 CPUs on 2 cores, so both jobs of a 2-job sweep
-    of 2-task jobs run at once."""
+def _real_slurm(tmp_path_factory, **knobs: str):
+    """Start a real one-node Slurm (tests/slurm/up.sh with ``knobs``) and yield the environment
+    its clients need (SLURM_CONF; PATH with an sacct stand-in, as there is no accounting
+    database); stop it after. The node advertises 4 CPUs on 2 cores, so both jobs of a 2-job
+    sweep of 2-task jobs run at once."""
     why = _no_slurm()
     if why:
         print(f"SKIPPED (real Slurm): {why}")
         pytest.skip(why)
     d = tmp_path_factory.mktemp("slurm")
     base = {**os.environ, "SLURM_DIR": str(d), "SLURM_CPUS": "4", "SLURM_CTLD_PORT": str(_free_port()),
-            "SLURMD_PORT": str(_free_port())}
+            "SLURMD_PORT": str(_free_port()), **knobs}
     munge_was_up = subprocess.run("munge -n | unmunge", shell=True, capture_output=True,
                                   check=False).returncode == 0
     up = subprocess.run([str(SLURM / "up.sh")], env=base, capture_output=True, text=True, timeout=900,
@@ -285,6 +285,19 @@ def slurm(tmp_path_factory):
         stop = {"MUNGE_STOP": "0" if munge_was_up else "1"}  # (leave a munged we did not start)
         subprocess.run([str(SLURM / "down.sh")], env={**base, **stop}, capture_output=True, timeout=120,
                        check=False)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real one-node Slurm on localhost that does not count memory (CR_Core), for this module."""
+    yield from _real_slurm(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def slurm_counting_memory(tmp_path_factory):
+    """A second one: memory is a consumable resource (CR_Core_Memory) and a job that asks for
+    none gets 300 MB per CPU (DefMemPerCPU), as on many production clusters."""
+    yield from _real_slurm(tmp_path_factory, SLURM_DEF_MEM_PER_CPU="300")
 
 
 def shutil_which(name: str) -> str | None:
@@ -557,6 +570,60 @@ def test_every_point_of_a_sweep_is_checked_before_any_job_starts(tmp_path):
     assert "preflight: 1 of the sweep's 2 jobs cannot run; nothing was started" in run.log
     assert "trainer.global_batch_size=15 is not divisible" in run.log
     assert not list(sweep.glob("*/report.json")) and "Initializing distributed" not in run.log
+
+
+@pytest.mark.subprocess
+def test_a_slurm_that_counts_memory_is_planned_with_the_memory_its_job_gets(slurm_counting_memory, tmp_path):
+    """Where Slurm counts memory, a job that asks for none gets the partition's default, not the
+    node: the planner plans with what Slurm grants -- before submission from scontrol, inside the
+    job from the job's own allocation -- and names the fix; cluster.slurm.mem_gb=0 asks for the
+    whole node (sbatch --mem=0), which the plan and the submission then agree on."""
+    env = slurm_counting_memory
+    offload = ("cluster=slurm_local", "strategy=zero2_offload", "model=gpt_small", "planner.enforce=true")
+    sweep = tmp_path / "sweep"
+    run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", *offload,
+                  f"hydra.sweep.dir={sweep}", out=tmp_path / "bad", check=False, env=env, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "has 0.6 GB (the cluster's DefMemPerCPU 300 MB x 2 CPUs: Slurm's default for a job " \
+           "without cluster.slurm.mem_gb" in run.log, run.log[-3000:]
+    assert not list(sweep.glob(".submitit/*")), "something was submitted"
+
+    plan = run_cli("plan.py", *offload, "cluster.slurm.mem_gb=0", "planner.format=json", out=tmp_path / "p",
+                   env=env, timeout=120)
+    whole = json.loads(plan.proc.stdout)["plans"][0]
+    assert whole["fits"], whole
+    from launchers.slurm import request
+    from recipes.compose import compose
+
+    assert request(compose([*offload, "cluster.slurm.mem_gb=0"]))["mem_gb"] == 0  # (submitit writes --mem=0GB: all of each node's memory)
+
+    # inside a job that asked for none (sbatch, then srun, as submitit does): its own allocation
+    probe = ("from recipes.cluster_config import ClusterConfig, SlurmConfig; "
+             "print(ClusterConfig(name='s', launcher='slurm', host_memory_GB=2000, devices=1, "
+             "slurm=SlurmConfig()).host_limit())")
+    out = tmp_path / "job.out"
+    done = subprocess.run(["sbatch", "-W", "-n1", "-o", str(out), "--wrap",
+                           f"srun {sys.executable} -c {shlex.quote(probe)}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+    assert done.returncode == 0 and out.exists(), done.stderr[-2000:]
+    import ast
+
+    gb, source = ast.literal_eval(out.read_text().strip().splitlines()[-1])
+    assert gb == pytest.approx(300 * 2**20 / 1e9), out.read_text()
+    assert source.startswith("this job's allocation, SLURM_MEM_PER_CPU 300 MB x 1 CPUs: Slurm's default"), source
+
+
+@pytest.mark.subprocess
+def test_a_slurm_memory_request_larger_than_the_nodes_is_refused_before_submission(slurm, tmp_path):
+    """cluster.slurm.mem_gb above the partition's nodes (sinfo): one line with the largest that
+    fits, nothing submitted."""
+    sweep = tmp_path / "sweep"
+    run = run_cli("train.py", "-m", *TINY, "hydra/launcher=submitit_slurm", "cluster=slurm_local",
+                  "strategy=ddp", "cluster.slurm.mem_gb=100000", f"hydra.sweep.dir={sweep}",
+                  out=tmp_path / "bad", check=False, env=slurm, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "cluster.slurm.mem_gb=100000 but the smallest node of partition debug has" in run.log, run.log[-3000:]
+    assert not list(sweep.glob(".submitit/*")), "something was submitted"
 
 
 # --------------------------------------------------------------------------- SageMaker

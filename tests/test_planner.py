@@ -259,7 +259,8 @@ ROWS = {
         ("model=llama_70b", "cluster=slurm_8x8_h100", "trainer.global_batch_size=512",
          "planner.activation_checkpointing=true"),
         # (through the presets the recommendation is what runs: megatron_tp is planned only and
-        # listed apart; the runnable pipeline, pp=8 x dp=8, is 1.32x faster than zero3)
+        # listed apart, 1.23x faster than zero3, which is recommended: the pipeline rung's pick,
+        # 3d, is 1.19x faster, under the 1.2x a move up the ladder needs; docs/PLANNER.md)
         {"megatron_tp", "tp", "fsdp_tp", "pipeline", "pp_dp"}),
     "pretrain 175B on 512 GPUs: 3D parallelism": (
         (*_175B, "cluster=slurm_64x8_a100", "trainer.global_batch_size=1536",

@@ -19,6 +19,8 @@
 #   SLURM_WAIT     seconds to wait for the node to be idle (default 30)
 #   SLURM_CRED_EXPIRE  AuthInfo=cred_expire: also the delay before a requeued job restarts
 #                  (Slurm's default 120 s; default here 10 s)
+#   SLURM_DEF_MEM_PER_CPU  MB: Slurm counts memory (CR_Core_Memory) and a job that asks for none
+#                  gets this much per allocated CPU (DefMemPerCPU); unset: memory is not counted
 set -euo pipefail
 
 SLURM_DIR=${SLURM_DIR:-/tmp/stratagem-slurm}
@@ -70,6 +72,9 @@ if [ ! -s "$CONF" ]; then
   OVERRIDES=""
   FEATURES=${SLURM_FEATURES:-local}  # what --constraint can ask for
   [ "$CPUS" -gt "$HAVE_CPUS" ] && OVERRIDES="SlurmdParameters=config_overrides"
+  SELECT="SelectTypeParameters=CR_Core"
+  [ -n "${SLURM_DEF_MEM_PER_CPU:-}" ] && SELECT="SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=$SLURM_DEF_MEM_PER_CPU"
   cat >"$CONF" <<EOF
 # one-node Slurm for tests (written by up.sh)
 ClusterName=stratagem
@@ -93,7 +98,7 @@ SchedulerType=sched/builtin
 # test every pending job each 2 s (default 60): a requeued job starts soon after cred_expire
 SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+$SELECT
 ReturnToService=2
 # keep finished jobs visible to squeue/scontrol for 5 min (there is no sacct database)
 MinJobAge=300
