@@ -300,7 +300,7 @@ def suggestions(argv: list[str]) -> list[str]:
 
     from recipes.compose import compose
 
-    groups, keys = [], []
+    groups, keys, options = [], [], []
     for arg in normalize([a for a in argv if not a.startswith("-")]):
         key, eq, value = arg.partition("=")
         key = key.lstrip("+~")
@@ -308,15 +308,47 @@ def suggestions(argv: list[str]) -> list[str]:
             continue
         if "." not in key and (CONF_DIR / key).is_dir():
             groups.append(arg)
+            options += [line for v in value.split(",") if (line := _no_such_option(key, v.strip()))]
         else:
             keys.append((key, value))
-    if not keys:
-        return []
+    if options or not keys:
+        return options
     try:
         cfg = OmegaConf.to_container(compose(groups), resolve=False)
     except Exception:  # the groups themselves are the error: Hydra said so
         return []
     return [_no_such_key(cfg, key, value) for key, value in keys if not _has_key(cfg, key)]
+
+
+def _no_such_option(group: str, value: str) -> str | None:
+    """``strategy=zero33: no such strategy; did you mean zero3? (strategy=zero3); the options:
+    ...``; None when conf/<group>/ has it (or it is null)."""
+    import difflib
+
+    names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    if not names or value in names or value in ("null", ""):
+        return None
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+    guess = f"did you mean {close[0]}? ({group}={close[0]}); " if close else ""
+    return f"{group}={value}: no such {group}; {guess}the options: {', '.join(names)}"
+
+
+def _wrong_type(error: Exception) -> str | None:
+    """``cluster.devices=two: could not be converted to Integer; ...``: a value OmegaConf cannot
+    take for its key's type, as one line (Hydra's is four, naming the schema's class)."""
+    from omegaconf.errors import ValidationError
+
+    cause, text = error.__cause__, str(error)
+    if not isinstance(cause, ValidationError) or not text.startswith("Error merging override "):
+        return None
+    override = text.removeprefix("Error merging override ").splitlines()[0]
+    why = str(getattr(cause, "msg", cause)).splitlines()[0]
+    why = why.split(" could not be converted to ")[-1] if " could not be converted to " in why else why
+    kind = {"Integer": "an integer", "Float": "a number"}.get(why) or (
+        "true or false" if "is not a valid bool" in why else
+        "a list ([a,b])" if "is not a ListConfig" in why else None)
+    return (f"{override}: {cause.full_key} takes {kind}" if kind else f"{override}: {why}") + \
+        "; python train.py --help lists the keys with their defaults"
 
 
 def _no_such_key(cfg: dict, key: str, value: str) -> str:
@@ -392,6 +424,7 @@ def composition_error(error: Exception, argv: list[str]) -> NoReturn:
     from omegaconf.errors import OmegaConfBaseException
 
     lines = suggestions(argv) if isinstance(error, (HydraException, OmegaConfBaseException)) else []
+    lines = lines or [line for line in [_wrong_type(error)] if line]
     if lines:
         print("\n".join(lines), file=sys.stderr)
     elif isinstance(error, (HydraException, OmegaConfBaseException)):

@@ -69,7 +69,8 @@ def _fails_before_launch(run, *needles: str) -> None:
 
 def test_unknown_strategy_lists_the_presets(tmp_path):
     run = run_cli("train.py", "strategy=zero7", out=tmp_path / "bad", check=False)
-    _fails_before_launch(run, "zero7", "Available options", "ddp", "single")
+    _fails_before_launch(run, "strategy=zero7: no such strategy; did you mean zero3? (strategy=zero3); "
+                         "the options: 3d, auto, ddp,", "single")
 
 
 def test_unknown_model_lists_the_models(tmp_path):
@@ -99,3 +100,16 @@ def test_a_failed_run_leaves_no_report(tmp_path):
     assert run.proc.returncode != 0
     assert not (tmp_path / "fail" / "report.json").exists()
     assert not list((tmp_path / "fail").glob(".report.json*")), "a temp file was left behind"
+
+
+@pytest.mark.parametrize("script", ["train.py", "plan.py"])
+def test_a_value_of_the_wrong_type_and_a_mistyped_option_are_one_line_each(tmp_path, script):
+    """OmegaConf's four lines naming the schema's class, and Hydra's option list with its search
+    path, become one line each: the override, what the key takes or the closest option, exit 2."""
+    for i, (override, line) in enumerate((("cluster.devices=two", "cluster.devices=two: cluster.devices takes an integer"),
+                           ("model=llama70b", "model=llama70b: no such model; did you mean llama_70b? "
+                                              "(model=llama_70b); the options: "))):
+        run = run_cli(script, override, out=tmp_path / f"{script}{i}", check=False)
+        assert run.proc.returncode == 2, run.log[-2000:]
+        said = [x for x in run.proc.stderr.splitlines() if x.strip()]
+        assert len(said) == 1 and said[0].startswith(line), run.proc.stderr
