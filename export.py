@@ -56,7 +56,10 @@ def main(argv: list[str]) -> None:
     if job.auto:
         print(job.chosen_by, file=sys.stderr)
     from backends.accelerate.export import deepspeed_config
+    from backends.common.quiet import install
     from observers.files import atomic_write_text
+
+    install()  # (the engines' console noise, as in a run: building the plugins to export them)
 
     stem = f"{job.strategy.name}-{job.cluster.name}"
     kind = job.export.name

@@ -95,15 +95,9 @@ class Job:
 
     def meta(self) -> dict[str, Any]:
         """The report's identifying keys."""
-        return {
-            "strategy": self.strategy.name,
-            "backend": self.backend,
-            "world_size": self.mesh.size,
-            "global_batch_size": self.batch.global_size,
-            "micro_batch_size": self.batch.micro_size,
-            "accumulation": self.batch.accumulation,
-            "config": self.config(),
-        }
+        return {"strategy": self.strategy.name, "backend": self.backend, "world_size": self.mesh.size,
+                "global_batch_size": self.batch.global_size, "micro_batch_size": self.batch.micro_size,
+                "accumulation": self.batch.accumulation, "config": self.config()}
 
     def config(self) -> dict[str, Any]:
         """The composed config as plain data, interpolations resolved, with the preset
@@ -361,14 +355,17 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
              extra: Iterable[Callable[[Job], list[str]]] = (), auto: Choose | None = None) -> Job:
     """Check everything that can be checked before a process starts; raise one ConfigError
     listing every problem. A check that divides by a field runs only when that field is valid
-    (a zero n_heads is reported once, not again as a division by zero).
-    ``extra``: more checks of the built Job (the chosen backend's, from train.py).
-    ``auto``: how ``strategy=auto`` chooses (``planner.choose``), a step over the typed groups:
-    the chosen preset is then checked and derived as if the config had named it. Without it
-    (or with a group the planner reads unreadable) ``auto`` stays a placeholder preset."""
+    (a zero n_heads is reported once, not again as a division by zero). ``extra``: more checks
+    of the built Job (the chosen backend's, from train.py). ``auto``: how ``strategy=auto``
+    chooses (``planner.choose``), a step over the typed groups: the chosen preset is then checked
+    and derived as if the config had named it. Without it (or with a group the planner reads
+    unreadable) ``auto`` stays a placeholder preset."""
     cfg, aliased = stopping.gradient_checkpointing(cfg)  # (one switch: the strategy's key)
     objs, bad = _objects(cfg)
     bad["trainer"] = bad.get("trainer", []) + aliased
+    path = OmegaConf.select(cfg, "model.path", default=None)  # (the tokenizer's default: said once)
+    if path and any("model.path=" in p for p in bad.get("model", [])):
+        bad["data"] = [p for p in bad.get("data", []) if not p.startswith(f"data.tokenizer={path!r}")]
     unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
     if unknown:  # ``+key=value`` adds keys the schema does not have
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "

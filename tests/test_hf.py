@@ -130,7 +130,8 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
         return str(e.value)
 
     assert "model=hf needs model.path" in problems("model=hf")
-    assert "no such directory" in problems("model=hf", f"model.path={tmp_path / 'none'}")
+    missing = problems("model=hf", f"model.path={tmp_path / 'none'}")
+    assert "no such directory" in missing and "1 problem" in missing, missing  # (not again as data.tokenizer)
     gemma = tmp_path / "gemma"
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps({"model_type": "gemma"}))

@@ -205,8 +205,8 @@ class ParallelConfig(StrategyConfig):
                        f"chunks (each rank one early and one late); choose seq_len a multiple of "
                        f"{2 * self.cp} or another cp")
         if self.tp > 1:
-            for key in ("n_heads", "n_kv_heads", "hidden", "vocab_size"):
-                value = getattr(model, key, None)
+            for key, attr in (("n_heads",) * 2, ("n_kv_heads",) * 2, ("ffn_dim", "hidden"), ("vocab_size",) * 2):
+                value = getattr(model, attr, None)  # (the MLP's width: ffn_dim, or the one it implies)
                 if isinstance(value, int) and value % self.tp:
                     out.append(f"model.{key}={value} is not divisible by strategy.tp={self.tp}: "
                                f"tensor parallelism splits it over the tp ranks; choose tp "
