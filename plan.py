@@ -59,6 +59,10 @@ def main(argv: list[str]) -> None:
                   f"planned with it, and no other: the command leaves it out (planner.activation_"
                   f"checkpointing, planner.tp and planner.pp plan every preset with theirs)")
         run = run_overrides(picked)  # every degree and setting the plan used
+        if job.model.is_hf and job.model.path is None:  # (a named shape: planned without weights)
+            print(f"note: model={job.model.name} is planned without weights; train.py builds it from "
+                  "them: put the checkpoint's directory (save_pretrained) in model.path below")
+            run = [f"model.path=/path/to/{job.model.name}", *run]
         auto = ("(tight: strategy=auto refuses it; lower planner.reserve_GB to let it)"
                 if report.recommendation.tight else "(or strategy=auto)")
         print(f"run it: python train.py {' '.join([*keep, *run])}   {auto}")

@@ -71,15 +71,18 @@ SHAPE_KEYS = ("architecture", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab
               "tie_embeddings", "norm_eps", "rope_theta", "attention_bias")
 
 
-def launch_problems(model: Any) -> list[str]:
+def launch_problems(model: Any, here: bool = True) -> list[str]:
     """Before launch, a transformers model (``model=hf`` or a named shape such as
-    ``model=llama3_8b``, planned from its stated shape with no weights): ``model.path`` is set,
-    a named shape's numbers are those of the config.json there, and the weights are there."""
+    ``model=llama3_8b``, planned from its stated shape with no weights): ``model.path`` is set
+    and, ``here`` (on the machine that runs it), a named shape's numbers are those of the
+    config.json there and the weights are there."""
     if model.path is None:
         return [f"model={model.name} (architecture {model.architecture}) plans without weights, "
                 "but training builds the model from them: set model.path to a directory written "
                 "by save_pretrained or a model id in the local Hugging Face cache "
                 f"(model.path=/models/<the {model.name} checkpoint>)"]
+    if not here:
+        return []
     try:
         real = shape(str(model.path))
     except ValueError as e:

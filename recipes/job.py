@@ -397,12 +397,12 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
     world_ok = c.nodes >= 1 and c.devices >= 1
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
+    if depth >= RUN and not bad["model"] and model.is_hf:  # (plan.py plans a shape alone)
+        from recipes.hf_config import launch_problems
+
+        problems += launch_problems(model, here=depth >= LAUNCH)
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
-        if not bad["model"] and model.is_hf:  # (plan.py plans a config.json, or a named shape, alone)
-            from recipes.hf_config import launch_problems
-
-            problems += launch_problems(model)
         lg = objs["logger"]
         if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
             problems += wandb_online_problems()

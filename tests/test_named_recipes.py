@@ -69,6 +69,21 @@ def test_plan_py_and_cfg_job_on_a_recipe(tmp_path):
     assert got == ("llama3_8b", 8, 128)
 
 
+@pytest.mark.subprocess
+def test_a_named_shape_s_printed_commands_carry_model_path_and_a_dry_run_asks_for_it(tmp_path):
+    """A named shape plans without weights, but trains from them: plan.py's run-it line names
+    model.path (a placeholder to fill, said so), and --dry-run refuses the command without it --
+    as the run itself would -- where it used to say it would start."""
+    plan = run_cli("plan.py", "model=llama3_8b", "cluster=node_8x_h100", out=tmp_path / "plan", timeout=120)
+    run_it = next(x for x in plan.proc.stdout.splitlines() if x.startswith("run it:"))
+    assert "model.path=/path/to/llama3_8b" in run_it and "put the checkpoint's directory" in plan.proc.stdout
+    dry = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=llama3_8b", "cluster=node_8x_h100",
+                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert dry.returncode == 2 and "plans without weights, but training builds the model from them" \
+        in dry.stdout, dry.stdout[-3000:]
+
+
 def _config_only(out: Path, **shape) -> Path:
     """A model directory holding only config.json (no weights: model.pretrained=false), written
     as JSON: recipes/hf_config.py reads it so, and importing transformers would cost seconds."""
