@@ -143,10 +143,10 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
     engine loads only its own checkpoints of the same world size and backend (its fp32 master
     weights and optimizer partitions have no other way in); torch presets load anything, except
-    those whose own state is not in a checkpoint (``resume_problem``: ddp's top-k, int8, local
-    SGD, DiLoCo)."""
+    those that keep state of their own on each rank (``resume_problem``: ddp's PowerSGD, top-k,
+    int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks."""
     why = getattr(job.strategy, "resume_problem", lambda: None)()
-    if why:
+    if why and not _holds_rank_state(ckpt, job):
         return why
     if job.run.checkpoint not in ("deepspeed", "zero_ep"):
         return None
@@ -158,6 +158,16 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
                 f"strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
                 "or a torch preset (single, ddp, fsdp, fsdp2)")
     return None
+
+
+def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:
+    """``ckpt`` holds every rank's own state for ``job``: written by the same preset on as many
+    ranks (checkpoints/state.py ``RANK_STATE``)."""
+    from checkpoints.state import RANK_STATE
+
+    m = ckpt.meta
+    return (m.get("strategy"), int(m.get("world_size", 0))) == (job.strategy.name, job.mesh.size) and all(
+        (ckpt.path / RANK_STATE / f"rank{r}.pt").is_file() for r in range(job.mesh.size))
 
 
 def _check_shapes(ckpt: Checkpoint, want: dict[str, list[int]]) -> None:

@@ -83,6 +83,7 @@ def _zero_to_fp32_quietly() -> Iterator[None]:
 
 
 DCP, DEEPSPEED, ZERO_EP = "dcp", "deepspeed", "zero_ep"
+RANK_STATE = "rank_state"  # <checkpoint>/rank_state/rank<r>.pt: Handles.rank_state's
 TAG = "state"  # DeepSpeed's tag (sub-directory) inside <checkpoint>/deepspeed
 
 
@@ -105,6 +106,10 @@ class Handles:
     full_model: Any = None
     """zero_ep: a callable returning the full model on every rank, keyed as the plain model
     (the strategy's ``full_state_dict``: the experts gathered over the ep group, collectively)."""
+    rank_state: Any = None
+    """What each rank holds beyond model and optimizer (``state_dict`` / ``load_state_dict``;
+    backends/common/ddp_comm.py's ``RankState`` for the compressing and relaxed ddp presets),
+    written as ``rank_state/rank<r>.pt``; None: nothing."""
 
 
 def _barrier() -> None:
@@ -133,6 +138,9 @@ def save(h: Handles, temp: Path) -> None:
                      checkpoint_id=str(temp / DCP))
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), temp / "rng" / f"rank{h.rank}.pt")
+    if h.rank_state is not None:
+        (temp / RANK_STATE).mkdir(exist_ok=True)
+        torch.save(h.rank_state.state_dict(), temp / RANK_STATE / f"rank{h.rank}.pt")
     _barrier()
 
 
@@ -194,6 +202,10 @@ def load(h: Handles, ckpt: Checkpoint) -> None:
         h.scheduler.load_state_dict(meta["scheduler"])
         for group, lr in zip(h.optimizer.param_groups, h.scheduler.get_last_lr()):
             group["lr"] = lr
+    own = path / RANK_STATE / f"rank{h.rank}.pt"  # (a checkpoint of this preset and world:
+    if h.rank_state is not None and own.is_file():  # checkpoints.refusal said so before launch)
+        h.rank_state.load_state_dict(_torch_load(own))
+        how += ", and this rank's own state (its preset's)"
     rng = path / "rng" / f"rank{h.rank}.pt"
     if rng.is_file():
         set_rng_state(_torch_load(rng))
@@ -350,7 +362,7 @@ def verify(ckpt: Checkpoint) -> None:
         _check_dcp_metadata(ckpt.path / DCP)
     else:
         _check_pickles(ckpt.path / ckpt.meta["payload"])
-    for f in sorted((ckpt.path / "rng").glob("*.pt")):
+    for f in sorted([*(ckpt.path / "rng").glob("*.pt"), *(ckpt.path / RANK_STATE).glob("*.pt")]):
         _torch_load(f)
 
 

@@ -335,18 +335,51 @@ def test_bad_input_exits_2(train):
     assert "strategy.topk_ratio" in run.log
 
 
+# Each preset past its warm-up before the step-3 checkpoint, its own state alive across it:
+# residuals, PowerSGD's factors, local SGD's diverged replicas and AdamW moments (average every 4
+# steps from step 1), DiLoCo's outer copy and momentum (synchronized after steps 2, 4, 6).
+RESUMES = {
+    "ddp_topk": ("strategy=ddp_topk", "strategy.start_step=1"),
+    "ddp_int8": ("strategy=ddp_int8", "strategy.start_step=1"),
+    "ddp_powersgd": ("strategy=ddp_powersgd", "strategy.powersgd_warmup_steps=2"),
+    "local_sgd": ("strategy=local_sgd", "strategy.start_step=1", "strategy.sync_every=4"),
+    "diloco": ("strategy=diloco", "strategy.start_step=0", "strategy.sync_every=2"),
+}
+RESUME_CI = {("ddp_powersgd", "lightning"), ("diloco", "lightning"), ("ddp_topk", "accelerate")}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_resume_refused_before_launch(train):
-    """A second run in the same directory (trainer.resume_from=auto finds the first one's
-    checkpoint): refused by name with exit 2, not resumed without its residuals."""
-    first = train("strategy=ddp_topk", "cluster.devices=2", "trainer.micro_batch_size=4",
-                  "trainer.max_steps=2", name="again")
-    assert first.proc.returncode == 0
-    again = train("strategy=ddp_topk", "cluster.devices=2", "trainer.micro_batch_size=4",
-                  "trainer.max_steps=4", name="again", check=False)
-    assert again.proc.returncode == 2
-    assert "cannot resume exactly" in again.log and "error-feedback residuals" in again.log
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("preset, backend", [
+    c if c in RESUME_CI else pytest.param(*c, marks=pytest.mark.slow)
+    for c in [(p, b) for p in RESUMES for b in ("lightning", "accelerate")]])
+def test_each_rank_s_own_state_resumes_exactly(cached, train, tmp_path, preset, backend):
+    """6 steps straight against its step-3 checkpoint resumed to 6 (trainer.resume_from=auto, as a
+    Slurm requeue does): the same losses and bitwise-equal parameters. Each rank's residuals,
+    factors, replica and averager are written beside the checkpoint (rank_state/rank<r>.pt) and
+    taken back, PowerSGD's through DDP's bucket rebuild after the first resumed step."""
+    import shutil
+
+    import torch
+
+    from checkpoints import read, refusal
+    from recipes.compose import compose
+    from recipes.job import validate
+
+    over = (*EQUIV, *TWO, *RESUMES[preset], "trainer.checkpoint_every=3", f"backend={backend}")
+    straight = cached(*over)
+    step3 = straight.out / "checkpoints" / "step3"
+    assert sorted(f.name for f in (step3 / "rank_state").iterdir()) == ["rank0.pt", "rank1.pt"]
+    shutil.copytree(step3, tmp_path / "resumed" / "checkpoints" / "step3")
+    resumed = train(*over, "callbacks=none", name="resumed")
+    assert "and this rank's own state" in resumed.log, resumed.log[-3000:]
+    assert resumed.losses == straight.losses  # the same floats, the whole run
+    a, b = straight.params(), resumed.params()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # ... and only from its own checkpoint on as many ranks: another world is refused by name
+    other = validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *RESUMES[preset], "cluster.devices=1",
+                              "trainer.micro_batch_size=8"]))
+    assert "keeps state of its own on each rank" in refusal(read(step3), other)
 
 
 @pytest.mark.multiprocess

@@ -134,7 +134,8 @@ def prepare(job: Job) -> Prepared:
     sched = training.build_scheduler(raw_opt, t)
     handles = checkpoints.Handles(model=model, optimizer=raw_opt, scheduler=sched,
                                   rank=acc.process_index, world_size=acc.num_processes,
-                                  format=run.checkpoint)
+                                  format=run.checkpoint,
+                                  rank_state=getattr(builder, "rank_state", lambda *_: None)(model, raw_opt))
     startup.mark("model_build")
     return Prepared(acc, builder, model, opt, engine_opt, sched, handles)
 

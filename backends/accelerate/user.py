@@ -25,9 +25,9 @@ refuses, with a ``ConfigError``:
   ``WORLD_SIZE`` (lone processes), once built (``state.accelerator``);
 * a prepared model that is not the preset's engine (an FSDP2 module, FSDP1's wrapper, a
   ``DeepSpeedEngine``, DDP), at ``prepare``;
-* ``load_state`` under a ddp-family preset whose own state no checkpoint holds (PowerSGD's, top-k's
-  and int8's error feedback, local SGD's replicas, DiLoCo's outer step: ``unsaved_state``), as
-  train.py refuses ``trainer.resume_from`` for them;
+* ``load_state`` under a ddp-family preset that keeps state of its own on each rank (PowerSGD's,
+  top-k's and int8's error feedback, local SGD's replicas, DiLoCo's outer step: ``unsaved_state``),
+  which Accelerate's ``save_state`` does not hold (train.py's checkpoints write it per rank);
 * under ZeRO, ``clip_grad_norm_`` at a max_norm other than the hook's ``grad_clip``: DeepSpeed
   clips inside its step at its config's ``gradient_clipping`` and Accelerate only returns the
   norm, so the script's clip would silently not happen (``grad_clip=`` outside ZeRO is refused).

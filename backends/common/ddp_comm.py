@@ -22,6 +22,12 @@ post-step parameter synchronization of relaxed presets (``sync``).
   replicas then take.
 
 Residuals are kept per parameter, not per bucket: DDP rebuilds its buckets after the first step.
+
+``RankState`` is what each rank of these presets holds beyond the model and optimizer a
+checkpoint saves from rank 0 -- residuals, PowerSGD's factors, the hooks' step counters, and for
+local SGD and DiLoCo the rank's own replica, optimizer and averager (DiLoCo's outer copy and
+momentum) -- by parameter name; checkpoints/state.py writes one file per rank beside the
+checkpoint and reads it back, so these presets resume exactly.
 """
 
 from __future__ import annotations
@@ -319,3 +325,68 @@ class Synchronizer:
 
 def _trainable(model: Any) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+class RankState:
+    """A rank's own state under a relaxed or compressing ddp preset (module docstring), as a
+    plain dict by parameter name: ``state_dict`` on save, ``load_state_dict`` after the
+    checkpoint's model and optimizer (rank 0's) are restored."""
+
+    def __init__(self, model: Any, optimizer: Any, hook_state: Any, sync: Synchronizer | None,
+                 prefix: str = ""):
+        self.model, self.optimizer, self.hook_state, self.sync = model, optimizer, hook_state, sync
+        self.prefix = prefix
+        """Where the plain model sits in the wrapped one's names (Lightning: "model.")."""
+
+    def _names(self) -> dict[int, str]:
+        """id -> the plain model's name (DDP's "module.", the backend's prefix, wrappers dropped)."""
+        from core.keys import plain_key
+
+        return {id(p): plain_key(n.removeprefix("module.").removeprefix(self.prefix))
+                for n, p in self.model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        names, h, out = self._names(), self.hook_state, {}
+        if isinstance(h, _Feedback):
+            out["hook"] = {"iter": h.iter, "residuals": {names[i]: r.detach().cpu().clone()
+                                                         for i, r in h.residuals.items()}}
+        elif h is not None and hasattr(h, "p_memory_dict"):
+            from backends.common.powersgd import rank_state
+
+            out["hook"] = rank_state(h, names)
+        elif h is not None:  # local SGD's hook: only its step counter
+            out["hook"] = {"iter": h.iter}
+        impl = self.sync._impl if self.sync is not None else None
+        if impl is not None:  # the replica, optimizer and averager this rank trains alone
+            out["replica"] = {names[id(p)]: p.detach().cpu().clone() for p in _trainable(self.model)}
+            out["optimizer"] = self.optimizer.state_dict()
+            out["sync"] = {"step": impl.step} if not isinstance(impl, DiLoCo) else {
+                "step": impl.step, "outer": None if impl.outer is None else [o.cpu().clone() for o in impl.outer],
+                "optimizer": None if impl.optimizer is None else impl.optimizer.state_dict()}
+        return out
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        ids, h = {n: i for i, n in self._names().items()}, self.hook_state
+        params = {id(p): p for p in self.model.parameters()}
+        if isinstance(h, _Feedback):
+            h.iter = saved["hook"]["iter"]
+            h.residuals = {ids[n]: r.to(params[ids[n]].device) for n, r in saved["hook"]["residuals"].items()}
+        elif h is not None and hasattr(h, "p_memory_dict"):
+            from backends.common.powersgd import load_rank_state
+
+            load_rank_state(h, saved["hook"], ids)
+        elif h is not None:
+            h.iter = saved["hook"]["iter"]
+        if "sync" not in saved or self.sync is None:
+            return
+        with torch.no_grad():
+            for name, value in saved["replica"].items():
+                params[ids[name]].copy_(value)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        impl = self.sync._impl = self.sync._make()
+        impl.step = saved["sync"]["step"]
+        if isinstance(impl, DiLoCo) and saved["sync"]["outer"] is not None:
+            impl.outer = [o.to(p.device) for o, p in zip(saved["sync"]["outer"], _trainable(self.model))]
+            impl.optimizer = torch.optim.SGD(impl.outer, lr=impl.lr, momentum=impl.momentum,
+                                             nesterov=impl.momentum > 0)
+            impl.optimizer.load_state_dict(saved["sync"]["optimizer"])

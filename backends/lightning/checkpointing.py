@@ -33,7 +33,8 @@ def handles(trainer: L.Trainer, job: Job) -> checkpoints.Handles:
                                scheduler=configs[0].scheduler if configs else None,
                                rank=trainer.global_rank, world_size=trainer.world_size,
                                format=job.run.checkpoint, prefix=MODEL_PREFIX,
-                               full_model=lambda: trainer.strategy.full_state_dict(prefix=MODEL_PREFIX))
+                               full_model=lambda: trainer.strategy.full_state_dict(prefix=MODEL_PREFIX),
+                               rank_state=getattr(trainer.strategy, "rank_state", lambda _: None)(MODEL_PREFIX))
 
 
 def set_global_step(trainer: L.Trainer, step: int) -> None:

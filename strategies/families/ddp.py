@@ -79,17 +79,18 @@ class DDPConfig(StrategyConfig):
                                           "and momentum"}.get(self.sync)
 
     def resume_problem(self) -> str | None:
-        """Why a checkpoint of this preset cannot be continued exactly (None: it can). The
-        checkpoint holds rank 0's parameters and optimizer only: PowerSGD's error feedback and
-        warm-started factors (torch's hook state), top-k's and int8's per-rank error-feedback
-        residuals, local SGD's diverged replicas between synchronizations and
-        DiLoCo's outer parameters and momentum are not in it, so a resumed run would silently
-        differ. Refused instead."""
+        """Why a checkpoint not of this preset cannot be continued exactly (None: any can). Model
+        and optimizer are rank 0's; PowerSGD's error feedback and warm-started factors, top-k's
+        and int8's per-rank residuals, local SGD's diverged replicas and DiLoCo's outer
+        parameters and momentum are each rank's own, which only this preset's checkpoints on as
+        many ranks hold (backends/common/ddp_comm.py ``RankState``; checkpoints.refusal)."""
         if (extra := self.unsaved_state()) is None:
             return None
-        return (f"strategy={self.name} keeps state the checkpoint does not hold ({extra}), so it "
-                "cannot resume exactly; start the run again without trainer.resume_from, or resume "
-                "with strategy=ddp")
+        return (f"strategy={self.name} keeps state of its own on each rank ({extra}), which only "
+                "its own checkpoints on as many ranks hold, so it cannot resume this one exactly; "
+                f"resume from a strategy={self.name} checkpoint with the same cluster.devices x "
+                "cluster.nodes, start the run again without trainer.resume_from, or resume with "
+                "strategy=ddp")
 
     def footprint(self) -> DDPFootprint:
         powersgd = self.comm_hook == "powersgd"

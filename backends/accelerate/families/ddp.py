@@ -34,6 +34,16 @@ class DDP(Builder):
         if hook is not None and hasattr(model, "register_comm_hook"):  # DDP-wrapped (world > 1)
             model.register_comm_hook(state, hook)
         self.sync = Synchronizer(self.preset, nodes=self.run.mesh.nodes, devices=self.run.mesh.devices)
+        self.comm_state = state
+
+    def rank_state(self, model: Any, optimizer: Any) -> Any:
+        """What each rank keeps beyond the checkpoint's model and optimizer (backends/common/
+        ddp_comm.py ``RankState``); None for presets that keep none."""
+        if self.preset.unsaved_state() is None:
+            return None
+        from backends.common.ddp_comm import RankState
+
+        return RankState(model, optimizer, getattr(self, "comm_state", None), getattr(self, "sync", None))
 
     def before_step(self, model: Any) -> None:
         getattr(self, "sync", None) and self.sync.before_step(model)

@@ -69,6 +69,15 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
                                 ddp_comm_hook=self._ddp_comm_hook,
                                 ddp_comm_wrapper=self._ddp_comm_wrapper)
 
+    def rank_state(self, prefix: str) -> Any:
+        """What each rank keeps beyond the checkpoint's model and optimizer (residuals, factors,
+        replicas: backends/common/ddp_comm.py ``RankState``); None for presets that keep none."""
+        if self.preset.unsaved_state() is None:
+            return None
+        from backends.common.ddp_comm import RankState
+
+        return RankState(self.model, self.optimizers[0], self._ddp_comm_state, self._sync, prefix=prefix)
+
     def engine_settings(self) -> dict[str, Any]:
         return {"ddp_kwargs": dict(self._ddp_kwargs),
                 "comm_hook": getattr(self._ddp_comm_hook, "__name__", None),
