@@ -141,21 +141,21 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
-    engine loads only its own checkpoints of the same world size and backend (its fp32 master
-    weights and optimizer partitions have no other way in); torch presets load anything, except
+    engine loads its own checkpoints of the same world size and backend whole, any other's model
+    (its optimizer starts fresh), zero2_ep only its own; torch presets load anything, except
     those that keep state of their own on each rank (``resume_problem``: ddp's PowerSGD, top-k,
     int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks."""
     why = getattr(job.strategy, "resume_problem", lambda: None)()
     if why and not _holds_rank_state(ckpt, job):
         return why
-    if job.run.checkpoint not in ("deepspeed", "zero_ep"):
+    if job.run.checkpoint != "zero_ep":  # (a ZeRO run takes any other's model, optimizer fresh)
         return None
     m = ckpt.meta
     if (m["payload"], int(m["world_size"]), m["backend"]) != (job.run.checkpoint, job.mesh.size, job.backend):
         return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
-                f"backend={m['backend']}; strategy={job.strategy.name} (DeepSpeed) resumes only from "
-                f"DeepSpeed checkpoints of the same world size and backend: resume with "
-                f"strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
+                f"backend={m['backend']}; strategy={job.strategy.name} (experts split over ranks) "
+                f"resumes only from its own checkpoints of the same world size and backend: resume "
+                f"with strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
                 "or a torch preset (single, ddp, fsdp, fsdp2)")
     return None
 

@@ -20,9 +20,10 @@ most faithful path the two sides allow:
   rank's module (its own experts, plain keys) and ZeRO optimizer state, written and read through
   the engine's ``state_dict`` / ``load_state_dict``; ``model.pt`` beside them holds the full
   model (experts gathered over the ep group), for convert.py and the other presets.
-- anything else (ZeRO -> FSDP/DDP/single, or another world size under ZeRO): the full fp32
-  parameters (DeepSpeed's ``zero_to_fp32``, or DCP read whole) loaded into the engine; the
-  optimizer starts fresh, and the log says so.
+- anything else (ZeRO -> FSDP/DDP/single, DCP -> ZeRO, or another world size or backend under
+  ZeRO): the full fp32 parameters (DeepSpeed's ``zero_to_fp32``, or DCP read whole) loaded into
+  the engine -- a DeepSpeed engine's module set (under ZeRO-3 gathered and partitioned again)
+  and its fp32 masters refreshed from it; the optimizer starts fresh, and the log says so.
 """
 
 from __future__ import annotations
@@ -282,16 +283,38 @@ def _zero1_frozen(state_dir: Path, have: dict[str, Any]) -> dict[str, torch.Tens
 
 
 def _load_full_model(h: Handles, full: dict[str, torch.Tensor]) -> None:
+    if h.format == DEEPSPEED:
+        return _load_into_deepspeed(h.model, _add(full, h.prefix))
     if h.format != DCP:
         raise CheckpointError(
-            "resuming a DeepSpeed run from a checkpoint of another strategy, world size or backend "
-            "is not supported (its fp32 master weights and optimizer partitions would not follow); "
-            "resume with the preset and world size that wrote it, or with a torch strategy "
-            "(single, ddp, fsdp, fsdp2)")
+            "resuming strategy=zero2_ep from a checkpoint of another strategy, world size or backend "
+            "is not supported (each rank's experts would not follow); resume with the preset and "
+            "world size that wrote it, or with a torch strategy (single, ddp, fsdp, fsdp2)")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(h.model, _add(full, h.prefix),
                          options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def _load_into_deepspeed(engine: Any, full: dict[str, torch.Tensor]) -> None:
+    """Every parameter and buffer of ``full`` (the plain model's keys plus the backend's prefix)
+    into a DeepSpeed engine's module -- under ZeRO-3 each gathered, set, and partitioned again
+    (``GatheredParameters``) -- then the optimizer's fp32 masters from them
+    (``refresh_fp32_params``): the engine steps on the loaded weights with a fresh optimizer."""
+    import deepspeed
+
+    module = engine.module
+    params = {plain_key(n): t for n, t in module.named_parameters()}
+    buffers = {plain_key(n): t for n, t in module.named_buffers() if plain_key(n) in full}
+    differ = sorted(set(params) ^ (set(full) - set(buffers)))
+    if differ:
+        raise CheckpointError(f"the checkpoint's parameters are not the model's: {', '.join(differ[:5])}")
+    stage3 = engine.zero_optimization_stage() == 3
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0, enabled=stage3), \
+            torch.no_grad():
+        for key, t in (params | buffers).items():
+            t.copy_(full[key].to(t.device, t.dtype))
+    engine.optimizer.refresh_fp32_params()
 
 
 # ------------------------------------------------------------------ keys

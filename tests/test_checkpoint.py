@@ -123,6 +123,28 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_fsdp2_on_2_resumes_as_zero3_on_2_and_as_zero2_on_1_on_accelerate(cached, train, tmp_path):
+    """A ZeRO run takes another preset's (or world's, or backend's) model, its optimizer fresh,
+    as a torch preset takes a ZeRO run's: every parameter set in the engine (under ZeRO-3
+    gathered and partitioned again) and the fp32 masters refreshed from them. It was refused."""
+    fsdp2 = _straight(cached, "fsdp2")
+    step3 = fsdp2.out / "checkpoints" / "step3"
+    saved = _convert(step3, tmp_path / "fsdp2.safetensors")
+    # zero3 on 2, resumed at step 3 with max_steps=3: trains nothing, exports what it loaded
+    zero3 = train(*EQUIV, *PRESETS["zero3"], "trainer.max_steps=3", f"trainer.resume_from={step3}", QUIET,
+                  name="zero3")
+    assert "model only, from a dcp checkpoint of fsdp2 on 2 rank(s)" in zero3.log, zero3.log[-3000:]
+    _same_params(saved, zero3.params())
+    # zero2 on 1 on Accelerate continues to step 6: its first step sees the same weights and data
+    zero2 = train(*EQUIV, "strategy=zero2", "cluster.devices=1", "trainer.micro_batch_size=8", "backend=accelerate",
+                  f"trainer.resume_from={step3}", QUIET, name="zero2")
+    assert "optimizer state does not carry over" in zero2.log
+    assert zero2.losses[:3] == fsdp2.losses[:3]
+    assert_losses_close(fsdp2.losses[3:4], zero2.losses[3:4], rtol=1e-6)
+    assert len(zero2.losses) == 6 and zero2.losses[-1] < zero2.losses[3]
+
+
+@pytest.mark.multiprocess
 def test_fsdp2_on_2_resumes_as_tp_on_2(cached, train):
     """The checkpoint's optimizer groups carried fsdp2's foreach=True into tp's, whose groups mix
     DTensors with plain norm weights and step one tensor at a time: the resumed run's first step
@@ -662,16 +684,20 @@ def test_commit_discovery_pruning_and_cleanup(tmp_path):
 
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
-def test_deepspeed_refuses_a_foreign_checkpoint_before_launch(good):
+def test_zero2_ep_refuses_a_foreign_checkpoint_before_launch_and_zero2_takes_its_model(good):
+    """zero2_ep splits the experts over ranks and resumes only from its own checkpoints; the other
+    ZeRO presets take any checkpoint's model (test_fsdp2_on_2_resumes_as_zero3_on_2_...)."""
     import checkpoints
     from recipes.config import compose
     from recipes.job import validate
 
-    job = validate(compose([*TINY, *EQUIV, *PRESETS["zero2"]]))
-    why = checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job)
+    ckpt = checkpoints.resolve(str(good), good.parent.parent)
+    job = validate(compose([*TINY, *EQUIV, "model=gpt_moe_nano", "strategy=zero2_ep", "cluster.devices=2",
+                            "trainer.micro_batch_size=4"]))
+    why = checkpoints.refusal(ckpt, job)
     assert why and "written by fsdp on 2 rank(s)" in why and "strategy=fsdp cluster.devices=2" in why
-    job = validate(compose([*TINY, *EQUIV, *PRESETS["ddp"]]))
-    assert checkpoints.refusal(checkpoints.resolve(str(good), good.parent.parent), job) is None
+    for preset in ("zero2", "ddp"):
+        assert checkpoints.refusal(ckpt, validate(compose([*TINY, *EQUIV, *PRESETS[preset]]))) is None
 
 
 @pytest.mark.subprocess

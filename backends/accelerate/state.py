@@ -46,14 +46,29 @@ def sharded_accumulation(more: dict[str, Any]) -> dict[str, Any]:
 
 
 def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
-    """The ``DistributedType`` name these Accelerator kwargs must produce."""
-    if world_size == 1:
-        return "NO"
+    """The ``DistributedType`` name these Accelerator kwargs must produce (DeepSpeed's engine
+    runs in one process too: ZeRO-Offload on one GPU; the others wrap nothing there)."""
     if "deepspeed_plugin" in kwargs:
         return "DEEPSPEED"
+    if world_size == 1:
+        return "NO"
     if "fsdp_plugin" in kwargs:
         return "FSDP"
     return "MULTI_CPU" if on_cpu else "MULTI_GPU"
+
+
+def lone_group_env() -> None:
+    """torch's env:// variables for a process group of one, where no launcher set them:
+    DeepSpeed's engine joins a group even alone (ZeRO-Offload on one GPU), and without them
+    looks for MPI ("No module named 'mpi4py'"). Lightning's DeepSpeed strategy does the same."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
 
 
 def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
@@ -72,6 +87,8 @@ def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
 
     Accelerator = cls or default  # noqa: N806
     group = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if "deepspeed_plugin" in kwargs and world_size == 1 and "RANK" not in os.environ:
+        lone_group_env()
     if "fsdp_plugin" in kwargs and more.get("gradient_accumulation_steps", 1) > 1:
         more = sharded_accumulation(more)
     if not on_cpu:
