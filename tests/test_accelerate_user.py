@@ -272,6 +272,24 @@ def test_zero3_user_script_shards_and_equals_ddp(tmp_path, optimizer):
     _assert_preset(_ranks(hooked), _ranks(ref), "DEEPSPEED", "DeepSpeedEngine")
 
 
+@pytest.mark.subprocess
+def test_a_zero_preset_in_one_process_runs_deepspeeds_engine_as_the_plain_script_trains(tmp_path):
+    """ZeRO-Offload on one GPU is `python script.py` with the hook: Accelerate runs DeepSpeed's
+    engine in one process. The hook expected no engine there and refused it; DeepSpeed, without
+    torch's env:// variables, looked for MPI. Now it trains what the plain one-process script
+    trains (SGD, fp32: the same losses)."""
+    def one(*args: str) -> dict:
+        done = subprocess.run([sys.executable, SCRIPT, "--optimizer", "sgd", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return json.loads(next(x for x in done.stdout.splitlines() if x.startswith('{"rank": ')))
+
+    plain, zero = one("--cpu"), one("--strategy", "zero3_offload")
+    assert (zero["world"], zero["distributed_type"], zero["model_type"]) == (1, "DEEPSPEED", "DeepSpeedEngine")
+    assert_losses_close(plain["losses"], zero["losses"], rtol=RTOL)
+
+
 @pytest.mark.unit
 def test_hook_refuses_a_launchers_config_for_another_engine(monkeypatch):
     """A ZeRO export launched with the fsdp2 hook: refused before any process group."""

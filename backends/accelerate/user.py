@@ -123,10 +123,10 @@ def unhooked(config: dict[str, Any], *, cuda: bool, cpu: bool) -> str:
 def _engine(kwargs: dict[str, Any], world: int) -> str:
     """What a prepared model must be: fsdp2 | fsdp1 | deepspeed | ddp | plain."""
     plugin = kwargs.get("fsdp_plugin")
-    if world == 1:
-        return "plain"  # (Accelerate wraps nothing in one process: DistributedType.NO)
-    if "deepspeed_plugin" in kwargs:
+    if "deepspeed_plugin" in kwargs:  # (DeepSpeed's engine even in one process: ZeRO-Offload)
         return "deepspeed"
+    if world == 1:
+        return "plain"  # (Accelerate wraps nothing else in one process: DistributedType.NO)
     if plugin is not None:
         return f"fsdp{plugin.fsdp_version}"
     return "ddp" if world > 1 else "plain"
