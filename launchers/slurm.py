@@ -191,7 +191,10 @@ def _memory(partition: str | None) -> tuple[str, int | None, tuple[str, int, str
         config = {k.strip(): v.strip() for k, v in config.items()}
         parts = [dict(f.split("=", 1) for f in line.split() if "=" in f)
                  for line in ask("show", "partition", "-o").splitlines()]
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        log.warning("scontrol did not answer (%s): the memory Slurm grants a job is not known here, "
+                    "so the plan takes cluster.host_memory_GB (set cluster.slurm.mem_gb to be sure)",
+                    ((getattr(e, "stderr", None) or str(e) or type(e).__name__).strip().splitlines() or ["?"])[0][:160])
         return None
     part = next((p for p in parts if p.get("PartitionName") == partition
                  or (partition is None and p.get("Default") == "YES")), None)
