@@ -420,6 +420,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += strategy.launch_problems(run)
     if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
         problems += _preset_problems(strategy, run, objs, bad)
+    elif depth >= RUN and not bad["model"] and preset.name != AUTO:  # (the shape's, whatever the world)
+        problems += strategy.model_problems(model)
     if not bad["model"] and not bad["data"] and (eos := packing.document_eos(objs["data"])) is not None:
         objs["model"] = replace(model, document_eos=eos)  # (the model masks documents at it)
     if not bad["model"] and not bad["trainer"]:

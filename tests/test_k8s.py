@@ -105,7 +105,7 @@ def test_bad_k8s_values_are_one_error_each():
     from strategies import ConfigError
 
     base = ["cluster=k8s", "strategy=ddp", "trainer.global_batch_size=128"]
-    with pytest.raises(ConfigError, match=r"cluster.k8s.cpus=0.0: must be > 0; set cluster.k8s.cpus="):
+    with pytest.raises(ConfigError, match=r"cluster.k8s.cpus=0.0: must be > 0; set cluster.k8s.cpus to a value > 0"):
         validate(compose([*base, "cluster.k8s.cpus=0"]), depth=RUN)
     bad = [*base, "cluster.k8s.job_name=Run_1", "cluster.k8s.mount_path=runs", "hydra.run.dir=/x"]
     with pytest.raises(ConfigError) as e:
