@@ -362,7 +362,8 @@ class Preflight:
 
     def table(self) -> str:
         """One line per point (its overrides that differ from the others'), then its problems."""
-        common = set.intersection(*(set(p.overrides) for p in self.points)) if self.points else set()
+        # (a single job's overrides are its own, not common to others: --dry-run shows them)
+        common = set.intersection(*(set(p.overrides) for p in self.points)) if len(self.points) > 1 else set()
         lines = []
         for i, p in enumerate(self.points):
             mine = " ".join(o for o in p.overrides if o not in common) or "(the base config)"

@@ -140,6 +140,8 @@ def _shown(name: str, rows: dict[str, dict[str, Any]]) -> bool:
         return False
     if name == "peak":
         return (r.get("predicted") or 0) < SMALL_PEAK
+    if name == "communication":  # (one process sends nothing, and has no communication.png)
+        return bool(r.get("measured"))
     return name != "step_seconds" or r.get("calibrated") is False
 
 

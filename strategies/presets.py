@@ -39,18 +39,22 @@ def node(name: str) -> Any:
 
 @contextmanager
 def hydra_context() -> Iterator[None]:
-    """Hydra initialized on ``conf/``, restoring whatever Hydra state existed before."""
+    """Hydra initialized on ``conf/``, restoring whatever Hydra state existed before -- the job's
+    name too (initializing sets it, "app", for every job a multirun launches after: a sweep's
+    jobs logged to app.log, not train.log)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import JobRuntime
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    backup = get_gh_backup()
+    backup, name = get_gh_backup(), JobRuntime.instance().get("name")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
             yield
     finally:
         restore_gh_from_backup(backup)
+        JobRuntime.instance().set("name", name)
 
 
 def _unknown(name: str) -> KeyError:

@@ -71,6 +71,8 @@ def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     print(f"single 2-process run {one:.1f}s; sweep of 3 {elapsed:.1f}s")
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1", "2"], jobs  # nothing else: no rank started a sweep of its own
+    # each job logs to train.log, as a single run does (the preflight's compose named them "app")
+    assert all((sweep / j / "train.log").is_file() for j in jobs), sorted(p.name for p in (sweep / "0").iterdir())
     reports = [json.loads((sweep / j / "report.json").read_text()) for j in jobs]
     # one interpreter (not a wall-clock bound, which a loaded CI machine broke: 11.1 s against
     # 3 x 2.9 s x 1.25): the later jobs find every library imported

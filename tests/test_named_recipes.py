@@ -82,6 +82,7 @@ def test_a_named_shape_s_printed_commands_carry_model_path_and_a_dry_run_asks_fo
                          stdin=subprocess.DEVNULL)
     assert dry.returncode == 2 and "plans without weights, but training builds the model from them" \
         in dry.stdout, dry.stdout[-3000:]
+    assert "invalid       model=llama3_8b cluster=node_8x_h100" in dry.stdout  # (not "the base config")
 
 
 def _config_only(out: Path, **shape) -> Path:
