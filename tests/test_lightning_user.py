@@ -167,3 +167,63 @@ def test_a_documented_lightning_module_goes_through_every_trainer_entry(preset, 
     (_, val), (_, test), (_, again), (_, predicted) = calls[1:]
     assert test["loss"] == pytest.approx(again["loss"], rel=1e-6) == pytest.approx(val["loss"], rel=1e-6)
     assert predicted == {"batches": 2}
+
+
+RESUME_SCRIPT = ROOT / "tests" / "lightning_resume_script.py"
+
+
+def _resume_run(preset: str, out, ckpt=None) -> dict:
+    done = subprocess.run([sys.executable, str(RESUME_SCRIPT), preset, str(out), *([str(ckpt)] if ckpt else [])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """preset -> its straight run (each trained once for this module)."""
+    done: dict[str, tuple[dict, object]] = {}
+
+    def get(preset: str) -> tuple[dict, object]:
+        if preset not in done:
+            out = tmp_path_factory.mktemp(preset) / "straight"
+            done[preset] = (_resume_run(preset, out), out / "ckpt" / "step=3.ckpt")
+        return done[preset]
+
+    return get
+
+
+@pytest.mark.parametrize("preset", ["ddp_powersgd", pytest.param("ddp_topk", marks=pytest.mark.slow),
+                                    pytest.param("local_sgd", marks=pytest.mark.slow),
+                                    pytest.param("diloco", marks=pytest.mark.slow)])
+def test_a_users_ckpt_path_resumes_a_preset_that_keeps_state_on_each_rank(tmp_path, preset, straight_runs):
+    """A user's ModelCheckpoint at step 3 and fit(ckpt_path=...) to step 6 on 2 ranks: the
+    preset's per-rank state (residuals, factors, replicas) is gathered into Lightning's checkpoint
+    and taken back, so the resumed run is the straight one. PowerSGD to rounding: its first
+    resumed step runs in DDP's initial buckets, where torch's hook multiplies each matrix at
+    another offset than in the rebuilt buckets, and the matmul rounds by alignment (1 ULP)."""
+    straight, step3 = straight_runs(preset)
+    resumed = _resume_run(preset, tmp_path / "resumed", step3)
+    assert len(resumed["losses"]) == 3 and resumed["losses"][0] == straight["losses"][3]
+    if preset == "ddp_powersgd":
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(straight["losses"][3:], resumed["losses"]))
+        flat = [(x, y) for k in straight["params"] for x, y in zip(_flat(straight["params"][k]),
+                                                                     _flat(resumed["params"][k]))]
+        assert all(abs(x - y) <= 1e-6 * max(1.0, abs(x)) for x, y in flat)
+    else:
+        assert resumed["losses"] == straight["losses"][3:] and resumed["params"] == straight["params"]
+
+
+def _flat(x) -> list[float]:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
+def test_a_users_ckpt_path_of_another_preset_is_refused_by_a_preset_that_keeps_state(tmp_path, straight_runs):
+    """top-k resuming a PowerSGD checkpoint (another preset's per-rank state) stops with the
+    reason, not silently with state that is not its own."""
+    _, step3 = straight_runs("ddp_powersgd")
+    done = subprocess.run([sys.executable, str(RESUME_SCRIPT), "ddp_topk", str(tmp_path / "topk"), str(step3)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode != 0
+    assert "keeps state of its own on each rank" in done.stderr and "strategy=ddp_powersgd's on 2 rank(s)" \
+        in done.stderr, done.stderr[-3000:]

@@ -17,6 +17,10 @@ from strategies.families.ddp import DDPConfig
 from parallel.parallelize import parallelize, plan_for
 
 
+RANK_STATE = "stratagem_rank_state"
+"""Every rank's own state in a Lightning checkpoint of the presets that keep one (a list by rank)."""
+
+
 def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:
     """torch's DDP communication hook and its state for ``strategy.comm_hook``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -68,6 +72,34 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
         _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
                                 ddp_comm_hook=self._ddp_comm_hook,
                                 ddp_comm_wrapper=self._ddp_comm_wrapper)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's own checkpoint (a user's ModelCheckpoint, ``trainer.save_checkpoint``)
+        with every rank's own state gathered into it (``RANK_STATE``), so ``ckpt_path`` resumes
+        these presets exactly as train.py's checkpoints do. Every rank calls this (Lightning's
+        contract); rank 0 writes."""
+        if (own := self.rank_state("")) is not None:
+            import torch.distributed as dist
+
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, own.state_dict())
+            checkpoint = {**checkpoint, RANK_STATE: {"preset": self.preset.name, "ranks": every}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """After the optimizer, this rank's own state from a checkpoint of this preset on as many
+        ranks (``save_checkpoint``); any other is refused, as train.py refuses it."""
+        super().load_optimizer_state_dict(checkpoint)
+        if (own := self.rank_state("")) is None:
+            return
+        held = checkpoint.get(RANK_STATE) or {}
+        if (held.get("preset"), len(held.get("ranks") or ())) != (self.preset.name, self.world_size):
+            from core.errors import ConfigError
+
+            raise ConfigError(f"{self.preset.resume_problem()} (this checkpoint holds "
+                              + (f"strategy={held['preset']}'s on {len(held['ranks'])} rank(s))" if held
+                                 else "none)"))
+        own.load_state_dict(held["ranks"][self.global_rank])
 
     def rank_state(self, prefix: str) -> Any:
         """What each rank keeps beyond the checkpoint's model and optimizer (residuals, factors,
