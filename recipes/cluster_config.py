@@ -165,10 +165,10 @@ class ClusterConfig:
         if self.launcher == "slurm" and self.slurm.mem_gb:
             limits.append((float(self.slurm.mem_gb), "cluster.slurm.mem_gb: sbatch --mem"))
         if self.launcher == "slurm":  # (the nodes and the memory Slurm grants)
-            from launchers.slurm import memory_limits
+            from recipes.allocation import slurm_memory
 
-            limits += memory_limits(self.slurm.partition, self.devices * self.slurm.cpus_per_task,
-                                    self.slurm.mem_gb)
+            limits += slurm_memory(self.slurm.partition, self.devices * self.slurm.cpus_per_task,
+                                   self.slurm.mem_gb)
         return min(limits, key=lambda x: x[0])
 
     def hardware(self) -> str | None:

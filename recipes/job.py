@@ -167,6 +167,9 @@ def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
             obj = schema(**obj)
         objs[group] = obj
         problems[group] += knobs.problems(obj, group)
+    path = OmegaConf.select(cfg, "model.path", default=None)  # (the tokenizer's default: said once)
+    if path and any("model.path=" in p for p in problems.get("model", [])):
+        problems["data"] = [p for p in problems.get("data", []) if not p.startswith(f"data.tokenizer={path!r}")]
     return objs, problems
 
 
@@ -363,9 +366,6 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     cfg, aliased = stopping.gradient_checkpointing(cfg)  # (one switch: the strategy's key)
     objs, bad = _objects(cfg)
     bad["trainer"] = bad.get("trainer", []) + aliased
-    path = OmegaConf.select(cfg, "model.path", default=None)  # (the tokenizer's default: said once)
-    if path and any("model.path=" in p for p in bad.get("model", [])):
-        bad["data"] = [p for p in bad.get("data", []) if not p.startswith(f"data.tokenizer={path!r}")]
     unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
     if unknown:  # ``+key=value`` adds keys the schema does not have
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
@@ -418,10 +418,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if depth >= LAUNCH and world_ok:
         problems += _device_problems(run.accelerator, run.mesh, c.oversubscribe)
         problems += strategy.launch_problems(run)
-    if depth >= RUN and world_ok:  # (the planner reports each preset's problems itself)
-        problems += _preset_problems(strategy, run, objs, bad)
-    elif depth >= RUN and not bad["model"] and preset.name != AUTO:  # (the shape's, whatever the world)
-        problems += strategy.model_problems(model)
+    if depth >= RUN and preset.name != AUTO:  # (the planner reports each preset's problems itself)
+        problems += _preset_problems(strategy, run, objs, bad, world_ok)
     if not bad["model"] and not bad["data"] and (eos := packing.document_eos(objs["data"])) is not None:
         objs["model"] = replace(model, document_eos=eos)  # (the model masks documents at it)
     if not bad["model"] and not bad["trainer"]:
@@ -461,11 +459,14 @@ def optimizer_device(strategy: StrategyConfig, run: Run) -> str:
 
 
 def _preset_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
-                     bad: dict[str, list[str]]) -> list[str]:
-    """The preset on this run (``RUN`` depth, the world sound): its own problems, with the model,
-    with the data's packing, and callbacks.samples with both (recipes/samples.py). (Masked data
-    trains on every layout: the loss is token-true, recipes/data.py ``CountedShare``.)"""
+                     bad: dict[str, list[str]], world_ok: bool) -> list[str]:
+    """The preset on this run (``RUN`` depth): its own problems, with the model, with the data's
+    packing, and callbacks.samples with both (recipes/samples.py); with a world that is not
+    sound, only the model's shape against the preset. (Masked data trains on every layout: the
+    loss is token-true, recipes/data.py ``CountedShare``.)"""
     model = objs["model"]
+    if not world_ok:
+        return [] if bad["model"] else strategy.model_problems(model)
     out = strategy.problems(run)
     if not bad["model"]:
         out += strategy.model_problems(model) + run.mesh.model_problems(model, strategy.name)
