@@ -407,15 +407,21 @@ def _requeued_sweep(slurm: dict[str, str], sweep: Path, *overrides: str, requeue
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["lightning", pytest.param("accelerate", marks=pytest.mark.slow)])
-def test_slurm_requeue_resumes_from_our_checkpoint_and_equals_the_straight_run(slurm, tmp_path, cached, backend):
+@pytest.mark.parametrize("backend, preset", [
+    ("lightning", "ddp"), pytest.param("accelerate", "ddp", marks=pytest.mark.slow),
+    pytest.param("lightning", "ddp_powersgd", marks=pytest.mark.slow)])
+def test_slurm_requeue_resumes_from_our_checkpoint_and_equals_the_straight_run(slurm, tmp_path, cached, backend,
+                                                                               preset):
     """SIGUSR1 (what Slurm sends cluster.slurm.requeue_signal_s before the time limit) after a
     checkpoint: every rank finishes its step, all save together, rank 0 requeues; the next
     attempt resumes from that checkpoint (one owner: no Lightning hpc checkpoint) and the run
-    ends equal to the straight one, on either backend."""
-    straight = cached(*REQUEUE, "cluster.devices=2", f"backend={backend}")
+    ends equal to the straight one, on either backend -- and for a preset that keeps state of
+    its own on each rank (PowerSGD: its factors and error feedback, rank_state/), which a
+    requeue used to stop at."""
+    over = (*REQUEUE, f"strategy={preset}", f"backend={backend}")
+    straight = cached(*over, "cluster.devices=2")
     sweep = tmp_path / "requeue"
-    out, code = _requeued_sweep(slurm, sweep, *REQUEUE, f"backend={backend}")
+    out, code = _requeued_sweep(slurm, sweep, *over)
     assert code == 0, out[-3000:]
     log = _job_log(sweep / "0")
     stopped = int(log.split("stopped by SIGUSR1 after step ")[1].split(";")[0])
