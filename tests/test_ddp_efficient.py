@@ -335,9 +335,10 @@ def test_bad_input_exits_2(train):
     assert "strategy.topk_ratio" in run.log
 
 
-# (PowerSGD is bitwise here because gpt_nano's rebuilt DDP buckets hold each matrix where the
-# initial ones do; where they differ, the first resumed step rounds differently by 1 ULP: torch's
-# matmul rounds by alignment -- tests/test_lightning_user.py's ckpt_path case shows it.)
+# (Bitwise because gpt_nano's gradients fit DDP's first rebuilt bucket: its rebuilt layout is its
+# first-iteration one, a single bucket. With several rebuilt buckets the first resumed step runs
+# in that single bucket: top-k and int8 then pick over it, PowerSGD rounds 1 ULP apart --
+# tests/test_lightning_user.py's ckpt_path case; README, "Checkpoints".)
 # Each preset past its warm-up before the step-3 checkpoint, its own state alive across it:
 # residuals, PowerSGD's factors, local SGD's diverged replicas and AdamW moments (average every 4
 # steps from step 1), DiLoCo's outer copy and momentum (synchronized after steps 2, 4, 6).
