@@ -335,9 +335,8 @@ def test_bad_input_exits_2(train):
     assert "strategy.topk_ratio" in run.log
 
 
-# (Bitwise because gpt_nano's gradients fit DDP's first rebuilt bucket: its rebuilt layout is its
-# first-iteration one, a single bucket. With several rebuilt buckets the first resumed step runs
-# in that single bucket: top-k and int8 then pick over it, PowerSGD rounds 1 ULP apart --
+# (PowerSGD is bitwise on gpt_nano, whose matrices sit at the same offsets in DDP's first-iteration
+# bucket and its rebuilt one; elsewhere its first resumed step rounds 1 ULP apart --
 # tests/test_lightning_user.py's ckpt_path case; README, "Checkpoints".)
 # Each preset past its warm-up before the step-3 checkpoint, its own state alive across it:
 # residuals, PowerSGD's factors, local SGD's diverged replicas and AdamW moments (average every 4
@@ -348,8 +347,13 @@ RESUMES = {
     "ddp_powersgd": ("strategy=ddp_powersgd", "strategy.powersgd_warmup_steps=2"),
     "local_sgd": ("strategy=local_sgd", "strategy.start_step=1", "strategy.sync_every=4"),
     "diloco": ("strategy=diloco", "strategy.start_step=0", "strategy.sync_every=2"),
+    # gpt_small's gradients fill three rebuilt DDP buckets, where the first resumed step runs in
+    # one: top-k and int8 pick and scale per bucket of the run they continue (ddp_comm.py groups)
+    "ddp_topk, gpt_small": ("strategy=ddp_topk", "strategy.start_step=1", "model=gpt_small"),
+    "ddp_int8, gpt_small": ("strategy=ddp_int8", "strategy.start_step=1", "model=gpt_small"),
 }
-RESUME_CI = {("ddp_powersgd", "lightning"), ("diloco", "lightning"), ("ddp_topk", "accelerate")}
+RESUME_CI = {("ddp_powersgd", "lightning"), ("diloco", "lightning"), ("ddp_topk", "accelerate"),
+             ("ddp_topk, gpt_small", "lightning")}
 
 
 @pytest.mark.multiprocess
@@ -382,7 +386,7 @@ def test_each_rank_s_own_state_resumes_exactly(cached, train, tmp_path, preset, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # ... and only from its own checkpoint on as many ranks: another world is refused by name
     other = validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *RESUMES[preset], "cluster.devices=1",
-                              "trainer.micro_batch_size=8"]))
+                              "trainer.micro_batch_size=8"]))  # (the world differs: refused before the model)
     assert "keeps state of its own on each rank" in refusal(read(step3), other)
 
 

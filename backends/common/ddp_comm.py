@@ -50,6 +50,10 @@ class _Feedback:
         self.process_group, self.start_step = process_group, start_step
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
+        self.layout: dict[int, list[int]] = {}
+        """Bucket index -> its parameters (ids), as the compressed steps saw them."""
+        self.expected: list[list[int]] | None = None
+        """The buckets of the run a resume continues (``groups``)."""
 
     def warm(self, bucket: Any) -> bool:
         """True while plain all-reduce runs (counts optimizer steps on the last bucket)."""
@@ -74,6 +78,60 @@ class _Feedback:
         for p in bucket.parameters():
             self.residuals[id(p)] = retained[offset:offset + p.numel()]
             offset += p.numel()
+
+    def groups(self, bucket: Any) -> list[list[int]]:
+        """The parameters (their places in ``bucket``) compressed together: the bucket, except on
+        the first step after a resume, which DDP runs in one bucket of every parameter before it
+        rebuilds them by size: there each of the buckets the checkpoint was written in
+        (``expected``), so the step picks (top-k) and scales (int8) as the uninterrupted run did."""
+        ids = [id(p) for p in bucket.parameters()]
+        self.layout[bucket.index()] = ids
+        if not self.expected or ids in self.expected:
+            return [list(range(len(ids)))]
+        where = {pid: i for i, pid in enumerate(ids)}
+        groups = [[where[pid] for pid in g] for g in self.expected if all(pid in where for pid in g)]
+        return groups if sum(map(len, groups)) == len(ids) else [list(range(len(ids)))]
+
+
+def _compress(state: _Feedback, bucket: Any, encode: Any, decode: Any) -> Any:
+    """Error-feedback compression of ``bucket`` (``state.groups``, each on its own): ``encode(acc)``
+    -> (parts to send, their (numel, dtype) layout, what stays here); one all-gather of every
+    group's parts; ``decode(rows, numel)`` -> a group's average from every rank's parts."""
+    group = _world(state.process_group)
+    buf, n = bucket.buffer(), group.size()
+    acc = buf + state.residual(bucket)
+    starts = [0]
+    for p in bucket.parameters():
+        starts.append(starts[-1] + p.numel())
+    groups = state.groups(bucket)
+    spans = [[(starts[i], starts[i + 1]) for i in g] for g in groups]
+    whole = groups == [list(range(len(starts) - 1))]  # (the bucket as it is, in its order)
+    cut = (lambda t, sp: t) if whole else (lambda t, sp: torch.cat([t[a:b] for a, b in sp]))
+    parts, layout, retained = [], [], torch.empty_like(acc)
+    for sp in spans:
+        sent, shape, kept = encode(cut(acc, sp))
+        parts, layout = parts + sent, layout + [shape]
+        at = 0
+        for a, b in sp:  # (what stays here, back in the bucket's order)
+            retained[a:b] = kept[at:at + b - a]
+            at += b - a
+    state.keep(bucket, retained)
+    packed = pack(*parts)
+    out = packed.new_empty(n * packed.numel())
+    fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
+
+    def average(_fut: Any) -> torch.Tensor:
+        rows = unpack(out, n, *[x for shape in layout for x in shape])
+        dense, at = torch.empty_like(buf), 0
+        for sp, shape in zip(spans, layout):
+            got = decode(rows[at:at + len(shape)], sum(b - a for a, b in sp))
+            at, pos = at + len(shape), 0
+            for a, b in sp:
+                dense[a:b] = got[pos:pos + b - a]
+                pos += b - a
+        return dense
+
+    return fut.then(average)
 
 
 def pack(*parts: torch.Tensor) -> torch.Tensor:
@@ -118,30 +176,26 @@ def topk_hook(state, bucket):  # no annotations: torch checks them against dist.
     """Top-k sparsified gradient averaging with error feedback (module docstring)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    group = _world(state.process_group)
     if state.warm(bucket):
-        return default_hooks.allreduce_hook(group, bucket)
-    buf, n = bucket.buffer(), group.size()
-    acc = buf + state.residual(bucket)
-    k = max(1, int(state.ratio * acc.numel()))
-    values, idx, retained = topk_split(acc, k)
-    state.keep(bucket, retained)
-    if state.record:
-        sent = torch.zeros_like(acc)
-        sent[idx] = values
-        state.check.append(float((sent + retained - acc).abs().max()))
-    packed = pack(values, idx.to(torch.int32))
-    out = packed.new_empty(n * packed.numel())
-    fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
+        return default_hooks.allreduce_hook(_world(state.process_group), bucket)
+    n = _world(state.process_group).size()
 
-    def decode(_fut: Any) -> torch.Tensor:
-        vals, ids = unpack(out, n, (k, values.dtype), (k, torch.int32))
-        vals, ids = vals.reshape(-1), ids.reshape(-1)
-        dense = torch.zeros_like(buf)
+    def encode(acc: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[int, torch.dtype]], torch.Tensor]:
+        k = max(1, int(state.ratio * acc.numel()))
+        values, idx, retained = topk_split(acc, k)
+        if state.record:
+            sent = torch.zeros_like(acc)
+            sent[idx] = values
+            state.check.append(float((sent + retained - acc).abs().max()))
+        return [values, idx.to(torch.int32)], [(k, values.dtype), (k, torch.int32)], retained
+
+    def decode(rows: list[torch.Tensor], numel: int) -> torch.Tensor:
+        vals, ids = rows[0].reshape(-1), rows[1].reshape(-1)
+        dense = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
         dense.index_put_((ids.long(),), vals, accumulate=True)
         return dense.div_(n)
 
-    return fut.then(decode)
+    return _compress(state, bucket, encode, decode)
 
 
 class Int8State(_Feedback):
@@ -179,26 +233,22 @@ def int8_hook(state, bucket):  # no annotations: torch checks them against dist.
     point packed together."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    group = _world(state.process_group)
     if state.warm(bucket):
-        return default_hooks.allreduce_hook(group, bucket)
-    buf, n = bucket.buffer(), group.size()
-    acc = buf + state.residual(bucket)
-    codes, sz = int8_quantize(acc)
-    state.keep(bucket, acc - int8_dequantize(codes, sz))
-    state.max_scale = max(state.max_scale, float(sz[0]))
-    packed = pack(codes, sz)
-    out = packed.new_empty(n * packed.numel())
-    fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
+        return default_hooks.allreduce_hook(_world(state.process_group), bucket)
+    n, dtype = _world(state.process_group).size(), bucket.buffer().dtype
 
-    def decode(_fut: Any) -> torch.Tensor:
-        all_codes, all_sz = unpack(out, n, (codes.numel(), codes.dtype), (2, torch.float32))
-        total = torch.zeros_like(buf)
+    def encode(acc: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[int, torch.dtype]], torch.Tensor]:
+        codes, sz = int8_quantize(acc)
+        state.max_scale = max(state.max_scale, float(sz[0]))
+        return [codes, sz], [(codes.numel(), codes.dtype), (2, torch.float32)], acc - int8_dequantize(codes, sz)
+
+    def decode(rows: list[torch.Tensor], numel: int) -> torch.Tensor:
+        total = torch.zeros(numel, dtype=dtype, device=rows[1].device)
         for r in range(n):
-            total += int8_dequantize(all_codes[r], all_sz[r])
+            total += int8_dequantize(rows[0][r], rows[1][r])
         return total.div_(n)
 
-    return fut.then(decode)
+    return _compress(state, bucket, encode, decode)
 
 
 def comm_hook(preset: Any) -> tuple[Any, Any]:
@@ -349,7 +399,8 @@ class RankState:
         names, h, out = self._names(), self.hook_state, {}
         if isinstance(h, _Feedback):
             out["hook"] = {"iter": h.iter, "residuals": {names[i]: r.detach().cpu().clone()
-                                                         for i, r in h.residuals.items()}}
+                                                         for i, r in h.residuals.items()},
+                           "buckets": [[names[i] for i in ids] for _, ids in sorted(h.layout.items())]}
         elif h is not None and hasattr(h, "p_memory_dict"):
             from backends.common.powersgd import rank_state
 
@@ -371,6 +422,7 @@ class RankState:
         if isinstance(h, _Feedback):
             h.iter = saved["hook"]["iter"]
             h.residuals = {ids[n]: r.to(params[ids[n]].device) for n, r in saved["hook"]["residuals"].items()}
+            h.expected = [[ids[n] for n in names] for names in saved["hook"].get("buckets", [])]
         elif h is not None and hasattr(h, "p_memory_dict"):
             from backends.common.powersgd import load_rank_state
 
