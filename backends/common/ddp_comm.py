@@ -86,10 +86,13 @@ class _Feedback:
         (``expected``), so the step picks (top-k) and scales (int8) as the uninterrupted run did."""
         ids = [id(p) for p in bucket.parameters()]
         self.layout[bucket.index()] = ids
-        if not self.expected or ids in self.expected:
+        expected = self.expected
+        if bucket.is_last():  # (one step: DDP then rebuilds the layout the checkpoint was written in)
+            self.expected = None
+        if not expected or ids in expected:
             return [list(range(len(ids)))]
         where = {pid: i for i, pid in enumerate(ids)}
-        groups = [[where[pid] for pid in g] for g in self.expected if all(pid in where for pid in g)]
+        groups = [[where[pid] for pid in g] for g in expected if all(pid in where for pid in g)]
         return groups if sum(map(len, groups)) == len(ids) else [list(range(len(ids)))]
 
 
@@ -104,34 +107,41 @@ def _compress(state: _Feedback, bucket: Any, encode: Any, decode: Any) -> Any:
     for p in bucket.parameters():
         starts.append(starts[-1] + p.numel())
     groups = state.groups(bucket)
-    spans = [[(starts[i], starts[i + 1]) for i in g] for g in groups]
-    whole = groups == [list(range(len(starts) - 1))]  # (the bucket as it is, in its order)
-    cut = (lambda t, sp: t) if whole else (lambda t, sp: torch.cat([t[a:b] for a, b in sp]))
-    parts, layout, retained = [], [], torch.empty_like(acc)
-    for sp in spans:
-        sent, shape, kept = encode(cut(acc, sp))
-        parts, layout = parts + sent, layout + [shape]
-        at = 0
-        for a, b in sp:  # (what stays here, back in the bucket's order)
-            retained[a:b] = kept[at:at + b - a]
-            at += b - a
-    state.keep(bucket, retained)
+    if groups == [list(range(len(starts) - 1))]:  # the bucket as it is (every step but one)
+        sent, shape, kept = encode(acc)
+        state.keep(bucket, kept)
+        spans, parts, layout = None, sent, [shape]
+    else:  # each saved bucket cut out of DDP's one, what stays here put back in its order
+        spans = [[(starts[i], starts[i + 1]) for i in g] for g in groups]
+        parts, layout, retained = [], [], torch.empty_like(acc)
+        for sp in spans:
+            sent, shape, kept = encode(torch.cat([acc[a:b] for a, b in sp]))
+            parts, layout = parts + sent, layout + [shape]
+            _scatter(retained, sp, kept)
+        state.keep(bucket, retained)
     packed = pack(*parts)
     out = packed.new_empty(n * packed.numel())
     fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
 
     def average(_fut: Any) -> torch.Tensor:
         rows = unpack(out, n, *[x for shape in layout for x in shape])
+        if spans is None:
+            return decode(rows, buf.numel())
         dense, at = torch.empty_like(buf), 0
         for sp, shape in zip(spans, layout):
-            got = decode(rows[at:at + len(shape)], sum(b - a for a, b in sp))
-            at, pos = at + len(shape), 0
-            for a, b in sp:
-                dense[a:b] = got[pos:pos + b - a]
-                pos += b - a
+            _scatter(dense, sp, decode(rows[at:at + len(shape)], sum(b - a for a, b in sp)))
+            at += len(shape)
         return dense
 
     return fut.then(average)
+
+
+def _scatter(into: torch.Tensor, spans: list[tuple[int, int]], flat: torch.Tensor) -> None:
+    """``flat``'s pieces, in order, into ``into``'s ``spans``."""
+    at = 0
+    for a, b in spans:
+        into[a:b] = flat[at:at + b - a]
+        at += b - a
 
 
 def pack(*parts: torch.Tensor) -> torch.Tensor:
