@@ -62,10 +62,14 @@ def training_function(args):
                  else torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = get_dataloader(args.batch_size, args.samples)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norms = [], []
+    losses, norms, step = [], [], 0
+    if args.resume_at:  # as Accelerate's complete_nlp_example resumes: its state, then the batches left
+        accelerator.load_state(args.state_dir)
+        step = args.resume_at
     for epoch in range(args.epochs):
         model.train()
-        for x, y in loader:
+        batches = accelerator.skip_first_batches(loader, step) if epoch == 0 and step else loader
+        for x, y in batches:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
@@ -74,6 +78,9 @@ def training_function(args):
                 optimizer.step()
                 optimizer.zero_grad()
             losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+            step += 1
+            if step == args.save_at:
+                accelerator.save_state(args.state_dir)
     params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
@@ -102,6 +109,10 @@ def main():
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--clip", type=float, default=0.0, help="accelerator.clip_grad_norm_ at this max_norm")
+    parser.add_argument("--state_dir", default=None, help="accelerator.save_state / load_state's directory")
+    parser.add_argument("--save_at", type=int, default=0, help="save_state after this many batches")
+    parser.add_argument("--resume_at", type=int, default=0,
+                        help="load_state first, then skip this many batches (the saved run's)")
     parser.add_argument("--hook_clip", action="store_true", help="and the hook's grad_clip (DeepSpeed)")
     training_function(parser.parse_args())
 

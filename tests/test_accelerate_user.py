@@ -193,25 +193,53 @@ def test_the_hooks_grad_clip_is_deepspeeds_and_only_deepspeeds(monkeypatch):
         settle("fsdp2", grad_clip=0.1)
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("preset, unsaved", [("ddp_powersgd", "PowerSGD's error feedback"),
-                                             ("local_sgd", "local SGD's per-rank replicas"), ("ddp", None)])
-def test_load_state_is_refused_where_the_checkpoint_lacks_the_presets_state(monkeypatch, preset, unsaved):
-    """As train.py refuses trainer.resume_from for them: the hook's load_state names what
-    Accelerate's saved state lacks before reading anything (ddp loads as Accelerate does)."""
-    from backends.accelerate.user import _checked_class, settle
-    from core.errors import ConfigError
+SAVE_AT = 14  # past start_step (10), before local SGD's next average (18): replicas apart
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    builder = settle(preset).builder
-    cls = _checked_class(preset, "ddp", builder)
-    if unsaved is None:  # (Accelerate's own load_state)
-        assert builder.preset.unsaved_state() is None
-        return
-    with pytest.raises(ConfigError, match=rf"load_state\(\) under strategy={preset}: .*{unsaved}.*"
-                                          r"stratagem_accelerator\('ddp'\)"):
-        cls.load_state(object(), "nowhere")
+
+def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | None = None):
+    """The script under ``preset`` for 24 steps, ``accelerator.save_state`` after SAVE_AT (training
+    on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``."""
+    yaml_path = _export(tmp_path, f"strategy={preset}", *export)
+    run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), "--state_dir", str(tmp_path / "state"))
+    straight = _ranks(_launch(*run, "--strategy", preset, "--save_at", str(SAVE_AT)))
+    return straight, _launch(*run, "--strategy", resume_as or preset, "--resume_at", str(SAVE_AT))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset, export", [("local_sgd", ())] + [
+    pytest.param(p, e, marks=pytest.mark.slow) for p, e in (
+        ("ddp_powersgd", ()), ("ddp_topk", ()), ("ddp_int8", ()), ("diloco", ()),
+        ("fsdp2", ("export.wrap=ToyBlock",)), ("zero2", ()))])
+def test_a_users_save_state_resumes_exactly(preset, export, tmp_path):
+    """A user's ``accelerator.save_state`` / ``load_state`` (as Accelerate's complete_nlp_example
+    checkpoints), AdamW: the resumed run's losses and every rank's parameters are the straight
+    run's. The ddp family's own state on each rank (error feedback, PowerSGD's Q, local SGD's
+    replicas and optimizers, DiLoCo's outer step) goes with it, one file a rank; local SGD's
+    model was saved as one tensor of eight before (its averaged parameters shared one storage,
+    and Accelerate's safetensors save drops all but one)."""
+    straight, resumed = _saved_and_resumed(tmp_path, preset, *export)
+    resumed = _ranks(resumed)
+    if preset == "local_sgd":
+        assert straight[0]["params"] != straight[1]["params"]  # (replicas apart at the end: step 24)
+    for a, b in zip(straight, resumed):
+        assert len(b["losses"]) == 24 - SAVE_AT
+        assert b["losses"] == pytest.approx(a["losses"][SAVE_AT:], rel=1e-6, abs=0)
+        assert b["params"].keys() == a["params"].keys()
+        for k in a["params"]:
+            assert b["params"][k] == pytest.approx(a["params"][k], rel=1e-6, abs=1e-7), (b["rank"], k)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_load_state_refuses_a_state_without_the_presets_own(tmp_path):
+    """A state saved under ddp (no per-rank state), loaded under local_sgd: every rank stops with
+    one error naming what is missing, before any weight loads (none waits on another)."""
+    _, resumed = _saved_and_resumed(tmp_path, "ddp", resume_as="local_sgd")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode != 0, out[-2000:]
+    said = "stratagem_rank_state/rank0.pt (saved without stratagem_accelerator), so it does not hold " \
+           "local SGD's per-rank replicas"
+    assert err.count(said) >= 2, err[-3000:]
 
 
 @pytest.mark.unit

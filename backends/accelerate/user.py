@@ -26,8 +26,11 @@ refuses, with a ``ConfigError``:
 * a prepared model that is not the preset's engine (an FSDP2 module, FSDP1's wrapper, a
   ``DeepSpeedEngine``, DDP), at ``prepare``;
 * ``load_state`` under a ddp-family preset that keeps state of its own on each rank (PowerSGD's,
-  top-k's and int8's error feedback, local SGD's replicas, DiLoCo's outer step: ``unsaved_state``),
-  which Accelerate's ``save_state`` does not hold (train.py's checkpoints write it per rank);
+  top-k's and int8's error feedback, local SGD's replicas, DiLoCo's outer step: ``unsaved_state``)
+  from a directory without that state: the hook's ``save_state`` writes it beside Accelerate's
+  files, one ``stratagem_rank_state/rank<r>.pt`` a rank (as train.py's checkpoints do), and
+  ``load_state`` restores it after Accelerate's model and optimizer (rank 0's), so the run
+  continues exactly;
 * under ZeRO, ``clip_grad_norm_`` at a max_norm other than the hook's ``grad_clip``: DeepSpeed
   clips inside its step at its config's ``gradient_clipping`` and Accelerate only returns the
   norm, so the script's clip would silently not happen (``grad_clip=`` outside ZeRO is refused).
@@ -178,6 +181,8 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                     self._parts["model" if isinstance(obj, torch.nn.Module) else "opt"] = obj
             if len(self._parts) == 2 and not self._repaired:  # (model and optimizer: one call or two)
                 _repair(builder, engine, **self._parts)
+                self._rank_state = getattr(builder, "rank_state", lambda *_: None)(
+                    self._parts["model"], self._parts["opt"].optimizer)
                 self._repaired = True
                 release_freed()  # (the build's one-off buffers, as train.py's loop: observers/memory.py)
             return out
@@ -191,13 +196,22 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                     f"the Accelerator with stratagem_accelerator('{strategy}', grad_clip={max_norm})")
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
-        def load_state(self, *args: Any, **kw: Any) -> Any:
-            if (unsaved := getattr(builder.preset, "unsaved_state", lambda: None)()) is not None:
-                raise ConfigError(
-                    f"accelerator.load_state() under strategy={strategy}: the state Accelerate saved does "
-                    f"not hold {unsaved}, so the run would not continue exactly; start again without "
-                    f"load_state, or resume with stratagem_accelerator('ddp')")
-            out = super().load_state(*args, **kw)
+        def save_state(self, output_dir: Any = None, *args: Any, **kw: Any) -> Any:
+            where = super().save_state(output_dir, *args, **kw)
+            _save_rank_state(self, strategy, where)
+            return where
+
+        def load_state(self, input_dir: Any = None, *args: Any, **kw: Any) -> Any:
+            held: dict[str, Any] = {}
+            own = getattr(self, "_rank_state", None)
+            check = own is not None and self.register_load_state_pre_hook(  # (before DDP's model loads)
+                lambda _models, where: held.update(_read_rank_state(self, strategy, builder.preset, where)))
+            try:
+                out = super().load_state(input_dir, *args, **kw)
+            finally:
+                check and check.remove()
+            if own is not None:
+                own.load_state_dict(held["state"])
             release_freed()  # (the restore's)
             return out
 
@@ -221,6 +235,50 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
 
     StratagemAccelerator.stratagem = (strategy, engine)
     return StratagemAccelerator
+
+
+RANK_STATE = "stratagem_rank_state"
+"""<save_state's directory>/stratagem_rank_state/rank<r>.pt: what a rank of a ddp-family preset keeps
+beyond Accelerate's model and optimizer (rank 0's), as train.py's checkpoints write it."""
+
+
+def _rank_file(where: Any, rank: int) -> Any:
+    from pathlib import Path
+
+    return Path(where) / RANK_STATE / f"rank{rank}.pt"
+
+
+def _save_rank_state(acc: Any, strategy: str, where: Any) -> None:
+    if (own := getattr(acc, "_rank_state", None)) is not None:
+        from observers.files import atomic_torch_save
+
+        held = {"strategy": strategy, "world": acc.num_processes, "state": own.state_dict()}
+        atomic_torch_save(held, _rank_file(where, acc.process_index))
+        acc.wait_for_everyone()  # (every rank's file is there once save_state returns)
+
+
+def _read_rank_state(acc: Any, strategy: str, preset: Any, where: Any) -> dict[str, Any]:
+    """This rank's saved state, once every rank found its own (one ``ConfigError`` on every rank
+    otherwise, before anything loads: a rank alone refusing would leave the others waiting)."""
+    import torch
+    import torch.distributed as dist
+
+    path, problem, held = _rank_file(where, acc.process_index), None, {}
+    if path.is_file():
+        held = torch.load(path, map_location="cpu", weights_only=False)
+        if (held["strategy"], held["world"]) != (strategy, acc.num_processes):
+            problem = (f"it was saved by strategy={held['strategy']} on {held['world']} processes, not "
+                       f"strategy={strategy} on {acc.num_processes}")
+    else:
+        problem = f"it has no {RANK_STATE}/rank{acc.process_index}.pt (saved without stratagem_accelerator)"
+    problems = [None] * acc.num_processes
+    dist.all_gather_object(problems, problem) if dist.is_initialized() else problems.__setitem__(0, problem)
+    if (problem := next((p for p in problems if p), None)) is not None:
+        raise ConfigError(f"accelerator.load_state({str(where)!r}) under strategy={strategy}: {problem}, "
+                          f"so it does not hold {preset.unsaved_state()} and the run would not continue "
+                          f"exactly; load a state saved by stratagem_accelerator('{strategy}') on "
+                          f"{acc.num_processes} processes, or start again without load_state")
+    return held
 
 
 def _repair(builder: Any, engine: str, model: Any, opt: Any) -> None:

@@ -327,7 +327,7 @@ class DiLoCo:
         self.step += 1
         if self.outer is None or (self.step - self.start_step) % self.sync_every:
             return
-        average_parameters(iter(params), _world(self.group))
+        in_own_storage(params, lambda ps: average_parameters(ps, _world(self.group)))
         with torch.no_grad():
             for o, p in zip(self.outer, params):
                 o.grad = o - p.float()
@@ -380,7 +380,22 @@ class Synchronizer:
         if isinstance(self._impl, DiLoCo):
             self._impl.after_step(_trainable(model))
         else:
-            self._impl.average_parameters(iter(_trainable(model)))
+            in_own_storage(_trainable(model), self._impl.average_parameters)
+
+
+def in_own_storage(params: list[torch.nn.Parameter], average: Any) -> None:
+    """``average(iter(params))`` -- torch's averaging, which rebinds each parameter's ``.data`` to a
+    slice of one flat all-reduced buffer -- with each parameter left in its own storage: every
+    parameter sharing one storage is what a safetensors save drops (Accelerate's ``save_state``
+    kept one tensor of the model and warned "Removed shared tensor") or refuses. The averaged
+    values are copied back (one copy of the parameters per average)."""
+    own = [p.data for p in params]
+    average(iter(params))
+    with torch.no_grad():
+        for p, mine in zip(params, own):
+            if p.data.data_ptr() != mine.data_ptr():
+                mine.copy_(p.data)
+                p.data = mine
 
 
 def _trainable(model: Any) -> list[torch.nn.Parameter]:
