@@ -43,6 +43,14 @@ def normalize(argv: list[str]) -> list[str]:
     return out
 
 
+class BelowWarning(logging.Filter):
+    """Hydra's console handler keeps stdout for records below WARNING (conf/hydra/default.yaml:
+    warnings and errors have a stderr handler of their own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
 def rank_aware_logging() -> None:
     """Rank 0 logs at INFO; other ranks only warnings and errors, prefixed with their rank.
     (Launchers start ranks > 0 with RANK or LOCAL_RANK set.) The root's handlers take the level

@@ -183,6 +183,7 @@ def test_cli_exits_2_with_one_message_and_no_traceback(overrides, needle):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 2, f"seed {SEED}: exit {proc.returncode}\n{log[-3000:]}"
     assert needle in log, f"seed {SEED}: {needle!r} not in:\n{log[-3000:]}"
+    assert needle in proc.stderr and needle not in proc.stdout  # (the error where a shell shows it)
     assert "Traceback" not in log, f"seed {SEED}:\n{log[-3000:]}"
     assert "Initializing distributed" not in log
 

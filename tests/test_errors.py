@@ -208,7 +208,7 @@ def test_a_full_disk_ends_the_run_with_no_space_left_on_device(tmp_path):
                                          f"hydra.run.dir={disk / 'run'}"])
     line = _one_clear_line(proc, 1, "[Errno 28] No space left on device: saving the checkpoint of step 2 into "
                            f"{disk / 'run' / 'checkpoints'}", "failed on rank 0; free space there")
-    assert proc.stdout.strip().splitlines()[-1] == line  # the last thing the run's log says
+    assert proc.stderr.strip().splitlines()[-1] == line  # the last thing the run says (errors: stderr)
 
 
 @pytest.mark.multiprocess
@@ -218,6 +218,6 @@ def test_a_full_disk_is_the_lost_ranks_cause(tmp_path):
                                          "cluster.devices=2", f"hydra.run.dir={disk / 'run'}"])
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1, log[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]  # the run's log (the ranks' tracebacks are on stderr)
+    last = proc.stderr.strip().splitlines()[-1]  # the run's error, after the ranks' tracebacks
     assert "lost rank" in last and "OSError: [Errno 28] No space left on device: saving the checkpoint of step 2" \
         in last and "failed on ranks 0, 1" in last, last

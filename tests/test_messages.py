@@ -212,7 +212,7 @@ def test_a_report_on_a_full_disk_ends_the_run_with_one_line(tmp_path):
                                         "callbacks.progress_bar=false", f"hydra.run.dir={disk / 'run'}"])
     line = _one_clear_line(proc, 1, f"[Errno 28] No space left on device: writing {disk / 'run' / 'report.json'}; "
                            "free space there, or point hydra.run.dir at a disk with room")
-    assert proc.stdout.strip().splitlines()[-1] == line
+    assert proc.stderr.strip().splitlines()[-1] == line
 
 
 @pytest.mark.unit
