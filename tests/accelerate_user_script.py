@@ -11,7 +11,7 @@ import json
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from backends.accelerate import stratagem_accelerator
@@ -52,9 +52,13 @@ def full_params(accelerator, model):
 
 def training_function(args):
     acc = args.accumulation
+    mine = {}  # the script's own Accelerator arguments, passed through the hook as they are
+    if args.project_dir:  # save_state / load_state then name (and find) checkpoints/checkpoint_<n>
+        mine["project_config"] = ProjectConfiguration(project_dir=args.project_dir,
+                                                      automatic_checkpoint_naming=True)
     accelerator = (stratagem_accelerator(args.strategy, gradient_accumulation_steps=acc,
-                                         grad_clip=args.clip if args.hook_clip else 0.0)
-                   if args.strategy else Accelerator(cpu=args.cpu, gradient_accumulation_steps=acc))
+                                         grad_clip=args.clip if args.hook_clip else 0.0, **mine)
+                   if args.strategy else Accelerator(cpu=args.cpu, gradient_accumulation_steps=acc, **mine))
     set_seed(42)
     model = ToyRegressor()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -110,6 +114,8 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--clip", type=float, default=0.0, help="accelerator.clip_grad_norm_ at this max_norm")
     parser.add_argument("--state_dir", default=None, help="accelerator.save_state / load_state's directory")
+    parser.add_argument("--project_dir", default=None,
+                        help="ProjectConfiguration(automatic_checkpoint_naming=True): the states' home")
     parser.add_argument("--save_at", type=int, default=0, help="save_state after this many batches")
     parser.add_argument("--resume_at", type=int, default=0,
                         help="load_state first, then skip this many batches (the saved run's)")

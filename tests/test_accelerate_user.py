@@ -198,9 +198,12 @@ SAVE_AT = 14  # past start_step (10), before local SGD's next average (18): repl
 
 def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | None = None):
     """The script under ``preset`` for 24 steps, ``accelerator.save_state`` after SAVE_AT (training
-    on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``."""
+    on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``.
+    local_sgd's script passes its own ``project_config`` through the hook (automatic checkpoint
+    naming: save_state and load_state find the directory themselves); the others name it."""
     yaml_path = _export(tmp_path, f"strategy={preset}", *export)
-    run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), "--state_dir", str(tmp_path / "state"))
+    where = ("--project_dir", str(tmp_path)) if preset == "local_sgd" else ("--state_dir", str(tmp_path / "state"))
+    run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), *where)
     straight = _ranks(_launch(*run, "--strategy", preset, "--save_at", str(SAVE_AT)))
     return straight, _launch(*run, "--strategy", resume_as or preset, "--resume_at", str(SAVE_AT))
 
@@ -219,6 +222,8 @@ def test_a_users_save_state_resumes_exactly(preset, export, tmp_path):
     and Accelerate's safetensors save drops all but one)."""
     straight, resumed = _saved_and_resumed(tmp_path, preset, *export)
     resumed = _ranks(resumed)
+    if preset == "local_sgd":
+        assert (tmp_path / "checkpoints" / "checkpoint_0" / "stratagem_rank_state" / "rank1.pt").is_file()
     if preset == "local_sgd":
         assert straight[0]["params"] != straight[1]["params"]  # (replicas apart at the end: step 24)
     for a, b in zip(straight, resumed):
@@ -240,6 +245,36 @@ def test_load_state_refuses_a_state_without_the_presets_own(tmp_path):
     said = "stratagem_rank_state/rank0.pt (saved without stratagem_accelerator), so it does not hold " \
            "local SGD's per-rank replicas"
     assert err.count(said) >= 2, err[-3000:]
+
+
+@pytest.mark.unit
+def test_the_scripts_own_accelerator_arguments_pass_through_the_hook(monkeypatch):
+    """What the script gave ``Accelerator()`` goes through ``stratagem_accelerator`` (its handlers
+    beside the preset's, an InitProcessGroupKwargs as the timeout); what the preset decides is
+    refused with the argument to use, before any process group."""
+    from datetime import timedelta
+
+    from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+
+    from backends.accelerate.user import _yours, settle
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ddp = settle("ddp_int8").kwargs
+    scaler = GradScalerKwargs(init_scale=1024)
+    kwargs, rest, timeout = _yours("ddp_int8", ddp, {"log_with": "tensorboard", "project_dir": "out",
+                                                     "kwargs_handlers": [scaler, InitProcessGroupKwargs(
+                                                         timeout=timedelta(seconds=90))]}, None)
+    assert rest == {"log_with": "tensorboard", "project_dir": "out"} and timeout == 90
+    assert [type(h).__name__ for h in kwargs["kwargs_handlers"]] == ["DistributedDataParallelKwargs",
+                                                                     "GradScalerKwargs"]
+    assert _yours("ddp", ddp, {}, 5.0) == (ddp, {}, 5.0)
+    with pytest.raises(ConfigError, match=r"decide mixed_precision; leave it out \(pass precision= for "):
+        _yours("fsdp2", {}, {"mixed_precision": "bf16"}, None)
+    with pytest.raises(ConfigError, match=r"DistributedDataParallelKwargs\(...\)\] under strategy=ddp_int8: "
+                                          r"the preset sets its own \(.*bucket_cap_mb=25"):
+        _yours("ddp_int8", ddp, {"kwargs_handlers": [DistributedDataParallelKwargs()]}, None)
 
 
 @pytest.mark.unit

@@ -296,13 +296,16 @@ def _repair(builder: Any, engine: str, model: Any, opt: Any) -> None:
 
 def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
                           gradient_accumulation_steps: int = 1, grad_clip: float = 0.0,
-                          timeout: float | None = None) -> Any:
+                          timeout: float | None = None, **accelerator_kwargs: Any) -> Any:
     """An ``accelerate.Accelerator`` that runs preset ``strategy`` for real, in the processes
     ``accelerate launch`` (or torchrun) started; see the module docstring. ``precision``:
     Accelerate's (no | bf16 | fp16), else the launcher's config's. ``grad_clip``: a ZeRO preset's
     ``gradient_clipping`` (DeepSpeed clips inside its step; Accelerate's ``clip_grad_norm_`` only
     returns the norm there, and is refused for any other max_norm); other engines clip where the
-    script calls ``clip_grad_norm_``."""
+    script calls ``clip_grad_norm_``. ``accelerator_kwargs``: the script's other ``Accelerator``
+    arguments (``project_dir``, ``project_config``, ``log_with``, ``dataloader_config``, its own
+    ``kwargs_handlers``, ...), as it passed them to ``Accelerator()``; those the preset decides
+    are refused with the argument to use (``_yours``)."""
     import atexit
 
     from backends import teardown_at_exit
@@ -317,9 +320,45 @@ def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, preci
     atexit.register(teardown_at_exit)
     s = settle(strategy, wrap=wrap, precision=precision, accumulation=gradient_accumulation_steps,
                grad_clip=grad_clip)
+    kwargs, yours, timeout = _yours(strategy, s.kwargs, accelerator_kwargs, timeout)
     cls = _checked_class(strategy, _engine(s.kwargs, s.world), s.builder, grad_clip)
-    return accelerator(s.kwargs, on_cpu=s.on_cpu, world_size=s.world, timeout=timeout, cls=cls,
-                       mixed_precision=s.mixed, gradient_accumulation_steps=gradient_accumulation_steps)
+    return accelerator(kwargs, on_cpu=s.on_cpu, world_size=s.world, timeout=timeout, cls=cls,
+                       mixed_precision=s.mixed, gradient_accumulation_steps=gradient_accumulation_steps, **yours)
+
+
+PRESET_DECIDES = {"mixed_precision": "precision=", "gradient_accumulation_steps": None,
+                  "gradient_accumulation_plugin": "gradient_accumulation_steps=", "cpu": None,
+                  "fsdp_plugin": None, "deepspeed_plugin": None, "deepspeed_plugins": None,
+                  "torch_tp_plugin": None, "megatron_lm_plugin": None, "parallelism_config": None}
+"""The Accelerator arguments the preset (and the launcher's config) decide -> the hook's own
+argument for them, where it has one."""
+
+
+def _yours(strategy: str, kwargs: dict[str, Any], yours: dict[str, Any], timeout: float | None
+           ) -> tuple[dict[str, Any], dict[str, Any], float | None]:
+    """The preset's Accelerator kwargs with the script's own arguments: its ``kwargs_handlers``
+    beside the preset's (one of a class the preset sets is refused; ``InitProcessGroupKwargs``
+    gives its timeout), the rest passed through; a ``ConfigError`` for what the preset decides."""
+    if taken := sorted(set(yours) & set(PRESET_DECIDES)):
+        fix = {k: PRESET_DECIDES[k] for k in taken if PRESET_DECIDES[k]}
+        raise ConfigError(f"stratagem_accelerator('{strategy}', {', '.join(f'{k}=...' for k in taken)}): "
+                          f"strategy={strategy} and the launcher's config decide {', '.join(taken)}; leave "
+                          f"{'it' if len(taken) == 1 else 'them'} out" +
+                          "".join(f" (pass {v} for {k})" for k, v in fix.items()))
+    yours = dict(yours)
+    handlers = list(yours.pop("kwargs_handlers", None) or [])
+    ours = {type(h): h for h in kwargs.get("kwargs_handlers", [])}
+    for h in list(handlers):
+        if type(h).__name__ == "InitProcessGroupKwargs":  # (the hook builds the process group)
+            handlers.remove(h)
+            timeout = h.timeout.total_seconds() if timeout is None and h.timeout is not None else timeout
+        elif type(h) in ours:
+            raise ConfigError(f"kwargs_handlers=[{type(h).__name__}(...)] under strategy={strategy}: the preset "
+                              f"sets its own ({ours[type(h)]}); set those through the preset "
+                              f"(python train.py strategy={strategy} --cfg job lists its keys) and leave it out")
+    if handlers:
+        kwargs = {**kwargs, "kwargs_handlers": [*kwargs.get("kwargs_handlers", []), *handlers]}
+    return kwargs, yours, timeout
 
 
 @dataclass(frozen=True)
