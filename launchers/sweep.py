@@ -37,6 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import checkpoints
+from core.errors import ConfigError
 from launchers import slurm
 from observers.files import atomic_write_text
 from planner import WillNotFit
@@ -81,7 +82,8 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
         if slurm.stopped_by_slurm(e):
             slurm.leave_without_result()
         reason = str(e) if not isinstance(e, SystemExit) else f"exit code {e.code}"
-        log.error("job failed: %s\n%s", reason, traceback.format_exc())
+        said = isinstance(e, (SystemExit, ConfigError))  # (a configuration error: its one line)
+        log.error("job failed: %s%s", reason, "" if said else "\n" + traceback.format_exc())
         record(out, FAILED, f"{type(e).__name__}: {reason}")
         return None
     finally:
@@ -91,10 +93,21 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- the report
-def _job_dirs(sweep: Path) -> list[Path]:
-    """The sweep's job directories, in job order (each has Hydra's ``.hydra/overrides.yaml``)."""
+def _job_dirs(sweep: Path, earlier: dict[Path, int] | None = None) -> list[Path]:
+    """The sweep's job directories, in job order (each has Hydra's ``.hydra/overrides.yaml``),
+    without those ``earlier`` holds that no job rewrote since (``stamps``: an earlier sweep's jobs
+    in the same directory, beyond this sweep's count)."""
     dirs = [p.parent.parent for p in sweep.glob("**/.hydra/overrides.yaml")]
+    dirs = [d for d in dirs if earlier is None or earlier.get(d) != _stamp(d)]
     return sorted(dirs, key=lambda p: (len(p.parts), int(p.name) if p.name.isdigit() else 0, str(p)))
+
+
+def _stamp(job_dir: Path) -> int:
+    return (job_dir / ".hydra" / "overrides.yaml").stat().st_mtime_ns
+
+
+def stamps(sweep: Path) -> dict[Path, int]:  # (the job directories in ``sweep`` before it starts)
+    return {d: _stamp(d) for d in _job_dirs(sweep)}
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -167,8 +180,8 @@ def _peak(rank: dict[str, Any]) -> int | None:
     return rank.get("peak_rss")
 
 
-def collect(sweep: Path) -> list[dict[str, Any]]:
-    return [row(d, sweep) for d in _job_dirs(sweep)]
+def collect(sweep: Path, earlier: dict[Path, int] | None = None) -> list[dict[str, Any]]:
+    return [row(d, sweep) for d in _job_dirs(sweep, earlier)]
 
 
 def _mib(x: Any) -> str:
@@ -305,9 +318,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write(sweep: Path) -> list[dict[str, Any]]:
-    """The sweep report files for the jobs found under ``sweep``; returns the rows."""
-    rows = collect(sweep)
+def write(sweep: Path, earlier: dict[Path, int] | None = None) -> list[dict[str, Any]]:
+    """The sweep report files for the jobs under ``sweep`` (not ``earlier``'s); returns the rows."""
+    rows = collect(sweep, earlier)
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
     atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows, "pick": pick(rows, common)},
                                                               indent=1, default=str))
@@ -462,6 +475,7 @@ class SweepReport(Callback):
         from recipes import cli
 
         cli.started()  # (the sweep composed: from here a failure is not a configuration error)
+        self.earlier = stamps(Path(str(config.hydra.sweep.dir)))
         if not enabled(config):
             log.warning("preflight=false: the sweep's points are checked only as each job starts")
             return
@@ -472,7 +486,11 @@ class SweepReport(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        rows = write(sweep)
+        earlier = getattr(self, "earlier", None)
+        rows = write(sweep, earlier)
+        if stale := [d for d in _job_dirs(sweep) if d not in _job_dirs(sweep, earlier)]:
+            log.warning("sweep report: left out %s, which an earlier sweep in %s left: this one did "
+                        "not run them", ", ".join(str(d.relative_to(sweep)) for d in stale), sweep)
         counts = {s: sum(r["status"] == s for r in rows) for s in (OK, SKIPPED, FAILED)}
         log.info("sweep report: %s (%d ok, %d skipped, %d failed)", sweep / "sweep_report.md",
                  counts[OK], counts[SKIPPED], counts[FAILED])

@@ -127,6 +127,13 @@ def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
     assert rows[2]["final_loss"] is not None
     md = (sweep / "sweep_report.md").read_text()
     assert "skipped" in md and "failed" in md
+    # a shorter sweep into the same directory: its rows are its own two jobs, not the earlier 2, 3
+    again, _, _ = _sweep(tmp_path, "trainer.max_steps=2", "planner.enforce=true", "+preflight=false",
+                         "cluster.device_memory_GB=1e-6,2e-6")
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "skipped"), ("1", "skipped")], rows
+    assert "sweep report: left out 2, 3, which an earlier sweep" in again.log, again.log[-2000:]
+    assert "(0 ok, 2 skipped, 0 failed)" in again.log
 
 
 # --------------------------------------------------------------------------- torchrun, two nodes
@@ -843,6 +850,25 @@ def test_a_multi_node_torchrun_without_a_rendezvous_is_refused(tmp_path):
     run = run_cli("train.py", *TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=2", out=tmp_path / "bad",
                   check=False)
     _refused(run, "cluster.rdzv_endpoint=null", "cluster.nodes=2", "cluster.rdzv_endpoint=<node 0's address>:29500")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:65536"])
+def test_a_rendezvous_port_outside_the_range_is_refused(endpoint):
+    """--dry-run said "would start"; the run then crashed in torch's socket code (a traceback)."""
+    import launchers
+    from recipes.config import compose
+    from recipes.job import validate
+    from strategies import ConfigError
+
+    base = [*TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=1", "cluster.devices=2",
+            "cluster.accelerator=cpu"]
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, f"cluster.rdzv_endpoint={endpoint}"]), extra=[launchers.check])
+    port = endpoint.rsplit(":", 1)[1]
+    assert e.value.problems == [f"cluster.rdzv_endpoint={endpoint!r}: port {port} is outside 1..65535: set a "
+                                "port in that range, e.g. cluster.rdzv_endpoint=10.0.0.1:29500"]
+    validate(compose([*base, "cluster.rdzv_endpoint=127.0.0.1:65535"]), extra=[launchers.check])
 
 
 @pytest.mark.subprocess
