@@ -69,8 +69,12 @@ def main(argv: list[str]) -> int:
     if checked.bad:
         return CONFIG_ERROR
     submitit = any(a.startswith("hydra/launcher=submitit") for a in hydra_own)
+    if launch := _launch_problems(multirun, hydra_own, argv, jobs, submitit):
+        print("\n".join(f"cannot start: {problem}" for problem in launch))
+        print("--dry-run: nothing was started")
+        return CONFIG_ERROR
     code = 0
-    for overrides in jobs:
+    for i, overrides in enumerate(jobs):
         try:
             job = validate(compose(overrides), depth=RUN, auto=planner.choose,
                            extra=[lambda j: _launcher_problems(j, submitit)])
@@ -78,9 +82,27 @@ def main(argv: list[str]) -> int:
             print(f"cannot start {' '.join(overrides) or '(the base config)'}:\n{e}")
             code = CONFIG_ERROR
             continue
-        print(f"would start: {_launch(job)}")
+        print(f"would start{f' job {i}' if multirun else ''}: {_launch(job)}")
     print("--dry-run: nothing was started")
     return code
+
+
+def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs: list[list[str]],
+                     submitit: bool) -> list[str]:
+    """What the launch itself refuses before any job: an output directory that cannot be written
+    (recipes/cli.py's ``OutputDirectory``), and a Slurm submission's own checks (SlurmSubmission)."""
+    from recipes.cli import unwritable
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    where = next((a.split("=", 1)[1] for a in hydra_own if a.startswith(f"{key}=")),
+                 "multirun" if multirun else "outputs")
+    found = [why] if (why := unwritable(key, where)) else []
+    if submitit and not found:
+        from launchers import slurm
+        from recipes.compose import compose
+
+        found = slurm.client_problems() or slurm.problems(compose(jobs[0]), task=_split(argv)[2])
+    return found
 
 
 def _launcher_problems(job: Any, submitit: bool) -> list[str]:

@@ -125,14 +125,15 @@ SHAPE = ("cluster", "cluster.nodes", "cluster.devices", "cluster.slurm.cpus_per_
 """What decides the allocation: the same for every job of one submission."""
 
 
-def problems(cfg: DictConfig) -> list[str]:
-    """What Slurm would refuse (or run wrongly) about the composed config, before submission."""
+def problems(cfg: DictConfig, task: list[str] | None = None) -> list[str]:
+    """What Slurm would refuse (or run wrongly) about the composed config, before submission;
+    ``task``: the command line's overrides (default: Hydra's, ``cfg.hydra.overrides.task``)."""
     c = cfg.cluster
     if c.launcher != "slurm":
         return [f"hydra/launcher=submitit_slurm with cluster.launcher={c.launcher}: each Slurm task "
                 "is a rank, so the cluster must say so: use a cluster=slurm_* config (or set "
                 "cluster.launcher=slurm)"]
-    swept = [o for o in cfg.hydra.overrides.task
+    swept = [o for o in (cfg.hydra.overrides.task if task is None else task)
              if o.split("=")[0].lstrip("+~") in SHAPE and "," in o.partition("=")[2]]
     if swept:
         return [f"{', '.join(swept)}: one Slurm array asks one allocation shape for every job; "

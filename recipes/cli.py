@@ -418,6 +418,16 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
         composition_error(e, sys.argv[1:])
 
 
+def composition_problems(error: Exception, argv: list[str]) -> list[str]:
+    """Our lines for a composition error: each key the config does not have (``suggestions``), or
+    a value of the wrong type (``_wrong_type``); [] for any other (Hydra's message says it)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    lines = suggestions(argv) if isinstance(error, (HydraException, OmegaConfBaseException)) else []
+    return lines or [line for line in [_wrong_type(error)] if line]
+
+
 def composition_error(error: Exception, argv: list[str]) -> NoReturn:
     """The one place Hydra's composition errors are told (train.py through ``run``; plan.py and
     export.py through ``or_exit``). ``run`` sets ``HYDRA_FULL_ERROR`` until the task function
@@ -431,9 +441,7 @@ def composition_error(error: Exception, argv: list[str]) -> NoReturn:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    lines = suggestions(argv) if isinstance(error, (HydraException, OmegaConfBaseException)) else []
-    lines = lines or [line for line in [_wrong_type(error)] if line]
-    if lines:
+    if lines := composition_problems(error, argv):
         print("\n".join(lines), file=sys.stderr)
     elif isinstance(error, (HydraException, OmegaConfBaseException)):
         cause = f"\n{error.__cause__}" if isinstance(error.__cause__, OmegaConfBaseException) else ""

@@ -218,11 +218,39 @@ def test_a_report_on_a_full_disk_ends_the_run_with_one_line(tmp_path):
 @pytest.mark.unit
 def test_a_sweeps_preflight_and_dry_run_say_our_line():
     """--dry-run and a sweep's preflight compose each point themselves (launchers.sweep.check_point):
-    a mistyped key is our line there too."""
+    a mistyped key is our line there too, and so is a value of the wrong type."""
     from launchers.sweep import check_point
 
     point = check_point(["model=gpt_nano", "trainer.max_stepz=3"])
     assert point.problems == ["trainer.max_stepz=3: no such key; did you mean trainer.max_steps? (trainer.max_steps=3)"]
+    assert check_point(["cluster.devices=two"]).problems == [
+        "cluster.devices=two: cluster.devices takes an integer; python train.py --help lists the keys with their defaults"]
+
+
+@pytest.mark.subprocess
+def test_dry_run_refuses_what_the_launch_refuses(tmp_path):
+    """--dry-run said "would start" where the launch then stopped: an output directory that cannot
+    be created, and a Slurm submission its own check refuses (a Slurm client that answers: stubs)."""
+    import subprocess
+
+    (tmp_path / "a_file").write_text("")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for tool in ("sbatch", "sacct", "scontrol"):
+        (stubs / tool).write_text("#!/bin/sh\nexit 0\n")
+        (stubs / tool).chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{stubs}:{os.environ['PATH']}"}
+    slurm = ("-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    for args, said in [
+            (("-m", f"hydra.sweep.dir={tmp_path / 'a_file' / 'sweep'}"), "is a file, not a directory"),
+            ((*slurm, "cluster=slurm_local", "strategy=ddp", "cluster.devices=1,2"),
+             "cluster.devices=1,2: one Slurm array asks one allocation shape"),
+            ((*slurm, "cluster=local"), "hydra/launcher=submitit_slurm with cluster.launcher=local")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=gpt_nano", *args, "--dry-run"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2 and "cannot start: " in proc.stdout and said in proc.stdout, proc.stdout
+        assert "would start" not in proc.stdout
+        assert not (tmp_path / "sweep").exists()
 
 
 # The engines' noise in real runs (slow: a LoRA ZeRO-2 run with save_hf, an Accelerate FSDP2 run).
