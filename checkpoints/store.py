@@ -167,6 +167,9 @@ def read(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a "
                               f"directory written by trainer.checkpoint_every, named step<N>)")
     marker = path / MARKER
+    if not marker.is_file() and (newest := latest(path)) is not None:
+        raise CheckpointError(f"{path} is a run directory, not one of its checkpoints: name one, "
+                              f"{newest} (the newest), or another {directory(path)}/step<N>")
     if not marker.is_file():
         raise CheckpointError(f"{path} has no {MARKER} marker: the save did not finish (or this is "
                               "not a stratagem checkpoint); use an older checkpoint")

@@ -615,6 +615,20 @@ def test_a_damaged_checkpoint_names_the_file(good, tmp_path, model, rel, how, sa
     assert says in str(e.value) and str(path / rel if how != "delete" else path) in str(e.value)
 
 
+@pytest.mark.unit
+def test_a_run_directory_named_as_a_checkpoint_names_its_checkpoints(tmp_path):
+    """convert.py <run> (not <run>/checkpoints/step<N>) said "has no COMPLETE marker: the save
+    did not finish"; it names the run's newest checkpoint instead."""
+    from checkpoints.store import CheckpointError, read
+
+    for step in (2, 10):
+        (tmp_path / "checkpoints" / f"step{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step{step}" / "COMPLETE").write_text("{}")
+    with pytest.raises(CheckpointError, match=rf"{tmp_path} is a run directory, not one of its checkpoints: "
+                                              rf"name one, {tmp_path}/checkpoints/step10 \(the newest\)"):
+        read(tmp_path)
+
+
 @pytest.mark.multiprocess
 def test_dcp_metadata_is_read_safely(good, tmp_path, model):
     """DCP unpickles its metadata; a pickle that would run code is refused before DCP sees it."""
