@@ -417,9 +417,10 @@ def check_point(overrides: Sequence[str]) -> Point:
     except ConfigError as e:
         point.problems = list(e.problems)
     except Exception as e:  # noqa: BLE001  (Hydra refuses to compose it: an unknown key or option)
-        from recipes.cli import suggestions  # (an unknown key: ours, not Hydra's advice to add it with +)
+        from recipes.cli import composition_problems  # (ours, not Hydra's advice to add a key with +)
 
-        point.problems = suggestions(point.overrides) or [" ".join(str(e).split())[:600] or type(e).__name__]
+        point.problems = composition_problems(e, point.overrides) or [" ".join(str(e).split())[:600]
+                                                                      or type(e).__name__]
     point.seconds = time.perf_counter() - t0
     return point
 
