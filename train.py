@@ -28,7 +28,7 @@ import launchers.sweep
 from observers import report, startup
 from recipes import cli
 from recipes.job import Job, validate
-from strategies import ConfigError
+from core.errors import ConfigError, DataError
 from core.conf import CONF_DIR
 
 log = logging.getLogger("train")
@@ -85,13 +85,11 @@ def main(cfg: DictConfig) -> None:
         launchers.sweep.guard(out, lambda: train(*prepare(cfg, str(hydra_cfg.sweep.dir), out), out))
         return
     try:
-        job, predicted = prepare(cfg, None, out)
-    except (ConfigError, WillNotFit) as e:
+        train(*prepare(cfg, None, out), out)
+    except (ConfigError, WillNotFit, DataError) as e:  # (DataError: a bad record the run read)
         cli.fail(e, log)
     except checkpoints.Finished as e:  # a re-run (or a requeue) of a run that is done
         log.info("%s", e)
-        return
-    train(job, predicted, out)
 
 
 if __name__ == "__main__":

@@ -11,3 +11,9 @@ class ConfigError(ValueError):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class DataError(ValueError):
+    """A problem in the training data found while reading it, after launch (the checks before
+    launch read only the first records): one sentence naming the input, the record or line, and
+    the fix. train.py says it in one line and exits 2."""

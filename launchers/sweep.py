@@ -37,7 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import checkpoints
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from launchers import slurm
 from observers.files import atomic_write_text
 from planner import WillNotFit
@@ -82,7 +82,7 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
         if slurm.stopped_by_slurm(e):
             slurm.leave_without_result()
         reason = str(e) if not isinstance(e, SystemExit) else f"exit code {e.code}"
-        said = isinstance(e, (SystemExit, ConfigError))  # (a configuration error: its one line)
+        said = isinstance(e, (SystemExit, ConfigError, DataError))  # (a configuration error: its one line)
         log.error("job failed: %s%s", reason, "" if said else "\n" + traceback.format_exc())
         record(out, FAILED, f"{type(e).__name__}: {reason}")
         return None

@@ -14,6 +14,7 @@ import bisect
 import itertools
 from typing import Any
 
+from core.errors import DataError
 from recipes.token_inputs import GENERATION, _messages_problem
 
 # ---------------------------------------------------------------------------- chat
@@ -28,12 +29,12 @@ def chat_tokens(tok: Any, conversations: list[Any], eos: int, *, assistant_only:
     texts, spans = [], []
     for n, messages in enumerate(conversations):
         if (why := _messages_problem(messages)) is not None:
-            raise ValueError(f"{source}: record {first + n}'s messages are {why}")
+            raise DataError(f"{source}: record {first + n}'s messages are {why}")
         try:
             text, sp = _render(tok, messages, assistant_only)
         except Exception as e:
-            raise ValueError(f"{source}: record {first + n} does not render with the chat template "
-                             f"of data.tokenizer: {e}") from e
+            raise DataError(f"{source}: record {first + n} does not render with the chat template "
+                            f"of data.tokenizer: {e}") from e
         texts.append(text)
         spans.append(sp)
     ids_out: list[list[int]] = []
@@ -84,7 +85,7 @@ def _render(tok: Any, messages: list[dict], spans: bool) -> tuple[str, list[tupl
             before = ""
         after = render(messages[: i + 1], False)
         if not (after.startswith(before) and full.startswith(after)):
-            raise ValueError(
+            raise DataError(
                 f"the template does not render the conversation incrementally (message {i}'s "
                 "rendering is not a prefix of the whole), so its assistant tokens cannot be told "
                 "apart: mark them with {% generation %} ... {% endgeneration %} in the template, or "
@@ -109,13 +110,13 @@ def _generation_masks(tok: Any, conversations: list[Any], eos: int, first: int, 
     ids_out, masks_out = [], []
     for n, messages in enumerate(conversations):
         if (why := _messages_problem(messages)) is not None:
-            raise ValueError(f"{source}: record {first + n}'s messages are {why}")
+            raise DataError(f"{source}: record {first + n}'s messages are {why}")
         try:
             enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
         except Exception as e:
-            raise ValueError(f"{source}: record {first + n} does not render with the chat template "
-                             f"of data.tokenizer: {e}") from e
+            raise DataError(f"{source}: record {first + n} does not render with the chat template "
+                            f"of data.tokenizer: {e}") from e
         ids, mask = list(enc["input_ids"]), [int(b) for b in enc["assistant_masks"]]
         if not ids or ids[-1] != eos:
             ids.append(eos)

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from core.errors import DataError
+
 log = logging.getLogger(__name__)
 
 CORPUS = Path(__file__).parent / "assets" / "corpus.txt"
@@ -55,9 +57,9 @@ class TokenWindows(Dataset):
         counts = [max(0, (len(a) - 1) // seq_len) for a in self.arrays]
         self.starts = list(itertools.accumulate(counts, initial=0))
         if len(self) < 1:
-            raise ValueError(f"{what}: {sum(len(a) for a in self.arrays)} tokens hold no sample of "
-                             f"model.seq_len + 1 = {seq_len + 1} tokens (per shard): use more data "
-                             "or a shorter model.seq_len")
+            raise DataError(f"{what}: {sum(len(a) for a in self.arrays)} tokens hold no sample of "
+                            f"model.seq_len + 1 = {seq_len + 1} tokens (per shard): use more data "
+                            "or a shorter model.seq_len")
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -131,7 +133,7 @@ class DocumentRows(Dataset):
         ends = np.flatnonzero(np.asarray(array) == eos)
         bounds = np.concatenate([[0], ends[ends > 0]])  # document k: bounds[k] .. bounds[k + 1]
         if len(bounds) < 2:
-            raise ValueError(f"data.packing=pad: the token stream holds no document ending in EOS ({eos})")
+            raise DataError(f"data.packing=pad: the token stream holds no document ending in EOS ({eos})")
         lo, hi = bounds[:-1], bounds[1:]
         pieces = -(-(hi - lo) // seq_len)  # rows per document
         doc = np.repeat(np.arange(len(lo)), pieces)
@@ -335,7 +337,7 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
         files = shards(path)
         problem = shard_id_problem(key, path, files, data_cfg.dtype, vocab, data_cfg.cache_dir)
         if problem:
-            raise ValueError(problem)
+            raise DataError(problem)
         arrays = [np.memmap(f, dtype=data_cfg.dtype, mode="r") for f in files]
         return TokenWindows(arrays, seq_len, what=f"{key}={path}")
     if data_cfg.tokenized:
@@ -350,14 +352,14 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
                  stream.n_tokens, stream.n_loss_tokens, stream.n_docs, stream.path.name,
                  "tokenized" if stream.built else "cached")
         if stream.max_id >= vocab:
-            raise ValueError(f"{key}={path}: token id {stream.max_id} (data.tokenizer={data_cfg.tokenizer} "
-                             f"has {stream.vocab_size} ids) but model.vocab_size={vocab}: set "
-                             f"model.vocab_size>={stream.max_id + 1} or use the model's own tokenizer")
+            raise DataError(f"{key}={path}: token id {stream.max_id} (data.tokenizer={data_cfg.tokenizer} "
+                            f"has {stream.vocab_size} ids) but model.vocab_size={vocab}: set "
+                            f"model.vocab_size>={stream.max_id + 1} or use the model's own tokenizer")
         eos = getattr(shape, "document_eos", None)
         if eos is not None and eos != stream.eos_id:
-            raise ValueError(f"data.packing=document: the model masks documents at EOS id {eos} "
-                             f"but {key}={path} was packed with {stream.eos_id}: set data.tokenizer "
-                             "to the tokenizer the data was packed with")
+            raise DataError(f"data.packing=document: the model masks documents at EOS id {eos} "
+                            f"but {key}={path} was packed with {stream.eos_id}: set data.tokenizer "
+                            "to the tokenizer the data was packed with")
         if data_cfg.packing == "pad":
             return DocumentRows(stream.array(), seq_len, stream.eos_id, mask=stream.mask())
         return TokenWindows([stream.array()], seq_len, what=f"{key}={path}", masks=[stream.mask()],
@@ -388,8 +390,8 @@ def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]
         n = len(full)
         held = held_out(n, data_cfg.val_fraction, data_cfg.val_samples)
         if held >= n:
-            raise ValueError(f"data.val_fraction={data_cfg.val_fraction} of {n} samples leaves none "
-                             "to train on: lower data.val_fraction or use more data")
+            raise DataError(f"data.val_fraction={data_cfg.val_fraction} of {n} samples leaves none "
+                            "to train on: lower data.val_fraction or use more data")
         train, val = Subset(full, range(n - held)), Subset(full, range(n - held, n))
     if val is not None and data_cfg.val_samples is not None and len(val) > data_cfg.val_samples:
         val = Subset(val, range(data_cfg.val_samples))

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from core.errors import DataError
 from recipes.data import IGNORE
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,9 @@ def pair_row(tok: Any, prompt: Any, response: Any) -> tuple[list[int], list[int]
     before = tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
     full = tok.apply_chat_template(p + r, tokenize=False)
     if not full.startswith(before):
-        raise ValueError("the chat template does not render prompt + response with the prompt "
-                         "(and its generation prompt) as a prefix, so the response tokens "
-                         "cannot be told apart")
+        raise DataError("the chat template does not render prompt + response with the prompt "
+                        "(and its generation prompt) as a prefix, so the response tokens "
+                        "cannot be told apart")
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), [int(a >= len(before)) for a, _ in enc["offset_mapping"]]
 
@@ -108,11 +109,11 @@ def read_pairs(path: str | Path) -> list[dict]:
             rec = json.loads(line)
             missing = [k for k in ("prompt", "chosen", "rejected") if k not in rec]
             if missing:
-                raise ValueError(f"data.path={path}: record {n} has no {', '.join(missing)} "
-                                 "(each needs prompt, chosen and rejected)")
+                raise DataError(f"data.path={path}: record {n} has no {', '.join(missing)} "
+                                "(each needs prompt, chosen and rejected)")
             out.append(rec)
     if not out:
-        raise ValueError(f"data.path={path}: no records")
+        raise DataError(f"data.path={path}: no records")
     return out
 
 
@@ -130,11 +131,11 @@ def preference_pairs(data_cfg: Any, shape: Any) -> PreferencePairs:
             try:
                 ids, mask = pair_row(tok, rec["prompt"], rec[side])
             except Exception as e:
-                raise ValueError(f"data.path={data_cfg.path}: record {n}'s prompt + {side} does not "
-                                 f"render with the chat template of data.tokenizer: {e}") from e
+                raise DataError(f"data.path={data_cfg.path}: record {n}'s prompt + {side} does not "
+                                f"render with the chat template of data.tokenizer: {e}") from e
             if max(ids) >= shape.vocab_size:
-                raise ValueError(f"data.path={data_cfg.path}: token id {max(ids)} but model.vocab_size="
-                                 f"{shape.vocab_size}: use the model's own tokenizer")
+                raise DataError(f"data.path={data_cfg.path}: token id {max(ids)} but model.vocab_size="
+                                f"{shape.vocab_size}: use the model's own tokenizer")
             cut += len(ids) > shape.seq_len + 1
             rows.append(_row(ids, mask, shape.seq_len, pad))
         xs.append(torch.stack([r[0] for r in rows]))

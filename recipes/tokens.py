@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.errors import DataError
 from recipes.chat_tokens import chat_tokens
 from recipes.token_checks import data_problems, shard_id_problem, shard_max_ids, tokenizer_problems
 from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOADERS, SUFFIXES, Inputs,
@@ -159,8 +160,31 @@ def _load(inputs: Inputs, kind: str, scratch: str) -> Any:
     from datasets import load_dataset
 
     kwargs = {"sample_by": "document"} if inputs.loader == "text" else {}
-    return load_dataset(inputs.loader, data_files=[str(f) for f in inputs.files], split="train",
-                        cache_dir=scratch, **kwargs)
+    try:
+        return load_dataset(inputs.loader, data_files=[str(f) for f in inputs.files], split="train",
+                            cache_dir=scratch, **kwargs)
+    except Exception as e:  # noqa: BLE001  (datasets' DatasetGenerationError, pyarrow's: a bad file)
+        raise DataError(_unreadable(inputs, e)) from e
+
+
+def _unreadable(inputs: Inputs, error: Exception) -> str:
+    """What datasets could not read, as one sentence: for JSON lines, the first line that is not
+    a JSON object (datasets names an Arrow row, not a line of the file)."""
+    if inputs.loader == "json":
+        for f in (f for f in inputs.files if f.name.endswith(".jsonl")):
+            with open(f, encoding="utf-8", errors="replace") as lines:
+                for n, line in enumerate(lines, 1):
+                    try:
+                        ok = not line.strip() or isinstance(json.loads(line), dict)
+                    except ValueError as bad:
+                        ok, why = False, f"not JSON ({getattr(bad, 'msg', bad)}, column {getattr(bad, 'colno', '?')})"
+                    else:
+                        why = "not a JSON object"
+                    if not ok:
+                        return f"data.path={f}: line {n} is {why}: fix or remove that line"
+    cause = str(error.__cause__ or error).strip().splitlines()
+    return (f"data.path={inputs.files[0] if len(inputs.files) == 1 else inputs.files[0].parent}: "
+            f"datasets cannot read it as {inputs.loader} ({cause[0] if cause else type(error).__name__})")
 
 
 def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str, bin_path: Path,
@@ -171,12 +195,12 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
     tok = load_tokenizer(tok_path)
     eos = tok.eos_token_id if tok.eos_token_id is not None else tokenizer_info(tok_path).eos_id
     if eos is None:
-        raise ValueError(f"data.tokenizer={tok_path}: the tokenizer has no EOS token (documents are "
-                         "packed with EOS between them): set eos_token in its tokenizer_config.json")
+        raise DataError(f"data.tokenizer={tok_path}: the tokenizer has no EOS token (documents are "
+                        "packed with EOS between them): set eos_token in its tokenizer_config.json")
     if kind == "chat" and not getattr(tok, "chat_template", None):
-        raise ValueError(f"data.tokenizer={tok_path} has no chat template, and data=chat renders "
-                         "each conversation with it: point data.tokenizer at a tokenizer with a "
-                         "chat_template (tokenizer_config.json or chat_template.jinja)")
+        raise DataError(f"data.tokenizer={tok_path} has no chat template, and data=chat renders "
+                        "each conversation with it: point data.tokenizer at a tokenizer with a "
+                        "chat_template (tokenizer_config.json or chat_template.jinja)")
     vocab = len(tok)
     dtype = np.uint16 if vocab < 2**16 else np.uint32
     column = "text" if kind == "text" and inputs.loader == "text" else field
@@ -188,9 +212,9 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
     with tempfile.TemporaryDirectory(dir=bin_path.parent, prefix="datasets-") as scratch:
         ds = _load(inputs, kind, scratch)
         if column not in ds.column_names:
-            raise ValueError(f"data.path={source}: the records have no {column!r} column (they have: "
-                             f"{', '.join(ds.column_names)}): set data."
-                             f"{'messages_field' if kind == 'chat' else 'field'}=<one of them>")
+            raise DataError(f"data.path={source}: the records have no {column!r} column (they have: "
+                            f"{', '.join(ds.column_names)}): set data."
+                            f"{'messages_field' if kind == 'chat' else 'field'}=<one of them>")
         log.info("tokenizing %s (%d files, %d records, field %r) with %s -> %s", source,
                  len(inputs.files), len(ds), column, tok_path, bin_path)
         try:
@@ -218,9 +242,9 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
             if mask_path is None:
                 n_loss = n_tokens
             elif n_loss == 0:
-                raise ValueError(f"data.path={source}: no assistant message in any conversation, so "
-                                 "data.train_on=assistant leaves nothing to train on: check the "
-                                 "records' roles, or set data.train_on=all")
+                raise DataError(f"data.path={source}: no assistant message in any conversation, so "
+                                "data.train_on=assistant leaves nothing to train on: check the "
+                                "records' roles, or set data.train_on=all")
             if mask_path is not None:
                 os.replace(tmp_mask, mask_path)
             os.replace(tmp, bin_path)

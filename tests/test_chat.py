@@ -318,6 +318,31 @@ def test_bad_chat_data_fails_before_launch(chat_tokenizer, hf_tokenizer, tmp_pat
                           f"data.path={path}", "data.messages_field=conversation", tok]), depth=CONFIG)
 
 
+@pytest.mark.subprocess
+def test_a_bad_record_found_while_tokenizing_is_one_line_and_exit_2(chat_tokenizer, tmp_path):
+    """What the checks before launch cannot see (they read the first record): a line of the file
+    that is not JSON (datasets said "JSON parse error ... in row 44", with a traceback), and
+    conversations without an assistant role (a traceback): one line naming it, exit 2."""
+    from core.errors import DataError
+    from recipes.tokens import token_file
+
+    lines = [json.dumps({"messages": c}) for c in _conversations(4)]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join([*lines[:3], '{"messages": [{"role" "user"}]}', lines[3]]) + "\n")
+    roles = _jsonl(tmp_path / "roles.jsonl", [[{"role": "human", "content": "hi"}, {"role": "bot", "content": "yo"}]])
+    cases = {broken: f"data.path={broken}: line 4 is not JSON (Expecting ':' delimiter, column 23): fix or "
+                     "remove that line",
+             roles: f"data.path={roles}: no assistant message in any conversation"}
+    for path, said in cases.items():
+        with pytest.raises(DataError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            token_file(kind="chat", path=path, field="messages", tokenizer=chat_tokenizer, cache_dir=tmp_path)
+    run = run_cli("train.py", *TINY, "model.vocab_size=516", "data=chat", f"data.path={broken}",
+                  f"data.tokenizer={chat_tokenizer}", f"data.cache_dir={tmp_path / 'cache'}",
+                  out=tmp_path / "run", check=False)
+    assert run.proc.returncode == 2 and "Traceback" not in run.log, run.log[-3000:]
+    assert run.proc.stderr.strip().splitlines()[-1].endswith(cases[broken]), run.proc.stderr[-2000:]
+
+
 @pytest.mark.unit
 def test_token_ids_past_the_vocabulary_fail_before_launch_once_per_shard(tmp_path, monkeypatch):
     """data=tokens with an id >= model.vocab_size: an error naming the key, the value, the id and
