@@ -38,6 +38,7 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     """Validate (auto: the planner chooses), plan, find the checkpoint: every error before launch."""
     import planner
 
+    launchers.refuse_elsewhere(cfg)  # (launch.py submits it: this machine's checks are not the run's)
     job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check], auto=planner.choose)
     if job.auto:
         log.info("%s", job.chosen_by)

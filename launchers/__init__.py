@@ -20,7 +20,8 @@ plus its conf/cluster YAML: ``check`` and ``run`` here and ``launch.py`` find it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from launchers import registry, sagemaker, slurm
 from launchers.local import RankLost, Stopped, launched, restart_problem, run_local_ranks, stopped
@@ -94,6 +95,20 @@ def check(job: Job) -> list[str]:
     cannot from inside a worker, so it is refused)."""
     trap = restart_problem() if launched() else None
     return ([trap] if trap else []) + _launch_check(job)
+
+
+def refuse_elsewhere(cfg: Any) -> None:
+    """Before validation: a launcher whose ranks start elsewhere (a submission step: SageMaker,
+    Kubernetes), asked from outside its container or pod, is that one sentence -- this machine's
+    GPUs and cores, which validation checks next, are not the run's."""
+    from strategies import ConfigError
+
+    name = str(cfg.cluster.launcher)
+    if name not in registry.names() or launched() or sagemaker.in_container():
+        return
+    chosen = registry.get(name)
+    if chosen.submits:  # (its problems read the job's cluster only)
+        raise ConfigError(chosen.problems(SimpleNamespace(cluster=cfg.cluster)))
 
 
 def _launch_check(job: Job) -> list[str]:

@@ -253,6 +253,24 @@ def test_dry_run_refuses_what_the_launch_refuses(tmp_path):
         assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("cluster", ["k8s", "sagemaker_p5_2node"])
+def test_a_cluster_that_launch_py_submits_says_so_first_and_alone(cluster, monkeypatch):
+    """train.py cluster=k8s on a machine without its GPUs said "no CUDA device is visible: use
+    cluster.accelerator=cpu", then "this machine has 2 core(s)", and only then "submit it with
+    launch.py": this machine's checks are not the run's."""
+    import launchers
+    from recipes.config import compose
+    from strategies import ConfigError
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SM_HOSTS", "SM_CURRENT_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError) as e:
+        launchers.refuse_elsewhere(compose([f"cluster={cluster}"]))
+    assert len(e.value.problems) == 1 and f"submit it with python launch.py cluster={cluster} " in e.value.problems[0]
+    launchers.refuse_elsewhere(compose(["cluster=torchrun"]))  # (ranks start here: validation says the rest)
+
+
 # The engines' noise in real runs (slow: a LoRA ZeRO-2 run with save_hf, an Accelerate FSDP2 run).
 NOISE = ("is_gradient_checkpointing", "Processing zero checkpoint", "Detected checkpoint of type",
          "Reconstructed fp32 state dict", "Loading checkpoint shards", "sync_module_states is obsolete")
