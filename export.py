@@ -42,6 +42,29 @@ def _problems(job) -> list[str]:
     return families.problems(job.strategy, job.run)
 
 
+def _default_name(job) -> str:
+    kind = job.export.name
+    return f"{job.strategy.name}-{job.cluster.name}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}"
+
+
+def _out(job) -> Path:
+    """The file export.out names; unset: <strategy>-<cluster>.<kind>.(yaml|json) here."""
+    return Path(job.export.out or _default_name(job)).expanduser()
+
+
+def _out_problems(job) -> list[str]:
+    """The file to write (and the DeepSpeed JSON beside an accelerate YAML): not a directory, in
+    a directory this user can write, as train.py's output directory (``cli.unwritable``)."""
+    if job.export is None:
+        return []
+    out = _out(job)
+    if out.is_dir():
+        return [f"export.out={job.export.out or out} is a directory, not a file: name the file to write, "
+                f"e.g. export.out={out / _default_name(job)}"]
+    problem = cli.unwritable("export.out", out.parent, file=str(job.export.out or out))
+    return [problem] if problem else []
+
+
 def main(argv: list[str]) -> None:
     if "export=accelerate" in argv and not any(a.startswith("backend=") for a in argv):
         argv = [*argv, "backend=accelerate"]  # (what it runs on: strategy=auto picks for it)
@@ -52,7 +75,7 @@ def main(argv: list[str]) -> None:
     from recipes.job import RUN, validate
 
     # strategy=auto: the preset the planner picks, as train.py strategy=auto would run it
-    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=choose))
+    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems, _out_problems], auto=choose))
     if job.auto:
         print(job.chosen_by, file=sys.stderr)
     from backends.accelerate.export import deepspeed_config
@@ -63,7 +86,7 @@ def main(argv: list[str]) -> None:
 
     stem = f"{job.strategy.name}-{job.cluster.name}"
     kind = job.export.name
-    out = Path(job.export.out or f"{stem}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}")
+    out = _out(job)
     written = []
     ds_file = None
     if job.strategy.capabilities.native_config == "deepspeed":

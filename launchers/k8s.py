@@ -89,6 +89,18 @@ def submission_problems(cluster: Any, overrides: list[str]) -> list[str]:
     return out
 
 
+def cpu_problems(cluster: Any, accelerator: str) -> list[str]:
+    """CPU ranks in a pod limited to fewer CPUs than ranks (cluster.k8s.cpus is its limit), unless
+    cluster.oversubscribe allows more processes than cores, as on this machine."""
+    k, ranks = cluster.k8s, cluster.devices
+    if accelerator != "cpu" or k.cpus >= ranks or cluster.oversubscribe:
+        return []
+    fewer = f"cluster.devices<={int(k.cpus)}, or " if k.cpus >= 1 else ""
+    return [f"cluster.k8s.cpus={k.cpus:g} but each pod runs cluster.devices={ranks} CPU ranks "
+            f"(cluster.accelerator=cpu), one CPU each at least: set cluster.k8s.cpus>={ranks}, or "
+            f"{fewer}cluster.oversubscribe=true to run more ranks than CPUs (slower, but correct)"]
+
+
 def command(overrides: list[str], k: Any) -> list[str]:
     """What every pod runs: torchrun (the operator's PET_* variables give it the nodes, this
     node's rank and the master's address) over train.py with the overrides, each once."""
@@ -219,7 +231,7 @@ def reachable() -> str | None:
 
 # --------------------------------------------------------------------------- launch.py's step
 def _submission_problems(job: Job, overrides: list[str]) -> list[str]:
-    return submission_problems(job.cluster, overrides)
+    return submission_problems(job.cluster, overrides) + cpu_problems(job.cluster, job.run.accelerator)
 
 
 def _client_problems(job: Job) -> list[str]:

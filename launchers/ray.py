@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launchers.registry import launcher
+from launchers.torchrun import bad_port
 
 if TYPE_CHECKING:
     from recipes.job import Job
@@ -50,7 +51,8 @@ DEAD = ("ActorDiedError", "WorkerHealthCheckFailedError", "ActorUnavailableError
 
 
 def problems(cluster: Any) -> list[str]:
-    """What stops a Ray launch before anything starts: Ray not installed, a malformed address."""
+    """What stops a Ray launch before anything starts: Ray not installed, a malformed address or
+    its port outside 1..65535."""
     out = []
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
         out.append("cluster.launcher=ray needs Ray Train, which is not installed: "
@@ -65,6 +67,9 @@ def problems(cluster: Any) -> list[str]:
         out.append(f"cluster.ray.address={address!r} is not a Ray address; allowed: null (start Ray "
                    "on this machine for the job), auto (the cluster `ray start` runs here), "
                    "<head>:6379 or ray://<head>:10001: set e.g. cluster.ray.address=10.0.0.1:6379")
+    elif address not in (None, "auto") and (port := bad_port("cluster.ray.address", str(address),
+                                                                  "10.0.0.1:6379")):
+        out.append(port)
     return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,15 +110,49 @@ def checkpoint_destination(s: Any) -> str | None:
     return f"{s.output_path.rstrip('/')}/checkpoints" if s.output_path else None
 
 
+def torch_minimum(source_dir: str = SOURCE_DIR) -> str | None:
+    """The torch minimum the uploaded pyproject.toml declares (``"torch>=X.Y"``): what each
+    host's ``pip install -e .`` installs over an older image's torch. None: none declared."""
+    path = Path(source_dir) / "pyproject.toml"
+    found = re.search(r'^\s*"torch>=([0-9.]+)', path.read_text(), re.M) if path.is_file() else None
+    return found.group(1) if found else None
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    parts = version.split(".")
+    return tuple(int(p) for p in parts) + (0,) * (3 - len(parts)) if all(p.isdigit() for p in parts) else None
+
+
+def image_problems(s: Any, source_dir: str = SOURCE_DIR) -> list[str]:
+    """The SDK's PyTorch image (no image_uri) older than the torch pyproject.toml requires: each
+    host's ``pip install -e .`` would replace the image's torch."""
+    minimum = torch_minimum(source_dir)
+    have, need = _release(str(s.framework_version)), _release(minimum or "")
+    if s.image_uri is not None or have is None or need is None or have >= need:
+        return []
+    return [f"cluster.sagemaker.framework_version={s.framework_version}: the PyTorch image's torch is "
+            f"older than pyproject.toml's torch>={minimum}, which each host's `pip install -e .` would "
+            f"install over it; set cluster.sagemaker.framework_version=<a version >= {minimum}> "
+            f"(e.g. {'.'.join(map(str, need))}), or cluster.sagemaker.image_uri=<an image with "
+            f"torch>={minimum}>"]
+
+
 def submission_problems(cluster: Any, data: Any) -> list[str]:
-    """What would make the job lose its results or miss its data, checked on the submitting
-    machine: a checkpoint destination, and every container data path in a declared channel."""
+    """What would make the job lose its results, miss its data or replace its image's torch,
+    checked on the submitting machine: a checkpoint destination on S3, every container data path
+    in a declared channel, the image's torch version."""
     s, out = cluster.sagemaker, []
     if checkpoint_destination(s) is None:
         out.append("cluster.sagemaker.checkpoint_s3_uri=null and cluster.sagemaker.output_path=null: "
                    "the run directory (checkpoints, report.json) would vanish with the job; set "
                    "cluster.sagemaker.output_path=s3://<bucket>/<prefix> (checkpoints go to its "
                    "checkpoints/) or cluster.sagemaker.checkpoint_s3_uri=s3://<bucket>/<prefix>")
+    for key in ("output_path", "checkpoint_s3_uri"):
+        value = getattr(s, key)
+        if value is not None and not str(value).startswith("s3://"):
+            out.append(f"cluster.sagemaker.{key}={value} is not an S3 URI: set "
+                       f"cluster.sagemaker.{key}=s3://<bucket>/<prefix>")
+    out += image_problems(s)
     for key in ("path", "val_path", "tokenizer"):
         value = getattr(data, key, None)
         channel = channel_of(value)

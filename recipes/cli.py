@@ -83,28 +83,33 @@ def fail(error: Exception, log: logging.Logger) -> None:
     sys.exit(CONFIG_ERROR)
 
 
-def unwritable(key: str, directory: str | Path) -> str | None:
+def unwritable(key: str, directory: str | Path, file: str | None = None) -> str | None:
     """Why this process cannot write the output directory ``directory`` (the value of ``key``),
     in one sentence with the fix; None when it can. Probed for real, not by permission bits (root
     ignores those, a read-only mount does not): a file is created and removed in the directory, or
-    in its nearest existing ancestor when it does not exist yet -- nothing is left behind."""
+    in its nearest existing ancestor when it does not exist yet -- nothing is left behind. With
+    ``file``: ``key``'s value is that file, to be created in ``directory`` (export.py's output)."""
     import tempfile
 
     path = Path(directory).expanduser().absolute()
-    fix = f"point {key} at a directory this user can write ({key}=/path/to/runs/name)"
-    if not Path(directory).expanduser().is_absolute():
-        fix += f", or run from one: {directory} is relative to {Path.cwd()}"
+    value = directory if file is None else file
+    target = ("a directory", "/path/to/runs/name") if file is None else ("a file in a directory",
+                                                                          f"/path/to/{Path(file).name}")
+    fix = f"point {key} at {target[0]} this user can write ({key}={target[1]})"
+    if not Path(value).expanduser().is_absolute():
+        fix += f", or run from one: {value} is relative to {Path.cwd()}"
     here = path
     while not here.exists() and here != here.parent:
         here = here.parent
     if not here.is_dir():
-        return f"{key}={directory}: {here} is a file, not a directory; {fix}"
+        return f"{key}={value}: {here} is a file, not a directory; {fix}"
     try:
         fd, probe = tempfile.mkstemp(prefix=".stratagem-probe-", dir=here)
     except OSError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
-        where = "write there" if here == path else f"create it in {here}"
-        return f"{key}={directory}: cannot {where}: {why}; {fix}"
+        where = (f"create it in {here}" if here != path else "write there" if file is None
+                 else f"write in {here}")
+        return f"{key}={value}: cannot {where}: {why}; {fix}"
     os.close(fd)
     os.unlink(probe)
     return None

@@ -46,7 +46,10 @@ class SageMakerConfig:
     instance_type: str = free("ml.p5.48xlarge", "a SageMaker training instance type")
     role: str | None = free(None, "an IAM role ARN; None: the SDK's default execution role")
     image_uri: str | None = free(None, "a training image; None: the SDK's PyTorch image")
-    framework_version: str = free("2.8.0", "a PyTorch image version the SDK knows")
+    framework_version: str = free("2.11.0", "a PyTorch image version the SDK knows, at least "
+                                            "pyproject.toml's torch minimum (checked before submission)")
+    """The SDK's PyTorch image (no image_uri); each host's ``pip install -e .`` keeps its torch
+    only when it meets pyproject.toml's minimum (launchers/sagemaker.py ``image_problems``)."""
     py_version: str = free("py312", "the PyTorch image's Python")
     region: str | None = free(None, "an AWS region; None: the SDK's default")
     output_path: str | None = free(None, "s3://bucket/prefix for the job's output")
@@ -96,7 +99,8 @@ class K8sConfig:
     mount_path: str = free("/mnt/stratagem", "an absolute path inside the pods")
     """Where ``volume_claim`` is mounted; the run directory is <mount_path>/<job_name>."""
     cpus: float = knob(8.0, above=0.0)
-    """CPUs each pod requests (and is limited to)."""
+    """CPUs each pod requests (and is limited to); accelerator cpu: at least cluster.devices, one
+    per rank, unless cluster.oversubscribe (checked before submission)."""
     memory_GB: float = knob(64.0, above=0.0)
     """Memory each pod requests (and is limited to), GB."""
     gpu_resource: str = free("nvidia.com/gpu", "the cluster's GPU resource name")

@@ -180,6 +180,27 @@ def test_export_refuses_a_bad_combination(tmp_path):
 
 
 @pytest.mark.unit
+def test_export_refuses_an_out_it_cannot_write_before_writing(tmp_path, capsys):
+    """export.out under a path that is not a directory, or naming a directory: a traceback
+    (FileNotFoundError, IsADirectoryError), exit 1. Now one error, exit 2, nothing written."""
+    import export
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    for out, said in [
+        (tmp_path / "a_file" / "x.json", f"export.out={tmp_path / 'a_file' / 'x.json'}: {tmp_path / 'a_file'} is a "
+         "file, not a directory; point export.out at a file in a directory this user can write "
+         "(export.out=/path/to/x.json)"),
+        (tmp_path / "a_dir", f"export.out={tmp_path / 'a_dir'} is a directory, not a file: name the file to "
+         f"write, e.g. export.out={tmp_path / 'a_dir' / 'zero2-local.deepspeed.json'}")]:
+        with pytest.raises(SystemExit) as e:
+            export.main(["strategy=zero2", "export=deepspeed", f"export.out={out}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"  - {said}\n" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a_dir", "a_file"]
+
+
+@pytest.mark.unit
 def test_the_planners_backends_are_what_each_backend_runs():
     """Two statements of one fact: a backend refuses a preset before launch (its families'
     ``problems``) exactly when the preset's ``Capabilities.backends`` leaves it out, which is

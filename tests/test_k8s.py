@@ -118,6 +118,29 @@ def test_bad_k8s_values_are_one_error_each():
         assert text.count(expected) == 1, text
 
 
+@pytest.mark.unit
+def test_cpu_ranks_beyond_the_pods_cpus_are_refused():
+    """cluster.k8s.cpus=2 with 4 CPU ranks per pod was accepted: 4 processes on 2 CPUs."""
+    from launchers import registry
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+    from strategies import ConfigError
+
+    over = ["cluster=k8s", "strategy=ddp", "cluster.accelerator=cpu", "cluster.devices=4",
+            "trainer.global_batch_size=128", "cluster.k8s.volume_claim=runs"]
+    step = registry.get("k8s").submission_problems
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*over, "cluster.k8s.cpus=2"]), depth=RUN, extra=[lambda job: step(job, over)])
+    assert e.value.problems == [
+        "cluster.k8s.cpus=2 but each pod runs cluster.devices=4 CPU ranks (cluster.accelerator=cpu), one CPU "
+        "each at least: set cluster.k8s.cpus>=4, or cluster.devices<=2, or cluster.oversubscribe=true to run "
+        "more ranks than CPUs (slower, but correct)"]
+    for fine in ("cluster.k8s.cpus=4", "cluster.oversubscribe=true"):
+        validate(compose([*over, "cluster.k8s.cpus=2", fine]), depth=RUN, extra=[lambda job: step(job, over)])
+    validate(compose([*over[:2], "cluster.k8s.cpus=2", *over[4:]]), depth=RUN,  # (GPU ranks: not CPUs)
+             extra=[lambda job: step(job, over)])
+
+
 _NO_CLIENT = """
 import atexit, runpy, sys
 atexit.register(lambda: sys.stderr.write('LOADED=' + ','.join(sorted({m.split('.')[0] for m in sys.modules}

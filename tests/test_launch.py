@@ -698,6 +698,50 @@ def test_sagemaker_job_without_a_checkpoint_destination_or_with_an_undeclared_ch
 
 
 @pytest.mark.unit
+def test_sagemaker_s3_destinations_that_are_not_s3_uris_are_refused():
+    """output_path=my-bucket/x was accepted (checkpoints to "my-bucket/x/checkpoints")."""
+    from launchers import sagemaker
+    from recipes.config import compose
+
+    def problems(*over: str) -> list[str]:
+        cfg = compose(["cluster=sagemaker_p5_2node", *over])
+        return sagemaker.submission_problems(cfg.cluster, cfg.data)
+
+    assert problems("cluster.sagemaker.output_path=my-bucket/x") == [
+        "cluster.sagemaker.output_path=my-bucket/x is not an S3 URI: set "
+        "cluster.sagemaker.output_path=s3://<bucket>/<prefix>"]
+    assert problems("cluster.sagemaker.output_path=s3://b/x", "cluster.sagemaker.checkpoint_s3_uri=/tmp/c") == [
+        "cluster.sagemaker.checkpoint_s3_uri=/tmp/c is not an S3 URI: set "
+        "cluster.sagemaker.checkpoint_s3_uri=s3://<bucket>/<prefix>"]
+    assert problems("cluster.sagemaker.output_path=s3://b/x") == []
+
+
+@pytest.mark.unit
+def test_the_sagemaker_image_has_at_least_the_torch_pyproject_requires():
+    """Each host runs `pip install -e .`: an image older than pyproject.toml's torch minimum would
+    have its torch replaced. The default is that minimum; an older version is refused."""
+    import re
+
+    from launchers import sagemaker
+    from recipes.config import compose
+
+    minimum = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert sagemaker.torch_minimum() == minimum
+    base = ["cluster=sagemaker_p5_2node", "cluster.sagemaker.output_path=s3://b/x"]
+    default = compose(base).cluster
+    assert default.sagemaker.framework_version == f"{minimum}.0"
+    assert sagemaker.submission_problems(default, None) == []
+    old = compose([*base, "cluster.sagemaker.framework_version=2.8.0"])
+    assert sagemaker.submission_problems(old.cluster, old.data) == [
+        f"cluster.sagemaker.framework_version=2.8.0: the PyTorch image's torch is older than pyproject.toml's "
+        f"torch>={minimum}, which each host's `pip install -e .` would install over it; set "
+        f"cluster.sagemaker.framework_version=<a version >= {minimum}> (e.g. {minimum}.0), or "
+        f"cluster.sagemaker.image_uri=<an image with torch>={minimum}>"]
+    own = compose([*base, "cluster.sagemaker.framework_version=2.8.0", "cluster.sagemaker.image_uri=r/img:1"])
+    assert sagemaker.submission_problems(own.cluster, own.data) == []  # (framework_version unused)
+
+
+@pytest.mark.unit
 def test_sagemaker_cluster_numbers_follow_the_instance_type():
     from recipes.config import compose
 
@@ -723,7 +767,7 @@ def test_the_sagemaker_sdk_accepts_the_job(monkeypatch):
     cluster = compose(["cluster=sagemaker_p5_2node", "cluster.sagemaker.region=us-west-2",
                        "cluster.sagemaker.role=arn:aws:iam::123456789012:role/Training"]).cluster
     trainer = sagemaker.build(sagemaker.job_arguments(cluster, ["strategy=fsdp"], str(ROOT)))
-    assert trainer.compute.instance_count == 2 and "pytorch-training:2.8.0" in trainer.training_image
+    assert trainer.compute.instance_count == 2 and "pytorch-training:2.11.0" in trainer.training_image
     assert trainer.source_code.command.endswith("hydra.run.dir=/opt/ml/checkpoints/run")
 
 
@@ -864,11 +908,29 @@ def test_a_rendezvous_port_outside_the_range_is_refused(endpoint):
     base = [*TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=1", "cluster.devices=2",
             "cluster.accelerator=cpu"]
     with pytest.raises(ConfigError) as e:
-        validate(compose([*base, f"cluster.rdzv_endpoint={endpoint}"]), extra=[launchers.check])
+        validate(compose([*base, f"cluster.rdzv_endpoint='{endpoint}'"]), extra=[launchers.check])
     port = endpoint.rsplit(":", 1)[1]
     assert e.value.problems == [f"cluster.rdzv_endpoint={endpoint!r}: port {port} is outside 1..65535: set a "
                                 "port in that range, e.g. cluster.rdzv_endpoint=10.0.0.1:29500"]
     validate(compose([*base, "cluster.rdzv_endpoint=127.0.0.1:65535"]), extra=[launchers.check])
+
+
+@pytest.mark.unit
+def test_every_cluster_preset_that_can_span_nodes_has_an_inter_node_bandwidth(monkeypatch):
+    """cluster=ray inherited local's inter_node_GBps: 0: README's 2-node Ray example planned
+    "step ~ inf s ... never completes" and said ok. A preset can span nodes when its launcher
+    starts several (any but local) or its nodes follow an outside torchrun's (here 2 x 8)."""
+    from recipes.config import compose
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(key, value)
+    spanning = {}
+    for path in sorted((ROOT / "conf" / "cluster").glob("*.yaml")):
+        c = compose([f"cluster={path.stem}"]).cluster
+        if c.launcher != "local" or c.nodes > 1:
+            spanning[path.stem] = c.inter_node_GBps
+    assert {"local", "torchrun", "ray", "k8s", "sagemaker_p5_2node", "slurm_local"} <= set(spanning), spanning
+    assert all(bandwidth > 0 for bandwidth in spanning.values()), spanning
 
 
 @pytest.mark.subprocess

@@ -72,6 +72,20 @@ def test_bad_ray_values_are_one_error_each():
         validate(compose([*base, f"cluster.ray.address={good}"]), extra=[launchers.check])
 
 
+@pytest.mark.unit
+def test_a_ray_address_port_outside_the_range_is_refused():
+    from launchers import ray
+    from recipes.config import compose
+
+    for address in ("10.0.0.1:99999", "ray://head:0"):
+        cluster = compose(["cluster=ray", f"cluster.ray.address={address}"]).cluster
+        port = address.rsplit(":", 1)[1]
+        assert (f"cluster.ray.address={address!r}: port {port} is outside 1..65535: set a port in that "
+                "range, e.g. cluster.ray.address=10.0.0.1:6379") in ray.problems(cluster)
+    for good in ("auto", "10.0.0.1:65535", "ray://head:10001"):
+        assert not any("port" in p for p in ray.problems(compose(["cluster=ray", f"cluster.ray.address={good}"]).cluster))
+
+
 @pytest.mark.subprocess
 def test_answers_about_a_ray_job_import_no_engine_and_no_ray(tmp_path):
     argv = ("train.py", "--cfg", "job", "cluster=ray", "cluster.devices=2", "strategy=ddp")
