@@ -41,7 +41,7 @@ def register() -> None:
 
     from recipes.config import ExportConfig, LoggerConfig, TrainConfig
     from recipes.hardware import instance, launched, local
-    from recipes.hf_config import resolve
+    from recipes.hf_config import resolve, tokenizer_default
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
@@ -49,6 +49,7 @@ def register() -> None:
     cs.store(name="export_schema", node=ExportConfig)
     for name, resolver, cached in (
             ("hf", resolve, False),  # model=hf: shape fields from the model's config.json
+            ("hf_dir", tokenizer_default, False),  # conf/data/*.yaml: data.tokenizer from model.path
             ("instance", instance, False),  # conf/cluster/sagemaker_*.yaml: an instance's numbers
             ("launched", launched, False),  # conf/cluster/local.yaml: torchrun's / srun's world
             ("local", local, False),  # conf/cluster/local.yaml: this machine's GPUs, no torch

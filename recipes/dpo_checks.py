@@ -14,7 +14,7 @@ SPLITS = {"tp": "tensor", "pp": "pipeline", "cp": "context", "sp": "sequence (Ul
 def data_problems(data: Any, model: Any | None) -> list[str]:
     """``data=preference``: a .jsonl data.path and a tokenizer with a chat template."""
     from core import knobs
-    from recipes.token_checks import tokenizer_problems
+    from recipes.token_checks import null_why, tokenizer_problems
 
     out = []
     if data.path is None:
@@ -25,13 +25,12 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
                    "{prompt, chosen, rejected} records")
     if data.tokenizer is None:
         out.append("data=preference needs a tokenizer with a chat template, and data.tokenizer is "
-                   "null (the model has no model.path to take one from): set data.tokenizer=<a "
-                   "tokenizer directory>")
+                   f"null ({null_why(model)}): set data.tokenizer=<a tokenizer directory>")
     elif not knobs.elsewhere(data.tokenizer):
         vocab = getattr(model, "vocab_size", None)
         out += [p.replace("data=chat", "data=preference")
                 for p in tokenizer_problems(data.tokenizer, vocab if isinstance(vocab, int) else None,
-                                            chat=True)]
+                                            chat=True, hf=getattr(model, "is_hf", False))]
     return out
 
 

@@ -29,22 +29,29 @@ def hub_cache() -> Path:
 
 
 FIX = ("point model.path at a directory written by save_pretrained (config.json + safetensors), or "
-       "a model id already downloaded (huggingface-cli download <id>)")
+       "a model id already downloaded (hf download <id>)")
+
+
+def _snapshot(path: str) -> Path | None:
+    """The cached snapshot directory of model id ``path`` (``refs/main`` of huggingface_hub's
+    cache layout), None when the cache has none."""
+    repo = hub_cache() / ("models--" + path.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if "/" not in path or not ref.is_file():
+        return None
+    snap = repo / "snapshots" / ref.read_text().strip()
+    return snap if snap.is_dir() else None
 
 
 def locate(path: str) -> Path:
     """The local directory of ``model.path``: the directory itself, or the cached snapshot of a
-    model id (``refs/main`` of huggingface_hub's cache layout); a ValueError naming the key, the
-    value and the fix when it is neither."""
+    model id; a ValueError naming the key, the value and the fix when it is neither."""
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         return p
-    repo = hub_cache() / ("models--" + path.replace("/", "--"))
-    ref = repo / "refs" / "main"
-    if "/" in path and ref.is_file():
-        snap = repo / "snapshots" / ref.read_text().strip()
-        if (snap / "config.json").is_file():
-            return snap
+    snap = _snapshot(path)
+    if snap is not None and (snap / "config.json").is_file():
+        return snap
     if p.is_dir():
         raise ValueError(f"model.path={path}: the directory holds no model (no config.json there); {FIX}")
     if p.exists():
@@ -84,17 +91,51 @@ def launch_problems(model: Any, here: bool = True) -> list[str]:
     if not here:
         return []
     try:
-        real = shape(str(model.path))
+        differ = _differ(model)
     except ValueError as e:
         return [str(e)]
-    if model.name != "hf":
-        differ = [f"{k} {getattr(model, k)} (config.json: {real[k]})" for k in SHAPE_KEYS
-                  if getattr(model, k) != real[k]]
-        if differ:
-            return [f"model={model.name} with model.path={model.path}: the checkpoint is not this "
-                    f"shape: {', '.join(differ)}; point model.path at the {model.name} checkpoint, or "
-                    f"use model=hf model.path={model.path} (the shape read from its config.json)"]
+    if differ and model.name != "hf":
+        return [f"model={model.name} with model.path={model.path}: the checkpoint is not this "
+                f"shape: {', '.join(f'{k} {v} (config.json: {c})' for k, v, c in differ)}; point "
+                f"model.path at the {model.name} checkpoint, or use model=hf model.path={model.path} "
+                "(the shape read from its config.json)"]
     return weights_problems(str(model.path)) if model.pretrained else []
+
+
+def _differ(model: Any) -> list[tuple[str, Any, Any]]:
+    """(key, the model's value, config.json's value) of each shape field that differs."""
+    real = shape(str(model.path))
+    return [(k, getattr(model, k), real[k]) for k in SHAPE_KEYS if getattr(model, k) != real[k]]
+
+
+def override_problems(model: Any) -> list[str]:
+    """``model=hf`` builds the model from config.json: a shape key set to another value (on the
+    command line) would be planned and reported, not built. Checked at every depth (plan.py
+    reads config.json too); an unreadable path is ``launch_problems``' to report."""
+    if model.name != "hf" or model.path is None:
+        return []
+    try:
+        differ = _differ(model)
+    except ValueError:
+        return []
+    if not differ:
+        return []
+    said = ", ".join(f"model.{k}={v} (config.json: {c})" for k, v, c in differ)
+    what, it = ("these overrides", "them") if len(differ) > 1 else ("this override", "it")
+    return [f"{said}: model=hf builds the model from model.path={model.path}'s config.json and ignores "
+            f"{what}: remove {it}, or edit config.json (or point model.path at a model of that shape)"]
+
+
+def tokenizer_default(path: Any) -> Any:
+    """The ``${hf_dir:...}`` resolver: data.tokenizer's default from ``model.path``, resolved as
+    ``locate`` resolves it (a model id: its cached snapshot); any other value as it is."""
+    if path is None:
+        return None
+    try:
+        where = locate(str(path))
+    except ValueError:  # (said once, as model.path's problem)
+        return path
+    return path if where == Path(str(path)).expanduser() else str(where)
 
 
 @functools.cache

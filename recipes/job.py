@@ -397,10 +397,10 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
     world_ok = c.nodes >= 1 and c.devices >= 1
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
-    if depth >= RUN and not bad["model"] and model.is_hf:  # (plan.py plans a shape alone)
-        from recipes.hf_config import launch_problems
+    if not bad["model"] and model.is_hf:  # (plan.py plans a shape alone; model=hf's is config.json's)
+        from recipes.hf_config import launch_problems, override_problems
 
-        problems += launch_problems(model, here=depth >= LAUNCH)
+        problems += override_problems(model) + (launch_problems(model, depth >= LAUNCH) if depth >= RUN else [])
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
         lg = objs["logger"]

@@ -230,6 +230,10 @@ class ModelConfig:
                     out.append(f"model.{key}={value} applies to model=hf only (this is the built-in "
                                f"{self.name}): remove it, or use model=hf model.path=...")
         bad = sorted(set(self.lora.target_modules) - set(LORA_TARGETS))
+        if self.lora.rank and not self.lora.target_modules:
+            out.append(f"model.lora.target_modules=[] with model.lora.rank={self.lora.rank}: no layer "
+                       f"gets an adapter; allowed: {', '.join(LORA_TARGETS)}; set e.g. "
+                       "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj], or model.lora.rank=0")
         if bad:
             out.append(f"model.lora.target_modules: {', '.join(bad)} not a decoder layer's linear "
                        f"layer; allowed: {', '.join(LORA_TARGETS)}")

@@ -57,12 +57,20 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
         elif name in ("jsonl", "parquet", "chat") or inputs.disk is not None:
             out += _record_problems(key, value, inputs, data)
     if name in ("jsonl", "parquet", "chat") and data.tokenizer is None:
-        out.append(f"data={name} needs a tokenizer, and data.tokenizer is null (the model has no "
-                   "model.path to take one from): set data.tokenizer=<a tokenizer directory or "
-                   "tokenizer.json>")
+        out.append(f"data={name} needs a tokenizer, and data.tokenizer is null ({null_why(model)}): "
+                   "set data.tokenizer=<a tokenizer directory or tokenizer.json>")
     if data.tokenized and data.tokenizer is not None and not knobs.elsewhere(data.tokenizer):
-        out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat")
+        hf = getattr(model, "is_hf", False)
+        out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat", hf=hf)
     return out
+
+
+def null_why(model: Any | None) -> str:
+    """Why data.tokenizer is null: set so over its default, or no model.path to default to."""
+    if getattr(model, "path", None) is not None:
+        return (f"set so, over its default model.path={model.path}; remove data.tokenizer=null to "
+                "take the model's")
+    return "the model has no model.path to take one from"
 
 
 def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[str]:
@@ -87,14 +95,15 @@ def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[st
     return []
 
 
-def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False,
+def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False, hf: bool = False,
                        info_of: Callable[[Path], TokenizerInfo] = tokenizer_info) -> list[str]:
+    """``hf``: the model is a transformers model, its vocabulary config.json's (not a knob)."""
     p = Path(path).expanduser()
     if p.is_dir() and not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return [f"data.tokenizer={path}: the directory has no tokenizer.json or "
                 "tokenizer_config.json (data.tokenizer defaults to model.path): point it at a "
-                "tokenizer saved with save_pretrained, or data.tokenizer=null for byte tokens "
-                "(data=text)"]
+                "tokenizer saved with save_pretrained"
+                + ("" if chat else ", or data.tokenizer=null for byte tokens (data=text)")]
     try:
         info = info_of(p)
         template = chat_template_of(p) if chat else None
@@ -102,7 +111,12 @@ def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False,
         return [f"data.tokenizer={path}: unreadable tokenizer files ({str(e).splitlines()[0]}): "
                 "point it at a tokenizer saved with save_pretrained or tokenizers' save()"]
     out = []
-    if info.vocab_size is not None and vocab is not None and info.vocab_size > vocab:
+    if info.vocab_size is not None and vocab is not None and info.vocab_size > vocab and hf:
+        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but the model's vocabulary "
+                   f"(config.json's vocab_size) is {vocab}: its ids would index past the embedding; "
+                   "use the model's own tokenizer (data.tokenizer defaults to model.path), or a model "
+                   f"whose vocabulary covers its {info.vocab_size} ids")
+    elif info.vocab_size is not None and vocab is not None and info.vocab_size > vocab:
         out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but model.vocab_size="
                    f"{vocab}: its ids would index past the embedding; set model.vocab_size>="
                    f"{info.vocab_size} or use the model's own tokenizer")

@@ -206,4 +206,5 @@ def _messages_problem(value: Any) -> str | None:
     if not isinstance(value, list) or not value:
         return f"a {type(value).__name__}, not a non-empty list of messages"
     bad = next((m for m in value if not (isinstance(m, dict) and "role" in m and "content" in m)), None)
-    return None if bad is None else f"holds {str(bad)[:80]!r}, not a {{role, content}} message"
+    return None if bad is None else (f"a list holding {str(bad)[:80]!r}, which is not a {{role, content}} "
+                                     "message")

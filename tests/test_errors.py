@@ -109,6 +109,20 @@ def test_an_hf_path_without_a_model_is_a_config_error_naming_key_value_and_fix(t
     validate(compose([*hf, "model.pretrained=false"]), depth=LAUNCH)
 
 
+@pytest.mark.unit
+def test_a_model_id_not_in_the_cache_says_how_to_download_it(tmp_path, monkeypatch):
+    """The installed huggingface_hub's command is ``hf`` (``huggingface-cli`` is deprecated)."""
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+    from strategies import ConfigError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=hf", "model.path=org/absent"]), depth=CONFIG)
+    msg = str(e.value)
+    assert f"no such model id in the local Hugging Face cache ({tmp_path / 'hub'})" in msg, msg
+    assert "a model id already downloaded (hf download <id>)" in msg and "huggingface-cli" not in msg, msg
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("script", ["train.py", "plan.py", "export.py"])
 def test_an_hf_path_without_a_model_exits_2_with_one_line(tmp_path, script):

@@ -151,6 +151,84 @@ def test_bad_hf_input_is_refused_before_launch(tmp_path, llama):
     assert "set trainer.save_last=true" in problems(*hf, "trainer.save_hf=true", "trainer.save_last=false")
 
 
+def _hf_problems(*overrides: str, depth: int = RUN) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["cluster.accelerator=cpu", *overrides]), depth=depth)
+    return str(e.value)
+
+
+@pytest.mark.unit
+def test_a_cached_model_id_gives_the_tokenizer_default_too(tmp_path, monkeypatch, hf_tokenizer):
+    """model.path a model id in the local Hugging Face cache (HF_HUB_CACHE): data.tokenizer's
+    default is the same cached snapshot, for plan.py and train.py alike."""
+    import shutil
+
+    from recipes.job import CONFIG
+
+    snap = tmp_path / "hub" / "models--local--tiny" / "snapshots" / "abc123"
+    _save(snap, weights=False)
+    for f in hf_tokenizer.iterdir():
+        shutil.copy2(f, snap / f.name)
+    (tmp_path / "hub" / "models--local--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--local--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "In the beginning"}) + "\n")
+    cfg = ["cluster.accelerator=cpu", "model=hf", "model.path=local/tiny", "model.seq_len=32", "data=jsonl",
+           f"data.path={data}"]
+    for depth in (CONFIG, RUN):
+        job = validate(compose(cfg), depth=depth)
+        assert job.model.n_layers == 2 and job.data.tokenizer == str(snap), job.data.tokenizer
+
+
+@pytest.mark.unit
+def test_a_shape_override_on_model_hf_is_refused(llama):
+    """model=hf builds the model from config.json: a shape key set to another value would be
+    planned and reported but not built, so it is refused (plan.py too), naming both values."""
+    from recipes.job import CONFIG
+
+    hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
+    msg = _hf_problems(*hf, "model.n_layers=8", "model.dim=256", depth=CONFIG)
+    assert "model.n_layers=8 (config.json: 2)" in msg and "model.dim=256 (config.json: 128)" in msg, msg
+    assert "1 problem" in msg and "remove" in msg and "edit" in msg and str(llama) in msg, msg
+    validate(compose(["cluster.accelerator=cpu", *hf, "model.n_layers=2"]), depth=RUN)  # (the same: no change)
+
+
+@pytest.mark.unit
+def test_a_tokenizer_past_an_hf_models_vocabulary_advises_what_works(tmp_path, hf_tokenizer):
+    """model=hf's vocabulary is config.json's: the advice is the model's own tokenizer (or a
+    model whose vocabulary covers it), not model.vocab_size."""
+    small = _save(tmp_path / "small", weights=False, vocab_size=256)
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "In the beginning"}) + "\n")
+    msg = _hf_problems("model=hf", f"model.path={small}", "model.seq_len=32", "data=jsonl", f"data.path={data}",
+                       f"data.tokenizer={hf_tokenizer}")
+    assert "has 512 token ids" in msg and "set model.vocab_size" not in msg, msg
+    assert "the model's own tokenizer" in msg and "vocabulary covers" in msg, msg
+
+
+@pytest.mark.unit
+def test_an_empty_lora_target_list_is_refused(llama):
+    msg = _hf_problems("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null",
+                       "model.lora.rank=4", "model.lora.target_modules=[]")
+    assert "model.lora.target_modules=[]" in msg and "q_proj, k_proj, v_proj, o_proj" in msg, msg
+
+
+@pytest.mark.unit
+def test_the_tokenizer_hints_of_a_model_path_name_what_works(tmp_path, llama):
+    """data=chat with model.path set: the null tokenizer's line does not say the model has no
+    model.path, nor does a model directory without a tokenizer suggest byte tokens (chat has
+    none); a record's bad messages read as a sentence."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"text": "hi"}]}) + "\n")
+    chat = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data=chat", f"data.path={data}")
+    msg = _hf_problems(*chat, "data.tokenizer=null")
+    assert "data=chat needs a tokenizer" in msg and "no model.path" not in msg, msg
+    msg = _hf_problems(*chat)
+    assert "has no tokenizer.json" in msg and "data.tokenizer=null" not in msg, msg
+    assert "'messages' is a list holding \"{'text': 'hi'}\", which is not" in msg and "is holds" not in msg, msg
+
+
 @pytest.mark.subprocess
 def test_planner_trains_only_the_adapters(llama):
     """The plan of a LoRA run: gradients and optimizer state for the adapters alone (q, k, v, o
