@@ -29,18 +29,24 @@ def main(argv: list[str] | None = None) -> int:
                              "hf: a Hugging Face model directory (model=hf runs)")
     parser.add_argument("--out", default=None, help="the file (full; default: <checkpoint>.safetensors) "
                                                     "or directory (hf; required) to write")
+    parser.add_argument("--model-path", default=None,
+                        help="hf: where the run's model.path (config.json, tokenizer) is now, if it moved")
     parser.add_argument("--no-merge-lora", dest="merge_lora", action="store_false",
                         help="hf: keep LoRA adapters apart (<out>/adapter) instead of merging them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
+    from backends.common.quiet import install
     from checkpoints import CheckpointError
     from checkpoints.convert import to_full, to_hf
+
+    install()  # (the engines' known console noise, as train.py's: peft's deprecated getattr)
 
     if args.to == "hf" and args.out is None:
         parser.error("--to hf needs --out: the directory to write the model into")
     try:
-        path = (to_hf(args.checkpoint, args.out, merge_lora=args.merge_lora) if args.to == "hf"
+        path = (to_hf(args.checkpoint, args.out, merge_lora=args.merge_lora, model_path=args.model_path)
+                if args.to == "hf"
                 else to_full(args.checkpoint, args.out))
     except CheckpointError as e:
         log.error("%s", e)

@@ -34,11 +34,13 @@ def to_full(checkpoint: str | Path, out: str | Path | None = None) -> Path:
     return path
 
 
-def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -> Path:
+def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True,
+          model_path: str | None = None) -> Path:
     """Write the checkpoint of a ``model=hf`` run as a Hugging Face model directory ``out``
     (config, safetensors, the source model's tokenizer files). ``merge_lora``: fold LoRA
     adapters into the base weights; false: the base model plus a peft adapter in
-    ``out/adapter``."""
+    ``out/adapter``. ``model_path``: where the run's ``model.path`` (its config.json and
+    tokenizer) is now, when it moved."""
     from omegaconf import OmegaConf
 
     from checkpoints.store import CheckpointError
@@ -54,9 +56,17 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, merge_lora: bool = True) -
     if model.get("name") != "hf":
         raise CheckpointError(f"{ckpt.path}: a checkpoint of model={model.get('name')}; --to hf "
                               "converts model=hf runs (use --to full for the built-in models)")
+    model = {**model, "path": model_path or model.get("path")}
     shape = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
     from observers.files import plain_modes
     from recipes.hf import save_hf
+    from recipes.hf_config import locate
+
+    try:
+        locate(shape.path)
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.path}: the run's model (its config.json and tokenizer files) is "
+                              f"not there: {e}; or, if it moved, pass --model-path <its directory now>") from None
 
     path = save_hf(full_model(ckpt), shape, out, merge_lora=merge_lora)
     plain_modes(path)  # (safetensors' own temp file leaves the weights 0600)

@@ -316,7 +316,9 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
         base = model.hf
     elif merge_lora:
         base = peft_model.merge_and_unload()  # in place: this model is the export's own
-    else:
+    else:  # (the adapter names the base beside it, and the task AutoPeftModelForCausalLM expects)
+        config = next(iter(peft_model.peft_config.values()))
+        config.task_type, config.base_model_name_or_path = "CAUSAL_LM", str(out.absolute())
         peft_model.save_pretrained(str(tmp / "adapter"))
         base = peft_model.unload()
     _restore_generation(base, shape.path)

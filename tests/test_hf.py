@@ -310,6 +310,44 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.checkpoint_every=3",
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_unmerged_export_loads_with_peft_and_a_moved_model_is_found(llama, tmp_path):
+    """``convert.py --no-merge-lora``: <out>/adapter names its base (<out>) and its task, so
+    peft's AutoPeftModelForCausalLM loads it (task_type was null: a plain PeftModel) and it gives
+    the merged export's logits. A run whose model.path moved since was a traceback; it is one
+    line naming ``--model-path``, which then converts."""
+    import shutil
+
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TINY, run_cli
+
+    source = tmp_path / "base"
+    shutil.copytree(llama, source)
+    run = run_cli("train.py", *TINY, *HF, f"model.path={source}", "model.lora.rank=4", out=tmp_path / "run")
+    ckpt, moved = run.out / "checkpoints" / "step3", tmp_path / "moved"
+    source.rename(moved)
+    convert = [sys.executable, str(ROOT / "convert.py"), str(ckpt), "--to", "hf"]
+    lost = subprocess.run([*convert, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert lost.returncode == 2 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
+    assert f"model.path={source}: no such directory" in lost.stderr and "--model-path" in lost.stderr
+    for out, more in ((tmp_path / "merged", ()), (tmp_path / "apart", ("--no-merge-lora",))):
+        done = subprocess.run([*convert, "--out", str(out), "--model-path", str(moved), *more],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    adapter = json.loads((tmp_path / "apart" / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["task_type"], adapter["base_model_name_or_path"]) == ("CAUSAL_LM", str(tmp_path / "apart"))
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "apart" / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=tokens).logits, merged(input_ids=tokens).logits,
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_lora_trains_adapters_only_equally_and_exports_merged(runs, llama, tmp_path):
     import torch
