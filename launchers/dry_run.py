@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
 def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs: list[list[str]],
                      submitit: bool) -> list[str]:
     """What the launch itself refuses before any job: an output directory that cannot be written
-    (recipes/cli.py's ``OutputDirectory``), and a Slurm submission's own checks (SlurmSubmission)."""
+    (recipes/cli.py's ``OutputDirectory``), and a Slurm submission's own checks of the config
+    (SlurmSubmission's, not those that ask Slurm)."""
     from recipes.cli import unwritable
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -101,7 +102,8 @@ def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs
         from launchers import slurm
         from recipes.compose import compose
 
-        found = slurm.client_problems() or slurm.problems(compose(jobs[0]), task=_split(argv)[2])
+        # (not the Slurm client nor its partitions: a dry run may preview a submission from elsewhere)
+        found = slurm.problems(compose(jobs[0]), task=_split(argv)[2], ask=False)
     return found
 
 

@@ -125,9 +125,10 @@ SHAPE = ("cluster", "cluster.nodes", "cluster.devices", "cluster.slurm.cpus_per_
 """What decides the allocation: the same for every job of one submission."""
 
 
-def problems(cfg: DictConfig, task: list[str] | None = None) -> list[str]:
+def problems(cfg: DictConfig, task: list[str] | None = None, ask: bool = True) -> list[str]:
     """What Slurm would refuse (or run wrongly) about the composed config, before submission;
-    ``task``: the command line's overrides (default: Hydra's, ``cfg.hydra.overrides.task``)."""
+    ``task``: the command line's overrides (default: Hydra's, ``cfg.hydra.overrides.task``);
+    ``ask``: the partitions too (sinfo: not for ``--dry-run``, which may run anywhere)."""
     c = cfg.cluster
     if c.launcher != "slurm":
         return [f"hydra/launcher=submitit_slurm with cluster.launcher={c.launcher}: each Slurm task "
@@ -138,6 +139,8 @@ def problems(cfg: DictConfig, task: list[str] | None = None) -> list[str]:
     if swept:
         return [f"{', '.join(swept)}: one Slurm array asks one allocation shape for every job; "
                 "sweep cluster shapes as separate multiruns (one per shape)"]
+    if not ask:
+        return []
     parts = partitions()
     if parts is None:
         log.warning("sinfo is not available here: partition and node sizes are left to Slurm")
