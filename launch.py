@@ -5,7 +5,8 @@ Kubernetes (a Kubeflow PyTorchJob).
     python launch.py cluster=sagemaker_p5_2node strategy=fsdp model=llama_7b \\
         cluster.sagemaker.role=arn:aws:iam::<account>:role/<role> \\
         cluster.sagemaker.output_path=s3://<bucket>/stratagem \\
-        +cluster.sagemaker.inputs.train=s3://<bucket>/data data=jsonl data.path=/opt/ml/input/data/train/corpus.jsonl
+        +cluster.sagemaker.inputs.train=s3://<bucket>/data data=jsonl data.path=/opt/ml/input/data/train/corpus.jsonl \\
+        data.tokenizer=/opt/ml/input/data/train/tokenizer
 
 Takes train.py's overrides, checks the run they describe as train.py would (not this machine),
 asks the planner whether it fits, then builds the SageMaker training job (launchers/sagemaker.py)
