@@ -165,11 +165,21 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         "predicted_comm_bytes_per_step": pvm.get("communication", {}).get("predicted",
                                                                           plan.get("communication", {}).get("bytes_per_step")),
         "predicted_step_seconds": plan.get("step_seconds"),
-        # from the process's start to the end of the first optimizer step (observers/startup.py)
-        "first_step_seconds": (report.get("startup") or {}).get("total"),
+        # from starting the ranks to the end of the first optimizer step: the job's own start-up
+        # (the interpreter's import, which the sweep's first job alone pays, config and plan aside)
+        "first_step_seconds": _own_startup(report.get("startup") or {}),
         "losses": report.get("losses"),
     })
     return r
+
+
+def _own_startup(startup: dict[str, Any]) -> float | None:
+    seconds = startup.get("seconds") or {}
+    return round(sum(v for k, v in seconds.items() if k not in SHARED), 4) if seconds else startup.get("total")
+
+
+SHARED = ("import", "config", "plan")
+"""Start-up phases that are the sweep's more than the job's (observers/startup.py)."""
 
 
 def _peak(rank: dict[str, Any]) -> int | None:
@@ -267,66 +277,19 @@ def _one_line(text: str | None) -> str:
     return " ".join((text or "no reason recorded").split())[:600]
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Five panels, one bar per job: tokens/s; model states (max over ranks) and communication per
-    step, each measured beside predicted; peak memory (max over ranks); and the final loss against
-    the measured communication per step, one point per job (what each byte bought)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['job']}: {r['strategy']}" + ("" if r["status"] == OK else f"\n({r['status']})")
-              for r in rows]
-    x = range(len(rows))
-
-    def get(key: str, scale: float = 1.0) -> list[float]:
-        out = []
-        for r in rows:
-            v = r.get(key)
-            v = max(v) if isinstance(v, list) and v else (v if not isinstance(v, list) else None)
-            out.append((v or 0) / scale)
-        return out
-
-    fig, axes = plt.subplots(1, 5, figsize=(8 + 2.8 * len(rows), 4))
-    w = 0.4
-    axes[0].bar(x, get("tokens_per_second"))
-    axes[0].set_title("tokens/s")
-    for ax, (measured, predicted, title, scale) in zip(axes[1:], [
-            ("state_bytes_per_rank", "predicted_state_bytes", "model states per rank, MiB", 2**20),
-            ("peak_memory_per_rank", None, "peak memory per rank, MiB", 2**20),
-            ("comm_bytes_per_step", "predicted_comm_bytes_per_step", "communication per step, MiB", 2**20)]):
-        if predicted is None:
-            ax.bar(x, get(measured, scale))
-        else:
-            ax.bar([i - w / 2 for i in x], get(measured, scale), w, label="measured (max rank)")
-            ax.bar([i + w / 2 for i in x], get(predicted, scale), w, label="predicted")
-            ax.legend(fontsize=7)
-        ax.set_title(title, fontsize=10)
-    for ax in axes[:4]:
-        ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
-    done = [r for r in rows if r.get("final_loss") is not None and r.get("comm_bytes_per_step")]
-    for r in done:
-        axes[4].scatter(r["comm_bytes_per_step"] / 2**20, r["final_loss"])
-        axes[4].annotate(r["strategy"], (r["comm_bytes_per_step"] / 2**20, r["final_loss"]), fontsize=7)
-    if done:
-        axes[4].set_xscale("log")
-    axes[4].set_xlabel("communication per step, MiB (measured)", fontsize=8)
-    axes[4].set_title("final loss vs bytes", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def write(sweep: Path, earlier: dict[Path, int] | None = None) -> list[dict[str, Any]]:
     """The sweep report files for the jobs under ``sweep`` (not ``earlier``'s); returns the rows."""
     rows = collect(sweep, earlier)
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
-    atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows, "pick": pick(rows, common)},
+    line = pick(rows, common)
+    job = line.split()[2] if line.startswith("pick: job ") else None  # (the job's id, as the rows name it)
+    atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows, "pick": line, "pick_job": job},
                                                               indent=1, default=str))
     atomic_write_text(sweep / "sweep_report.md", markdown(rows, sweep))
     if rows:
-        plot(rows, sweep / "sweep_report.png")
+        from observers.plots import sweep_panels
+
+        sweep_panels(rows, sweep / "sweep_report.png")
     curves = {f"{r['job']}: " + (" ".join(o for o in r["overrides"] if o not in common) or r["strategy"]):
               r["losses"] for r in rows if r.get("losses")}
     if curves:

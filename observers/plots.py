@@ -2,7 +2,7 @@
 ``loss.png`` (the loss of every optimizer step, each validation's loss on it), ``memory.png``
 (bytes by category per rank, predicted beside) and ``communication.png`` (collective bytes per
 step by kind and group); for a sweep, ``losses_overlay`` (every job's loss curve on one axis,
-launchers/sweep.py's ``sweep_losses.png``)."""
+launchers/sweep.py's ``sweep_losses.png``) and ``sweep_panels`` (its ``sweep_report.png``)."""
 
 from __future__ import annotations
 
@@ -123,3 +123,56 @@ class PlotsKnobs:
 def _selected(s: Selection) -> Observer | None:
     """``callbacks.plots``: loss.png, memory.png and communication.png."""
     return Plots(s.out) if s.job.callbacks.plots else None
+
+
+def sweep_panels(rows: list[dict[str, Any]], path: Path) -> None:
+    """launchers/sweep.py's ``sweep_report.png``, from its rows: five panels, one bar per job:
+    tokens/s; model states (max over ranks) and communication per step, each measured beside
+    predicted; peak memory (max over ranks); and the final loss against the measured
+    communication per step, one point per job (what each byte bought)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['job']}: {r['strategy']}" + ("" if r["status"] == "ok" else f"\n({r['status']})")
+              for r in rows]
+    x = range(len(rows))
+
+    def get(key: str, scale: float = 1.0) -> list[float]:
+        out = []
+        for r in rows:
+            v = r.get(key)
+            v = max(v) if isinstance(v, list) and v else (v if not isinstance(v, list) else None)
+            out.append((v or 0) / scale)
+        return out
+
+    fig, axes = plt.subplots(1, 5, figsize=(8 + 2.8 * len(rows), 4))
+    w = 0.4
+    axes[0].bar(x, get("tokens_per_second"))
+    axes[0].set_title("tokens/s")
+    for ax, (measured, predicted, title, scale) in zip(axes[1:], [
+            ("state_bytes_per_rank", "predicted_state_bytes", "model states per rank, MiB", 2**20),
+            ("peak_memory_per_rank", None, "peak memory per rank, MiB", 2**20),
+            ("comm_bytes_per_step", "predicted_comm_bytes_per_step", "communication per step, MiB", 2**20)]):
+        if predicted is None:
+            ax.bar(x, get(measured, scale))
+        else:
+            ax.bar([i - w / 2 for i in x], get(measured, scale), w, label="measured (max rank)")
+            ax.bar([i + w / 2 for i in x], get(predicted, scale), w, label="predicted")
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=10)
+    for ax in axes[:4]:
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
+    done = [r for r in rows if r.get("final_loss") is not None and r.get("comm_bytes_per_step")]
+    for r in done:
+        axes[4].scatter(r["comm_bytes_per_step"] / 2**20, r["final_loss"])
+        axes[4].annotate(r["strategy"], (r["comm_bytes_per_step"] / 2**20, r["final_loss"]), fontsize=7)
+    if done:
+        axes[4].set_xscale("log")
+    axes[4].set_xlabel("communication per step, MiB (measured)", fontsize=8)
+    axes[4].tick_params(axis="x", labelsize=7, labelrotation=30)  # (a log axis' labels ran together)
+    axes[4].set_title("final loss vs bytes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

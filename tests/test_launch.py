@@ -97,10 +97,13 @@ def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     # beside the predicted step; every loss curve on one plot; a closing line naming the pick
     for r, rep in zip(rows, reports):
         assert r["step_seconds"] == rep["throughput"]["step_seconds"] > 0
-        assert r["first_step_seconds"] == rep["startup"]["total"] > r["step_seconds"]
+        own = sum(v for k, v in rep["startup"]["seconds"].items() if k not in ("import", "config", "plan"))
+        assert r["first_step_seconds"] == pytest.approx(own, abs=1e-4) and own > r["step_seconds"]
+        assert rep["startup"]["seconds"]["import"] > 0 or r["job"] != "0"  # (the first job's alone)
         assert r["predicted_step_seconds"] > 0 and r["losses"] == rep["losses"]
     assert (sweep / "sweep_losses.png").read_bytes()[:4] == b"\x89PNG"
     pick = json.loads((sweep / "sweep_report.json").read_text())["pick"]
+    assert json.loads((sweep / "sweep_report.json").read_text())["pick_job"] == pick.split()[2]
     fastest = min(rows, key=lambda r: r["step_seconds"])  # the three reach the same loss
     assert pick.startswith(f"pick: job {fastest['job']} (`strategy={fastest['strategy']}`): the fastest"), pick
     assert "fit with margin" in pick and md.rstrip().endswith(pick) and pick in run.log
