@@ -92,7 +92,17 @@ def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[st
     if chat and record is not None and (why := _messages_problem(record[field])) is not None:
         return [f"{key}={value}: the first record's {field!r} is {why}: data=chat reads "
                 f"{knob} as a list of {{\"role\": ..., \"content\": ...}} messages"]
+    roles = {str(m["role"]) for m in record[field]} if chat and record is not None else set()
+    if data.train_on == "assistant" and roles - ROLES and "assistant" not in roles:
+        return [f"{key}={value}: the first record's roles are {', '.join(sorted(roles))}, none of them "
+                "'assistant', and data.train_on=assistant trains on the assistant turns alone: name "
+                f"the roles as chat templates do ({', '.join(sorted(ROLES))}), or set data.train_on=all"]
     return []
+
+
+ROLES = {"system", "user", "assistant", "tool"}
+"""The roles chat templates know: a first record with others and no assistant names its roles
+otherwise (ShareGPT's human / gpt)."""
 
 
 def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False, hf: bool = False,

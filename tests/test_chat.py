@@ -299,6 +299,11 @@ def test_bad_chat_data_fails_before_launch(chat_tokenizer, hf_tokenizer, tmp_pat
     msg = _problems("data=chat", f"data.path={src}", "data.messages_field=conversation", tok,
                     "data.train_on=prompt")
     assert "data.train_on" in msg and "assistant" in msg and "all" in msg
+    sharegpt = _jsonl(tmp_path / "sharegpt.jsonl", [[{"role": "human", "content": "hi"}, {"role": "gpt", "content": "yo"}]])
+    msg = _problems("data=chat", f"data.path={sharegpt}", tok)
+    assert "the first record's roles are gpt, human, none of them 'assistant'" in msg and "data.train_on=all" in msg
+    validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", "model.vocab_size=516", "data=chat",
+                      f"data.path={sharegpt}", tok, "data.train_on=all"]), depth=CONFIG)
     flat = tmp_path / "flat.jsonl"
     flat.write_text(json.dumps({"messages": "hello"}) + "\n")
     msg = _problems("data=chat", f"data.path={flat}", tok)
