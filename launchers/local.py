@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.errors import DataError
 from launchers import sagemaker, slurm
 from launchers.registry import launcher
 
@@ -334,7 +335,8 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
         if len(codes) == 1 and codes <= STOP_CODES:  # a rank was signalled: all saved together
             signum = codes.pop() - 128
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
-        raise RankLost(_lost(e, job.mesh.size, rdzv.nodes)) from None
+        bad_data = _data_error(e)  # (every rank read the same bad record: its line, exit 2)
+        raise (DataError(bad_data) if bad_data else RankLost(_lost(e, job.mesh.size, rdzv.nodes))) from None
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
@@ -350,6 +352,23 @@ def _saved(signum: int, out: Path, job: Job) -> str:
         return f"stopped by {_signal_name(signum)}; {newest(out, job)}"
     return (f"stopped by {_signal_name(signum)} after step {_step(ckpt)}: every rank finished its step and "
             f"saved a checkpoint ({ckpt}); to resume: {_command(out, job)}")
+
+
+def _data_error(e: Any) -> str | None:
+    """The ``DataError`` (core/errors.py) the failed ranks raised, when that is every failure's
+    cause (the ranks the agent then stopped with SIGTERM aside): a bad record in the data, the
+    same sentence from each rank that read it."""
+    said = set()
+    for f in e.failures.values():
+        if f.exitcode == -signal.SIGTERM:
+            continue
+        msg = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
+        last = str(msg or "").strip().splitlines()[-1:] or [""]
+        kind, _, text = last[0].partition(": ")
+        if f.exitcode <= 0 or kind.rsplit(".", 1)[-1] != "DataError":
+            return None
+        said.add(text)
+    return said.pop() if len(said) == 1 else None
 
 
 def _lost(e: Any, world: int, nodes: int = 1) -> str:

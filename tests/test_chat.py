@@ -341,11 +341,14 @@ def test_a_bad_record_found_while_tokenizing_is_one_line_and_exit_2(chat_tokeniz
     for path, said in cases.items():
         with pytest.raises(DataError, match=said.replace("(", r"\(").replace(")", r"\)")):
             token_file(kind="chat", path=path, field="messages", tokenizer=chat_tokenizer, cache_dir=tmp_path)
-    run = run_cli("train.py", *TINY, "model.vocab_size=516", "data=chat", f"data.path={broken}",
-                  f"data.tokenizer={chat_tokenizer}", f"data.cache_dir={tmp_path / 'cache'}",
-                  out=tmp_path / "run", check=False)
-    assert run.proc.returncode == 2 and "Traceback" not in run.log, run.log[-3000:]
-    assert run.proc.stderr.strip().splitlines()[-1].endswith(cases[broken]), run.proc.stderr[-2000:]
+    for ranks in (1, 2):  # (two: every rank's DataError is the run's one line, not a lost rank)
+        run = run_cli("train.py", *TINY, "model.vocab_size=516", "data=chat", f"data.path={broken}",
+                      f"data.tokenizer={chat_tokenizer}", f"data.cache_dir={tmp_path / 'cache'}",
+                      *(("strategy=ddp", "cluster.devices=2") if ranks == 2 else ()),
+                      out=tmp_path / f"run{ranks}", check=False)
+        assert run.proc.returncode == 2, run.log[-3000:]
+        assert ranks == 2 or "Traceback" not in run.log, run.log[-3000:]  # (two: the ranks' own, torch's)
+        assert run.proc.stderr.strip().splitlines()[-1].endswith(cases[broken]), run.proc.stderr[-2000:]
 
 
 @pytest.mark.unit
