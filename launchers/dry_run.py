@@ -40,11 +40,20 @@ def points(argv: list[str]) -> list[list[str]]:
     return [list(p) for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
 
 
-def _launch(job: Any) -> str:
-    """How the job's ranks would start."""
+def _launch(job: Any, run_dir: str | None = None) -> str:
+    """How the job's ranks would start (a multi-node torchrun job: the same command on every node,
+    into the run directory its rendezvous names)."""
+    from recipes.compose import run_name
+
     c, size = job.cluster, job.mesh.size
     shape = f"{c.nodes} node(s) x {c.devices} rank(s) on {job.run.accelerator} ({size} in all)"
-    return f"cluster={c.name} (cluster.launcher={c.launcher}): {shape}"
+    nodes = ""
+    if c.launcher == "torchrun" and c.nodes > 1:
+        nodes = (f"; run this same command on each of the {c.nodes} nodes (node ranks come from the "
+                 f"rendezvous at {c.rdzv_endpoint}), into "
+                 f"{run_dir or 'outputs/' + run_name(c.nodes, c.launcher, c.rdzv_endpoint)} on a file "
+                 "system they share")
+    return f"cluster={c.name} (cluster.launcher={c.launcher}): {shape}{nodes}"
 
 
 def main(argv: list[str]) -> int:
@@ -82,7 +91,8 @@ def main(argv: list[str]) -> int:
             print(f"cannot start {' '.join(overrides) or '(the base config)'}:\n{e}")
             code = CONFIG_ERROR
             continue
-        print(f"would start{f' job {i}' if multirun else ''}: {_launch(job)}")
+        run_dir = next((a.split("=", 1)[1] for a in hydra_own if a.startswith("hydra.run.dir=")), None)
+        print(f"would start{f' job {i}' if multirun else ''}: {_launch(job, run_dir)}")
     print("--dry-run: nothing was started")
     return code
 

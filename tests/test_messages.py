@@ -267,6 +267,20 @@ def test_a_cluster_that_launch_py_submits_says_so_first_and_alone(cluster, monke
     launchers.refuse_elsewhere(compose(["cluster=torchrun"]))  # (ranks start here: validation says the rest)
 
 
+@pytest.mark.unit
+def test_a_multi_node_torchrun_dry_run_names_each_nodes_command_and_run_directory(capsys):
+    from launchers import dry_run
+
+    base = ["model=gpt_nano", "strategy=ddp", "cluster=torchrun", "cluster.nodes=2", "cluster.devices=1",
+            "cluster.accelerator=cpu", "cluster.rdzv_endpoint=10.0.0.1:29500", "trainer.global_batch_size=16"]
+    assert dry_run.main([*base, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert "run this same command on each of the 2 nodes (node ranks come from the rendezvous at " \
+           "10.0.0.1:29500), into outputs/torchrun-10.0.0.1-29500 on a file system they share" in said, said
+    assert dry_run.main([*base, "hydra.run.dir=/shared/run1", "--dry-run"]) == 0
+    assert "into /shared/run1 on a file system" in capsys.readouterr().out
+
+
 # The engines' noise in real runs (slow: a LoRA ZeRO-2 run with save_hf, an Accelerate FSDP2 run).
 NOISE = ("is_gradient_checkpointing", "Processing zero checkpoint", "Detected checkpoint of type",
          "Reconstructed fp32 state dict", "Loading checkpoint shards", "sync_module_states is obsolete")
