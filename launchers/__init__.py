@@ -97,6 +97,9 @@ def check(job: Job) -> list[str]:
     return ([trap] if trap else []) + _launch_check(job)
 
 
+check.world_only = True  # (recipes/job.py asks it beside other problems, once the world is sound)
+
+
 def refuse_elsewhere(cfg: Any) -> None:
     """Before validation: a launcher whose ranks start elsewhere (a submission step: SageMaker,
     Kubernetes), asked from outside its container or pod, is that one sentence -- this machine's

@@ -428,9 +428,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
                                            accelerator=c.accelerator, launch=depth >= LAUNCH)
     job = replace(_job(cfg, objs, bad, preset, strategy, run), auto=why)
-    if not problems:  # (a backend's checks assume a sound job)
-        for check in extra:
-            problems += check(job)
+    for check in [c for c in extra if not problems or (world_ok and getattr(c, "world_only", False))]:
+        problems += check(job)  # (a backend's checks assume a sound job; a launcher's, a sound world)
     if problems:
         raise ConfigError(problems)
     return job

@@ -268,6 +268,28 @@ def test_a_cluster_that_launch_py_submits_says_so_first_and_alone(cluster, monke
 
 
 @pytest.mark.unit
+def test_the_launchers_problem_comes_with_the_others(monkeypatch):
+    """A batch that does not divide and two nodes under plain train.py: one message with both (the
+    launcher's came only once the batch was fixed); a world that is not sound keeps it out."""
+    import launchers
+    from recipes.config import compose
+    from recipes.job import validate
+    from strategies import ConfigError
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(var, raising=False)
+    base = ["model=gpt_nano", "strategy=ddp", "cluster.accelerator=cpu", "cluster.devices=1", "cluster.nodes=2"]
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "trainer.global_batch_size=12"]), extra=[launchers.check])
+    said = e.value.problems
+    assert len(said) == 2 and "trainer.global_batch_size=12" in said[0] and said[1].startswith(
+        "cluster.nodes=2: plain `python train.py` starts the ranks of one machine"), said
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "cluster.devices=0"]), extra=[launchers.check])
+    assert not any("plain `python train.py`" in p for p in e.value.problems), e.value.problems
+
+
+@pytest.mark.unit
 def test_a_multi_node_torchrun_dry_run_names_each_nodes_command_and_run_directory(capsys):
     from launchers import dry_run
 
