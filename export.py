@@ -84,13 +84,14 @@ def main(argv: list[str]) -> None:
 
     install()  # (the engines' console noise, as in a run: building the plugins to export them)
 
-    stem = f"{job.strategy.name}-{job.cluster.name}"
     kind = job.export.name
     out = _out(job)
     written = []
     ds_file = None
     if job.strategy.capabilities.native_config == "deepspeed":
-        ds_file = out if kind == "deepspeed" else out.with_name(f"{stem}.deepspeed.json")
+        # (beside the YAML, named after it: two exports into one folder keep their own JSON)
+        ds_file = out if kind == "deepspeed" else out.with_name(
+            out.name.removesuffix(".yaml").removesuffix(".yml").removesuffix(".accelerate") + ".deepspeed.json")
         atomic_write_text(ds_file, json.dumps(deepspeed_config(job), indent=2) + "\n")
         written.append(ds_file)
     if kind == "accelerate":
@@ -101,6 +102,9 @@ def main(argv: list[str]) -> None:
         atomic_write_text(out, accelerate_yaml(job, str(out), ds_path))
         written.append(out)
         notes = node_instructions(job, str(out)) + unhooked_notes(job, accelerate_config(job, ds_path))
+        if mine := [a for a in argv if a.startswith("strategy.")]:  # (the hook reads the preset's name only)
+            notes.append(f"a script's hook builds the preset from its name: give it these keys too, "
+                         f"stratagem_accelerator({', '.join(repr(x) for x in [job.strategy.name, *mine])})")
         for line in notes:  # (stderr: stdout is the list of files)
             print(line, file=sys.stderr)
     for path in written:

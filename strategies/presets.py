@@ -12,7 +12,7 @@ loads every preset on each ``plan.py``. Any other shape goes through Hydra itsel
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -113,10 +113,30 @@ def compose_preset(name: str) -> Any:
         return hydra.compose(config_name=None, overrides=[f"+strategy={name}"]).strategy
 
 
-def load(name: str) -> Any:
-    """The typed config (a ``StrategyConfig`` subclass instance) of preset ``name``."""
+def load(name: str, overrides: Sequence[str] = ()) -> Any:
+    """The typed config (a ``StrategyConfig`` subclass instance) of preset ``name``, with
+    ``overrides`` (``strategy.<key>=<value>``, as on train.py's command line) applied; a
+    ``ConfigError`` naming an override that is not one of the preset's keys or not its type."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from core import knobs
+    from core.errors import ConfigError
     from strategies.base import as_config
 
     if name not in names():
         raise _unknown(name)
-    return as_config(_node(name))
+    node, bad = _node(name), [o for o in overrides if not o.startswith("strategy.") or "=" not in o]
+    if bad:
+        raise ConfigError([f"{o!r}: not strategy.<key>=<value> (a preset key, as on train.py's command "
+                           "line)" for o in bad])
+    for o in overrides:
+        try:
+            node = OmegaConf.merge(node, OmegaConf.from_dotlist([o.removeprefix("strategy.")]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{o}: {str(e).splitlines()[0]}; strategy={name}'s keys: "
+                              f"{', '.join(str(k) for k in _node(name))}") from None
+    preset = as_config(node)
+    if overrides and (found := knobs.problems(preset, "strategy") + preset.value_problems()):
+        raise ConfigError(found)
+    return preset

@@ -278,6 +278,31 @@ def test_the_scripts_own_accelerator_arguments_pass_through_the_hook(monkeypatch
 
 
 @pytest.mark.unit
+def test_the_presets_keys_reach_the_hook_as_on_the_command_line(monkeypatch):
+    """export.py strategy=local_sgd strategy.sync_every=2 ... wrote the same YAML as without them and
+    the hook built the preset's defaults (period 8): the script names the keys, as export.py says;
+    a key the preset lacks or a bad value is one line."""
+    from backends.accelerate.user import _second_model, settle
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    local = settle("local_sgd", overrides=("strategy.sync_every=2", "strategy.start_step=1")).builder.preset
+    assert (local.sync_every, local.start_step) == (2, 1)
+    plugin = settle("fsdp2", overrides=("strategy.reshard_after_forward=false",)).kwargs["fsdp_plugin"]
+    assert plugin.reshard_after_forward is False
+    ds = settle("zero3", overrides=("strategy.param_persistence_threshold=0",)).kwargs["deepspeed_plugin"]
+    assert ds.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    with pytest.raises(ConfigError, match=r"strategy.sync_evry=2: Key 'sync_evry' not in .*local_sgd's keys: "):
+        settle("local_sgd", overrides=("strategy.sync_evry=2",))
+    with pytest.raises(ConfigError, match=r"strategy.sync_every=0: must be >= 1"):
+        settle("local_sgd", overrides=("strategy.sync_every=0",))
+    with pytest.raises(ConfigError, match=r"second model under strategy=ddp_powersgd: .*PowerSGD"):
+        _second_model("ddp_powersgd", settle("ddp_powersgd").builder)
+    _second_model("ddp", settle("ddp").builder)  # (no hook of one model's: Accelerate's own DDP each)
+
+
+@pytest.mark.unit
 def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
     """A ddp-family YAML is Accelerate's plain multi-process DDP (no field for a comm hook or a
     sync): export.py says what a script without the hook loses, naming the hook; nothing for ddp."""
@@ -290,6 +315,9 @@ def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
         assert f"stratagem_accelerator('{preset}')" in said
     export.main(["strategy=ddp", *TWO, "export=accelerate", f"export.out={tmp_path / 'p.yaml'}"])
     assert "without the hook" not in capsys.readouterr().err
+    export.main(["strategy=local_sgd", "strategy.sync_every=2", *TWO, "export=accelerate",
+                 f"export.out={tmp_path / 'l.yaml'}"])
+    assert "stratagem_accelerator('local_sgd', 'strategy.sync_every=2')" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -177,12 +177,12 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                     raise ConfigError(f"strategy={strategy} needs its model wrapped by {engine}, but "
                                       f"prepare() returned {type(obj).__name__} "
                                       f"({self.distributed_type.name}): nothing trains in its place")
+                if isinstance(obj, torch.nn.Module) and self._parts.get("model") not in (None, obj):
+                    _second_model(strategy, builder)
                 if isinstance(obj, (torch.nn.Module, AcceleratedOptimizer)):
                     self._parts["model" if isinstance(obj, torch.nn.Module) else "opt"] = obj
             if len(self._parts) == 2 and not self._repaired:  # (model and optimizer: one call or two)
-                _repair(builder, engine, **self._parts)
-                self._rank_state = getattr(builder, "rank_state", lambda *_: None)(
-                    self._parts["model"], self._parts["opt"].optimizer)
+                self._rank_state = _repair(builder, engine, **self._parts)
                 self._repaired = True
                 release_freed()  # (the build's one-off buffers, as train.py's loop: observers/memory.py)
             return out
@@ -237,6 +237,15 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
     return StratagemAccelerator
 
 
+def _second_model(strategy: str, builder: Any) -> None:
+    """A second model prepared under a preset whose hook is one model's (the ddp family's comm
+    hooks and synchronizers) is refused: it would train plain DDP without a word."""
+    if (own := getattr(builder.preset, "unsaved_state", lambda: None)()) is not None:
+        raise ConfigError(f"prepare() of a second model under strategy={strategy}: its hook and {own} "
+                          "belong to one model and its optimizer, and the other would train without them; "
+                          "prepare one model under this preset, or use strategy=ddp for both")
+
+
 RANK_STATE = "stratagem_rank_state"
 """<save_state's directory>/stratagem_rank_state/rank<r>.pt: what a rank of a ddp-family preset keeps
 beyond Accelerate's model and optimizer (rank 0's), as train.py's checkpoints write it."""
@@ -281,7 +290,7 @@ def _read_rank_state(acc: Any, strategy: str, preset: Any, where: Any) -> dict[s
     return held
 
 
-def _repair(builder: Any, engine: str, model: Any, opt: Any) -> None:
+def _repair(builder: Any, engine: str, model: Any, opt: Any) -> Any:
     """What train.py's loop does around ``prepare`` and each optimizer step (loop.py), for a
     user's loop: the builder's ``repair`` (the ddp family's comm hook -- int8, top-k, PowerSGD,
     local SGD, DiLoCo -- which Accelerate's kwargs cannot name; DeepSpeed's swapper fix), and its
@@ -292,13 +301,17 @@ def _repair(builder: Any, engine: str, model: Any, opt: Any) -> None:
     if engine != "deepspeed":  # (a ZeRO optimizer has no step hooks, and nothing to run there)
         raw.register_step_pre_hook(lambda *_: builder.before_step(model))
         raw.register_step_post_hook(lambda *_: builder.after_step(model))
+    return getattr(builder, "rank_state", lambda *_: None)(model, raw)  # (what save_state adds: RankState)
 
 
-def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
+def stratagem_accelerator(strategy: str, *overrides: str, wrap: str | int | None = None,
+                          precision: str | None = None,
                           gradient_accumulation_steps: int = 1, grad_clip: float = 0.0,
                           timeout: float | None = None, **accelerator_kwargs: Any) -> Any:
     """An ``accelerate.Accelerator`` that runs preset ``strategy`` for real, in the processes
-    ``accelerate launch`` (or torchrun) started; see the module docstring. ``precision``:
+    ``accelerate launch`` (or torchrun) started; see the module docstring. ``overrides``: the
+    preset's keys as on train.py's command line and export.py's (``"strategy.sync_every=2"``;
+    export.py prints the call for an export that set any). ``precision``:
     Accelerate's (no | bf16 | fp16), else the launcher's config's. ``grad_clip``: a ZeRO preset's
     ``gradient_clipping`` (DeepSpeed clips inside its step; Accelerate's ``clip_grad_norm_`` only
     returns the norm there, and is refused for any other max_norm); other engines clip where the
@@ -319,7 +332,7 @@ def stratagem_accelerator(strategy: str, *, wrap: str | int | None = None, preci
     atexit.unregister(teardown_at_exit)
     atexit.register(teardown_at_exit)
     s = settle(strategy, wrap=wrap, precision=precision, accumulation=gradient_accumulation_steps,
-               grad_clip=grad_clip)
+               grad_clip=grad_clip, overrides=overrides)
     kwargs, yours, timeout = _yours(strategy, s.kwargs, accelerator_kwargs, timeout)
     cls = _checked_class(strategy, _engine(s.kwargs, s.world), s.builder, grad_clip)
     return accelerator(kwargs, on_cpu=s.on_cpu, world_size=s.world, timeout=timeout, cls=cls,
@@ -354,8 +367,10 @@ def _yours(strategy: str, kwargs: dict[str, Any], yours: dict[str, Any], timeout
             timeout = h.timeout.total_seconds() if timeout is None and h.timeout is not None else timeout
         elif type(h) in ours:
             raise ConfigError(f"kwargs_handlers=[{type(h).__name__}(...)] under strategy={strategy}: the preset "
-                              f"sets its own ({ours[type(h)]}); set those through the preset "
-                              f"(python train.py strategy={strategy} --cfg job lists its keys) and leave it out")
+                              f"sets its own ({ours[type(h)]}); leave it out and set the preset's keys "
+                              f"instead, e.g. stratagem_accelerator('{strategy}', "
+                              f"'strategy.find_unused_parameters=true') (python train.py strategy={strategy} "
+                              "--cfg job lists them)")
     if handlers:
         kwargs = {**kwargs, "kwargs_handlers": [*kwargs.get("kwargs_handlers", []), *handlers]}
     return kwargs, yours, timeout
@@ -372,7 +387,7 @@ class Settled:
 
 
 def settle(strategy: str, *, wrap: str | int | None = None, precision: str | None = None,
-           accumulation: int = 1, grad_clip: float = 0.0) -> Settled:
+           accumulation: int = 1, grad_clip: float = 0.0, overrides: tuple[str, ...] = ()) -> Settled:
     """The run ``stratagem_accelerator`` builds, from the launcher's variables and its arguments;
     every refusal that needs no process group (a bad precision, the preset's problems, grad_clip
     outside DeepSpeed, a launcher's config for another engine)."""
@@ -390,7 +405,7 @@ def settle(strategy: str, *, wrap: str | int | None = None, precision: str | Non
     mixed = precision or env.get("ACCELERATE_MIXED_PRECISION", "no")
     if mixed not in PRECISIONS:
         raise ConfigError(f"precision={mixed!r}: choose one of {sorted(PRECISIONS)}")
-    preset = load(strategy)
+    preset = load(strategy, overrides)
     dp = preset.mesh(max(1, world // local), local).dp
     run = derive(preset, nodes=max(1, world // local), devices=local, accelerator="cpu" if on_cpu else "gpu",
                  precision=PRECISIONS[mixed], global_batch=accumulation * dp, grad_clip=grad_clip)
