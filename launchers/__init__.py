@@ -104,7 +104,7 @@ def refuse_elsewhere(cfg: Any) -> None:
     """Before validation: a launcher whose ranks start elsewhere (a submission step: SageMaker,
     Kubernetes), asked from outside its container or pod, is that one sentence -- this machine's
     GPUs and cores, which validation checks next, are not the run's."""
-    from strategies import ConfigError
+    from core.errors import ConfigError
 
     name = str(cfg.cluster.launcher)
     if name not in registry.names() or launched() or sagemaker.in_container():

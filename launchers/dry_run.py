@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
         print("--dry-run: nothing was started")
         return CONFIG_ERROR
     code = 0
+    run_dir = next((a.split("=", 1)[1] for a in hydra_own if a.startswith("hydra.run.dir=")), None)
     for i, overrides in enumerate(jobs):
         try:
             job = validate(compose(overrides), depth=RUN, auto=planner.choose,
@@ -91,7 +92,6 @@ def main(argv: list[str]) -> int:
             print(f"cannot start {' '.join(overrides) or '(the base config)'}:\n{e}")
             code = CONFIG_ERROR
             continue
-        run_dir = next((a.split("=", 1)[1] for a in hydra_own if a.startswith("hydra.run.dir=")), None)
         print(f"would start{f' job {i}' if multirun else ''}: {_launch(job, run_dir)}")
     print("--dry-run: nothing was started")
     return code

@@ -354,6 +354,12 @@ def _saved(signum: int, out: Path, job: Job) -> str:
             f"saved a checkpoint ({ckpt}); to resume: {_command(out, job)}")
 
 
+def _said(failure: Any) -> str:
+    """What a failed rank's error record says (torch's agent), or ""."""
+    msg = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
+    return "" if msg in (None, "<NONE>") else str(msg).strip()
+
+
 def _data_error(e: Any) -> str | None:
     """The ``DataError`` (core/errors.py) the failed ranks raised, when that is every failure's
     cause (the ranks the agent then stopped with SIGTERM aside): a bad record in the data, the
@@ -362,9 +368,7 @@ def _data_error(e: Any) -> str | None:
     for f in e.failures.values():
         if f.exitcode == -signal.SIGTERM:
             continue
-        msg = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
-        last = str(msg or "").strip().splitlines()[-1:] or [""]
-        kind, _, text = last[0].partition(": ")
+        kind, _, text = (_said(f).splitlines()[-1:] or [""])[0].partition(": ")
         if f.exitcode <= 0 or kind.rsplit(".", 1)[-1] != "DataError":
             return None
         said.add(text)
@@ -376,14 +380,10 @@ def _lost(e: Any, world: int, nodes: int = 1) -> str:
     stopped end by SIGTERM and are not the cause). On one node of several, when every failure
     here is a peer gone, the lost rank is on another node: say that, not this node's own."""
 
-    def message(f: Any) -> str:
-        msg = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
-        return "" if msg in (None, "<NONE>") else str(msg).strip()
-
     if nodes > 1:
         mine = sorted(e.failures.items())
-        if mine and all(f.exitcode > 0 and any(p in message(f) for p in PEER_GONE) for _, f in mine):
-            first = message(mine[0][1]).splitlines()[-1][:300]
+        if mine and all(f.exitcode > 0 and any(p in _said(f) for p in PEER_GONE) for _, f in mine):
+            first = _said(mine[0][1]).splitlines()[-1][:300]
             return (f"a rank on another node was lost: this node's ranks {[r for r, _ in mine]} of "
                     f"{world} stopped when their peers vanished ({first}); the other node's log "
                     "names the lost rank")
@@ -404,8 +404,8 @@ def _lost(e: Any, world: int, nodes: int = 1) -> str:
     failures = sorted(e.failures.items(), key=lambda rf: (kind(rf[1].exitcode), rf[1].timestamp))
     rank, first = failures[0]
     detail = ""
-    if first.exitcode > 0 and message(first):
-        detail = f": {message(first).splitlines()[-1][:500]}"
+    if first.exitcode > 0 and _said(first):
+        detail = f": {_said(first).splitlines()[-1][:500]}"
     others = sorted({r for r, _ in failures} - {rank})
     return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
             "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))

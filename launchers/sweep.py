@@ -234,7 +234,7 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
         lines += [f"- job {r['job']} ({r['status']}): {_one_line(r.get('reason'))}" for r in notes]
     if any(r.get("losses") for r in rows):
         lines += ["", "![the loss of every job](sweep_losses.png)"]
-    lines += ["", pick(rows, common)]
+    lines += ["", pick(rows, common)[0]]
     return "\n".join(lines) + "\n"
 
 
@@ -242,7 +242,7 @@ LOSS_TOLERANCE = 0.01
 """Final losses within this fraction of the best count as equal when picking."""
 
 
-def pick(rows: list[dict[str, Any]], common: set[str] = frozenset()) -> str:
+def pick(rows: list[dict[str, Any]], common: set[str] = frozenset()) -> tuple[str, str | None]:
     """The closing line: the job to choose and why -- the fastest median step among the jobs that
     finished, reach the best final loss (within ``LOSS_TOLERANCE``) and fit with margin (the
     planner's verdict not tight, the measured peak under the device's memory); a tight or lossy
@@ -250,7 +250,7 @@ def pick(rows: list[dict[str, Any]], common: set[str] = frozenset()) -> str:
     done = [r for r in rows if r["status"] == OK and r.get("final_loss") is not None
             and r.get("step_seconds")]
     if not done:
-        return "pick: none -- no job finished with a measured step time"
+        return "pick: none -- no job finished with a measured step time", None
     best_loss = min(r["final_loss"] for r in done)
     equal = [r for r in done if r["final_loss"] <= best_loss + LOSS_TOLERANCE * abs(best_loss)]
 
@@ -270,7 +270,7 @@ def pick(rows: list[dict[str, Any]], common: set[str] = frozenset()) -> str:
     left = [r for r in done if r not in equal]
     if left:
         why += "; " + ", ".join(f"job {r['job']} ended higher ({r['final_loss']:.4f})" for r in left)
-    return f"pick: job {best['job']} ({what}): {why}"
+    return f"pick: job {best['job']} ({what}): {why}", best["job"]
 
 
 def _one_line(text: str | None) -> str:
@@ -281,8 +281,7 @@ def write(sweep: Path, earlier: dict[Path, int] | None = None) -> list[dict[str,
     """The sweep report files for the jobs under ``sweep`` (not ``earlier``'s); returns the rows."""
     rows = collect(sweep, earlier)
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
-    line = pick(rows, common)
-    job = line.split()[2] if line.startswith("pick: job ") else None  # (the job's id, as the rows name it)
+    line, job = pick(rows, common)
     atomic_write_text(sweep / "sweep_report.json", json.dumps({"rows": rows, "pick": line, "pick_job": job},
                                                               indent=1, default=str))
     atomic_write_text(sweep / "sweep_report.md", markdown(rows, sweep))
@@ -452,7 +451,8 @@ class SweepReport(Callback):
         sweep = Path(str(config.hydra.sweep.dir))
         earlier = getattr(self, "earlier", None)
         rows = write(sweep, earlier)
-        if stale := [d for d in _job_dirs(sweep) if d not in _job_dirs(sweep, earlier)]:
+        ran = set(_job_dirs(sweep, earlier))
+        if stale := [d for d in _job_dirs(sweep) if d not in ran]:
             log.warning("sweep report: left out %s, which an earlier sweep in %s left: this one did "
                         "not run them", ", ".join(str(d.relative_to(sweep)) for d in stale), sweep)
         counts = {s: sum(r["status"] == s for r in rows) for s in (OK, SKIPPED, FAILED)}

@@ -280,8 +280,9 @@ def _read_rank_state(acc: Any, strategy: str, preset: Any, where: Any) -> dict[s
                        f"strategy={strategy} on {acc.num_processes}")
     else:
         problem = f"it has no {RANK_STATE}/rank{acc.process_index}.pt (saved without stratagem_accelerator)"
-    problems = [None] * acc.num_processes
-    dist.all_gather_object(problems, problem) if dist.is_initialized() else problems.__setitem__(0, problem)
+    problems = [problem] * acc.num_processes
+    if dist.is_initialized():
+        dist.all_gather_object(problems, problem)
     if (problem := next((p for p in problems if p), None)) is not None:
         raise ConfigError(f"accelerator.load_state({str(where)!r}) under strategy={strategy}: {problem}, "
                           f"so it does not hold {preset.unsaved_state()} and the run would not continue "
