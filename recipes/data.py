@@ -335,7 +335,8 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
         from recipes.token_checks import shard_id_problem
 
         files = shards(path)
-        problem = shard_id_problem(key, path, files, data_cfg.dtype, vocab, data_cfg.cache_dir)
+        problem = shard_id_problem(key, path, files, data_cfg.dtype, vocab, data_cfg.cache_dir,
+                                   hf=getattr(shape, "is_hf", False))
         if problem:
             raise DataError(problem)
         arrays = [np.memmap(f, dtype=data_cfg.dtype, mode="r") for f in files]
@@ -352,9 +353,12 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
                  stream.n_tokens, stream.n_loss_tokens, stream.n_docs, stream.path.name,
                  "tokenized" if stream.built else "cached")
         if stream.max_id >= vocab:
+            from recipes.token_checks import vocab_fix, vocab_named
+
+            hf = getattr(shape, "is_hf", False)
             raise DataError(f"{key}={path}: token id {stream.max_id} (data.tokenizer={data_cfg.tokenizer} "
-                            f"has {stream.vocab_size} ids) but model.vocab_size={vocab}: set "
-                            f"model.vocab_size>={stream.max_id + 1} or use the model's own tokenizer")
+                            f"has {stream.vocab_size} ids) but {vocab_named(vocab, hf)}: "
+                            f"{vocab_fix(stream.max_id + 1, hf)}")
         eos = getattr(shape, "document_eos", None)
         if eos is not None and eos != stream.eos_id:
             raise DataError(f"data.packing=document: the model masks documents at EOS id {eos} "

@@ -37,6 +37,7 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
                    + (" or a directory of *.bin shards" if name == "tokens" else ""))
     vocab = getattr(model, "vocab_size", None)
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    hf = getattr(model, "is_hf", False)
     for key, value in (("data.path", data.path), ("data.val_path", data.val_path)):
         if not value or knobs.elsewhere(value):
             continue
@@ -48,7 +49,7 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
                           key == "data.path" and "does not exist" in str(e) else ""))
             continue
         if name == "tokens":
-            out += _shard_problems(key, value, inputs.files, data, vocab)
+            out += _shard_problems(key, value, inputs.files, data, vocab, hf)
         elif name == "text" and not data.tokenized:
             if len(inputs.files) != 1 or inputs.disk is not None:
                 out.append(f"{key}={value}: data=text without a tokenizer reads one file's bytes: "
@@ -60,7 +61,6 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
         out.append(f"data={name} needs a tokenizer, and data.tokenizer is null ({null_why(model)}): "
                    "set data.tokenizer=<a tokenizer directory or tokenizer.json>")
     if data.tokenized and data.tokenizer is not None and not knobs.elsewhere(data.tokenizer):
-        hf = getattr(model, "is_hf", False)
         out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat", hf=hf)
     return out
 
@@ -121,15 +121,9 @@ def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False, hf: 
         return [f"data.tokenizer={path}: unreadable tokenizer files ({str(e).splitlines()[0]}): "
                 "point it at a tokenizer saved with save_pretrained or tokenizers' save()"]
     out = []
-    if info.vocab_size is not None and vocab is not None and info.vocab_size > vocab and hf:
-        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but the model's vocabulary "
-                   f"(config.json's vocab_size) is {vocab}: its ids would index past the embedding; "
-                   "use the model's own tokenizer (data.tokenizer defaults to model.path), or a model "
-                   f"whose vocabulary covers its {info.vocab_size} ids")
-    elif info.vocab_size is not None and vocab is not None and info.vocab_size > vocab:
-        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but model.vocab_size="
-                   f"{vocab}: its ids would index past the embedding; set model.vocab_size>="
-                   f"{info.vocab_size} or use the model's own tokenizer")
+    if info.vocab_size is not None and vocab is not None and info.vocab_size > vocab:
+        out.append(f"data.tokenizer={path} has {info.vocab_size} token ids but {vocab_named(vocab, hf)}: "
+                   f"its ids would index past the embedding; {vocab_fix(info.vocab_size, hf)}")
     if info.vocab_size is not None and info.eos_id is None:
         out.append(f"data.tokenizer={path} names no EOS token (documents are packed with EOS "
                    "between them): set eos_token in its tokenizer_config.json")
@@ -142,27 +136,42 @@ def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False, hf: 
     return out
 
 
-def _shard_problems(key: str, value: str, files: tuple[Path, ...], data: Any, vocab: int | None) -> list[str]:
+def _shard_problems(key: str, value: str, files: tuple[Path, ...], data: Any, vocab: int | None,
+                    hf: bool) -> list[str]:
     size = 2 if data.dtype == "uint16" else 4
     odd = [f"{key}: {f} has {f.stat().st_size} bytes, not a multiple of {size} "
            f"(data.dtype={data.dtype}): set data.dtype to the shards' type (uint16, uint32)"
            for f in files if f.stat().st_size % size]
     if odd or vocab is None:
         return odd
-    return [p for p in [shard_id_problem(key, value, files, data.dtype, vocab, data.cache_dir)] if p]
+    return [p for p in [shard_id_problem(key, value, files, data.dtype, vocab, data.cache_dir, hf=hf)] if p]
 
 
 def shard_id_problem(key: str, value: Any, files: Iterable[Path], dtype: str, vocab: int,
-                     cache_dir: str | Path | None) -> str | None:
+                     cache_dir: str | Path | None, *, hf: bool = False) -> str | None:
     """The error for the first shard holding an id >= ``vocab`` (None when all fit)."""
     files = list(files)
     for f, top in zip(files, shard_max_ids(files, dtype, cache_dir)):
         if top >= vocab:
-            return (f"{key}={value}: shard {f.name} holds token id {top} but model.vocab_size={vocab} "
+            return (f"{key}={value}: shard {f.name} holds token id {top} but {vocab_named(vocab, hf)} "
                     f"(the embedding has ids 0..{vocab - 1}; training would fail with an IndexError): "
-                    f"set model.vocab_size>={top + 1}, or check data.dtype={dtype} and that the shards "
-                    "were made with the model's tokenizer")
+                    f"{vocab_fix(top + 1, hf)}; check data.dtype={dtype} and that the shards were "
+                    "made with the model's tokenizer")
     return None
+
+
+def vocab_named(vocab: int, hf: bool) -> str:
+    """The model's vocabulary as the user sets it: a knob of ours, or a transformers model's
+    config.json (``hf``), where it is not one."""
+    return f"the model's vocabulary (config.json's vocab_size) is {vocab}" if hf else f"model.vocab_size={vocab}"
+
+
+def vocab_fix(need: int, hf: bool) -> str:
+    """The fix for ids up to ``need - 1`` past the vocabulary (see ``vocab_named``)."""
+    if hf:
+        return (f"use the model's own tokenizer (data.tokenizer defaults to model.path), or a model "
+                f"whose vocabulary covers {need} ids")
+    return f"set model.vocab_size>={need} or use the model's own tokenizer"
 
 
 # ---------------------------------------------------------------------------- shard statistics

@@ -197,7 +197,15 @@ def test_a_shape_override_on_model_hf_is_refused(llama):
 @pytest.mark.unit
 def test_a_tokenizer_past_an_hf_models_vocabulary_advises_what_works(tmp_path, hf_tokenizer):
     """model=hf's vocabulary is config.json's: the advice is the model's own tokenizer (or a
-    model whose vocabulary covers it), not model.vocab_size."""
+    model whose vocabulary covers it), not model.vocab_size; the same for shards' ids, before
+    launch and where the data is read."""
+    import numpy as np
+
+    from core.errors import DataError
+    from recipes.config import DataConfig
+    from recipes.data import build_datasets
+    from recipes.job import CONFIG
+
     small = _save(tmp_path / "small", weights=False, vocab_size=256)
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "In the beginning"}) + "\n")
@@ -205,6 +213,18 @@ def test_a_tokenizer_past_an_hf_models_vocabulary_advises_what_works(tmp_path, h
                        f"data.tokenizer={hf_tokenizer}")
     assert "has 512 token ids" in msg and "set model.vocab_size" not in msg, msg
     assert "the model's own tokenizer" in msg and "vocabulary covers" in msg, msg
+    (tmp_path / "s").mkdir()  # the same for pre-tokenized shards, before launch and when read
+    np.array([5, 300, 7, 9] * 10, dtype=np.uint16).tofile(tmp_path / "s" / "000.bin")
+    shards = ("model=hf", f"model.path={small}", "model.seq_len=8", "data=tokens", f"data.path={tmp_path / 's'}",
+              f"data.cache_dir={tmp_path / 'c'}")
+    msg = _hf_problems(*shards)
+    assert "holds token id 300 but the model's vocabulary (config.json's vocab_size) is 256" in msg, msg
+    assert "set model.vocab_size" not in msg and "vocabulary covers 301 ids" in msg, msg
+    job = validate(compose(["cluster.accelerator=cpu", *shards[:3], "data.tokenizer=null"]), depth=CONFIG)
+    data = DataConfig(name="tokens", path=str(tmp_path / "s"), cache_dir=str(tmp_path / "c2"))
+    with pytest.raises(DataError, match="config.json's vocab_size\\) is 256") as e:
+        build_datasets(data, job.model, 0)
+    assert "set model.vocab_size" not in str(e.value)
 
 
 @pytest.mark.unit
