@@ -20,6 +20,7 @@ are spawned, since a forked process cannot use CUDA once its parent has.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -324,6 +325,8 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
 
     startup.hand_over()  # the ranks continue this process's start-up timeline
     stops = _Stops(out, job)
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_quiet_data_errors)
     try:
         with stops:
             outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
@@ -340,7 +343,17 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
+        agent_log.removeFilter(_quiet_data_errors)
         startup.take_back()
+
+
+def _quiet_data_errors(record: logging.LogRecord) -> bool:
+    """A filter for torch's agent log: not its record of a rank that failed on a bad record in
+    the data (a ``DataError``, with the rank's whole traceback): that sentence ends the run as
+    its one line (``_data_error``). Other failures are logged as torch logs them."""
+    error = record.exc_info[1] if record.exc_info else None
+    last = str(error).strip().splitlines()[-1:] if error is not None else []
+    return not (last and last[0].startswith(f"{DataError.__module__}.DataError: "))
 
 
 def _saved(signum: int, out: Path, job: Job) -> str:

@@ -160,11 +160,16 @@ def _load(inputs: Inputs, kind: str, scratch: str) -> Any:
     from datasets import load_dataset
 
     kwargs = {"sample_by": "document"} if inputs.loader == "text" else {}
+    said = logging.getLogger(f"datasets.packaged_modules.{inputs.loader}.{inputs.loader}")
+    level = said.level
+    said.setLevel(logging.CRITICAL)  # (its "Failed to load JSON ... in row 3": ours names the line)
     try:
         return load_dataset(inputs.loader, data_files=[str(f) for f in inputs.files], split="train",
                             cache_dir=scratch, **kwargs)
     except Exception as e:  # noqa: BLE001  (datasets' DatasetGenerationError, pyarrow's: a bad file)
         raise DataError(_unreadable(inputs, e)) from e
+    finally:
+        said.setLevel(level)
 
 
 def _unreadable(inputs: Inputs, error: Exception) -> str:
