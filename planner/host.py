@@ -42,21 +42,16 @@ def pow2(nbytes: float) -> int:
     return 0 if nbytes <= 0 else 1 << math.ceil(math.log2(math.ceil(nbytes)))
 
 
-def tensors(model: Any, params: float) -> list[float]:
-    """The model's parameter tensors (elements), from its shape: each block's q, k, v, o and
-    the SwiGLU's three matrices, the embedding (and an untied head); what the shape does not
-    account for (norms, experts) as one more tensor. Without a shape: one tensor."""
-    if model is None or not hasattr(model, "dim"):
+def tensors(model: Any, params: float, *, trainable: bool = False) -> list[float]:
+    """The model's parameter tensors (elements), as its description lists them
+    (``ModelConfig.tensor_sizes``: each block's, a MoE block's stacked experts, the norms, the
+    embeddings, LoRA's adapters); ``trainable``: only those the optimizer steps (with LoRA, the
+    adapters). Without a shape (``planner.params``): one tensor."""
+    sizes = getattr(model, "tensor_sizes", None)
+    if sizes is None:
         return [params]
-    d, heads, kv = model.dim, model.n_heads, model.n_kv_heads
-    kvd = d // heads * kv
-    hidden = getattr(model, "hidden", None) or getattr(model, "ffn_dim", 4 * d)
-    block = [d * d, d * kvd, d * kvd, d * d, d * hidden, d * hidden, hidden * d]
-    out = block * model.n_layers + [model.vocab_size * d]
-    if not getattr(model, "tie_embeddings", False):
-        out.append(model.vocab_size * d)
-    rest = params - sum(out)
-    return out + ([rest] if rest > 0 else []) if rest >= 0 else [params]
+    adapters = trainable and bool(getattr(model, "lora_params", lambda: 0)())
+    return [float(t) for t, count in sizes(adapters=adapters).items() for _ in range(count)]
 
 
 def step_temporaries(optimizer: str, impl: str) -> int:
@@ -101,12 +96,12 @@ def _deepspeed(fp: Any, n: Any, moved: dict[str, int], *, gpu: bool, optimizer: 
     sub = min(part, fp.sub_group) if fp.stage >= 3 else part  # stage3 steps one sub-group at a time
     if opt_cpu:
         items["step_temporaries"] = sub * 4 * step_temporaries(optimizer, impl)
-    shapes = tensors(n.model, n.total_params)
+    shapes, stepped = tensors(n.model, n.total_params), tensors(n.model, n.total_params, trainable=True)
     if fp.stage < 3 and opt_cpu:
         # __init__: temp_buffer_bit16, the 16-bit copy of the partition the step writes into
         items["staging_16bit"] = part * sb.params
         # __init__: temp_grad_buffer_for_cpu_offload, the largest parameter's gradient
-        items["largest_grad_buffer"] = max(shapes) / n.mp * sb.grads
+        items["largest_grad_buffer"] = max(stepped) / n.mp * sb.grads
         if accumulation > 1:  # async_accumulate_grad_in_cpu_via_gpu: each parameter's own buffer
             items["accumulation"] = part * sb.grads
     if fp.stage >= 3 and par_cpu and pinned:
@@ -119,7 +114,7 @@ def _deepspeed(fp: Any, n: Any, moved: dict[str, int], *, gpu: bool, optimizer: 
         items["pinned_rounding"] = _deepspeed_rounding(fp, items, sub)
         if items.get("accumulation"):  # one pinned buffer per parameter (its share of them)
             items["pinned_rounding"] += sum(pow2(t / n.mp * sb.grads) - t / n.mp * sb.grads
-                                            for t in shapes) / n.shard
+                                            for t in stepped) / n.shard
     return items
 
 

@@ -152,14 +152,15 @@ class ModelConfig:
         without LoRA."""
         return sum(self._lora_tensors())
 
-    def tensor_sizes(self) -> dict[int, int]:
+    def tensor_sizes(self, *, adapters: bool = False) -> dict[int, int]:
         """Elements of each parameter tensor -> how many tensors have that size (LoRA's adapters
         included): what DeepSpeed's ZeRO-3 persistence threshold sorts. Sums to
-        ``num_params() + lora_params()``."""
-        tensors = (self._block_tensors(False) * (self.n_layers - self.moe_layers)
-                   + self._block_tensors(True) * self.moe_layers
-                   + [self.embedding_params()] * (1 if self.tie_embeddings else 2) + [self.dim]
-                   + self._lora_tensors())
+        ``num_params() + lora_params()``. ``adapters``: LoRA's adapters alone."""
+        tensors = [] if adapters else (
+            self._block_tensors(False) * (self.n_layers - self.moe_layers)
+            + self._block_tensors(True) * self.moe_layers
+            + [self.embedding_params()] * (1 if self.tie_embeddings else 2) + [self.dim])
+        tensors += self._lora_tensors()
         out: dict[int, int] = {}
         for t in tensors:
             out[t] = out.get(t, 0) + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from planner.host import ENGINE_RUNTIME_BYTES, PROCESS_BYTES, pow2
+from recipes.config import compose
 from strategies.footprint import HOST_STATES
 from tests.conftest import run_cli, typed
 
@@ -18,7 +19,6 @@ LLAMA_7B = ("model=llama_7b", "cluster=local", "cluster.accelerator=gpu", "clust
 
 def _plan(*overrides: str):
     from planner import preflight
-    from recipes.config import compose
 
     return preflight(typed(compose(list(overrides))))
 
@@ -54,6 +54,27 @@ def test_llama_7b_zero3_offload_books_init_partitions_and_sub_groups():
     states = sum(items[k] for k in HOST_STATES if k in items)
     assert states == pytest.approx(P * (2 + 4 + 4 + 2 + 8), rel=1e-6)
     assert p.memory.host + items["process"] > 150 * GB  # the old plan: 134.8 GB
+
+
+@pytest.mark.unit
+def test_the_largest_gradient_buffer_is_the_largest_tensor_the_optimizer_steps():
+    """stage_1_and_2.py sizes temp_grad_buffer_for_cpu_offload by the largest trainable
+    parameter: a MoE block's stacked experts (one tensor each of the three, not all experts of
+    the model as one), and with LoRA the largest adapter."""
+    moe = ("model=mixtral_8x7b", *LLAMA_7B[1:], "strategy=zero2_offload")
+    items = _plan(*moe).memory.host_items
+    assert items["largest_grad_buffer"] == 8 * 4096 * 14336 * 2  # w1 of 8 experts, bf16
+    pinned = (items["fp32_master"], items["fp32_grads"], items["staging_16bit"], items["largest_grad_buffer"])
+    assert items["pinned_rounding"] == pytest.approx(sum(pow2(b) - b for b in pinned), rel=1e-6)
+    import dataclasses
+
+    from planner.host import tensors
+
+    llama = typed(compose(["model=llama_7b", "cluster.accelerator=cpu"])).model
+    lora = dataclasses.replace(llama, lora=dataclasses.replace(llama.lora, rank=8))  # (model=hf's)
+    assert max(tensors(lora, 0)) == 32000 * 4096  # the embedding
+    assert max(tensors(lora, 0, trainable=True)) == 8 * 4096  # an attention adapter's A or B
+    assert len(tensors(lora, 0, trainable=True)) == 32 * 4 * 2
 
 
 @pytest.mark.unit
