@@ -14,6 +14,7 @@ dataclasses; ``planner.render`` turns them into a table or JSON. By concern: inp
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from planner.activations import (activation_bytes, boundary_activation_bytes, korthikanti_layer_bytes,
@@ -142,9 +143,12 @@ def _batch(su: Setup) -> str:
             f"precision {t.precision}")
 
 
-def _degrees(preset: StrategyConfig, megatron: list[Candidate]) -> StrategyConfig:
+def _degrees(preset: StrategyConfig, megatron: list[Candidate], su: Setup) -> StrategyConfig:
     """A TP / PP preset the user did not compose, at the degrees this cluster and model call
-    for (``planner.tp``/``planner.pp``, else TP inside a node and the smallest fitting PP)."""
+    for (``planner.tp``/``planner.pp``, else TP inside a node and the smallest fitting PP).
+    Where those degrees do not divide the world (one node: TP takes the whole node, and the
+    preset's own PP comes on top), the layout of the preset's kind that does and fits with the
+    shortest step (``_mesh_degrees``)."""
     if not {"tp", "pp"} <= set(preset.capabilities.degrees):  # (sequence / expert degrees stay)
         return preset
     derived = {c.name: c.config for c in megatron}
@@ -152,7 +156,24 @@ def _degrees(preset: StrategyConfig, megatron: list[Candidate]) -> StrategyConfi
     pp = derived["megatron_pp"].pp if "megatron_pp" in derived else preset.pp
     if preset.pp > 1 and preset.tp > 1 and "megatron_3d" in derived:
         tp, pp = derived["megatron_3d"].tp, derived["megatron_3d"].pp
-    return preset.with_degrees(tp=tp if preset.tp > 1 else 1, pp=pp if preset.pp > 1 else 1)
+    chosen = preset.with_degrees(tp=tp if preset.tp > 1 else 1, pp=pp if preset.pp > 1 else 1)
+    options = [] if su.options.tp > 1 or su.options.pp > 1 else _mesh_degrees(preset, su)
+    if su.world_size % (chosen.tp * chosen.pp) == 0 or not options:
+        return chosen
+    plans = [(plan_candidate(candidate(o), su), o) for o in options]
+    fitting = [(p.step_seconds, i) for i, (p, _) in enumerate(plans) if p.fits]
+    best = min(fitting)[1] if fitting else min(range(len(plans)), key=lambda i: plans[i][0].memory.total)
+    return plans[best][1]
+
+
+def _mesh_degrees(preset: StrategyConfig, su: Setup) -> list[StrategyConfig]:
+    """``preset`` at each (tp, pp) that divides the world, TP inside a node dividing the
+    attention heads, each degree above 1 where the preset's is (its kind kept)."""
+    world, node = su.world_size, su.cluster.devices
+    heads = math.gcd(su.shape.n_heads, su.shape.n_kv_heads) if su.shape else node
+    tps = [t for t in range(2, node + 1) if node % t == 0 and heads % t == 0] if preset.tp > 1 else [1]
+    pps = [p for p in range(2, world + 1) if world % p == 0] if preset.pp > 1 else [1]
+    return [preset.with_degrees(tp=t, pp=p) for t in tps for p in pps if world % (t * p) == 0]
 
 
 def _seq_degree(preset: StrategyConfig, su: Setup) -> StrategyConfig:
@@ -190,7 +211,7 @@ def _as_planned(name: str, su: Setup, megatron: list[Candidate]) -> StrategyConf
     """A preset the user did not compose, at the degrees the planner chooses for it here (and
     ``planner.activation_checkpointing`` and ``planner.microbatches`` when set: what it was
     planned with, it runs with)."""
-    preset, o = _ep_degree(_seq_degree(_degrees(load(name), megatron), su), su), su.options
+    preset, o = _ep_degree(_seq_degree(_degrees(load(name), megatron, su), su), su), su.options
     if o.activation_checkpointing is not None:
         preset = dataclasses.replace(preset, activation_checkpointing=o.activation_checkpointing)
     if o.microbatches is not None and preset.pipeline_microbatches() is not None:  # (a pipeline)

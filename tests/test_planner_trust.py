@@ -246,6 +246,27 @@ def test_the_run_it_command_plans_to_the_recommendations_numbers(over):
 
 
 @pytest.mark.unit
+def test_on_one_node_the_ranking_plans_tp_and_pp_presets_at_degrees_that_divide_it():
+    """One node of 8: TP took the whole node and the preset's PP came on top (tp=8 x pp=2 = 16
+    ranks), so the ranking said 3d "cannot run on 8 devices: set cluster.devices=16" while
+    ``strategy=3d`` (tp=2 pp=2 dp=2) fits there. Now each is planned at a mesh of this world,
+    the one that fits with the shortest step, and its command plans the same."""
+    over = ("model=llama_7b", "cluster=node_8x_h100")
+    report = _report(*over)
+    for p in report.plans:
+        if p.strategy in ("3d", "tp", "fsdp_tp", "pipeline", "pp_dp"):
+            assert p.mesh_fits and not p.blocking, (p.strategy, p.problems)
+    three = next(p for p in report.plans if p.strategy == "3d")
+    assert three.fits and 8 % (three.tp * three.pp) == 0, (three.tp, three.pp)
+    from planner import preflight
+
+    again = preflight(typed(_compose((*over, "strategy=3d", f"strategy.tp={three.tp}", f"strategy.pp={three.pp}"))))
+    assert (again.tp, again.pp, again.dp) == (three.tp, three.pp, three.dp)
+    assert again.memory.total == three.memory.total and again.step_seconds == pytest.approx(three.step_seconds)
+    assert preflight(typed(_compose((*over, "strategy=3d")))).fits  # (what the audit compared it with)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("model, best", [("llama_70b", "3d"), ("mixtral_8x7b", "fsdp_ep")])
 def test_the_hint_of_a_preset_that_does_not_fit_is_a_command_that_fits(model, best):
     """train.py's refusal and plan.py's verdict name what to run instead; the command said
