@@ -49,11 +49,11 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
     cands = _candidates(su, job.preset, chosen)
     plans = [plan_candidate(c, su) for c in cands]
     rec = _recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
-    ckpt, pool = su, cands
-    if not chosen and su.shape is not None and su.options.activation_checkpointing is None:
-        ckpt = dataclasses.replace(su, options=dataclasses.replace(su.options, activation_checkpointing=True))
-        with_ckpt = _candidates(ckpt, job.preset, chosen)  # (degrees chosen again: more of them fit)
-        _suggest_checkpointing(rec, plans, [plan_candidate(c, ckpt) for c in with_ckpt], with_ckpt)
+    ckpt, pool, checkpointed = su, cands, None
+    if not chosen and (with_su := _checkpointing(su)) is not None:
+        ckpt, with_ckpt = with_su, _candidates(with_su, job.preset, chosen)  # (degrees chosen again)
+        checkpointed = ([plan_candidate(c, ckpt) for c in with_ckpt], with_ckpt)
+        _suggest_checkpointing(rec, plans, *checkpointed)
         pool = with_ckpt if rec.activation_checkpointing else cands
     best = next((c for c in pool if c.name == rec.strategy), None)
     if best is not None and not best.planned_only:
@@ -66,7 +66,7 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
                            f"fewer accumulation steps)")
     for p in plans:
         if not p.fits:
-            p.hint = _hint(*((plans, cands) if not chosen else _others(su, p)))
+            p.hint = _hint(*((plans, cands, checkpointed) if not chosen else _others(su, p)))
     name = f"{su.params:,} parameters" if su.shape is None else str(job.model.name)
     return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
@@ -219,19 +219,41 @@ def _as_planned(name: str, su: Setup, megatron: list[Candidate]) -> StrategyConf
     return preset
 
 
-def _others(su: Setup, skip: Plan) -> tuple[list[Plan], list[Candidate]]:
+def _checkpointing(su: Setup) -> Setup | None:
+    """``su`` with activation checkpointing planned on; None where the job decided it
+    (``planner.activation_checkpointing``) or there is no shape to checkpoint."""
+    if su.shape is None or su.options.activation_checkpointing is not None:
+        return None
+    return dataclasses.replace(su, options=dataclasses.replace(su.options, activation_checkpointing=True))
+
+
+Planned = tuple[list[Plan], list[Candidate]]
+
+
+def _others(su: Setup, skip: Plan) -> tuple[list[Plan], list[Candidate], Planned | None]:
+    """The presets other than ``skip``'s as planned here, and every preset with activation
+    checkpointing (``skip``'s too) where the job left it to the planner."""
     megatron = planned_candidates(su, su.options.tp, su.options.pp)
     cands = [candidate(_as_planned(n, su, megatron)) for n in names() if n != skip.strategy]
-    return [plan_candidate(c, su) for c in cands], cands
+    checkpointed = None
+    if (ckpt := _checkpointing(su)) is not None:
+        megatron = planned_candidates(ckpt, ckpt.options.tp, ckpt.options.pp)
+        with_ckpt = [candidate(_as_planned(n, ckpt, megatron)) for n in names()]
+        checkpointed = ([plan_candidate(c, ckpt) for c in with_ckpt], with_ckpt)
+    return [plan_candidate(c, su) for c in cands], cands, checkpointed
 
 
-def _hint(plans: list[Plan], cands: list[Candidate]) -> str:
+def _hint(plans: list[Plan], cands: list[Candidate], checkpointed: Planned | None = None) -> str:
     """What to run instead: the best runnable preset that fits, spelled at the degrees it was
-    planned with (``run_overrides``), or why nothing does."""
-    rec = recommend([p for p in plans if p.runnable])
-    if rec.strategy:
-        config = next(c.config for c in cands if c.name == rec.strategy)
-        return f"cheapest preset that fits: {rec.strategy} ({' '.join(run_overrides(config))})"
+    planned with (``run_overrides``); else the best that fits with activation checkpointing
+    (``checkpointed``: the presets planned with it), with it in the command; or why nothing does."""
+    for pool, ckpt in ((plans, cands), checkpointed) if checkpointed else ((plans, cands),):
+        rec = recommend([p for p in pool if p.runnable])
+        if rec.strategy:
+            config = next(c.config for c in ckpt if c.name == rec.strategy)
+            if pool is not plans:
+                config = dataclasses.replace(config, activation_checkpointing=True)
+            return f"cheapest preset that fits: {rec.strategy} ({' '.join(run_overrides(config))})"
     planned = recommend([p for p in plans if p.planned_only])
     if planned.strategy:
         return f"no preset fits; the planned-only layout {planned.strategy} would"

@@ -246,6 +246,24 @@ def test_the_run_it_command_plans_to_the_recommendations_numbers(over):
 
 
 @pytest.mark.unit
+def test_the_hint_names_a_preset_that_fits_with_checkpointing_when_only_that_fits():
+    """llama_70b on 8 H100s fits only with activation checkpointing: the refusal of
+    ``strategy=fsdp`` said "no preset fits: use more devices ..." while the ranking recommended
+    zero3_offload with checkpointing. The hint's command carries it and fits when planned."""
+    from planner import preflight
+
+    over = ("model=llama_70b", "cluster=node_8x_h100")
+    plan = preflight(typed(_compose((*over, "strategy=fsdp"))))
+    assert not plan.fits and plan.hint.startswith("cheapest preset that fits: "), plan.hint
+    command = plan.hint.split("(", 1)[1].rstrip(")").split()
+    assert "strategy.activation_checkpointing=true" in command, command
+    assert preflight(typed(_compose((*over, *command)))).fits
+    ranked = _report(*over, "strategy=fsdp")
+    own = next(p for p in ranked.plans if p.strategy == "fsdp")
+    assert own.hint == plan.hint or "activation_checkpointing=true" in own.hint, own.hint
+
+
+@pytest.mark.unit
 def test_on_one_node_the_ranking_plans_tp_and_pp_presets_at_degrees_that_divide_it():
     """One node of 8: TP took the whole node and the preset's PP came on top (tp=8 x pp=2 = 16
     ranks), so the ranking said 3d "cannot run on 8 devices: set cluster.devices=16" while
