@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from planner.states import gb
+from planner.states import gb_apart
 from strategies.footprint import CPU, HOST_STATES, NVME, SHARDED
 
 GB = 10**9
@@ -171,7 +171,8 @@ def offload_problems(mem: Any, su: Any) -> list[str]:
     cl, out = su.cluster, []
     host = (mem.host + mem.host_items.get("process", 0)) * cl.devices
     if host > su.host_bytes:
-        out.append(f"host memory: needs {gb(host)} per node, has {su.host_has}")
+        need, has = gb_apart(host, su.host_bytes)
+        out.append(f"host memory: needs {need} per node, has {su.host_has(has)}")
     if mem.nvme * cl.devices > su.nvme_bytes:
-        out.append(f"NVMe: needs {gb(mem.nvme * cl.devices)} per node, has {gb(su.nvme_bytes)}")
+        out.append("NVMe: needs {} per node, has {}".format(*gb_apart(mem.nvme * cl.devices, su.nvme_bytes)))
     return out

@@ -191,11 +191,11 @@ class Setup:
         """Host memory per node: host_memory_GB, or the launcher's limit when lower."""
         return int(self.cluster.host_limit()[0] * GB)
 
-    @property
-    def host_has(self) -> str:
-        """What a host-memory note says the node has, and the key behind a launcher's limit."""
+    def host_has(self, shown: str | None = None) -> str:
+        """What a host-memory note says the node has (``shown``: those bytes as formatted
+        beside a need), and the key behind a launcher's limit."""
         key = self.cluster.host_limit()[1]
-        return gb(self.host_bytes) + ("" if key == "cluster.host_memory_GB" else f" ({key})")
+        return (shown or gb(self.host_bytes)) + ("" if key == "cluster.host_memory_GB" else f" ({key})")
 
     @property
     def nvme_bytes(self) -> int:

@@ -10,7 +10,7 @@ from collections import Counter
 from planner.inputs import Candidate, Setup
 from planner.plan import plan_candidate
 from planner.results import Plan, Recommendation
-from planner.states import gb
+from planner.states import gb, gb_apart
 from strategies.families.megatron import MegatronConfig
 
 TOLERANCE = 0.05  # steps within 5% of the fastest count as equally fast
@@ -98,8 +98,8 @@ def nothing_fits(plans: list[Plan]) -> str:
     if need.memory.total <= need.device_bytes and need.overflows:  # the device has room
         return (f"nothing fits; the smallest need is {need.strategy}'s {gb(need.memory.total)} per "
                 f"device, which the device has, but {'; '.join(need.overflows)}")
-    return (f"nothing fits; the smallest need is {need.strategy}'s {gb(need.memory.total)} per device, "
-            f"has {gb(need.device_bytes)}")
+    total, has = gb_apart(need.memory.total, need.device_bytes)
+    return f"nothing fits; the smallest need is {need.strategy}'s {total} per device, has {has}"
 
 
 def _ok(p: Plan, roomy: bool = False) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.communication import Communication
-from planner.states import gb
+from planner.states import gb, gb_apart
 
 if TYPE_CHECKING:
     from strategies.base import StrategyConfig
@@ -159,8 +159,10 @@ class Plan:
         else:
             verdict = f"fits with {gb(self.margin)} to spare"
         stalled = f" ({'; '.join(self.stalled)})" if self.stalled else ""
-        return (f"plan: {self.strategy} on {self.cluster} ({self.world_size} devices): "
-                f"{gb(self.memory.total)} of {gb(self.device_bytes)} per device ({verdict}); "
+        need, has = gb_apart(self.memory.total, self.device_bytes)
+        devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
+        return (f"plan: {self.strategy} on {self.cluster} ({devices}): "
+                f"{need} of {has} per device ({verdict}); "
                 f"comm {gb(self.communication.bytes_per_step)}/step; "
                 f"step ~ {self.step_seconds:.3g} s{stalled}")
 
@@ -172,7 +174,7 @@ class Plan:
             missing = f"; but the config is incomplete: {'; '.join(self.missing)}" if self.missing else ""
             return self.summary() + missing
         if self.memory.total > self.device_bytes:
-            need = f"needs {gb(self.memory.total)} per device, has {gb(self.device_bytes)}"
+            need = "needs {} per device, has {}".format(*gb_apart(self.memory.total, self.device_bytes))
         else:  # host memory or NVMe is what overflows
             need = "; ".join(self.overflows)
         line = f"does not fit on {self.cluster}: {need}"

@@ -26,7 +26,7 @@ def build_problems(c: Any, su: Any) -> list[str]:
         return []
     return [f"host memory: each of the node's {cl.devices} processes builds the whole fp32 model "
             f"({gb(whole)}) before strategy={c.name} shards it, {gb(need)} per node, has "
-            f"{su.host_has}; fsdp2 and the tp/pp presets build their shards alone "
+            f"{su.host_has()}; fsdp2 and the tp/pp presets build their shards alone "
             "(backend=lightning), zero3 under zero.Init"]
 
 

@@ -59,3 +59,15 @@ def model_states(params: float, footprint: Footprint, shard: int, sb: StateBytes
 def gb(nbytes: float) -> str:
     """Human units, always GB = 1e9 bytes (GiB is shown separately where it helps)."""
     return f"{nbytes / GB:,.1f} GB" if abs(nbytes) >= GB / 10 else f"{nbytes / MiB:,.1f} MiB"
+
+
+def gb_apart(need: float, has: float) -> tuple[str, str]:
+    """``need`` and ``has`` in one unit, with the digits that show which is larger (a refusal
+    read "needs 0.2 GB per device, has 0.2 GB" for 215.9 MB against 200 MB)."""
+    scale, unit = (GB, "GB") if max(abs(need), abs(has)) >= GB / 10 else (MiB, "MiB")
+    for digits in (1, 2, 3):
+        a, b = (f"{x / scale:,.{digits}f} {unit}" for x in (need, has))
+        if a != b or need == has:
+            break
+    return a, b
+    return a, b

@@ -264,6 +264,27 @@ def test_the_hint_names_a_preset_that_fits_with_checkpointing_when_only_that_fit
 
 
 @pytest.mark.unit
+def test_a_need_and_what_the_device_has_read_apart():
+    """"the smallest need is fsdp_cp's 0.2 GB per device, has 0.2 GB" (215.9 MB against 200 MB):
+    a need and what is there are printed with the digits that tell them apart, in one unit."""
+    from planner.states import gb_apart
+
+    assert gb_apart(215_903_808, 200_000_000) == ("0.22 GB", "0.20 GB")
+    assert gb_apart(80e9, 80e9) == ("80.0 GB", "80.0 GB")
+    assert gb_apart(80.04e9, 80e9) == ("80.04 GB", "80.00 GB")
+    assert gb_apart(30 * 2**20, 31 * 2**20) == ("30.0 MiB", "31.0 MiB")
+    from planner import preflight
+
+    over = ("model=llama_1b", "cluster=node_8x_h100", "strategy=ddp")
+    total = preflight(typed(_compose(over))).memory.total
+    short = preflight(typed(_compose((*over, f"cluster.device_memory_GB={total * 0.996 / 1e9}"))))
+    need, has = short.message().split("needs ", 1)[1].split(" per device")[0], short.message().split("has ", 1)[1]
+    assert not short.fits and need != has.split(";")[0], short.message()
+    one = _report("model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=1", "strategy=single").plans[0]
+    assert "(1 device)" in one.summary(), one.summary()
+
+
+@pytest.mark.unit
 def test_on_one_node_the_ranking_plans_tp_and_pp_presets_at_degrees_that_divide_it():
     """One node of 8: TP took the whole node and the preset's PP came on top (tp=8 x pp=2 = 16
     ranks), so the ranking said 3d "cannot run on 8 devices: set cluster.devices=16" while
