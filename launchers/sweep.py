@@ -125,9 +125,8 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
     r: dict[str, Any] = {"job": str(job_dir.relative_to(sweep)), "overrides": overrides,
                          "status": status.get("status") or (OK if report else FAILED),
                          "reason": status.get("reason")}
-    if report is None and r["status"] == OK:
-        r["status"], r["reason"] = FAILED, "no report.json (the job did not finish)"
     config = job_dir / ".hydra" / "config.yaml"
+    reports = True
     if config.exists():
         from recipes.compose import register
 
@@ -136,9 +135,13 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         cfg = OmegaConf.load(config)
         r["strategy"] = cfg.strategy.name
         r["world_size"] = cfg.cluster.nodes * cfg.cluster.devices
+        reports = OmegaConf.select(cfg, "callbacks.report", default=True) is not False
     else:  # a job that never started (cancelled in the queue)
         r["strategy"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")), "?")
         r["world_size"] = None
+    if report is None and r["status"] == OK:
+        r["status"], r["reason"] = ((OK, "callbacks.report=false: nothing measured") if not reports
+                                    else (FAILED, "no report.json (the job did not finish)"))
     plan = status.get("plan") or (report or {}).get("plan") or {}
     r["predicted_fits"] = plan.get("fits")
     r["predicted_tight"] = plan.get("tight")

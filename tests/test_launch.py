@@ -139,6 +139,24 @@ def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
     assert "(0 ok, 2 skipped, 0 failed)" in again.log
 
 
+@pytest.mark.unit
+def test_a_sweep_job_run_with_callbacks_report_false_is_ok_not_failed(tmp_path):
+    """``callbacks.report=false`` is a documented knob: its jobs finished (job.json "ok") but
+    the sweep marked each "failed: no report.json", picked nothing and exited 1. Such a job is
+    an ok row that measured nothing; a job that wrote no report otherwise still failed."""
+    from launchers.sweep import row
+
+    for job, reports in (("0", False), ("1", True)):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- callbacks.report={str(reports).lower()}\n")
+        (tmp_path / job / ".hydra" / "config.yaml").write_text(
+            f"strategy: {{name: ddp}}\ncluster: {{nodes: 1, devices: 2}}\ncallbacks: {{report: {str(reports).lower()}}}\n")
+        (tmp_path / job / "job.json").write_text(json.dumps({"status": "ok", "reason": None, "plan": None}))
+    quiet, lost = row(tmp_path / "0", tmp_path), row(tmp_path / "1", tmp_path)
+    assert quiet["status"] == "ok" and "callbacks.report=false" in quiet["reason"], quiet
+    assert lost["status"] == "failed" and "no report.json" in lost["reason"], lost
+
+
 # --------------------------------------------------------------------------- torchrun, two nodes
 def _free_port() -> int:
     import socket
