@@ -4,7 +4,8 @@
 sweep is the wandb group; offline unless ``logger.mode=online``; the memory and communication
 profiles become tables at the end).
 
-Every step logs ``loss``, ``lr``, ``grad_norm`` (before clipping), ``tokens_seen``, ``step_seconds`` and ``tokens_per_second``; each validation
+Every ``trainer.log_every`` steps (and the last) logs ``loss``, ``lr``, ``grad_norm`` (before
+clipping), ``tokens_seen``, ``step_seconds`` and ``tokens_per_second`` of that step; each validation
 ``val_loss`` and ``val_perplexity`` (csv: the same file, its own row), and with
 ``callbacks.samples`` its completions (TensorBoard: a text table ``samples``; wandb: a table
 ``samples``; csv: none, report.json has them). Secrets stay out: the
@@ -50,6 +51,7 @@ def _selected(s: Selection) -> Observer | None:
         return None
     chosen = LOGGERS[s.job.logger.name](s)
     chosen.samples = s.chosen.get("samples")  # (callbacks.samples: each block, after it ran)
+    chosen.every, chosen.last = s.job.trainer.log_every, s.job.trainer.max_steps
     return chosen
 
 
@@ -62,6 +64,7 @@ class StepLogger(Observer):
         self._t0 = self._lr = 0.0
         self.resumed: int | None = None  # the checkpoint's step, when this run resumed
         self.samples: Any = None  # observers/samples.py's observer, when callbacks.samples is on
+        self.every, self.last = 1, 0  # trainer.log_every, trainer.max_steps
 
     def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
         self.resumed = step
@@ -78,7 +81,7 @@ class StepLogger(Observer):
         self._lr = learning_rate(engine)
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
-        if self.rank0:
+        if self.rank0 and (step % self.every == 0 or step == self.last):
             seconds = time.perf_counter() - self._t0
             norm = engine.grad_norm()
             self.write(step, {"loss": loss, "lr": self._lr, "tokens_seen": step * self.tokens_per_step,
