@@ -24,11 +24,13 @@ def main(argv: list[str]) -> None:
     from planner import choose, plan_all, run_overrides, what_ifs
     from planner.machine import ensure
     from planner.render import render
+    from core.knobs import paths_elsewhere
     from recipes.job import CONFIG, validate
 
     chosen = "strategy" in groups  # strategy=auto: chosen as train.py strategy=auto chooses
     try:
-        job = cli.or_exit(lambda: validate(cfg, depth=CONFIG, auto=choose if chosen else None))
+        with paths_elsewhere(lambda path: True):  # (the data, tokenizer, NVMe: the cluster's files)
+            job = cli.or_exit(lambda: validate(cfg, depth=CONFIG, auto=choose if chosen else None))
         ensure(job)  # planner.calibrate=true: this machine measured once, in a subprocess (no torch here)
     except RuntimeError as e:
         sys.exit(f"{e}")

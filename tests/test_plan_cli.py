@@ -45,6 +45,25 @@ def test_cli_json_contract(tmp_path):
 
 
 @pytest.mark.subprocess
+def test_plan_py_plans_the_clusters_paths_from_anywhere(tmp_path):
+    """README: plan.py checks what the config says, not this machine. The printed run line of
+    a named shape carries ``model.path=/path/to/...`` (a cluster's path), and data.tokenizer
+    defaults to it: plan.py refused it (exit 2, "data.tokenizer ... does not exist"); a model=hf
+    directory with only config.json likewise ("no tokenizer.json"). Config-level problems
+    (data=jsonl without data.path) are still refused."""
+    proc = _plan_cli("model=llama3_8b", "cluster=h200_1x", "model.path=/path/to/llama3_8b", "strategy=fsdp",
+                     "data=jsonl", "data.path=/path/to/data.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 128}))
+    proc = _plan_cli("model=hf", f"model.path={tmp_path}", "cluster=node_8x_h100", "strategy=fsdp")
+    assert proc.returncode == 0, proc.stderr
+    proc = _plan_cli("model=llama_1b", "cluster=node_8x_h100", "data=jsonl")
+    assert proc.returncode == 2 and "data=jsonl needs data.path" in proc.stderr, proc.stderr
+
+
+@pytest.mark.subprocess
 def test_cli_params_only_reference_numbers():
     proc = _plan_cli("planner.params=1e10", "planner.accounting=mixed16", "cluster.devices=8",
                      "trainer.global_batch_size=64",  # a batch 8 ranks can split: ddp runs
