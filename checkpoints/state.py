@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from checkpoints import resume_settings
 from checkpoints.store import Checkpoint, CheckpointError
 from core.keys import plain_key
 
@@ -181,11 +182,13 @@ def load(h: Handles, ckpt: Checkpoint) -> None:
     meta, path = ckpt.meta, ckpt.path
     saved = meta["payload"]
     same_world = int(meta["world_size"]) == h.world_size
+    settings = resume_settings.of(h.optimizer)  # (this run's config: what the loaded groups carry is the old run's)
     if saved == DCP and h.format == DCP:
         _load_dcp(h, path)
         how = "model and optimizer (DCP" + (")" if same_world else
                                             f", resharded from {meta['world_size']} ranks)")
-    elif saved == DEEPSPEED and h.format == DEEPSPEED and same_world and meta["prefix"] == h.prefix:
+    elif (saved == DEEPSPEED and h.format == DEEPSPEED and same_world and meta["prefix"] == h.prefix
+          and _zero3_files(path) == (h.model.zero_optimization_stage() >= 3)):  # (ZeRO-3's own layout)
         _check_pickles(path / DEEPSPEED)
         done, _ = h.model.load_checkpoint(str(path / DEEPSPEED), tag=TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=False, load_module_strict=True)
@@ -199,10 +202,12 @@ def load(h: Handles, ckpt: Checkpoint) -> None:
         _load_full_model(h, full_model(ckpt))
         how = (f"model only, from a {saved} checkpoint of {meta['strategy']} on {meta['world_size']} "
                "rank(s); the optimizer state does not carry over and starts fresh")
+    changed = resume_settings.govern(h.optimizer, settings)
     if h.scheduler is not None and meta.get("scheduler"):
-        h.scheduler.load_state_dict(meta["scheduler"])
-        for group, lr in zip(h.optimizer.param_groups, h.scheduler.get_last_lr()):
-            group["lr"] = lr
+        changed += resume_settings.continue_schedule(h.scheduler, h.optimizer, meta["scheduler"])
+    if changed and h.rank == 0:
+        log.warning("resume: this run's trainer settings govern, not the checkpoint's run's: %s",
+                    "; ".join(changed))
     own = path / RANK_STATE / f"rank{h.rank}.pt"  # (a checkpoint of this preset and world:
     if h.rank_state is not None and own.is_file():  # checkpoints.refusal said so before launch)
         h.rank_state.load_state_dict(_torch_load(own))
@@ -227,18 +232,14 @@ def _load_dcp(h: Handles, path: Path) -> None:
             dcp.load(state, checkpoint_id=str(path / DCP))
     except Exception as e:  # noqa: BLE001  (DCP reports a missing key or a bad file in its own words)
         raise CheckpointError(f"cannot load {path / DCP}: {_first_line(e)}") from e
-    # how this run's optimizer steps (trainer.optimizer_impl, decided for this layout: one tensor
-    # at a time where a group mixes DTensors with plain tensors) is not the checkpoint's to say:
-    # an fsdp2 run's foreach=True restored into tp's groups, which mix, crashed the first step
-    steps_as = [{k: g[k] for k in _STEPPING if k in g} for g in h.optimizer.param_groups]
     set_state_dict(h.model, h.optimizer, model_state_dict=_add(state["model"], h.prefix),
                    optim_state_dict=_add_optim(state["optim"], h.prefix), options=_options())
-    for group, keep in zip(h.optimizer.param_groups, steps_as):
-        group.update(keep)
 
 
-_STEPPING = ("foreach", "fused", "capturable", "differentiable")
-"""torch optimizers' param-group flags that choose the kernel, not training state."""
+def _zero3_files(path: Path) -> bool:
+    """A DeepSpeed checkpoint in ZeRO-3's layout (each rank's ``zero_pp_rank_*_model_states``;
+    ZeRO-1/2 write one ``mp_rank_00_model_states``): DeepSpeed's loader reads only its own."""
+    return any((path / DEEPSPEED / TAG).glob("zero_pp_rank_*_model_states.pt"))
 
 
 def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
