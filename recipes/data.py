@@ -34,6 +34,8 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from core.errors import DataError
+# (VAL_MIN_SAMPLES and held_out: importable from here, as before they moved)
+from recipes.data_size import VAL_MIN_SAMPLES, epochs, held_out, say_split  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +120,9 @@ def _ones(mask: Any, i: int, j: int, chunk: int = 1 << 26) -> int:
 class TextDataset(TokenWindows):
     """Byte tokens of a UTF-8 text file (the bundled corpus by default)."""
 
-    def __init__(self, path: str | Path | None, seq_len: int):
+    def __init__(self, path: str | Path | None, seq_len: int, key: str = "data.path"):
         data = Path(path or CORPUS).read_bytes()
-        super().__init__([np.frombuffer(data, dtype=np.uint8)], seq_len, what=f"data.path={path}")
+        super().__init__([np.frombuffer(data, dtype=np.uint8)], seq_len, what=f"{key}={path}")
 
 
 class DocumentRows(Dataset):
@@ -348,7 +350,7 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
         stream = token_file(kind=data_cfg.name, path=path or CORPUS,
                             field=data_cfg.messages_field if chat else data_cfg.field,
                             tokenizer=data_cfg.tokenizer, cache_dir=data_cfg.cache_dir,
-                            train_on=data_cfg.train_on)
+                            train_on=data_cfg.train_on, key=key)
         log.info("data: %s -> %d tokens (%d in the loss), %d documents (%s, %s)", path or CORPUS,
                  stream.n_tokens, stream.n_loss_tokens, stream.n_docs, stream.path.name,
                  "tokenized" if stream.built else "cached")
@@ -368,7 +370,7 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
             return DocumentRows(stream.array(), seq_len, stream.eos_id, mask=stream.mask())
         return TokenWindows([stream.array()], seq_len, what=f"{key}={path}", masks=[stream.mask()],
                             n_loss=[stream.n_loss_tokens])
-    return TextDataset(path, seq_len)
+    return TextDataset(path, seq_len, key)
 
 
 def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]:
@@ -400,50 +402,22 @@ def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]
     if val is not None and data_cfg.val_samples is not None and len(val) > data_cfg.val_samples:
         val = Subset(val, range(data_cfg.val_samples))
     if val is not None:
-        _say_split(data_cfg, None if data_cfg.val_path is not None else len(full), len(val))
+        say_split(data_cfg, None if data_cfg.val_path is not None else len(full), len(val))
     return train, val
-
-
-VAL_MIN_SAMPLES = 16
-"""The fewest samples a held-out split (``data.val_fraction``) holds: a validation loss over
-fewer windows is noise, which ``trainer.keep_best`` and early stopping would act on. A fraction
-that gives fewer grows to this, but never past a tenth of the data nor past ``data.val_samples``
-(what is evaluated); the run's log says so. ``data.val_path`` is taken as given (warned when
-smaller)."""
-
-
-def held_out(n: int, fraction: float, val_samples: int | None) -> int:
-    """How many of ``n`` samples ``data.val_fraction`` holds out: the fraction (at least one), grown
-    to ``VAL_MIN_SAMPLES`` where a tenth of the data and ``data.val_samples`` allow."""
-    asked = max(1, round(n * fraction))
-    floor = min(VAL_MIN_SAMPLES, n // 10, val_samples if val_samples is not None else n)
-    return max(asked, floor)
-
-
-def _say_split(data_cfg, n: int | None, size: int) -> None:
-    """Rank 0 logs, once, a held-out split grown to the minimum (info) or one still below it, or a
-    ``data.val_path`` below it (a warning). ``n``: the samples a fraction was taken of."""
-    import os
-
-    if int(os.environ.get("RANK") or 0) != 0:
-        return
-    asked = None if n is None else max(1, round(n * data_cfg.val_fraction))
-    if asked is not None and size > asked:
-        log.info("validation: data.val_fraction=%s of %d samples is %d; held out %d instead (at least "
-                 "%d where a tenth of the data allows; data.val_path sets the split exactly)",
-                 data_cfg.val_fraction, n, asked, size, VAL_MIN_SAMPLES)
-    wanted = min(VAL_MIN_SAMPLES, data_cfg.val_samples or VAL_MIN_SAMPLES)
-    if size < wanted:
-        source = f"data.val_path={data_cfg.val_path}" if n is None else f"data.val_fraction={data_cfg.val_fraction} of {n} samples"
-        log.warning("validation on %d sample(s) only (%s): a loss over so few means little; use more "
-                    "data, a larger data.val_fraction or a data.val_path of %d or more", size, source, wanted)
 
 
 def data_facts(dataset: Dataset, run: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """report.json's ``data``: the training set's ``tokens`` (targets: samples x seq_len) and
     ``loss_tokens``, those the loss counts (fewer than tokens only for data=chat with
     data.train_on=assistant); a mixture adds ``mixture``, per source what the run's
-    ``run`` = (max_steps, global batch, seed) draws from it (recipes/mixture.py)."""
+    ``run`` = (max_steps, global batch, seed) draws from it (recipes/mixture.py); with ``run``,
+    ``epochs``: max_steps x global batch / samples (recipes/data_size.py, which warns at start
+    when the training set is smaller than a global batch)."""
+    facts = _counted_facts(dataset, run)
+    return facts if run is None else {**facts, "epochs": epochs(len(dataset), run[0], run[1])}
+
+
+def _counted_facts(dataset: Dataset, run: tuple[int, int, int] | None) -> dict[str, Any]:
     if hasattr(dataset, "facts"):  # data.mixture
         tokens, loss = dataset.counts()
         return {"tokens": tokens, "loss_tokens": loss, **({"mixture": dataset.facts(*run)} if run else {})}

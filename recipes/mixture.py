@@ -6,8 +6,11 @@ Each entry is one source: ``name`` (a data group: text, jsonl, parquet, chat, to
 synthetic), that group's options as ``conf/data/<name>.yaml`` sets them (the entry's own keys
 win: ``path``, ``field``, ``tokenizer``, ``val_fraction``, ...), and ``weight`` (> 0; the weights
 are normalised). ``data.packing`` and ``data.num_workers`` are the run's (one layout for every
-source); ``model.seq_len`` is the run's one window length. An empty list (the default) is today's
-single source, bit for bit.
+source); ``model.seq_len`` is the run's one window length. A top-level ``data.tokenizer`` is
+inherited by the sources that read a tokenizer and set none (``INHERITED``); any other top-level
+source key set beside the mixture (``data.val_fraction``, ``data.cache_dir``, ...) is refused,
+naming the entry key to set instead: no source would read it. An empty list (the default) is
+today's single source, bit for bit.
 
 Sampling. Each source's windows are built as a lone source's are (its held-out windows taken
 out first). A mixture *epoch* has as many samples as the sources' training windows together,
@@ -41,6 +44,9 @@ from recipes.trainer_config import DATASETS, DataConfig
 RUN_WIDE = ("packing", "num_workers", "mixture")
 """DataConfig keys that are the run's, not a source's."""
 ENTRY_KEYS = tuple(f.name for f in dataclasses.fields(DataConfig) if f.name not in RUN_WIDE) + ("weight",)
+INHERITED = ("tokenizer",)
+"""Top-level data keys a source takes when its entry does not set one (and its group reads one):
+the run's one tokenizer. The other top-level source keys, set beside a mixture, are refused."""
 EXAMPLE = "data.mixture=[{name:text,weight:0.7},{name:chat,path:/data/chats.jsonl,weight:0.3}]"
 
 
@@ -89,21 +95,43 @@ def _conflicts(data: DataConfig) -> list[str]:
     return out
 
 
+def _top_level(data: DataConfig, model_path: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The top-level source keys the user set beside the mixture (they differ from the defaults
+    of data=<its group>): those a source inherits (``INHERITED``), and a problem for each other
+    one, which no source would read (``path`` and ``val_path``: ``_conflicts``)."""
+    defaults = {**dataclasses.asdict(DataConfig()), **_group_defaults(data.name, model_path)}
+    inherited, out = {}, []
+    for k in ENTRY_KEYS:
+        if k in ("name", "path", "val_path", "weight") or getattr(data, k) == defaults.get(k):
+            continue
+        if k in INHERITED:
+            inherited[k] = getattr(data, k)
+        else:
+            out.append(f"data.{k}={getattr(data, k)} with data.mixture: each source has its own, and the "
+                       f"top-level one is not read: remove data.{k} and set it inside the entries it "
+                       f"belongs to (data.mixture[i].{k})")
+    return inherited, out
+
+
 def settle(data: DataConfig, model: Any | None) -> tuple[DataConfig, list[str]]:
-    """``data`` with each mixture entry completed (its group's defaults, then its own keys), and
-    every problem of the entries: the entry's keys, each source's declared checks and its inputs
-    (recipes/tokens.py ``data_problems``), prefixed with ``data.mixture[i]``."""
+    """``data`` with each mixture entry completed (its group's defaults, the top-level keys it
+    inherits, ``INHERITED``, then its own keys), and every problem of the entries: the entry's
+    keys, each source's declared checks and its inputs (recipes/tokens.py ``data_problems``),
+    prefixed with ``data.mixture[i]``; and of the top-level keys beside them."""
     from core import knobs
     from recipes.tokens import data_problems
 
-    out = _conflicts(data)
-    settled = []
+    inherited, ignored = _top_level(data, getattr(model, "path", None))
+    out = _conflicts(data) + ignored
+    settled, read = [], set()
     for i, entry in enumerate(data.mixture):
         bad = _entry_problems(i, entry)
         out += bad
         if bad:
             continue
-        values = {**_group_defaults(entry["name"], getattr(model, "path", None)), **entry}
+        group = _group_defaults(entry["name"], getattr(model, "path", None))
+        read |= inherited.keys() & group.keys()
+        values = {**group, **{k: v for k, v in inherited.items() if k in group}, **entry}
         src = source_config(values, data)
         key = f"data.mixture[{i}]"
         declared = knobs.problems(src, key)
@@ -115,6 +143,9 @@ def settle(data: DataConfig, model: Any | None) -> tuple[DataConfig, list[str]]:
                 out.append(f"{key}: byte tokens of data=text need model.vocab_size >= 256 "
                            f"(it is {vocab}): set model.vocab_size=256 or {key}.tokenizer")
         settled.append({**dataclasses.asdict(src), "weight": float(entry["weight"])})
+    if len(settled) == len(data.mixture):  # (every entry read)
+        out += [f"data.{k}={inherited[k]} with data.mixture: no source reads one (data=tokens and "
+                f"synthetic do not): remove data.{k}" for k in sorted(inherited.keys() - read)]
     for s in settled:
         for k in RUN_WIDE:
             s.pop(k)

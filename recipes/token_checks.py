@@ -17,7 +17,7 @@ from typing import Any
 
 from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, Inputs, TokenizerInfo, _messages_problem,
                                   chat_template_of, default_cache_dir, record_keys, resolve_inputs,
-                                  tokenizer_info)
+                                  splits_of, tokenizer_info)
 
 log = logging.getLogger("recipes.tokens")  # (the tokens cache's logger, as before the split)
 
@@ -38,15 +38,21 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
     vocab = getattr(model, "vocab_size", None)
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
     hf = getattr(model, "is_hf", False)
+    read: dict[str, Inputs] = {}
     for key, value in (("data.path", data.path), ("data.val_path", data.val_path)):
         if not value or knobs.elsewhere(value):
             continue
         try:
-            inputs = resolve_inputs(name, value)
+            read[key] = inputs = resolve_inputs(name, value, splits_of(key))
         except (ValueError, OSError) as e:
             out.append(f"{key}={value}: {e}"
                        + (", or data.path=null for the bundled corpus" if name == "text" and
                           key == "data.path" and "does not exist" in str(e) else ""))
+            continue
+        if key == "data.val_path" and "data.path" in read and _same_files(read["data.path"], inputs):
+            out.append(f"data.val_path={value}: the same files as data.path={data.path}, so the "
+                       "validation loss would be a training loss: point data.val_path at held-out "
+                       "data, or remove it and set data.val_fraction")
             continue
         if name == "tokens":
             out += _shard_problems(key, value, inputs.files, data, vocab, hf)
@@ -63,6 +69,26 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
     if data.tokenized and data.tokenizer is not None and not knobs.elsewhere(data.tokenizer):
         out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat", hf=hf)
     return out
+
+
+def _same_files(a: Inputs, b: Inputs) -> bool:
+    """Two inputs that read the same files (a file and a glob of it, a directory and its files)."""
+    return {f.resolve() for f in a.files} == {f.resolve() for f in b.files}
+
+
+def val_every_problems(t: Any, data: Any) -> list[str]:
+    """``trainer.val_every=N`` asks for validations the data has no split for (recipes/stopping.py
+    ``problems`` words keep_best's and early stopping's alike, and says so for them)."""
+    if not t.val_every or data.validates or t.keep_best or t.early_stopping.patience > 0:
+        return []
+    what = f"trainer.val_every={t.val_every} validates every {t.val_every} steps, and"
+    if data.name == "preference":
+        return [f"{what} objective=dpo has no held-out evaluation yet: remove it"]
+    if data.mixture:
+        return [f"{what} no source of data.mixture holds out validation: set data.mixture[i].val_fraction "
+                "(e.g. 0.05) or data.mixture[i].val_path; or remove it"]
+    return [f"{what} the data has no validation split: set data.val_fraction (e.g. 0.05) or "
+            "data.val_path; or remove it"]
 
 
 def null_why(model: Any | None) -> str:
@@ -98,6 +124,21 @@ def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[st
                 "'assistant', and data.train_on=assistant trains on the assistant turns alone: name "
                 f"the roles as chat templates do ({', '.join(sorted(ROLES))}), or set data.train_on=all"]
     return []
+
+
+def bad_record(batch: dict[str, list[Any]], column: str, first: int, what: str) -> str:
+    """The error for the first record of ``batch`` whose ``column`` is not a string (the field
+    missing, which Arrow reads as null, null, or another type), found while tokenizing
+    (recipes/tokens.py; the checks above read the first record): its number, counted from 1
+    over the input's records (``first`` of them before the batch), and what it holds."""
+    i = next(i for i, d in enumerate(batch[column]) if not isinstance(d, str))
+    value = batch[column][i]
+    if value is None:
+        why = f"it has: {', '.join(k for k in batch if k != column and batch[k][i] is not None) or 'nothing'}"
+    else:
+        kind = type(value).__name__
+        why = f"its {column!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}: {str(value)[:60]}"
+    return f"{what}: record {first + i + 1} has no {column!r} string ({why}): fix or remove it"
 
 
 ROLES = {"system", "user", "assistant", "tool"}

@@ -1,6 +1,7 @@
 """What a data input is and what it holds, read cheaply (no heavy imports): ``resolve_inputs``
 (``data.path`` as a file, a directory of the kind's files in name order, a glob, or a
-``datasets.save_to_disk`` directory), ``tokenizer_info`` (vocabulary size and EOS from the
+``datasets.save_to_disk`` directory: a DatasetDict's train split for data.path, its validation
+else test split for data.val_path), ``tokenizer_info`` (vocabulary size and EOS from the
 tokenizer's JSON files), ``chat_template_of`` and ``record_keys`` (the first record or schema).
 recipes/token_checks.py builds the checks before launch on them; recipes/tokens.py the cache.
 """
@@ -57,21 +58,29 @@ def _listing(p: Path, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "") or "nothing"
 
 
-def resolve_inputs(kind: str, path: str | Path) -> Inputs:
+TRAIN_SPLITS = ("train",)
+VAL_SPLITS = ("validation", "test")
+"""The split of a save_to_disk DatasetDict that ``data.path`` reads, and those ``data.val_path``
+reads (the first it has)."""
+
+
+def splits_of(key: str) -> tuple[str, ...]:
+    """The DatasetDict splits the input ``key`` names reads: ``data.val_path``'s, else the training ones."""
+    return VAL_SPLITS if key.endswith("val_path") else TRAIN_SPLITS
+
+
+def resolve_inputs(kind: str, path: str | Path, splits: tuple[str, ...] = TRAIN_SPLITS) -> Inputs:
     """The files ``path`` names for ``data=<kind>``: a file; a directory's files with the kind's
     suffixes (``SUFFIXES``), in name order; a glob's files in name order (``**`` recurses); or a
-    ``datasets.save_to_disk`` directory (a Dataset, or a DatasetDict's ``train`` split; not for
-    kind ``tokens``). ValueError says what is wrong (without the key: the caller names it)."""
+    ``datasets.save_to_disk`` directory (a Dataset, or a DatasetDict's first split of ``splits``:
+    ``train`` for data.path, ``validation`` else ``test`` for data.val_path, ``splits_of``; not
+    for kind ``tokens``). ValueError says what is wrong (without the key: the caller names it)."""
     raw = str(path)
     p = Path(raw).expanduser()
     disk = None
     if p.is_dir():
         if (p / "dataset_dict.json").is_file():
-            splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
-            if "train" not in splits:
-                raise ValueError(f"a save_to_disk DatasetDict without a 'train' split (it has: "
-                                 f"{', '.join(splits) or 'none'}): point it at one split's directory")
-            p = p / "train"
+            p = p / _split(p, splits)
         if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
             disk = p
         if disk is not None:
@@ -95,6 +104,18 @@ def resolve_inputs(kind: str, path: str | Path) -> Inputs:
         raise ValueError("does not exist: point it at an existing file, a directory of them, a glob "
                          "or (tokenized data) a save_to_disk directory")
     return Inputs(files, _loader(kind, files))
+
+
+def _split(p: Path, splits: tuple[str, ...]) -> str:
+    """The first of ``splits`` the DatasetDict ``p`` has (ValueError naming its splits if none)."""
+    have = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+    found = next((s for s in splits if s in have), None)
+    if found is None:
+        wanted = " or ".join(repr(s) for s in splits)
+        fix = "the directory of the split to validate on" if splits == VAL_SPLITS else "one split's directory"
+        raise ValueError(f"a save_to_disk DatasetDict with no {wanted} split (it has: "
+                         f"{', '.join(have) or 'none'}): point it at {fix} ({p}/<split>)")
+    return found
 
 
 def _loader(kind: str, files: Iterable[Path]) -> str:
@@ -170,18 +191,22 @@ def chat_template_of(path: str | Path) -> str | None:
 
 
 def _first_json_record(f: Path) -> Any:
+    """The first non-blank line, parsed; a JSON array on it (a compact .json file) is a list of
+    records: its first."""
     opener = gzip.open if f.name.endswith(".gz") else open
     with opener(f, "rt") as lines:
         for line in lines:
             if line.strip():
-                return json.loads(line)
+                record = json.loads(line)
+                return record[0] if isinstance(record, list) and record else record
     return None
 
 
 def record_keys(inputs: Inputs) -> tuple[list[str], Any] | None:
     """(the keys / columns of the input's records, the first JSON record or None), read from
-    the first file's first line, parquet schema or save_to_disk features; None when unknown
-    (text; a .json file holding one JSON document, which ``datasets`` reads whole)."""
+    the first file's first line (a one-line JSON array: its first record), parquet schema or
+    save_to_disk features; None when unknown (text; a .json file holding one JSON document over
+    several lines, which ``datasets`` reads whole)."""
     if inputs.loader == DISK:
         features = json.loads((inputs.disk / "dataset_info.json").read_text()).get("features") or {}
         return list(features), None

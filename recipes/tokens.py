@@ -50,10 +50,11 @@ from typing import Any
 
 from core.errors import DataError
 from recipes.chat_tokens import chat_tokens
-from recipes.token_checks import data_problems, shard_id_problem, shard_max_ids, tokenizer_problems
+from recipes.token_checks import (bad_record, data_problems, shard_id_problem, shard_max_ids,
+                                  tokenizer_problems)
 from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOADERS, SUFFIXES, Inputs,
                                   TokenizerInfo, chat_template_of, default_cache_dir, record_keys,
-                                  resolve_inputs, tokenizer_info)
+                                  resolve_inputs, splits_of, tokenizer_info)
 
 log = logging.getLogger(__name__)
 
@@ -114,26 +115,29 @@ class TokenFile:
 
 
 def token_file(*, kind: str, path: str | Path, field: str, tokenizer: str | Path,
-               cache_dir: str | Path | None = None, train_on: str = "assistant") -> TokenFile:
+               cache_dir: str | Path | None = None, train_on: str = "assistant",
+               key: str = "data.path") -> TokenFile:
     """The cached token stream of ``path`` (tokenized now if no cache matches). ``field``: the
     text column, or the messages column (``kind="chat"``); ``train_on`` (chat): ``assistant``
-    writes a loss mask, ``all`` none."""
+    writes a loss mask, ``all`` none. ``key``: the input's key (``data.val_path`` reads a
+    DatasetDict's validation split, ``splits_of``), which its errors name."""
     import fcntl
 
-    inputs = resolve_inputs(kind, path)
+    inputs = resolve_inputs(kind, path, splits_of(key))
     tok = Path(tokenizer).expanduser()
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     train_on = train_on if kind == "chat" else "all"
-    key = cache_key(kind, inputs.files, field, tok, train_on=train_on, loader=inputs.loader)
-    meta_path, bin_path = cache / f"{key}.json", cache / f"{key}.bin"
-    mask_path = cache / f"{key}.mask.bin" if train_on == "assistant" else None
-    with open(cache / f"{key}.lock", "w") as lock:
+    name = cache_key(kind, inputs.files, field, tok, train_on=train_on, loader=inputs.loader)
+    meta_path, bin_path = cache / f"{name}.json", cache / f"{name}.bin"
+    mask_path = cache / f"{name}.mask.bin" if train_on == "assistant" else None
+    with open(cache / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller tokenizes; the others wait here
         try:
             built = not meta_path.is_file()
             if built:
-                _build(kind, inputs, field, tok, train_on, bin_path, mask_path, meta_path, source=str(path))
+                _build(kind, inputs, field, tok, train_on, bin_path, mask_path, meta_path,
+                       source=str(path), key=key)
             meta = json.loads(meta_path.read_text())
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -152,7 +156,7 @@ def load_tokenizer(path: Path) -> Any:
     return PreTrainedTokenizerFast(tokenizer_file=str(path))
 
 
-def _load(inputs: Inputs, kind: str, scratch: str) -> Any:
+def _load(inputs: Inputs, kind: str, scratch: str, key: str = "data.path") -> Any:
     if inputs.loader == DISK:
         from datasets import load_from_disk
 
@@ -167,12 +171,12 @@ def _load(inputs: Inputs, kind: str, scratch: str) -> Any:
         return load_dataset(inputs.loader, data_files=[str(f) for f in inputs.files], split="train",
                             cache_dir=scratch, **kwargs)
     except Exception as e:  # noqa: BLE001  (datasets' DatasetGenerationError, pyarrow's: a bad file)
-        raise DataError(_unreadable(inputs, e)) from e
+        raise DataError(_unreadable(inputs, e, key)) from e
     finally:
         said.setLevel(level)
 
 
-def _unreadable(inputs: Inputs, error: Exception) -> str:
+def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str:
     """What datasets could not read, as one sentence: for JSON lines, the first line that is not
     a JSON object (datasets names an Arrow row, not a line of the file)."""
     if inputs.loader == "json":
@@ -186,14 +190,14 @@ def _unreadable(inputs: Inputs, error: Exception) -> str:
                     else:
                         why = "not a JSON object"
                     if not ok:
-                        return f"data.path={f}: line {n} is {why}: fix or remove that line"
+                        return f"{key}={f}: line {n} is {why}: fix or remove that line"
     cause = str(error.__cause__ or error).strip().splitlines()
-    return (f"data.path={inputs.files[0] if len(inputs.files) == 1 else inputs.files[0].parent}: "
+    return (f"{key}={inputs.files[0] if len(inputs.files) == 1 else inputs.files[0].parent}: "
             f"datasets cannot read it as {inputs.loader} ({cause[0] if cause else type(error).__name__})")
 
 
 def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str, bin_path: Path,
-           mask_path: Path | None, meta_path: Path, *, source: str) -> None:
+           mask_path: Path | None, meta_path: Path, *, source: str, key: str = "data.path") -> None:
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -215,9 +219,9 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
     max_id = -1
     # datasets converts the input to Arrow in its own cache: a scratch directory, removed after
     with tempfile.TemporaryDirectory(dir=bin_path.parent, prefix="datasets-") as scratch:
-        ds = _load(inputs, kind, scratch)
+        ds = _load(inputs, kind, scratch, key)
         if column not in ds.column_names:
-            raise DataError(f"data.path={source}: the records have no {column!r} column (they have: "
+            raise DataError(f"{key}={source}: the records have no {column!r} column (they have: "
                             f"{', '.join(ds.column_names)}): set data."
                             f"{'messages_field' if kind == 'chat' else 'field'}=<one of them>")
         log.info("tokenizing %s (%d files, %d records, field %r) with %s -> %s", source,
@@ -228,9 +232,11 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
                 for batch in ds.iter(batch_size=1000):
                     docs = batch[column]
                     if kind == "chat":
-                        ids, masks = chat_tokens(tok, docs, eos, first=n_docs, source=source,
+                        ids, masks = chat_tokens(tok, docs, eos, first=n_docs, source=f"{key}={source}",
                                                  assistant_only=mask_path is not None)
                     else:
+                        if not all(isinstance(d, str) for d in docs):  # (cheap beside tokenizing)
+                            raise DataError(bad_record(batch, column, n_docs, f"{key}={source}"))
                         ids = [[*d, eos] for d in tok(docs, add_special_tokens=False)["input_ids"]]
                         masks = None
                     flat = np.fromiter((t for doc in ids for t in doc), dtype=np.int64)
@@ -247,7 +253,7 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
             if mask_path is None:
                 n_loss = n_tokens
             elif n_loss == 0:
-                raise DataError(f"data.path={source}: no assistant message in any conversation, so "
+                raise DataError(f"{key}={source}: no assistant message in any conversation, so "
                                 "data.train_on=assistant leaves nothing to train on: check the "
                                 "records' roles, or set data.train_on=all")
             if mask_path is not None:

@@ -443,7 +443,8 @@ def test_chat_sft_end_to_end_on_a_tiny_llama(chat_tokenizer, tmp_path):
     assert abs(_first_loss(model, ids, None, **kw) - masked) > 100 * 1e-5 * masked
     n = (len(ids) - 1) // 32
     n -= held_out(n, 0.01, 1)
-    assert report["data"] == {"tokens": n * 32, "loss_tokens": sum(mask[1 : n * 32 + 1])}
+    assert report["data"] == {"tokens": n * 32, "loss_tokens": sum(mask[1 : n * 32 + 1]),
+                              "epochs": round(2 * 8 / n, 6)}  # (max_steps x global batch / samples)
     assert report["validation"] and report["validation"][-1]["step"] == 2
     assert "tokenized" in run.log
 
