@@ -9,7 +9,7 @@ or DeepSpeed's zero_to_fp32) and writes one safetensors file of fp32 tensors key
 model; by default <checkpoint>.safetensors next to the checkpoint directory. ``--to hf`` (runs of
 model=hf) writes a directory that transformers' ``from_pretrained`` loads, with LoRA adapters
 merged into the weights (``--no-merge-lora``: the base plus a peft adapter in <out>/adapter).
-Exit 2 on a bad checkpoint, naming the file.
+Exit 2 on a bad checkpoint, naming the file, and on an output it cannot write, before reading one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 log = logging.getLogger("convert")
 
@@ -36,24 +37,50 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
+    if args.to == "hf" and args.out is None:
+        parser.error("--to hf needs --out: the directory to write the model into")
+    if (problem := _out_problem(args.checkpoint, args.to, args.out)) is not None:
+        log.error("%s", problem)
+        return 2
+
     from backends.common.quiet import install
     from checkpoints import CheckpointError
     from checkpoints.convert import to_full, to_hf
 
     install()  # (the engines' known console noise, as train.py's: peft's deprecated getattr)
-
-    if args.to == "hf" and args.out is None:
-        parser.error("--to hf needs --out: the directory to write the model into")
+    out = None if args.out is None else str(Path(args.out).expanduser())  # (as the check read it)
     try:
-        path = (to_hf(args.checkpoint, args.out, merge_lora=args.merge_lora, model_path=args.model_path)
+        path = (to_hf(args.checkpoint, out, merge_lora=args.merge_lora, model_path=args.model_path)
                 if args.to == "hf"
-                else to_full(args.checkpoint, args.out))
+                else to_full(args.checkpoint, out))
     except CheckpointError as e:
         log.error("%s", e)
         return 2
     log.info("wrote %s", path)
     print(path)
     return 0
+
+
+def _out_problem(checkpoint: str, to: str, out: str | None) -> str | None:
+    """Why the output cannot be written (one line naming --out, its value and the fix), before
+    any conversion work; None when it can (``recipes.cli.unwritable``, as train.py's run
+    directory). Without --out (``--to full``): the default file beside the checkpoint, checked
+    once the checkpoint is one (reading it says what else it is)."""
+    from checkpoints.store import MARKER
+    from recipes.cli import unwritable
+
+    if to == "hf":
+        return unwritable("--out", out)
+    if out is None:
+        if not (Path(checkpoint) / MARKER).is_file():
+            return None
+        ckpt = Path(checkpoint)
+        out = str(ckpt.parent / f"{ckpt.name}.safetensors")
+    path = Path(out).expanduser()
+    if path.is_dir():
+        return (f"--out={out} is a directory, not a file: name the file to write, e.g. "
+                f"--out={path / (Path(checkpoint).name + '.safetensors')}")
+    return unwritable("--out", path.parent, file=out)
 
 
 if __name__ == "__main__":

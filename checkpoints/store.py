@@ -46,7 +46,11 @@ def temp_for(run_dir: str | Path, step: int) -> Path:
 
 def complete(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
-    root = directory(run_dir)
+    return _complete_in(directory(run_dir))
+
+
+def _complete_in(root: Path) -> list[Path]:
+    """The complete ``step<N>`` checkpoints directly in ``root``, oldest first."""
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -167,12 +171,8 @@ def read(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a "
                               f"directory written by trainer.checkpoint_every, named step<N>)")
     marker = path / MARKER
-    if not marker.is_file() and (newest := latest(path)) is not None:
-        raise CheckpointError(f"{path} is a run directory, not one of its checkpoints: name one, "
-                              f"{newest} (the newest), or another {directory(path)}/step<N>")
     if not marker.is_file():
-        raise CheckpointError(f"{path} has no {MARKER} marker: the save did not finish (or this is "
-                              "not a stratagem checkpoint); use an older checkpoint")
+        raise CheckpointError(_not_one(path))
     try:
         files = json.loads(marker.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
@@ -196,6 +196,25 @@ def read(path: str | Path) -> Checkpoint:
                               "another directory, not shared with rank 0's; resume from a "
                               "checkpoint every rank wrote")
     return Checkpoint(path, meta)
+
+
+def _not_one(path: Path) -> str:
+    """Why ``path``, a directory without the marker, is not a checkpoint: a run directory or its
+    checkpoints folder (named as one) names the newest checkpoint in it, or says it holds none."""
+    if directory(path).is_dir():
+        folder, what = directory(path), "a run directory"
+    elif path.name == DIRNAME or any(_STEP.fullmatch(p.name) or p.name.startswith(f"{TMP}step")
+                                     for p in path.iterdir()):
+        folder, what = path, "a run's checkpoints folder"
+    else:
+        return (f"{path} has no {MARKER} marker: the save did not finish (or this is not a stratagem "
+                "checkpoint); use an older checkpoint")
+    found = _complete_in(folder)
+    if found:
+        return (f"{path} is {what}, not one of its checkpoints: name one, {found[-1]} (the newest), "
+                f"or another {folder}/step<N>")
+    return (f"{path} holds no complete checkpoint ({what}; an interrupted save leaves only "
+            f"{TMP}step<N>, which does not count): name a complete one, <run>/{DIRNAME}/step<N>")
 
 
 def missing_ranks(files: set[str], world_size: int) -> list[int]:

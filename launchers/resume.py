@@ -3,9 +3,10 @@ with the run directory pinned and ``trainer.resume_from=auto``.
 
 A run directory is named by the clock unless set (conf/hydra/default.yaml), so "the same command
 again" would start a fresh run in a new directory: the command names the run directory
-(``hydra.run.dir``), where ``auto`` finds the checkpoint just saved -- and the newest one again
-after a second stop, so the printed command stays right. The logger's record (metrics.csv, the
-W&B run id) continues in that directory too.
+(``hydra.run.dir``, absolute: pasted in another directory it names the same run), where
+``auto`` finds the checkpoint just saved -- and the newest one again after a second stop, so the
+printed command stays right. The logger's record (metrics.csv, the W&B run id) continues in that
+directory too.
 
 Under an outside launcher (torchrun, ``accelerate launch``) the command line is the launcher's,
 read from the parent process; in a sweep it is this job's overrides as a single run.
@@ -122,6 +123,7 @@ def _task_overrides() -> list[str]:
 
 
 def _shown(path: str | Path) -> str:
-    """``path`` relative to the working directory when it lies below it (shorter to read)."""
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith("..") else str(Path(path).resolve())
+    """``path`` absolute, as given (not through symlinks): the command is pasted from anywhere,
+    and a relative run directory pasted from another directory would name another, where
+    ``auto`` finds nothing and a fresh run starts silently."""
+    return os.path.abspath(path)

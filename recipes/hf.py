@@ -80,9 +80,13 @@ class HFCausalLM(nn.Module):
         self.shape, self.gather = shape, gather
         self._rss0 = _anon_rss()  # host memory before the model: loading is measured from here
         config = _auto_config(shape.path)
-        with torch.device("meta") if meta else contextlib.nullcontext():
+        partitioned = gather is not None and not meta  # (built under the engine's zero.Init)
+        plain = _partitioned_build() if partitioned else contextlib.nullcontext()
+        with torch.device("meta") if meta else plain:
             self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION,
                                                        dtype=torch.float32)
+        if partitioned:
+            self.hf.tie_weights()  # (what the skipped init_weights also does)
         if shape.document_eos is not None and self.hf.config._attn_implementation not in PACKED_ATTENTION:
             raise ValueError(f"data.packing=document with model=hf: attention "
                              f"{self.hf.config._attn_implementation!r} does not build the document "
@@ -233,6 +237,29 @@ def _copy_into(p: torch.Tensor, source: Any, rank: int, gather: Callable[[list],
         target, piece = p.data, source[:]
     target.copy_(piece)
     return piece.numel() * piece.element_size()
+
+
+def _partitioned_build() -> Any:
+    """The one workaround for transformers under ZeRO-3 here: the constructor's weight init,
+    skipped, when the model is built under the engine's ``zero.Init`` (``gather`` given).
+
+    ``zero.Init`` partitions each module's parameters as its ``__init__`` returns, so the
+    ``post_init`` -> ``init_weights`` of ``LlamaModel`` and ``LlamaForCausalLM`` runs on empty
+    partitions; transformers' ``_init_weights`` (modeling_utils.py) then does
+    ``init.zeros_(module.weight[module.padding_idx])`` for an embedding with a padding index (a
+    config with ``pad_token_id``): an IndexError on a size-0 tensor. transformers builds the same
+    way when it runs ``zero.Init`` itself (``PreTrainedModel._from_config`` under
+    ``is_deepspeed_zero3_enabled()``): inside ``initialization.no_init_weights()``, then
+    ``integrations.deepspeed.initialize_weights_zero3`` gathers one module at a time for rank 0
+    to initialise, then ``tie_weights()``. Here the backend owns ``zero.Init`` (transformers'
+    HfDeepSpeedConfig hook stays off: backends/accelerate/families/deepspeed.py), so the same
+    context is entered here, and the rest is this class's: ``_init_random`` (per module,
+    gathered, rank 0 writes) or ``load_pretrained`` (per tensor, gathered); never a whole-model
+    gather. ``no_init_weights`` swaps torch's init functions for no-ops while the model is built
+    (transformers' own context; restored on exit)."""
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
 
 
 def _children_first(m: nn.Module):

@@ -87,7 +87,8 @@ class TrainerConfig:
     grad_clip: float = knob(0.0, min=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
     log_every: int = knob(1, min=1)
-    """Log the loss every N optimizer steps."""
+    """The experiment logger (logger=csv, tensorboard, wandb) gets a step's scalars every N
+    optimizer steps and at the last (the console's lines: callbacks.log_every)."""
     export_params: bool = False
     """Write the final full parameters to params.pt (rank 0), for comparison and export."""
     compile: str = knob("auto", choices=COMPILE)
