@@ -133,10 +133,36 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])
+        if cleanup and resume_from != AUTO:
+            _set_aside_newer(ckpt, run_dir)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
     return dataclasses.replace(job, trainer=trainer)
+
+
+def _set_aside_newer(ckpt: Checkpoint, run_dir: str | Path) -> None:
+    """A resume from an older checkpoint of this run directory (a rewind): its newer ones are
+    the timeline it leaves. They move to ``checkpoints/superseded-<time>/`` (nothing is lost), so
+    that ``resume_from=auto`` -- a requeue, the command an interrupt prints -- continues this
+    timeline rather than going back to the abandoned one."""
+    import time
+
+    from checkpoints.store import complete, directory
+
+    own = directory(run_dir)
+    if ckpt.path.resolve().parent != own.resolve():
+        return
+    newer = [p for p in complete(run_dir) if int(p.name[len("step"):]) > ckpt.step]
+    if not newer:
+        return
+    aside = own / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}"
+    aside.mkdir()
+    for p in newer:
+        p.rename(aside / p.name)
+    log.warning("resume: %s is older than this run directory's %s: that timeline moved to %s, so "
+                "trainer.resume_from=auto continues this one", ckpt.path.name,
+                ", ".join(p.name for p in newer), aside)
 
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:

@@ -129,6 +129,26 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
 
 
 @pytest.mark.subprocess
+def test_a_rewind_sets_the_abandoned_timeline_aside(train, tmp_path):
+    """Resuming from an older checkpoint of the same run directory (rewinding past a spike):
+    its newer checkpoints stayed, and a later resume_from=auto (a requeue, the command Ctrl-C
+    prints) went back to the abandoned step 6, or said "already finished". They move aside,
+    kept, and auto continues the rewound timeline."""
+    every = ("trainer.checkpoint_every=2", QUIET)
+    first = train(*every, "trainer.max_steps=6", name="run")
+    ckpts = first.out / "checkpoints"
+    rewound = train(*every, "trainer.max_steps=4", f"trainer.resume_from={ckpts / 'step2'}", "trainer.lr=1e-4",
+                    name="run")
+    assert "that timeline moved to" in rewound.log and "step4, step6" in rewound.log, rewound.log[-2000:]
+    aside = [p for p in ckpts.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step4", "step6"]
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step2", "step4"]
+    again = train(*every, "trainer.max_steps=6", "trainer.lr=1e-4", name="run")
+    assert again.report["resumed_from"]["step"] == 4 and again.report["steps"] == 6, again.log[-2000:]
+    assert again.losses[:4] == rewound.losses[:4]  # the rewound timeline's record, continued
+
+
+@pytest.mark.subprocess
 def test_a_resume_trains_at_this_runs_learning_rate_and_schedule(train, tmp_path):
     """Rewind and lower the lr, or raise max_steps of a cosine run: the resumed steps ran the
     old run's lr (the scheduler's restored base rate; report.json said the new one), and a
