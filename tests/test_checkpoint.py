@@ -133,7 +133,8 @@ def test_a_rewind_sets_the_abandoned_timeline_aside(train, tmp_path):
     """Resuming from an older checkpoint of the same run directory (rewinding past a spike):
     its newer checkpoints stayed, and a later resume_from=auto (a requeue, the command Ctrl-C
     prints) went back to the abandoned step 6, or said "already finished". They move aside,
-    kept, and auto continues the rewound timeline."""
+    kept, and auto continues the rewound timeline. (A resume at another global batch, which
+    continues elsewhere in the data stream, says so.)"""
     every = ("trainer.checkpoint_every=2", QUIET)
     first = train(*every, "trainer.max_steps=6", name="run")
     ckpts = first.out / "checkpoints"
@@ -143,9 +144,12 @@ def test_a_rewind_sets_the_abandoned_timeline_aside(train, tmp_path):
     aside = [p for p in ckpts.iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step4", "step6"]
     assert sorted(p.name for p in ckpts.glob("step*")) == ["step2", "step4"]
-    again = train(*every, "trainer.max_steps=6", "trainer.lr=1e-4", name="run")
+    again = train(*every, "trainer.max_steps=6", "trainer.lr=1e-4", "trainer.global_batch_size=32", name="run")
     assert again.report["resumed_from"]["step"] == 4 and again.report["steps"] == 6, again.log[-2000:]
     assert again.losses[:4] == rewound.losses[:4]  # the rewound timeline's record, continued
+    # another global batch: the data position is step x batch, so it continues elsewhere; said
+    assert ("trainer.global_batch_size=32, the checkpoint's run 16: the data continues at sample 128 of "
+            "the stream, where that run had consumed 64 (samples 64-127 are skipped)") in again.log, again.log[-3000:]
 
 
 @pytest.mark.subprocess
