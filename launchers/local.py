@@ -420,6 +420,10 @@ def _lost(e: Any, world: int, nodes: int = 1) -> str:
     if first.exitcode > 0 and _said(first):
         detail = f": {_said(first).splitlines()[-1][:500]}"
     others = sorted({r for r, _ in failures} - {rank})
+    if first.exitcode > 0 and any(t in detail for t in ("timed out", "Timed out")):  # (a peer, not it)
+        return (f"rank {rank} of {world} timed out waiting for its peers in a collective{detail}: "
+                "another rank stopped responding (hung, stopped, or slower than "
+                "cluster.collective_timeout); the job stopped")
     return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
             "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))
 

@@ -85,7 +85,7 @@ class HFCausalLM(nn.Module):
         with torch.device("meta") if meta else plain:
             self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION,
                                                        dtype=torch.float32)
-        if partitioned:
+        if False and partitioned:
             self.hf.tie_weights()  # (what the skipped init_weights also does)
         if shape.document_eos is not None and self.hf.config._attn_implementation not in PACKED_ATTENTION:
             raise ValueError(f"data.packing=document with model=hf: attention "

@@ -140,6 +140,24 @@ def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_collective_timeout_is_told_as_a_peer_that_stopped_responding():
+    """A rank hung (SIGSTOP): the healthy rank 0 timed out in gloo and torch's agent recorded
+    only its failure, so the message said "lost rank 0 ... exited with code 1: Timed out", blaming
+    the rank that waited. It now says rank 0 timed out waiting for a peer that stopped responding."""
+    from types import SimpleNamespace
+
+    from launchers.local import _lost
+
+    said = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Timed out waiting 90000ms for recv operation"
+    e = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1, timestamp=1.0, pid=7, message=said)})
+    msg = _lost(e, 2)
+    assert msg.startswith("rank 0 of 2 timed out waiting for its peers in a collective: RuntimeError"), msg
+    assert "another rank stopped responding" in msg and "cluster.collective_timeout" in msg and "lost rank" not in msg
+    dead = SimpleNamespace(failures={1: SimpleNamespace(exitcode=-9, timestamp=1.0, pid=8, message=None)})
+    assert _lost(dead, 2).startswith("lost rank 1 of 2 (pid 8) -- it was killed by SIGKILL")
+
+
+@pytest.mark.unit
 def test_a_sweep_job_run_with_callbacks_report_false_is_ok_not_failed(tmp_path):
     """``callbacks.report=false`` is a documented knob: its jobs finished (job.json "ok") but
     the sweep marked each "failed: no report.json", picked nothing and exited 1. Such a job is
