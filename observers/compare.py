@@ -53,9 +53,9 @@ class Comparison(Observer):
     """Reads the memory and communication observers' results (whichever are on)."""
 
     def __init__(self, plan: dict[str, Any], memory: Any = None, communication: Any = None,
-                 throughput: Any = None):
+                 throughput: Any = None, checkpointed: bool | str = False):
         self.plan, self.memory, self.communication = plan, memory, communication
-        self.throughput = throughput
+        self.throughput, self.checkpointed = throughput, checkpointed
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -66,6 +66,10 @@ class Comparison(Observer):
             out["state_bytes"] = _row(predicted_state_bytes(mem), held)
             saved = [r["activations"] for r in self.memory.ranks if r.get("activations") is not None]
             out["activations"] = _row(mem["activations"], max(saved) if saved else None)
+            if self.checkpointed:  # (forward keeps the block inputs; the plan adds backward's recompute)
+                out["activations"] |= {"ratio": None, "of": "forward's saved tensors; the plan adds the "
+                                       "block activation checkpointing recomputes in backward, which "
+                                       "forward does not hold: no ratio"}
             out.update(self._peaks(mem))
         if self.communication is not None and self.communication.steps:
             sent = sum(v["wire_bytes"] for v in self.communication.per_step().values())
@@ -131,6 +135,8 @@ LEGEND = {
             "which no plan counts: a large ratio there says nothing of the layout",
     "step_seconds": "uncal.: step time planned from cluster.peak_tflops x planner.mfu, not this machine "
                     "(planner.calibrate=true measures it)",
+    "activations": "activations: measured as forward's saved tensors; under activation checkpointing the "
+                   "plan adds the block recomputed in backward, so no ratio",
 }
 
 
@@ -142,6 +148,8 @@ def _shown(name: str, rows: dict[str, dict[str, Any]]) -> bool:
         return (r.get("predicted") or 0) < SMALL_PEAK
     if name == "communication":  # (one process sends nothing, and has no communication.png)
         return bool(r.get("measured"))
+    if name == "activations":
+        return "of" in r
     return name != "step_seconds" or r.get("calibrated") is False
 
 
@@ -158,4 +166,5 @@ def _selected(s: Selection) -> Observer | None:
     if not (s.job.callbacks.compare and s.plan is not None):
         return None
     chosen = s.chosen.get
-    return Comparison(s.plan, chosen("memory"), chosen("communication"), chosen("throughput"))
+    return Comparison(s.plan, chosen("memory"), chosen("communication"), chosen("throughput"),
+                      getattr(s.job.strategy, "activation_checkpointing", False))

@@ -280,3 +280,21 @@ def test_the_closing_table_marks_an_uncalibrated_step_time():
     assert any("on a ring" in x and "payload" in x for x in legend) and any("allocator" in x for x in legend)
     big = summary_lines({"peak": {"predicted": 2**30, "measured": 2**30, "ratio": 1.0}})
     assert len(big) == 2  # a plan big enough: no note
+
+
+@pytest.mark.unit
+def test_under_checkpointing_the_activations_row_has_no_ratio():
+    """Under activation checkpointing the plan's activations hold the block recomputed in
+    backward, which forward's saved tensors (what is measured) never do: the row read 0.31
+    ("the plan is 3x high"). It says what it compares and gives no ratio."""
+    from types import SimpleNamespace
+
+    from observers.compare import Comparison, summary_lines
+
+    plan = {"memory": {"activations": 47 << 20, "params": 0, "grads": 0, "master": 0, "optimizer": 0, "host": 0}}
+    memory = SimpleNamespace(ranks=[{"activations": 14 << 20, "params": 1, "grads": 1, "optimizer": 1}])
+    for ckpt, ratio in ((True, None), (False, 14 / 47)):
+        row = Comparison(plan, memory, checkpointed=ckpt).report()["predicted_vs_measured"]["activations"]
+        assert row["ratio"] == (None if ratio is None else pytest.approx(ratio)), row
+        assert ("recomputes in backward" in row.get("of", "")) is ckpt
+        assert any("recomputed in backward" in x for x in summary_lines({"activations": row})) is ckpt
