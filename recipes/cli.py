@@ -361,7 +361,13 @@ def _wrong_type(error: Exception) -> str | None:
         "true or false" if "is not a valid bool" in why else
         "a list ([a,b])" if "is not a ListConfig" in why else None)
     return (f"{override}: {cause.full_key} takes {kind}" if kind else f"{override}: {why}") + \
-        "; python train.py --help lists the keys with their defaults"
+        f"; python {_script()} --help lists the keys with their defaults"
+
+
+def _script() -> str:
+    """The script the user ran (train.py, plan.py, export.py, ...), for a hint that names it."""
+    name = Path(sys.argv[0]).name
+    return name if name in ("plan.py", "export.py", "launch.py") else "train.py"
 
 
 def _no_such_key(cfg: dict, key: str, value: str) -> str:

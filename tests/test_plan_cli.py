@@ -61,6 +61,8 @@ def test_plan_py_plans_the_clusters_paths_from_anywhere(tmp_path):
     assert proc.returncode == 0, proc.stderr
     proc = _plan_cli("model=llama_1b", "cluster=node_8x_h100", "data=jsonl")
     assert proc.returncode == 2 and "data=jsonl needs data.path" in proc.stderr, proc.stderr
+    proc = _plan_cli("cluster.devices=two")  # (its hint named train.py)
+    assert proc.returncode == 2 and "python plan.py --help lists the keys" in proc.stderr, proc.stderr
 
 
 @pytest.mark.subprocess
