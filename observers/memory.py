@@ -36,6 +36,7 @@ Report key ``memory``: ``{"ranks": [{"rank", "params", "grads", "optimizer", "ac
 
 from __future__ import annotations
 
+import logging
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from core.knobs import knob
 from observers.base import Engine, Observer, Selection, observer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from parallel.memory import SavedTensors
@@ -226,6 +229,9 @@ class MemoryProfile(Observer):
             self._enter(None)
             if self.snapshot_steps:
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        elif self.snapshot_steps and engine.rank == 0:
+            log.info("callbacks.memory.snapshot: a CUDA memory snapshot, and this run has no CUDA "
+                     "device: none is written (RSS and the saved tensors are measured as always)")
 
     def on_step_start(self, engine: Engine, step: int) -> None:
         if self._baseline is not None:

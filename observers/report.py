@@ -125,8 +125,9 @@ def summary(report: dict[str, Any], path: Path | None = None) -> str:
         parts.append(f"stopped early (best val loss {report['stopped']['best_val_loss']:.4f} at step "
                      f"{report['stopped']['best_step']})")
     # the median step's (the throughput observer's) when measured: the first step's start-up aside
-    rate = (report.get("throughput") or {}).get("tokens_per_second") or report.get("tokens_per_second", 0)
-    parts.append(f"{rate:,.0f} tokens/s")
+    measured = (report.get("throughput") or {}).get("tokens_per_second")
+    rate = measured or report.get("tokens_per_second", 0)
+    parts.append(f"{rate:,.0f} tokens/s" + ("" if measured else " (the whole loop's, first step included)"))
     t = report.get("throughput") or {}
     if t.get("mfu") is not None:
         parts.append(f"MFU {t['mfu']:.1%} = {t['mfu_formula']}")

@@ -170,6 +170,9 @@ def test_the_summary_line():
                                             "backward": {"allocated": 5 * 2**30, "reserved": 0}}}]}}
     assert summary(gpu, ROOT / "report.json") == (f"done: 3 steps, final loss 5.6132, 12,346 tokens/s, "
                                                   f"peak memory 5.0 GiB CUDA allocated, report {ROOT / 'report.json'}")
+    # callbacks.throughput=false: the whole loop's rate, which the line says (it read as the same figure)
+    unmeasured = {k: v for k, v in report.items() if k != "throughput"}
+    assert "1,000 tokens/s (the whole loop's, first step included)" in summary(unmeasured)
 
 
 # --------------------------------------------------------------------- progress in a log file
