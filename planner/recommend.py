@@ -150,7 +150,9 @@ def best_of(plans: list[Plan]) -> Plan | None:
         return None
     fastest = min(p.step_seconds for p in plans)
     near = [p for p in plans if p.step_seconds <= fastest * (1 + TOLERANCE)]
-    return min(near, key=lambda p: (p.tight, p.memory.total, p.communication.bytes_per_step, p.strategy))
+    # (a tie on one device: single, with no wrapper, before ddp)
+    return min(near, key=lambda p: (p.tight, p.memory.total, p.communication.bytes_per_step,
+                                    p.strategy != "single", p.strategy))
 
 
 def _why_first(top: Plan, plans: list[Plan]) -> str:

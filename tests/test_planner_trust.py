@@ -285,6 +285,13 @@ def test_a_need_and_what_the_device_has_read_apart():
 
 
 @pytest.mark.unit
+def test_one_device_is_recommended_single():
+    """On one device ddp and single tie (no gradient to reduce): the tie went to ddp by name."""
+    rec = _report("model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=1").recommendation
+    assert rec.strategy == "single", rec.reason
+
+
+@pytest.mark.unit
 def test_on_one_node_the_ranking_plans_tp_and_pp_presets_at_degrees_that_divide_it():
     """One node of 8: TP took the whole node and the preset's PP came on top (tp=8 x pp=2 = 16
     ranks), so the ranking said 3d "cannot run on 8 devices: set cluster.devices=16" while
