@@ -45,7 +45,7 @@ def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path)
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (token cross entropy)")
+    ax.set_ylabel("loss (token cross entropy; a MoE's train adds its aux loss)")
     _save(fig, ax, "loss", path)
 
 
