@@ -9,8 +9,9 @@ Weights: ``model.pretrained=false`` initialises from the config under the run's 
 on every rank). Pretrained weights are read tensor by tensor from the safetensors files
 (memory-mapped), into whatever each rank holds:
 - a plain parameter: the whole tensor (single, DDP, ZeRO-1/2, FSDP1 before wrapping);
-- a ZeRO-3 partition (built under ``zero.Init``): gathered one tensor at a time through the
-  engine's ``gather`` (the backend hands it in), rank 0 writes;
+- a ZeRO-3 partition (built under ``zero.Init``, transformers' own init skipped:
+  ``_partitioned_build``): gathered one tensor at a time through the engine's ``gather`` (the
+  backend hands it in), rank 0 writes;
 - an FSDP2 shard (``meta=True`` build, sharded, then parallel.parallelize.materialize): only this
   rank's rows.
 So the sharded presets never hold the full model on one rank.
@@ -85,7 +86,7 @@ class HFCausalLM(nn.Module):
         with torch.device("meta") if meta else plain:
             self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION,
                                                        dtype=torch.float32)
-        if False and partitioned:
+        if partitioned:
             self.hf.tie_weights()  # (what the skipped init_weights also does)
         if shape.document_eos is not None and self.hf.config._attn_implementation not in PACKED_ATTENTION:
             raise ValueError(f"data.packing=document with model=hf: attention "
@@ -118,8 +119,8 @@ class HFCausalLM(nn.Module):
     def _init_random(self, seed: int) -> None:
         """transformers' own initialisation, redone from ``seed`` module by module (children
         first, as ``initialize_weights`` goes): the same values whether the parameters are whole
-        or ZeRO-3 partitions (built under ``zero.Init``, where the constructor's pass only saw
-        empty partitions) -- each module's parameters are gathered while it is initialised."""
+        or ZeRO-3 partitions (built under ``zero.Init``, where the constructor's pass is skipped:
+        ``_partitioned_build``) -- each module's parameters are gathered while it is initialised."""
         torch.manual_seed(seed)
         for m in _children_first(self.hf):
             own = list(m.parameters(recurse=False))
