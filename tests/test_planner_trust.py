@@ -134,7 +134,7 @@ def test_one_device_reason_does_not_claim_sharding():
     assert rec.strategy and "so the state must be sharded" not in rec.reason, rec.reason
     assert "nothing is sharded" in rec.reason and "sharded data parallel layout" not in rec.reason
     small = _report("model=llama_1b", "cluster=h200_1x").recommendation
-    assert small.strategy == "ddp" and "no sharding needed" in small.reason, small.reason
+    assert small.strategy == "single" and "no sharding needed" in small.reason, small.reason
     # TP on one node of 8 with one data-parallel rank: the model is split, nothing is "sharded"
     tp = _report("model=llama_7b", "cluster=node_8x_h100", "cluster.device_memory_GB=24",
                  "trainer.global_batch_size=64").recommendation
