@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from core.errors import ConfigError
-
 
 class Axis(str, Enum):
     """A device-mesh axis, by the name its DeviceMesh dimension (or process group) carries in our
