@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes import dpo_checks, float8_checks, mixture, packing, samples, stopping, token_checks
+from recipes import dpo_checks, float8_checks, mixture, packing, samples, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
@@ -393,8 +393,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += _trainer_problems(t, strategy)
     problems += _data_checks(objs, bad)
     if not bad["trainer"] and not bad["data"]:
-        problems += (stopping.problems(t, d := objs["data"]) + token_checks.val_every_problems(t, d)
-                     + dpo_checks.problems(objs.get("objective"), d, t))
+        problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
     world_ok = c.nodes >= 1 and c.devices >= 1
     accelerator = "cpu" if c.accelerator not in ("auto", "cpu", "gpu") else c.accelerator
     if not bad["model"] and model.is_hf:  # (plan.py plans a shape alone; model=hf's is config.json's)

@@ -92,7 +92,8 @@ def line(s: dict[str, Any]) -> str:
 
 
 def problems(t: Any, data: Any) -> list[str]:
-    """keep_best and early stopping need validations during the run; their companions."""
+    """keep_best and early stopping need validations during the run, and val_every a split to
+    validate on; their companions."""
     out, es = [], t.early_stopping
     wants = [k for k, on in (("trainer.keep_best=true", t.keep_best),
                              (f"trainer.early_stopping.patience={es.patience}", es.patience > 0)) if on]
@@ -105,6 +106,8 @@ def problems(t: Any, data: Any) -> list[str]:
             out.append(f"{key} judges the run by its validation loss, and trainer.val_every=0 "
                        "validates only at the end: set trainer.val_every=N (validate every N "
                        "steps); or remove it")
+    if t.val_every and not data.validates and not wants:
+        out.append(_nothing_to_validate(t, data))
     if es.min_delta > 0 and es.patience == 0:
         out.append(f"trainer.early_stopping.min_delta={es.min_delta} with trainer.early_stopping."
                    "patience=0 (off) does nothing: set trainer.early_stopping.patience=N, or remove it")
@@ -113,6 +116,19 @@ def problems(t: Any, data: Any) -> list[str]:
                    "trainer.keep_best=true keeps: set trainer.keep_best=true, or "
                    "trainer.save_hf_from=last")
     return out
+
+
+def _nothing_to_validate(t: Any, data: Any) -> str:
+    """``trainer.val_every=N`` where the data has no validation split (it validated nothing,
+    silently)."""
+    what = f"trainer.val_every={t.val_every} validates every {t.val_every} steps, and"
+    if data.name == "preference":
+        return f"{what} objective=dpo has no held-out evaluation yet: remove it"
+    if data.mixture:
+        return (f"{what} no source of data.mixture holds out validation: set data.mixture[i].val_fraction "
+                "(e.g. 0.05) or data.mixture[i].val_path; or remove it")
+    return (f"{what} the data has no validation split: set data.val_fraction (e.g. 0.05) or "
+            "data.val_path; or remove it")
 
 
 def gradient_checkpointing(cfg: Any) -> tuple[Any, list[str]]:

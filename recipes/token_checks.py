@@ -76,21 +76,6 @@ def _same_files(a: Inputs, b: Inputs) -> bool:
     return {f.resolve() for f in a.files} == {f.resolve() for f in b.files}
 
 
-def val_every_problems(t: Any, data: Any) -> list[str]:
-    """``trainer.val_every=N`` asks for validations the data has no split for (recipes/stopping.py
-    ``problems`` words keep_best's and early stopping's alike, and says so for them)."""
-    if not t.val_every or data.validates or t.keep_best or t.early_stopping.patience > 0:
-        return []
-    what = f"trainer.val_every={t.val_every} validates every {t.val_every} steps, and"
-    if data.name == "preference":
-        return [f"{what} objective=dpo has no held-out evaluation yet: remove it"]
-    if data.mixture:
-        return [f"{what} no source of data.mixture holds out validation: set data.mixture[i].val_fraction "
-                "(e.g. 0.05) or data.mixture[i].val_path; or remove it"]
-    return [f"{what} the data has no validation split: set data.val_fraction (e.g. 0.05) or "
-            "data.val_path; or remove it"]
-
-
 def null_why(model: Any | None) -> str:
     """Why data.tokenizer is null: set so over its default, or no model.path to default to."""
     if getattr(model, "path", None) is not None:
