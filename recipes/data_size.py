@@ -58,8 +58,7 @@ def epochs(n: int, steps: int, global_batch: int) -> float | None:
         return None
     if n < global_batch and _rank0():
         log.warning("the training data holds %d samples, fewer than a global batch "
-                    "(trainer.global_batch_size=%d): each step draws every sample about %g times (%g "
-                    "epochs a step, %g in the run); use more data or a smaller trainer.global_batch_size",
-                    n, global_batch, round(global_batch / n, 2), round(global_batch / n, 2),
-                    round(steps * global_batch / n, 2))
+                    "(trainer.global_batch_size=%d): each step draws every sample about %g times "
+                    "(%g epochs in the run); use more data or a smaller trainer.global_batch_size",
+                    n, global_batch, round(global_batch / n, 2), round(steps * global_batch / n, 2))
     return round(steps * global_batch / n, 6)

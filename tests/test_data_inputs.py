@@ -215,8 +215,8 @@ def test_a_dataset_smaller_than_a_global_batch_is_said_and_epochs_reported(caplo
     assert facts == {"tokens": 64, "loss_tokens": 64, "epochs": 12.0}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == ["the training data holds 4 samples, fewer than a global batch "
-                      "(trainer.global_batch_size=16): each step draws every sample about 4 times (4 "
-                      "epochs a step, 12 in the run); use more data or a smaller "
+                      "(trainer.global_batch_size=16): each step draws every sample about 4 times "
+                      "(12 epochs in the run); use more data or a smaller "
                       "trainer.global_batch_size"], warned
     caplog.clear()
     monkeypatch.setenv("RANK", "1")
