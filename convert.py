@@ -66,7 +66,7 @@ def _out_problem(checkpoint: str, to: str, out: str | None) -> str | None:
     any conversion work; None when it can (``recipes.cli.unwritable``, as train.py's run
     directory). Without --out (``--to full``): the default file beside the checkpoint, checked
     once the checkpoint is one (reading it says what else it is)."""
-    from checkpoints.store import MARKER
+    from checkpoints.store import MARKER, full_out
     from recipes.cli import unwritable
 
     if to == "hf":
@@ -74,8 +74,7 @@ def _out_problem(checkpoint: str, to: str, out: str | None) -> str | None:
     if out is None:
         if not (Path(checkpoint) / MARKER).is_file():
             return None
-        ckpt = Path(checkpoint)
-        out = str(ckpt.parent / f"{ckpt.name}.safetensors")
+        out = str(full_out(checkpoint))
     path = Path(out).expanduser()
     if path.is_dir():
         return (f"--out={out} is a directory, not a file: name the file to write, e.g. "

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.state import full_model, verify
-from checkpoints.store import read
+from checkpoints.store import full_out, read
 
 
 def to_full(checkpoint: str | Path, out: str | Path | None = None) -> Path:
-    """Write ``<checkpoint>/model.safetensors`` (or ``out``); returns the path written."""
+    """Write ``<checkpoint>.safetensors`` beside it (``full_out``; or ``out``); returns the path
+    written."""
     from safetensors.torch import save_file
 
     from observers.files import atomic_write
@@ -27,7 +28,7 @@ def to_full(checkpoint: str | Path, out: str | Path | None = None) -> Path:
     ckpt = read(checkpoint)
     verify(ckpt)
     state = full_model(ckpt)
-    path = Path(out) if out is not None else ckpt.path.parent / f"{ckpt.path.name}.safetensors"
+    path = Path(out) if out is not None else full_out(ckpt.path)
     metadata = {"step": str(ckpt.step), "strategy": str(ckpt.meta.get("strategy")),
                 "format": "pt"}
     atomic_write(path, lambda tmp: save_file(state, tmp, metadata=metadata))

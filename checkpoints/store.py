@@ -49,6 +49,13 @@ def complete(run_dir: str | Path) -> list[Path]:
     return _complete_in(directory(run_dir))
 
 
+def full_out(checkpoint: str | Path) -> Path:
+    """Where ``convert.py --to full`` writes without ``--out``: ``<checkpoint>.safetensors``
+    beside the checkpoint directory."""
+    ckpt = Path(checkpoint)
+    return ckpt.parent / f"{ckpt.name}.safetensors"
+
+
 def _complete_in(root: Path) -> list[Path]:
     """The complete ``step<N>`` checkpoints directly in ``root``, oldest first."""
     if not root.is_dir():
