@@ -128,11 +128,12 @@ class TextDataset(TokenWindows):
 class DocumentRows(Dataset):
     """``data.packing=pad``: one document per row of ``seq_len + 1`` tokens (inputs, targets),
     a longer document continuing on further rows (stride ``seq_len``, as windows cut the
-    stream), padded with EOS inputs and ``IGNORE`` targets. ``masks``: data=chat's loss mask."""
+    stream), padded with EOS inputs and ``IGNORE`` targets. ``mask``: data=chat's loss mask;
+    ``ends``: each document's last token (its EOS; recipes/tokens.py), else every EOS ends one."""
 
-    def __init__(self, array: Any, seq_len: int, eos: int, *, mask: Any = None):
+    def __init__(self, array: Any, seq_len: int, eos: int, *, mask: Any = None, ends: Any = None):
         self.array, self.seq_len, self.eos, self.mask = array, seq_len, eos, mask
-        ends = np.flatnonzero(np.asarray(array) == eos)
+        ends = np.flatnonzero(np.asarray(array) == eos) if ends is None else np.asarray(ends)
         bounds = np.concatenate([[0], ends[ends > 0]])  # document k: bounds[k] .. bounds[k + 1]
         if len(bounds) < 2:
             raise DataError(f"data.packing=pad: the token stream holds no document ending in EOS ({eos})")
@@ -367,10 +368,23 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
                             f"but {key}={path} was packed with {stream.eos_id}: set data.tokenizer "
                             "to the tokenizer the data was packed with")
         if data_cfg.packing == "pad":
-            return DocumentRows(stream.array(), seq_len, stream.eos_id, mask=stream.mask())
+            return DocumentRows(stream.array(), seq_len, stream.eos_id, mask=stream.mask(), ends=stream.ends())
+        if data_cfg.packing == "document" and stream.eos_inside:
+            raise DataError(_eos_inside(key, path, stream, data_cfg))
         return TokenWindows([stream.array()], seq_len, what=f"{key}={path}", masks=[stream.mask()],
                             n_loss=[stream.n_loss_tokens])
     return TextDataset(path, seq_len, key)
+
+
+def _eos_inside(key: str, path: Any, stream: Any, data_cfg: Any) -> str:
+    """data.packing=document cannot tell this data's documents apart: EOS inside them."""
+    where = ("conversations (the chat template ends turns with it)" if data_cfg.name == "chat"
+             else "documents' text")
+    return (f"data.packing=document with {key}={path}: attention and positions restart at each EOS "
+            f"(id {stream.eos_id}), but data.tokenizer={data_cfg.tokenizer}'s EOS occurs "
+            f"{stream.eos_inside} times inside the {stream.n_docs} {where}, which would be cut "
+            "there: set data.packing=pad (one document per row, cut only at each one's end) or "
+            "data.packing=concat")
 
 
 def build_datasets(data_cfg, shape, seed: int) -> tuple[Dataset, Dataset | None]:

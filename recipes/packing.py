@@ -16,7 +16,10 @@ stream's first document starts at token 0.
   no attention mask: transformers finds the documents where the positions restart and builds
   the block-causal mask itself (sdpa and eager; recipes/hf.py ``PACKED_ATTENTION``).
 - ``pad``: one document per row (a longer one continues on further rows, as concat cuts it),
-  padded with EOS whose targets the loss ignores (recipes/data.py ``DocumentRows``). Causal attention never looks
+  padded with EOS whose targets the loss ignores (recipes/data.py ``DocumentRows``). Its
+  documents end where the token cache recorded each one's end (recipes/tokens.py), not at every
+  EOS: a chat template may end each turn with the EOS, and ``document`` (which restarts at each
+  EOS) refuses such data at its build. Causal attention never looks
   at the padding after a token, so no mask is needed; it spends the padding's compute.
 """
 

@@ -19,6 +19,11 @@ it). A template with ``{% generation %}`` blocks marks them itself (transformers
 ``return_assistant_tokens_mask``). A token counts when its first character is inside an
 assistant turn; the EOS appended between conversations does not.
 
+Where each document ends is a third file (one int64 per document, the index of its EOS), and
+the meta counts the EOS tokens inside documents: an instruct tokenizer's EOS is often its
+end-of-turn marker too (Llama 3's ``<|eot_id|>``, Qwen's ``<|im_end|>``), so EOS tokens alone
+do not say where a conversation ends (recipes/data.py ``DocumentRows``, recipes/packing.py).
+
 The cache file is named by a hash of everything that decides its content: the input files
 (absolute path, size, modification time), the field, the loader, ``train_on``, and the
 tokenizer's files (their bytes, the chat template included). A changed input or tokenizer gets a
@@ -58,7 +63,7 @@ from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOAD
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the cache's layout or tokenization rule changes
+FORMAT_VERSION = 3  # bump when the cache's layout or tokenization rule changes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
@@ -97,6 +102,10 @@ class TokenFile:
     """Tokens the loss counts (all of them without a mask)."""
     mask_path: Path | None
     """data=chat, train_on=assistant: one uint8 per token, 1 where the loss counts it."""
+    ends_path: Path
+    """Each document's (conversation's) last token, its EOS: one int64 per document."""
+    eos_inside: int
+    """EOS tokens inside documents (a chat template whose end-of-turn marker is the EOS)."""
     built: bool
     """This call tokenized it (False: read from the cache)."""
 
@@ -112,6 +121,12 @@ class TokenFile:
         if self.mask_path is None:
             return None
         return np.memmap(self.mask_path, dtype=np.uint8, mode="r", shape=(self.n_tokens,))
+
+    def ends(self) -> Any:
+        """Where each document ends (the index of its EOS): data.packing=pad's rows."""
+        import numpy as np
+
+        return np.memmap(self.ends_path, dtype=np.int64, mode="r", shape=(self.n_docs,))
 
 
 def token_file(*, kind: str, path: str | Path, field: str, tokenizer: str | Path,
@@ -131,18 +146,20 @@ def token_file(*, kind: str, path: str | Path, field: str, tokenizer: str | Path
     name = cache_key(kind, inputs.files, field, tok, train_on=train_on, loader=inputs.loader)
     meta_path, bin_path = cache / f"{name}.json", cache / f"{name}.bin"
     mask_path = cache / f"{name}.mask.bin" if train_on == "assistant" else None
+    ends_path = cache / f"{name}.ends.bin"
     with open(cache / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller tokenizes; the others wait here
         try:
             built = not meta_path.is_file()
             if built:
-                _build(kind, inputs, field, tok, train_on, bin_path, mask_path, meta_path,
+                _build(kind, inputs, field, tok, train_on, bin_path, mask_path, ends_path, meta_path,
                        source=str(path), key=key)
             meta = json.loads(meta_path.read_text())
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return TokenFile(bin_path, meta["dtype"], meta["n_tokens"], meta["n_docs"], meta["eos_id"],
-                     meta["vocab_size"], meta["max_id"], meta["n_loss_tokens"], mask_path, built)
+                     meta["vocab_size"], meta["max_id"], meta["n_loss_tokens"], mask_path, ends_path,
+                     meta["eos_inside"], built)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -197,7 +214,8 @@ def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str
 
 
 def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str, bin_path: Path,
-           mask_path: Path | None, meta_path: Path, *, source: str, key: str = "data.path") -> None:
+           mask_path: Path | None, ends_path: Path, meta_path: Path, *, source: str,
+           key: str = "data.path") -> None:
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -215,7 +233,8 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
     column = "text" if kind == "text" and inputs.loader == "text" else field
     tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
     tmp_mask = mask_path.with_suffix(f".tmp{os.getpid()}") if mask_path is not None else None
-    n_tokens = n_docs = n_loss = 0
+    tmp_ends = ends_path.with_suffix(f".tmp{os.getpid()}")
+    n_tokens = n_docs = n_loss = eos_inside = 0
     max_id = -1
     # datasets converts the input to Arrow in its own cache: a scratch directory, removed after
     with tempfile.TemporaryDirectory(dir=bin_path.parent, prefix="datasets-") as scratch:
@@ -227,7 +246,8 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
         log.info("tokenizing %s (%d files, %d records, field %r) with %s -> %s", source,
                  len(inputs.files), len(ds), column, tok_path, bin_path)
         try:
-            with open(tmp, "wb") as out, (open(tmp_mask, "wb") if tmp_mask else contextlib.nullcontext()) as mout, \
+            with open(tmp, "wb") as out, open(tmp_ends, "wb") as eout, \
+                    (open(tmp_mask, "wb") if tmp_mask else contextlib.nullcontext()) as mout, \
                     tqdm(total=len(ds), unit="doc", desc="tokenizing", disable=None) as bar:
                 for batch in ds.iter(batch_size=1000):
                     docs = batch[column]
@@ -243,6 +263,9 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
                     if len(flat):
                         max_id = max(max_id, int(flat.max()))
                     flat.astype(dtype).tofile(out)
+                    ends = n_tokens + np.cumsum([len(doc) for doc in ids], dtype=np.int64) - 1
+                    ends.tofile(eout)  # (each document ends in its EOS: chat_tokens, above)
+                    eos_inside += int((flat == eos).sum()) - len(ids)
                     if masks is not None:
                         m = np.fromiter((b for doc in masks for b in doc), dtype=np.uint8, count=len(flat))
                         m.tofile(mout)
@@ -258,14 +281,16 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
                                 "records' roles, or set data.train_on=all")
             if mask_path is not None:
                 os.replace(tmp_mask, mask_path)
+            os.replace(tmp_ends, ends_path)
             os.replace(tmp, bin_path)
         finally:
             tmp.unlink(missing_ok=True)
+            tmp_ends.unlink(missing_ok=True)
             if tmp_mask is not None:
                 tmp_mask.unlink(missing_ok=True)
             del ds
     meta = {"dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_docs": n_docs, "eos_id": eos,
-            "vocab_size": vocab, "max_id": max_id, "n_loss_tokens": n_loss, "source": source,
+            "vocab_size": vocab, "max_id": max_id, "n_loss_tokens": n_loss, "eos_inside": eos_inside, "source": source,
             "files": len(inputs.files), "field": column, "train_on": train_on if kind == "chat" else None,
             "tokenizer": str(tok_path)}
     tmp_meta = meta_path.with_suffix(f".tmp{os.getpid()}")

@@ -148,6 +148,38 @@ def test_generation_blocks_mark_the_same_tokens(hf_tokenizer, chat_tokenizer, tm
     assert a.mask().tolist() == b.mask().tolist() == _hand(chat_tokenizer, convs)[1]
 
 
+# Each turn ends with the EOS, as in instruct tokenizers (Llama 3's <|eot_id|>, Qwen's <|im_end|>).
+EOS_TURNS = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.unit
+def test_an_eos_that_ends_each_turn_does_not_cut_a_conversation(hf_tokenizer, tmp_path):
+    """data.packing=pad serves each whole conversation on its row (its prompts with its replies),
+    not one row per turn; data.packing=document, whose model restarts at every EOS, is refused
+    by name before a step."""
+    from transformers import AutoTokenizer
+
+    from core.errors import DataError
+
+    tok_dir = _with_template(hf_tokenizer, tmp_path / "tok", EOS_TURNS)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    convs = _conversations(12)
+    kw = {"path": str(_jsonl(tmp_path / "c.jsonl", convs)), "tokenizer": str(tok_dir),
+          "cache_dir": str(tmp_path / "cache"), "train_on": "all"}
+    rows = build_datasets(_chat(packing="pad", **kw), SimpleNamespace(seq_len=1024, vocab_size=516), 0)[0]
+    assert len(rows) == len(convs)
+    for i, conv in enumerate(convs):
+        x, y = rows[i]
+        n = int((y != IGNORE).sum())
+        got = x[1 if i else 0 : n].tolist() + [int(y[n - 1])]  # (a row's first input: the EOS before it)
+        assert got == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+    shape = SimpleNamespace(seq_len=16, vocab_size=516, document_eos=tok.eos_token_id)
+    with pytest.raises(DataError, match=r"data.packing=document with data.path=.*inside the 12 "
+                                        r"conversations .*set data.packing=pad"):
+        build_datasets(_chat(packing="document", **kw), shape, 0)
+
+
 @pytest.mark.unit
 def test_a_template_that_is_not_incremental_is_a_clear_error(hf_tokenizer, tmp_path):
     from recipes.tokens import token_file
