@@ -222,6 +222,11 @@ CPU = ("model=gpt_nano", "cluster.accelerator=cpu", "trainer.global_batch_size=8
      "model.ffn_dim=171 is not divisible by strategy.tp=2"),
     (("strategy=tp", "cluster.devices=4", "cluster.oversubscribe=true", "strategy.tp=3"),  # (beside the world's)
      "model.vocab_size=256 is not divisible by strategy.tp=3"),
+    (("strategy=tp", "cluster.devices=2", "strategy.sequence_parallel=true", "model.seq_len=31"),
+     "model.seq_len=31 is not divisible by strategy.tp=2"),
+    (("strategy=fsdp_tp", "cluster.devices=8", "cluster.oversubscribe=true", "strategy.cp=2",
+      "strategy.tp=4", "strategy.sequence_parallel=true", "model.seq_len=36"),
+     "model.seq_len=36 / strategy.cp=2 = 18 is not divisible by strategy.tp=4"),
     (("strategy=tp", "cluster.devices=3", "cluster.oversubscribe=true"), "is not a multiple of strategy.tp=2, the ranks of one model replica"),
     (("strategy=3d", "cluster.devices=8", "cluster.oversubscribe=true", "strategy.dp=4"),
      "strategy.dp(4) * tp(2) * pp(2) = 16 != world size 8"),

@@ -204,6 +204,13 @@ class ParallelConfig(StrategyConfig):
                        f"{2 * self.cp}: torch's load balancing cuts the causal sequence into 2 x cp "
                        f"chunks (each rank one early and one late); choose seq_len a multiple of "
                        f"{2 * self.cp} or another cp")
+        if self.sequence_parallel and self.tp > 1 and isinstance(seq_len, int) and \
+                (seq_len // self.cp) % self.tp and not seq_len % self.cp:
+            per = f" / strategy.cp={self.cp} = {seq_len // self.cp}" if self.cp > 1 else ""
+            out.append(f"model.seq_len={seq_len}{per} is not divisible by strategy.tp={self.tp}: "
+                       "sequence parallelism shards the sequence between the tensor-parallel "
+                       f"regions over the tp ranks; choose seq_len a multiple of {self.tp * self.cp}"
+                       " or set strategy.sequence_parallel=false")
         if self.tp > 1:
             for key, attr in (("n_heads",) * 2, ("n_kv_heads",) * 2, ("ffn_dim", "hidden"), ("vocab_size",) * 2):
                 value = getattr(model, attr, None)  # (the MLP's width: ffn_dim, or the one it implies)
