@@ -229,11 +229,25 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding, N(0, 1). ``tied`` (the head shares the table): N(0, 1/(3 dim)), the spread
+    of an untied head's rows (nn.Linear's U(-1/sqrt(dim), 1/sqrt(dim))): N(0, 1) rows as the head
+    would give logits of std sqrt(dim) after the final norm (a first loss of ~32 for gpt_nano,
+    not ~ln(vocab)). Scaled in the constructor, so a
+    ZeRO-3 build (``zero.Init`` partitions when it returns) and ``GPT.init_shards`` see it."""
+
+    def __init__(self, vocab: int, dim: int, *, tied: bool = False):
+        super().__init__(vocab, dim)
+        if tied:
+            with torch.no_grad():
+                self.weight.mul_((3 * dim) ** -0.5)
+
+
 def parts(shape: ModelConfig) -> dict[str, Any]:
     """GPT's parts with parameters, by name, each a constructor, in the order ``GPT.__init__``
     makes them (the order of their random draws; ``GPT.init_shards`` replays it)."""
     moe = lambda i: shape.is_moe and i >= shape.first_dense_layers  # noqa: E731
-    return {"tok_embeddings": lambda: nn.Embedding(shape.vocab_size, shape.dim),
+    return {"tok_embeddings": lambda: Embedding(shape.vocab_size, shape.dim, tied=shape.tie_embeddings),
             **{f"layers.{i}": (lambda i=i: Block(shape, moe=moe(i))) for i in range(shape.n_layers)},
             "norm": lambda: RMSNorm(shape.dim, shape.norm_eps),
             "output": lambda: Head(shape.dim, shape.vocab_size, bias=False)}

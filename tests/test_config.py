@@ -253,6 +253,28 @@ def test_param_count_matches_a_meta_build(name):
     assert shape.num_params() == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_first_loss_is_near_ln_vocab_tied_or_not(tied):
+    """An untrained model guesses near uniformly: a tied table scaled as an embedding (N(0, 1))
+    made the head's logits sqrt(dim) wide (gpt_nano's first loss 31.8, not ~5.6)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from recipes.gpt import GPT
+
+    shape = _model("gpt_nano")
+    shape.tie_embeddings = tied
+    torch.manual_seed(0)
+    model = GPT(shape)
+    tokens = torch.randint(shape.vocab_size, (4, shape.seq_len + 1))
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    assert abs(loss - math.log(shape.vocab_size)) < 0.3, loss
+
+
 def _model(name: str):
     from recipes.config import ModelConfig
 
