@@ -158,6 +158,32 @@ def test_a_collective_timeout_is_told_as_a_peer_that_stopped_responding():
 
 
 @pytest.mark.unit
+def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank():
+    """checkpoints' "run directory not shared" is a ConfigError raised in the ranks: it was told as
+    "lost rank 0 ... exited with code 1:   - hydra.run.dir=..." (exit 1, under torch's traceback).
+    The ranks' ConfigError (or DataError) comes back as itself, its peers' vanishing and the
+    agent's SIGTERMs aside; any other failure keeps the lost-rank sentence."""
+    from types import SimpleNamespace
+
+    from core.errors import ConfigError, DataError
+    from launchers.local import _said_error
+
+    problem = "hydra.run.dir=/x is not one directory for every node: rank 1 on b cannot read the file"
+    config = f"ConfigError: invalid configuration (1 problem(s)):\n  - {problem}"
+
+    def failures(*said):
+        return SimpleNamespace(failures={r: SimpleNamespace(exitcode=code, message=m, timestamp=1.0, pid=r)
+                                         for r, (code, m) in enumerate(said)})
+
+    error = _said_error(failures((1, config), (1, "DistNetworkError: Connection reset by peer"), (-15, None)))
+    assert isinstance(error, ConfigError) and error.problems == [problem], error
+    error = _said_error(failures((1, "DataError: data.path=/d line 7 is not JSON"), (-15, None)))
+    assert isinstance(error, DataError) and str(error) == "data.path=/d line 7 is not JSON"
+    assert _said_error(failures((1, config), (1, "RuntimeError: CUDA error"))) is None
+    assert _said_error(failures((-9, None), (1, "DistNetworkError: Connection reset by peer"))) is None
+
+
+@pytest.mark.unit
 def test_a_sweep_job_run_with_callbacks_report_false_is_ok_not_failed(tmp_path):
     """``callbacks.report=false`` is a documented knob: its jobs finished (job.json "ok") but
     the sweep marked each "failed: no report.json", picked nothing and exited 1. Such a job is
@@ -242,9 +268,14 @@ def test_nodes_that_do_not_share_the_run_directory_are_refused_before_training(t
         d.mkdir()
     procs, logs = _nodes(_node_command("strategy=ddp", "trainer.max_steps=3", "trainer.checkpoint_every=1",
                                        port=_free_port()), dirs, env)
-    assert all(p.returncode != 0 for p in procs), "\n".join(x[-3000:] for x in logs)
     said = "\n".join(logs)
+    assert [p.returncode for p in procs] == [2, 2], said[-6000:]
     assert "is not one directory for every node" in said and "shared" in said, said[-4000:]
+    # one line each, as a configuration error before launch: not "lost rank" under torch's and
+    # the C++ store's tracebacks
+    for log in logs:
+        assert "lost rank" not in log and "Traceback" not in log and "Exception raised from" not in log, log
+        assert log.count("is not one directory for every node") == 1, log
     assert not list(tmp_path.rglob("checkpoints/step*")), list(tmp_path.rglob("checkpoints/*"))
 
 
