@@ -1106,6 +1106,52 @@ def test_under_torchrun_the_world_comes_from_its_environment(tmp_path):
     assert "Initializing distributed" not in log and not (tmp_path / "bad" / "report.json").exists()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: test_under_an_outside_torchrun_the_run_directory_is_named_by_the_job, unit)
+def test_an_outside_torchrun_of_two_nodes_started_apart_writes_one_run_directory(tmp_path):
+    """README's ``torchrun --nnodes 2 ... train.py ...`` without hydra.run.dir, its two nodes started
+    1.5 s apart: each rank named the run directory by its own clock (outputs/<date>/<time>), so
+    the nodes got two and failed ("not one directory for every node"). One directory, named by
+    torchrun's run id, the same on both."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "job1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [*torchrun, str(ROOT / "train.py"), *TINY, "strategy=ddp", "trainer.max_steps=2"]
+    procs, logs = _nodes(cmd, (tmp_path, tmp_path), env, stagger=1.5, timeout=200)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    runs = [p.relative_to(tmp_path / "outputs") for p in (tmp_path / "outputs").rglob("report.json")]
+    assert [str(r.parent) for r in runs] == ["torchrun-job1"], runs
+
+
+@pytest.mark.unit
+def test_under_an_outside_torchrun_the_run_directory_is_named_by_the_job(monkeypatch):
+    """Each rank of an outside torchrun composes its own config: a name from its own clock differs
+    between nodes started apart (and between ranks at a second boundary). Several nodes: named
+    by torchrun's run id, else by the rendezvous all meet at; one node: by the moment its
+    launcher (the ranks' parent) started, which every rank of it reads alike."""
+    import datetime
+
+    from launchers.run_lock import _started
+    from recipes.compose import run_name
+
+    for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert run_name(2, "local") == "torchrun-job1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert run_name(2, "local") == "torchrun-10.0.0.1-29500"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: its launcher's start, not now
+    launcher = datetime.datetime.fromisoformat(_started(os.getppid()))
+    assert run_name(1, "local") == launcher.strftime("%Y-%m-%d/%H-%M-%S")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0f3c")  # (torchrun --standalone: a new id per launch)
+    assert run_name(1, "local") == launcher.strftime("%Y-%m-%d/%H-%M-%S")
+    assert run_name(2, "torchrun", "10.0.0.1:29400") == "torchrun-10.0.0.1-29400"  # (cluster=torchrun's own)
+
+
 @pytest.mark.subprocess
 def test_accelerate_launch_cpu_without_a_world_is_one_clear_error():
     """``accelerate launch --num_processes 2 --cpu train.py strategy=ddp``: Accelerate's CPU
