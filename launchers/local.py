@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.errors import ConfigError, DataError
-from launchers import sagemaker, slurm
+from launchers import sagemaker, slurm, torchrun
 from launchers.registry import launcher
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class Rendezvous:
 
 
 def rendezvous(job: Job) -> Rendezvous:
-    """Where this node's agent meets the others (validated before launch: launchers.check)."""
+    """Where this node's agent meets the others (validated before launch: launchers.check); a
+    ``cluster=torchrun`` job's id is its run directory's (``torchrun.run_id``)."""
     c = job.cluster
     if sagemaker.in_container():
         env = sagemaker.environment()
@@ -66,7 +67,7 @@ def rendezvous(job: Job) -> Rendezvous:
                           f"sagemaker-{env.job_name}", c.max_restarts)
     if c.launcher == "torchrun":
         endpoint = c.rdzv_endpoint or "127.0.0.1:0"
-        return Rendezvous(c.nodes, endpoint, f"stratagem-{endpoint}", c.max_restarts)
+        return Rendezvous(c.nodes, endpoint, torchrun.run_id(torchrun.given_run_dir(job)), c.max_restarts)
     return Rendezvous(1, "127.0.0.1:0", uuid.uuid4().hex)
 
 

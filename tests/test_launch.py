@@ -986,6 +986,65 @@ def test_a_rendezvous_port_outside_the_range_is_refused(endpoint):
 
 
 @pytest.mark.unit
+def test_two_torchrun_jobs_on_one_endpoint_have_their_own_rendezvous_ids():
+    """The rendezvous id was ``stratagem-<endpoint>``: a second job on the same endpoint joined the
+    first one's rendezvous, waited until it ended, then died with RendezvousConnectionError. The
+    id is the job's run directory as given (the same on every node of it, as the command is)."""
+    from launchers.torchrun import run_id
+
+    assert run_id("outputs/torchrun-127.0.0.1-29600") == run_id("outputs/torchrun-127.0.0.1-29600")
+    assert run_id("/runs/A") != run_id("/runs/B")
+    assert run_id("/runs/A").startswith("stratagem-")
+
+
+@pytest.mark.unit
+def test_a_rendezvous_port_in_use_on_its_host_by_another_job_or_program_is_refused():
+    """Where this machine serves the rendezvous: a port held by a program that is not a torch store
+    hung in torch's connection timeouts; one held by another job's store was joined. Both are one
+    line naming the key, the value and the fix (a free port); this job's own store (another node
+    of it on this machine) and another machine's endpoint are let through."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from launchers.torchrun import port_problem, run_id
+
+    me = run_id("/runs/A")
+    assert port_problem(f"127.0.0.1:{_free_port()}", me) is None  # (free)
+    assert port_problem("192.0.2.1:29500", me) is None  # (another machine serves it)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        endpoint = f"127.0.0.1:{other.getsockname()[1]}"
+        said = port_problem(endpoint, me, wait_s=1.0)
+    assert said is not None and said.startswith(f"cluster.rdzv_endpoint={endpoint}: port "), said
+    assert "in use on this machine" in said and "cluster.rdzv_endpoint=127.0.0.1:" in said, said
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=5))
+    store.set(f"torch.rendezvous.{run_id('/runs/B')}", "another job's state")
+    endpoint = f"127.0.0.1:{store.port}"
+    assert "in use on this machine" in (port_problem(endpoint, me, wait_s=1.0) or "")
+    store.set(f"torch.rendezvous.{me}", "this job's state")
+    assert port_problem(endpoint, me, wait_s=1.0) is None
+
+
+@pytest.mark.slow  # (CI: the unit test above, the same decision)
+@pytest.mark.subprocess
+def test_a_torchrun_job_whose_port_another_program_holds_exits_2_at_once(tmp_path):
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(5)
+        port = other.getsockname()[1]
+        run = run_cli("train.py", *TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=1",
+                      "cluster.devices=2", f"cluster.rdzv_endpoint=127.0.0.1:{port}", "trainer.max_steps=2",
+                      out=tmp_path / "r", timeout=60, check=False)
+    _refused(run, f"cluster.rdzv_endpoint=127.0.0.1:{port}: port {port} is in use on this machine")
+
+
+@pytest.mark.unit
 def test_every_cluster_preset_that_can_span_nodes_has_an_inter_node_bandwidth(monkeypatch):
     """cluster=ray inherited local's inter_node_GBps: 0: README's 2-node Ray example planned
     "step ~ inf s ... never completes" and said ok. A preset can span nodes when its launcher
