@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.errors import DataError
-from launchers import sagemaker, slurm
+from core.errors import ConfigError, DataError
+from launchers import sagemaker, slurm, torchrun
 from launchers.registry import launcher
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class Rendezvous:
 
 
 def rendezvous(job: Job) -> Rendezvous:
-    """Where this node's agent meets the others (validated before launch: launchers.check)."""
+    """Where this node's agent meets the others (validated before launch: launchers.check); a
+    ``cluster=torchrun`` job's id is its run directory's (``torchrun.run_id``)."""
     c = job.cluster
     if sagemaker.in_container():
         env = sagemaker.environment()
@@ -66,7 +67,7 @@ def rendezvous(job: Job) -> Rendezvous:
                           f"sagemaker-{env.job_name}", c.max_restarts)
     if c.launcher == "torchrun":
         endpoint = c.rdzv_endpoint or "127.0.0.1:0"
-        return Rendezvous(c.nodes, endpoint, f"stratagem-{endpoint}", c.max_restarts)
+        return Rendezvous(c.nodes, endpoint, torchrun.run_id(torchrun.given_run_dir(job)), c.max_restarts)
     return Rendezvous(1, "127.0.0.1:0", uuid.uuid4().hex)
 
 
@@ -326,7 +327,7 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     startup.hand_over()  # the ranks continue this process's start-up timeline
     stops = _Stops(out, job)
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(_quiet_data_errors)
+    agent_log.addFilter(_quiet_said_errors)
     try:
         with stops:
             outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
@@ -338,22 +339,22 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
         if len(codes) == 1 and codes <= STOP_CODES:  # a rank was signalled: all saved together
             signum = codes.pop() - 128
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
-        bad_data = _data_error(e)  # (every rank read the same bad record: its line, exit 2)
-        raise (DataError(bad_data) if bad_data else RankLost(_lost(e, job.mesh.size, rdzv.nodes))) from None
+        said = _said_error(e)  # (a bad record, a run directory not shared: its line, exit 2)
+        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes))) from None
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
-        agent_log.removeFilter(_quiet_data_errors)
+        agent_log.removeFilter(_quiet_said_errors)
         startup.take_back()
 
 
-def _quiet_data_errors(record: logging.LogRecord) -> bool:
-    """A filter for torch's agent log: not its record of a rank that failed on a bad record in
-    the data (a ``DataError``, with the rank's whole traceback): that sentence ends the run as
-    its one line (``_data_error``). Other failures are logged as torch logs them."""
+def _quiet_said_errors(record: logging.LogRecord) -> bool:
+    """A filter for torch's agent log: not its record of a rank that failed on an error we say
+    in one line (a ``DataError``: a bad record in the data; a ``ConfigError`` found in the ranks:
+    a run directory the nodes do not share), with the rank's whole traceback: that sentence ends
+    the run (``_said_error``). Other failures are logged as torch logs them."""
     error = record.exc_info[1] if record.exc_info else None
-    last = str(error).strip().splitlines()[-1:] if error is not None else []
-    return not (last and last[0].startswith(f"{DataError.__module__}.DataError: "))
+    return error is None or _raised(str(error)) is None
 
 
 def _saved(signum: int, out: Path, job: Job) -> str:
@@ -373,19 +374,37 @@ def _said(failure: Any) -> str:
     return "" if msg in (None, "<NONE>") else str(msg).strip()
 
 
-def _data_error(e: Any) -> str | None:
-    """The ``DataError`` (core/errors.py) the failed ranks raised, when that is every failure's
-    cause (the ranks the agent then stopped with SIGTERM aside): a bad record in the data, the
-    same sentence from each rank that read it."""
-    said = set()
+def _raised(text: str) -> DataError | ConfigError | None:
+    """The ``DataError`` or ``ConfigError`` (core/errors.py) a rank's error text (torch's record
+    of it, or its traceback) ends in, rebuilt; None when it ends in another error."""
+    lines = text.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        kind, _, message = lines[i].partition(": ")
+        if kind in ("DataError", f"{DataError.__module__}.DataError"):
+            return DataError("\n".join([message, *lines[i + 1:]]))
+        if kind in ("ConfigError", f"{ConfigError.__module__}.ConfigError"):
+            problems = [ln.strip()[2:] for ln in lines[i + 1:] if ln.strip().startswith("- ")]
+            return ConfigError(problems or message)
+        if not lines[i].startswith(" "):  # (an exception's first line: not ours)
+            return None
+    return None
+
+
+def _said_error(e: Any) -> DataError | ConfigError | None:
+    """The ``DataError`` or ``ConfigError`` the failed ranks raised, when that is every failure's
+    cause (the ranks the agent then stopped with SIGTERM aside, and those whose peers vanished
+    with it): a bad record in the data, a run directory the nodes do not share -- the same
+    sentence from each rank that found it."""
+    said = {}
     for f in e.failures.values():
         if f.exitcode == -signal.SIGTERM:
             continue
-        kind, _, text = (_said(f).splitlines()[-1:] or [""])[0].partition(": ")
-        if f.exitcode <= 0 or kind.rsplit(".", 1)[-1] != "DataError":
+        error = _raised(_said(f)) if f.exitcode > 0 else None
+        if error is None and not (f.exitcode > 0 and any(p in _said(f) for p in PEER_GONE)):
             return None
-        said.add(text)
-    return said.pop() if len(said) == 1 else None
+        if error is not None:
+            said[(type(error), str(error))] = error
+    return next(iter(said.values())) if len(said) == 1 else None
 
 
 def _lost(e: Any, world: int, nodes: int = 1) -> str:

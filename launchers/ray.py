@@ -73,6 +73,28 @@ def problems(cluster: Any) -> list[str]:
     return out
 
 
+def unreachable(address: str | None, timeout_s: float = 3.0) -> str | None:
+    """Why nothing answers at the Ray cluster ``address`` names (a TCP connect, bounded by
+    ``timeout_s``), as the sentence refusing it with the fix; None when something listens there
+    (Ray's own connection says the rest), for ``auto`` and for null. ``ray.init`` would retry
+    for minutes, naming the address Ray rewrote it to."""
+    import socket
+
+    if address in (None, "auto"):
+        return None
+    host, port = str(address).removeprefix("ray://").rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return None
+    except OSError as e:
+        timed_out = isinstance(e, TimeoutError)
+        why = f"no answer within {timeout_s:g} s" if timed_out else (e.strerror or str(e)).lower()
+    return (f"cluster.ray.address={address}: no Ray cluster answers at {host}:{port} ({why}): start "
+            "one there with `ray start --head` (it prints the address to give), or set "
+            "cluster.ray.address=null to start Ray on this machine for the job")
+
+
 def _worker(config: dict[str, Any]) -> Any:
     """One rank, inside a Ray Train worker: Ray's process group is up, torch's variables set."""
     os.environ.setdefault("GROUP_RANK", os.environ.get("NODE_RANK", "0"))  # (as torchrun's)
@@ -120,6 +142,10 @@ def _timeline() -> dict[str, str]:
 def run(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     """Fit the job on the Ray cluster; rank 0's ``Outcome``. A lost worker (after
     ``cluster.max_restarts`` restarts) raises ``launchers.RankLost`` naming its rank."""
+    if (said := unreachable(job.cluster.ray.address)) is not None:  # (not ray.init's minutes of retries)
+        from core.errors import ConfigError
+
+        raise ConfigError(said)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # (prints once, not twice)
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig

@@ -77,13 +77,9 @@ class RunDirectoryBusy(RuntimeError):
 
 def _started(pid: int) -> str:
     """When process ``pid`` started (from /proc; now where there is none), ISO seconds."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        when = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        when = time.time()
+    from recipes.compose import process_started
+
+    when = process_started(pid) or time.time()
     return datetime.datetime.fromtimestamp(when).isoformat(timespec="seconds")
 
 

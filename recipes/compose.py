@@ -16,16 +16,58 @@ def run_name(nodes: Any, launcher: Any, endpoint: Any = None) -> str:
     """A run directory's name under outputs/: the same on every process of one job. Each process
     of a job composes its own config, so a clock time differs between nodes (and srun tasks)
     started a second apart: a multi-node torchrun job is named by its rendezvous endpoint, a Slurm
-    srun step by its job id (the same after a requeue: the next attempt finds the checkpoints);
-    anything else by the date and time."""
+    srun step by its job id (the same after a requeue: the next attempt finds the checkpoints),
+    the ranks of an outside torchrun by its job (``torchrun_name``); anything else by the date
+    and time."""
     import datetime
     import os
 
     if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     if launcher == "torchrun" and int(nodes) > 1 and endpoint:
-        return "torchrun-" + "".join(c if c.isalnum() or c in "-." else "-" for c in str(endpoint))
-    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+        return "torchrun-" + _safe(endpoint)
+    return torchrun_name(os.environ) or datetime.datetime.now().strftime(CLOCK)
+
+
+CLOCK = "%Y-%m-%d/%H-%M-%S"
+
+
+def _safe(name: Any) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in str(name))
+
+
+def torchrun_name(env: Any) -> str | None:
+    """Under an outside torchrun (or ``accelerate launch``), where every rank composes at its own
+    moment: on several nodes, ``torchrun-<run id>`` (``--rdzv-id``), else ``torchrun-<the
+    rendezvous every rank meets at>`` (MASTER_ADDR, MASTER_PORT); on one node, the moment its
+    launcher -- the ranks' parent -- started, which every rank reads alike, a restart keeps, and
+    the next launch does not. None outside torchrun."""
+    import datetime
+    import os
+
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    world = int(env.get("WORLD_SIZE") or 1)
+    if world > int(env.get("LOCAL_WORLD_SIZE") or world):
+        run = env["TORCHELASTIC_RUN_ID"]
+        job = run if run not in ("", "none") else f"{env.get('MASTER_ADDR', '')}-{env.get('MASTER_PORT', '')}"
+        return f"torchrun-{_safe(job)}"
+    started = process_started(os.getppid())
+    return None if started is None else datetime.datetime.fromtimestamp(started).strftime(CLOCK)
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, from /proc); None where unknown."""
+    import os
+    from pathlib import Path
+
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def register() -> None:

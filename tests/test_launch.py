@@ -158,6 +158,32 @@ def test_a_collective_timeout_is_told_as_a_peer_that_stopped_responding():
 
 
 @pytest.mark.unit
+def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank():
+    """checkpoints' "run directory not shared" is a ConfigError raised in the ranks: it was told as
+    "lost rank 0 ... exited with code 1:   - hydra.run.dir=..." (exit 1, under torch's traceback).
+    The ranks' ConfigError (or DataError) comes back as itself, its peers' vanishing and the
+    agent's SIGTERMs aside; any other failure keeps the lost-rank sentence."""
+    from types import SimpleNamespace
+
+    from core.errors import ConfigError, DataError
+    from launchers.local import _said_error
+
+    problem = "hydra.run.dir=/x is not one directory for every node: rank 1 on b cannot read the file"
+    config = f"ConfigError: invalid configuration (1 problem(s)):\n  - {problem}"
+
+    def failures(*said):
+        return SimpleNamespace(failures={r: SimpleNamespace(exitcode=code, message=m, timestamp=1.0, pid=r)
+                                         for r, (code, m) in enumerate(said)})
+
+    error = _said_error(failures((1, config), (1, "DistNetworkError: Connection reset by peer"), (-15, None)))
+    assert isinstance(error, ConfigError) and error.problems == [problem], error
+    error = _said_error(failures((1, "DataError: data.path=/d line 7 is not JSON"), (-15, None)))
+    assert isinstance(error, DataError) and str(error) == "data.path=/d line 7 is not JSON"
+    assert _said_error(failures((1, config), (1, "RuntimeError: CUDA error"))) is None
+    assert _said_error(failures((-9, None), (1, "DistNetworkError: Connection reset by peer"))) is None
+
+
+@pytest.mark.unit
 def test_a_sweep_job_run_with_callbacks_report_false_is_ok_not_failed(tmp_path):
     """``callbacks.report=false`` is a documented knob: its jobs finished (job.json "ok") but
     the sweep marked each "failed: no report.json", picked nothing and exited 1. Such a job is
@@ -242,9 +268,14 @@ def test_nodes_that_do_not_share_the_run_directory_are_refused_before_training(t
         d.mkdir()
     procs, logs = _nodes(_node_command("strategy=ddp", "trainer.max_steps=3", "trainer.checkpoint_every=1",
                                        port=_free_port()), dirs, env)
-    assert all(p.returncode != 0 for p in procs), "\n".join(x[-3000:] for x in logs)
     said = "\n".join(logs)
+    assert [p.returncode for p in procs] == [2, 2], said[-6000:]
     assert "is not one directory for every node" in said and "shared" in said, said[-4000:]
+    # one line each, as a configuration error before launch: not "lost rank" under torch's and
+    # the C++ store's tracebacks
+    for log in logs:
+        assert "lost rank" not in log and "Traceback" not in log and "Exception raised from" not in log, log
+        assert log.count("is not one directory for every node") == 1, log
     assert not list(tmp_path.rglob("checkpoints/step*")), list(tmp_path.rglob("checkpoints/*"))
 
 
@@ -955,6 +986,65 @@ def test_a_rendezvous_port_outside_the_range_is_refused(endpoint):
 
 
 @pytest.mark.unit
+def test_two_torchrun_jobs_on_one_endpoint_have_their_own_rendezvous_ids():
+    """The rendezvous id was ``stratagem-<endpoint>``: a second job on the same endpoint joined the
+    first one's rendezvous, waited until it ended, then died with RendezvousConnectionError. The
+    id is the job's run directory as given (the same on every node of it, as the command is)."""
+    from launchers.torchrun import run_id
+
+    assert run_id("outputs/torchrun-127.0.0.1-29600") == run_id("outputs/torchrun-127.0.0.1-29600")
+    assert run_id("/runs/A") != run_id("/runs/B")
+    assert run_id("/runs/A").startswith("stratagem-")
+
+
+@pytest.mark.unit
+def test_a_rendezvous_port_in_use_on_its_host_by_another_job_or_program_is_refused():
+    """Where this machine serves the rendezvous: a port held by a program that is not a torch store
+    hung in torch's connection timeouts; one held by another job's store was joined. Both are one
+    line naming the key, the value and the fix (a free port); this job's own store (another node
+    of it on this machine) and another machine's endpoint are let through."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from launchers.torchrun import port_problem, run_id
+
+    me = run_id("/runs/A")
+    assert port_problem(f"127.0.0.1:{_free_port()}", me) is None  # (free)
+    assert port_problem("192.0.2.1:29500", me) is None  # (another machine serves it)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        endpoint = f"127.0.0.1:{other.getsockname()[1]}"
+        said = port_problem(endpoint, me, wait_s=1.0)
+    assert said is not None and said.startswith(f"cluster.rdzv_endpoint={endpoint}: port "), said
+    assert "in use on this machine" in said and "cluster.rdzv_endpoint=127.0.0.1:" in said, said
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=5))
+    store.set(f"torch.rendezvous.{run_id('/runs/B')}", "another job's state")
+    endpoint = f"127.0.0.1:{store.port}"
+    assert "in use on this machine" in (port_problem(endpoint, me, wait_s=1.0) or "")
+    store.set(f"torch.rendezvous.{me}", "this job's state")
+    assert port_problem(endpoint, me, wait_s=1.0) is None
+
+
+@pytest.mark.slow  # (CI: the unit test above, the same decision)
+@pytest.mark.subprocess
+def test_a_torchrun_job_whose_port_another_program_holds_exits_2_at_once(tmp_path):
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(5)
+        port = other.getsockname()[1]
+        run = run_cli("train.py", *TINY, "strategy=ddp", "cluster=torchrun", "cluster.nodes=1",
+                      "cluster.devices=2", f"cluster.rdzv_endpoint=127.0.0.1:{port}", "trainer.max_steps=2",
+                      out=tmp_path / "r", timeout=60, check=False)
+    _refused(run, f"cluster.rdzv_endpoint=127.0.0.1:{port}: port {port} is in use on this machine")
+
+
+@pytest.mark.unit
 def test_every_cluster_preset_that_can_span_nodes_has_an_inter_node_bandwidth(monkeypatch):
     """cluster=ray inherited local's inter_node_GBps: 0: README's 2-node Ray example planned
     "step ~ inf s ... never completes" and said ok. A preset can span nodes when its launcher
@@ -1073,6 +1163,52 @@ def test_under_torchrun_the_world_comes_from_its_environment(tmp_path):
     said = "torchrun started WORLD_SIZE=2 processes, LOCAL_WORLD_SIZE=2 per node, but cluster.nodes=1 x cluster.devices=1"
     assert log.count(said) == 1, log[-4000:]
     assert "Initializing distributed" not in log and not (tmp_path / "bad" / "report.json").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: test_under_an_outside_torchrun_the_run_directory_is_named_by_the_job, unit)
+def test_an_outside_torchrun_of_two_nodes_started_apart_writes_one_run_directory(tmp_path):
+    """README's ``torchrun --nnodes 2 ... train.py ...`` without hydra.run.dir, its two nodes started
+    1.5 s apart: each rank named the run directory by its own clock (outputs/<date>/<time>), so
+    the nodes got two and failed ("not one directory for every node"). One directory, named by
+    torchrun's run id, the same on both."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "job1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [*torchrun, str(ROOT / "train.py"), *TINY, "strategy=ddp", "trainer.max_steps=2"]
+    procs, logs = _nodes(cmd, (tmp_path, tmp_path), env, stagger=1.5, timeout=200)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    runs = [p.relative_to(tmp_path / "outputs") for p in (tmp_path / "outputs").rglob("report.json")]
+    assert [str(r.parent) for r in runs] == ["torchrun-job1"], runs
+
+
+@pytest.mark.unit
+def test_under_an_outside_torchrun_the_run_directory_is_named_by_the_job(monkeypatch):
+    """Each rank of an outside torchrun composes its own config: a name from its own clock differs
+    between nodes started apart (and between ranks at a second boundary). Several nodes: named
+    by torchrun's run id, else by the rendezvous all meet at; one node: by the moment its
+    launcher (the ranks' parent) started, which every rank of it reads alike."""
+    import datetime
+
+    from launchers.run_lock import _started
+    from recipes.compose import run_name
+
+    for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert run_name(2, "local") == "torchrun-job1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert run_name(2, "local") == "torchrun-10.0.0.1-29500"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: its launcher's start, not now
+    launcher = datetime.datetime.fromisoformat(_started(os.getppid()))
+    assert run_name(1, "local") == launcher.strftime("%Y-%m-%d/%H-%M-%S")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0f3c")  # (torchrun --standalone: a new id per launch)
+    assert run_name(1, "local") == launcher.strftime("%Y-%m-%d/%H-%M-%S")
+    assert run_name(2, "torchrun", "10.0.0.1:29400") == "torchrun-10.0.0.1-29400"  # (cluster=torchrun's own)
 
 
 @pytest.mark.subprocess

@@ -86,6 +86,47 @@ def test_a_ray_address_port_outside_the_range_is_refused():
         assert not any("port" in p for p in ray.problems(compose(["cluster=ray", f"cluster.ray.address={good}"]).cluster))
 
 
+def _closed_port() -> int:
+    """A loopback port where nothing listens (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.unit
+def test_a_ray_address_where_nothing_answers_is_one_line_with_the_fix():
+    """cluster.ray.address=127.0.0.1:1 (nothing listens) hung > 150 s in ray.init, repeating GCS
+    timeouts about an address the user never gave (Ray's rewrite of 127.0.0.1): a bounded TCP
+    connect first, and one sentence naming the key, the value and the fix."""
+    from launchers import ray
+
+    port = _closed_port()
+    said = ray.unreachable(f"127.0.0.1:{port}", timeout_s=2.0)
+    assert said is not None and said.startswith(f"cluster.ray.address=127.0.0.1:{port}: no Ray cluster answers "
+                                                f"at 127.0.0.1:{port}"), said
+    assert "`ray start --head`" in said and "cluster.ray.address=null" in said, said
+    said = ray.unreachable("ray://no-such-host.invalid:10001", timeout_s=2.0)
+    assert said is not None and "no-such-host.invalid" in said and "cluster.ray.address=null" in said, said
+    with socket.socket() as listening:  # (something answers: Ray's own checks take it from there)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        host, port = listening.getsockname()
+        assert ray.unreachable(f"{host}:{port}") is None
+        assert ray.unreachable(f"ray://{host}:{port}") is None
+    assert ray.unreachable("auto") is None
+
+
+@pytest.mark.slow  # (CI: the unit test above, the same decision)
+@pytest.mark.subprocess
+def test_train_py_with_a_ray_address_where_nothing_answers_exits_2_at_once(tmp_path):
+    t0 = time.monotonic()
+    run = _ray_run(tmp_path, "strategy=ddp", "cluster.devices=2", "trainer.max_steps=2",
+                   f"cluster.ray.address=127.0.0.1:{_closed_port()}", timeout=60, check=False)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "no Ray cluster answers at 127.0.0.1:" in run.proc.stderr and "GCS" not in run.log, run.log[-3000:]
+    assert time.monotonic() - t0 < 45
+
+
 @pytest.mark.subprocess
 def test_answers_about_a_ray_job_import_no_engine_and_no_ray(tmp_path):
     argv = ("train.py", "--cfg", "job", "cluster=ray", "cluster.devices=2", "strategy=ddp")
