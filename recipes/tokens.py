@@ -284,18 +284,22 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
             os.replace(tmp_ends, ends_path)
             os.replace(tmp, bin_path)
         finally:
-            tmp.unlink(missing_ok=True)
-            tmp_ends.unlink(missing_ok=True)
-            if tmp_mask is not None:
-                tmp_mask.unlink(missing_ok=True)
+            for t in (tmp, tmp_ends, tmp_mask):
+                if t is not None:
+                    t.unlink(missing_ok=True)
             del ds
-    meta = {"dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_docs": n_docs, "eos_id": eos,
-            "vocab_size": vocab, "max_id": max_id, "n_loss_tokens": n_loss, "eos_inside": eos_inside, "source": source,
-            "files": len(inputs.files), "field": column, "train_on": train_on if kind == "chat" else None,
-            "tokenizer": str(tok_path)}
+    _write_meta(meta_path, {
+        "dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_docs": n_docs, "eos_id": eos,
+        "vocab_size": vocab, "max_id": max_id, "n_loss_tokens": n_loss, "eos_inside": eos_inside,
+        "source": source, "files": len(inputs.files), "field": column,
+        "train_on": train_on if kind == "chat" else None, "tokenizer": str(tok_path)})
+
+
+def _write_meta(meta_path: Path, meta: dict[str, Any]) -> None:
+    """The cache entry exists once its meta does (written last, by atomic rename)."""
     tmp_meta = meta_path.with_suffix(f".tmp{os.getpid()}")
     tmp_meta.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp_meta, meta_path)  # the cache entry exists once its meta does
+    os.replace(tmp_meta, meta_path)
 
 
 __all__ = [  # (the names callers import from here; each lives in the module of its job)
