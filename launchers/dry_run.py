@@ -102,14 +102,20 @@ def main(argv: list[str]) -> int:
 def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs: list[list[str]],
                      submitit: bool) -> list[str]:
     """What the launch itself refuses before any job: an output directory that cannot be written
-    (recipes/cli.py's ``OutputDirectory``), and a Slurm submission's own checks of the config
-    (SlurmSubmission's, not those that ask Slurm)."""
+    (recipes/cli.py's ``OutputDirectory``), a sweep directory whose job directories hold an
+    earlier sweep's results of other overrides (launchers/sweep_dir.py), and a Slurm submission's
+    own checks of the config (SlurmSubmission's, not those that ask Slurm)."""
     from recipes.cli import unwritable
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     where = next((a.split("=", 1)[1] for a in hydra_own if a.startswith(f"{key}=")),
                  "multirun" if multirun else "outputs")
     found = [why] if (why := unwritable(key, where)) else []
+    given = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in hydra_own if "=" in a}
+    if multirun and not found and "hydra.sweep.dir" in given:  # (a default one is new: named by the clock)
+        from launchers import sweep_dir
+
+        found = sweep_dir.conflicts(where, jobs, given.get("hydra.sweep.subdir", sweep_dir.BY_NUMBER))
     if submitit and not found:
         from launchers import slurm
         from recipes.compose import compose

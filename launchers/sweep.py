@@ -455,14 +455,17 @@ class SweepReport(Callback):
     exit 1 when any job failed."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from launchers import sweep_dir
         from recipes import cli
 
         cli.started()  # (the sweep composed: from here a failure is not a configuration error)
         self.earlier = stamps(Path(str(config.hydra.sweep.dir)))
+        jobs = points(config)
+        if jobs is not None:  # (an earlier sweep's results in its job directories: not this sweep's)
+            sweep_dir.refuse(config, jobs)
         if not enabled(config):
             log.warning("preflight=false: the sweep's points are checked only as each job starts")
             return
-        jobs = points(config)
         if jobs is not None:  # another sweeper: its launcher checks each batch (refuse)
             target = str(config.hydra.launcher.get("_target_", ""))
             refuse(jobs, started="queued" if target.endswith("SlurmLauncher") else "started",

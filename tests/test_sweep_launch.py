@@ -6,6 +6,7 @@ local sweep says how to resume the job and finish the sweep, and writes the repo
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,60 @@ def test_dry_run_of_a_local_launch_checks_this_machine(tmp_path, capsys):
                  "--dry-run"]) == 2
     out = capsys.readouterr().out
     assert "the checkpoint is not this shape" in out and "would start" not in out, out
+
+
+# --------------------------------------------------------------------------- a sweep directory again
+def _earlier_job(sweep: Path, num: int, *overrides: str, results: bool = True) -> Path:
+    """Job ``num`` of an earlier sweep in ``sweep``, as Hydra and the run leave it: its overrides,
+    and (``results``) a checkpoint and report.json."""
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if results:
+        (job / "checkpoints" / "step2").mkdir(parents=True)
+        (job / "report.json").write_text('{"final_loss": 5.0}')
+    return job
+
+
+EARLIER = ("model=gpt_nano", "trainer.max_steps=2")
+
+
+@pytest.mark.unit
+def test_a_sweep_whose_job_directories_hold_other_overrides_results_is_refused(tmp_path, capsys):
+    """Hydra gives ``<sweep>/<N>`` to whatever job is N now: a new sweep there would resume (or
+    call finished) the earlier job's checkpoint and report its numbers under the new overrides.
+    Refused before anything starts, naming the job, both overrides and the fix; a job directory
+    without results is no one's; the same sweep again (any order, trainer.max_steps raised)
+    continues its jobs."""
+    from launchers import sweep_dir
+    from launchers.dry_run import main
+
+    sweep = tmp_path / "s"
+    _earlier_job(sweep, 0, *EARLIER, "trainer.lr=0.001")
+    _earlier_job(sweep, 1, *EARLIER, "trainer.lr=0.002")
+    _earlier_job(sweep, 2, *EARLIER, "trainer.lr=0.003", results=False)
+    assert main(["-m", *EARLIER, "trainer.lr=0.002,0.001,0.004", f"hydra.sweep.dir={sweep}", "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert (f"cannot start: hydra.sweep.dir={sweep}: job 0's directory {sweep / '0'} holds a checkpoint "
+            "and report.json of an earlier sweep's job with other overrides (`trainer.lr=0.001` there, "
+            "`trainer.lr=0.002` in this sweep's job 0)") in out, out
+    assert f"set hydra.sweep.dir to a new directory, or remove {sweep / '0'}" in out
+    assert "job 1's directory" in out and "job 2's" not in out and "would start" not in out
+    same = [[*EARLIER, "trainer.lr=0.001"], [*EARLIER, "trainer.lr=0.002"], [*EARLIER, "trainer.lr=0.004"]]
+    assert sweep_dir.conflicts(sweep, same) == []
+    assert sweep_dir.conflicts(sweep, [[*reversed(p)] for p in same]) == []  # (the order typed)
+    longer = [[o.replace("max_steps=2", "max_steps=5") for o in p] for p in same]
+    assert sweep_dir.conflicts(sweep, longer) == []  # (what "already finished" says to raise)
+    assert sweep_dir.conflicts(sweep, same, subdir="${hydra.job.override_dirname}") == []
+
+
+@pytest.mark.subprocess
+def test_train_py_refuses_a_sweep_into_another_configurations_job_directories(tmp_path):
+    sweep = tmp_path / "s"
+    job = _earlier_job(sweep, 0, *TINY, "trainer.max_steps=2", "trainer.lr=0.001")
+    run = run_cli("train.py", "-m", *TINY, "trainer.max_steps=2", "trainer.lr=0.002",
+                  f"hydra.sweep.dir={sweep}", out=tmp_path / "x", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "holds a checkpoint and report.json of an earlier sweep's job with other" in run.log, run.log[-3000:]
+    assert "nothing was started" in run.log and "Traceback" not in run.log
+    assert not (job / "job.json").exists() and (job / "report.json").read_text() == '{"final_loss": 5.0}'
