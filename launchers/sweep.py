@@ -77,6 +77,10 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
         return None
     except Stopped as e:  # a signal for the sweep, not this job's fault: the sweep stops too
         record(out, FAILED, str(e))
+        if not slurm.in_job():  # (a Slurm job's stop: its requeue, or a failed row of the array)
+            from launchers import sweep_dir
+
+            sweep_dir.stopped(e, _earlier.get("stamps"))
         raise SystemExit(e.code) from None
     except (Exception, SystemExit) as e:  # noqa: BLE001  (a failed job is a row, the sweep goes on)
         if slurm.stopped_by_slurm(e):
@@ -108,6 +112,10 @@ def _stamp(job_dir: Path) -> int:
 
 def stamps(sweep: Path) -> dict[Path, int]:  # (the job directories in ``sweep`` before it starts)
     return {d: _stamp(d) for d in _job_dirs(sweep)}
+
+
+_earlier: dict[str, dict[Path, int]] = {}
+"""This process's sweep's ``stamps`` (SweepReport sets it): a stopped sweep's report (``guard``)."""
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -459,7 +467,7 @@ class SweepReport(Callback):
         from recipes import cli
 
         cli.started()  # (the sweep composed: from here a failure is not a configuration error)
-        self.earlier = stamps(Path(str(config.hydra.sweep.dir)))
+        self.earlier = _earlier["stamps"] = stamps(Path(str(config.hydra.sweep.dir)))
         jobs = points(config)
         if jobs is not None:  # (an earlier sweep's results in its job directories: not this sweep's)
             sweep_dir.refuse(config, jobs)

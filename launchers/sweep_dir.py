@@ -1,5 +1,5 @@
 """A sweep directory used again: an earlier sweep's job results a new job must not take for its
-own.
+own, and how a local sweep stopped by a signal continues.
 
 Hydra names a basic sweep's job directories by job number (``<hydra.sweep.dir>/<N>``,
 ``hydra.sweep.subdir``), so a new sweep into a directory an earlier sweep used gives ``<N>`` to
@@ -11,6 +11,12 @@ configuration's numbers under its overrides -- so ``conflicts`` refuses the swee
 starts (``SweepReport``, ``--dry-run``). The same sweep again (every job's overrides as they
 were: a Ctrl-C'd sweep finished, a requeue) resumes; so does one that only raises what our
 "already finished" line says to raise (``CONTINUES``).
+
+``stopped``: Ctrl-C (or SIGTERM) in a local sweep stops the sweep once the running job saved its
+checkpoint; it says so as a single run does (the checkpoint, the command that resumes that job),
+writes the sweep report of the jobs that ran and prints the command that finishes the sweep: the
+same ``-m`` command line with ``hydra.sweep.dir`` pinned, which resumes the stopped job (the same
+overrides: no conflict) and runs the rest.
 """
 
 from __future__ import annotations
@@ -91,3 +97,23 @@ def refuse(config: Any, points: Sequence[Sequence[str]]) -> None:
                   "\n".join(f"  - {x}" for x in found))
         sys.exit(cli.CONFIG_ERROR)
 
+
+def stopped(error: Exception, earlier: dict[Path, int] | None) -> None:
+    """A local sweep stopped by a signal (``error``: ``launchers.Stopped``, naming the checkpoint
+    and the command that resumes this job): said, the report of the jobs that ran written, and
+    the command that finishes the sweep printed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from launchers import resume, sweep as report
+
+    hydra = HydraConfig.get()
+    sweep = Path(str(hydra.sweep.dir))
+    log.error("%s", error)
+    try:
+        report.write(sweep, earlier)
+        written = f"the report of the jobs that ran: {sweep / 'sweep_report.md'}"
+    except Exception as e:  # noqa: BLE001  (the stop is the news: a report that fails only says so)
+        written = f"no sweep report ({type(e).__name__}: {e})"
+    log.error("the sweep stopped in job %s (%s); to finish it (job %s resumes from its checkpoint, "
+              "the jobs after it start): %s", hydra.job.num, written, hydra.job.num,
+              resume.sweep_command(sweep))

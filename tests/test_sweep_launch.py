@@ -135,3 +135,57 @@ def test_train_py_refuses_a_sweep_into_another_configurations_job_directories(tm
     assert "holds a checkpoint and report.json of an earlier sweep's job with other" in run.log, run.log[-3000:]
     assert "nothing was started" in run.log and "Traceback" not in run.log
     assert not (job / "job.json").exists() and (job / "report.json").read_text() == '{"final_loss": 5.0}'
+
+
+# --------------------------------------------------------------------------- Ctrl-C in a sweep
+@pytest.mark.subprocess
+@pytest.mark.timeout(600)
+def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_the_printed_command_finishes_the_sweep(tmp_path):
+    """Ctrl-C while job 0 of two runs: it saves after its step and the sweep exits 130 saying so
+    -- the checkpoint, the command that resumes that job, the report of what ran and the command
+    that finishes the sweep (it exited without a word, and wrote no report). That command, run as
+    printed, resumes job 0 from its checkpoint and runs job 1."""
+    import json
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    sweep, note, log = tmp_path / "s", tmp_path / "note", tmp_path / "log"
+    cmd = [sys.executable, str(ROOT / "tests" / "faults.py"), "--pause-at", "2", "--rank", "0", "--seconds", "60",
+           "--note", str(note), "--", "-m", *TINY, "trainer.max_steps=3", "trainer.lr=0.001,0.002",
+           f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, start_new_session=True)  # (killpg: a terminal's Ctrl-C)
+    try:
+        deadline = time.time() + 240
+        while not (note.exists() and "pause0" in note.read_text()):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.1)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+    text = log.read_text()
+    assert job.returncode == 130, text[-4000:]
+    assert "stopped by SIGINT" in text and "to resume: " in text and f"hydra.run.dir={sweep / '0'}" in text, text[-4000:]
+    assert f"the report of the jobs that ran: {sweep / 'sweep_report.md'}" in text, text[-4000:]
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed")] and "stopped by SIGINT" in rows[0]["reason"]
+    finish = [ln for ln in text.splitlines() if "to finish it" in ln]
+    assert len(finish) == 1, text[-4000:]
+    again = shlex.split(finish[0].split("the jobs after it start): ", 1)[1])
+    assert "-m" in again and f"hydra.sweep.dir={sweep}" in again and "trainer.lr=0.001,0.002" in again, again
+    done = subprocess.run(again, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert f"resume: {sweep / '0' / 'checkpoints' / 'step2'} (step 2" in out, out[-4000:]
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["job"], r["status"], r["steps"]) for r in rows] == [("0", "ok", 3), ("1", "ok", 3)], rows
