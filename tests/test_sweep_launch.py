@@ -138,13 +138,10 @@ def test_train_py_refuses_a_sweep_into_another_configurations_job_directories(tm
 
 
 # --------------------------------------------------------------------------- Ctrl-C in a sweep
-@pytest.mark.subprocess
-@pytest.mark.timeout(600)
-def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_the_printed_command_finishes_the_sweep(tmp_path):
-    """Ctrl-C while job 0 of two runs: it saves after its step and the sweep exits 130 saying so
-    -- the checkpoint, the command that resumes that job, the report of what ran and the command
-    that finishes the sweep (it exited without a word, and wrote no report). That command, run as
-    printed, resumes job 0 from its checkpoint and runs job 1."""
+def _ctrl_c_sweep(tmp_path: Path) -> tuple[str, Path, list[str], dict[str, str]]:
+    """A local sweep of two one-process jobs, Ctrl-C'd (SIGINT to its process group, as a terminal
+    sends it) once job 0 finished step 2: (its output, the sweep directory, the command it printed
+    to finish the sweep, the environment). Asserts what it said."""
     import json
     import shlex
     import signal
@@ -160,7 +157,7 @@ def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_the_printed_command_fini
            f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL, start_new_session=True)  # (killpg: a terminal's Ctrl-C)
+                           stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 240
         while not (note.exists() and "pause0" in note.read_text()):
@@ -174,7 +171,8 @@ def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_the_printed_command_fini
             job.wait(timeout=30)
     text = log.read_text()
     assert job.returncode == 130, text[-4000:]
-    assert "stopped by SIGINT" in text and "to resume: " in text and f"hydra.run.dir={sweep / '0'}" in text, text[-4000:]
+    assert "stopped by SIGINT" in text and "to resume: " in text and f"hydra.run.dir={sweep / '0'}" in text, \
+        text[-4000:]
     assert f"the report of the jobs that ran: {sweep / 'sweep_report.md'}" in text, text[-4000:]
     rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
     assert [(r["job"], r["status"]) for r in rows] == [("0", "failed")] and "stopped by SIGINT" in rows[0]["reason"]
@@ -182,6 +180,28 @@ def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_the_printed_command_fini
     assert len(finish) == 1, text[-4000:]
     again = shlex.split(finish[0].split("the jobs after it start): ", 1)[1])
     assert "-m" in again and f"hydra.sweep.dir={sweep}" in again and "trainer.lr=0.001,0.002" in again, again
+    return text, sweep, again, env
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(600)
+def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_finish_it_and_writes_its_report(tmp_path):
+    """Ctrl-C while job 0 of two runs: it saves after its step and the sweep exits 130 saying so
+    -- the checkpoint, the command that resumes that job, the report of what ran and the command
+    that finishes the sweep (it exited without a word, and wrote no report)."""
+    _ctrl_c_sweep(tmp_path)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # (CI: the Ctrl-C and what it prints, above; this runs the printed command too)
+@pytest.mark.timeout(900)
+def test_the_command_a_stopped_sweep_prints_resumes_its_job_and_runs_the_rest(tmp_path):
+    import json
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    _, sweep, again, env = _ctrl_c_sweep(tmp_path)
     done = subprocess.run(again, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
     out = done.stdout + done.stderr
