@@ -35,15 +35,17 @@ BY_NUMBER = "${hydra.job.num}"
 CONTINUES = ("trainer.max_steps", "trainer.early_stopping.patience")
 """Keys a new sweep may change and still continue the earlier jobs: what checkpoints.Finished
 says to raise."""
+NOT_THE_JOB = ("preflight",)
+"""Keys that say how the sweep starts, not what a job trains (``+preflight=false``)."""
 
 
 def _keyed(overrides: Sequence[str]) -> dict[str, str]:
     """An override list as key -> value (the order on the command line is not the job's
-    configuration), without ``CONTINUES``."""
+    configuration), without ``CONTINUES`` and ``NOT_THE_JOB``."""
     out = {}
     for o in overrides:
         key, _, value = str(o).partition("=")
-        if key.lstrip("+") not in CONTINUES:
+        if key.lstrip("+") not in CONTINUES + NOT_THE_JOB:
             out[key.lstrip("+")] = value
     return out
 

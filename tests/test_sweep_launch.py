@@ -122,6 +122,7 @@ def test_a_sweep_whose_job_directories_hold_other_overrides_results_is_refused(t
     assert sweep_dir.conflicts(sweep, [[*reversed(p)] for p in same]) == []  # (the order typed)
     longer = [[o.replace("max_steps=2", "max_steps=5") for o in p] for p in same]
     assert sweep_dir.conflicts(sweep, longer) == []  # (what "already finished" says to raise)
+    assert sweep_dir.conflicts(sweep, [[*p, "+preflight=false"] for p in same]) == []  # (not the job's)
     assert sweep_dir.conflicts(sweep, same, subdir="${hydra.job.override_dirname}") == []
 
 
