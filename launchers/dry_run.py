@@ -1,8 +1,9 @@
 """``python train.py ... --dry-run``: what the command would start, checked as its job will be
-(composed, ``strategy=auto`` chosen, validated at RUN depth -- the run, not this machine -- and
-planned), printed, and nothing started or written: exit 0, or 2 with every problem. A multirun
-(``-m``) is expanded as Hydra's basic sweeper expands it and every point is checked (the sweep's
-preflight, launchers/sweep.py). Hydra's own overrides (``hydra.run.dir=``,
+(composed, ``strategy=auto`` chosen, validated -- at LAUNCH depth, this machine's cores, GPUs
+and files, for a ``cluster.launcher=local`` job, which starts here; else at RUN depth, the run,
+not this machine -- and planned), printed, and nothing started or written: exit 0, or 2 with
+every problem. A multirun (``-m``) is expanded as Hydra's basic sweeper expands it and every
+point is checked (the sweep's preflight, launchers/sweep.py). Hydra's own overrides (``hydra.run.dir=``,
 ``hydra/launcher=submitit_slurm``) are the launch's, not the job's: shown, not composed.
 ``launch.py --dry-run`` is the same for the launchers with a submission step (SageMaker,
 Kubernetes)."""
@@ -62,12 +63,13 @@ def main(argv: list[str]) -> int:
     from launchers import sweep
     from recipes.cli import CONFIG_ERROR
     from recipes.compose import compose
-    from recipes.job import RUN, validate
+    from recipes.job import validate
     from strategies import ConfigError
 
     multirun, hydra_own, _ = _split(argv)
     jobs = points(argv)
-    checked = sweep.preflight(jobs)
+    submitit = any(a.startswith("hydra/launcher=submitit") for a in hydra_own)
+    checked = sweep.preflight(jobs, local=not submitit)  # (a submission's jobs run elsewhere)
     if multirun:
         print(checked.message("started or queued"))
     else:
@@ -77,7 +79,6 @@ def main(argv: list[str]) -> int:
         print(f"Hydra's overrides (the launch's): {' '.join(hydra_own)}")
     if checked.bad:
         return CONFIG_ERROR
-    submitit = any(a.startswith("hydra/launcher=submitit") for a in hydra_own)
     if launch := _launch_problems(multirun, hydra_own, argv, jobs, submitit):
         print("\n".join(f"cannot start: {problem}" for problem in launch))
         print("--dry-run: nothing was started")
@@ -86,7 +87,8 @@ def main(argv: list[str]) -> int:
     run_dir = next((a.split("=", 1)[1] for a in hydra_own if a.startswith("hydra.run.dir=")), None)
     for i, overrides in enumerate(jobs):
         try:
-            job = validate(compose(overrides), depth=RUN, auto=planner.choose,
+            cfg = compose(overrides)
+            job = validate(cfg, depth=sweep.depth(cfg, not submitit), auto=planner.choose,
                            extra=[lambda j: _launcher_problems(j, submitit)])
         except ConfigError as e:
             print(f"cannot start {' '.join(overrides) or '(the base config)'}:\n{e}")
@@ -100,14 +102,20 @@ def main(argv: list[str]) -> int:
 def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs: list[list[str]],
                      submitit: bool) -> list[str]:
     """What the launch itself refuses before any job: an output directory that cannot be written
-    (recipes/cli.py's ``OutputDirectory``), and a Slurm submission's own checks of the config
-    (SlurmSubmission's, not those that ask Slurm)."""
+    (recipes/cli.py's ``OutputDirectory``), a sweep directory whose job directories hold an
+    earlier sweep's results of other overrides (launchers/sweep_dir.py), and a Slurm submission's
+    own checks of the config (SlurmSubmission's, not those that ask Slurm)."""
     from recipes.cli import unwritable
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     where = next((a.split("=", 1)[1] for a in hydra_own if a.startswith(f"{key}=")),
                  "multirun" if multirun else "outputs")
     found = [why] if (why := unwritable(key, where)) else []
+    given = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in hydra_own if "=" in a}
+    if multirun and not found and "hydra.sweep.dir" in given:  # (a default one is new: named by the clock)
+        from launchers import sweep_dir
+
+        found = sweep_dir.conflicts(where, jobs, given.get("hydra.sweep.subdir", sweep_dir.BY_NUMBER))
     if submitit and not found:
         from launchers import slurm
         from recipes.compose import compose

@@ -9,7 +9,8 @@ printed command stays right. The logger's record (metrics.csv, the W&B run id) c
 directory too.
 
 Under an outside launcher (torchrun, ``accelerate launch``) the command line is the launcher's,
-read from the parent process; in a sweep it is this job's overrides as a single run.
+read from the parent process; in a sweep it is this job's overrides as a single run, and
+``sweep_command`` the sweep's own command line, which finishes the sweep.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def command(out: str | Path, resume_from: str | None = "auto") -> str:
     if resume_from != "auto" or any(_key(a) == "trainer.resume_from" for a in args):
         extra.append("trainer.resume_from=auto")
     return shlex.join([*head, script, *kept, *extra])
+
+
+def sweep_command(sweep: str | Path) -> str:
+    """The command line that finishes a stopped local sweep: the same ``-m`` command with its
+    sweep directory pinned (``hydra.sweep.dir``, absolute), where each job's ``resume_from``
+    finds what it saved (the stopped job resumes, the jobs after it start; launchers/sweep_dir.py
+    lets the same overrides continue in their directories)."""
+    head, script, args = _command_line()
+    kept = [a for a in args if _key(a) != "hydra.sweep.dir"]
+    return shlex.join([*head, script, *kept, f"hydra.sweep.dir={_shown(sweep)}"])
 
 
 def _key(arg: str) -> str | None:

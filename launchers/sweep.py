@@ -77,6 +77,10 @@ def guard(out: Path, job: Callable[[], Any]) -> Any:
         return None
     except Stopped as e:  # a signal for the sweep, not this job's fault: the sweep stops too
         record(out, FAILED, str(e))
+        if not slurm.in_job():  # (a Slurm job's stop: its requeue, or a failed row of the array)
+            from launchers import sweep_dir
+
+            sweep_dir.stopped(e, _earlier.get("stamps"))
         raise SystemExit(e.code) from None
     except (Exception, SystemExit) as e:  # noqa: BLE001  (a failed job is a row, the sweep goes on)
         if slurm.stopped_by_slurm(e):
@@ -108,6 +112,10 @@ def _stamp(job_dir: Path) -> int:
 
 def stamps(sweep: Path) -> dict[Path, int]:  # (the job directories in ``sweep`` before it starts)
     return {d: _stamp(d) for d in _job_dirs(sweep)}
+
+
+_earlier: dict[str, dict[Path, int]] = {}
+"""This process's sweep's ``stamps`` (SweepReport sets it): a stopped sweep's report (``guard``)."""
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -361,19 +369,25 @@ class Preflight:
         return head + "\n" + self.table()
 
 
-def check_point(overrides: Sequence[str]) -> Point:
-    """One point composed, chosen (strategy=auto), validated at RUN depth and planned, as its job
-    will be (torch-free: the backend's own refusals and the resume check come at the job's start)."""
+def check_point(overrides: Sequence[str], local: bool = False) -> Point:
+    """One point composed, chosen (strategy=auto), validated and planned, as its job will be
+    (torch-free at RUN depth: the backend's own refusals and the resume check come at the job's
+    start). ``local``: this process runs the job (a local sweep, ``--dry-run`` without a
+    submission): the launcher's own check too, and ``depth`` says how deep."""
+    import launchers
     import planner
     from recipes.compose import compose
-    from recipes.job import RUN, validate
+    from recipes.job import validate
     from strategies import ConfigError
 
     t0 = time.perf_counter()
     point = Point(list(overrides))
     try:
         cfg = compose(point.overrides)
-        job = validate(cfg, depth=RUN, auto=planner.choose)
+        if local:  # (what train.py checks first: cluster=k8s or sagemaker is launch.py's)
+            launchers.refuse_elsewhere(cfg)
+        job = validate(cfg, depth=depth(cfg, local), auto=planner.choose,
+                       extra=[launchers.check] if local else ())
         result = planner.check(job)
         point.fits, point.plan = result.fits, result.summary()
     except WillNotFit as e:
@@ -390,14 +404,25 @@ def check_point(overrides: Sequence[str]) -> Point:
     return point
 
 
-def preflight(points: Sequence[Sequence[str]]) -> Preflight:
+def depth(cfg: DictConfig, local: bool) -> int:
+    """How deep a point is validated: at LAUNCH depth (this machine's cores and GPUs, the files
+    its paths name, as train.py checks) when its ranks start here -- ``cluster.launcher=local``
+    run by this process -- else at RUN depth: the run, not this machine (a Slurm array, a
+    multi-node torchrun command to run on other nodes; plan.py checks less still)."""
+    from recipes.job import LAUNCH, RUN
+
+    return LAUNCH if local and OmegaConf.select(cfg, "cluster.launcher") == "local" else RUN
+
+
+def preflight(points: Sequence[Sequence[str]], local: bool = False) -> Preflight:
     """Every point of a sweep (its override lists, as the launcher gets them) composed, validated
     and planned before anything is started or queued; ``.bad`` are the points that cannot run and
     ``.message()`` the report. Every launcher calls it: the local and Slurm sweeps through
     ``SweepReport`` (all of a basic sweep's points at once), other launchers on the batch their
-    ``launch(job_overrides)`` receives (``refuse``)."""
+    ``launch(job_overrides)`` receives (``refuse``). ``local``: this process runs the jobs
+    (``check_point``)."""
     t0 = time.perf_counter()
-    checked = [check_point(p) for p in points]
+    checked = [check_point(p, local) for p in points]
     return Preflight(checked, time.perf_counter() - t0)
 
 
@@ -406,11 +431,11 @@ _checked: set[tuple[str, ...]] = set()
 
 
 def refuse(points: Sequence[Sequence[str]], config: DictConfig | None = None,
-           started: str = "started") -> Preflight | None:
+           started: str = "started", local: bool = False) -> Preflight | None:
     """Preflight the points not checked yet in this process and exit 2 with the report when any
     cannot run (before the caller starts or queues anything); ``config``: the sweep's, whose
     ``preflight=false`` (``+preflight=false`` on the command line) skips the check. For launchers:
-    call it first thing in ``launch(job_overrides, ...)``."""
+    call it first thing in ``launch(job_overrides, ...)``; ``local``: this process runs them."""
     from recipes import cli
 
     if config is not None and not enabled(config):
@@ -418,7 +443,7 @@ def refuse(points: Sequence[Sequence[str]], config: DictConfig | None = None,
     todo = [list(p) for p in points if tuple(p) not in _checked]
     if not todo:
         return None
-    result = preflight(todo)
+    result = preflight(todo, local)
     _checked.update(tuple(p) for p in todo)
     if result.bad:
         log.error("%s", result.message(started))
@@ -438,17 +463,21 @@ class SweepReport(Callback):
     exit 1 when any job failed."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from launchers import sweep_dir
         from recipes import cli
 
         cli.started()  # (the sweep composed: from here a failure is not a configuration error)
-        self.earlier = stamps(Path(str(config.hydra.sweep.dir)))
+        self.earlier = _earlier["stamps"] = stamps(Path(str(config.hydra.sweep.dir)))
+        jobs = points(config)
+        if jobs is not None:  # (an earlier sweep's results in its job directories: not this sweep's)
+            sweep_dir.refuse(config, jobs)
         if not enabled(config):
             log.warning("preflight=false: the sweep's points are checked only as each job starts")
             return
-        jobs = points(config)
         if jobs is not None:  # another sweeper: its launcher checks each batch (refuse)
-            queued = str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher")
-            refuse(jobs, started="queued" if queued else "started")
+            target = str(config.hydra.launcher.get("_target_", ""))
+            refuse(jobs, started="queued" if target.endswith("SlurmLauncher") else "started",
+                   local=target.endswith("BasicLauncher"))  # (Hydra's: each job in this process)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))

@@ -427,7 +427,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
                                            accelerator=c.accelerator, launch=depth >= LAUNCH)
     job = replace(_job(cfg, objs, bad, preset, strategy, run), auto=why)
-    for check in [c for c in extra if not problems or (world_ok and getattr(c, "world_only", False))]:
+    sound = world_ok and not bad["cluster"]  # (a launcher's checks read cluster.launcher: a known one)
+    for check in [c for c in extra if not problems or (sound and getattr(c, "world_only", False))]:
         problems += check(job)  # (a backend's checks assume a sound job; a launcher's, a sound world)
     if problems:
         raise ConfigError(problems)

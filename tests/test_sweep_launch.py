@@ -1,0 +1,212 @@
+"""Launch checks where the launch happens, and a sweep directory used again: a mistyped launcher
+is one line (not a KeyError); a local sweep's preflight and ``--dry-run`` check this machine as
+the jobs will; a new sweep does not take an earlier sweep's results for its own jobs; Ctrl-C in a
+local sweep says how to resume the job and finish the sweep, and writes the report of what ran."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from recipes.config import compose
+from recipes.job import validate
+from strategies import ConfigError
+from tests.conftest import TINY, run_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --------------------------------------------------------------------------- a mistyped launcher
+@pytest.mark.unit
+def test_a_mistyped_launcher_is_a_config_error_not_the_launchers_keyerror():
+    """The cluster group reports the unknown name; the launcher's own check (train.py's ``extra``)
+    must not then ask the registry for it (a KeyError traceback, exit 1)."""
+    import launchers
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=gpt_nano", "cluster.launcher=torchrn"]), extra=[launchers.check])
+    assert "cluster.launcher='torchrn'" in str(e.value) and "torchrun" in str(e.value)
+
+
+@pytest.mark.subprocess
+def test_train_py_with_a_mistyped_launcher_exits_2_with_one_line(tmp_path):
+    run = run_cli("train.py", *TINY, "trainer.max_steps=2", "cluster.launcher=torchrn",
+                  out=tmp_path / "bad", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "Traceback" not in run.log and "KeyError" not in run.log, run.log[-3000:]
+    assert "cluster.launcher='torchrn'" in run.log
+
+
+# --------------------------------------------------------------------------- checked where it runs
+def _more_than_cores() -> tuple[str, ...]:
+    """A ddp point with one CPU process more than this machine's cores (valid as a run)."""
+    n = len(os.sched_getaffinity(0)) + 1
+    return (*TINY, "strategy=ddp", f"cluster.devices={n}", "trainer.micro_batch_size=1",
+            f"trainer.global_batch_size={2 * n}", "trainer.max_steps=2")
+
+
+@pytest.mark.unit
+def test_a_local_sweep_checks_each_point_on_this_machine_and_a_queued_one_as_a_run():
+    """A local sweep's jobs run here: its preflight refuses what each job would refuse at its start
+    (more processes than cores, a Slurm cluster without the submitit launcher). Points queued to
+    Slurm run elsewhere: checked as runs, not against this machine."""
+    from launchers.sweep import check_point
+
+    cores = check_point(_more_than_cores(), local=True)
+    assert any("CPU processes but this machine has" in p for p in cores.problems), cores.problems
+    assert not check_point(_more_than_cores()).problems
+    slurm = [*TINY, "cluster=slurm_local", "strategy=ddp", "trainer.max_steps=2"]
+    local = check_point(slurm, local=True)
+    assert any("hydra/launcher=submitit_slurm" in p for p in local.problems), local.problems
+    assert not check_point(slurm).problems
+
+
+@pytest.mark.unit
+def test_dry_run_of_a_local_launch_checks_this_machine(tmp_path, capsys):
+    """``--dry-run`` of a cluster.launcher=local job refuses what the launch here refuses: more
+    processes than cores, a named shape whose model.path holds another shape."""
+    from launchers.dry_run import main
+    from tests.test_named_recipes import LLAMA3_1B, ON_CPU, _config_only
+
+    assert main([*_more_than_cores(), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "CPU processes but this machine has" in out and "would start" not in out, out
+    other = _config_only(tmp_path / "small", **(LLAMA3_1B | {"hidden_size": 1024, "num_hidden_layers": 4}))
+    assert main(["experiment=llama3_1b_lora", *ON_CPU, f"model.path={other}", "model.pretrained=false",
+                 "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "the checkpoint is not this shape" in out and "would start" not in out, out
+
+
+# --------------------------------------------------------------------------- a sweep directory again
+def _earlier_job(sweep: Path, num: int, *overrides: str, results: bool = True) -> Path:
+    """Job ``num`` of an earlier sweep in ``sweep``, as Hydra and the run leave it: its overrides,
+    and (``results``) a checkpoint and report.json."""
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if results:
+        (job / "checkpoints" / "step2").mkdir(parents=True)
+        (job / "report.json").write_text('{"final_loss": 5.0}')
+    return job
+
+
+EARLIER = ("model=gpt_nano", "trainer.max_steps=2")
+
+
+@pytest.mark.unit
+def test_a_sweep_whose_job_directories_hold_other_overrides_results_is_refused(tmp_path, capsys):
+    """Hydra gives ``<sweep>/<N>`` to whatever job is N now: a new sweep there would resume (or
+    call finished) the earlier job's checkpoint and report its numbers under the new overrides.
+    Refused before anything starts, naming the job, both overrides and the fix; a job directory
+    without results is no one's; the same sweep again (any order, trainer.max_steps raised)
+    continues its jobs."""
+    from launchers import sweep_dir
+    from launchers.dry_run import main
+
+    sweep = tmp_path / "s"
+    _earlier_job(sweep, 0, *EARLIER, "trainer.lr=0.001")
+    _earlier_job(sweep, 1, *EARLIER, "trainer.lr=0.002")
+    _earlier_job(sweep, 2, *EARLIER, "trainer.lr=0.003", results=False)
+    assert main(["-m", *EARLIER, "trainer.lr=0.002,0.001,0.004", f"hydra.sweep.dir={sweep}", "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert (f"cannot start: hydra.sweep.dir={sweep}: job 0's directory {sweep / '0'} holds a checkpoint "
+            "and report.json of an earlier sweep's job with other overrides (`trainer.lr=0.001` there, "
+            "`trainer.lr=0.002` in this sweep's job 0)") in out, out
+    assert f"set hydra.sweep.dir to a new directory, or remove {sweep / '0'}" in out
+    assert "job 1's directory" in out and "job 2's" not in out and "would start" not in out
+    same = [[*EARLIER, "trainer.lr=0.001"], [*EARLIER, "trainer.lr=0.002"], [*EARLIER, "trainer.lr=0.004"]]
+    assert sweep_dir.conflicts(sweep, same) == []
+    assert sweep_dir.conflicts(sweep, [[*reversed(p)] for p in same]) == []  # (the order typed)
+    longer = [[o.replace("max_steps=2", "max_steps=5") for o in p] for p in same]
+    assert sweep_dir.conflicts(sweep, longer) == []  # (what "already finished" says to raise)
+    assert sweep_dir.conflicts(sweep, [[*p, "+preflight=false"] for p in same]) == []  # (not the job's)
+    assert sweep_dir.conflicts(sweep, same, subdir="${hydra.job.override_dirname}") == []
+
+
+@pytest.mark.subprocess
+def test_train_py_refuses_a_sweep_into_another_configurations_job_directories(tmp_path):
+    sweep = tmp_path / "s"
+    job = _earlier_job(sweep, 0, *TINY, "trainer.max_steps=2", "trainer.lr=0.001")
+    run = run_cli("train.py", "-m", *TINY, "trainer.max_steps=2", "trainer.lr=0.002",
+                  f"hydra.sweep.dir={sweep}", out=tmp_path / "x", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "holds a checkpoint and report.json of an earlier sweep's job with other" in run.log, run.log[-3000:]
+    assert "nothing was started" in run.log and "Traceback" not in run.log
+    assert not (job / "job.json").exists() and (job / "report.json").read_text() == '{"final_loss": 5.0}'
+
+
+# --------------------------------------------------------------------------- Ctrl-C in a sweep
+def _ctrl_c_sweep(tmp_path: Path) -> tuple[str, Path, list[str], dict[str, str]]:
+    """A local sweep of two one-process jobs, Ctrl-C'd (SIGINT to its process group, as a terminal
+    sends it) once job 0 finished step 2: (its output, the sweep directory, the command it printed
+    to finish the sweep, the environment). Asserts what it said."""
+    import json
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    sweep, note, log = tmp_path / "s", tmp_path / "note", tmp_path / "log"
+    cmd = [sys.executable, str(ROOT / "tests" / "faults.py"), "--pause-at", "2", "--rank", "0", "--seconds", "60",
+           "--note", str(note), "--", "-m", *TINY, "trainer.max_steps=3", "trainer.lr=0.001,0.002",
+           f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (note.exists() and "pause0" in note.read_text()):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.1)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+    text = log.read_text()
+    assert job.returncode == 130, text[-4000:]
+    assert "stopped by SIGINT" in text and "to resume: " in text and f"hydra.run.dir={sweep / '0'}" in text, \
+        text[-4000:]
+    assert f"the report of the jobs that ran: {sweep / 'sweep_report.md'}" in text, text[-4000:]
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed")] and "stopped by SIGINT" in rows[0]["reason"]
+    finish = [ln for ln in text.splitlines() if "to finish it" in ln]
+    assert len(finish) == 1, text[-4000:]
+    again = shlex.split(finish[0].split("the jobs after it start): ", 1)[1])
+    assert "-m" in again and f"hydra.sweep.dir={sweep}" in again and "trainer.lr=0.001,0.002" in again, again
+    return text, sweep, again, env
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(600)
+def test_ctrl_c_in_a_local_sweep_says_how_to_resume_and_finish_it_and_writes_its_report(tmp_path):
+    """Ctrl-C while job 0 of two runs: it saves after its step and the sweep exits 130 saying so
+    -- the checkpoint, the command that resumes that job, the report of what ran and the command
+    that finishes the sweep (it exited without a word, and wrote no report)."""
+    _ctrl_c_sweep(tmp_path)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # (CI: the Ctrl-C and what it prints, above; this runs the printed command too)
+@pytest.mark.timeout(900)
+def test_the_command_a_stopped_sweep_prints_resumes_its_job_and_runs_the_rest(tmp_path):
+    import json
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    _, sweep, again, env = _ctrl_c_sweep(tmp_path)
+    done = subprocess.run(again, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert f"resume: {sweep / '0' / 'checkpoints' / 'step2'} (step 2" in out, out[-4000:]
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["job"], r["status"], r["steps"]) for r in rows] == [("0", "ok", 3), ("1", "ok", 3)], rows
