@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 __all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "disk_full", "due", "Interrupt",
-           "Interrupted", "for_launch", "interruption", "load", "resolve", "save", "shapes", "start", "write_error"]
+           "Interrupted", "for_launch", "interruption", "load", "resolve", "resuming", "save", "shapes", "start",
+           "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -398,6 +399,23 @@ def start(job: Job, run_dir: str | Path, *, rank: int, world_size: int, device: 
     if path and hosts.leaders(run_dir) is not None:  # (each host: the same step in its own directory)
         path = str(Path(run_dir) / Path(path).relative_to(Path(path).parents[1]))
     return read(path) if path else None
+
+
+def resuming(job: Job, run_dir: str | Path) -> bool:
+    """Whether this run continues from a checkpoint (what ``start`` will find), answered from the
+    run directory before the process group exists: a backend building before it (objective=dpo's
+    reference pass, recipes/dpo.py) reads its cache back only on a resume. The launcher removed
+    interrupted saves before any rank started, so every rank sees the same checkpoints."""
+    resume_from = job.trainer.resume_from
+    if resume_from is None:
+        return False
+    if resume_from != AUTO:
+        return True
+    if not hosts.declared():
+        return latest(run_dir) is not None
+    from checkpoints.store import latest_whole
+
+    return latest_whole(run_dir)[0] is not None  # (what ``_whole`` finds; rank 0 says what it skips)
 
 
 def _from_rank0(value: Any) -> Any:
