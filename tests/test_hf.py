@@ -195,6 +195,35 @@ def test_a_shape_override_on_model_hf_is_refused(llama):
 
 
 @pytest.mark.unit
+def test_model_dropout_on_a_transformers_model_is_refused_and_config_json_gives_attention_dropout(
+        llama, tmp_path):
+    """model.dropout (the built-in GPT's attention, residual and embedding dropout) was accepted
+    for model=hf and built nothing: transformers' Llama/Mistral/Qwen2 have attention dropout
+    only, from config.json. Refused at every depth, naming the key, the value and config.json's
+    field; that field is what the build applies (two training forwards differ, eval ones not)."""
+    import torch
+
+    from recipes.hf import HFCausalLM
+    from recipes.job import CONFIG
+
+    hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
+    for depth in (CONFIG, RUN):
+        msg = _hf_problems(*hf, "model.dropout=0.3", depth=depth)
+        assert "model.dropout=0.3 with model=hf" in msg and "1 problem" in msg, msg
+        assert '"attention_dropout": 0.3 in config.json' in msg and "model.dropout=0" in msg, msg
+    named = _hf_problems("model=llama3_1b", f"model.path={llama}", "model.dropout=0.1", depth=CONFIG)
+    assert "model.dropout=0.1 with model=llama3_1b" in named, named
+    validate(compose(["cluster.accelerator=cpu", *hf, "model.dropout=0"]), depth=RUN)
+    dropping = _save(tmp_path / "dropping", weights=False, attention_dropout=0.5)
+    model = HFCausalLM(describe(compose([*hf[:-3], f"model.path={dropping}", "model.seq_len=32",
+                                         "model.pretrained=false"]).model))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(model(tokens), model(tokens))
+    model.eval()
+    assert torch.equal(model(tokens), model(tokens))
+
+
+@pytest.mark.unit
 def test_a_tokenizer_past_an_hf_models_vocabulary_advises_what_works(tmp_path, hf_tokenizer):
     """model=hf's vocabulary is config.json's: the advice is the model's own tokenizer (or a
     model whose vocabulary covers it), not model.vocab_size; the same for shards' ids, before
