@@ -137,6 +137,7 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         if cleanup and resume_from != AUTO:
             _set_aside_newer(ckpt, run_dir)
         _say_batch_change(ckpt, job)
+        _say_model_change(ckpt, job)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
@@ -180,6 +181,18 @@ def _say_batch_change(ckpt: Checkpoint, job: Job) -> None:
                 "trainer.global_batch_size=%d continues where it stopped", size, was, ckpt.step * size, seen,
                 f"{seen}-{ckpt.step * size - 1} are skipped" if ckpt.step * size > seen
                 else f"{ckpt.step * size}-{seen - 1} are seen again", was)
+
+
+def _say_model_change(ckpt: Checkpoint, job: Job) -> None:
+    """model.* settings no parameter shape pins (LoRA's alpha and dropout; ``_check_shapes``
+    compares the rest) that differ from the checkpoint's run: they apply from here, said once."""
+    from checkpoints.resume_settings import model_changes
+
+    changed = model_changes(ckpt.meta.get("config", {}).get("model") or {}, job.model)
+    if changed:
+        log.warning("resume: this run's model settings differ from the checkpoint's run's and apply "
+                    "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
+                    ckpt.step + 1, "; ".join(changed))
 
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:

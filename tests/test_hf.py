@@ -360,23 +360,34 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.checkpoint_every=3",
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_an_unmerged_export_loads_with_peft_and_a_moved_model_is_found(llama, tmp_path):
+def test_an_unmerged_export_loads_with_peft_and_a_moved_model_is_found(llama, tmp_path, caplog):
     """``convert.py --no-merge-lora``: <out>/adapter names its base (<out>) and its task, so
     peft's AutoPeftModelForCausalLM loads it (task_type was null: a plain PeftModel) and it gives
     the merged export's logits. A run whose model.path moved since was a traceback; it is one
-    line naming ``--model-path``, which then converts."""
+    line naming ``--model-path``, which then converts. (A resume of its checkpoint with another
+    model.lora.alpha or dropout -- no parameter's shape -- was silent; the launch names them.)"""
     import shutil
 
     import torch
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
+    import checkpoints
     from tests.conftest import TINY, run_cli
 
     source = tmp_path / "base"
     shutil.copytree(llama, source)
     run = run_cli("train.py", *TINY, *HF, f"model.path={source}", "model.lora.rank=4", out=tmp_path / "run")
     ckpt, moved = run.out / "checkpoints" / "step3", tmp_path / "moved"
+    again = ("cluster.accelerator=cpu", *TINY, *HF, f"model.path={source}", "model.lora.rank=4",
+             "trainer.max_steps=4", f"trainer.resume_from={ckpt}")
+    with caplog.at_level("WARNING", logger="checkpoints"):
+        checkpoints.for_launch(validate(compose(list(again)), depth=RUN), run.out, cleanup=False)
+        assert "settings differ" not in caplog.text  # (the same settings: nothing to say)
+        changed = compose([*again, "model.lora.alpha=64", "model.lora.dropout=0.1"])
+        checkpoints.for_launch(validate(changed, depth=RUN), run.out, cleanup=False)
+    assert ("apply from step 4 on: model.lora.alpha 16 -> 64 (the adapters' scale, alpha / rank: the run "
+            "continues from other effective weights); model.lora.dropout 0 -> 0.1") in caplog.text, caplog.text
     source.rename(moved)
     convert = [sys.executable, str(ROOT / "convert.py"), str(ckpt), "--to", "hf"]
     lost = subprocess.run([*convert, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
