@@ -145,6 +145,21 @@ def dropout_problems(model: Any) -> list[str]:
             f'dropout set "attention_dropout": {model.dropout} in config.json']
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export_dtype(path: str, pretrained: bool) -> str:
+    """The dtype a Hugging Face export (recipes/hf.py ``save_hf``) writes: the source checkpoint's,
+    config.json's ``dtype`` (``torch_dtype`` before transformers 5), as ``save_pretrained`` keeps a
+    model's; float32 for random weights (``model.pretrained=false``) or a config naming none of
+    ``EXPORT_DTYPES``."""
+    if not pretrained:
+        return "float32"
+    config = _read(path)
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if named in EXPORT_DTYPES else "float32"
+
+
 def tokenizer_default(path: Any) -> Any:
     """The ``${hf_dir:...}`` resolver: data.tokenizer's default from ``model.path``, resolved as
     ``locate`` resolves it (a model id: its cached snapshot); any other value as it is."""

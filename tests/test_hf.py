@@ -353,6 +353,53 @@ def _first_loss(path: Path) -> float:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
 
 
+@pytest.mark.unit
+def test_the_hf_export_keeps_the_source_checkpoints_dtype(tmp_path):
+    """save_hf (trainer.save_hf, convert.py --to hf) wrote fp32 and config.json dtype float32
+    whatever the source (a bf16 8B model exported at twice its size). It writes the source
+    config.json's dtype: bf16 weights and config, the LoRA adapters merged in fp32 first (the
+    trained model's logits to bf16 rounding), or kept apart in fp32 (peft's default) beside a
+    bf16 base; random weights (model.pretrained=false) export fp32."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from recipes import training
+    from recipes.hf import save_hf
+
+    src = _save(tmp_path / "bf16", vocab_size=512, hidden_size=64, intermediate_size=128)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    assert json.loads((src / "config.json").read_text())["dtype"] == "bfloat16"
+
+    def exported(out: Path, *more: str, merge: bool = True) -> tuple[str, set, torch.nn.Module]:
+        shape = describe(compose(["model=hf", f"model.path={src}", "model.seq_len=32", "model.lora.rank=4",
+                                  *more]).model)
+        model = training.build_model(shape, 0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)  # (trained adapters: the merge matters)
+        save_hf({k: v.clone() for k, v in model.state_dict().items()}, shape, out,  # (merged in place)
+                merge_lora=merge)
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        return json.loads((out / "config.json").read_text())["dtype"], dtypes, model
+
+    dtype, dtypes, trained = exported(tmp_path / "merged")
+    assert (dtype, dtypes) == ("bfloat16", {"BF16"}), (dtype, dtypes)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        want = trained.eval()(tokens)
+        got = merged(input_ids=tokens).logits.float()
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)  # (bf16 weights and compute)
+    dtype, dtypes, _ = exported(tmp_path / "apart", merge=False)
+    assert (dtype, dtypes) == ("bfloat16", {"BF16"})
+    with safe_open(str(tmp_path / "apart" / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    assert exported(tmp_path / "random", "model.pretrained=false")[:2] == ("float32", {"F32"})
+
+
 # ---------------------------------------------------------------------------------- LoRA
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.checkpoint_every=3", "cluster.devices=2",
         "trainer.micro_batch_size=4")
