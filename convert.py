@@ -7,8 +7,9 @@
 Reads any checkpoint trainer.checkpoint_every wrote (any strategy, any world size: DCP read whole,
 or DeepSpeed's zero_to_fp32) and writes one safetensors file of fp32 tensors keyed as the plain
 model; by default <checkpoint>.safetensors next to the checkpoint directory. ``--to hf`` (runs of
-model=hf) writes a directory that transformers' ``from_pretrained`` loads, with LoRA adapters
-merged into the weights (``--no-merge-lora``: the base plus a peft adapter in <out>/adapter).
+model=hf) writes a directory that transformers' ``from_pretrained`` loads, in the source model's
+dtype (its config.json's; fp32 for random weights), with LoRA adapters merged into the weights
+(``--no-merge-lora``: the base plus a peft adapter in <out>/adapter).
 Exit 2 on a bad checkpoint, naming the file, and on an output it cannot write, before reading one.
 """
 

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 __all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "disk_full", "due", "Interrupt",
-           "Interrupted", "for_launch", "interruption", "load", "resolve", "save", "shapes", "start", "write_error"]
+           "Interrupted", "for_launch", "interruption", "load", "resolve", "resuming", "save", "shapes", "start",
+           "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -136,6 +137,7 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         if cleanup and resume_from != AUTO:
             _set_aside_newer(ckpt, run_dir)
         _say_batch_change(ckpt, job)
+        _say_model_change(ckpt, job)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
@@ -179,6 +181,18 @@ def _say_batch_change(ckpt: Checkpoint, job: Job) -> None:
                 "trainer.global_batch_size=%d continues where it stopped", size, was, ckpt.step * size, seen,
                 f"{seen}-{ckpt.step * size - 1} are skipped" if ckpt.step * size > seen
                 else f"{ckpt.step * size}-{seen - 1} are seen again", was)
+
+
+def _say_model_change(ckpt: Checkpoint, job: Job) -> None:
+    """model.* settings no parameter shape pins (LoRA's alpha and dropout; ``_check_shapes``
+    compares the rest) that differ from the checkpoint's run: they apply from here, said once."""
+    from checkpoints.resume_settings import model_changes
+
+    changed = model_changes(ckpt.meta.get("config", {}).get("model") or {}, job.model)
+    if changed:
+        log.warning("resume: this run's model settings differ from the checkpoint's run's and apply "
+                    "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
+                    ckpt.step + 1, "; ".join(changed))
 
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
@@ -398,6 +412,23 @@ def start(job: Job, run_dir: str | Path, *, rank: int, world_size: int, device: 
     if path and hosts.leaders(run_dir) is not None:  # (each host: the same step in its own directory)
         path = str(Path(run_dir) / Path(path).relative_to(Path(path).parents[1]))
     return read(path) if path else None
+
+
+def resuming(job: Job, run_dir: str | Path) -> bool:
+    """Whether this run continues from a checkpoint (what ``start`` will find), answered from the
+    run directory before the process group exists: a backend building before it (objective=dpo's
+    reference pass, recipes/dpo.py) reads its cache back only on a resume. The launcher removed
+    interrupted saves before any rank started, so every rank sees the same checkpoints."""
+    resume_from = job.trainer.resume_from
+    if resume_from is None:
+        return False
+    if resume_from != AUTO:
+        return True
+    if not hosts.declared():
+        return latest(run_dir) is not None
+    from checkpoints.store import latest_whole
+
+    return latest_whole(run_dir)[0] is not None  # (what ``_whole`` finds; rank 0 says what it skips)
 
 
 def _from_rank0(value: Any) -> Any:

@@ -2,7 +2,9 @@
 param-group settings (lr, betas, weight decay, eps; and how it steps: foreach, fused) as this
 run's config built them are put back over what a loaded optimizer state carries, and the
 schedule continues from the checkpoint's step count on this run's schedule. What differed is
-returned for one warning (checkpoints/state.py ``load``)."""
+returned for one warning (checkpoints/state.py ``load``). The model's settings that are no
+parameter's shape (``model_changes``: LoRA's alpha and dropout, dropout) pass the resume's shape
+check, and apply from the resume on: said before launch (checkpoints ``for_launch``)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,28 @@ def continue_schedule(scheduler: Any, optimizer: Any, saved: dict[str, Any]) -> 
     if old and any(_differs(a, b) for a, b in zip(old, lrs)):
         return [f"the schedule's lr at step {steps + 1} {_shown(old[0])} -> {_shown(lrs[0])}"]
     return []
+
+
+MODEL_SETTINGS = ("lora.alpha", "lora.dropout", "dropout")
+"""model.* settings a checkpoint's parameter shapes do not pin (the rank and target modules do)."""
+
+
+def model_changes(saved: dict[str, Any], model: Any) -> list[str]:
+    """``MODEL_SETTINGS`` that differ between the checkpoint's run (``saved``: its resolved
+    ``model`` config) and this one, as ``model.<key> old -> new``. alpha scales the adapters'
+    update (alpha / rank x B A), so a new one changes the model the run continues from, and says so."""
+    changed = []
+    for key in MODEL_SETTINGS:
+        if key.startswith("lora.") and not model.lora.rank:
+            continue  # (no adapters: nothing to scale or drop)
+        old, new = saved, model
+        for part in key.split("."):
+            old, new = (old or {}).get(part), getattr(new, part)
+        if old is not None and _differs(old, new):
+            changed.append(f"model.{key} {_shown(old)} -> {_shown(new)}" + (
+                " (the adapters' scale, alpha / rank: the run continues from other effective weights)"
+                if key == "lora.alpha" else ""))
+    return changed
 
 
 def _differs(a: Any, b: Any) -> bool:

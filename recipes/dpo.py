@@ -12,8 +12,11 @@ Reference: before training, every rank runs the frozen base model (``build_model
 seed, or the pretrained weights: with LoRA, the model before adapters, which equals it since
 their B starts at zero) once over every pair on its device, and keeps each row's summed
 response log-probability beside the tokens; rank 0 caches them in the run directory
-(``dpo_reference.pt``), which a resumed run reads back. Cost: one forward pass over the data per
-rank, with one whole model on one device, before the engine shards it. The reference runs in
+(``dpo_reference.pt``, written whole or not at all), keyed on the pairs and on the model they
+came from (``reference_key``). A fresh start computes them anew and replaces the file; a resumed
+run reads it back only when it was made for this run's initial model and pairs (otherwise it
+says what differs and computes them). Cost: one forward pass over the data per rank, with one
+whole model on one device, before the engine shards it. The reference runs in
 fp32 and eval mode: under mixed precision or with dropout the policy's first forward differs
 from it by that rounding / noise (the first loss is ln 2 exactly only at 32-bit without dropout).
 
@@ -171,19 +174,22 @@ def reference_logps(pairs: PreferencePairs, shape: Any, seed: int, device: str |
 
 
 def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, accelerator: str,
-                     batch: int = 8) -> None:
-    """The reference log-probs of every pair, from ``out/dpo_reference.pt`` when it holds these
-    pairs' (a resumed run), else computed here (each rank, ``batch`` pairs a forward: the
-    training micro-batch's, so its logits are no larger than training's; rank 0 writes the
-    cache). The planner plans this pass (planner/plan.py ``reference_problems``)."""
+                     batch: int = 8, *, resumed: bool = False) -> None:
+    """The reference log-probs of every pair: on a resume (``resumed``), read from
+    ``out/dpo_reference.pt`` when it was made for these pairs and this model
+    (``reference_key``); else -- a fresh start, or a cache of another model, other pairs or none
+    -- computed here (each rank, ``batch`` pairs a forward: the training micro-batch's, so its
+    logits are no larger than training's) and written by rank 0 in place of the file. The
+    planner plans this pass (planner/plan.py ``reference_problems``)."""
     path = Path(out) / REFERENCE_FILE
-    key = [len(pairs), int(pairs.x.sum()), int(pairs.y.sum())]
-    if path.exists():
-        cached = torch.load(path, map_location="cpu", weights_only=True)
-        if cached.get("key") == key:
-            pairs.ref = cached["ref"]
+    key = reference_key(pairs, shape, seed)
+    if resumed:
+        why = _read_cache(pairs, path, key)
+        if why is None:
             log.info("dpo: reference log-probs of %d pairs read from %s", len(pairs), path)
             return
+        log.warning("dpo: resumed, but %s: the reference log-probs are computed anew from this "
+                    "run's initial model", why)
     local = int(os.environ.get("LOCAL_RANK") or 0)
     device = f"cuda:{local}" if accelerator != "cpu" and torch.cuda.is_available() else "cpu"
     pairs.ref = reference_logps(pairs, shape, seed, device, batch)
@@ -191,7 +197,49 @@ def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, a
     if int(os.environ.get("RANK") or 0) == 0:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         torch.save({"key": key, "ref": pairs.ref}, tmp)
-        os.replace(tmp, path)  # (whole or absent: a resumed run reads it)
+        os.replace(tmp, path)  # (whole or absent: a resumed run reads it, other ranks may too)
+
+
+def reference_key(pairs: PreferencePairs, shape: Any, seed: int) -> dict[str, Any]:
+    """What decides the reference log-probs: the pairs' tokens, and the model before training
+    -- its shape fields; for a transformers model, its directory and, with
+    ``model.pretrained``, each safetensors file's name, size and modification time (weights
+    rewritten in place are another model); for random weights (the built-in models,
+    ``model.pretrained=false``), the seed. Not the adapters (their B starts at zero), dropout
+    (the pass runs in eval mode) or the packing."""
+    import dataclasses
+
+    model = {k: v for k, v in dataclasses.asdict(shape).items()
+             if k not in ("name", "lora", "dropout", "document_eos", "seq_len")}
+    if shape.is_hf:
+        from recipes.hf_config import locate
+
+        where = locate(shape.path).resolve()
+        model["path"] = str(where)
+        if shape.pretrained:
+            model["weights"] = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+                                for f in sorted(where.glob("*.safetensors"))]
+    if not (shape.is_hf and shape.pretrained):
+        model["seed"] = seed
+    return {"pairs": [*pairs.x.shape, int(pairs.x.sum()), int(pairs.y.sum())], "model": model}
+
+
+def _read_cache(pairs: PreferencePairs, path: Path, key: dict[str, Any]) -> str | None:
+    """Attach the cached reference when ``path`` holds the one of ``key``; else why not."""
+    if not path.is_file():
+        return f"{path} is not there"
+    cached = torch.load(path, map_location="cpu", weights_only=True)
+    have = cached.get("key")
+    if have == key:
+        pairs.ref = cached["ref"]
+        return None
+    if not isinstance(have, dict):
+        return f"{path} does not say which model it was made for (an older run's)"
+    old, new = ({"pairs": k.get("pairs"), **{f"model.{n}": v for n, v in (k.get("model") or {}).items()}}
+                for k in (have, key))
+    differ = [n for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)]
+    named = ", ".join("the pairs' tokens" if n == "pairs" else n for n in differ)
+    return f"{path} was made for another model or other pairs ({named or 'its key'} differ)"
 
 
 # ---------------------------------------------------------------------------- loss
@@ -246,12 +294,14 @@ class Dpo:
         return out
 
 
-def objective_for(job: Any, train: Dataset, out: Path, meta: dict[str, Any]) -> Dpo | None:
+def objective_for(job: Any, train: Dataset, out: Path, meta: dict[str, Any], *,
+                  resumed: bool) -> Dpo | None:
     """The run's objective: None (next-token loss) or, for objective=dpo, ``Dpo`` with the
-    training pairs' reference log-probs attached."""
+    training pairs' reference log-probs attached (``resumed``: the run continues from a
+    checkpoint, so the cached reference of its initial model is read back)."""
     o = getattr(job, "objective", None)
     if o is None or o.name != "dpo":
         return None
     attach_reference(train, job.model, job.trainer.seed, out, job.run.accelerator,
-                     batch=job.trainer.micro_batch_size)
+                     batch=job.trainer.micro_batch_size, resumed=resumed)
     return Dpo(o.beta, o.label_smoothing, meta)

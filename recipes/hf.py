@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from recipes.hf_config import locate
+from recipes.hf_config import export_dtype, locate
 
 if TYPE_CHECKING:
     from recipes.model_config import ModelConfig
@@ -327,10 +327,13 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
     """Write ``state`` (the plain model's full state dict, keys ``hf.…``) as a directory that
     ``AutoModelForCausalLM.from_pretrained`` loads: config, safetensors weights, and the
     tokenizer files found next to the source model. LoRA adapters are merged into the base
-    weights (``merge_lora``) or saved as a peft adapter directory beside them. Written beside
+    weights (``merge_lora``: in fp32, then cast) or saved as a peft adapter directory beside them
+    (fp32, peft's default). The weights are in the source checkpoint's dtype
+    (``hf_config.export_dtype``: a bf16 model exports bf16, not twice its size). Written beside
     ``out`` and renamed into place: an interrupted export leaves no half directory."""
     import dataclasses
     import shutil
+
 
     # Parameters on the meta device, then the state's tensors assigned: no weights read twice.
     model = model_class(shape.path)(dataclasses.replace(shape, pretrained=True), meta=True)
@@ -350,6 +353,7 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
         peft_model.save_pretrained(str(tmp / "adapter"))
         base = peft_model.unload()
     _restore_generation(base, shape.path)
+    base.to(getattr(torch, export_dtype(shape.path, shape.pretrained)))  # (config.json's dtype follows)
     base.save_pretrained(str(tmp))
     for f in locate(shape.path).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens",

@@ -110,20 +110,54 @@ def _differ(model: Any) -> list[tuple[str, Any, Any]]:
 
 def override_problems(model: Any) -> list[str]:
     """``model=hf`` builds the model from config.json: a shape key set to another value (on the
-    command line) would be planned and reported, not built. Checked at every depth (plan.py
-    reads config.json too); an unreadable path is ``launch_problems``' to report."""
-    if model.name != "hf" or model.path is None:
+    command line) would be planned and reported, not built; so would ``model.dropout`` on any
+    transformers model (``dropout_problems``). Checked at every depth (plan.py reads config.json
+    too); an unreadable path is ``launch_problems``' to report."""
+    if model.path is None:
         return []
+    out = dropout_problems(model)
+    if model.name != "hf":
+        return out
     try:
         differ = _differ(model)
     except ValueError:
-        return []
+        return out
     if not differ:
-        return []
+        return out
     said = ", ".join(f"model.{k}={v} (config.json: {c})" for k, v, c in differ)
     what, it = ("these overrides", "them") if len(differ) > 1 else ("this override", "it")
-    return [f"{said}: model=hf builds the model from model.path={model.path}'s config.json and ignores "
-            f"{what}: remove {it}, or edit config.json (or point model.path at a model of that shape)"]
+    return [*out, f"{said}: model=hf builds the model from model.path={model.path}'s config.json and "
+            f"ignores {what}: remove {it}, or edit config.json (or point model.path at a model of that shape)"]
+
+
+def dropout_problems(model: Any) -> list[str]:
+    """``model.dropout`` is the built-in GPT's dropout of the attention probabilities, each
+    block's two residual branches and the embeddings; transformers' Llama, Mistral and Qwen2
+    have only the first, from config.json's ``attention_dropout``. Applying ``model.dropout``
+    there would be half of it, and ignoring it (as it was) trains without any: refused, with
+    config.json's field as the way to attention dropout."""
+    if not model.dropout:
+        return []
+    return [f"model.dropout={model.dropout} with model={model.name}: transformers builds the "
+            f"{model.architecture} model from model.path={model.path}'s config.json, and its only dropout "
+            "is attention's (config.json's attention_dropout), not the residual and embedding dropout "
+            "model.dropout also means; it would not be applied: set model.dropout=0, and for attention "
+            f'dropout set "attention_dropout": {model.dropout} in config.json']
+
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export_dtype(path: str, pretrained: bool) -> str:
+    """The dtype a Hugging Face export (recipes/hf.py ``save_hf``) writes: the source checkpoint's,
+    config.json's ``dtype`` (``torch_dtype`` before transformers 5), as ``save_pretrained`` keeps a
+    model's; float32 for random weights (``model.pretrained=false``) or a config naming none of
+    ``EXPORT_DTYPES``."""
+    if not pretrained:
+        return "float32"
+    config = _read(path)
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if named in EXPORT_DTYPES else "float32"
 
 
 def tokenizer_default(path: Any) -> Any:

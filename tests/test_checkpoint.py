@@ -629,6 +629,23 @@ def test_when_a_checkpoint_is_due():
 
 
 @pytest.mark.unit
+def test_a_resume_names_the_model_settings_no_shape_pins():
+    """model.lora.alpha and .dropout, and model.dropout, pass the resume's shape check: what
+    differs from the checkpoint's run is named (LoRA's only with adapters)."""
+    from checkpoints.resume_settings import model_changes
+    from recipes.config import compose, describe
+
+    saved = {"dropout": 0.0, "lora": {"rank": 4, "alpha": 16.0, "dropout": 0.0}}
+    lora = describe(compose([*TINY, "model.lora.rank=4", "model.lora.alpha=16"]).model)
+    assert model_changes(saved, lora) == []
+    lora.lora.alpha, lora.dropout = 32.0, 0.1
+    assert [c.split(" (")[0] for c in model_changes(saved, lora)] == ["model.lora.alpha 16 -> 32",
+                                                                      "model.dropout 0 -> 0.1"]
+    lora.lora.rank = 0
+    assert model_changes(saved, lora) == ["model.dropout 0 -> 0.1"]
+
+
+@pytest.mark.unit
 def test_written_files_are_as_readable_as_the_umask_allows(tmp_path):
     """Temp file + rename must not leave the temp file's private 0600: a teammate reads the
     report or a converted model copied to a shared directory."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import compose
+from recipes.config import compose, describe
 from recipes.job import CONFIG, RUN, validate
 from strategies import ConfigError
 from tests.conftest import TINY, assert_losses_close, assert_params_close, run_cli
@@ -143,7 +143,7 @@ def test_loss_is_the_dpo_formula_by_hand(chat_tokenizer, tmp_path, ls):
     attach_reference(pairs, shape, 0, tmp_path, "cpu")
     assert (tmp_path / "dpo_reference.pt").is_file()
     again = preference_pairs(_data(tmp_path, chat_tokenizer), shape)
-    attach_reference(again, shape, 1, tmp_path, "cpu")  # (a resumed run: read, not recomputed)
+    attach_reference(again, shape, 0, tmp_path, "cpu", resumed=True)  # (a resumed run: read back)
     assert torch.equal(again.ref, pairs.ref)
     ref_model, policy = training.build_model(shape, 0).eval(), training.build_model(shape, 0)
     idx = [3, 0, 7, 5]
@@ -166,6 +166,53 @@ def test_loss_is_the_dpo_formula_by_hand(chat_tokenizer, tmp_path, ls):
     stats = dpo.publish()
     assert stats["pairs"] == 4 and stats["step"] == 2 and 0 <= stats["accuracy"] <= 1
     assert stats["reward_margin"] == pytest.approx(stats["chosen_reward"] - stats["rejected_reward"])
+
+
+@pytest.mark.unit
+def test_the_cached_reference_is_this_models_and_read_back_only_on_a_resume(chat_tokenizer, tmp_path, caplog):
+    """dpo_reference.pt was keyed on the pairs alone: a fresh start in the same run directory
+    with another model (the audit: another model.path, trainer.resume_from=null) read the first
+    model's log-probs, and its first loss was not ln 2. A fresh start computes the reference and
+    replaces the file; a resume reads it back only when it was made for this model (the built-in
+    model's seed here; a transformers model's directory and weight files), else says what
+    differs and computes it."""
+    import torch
+
+    from recipes.dpo import REFERENCE_FILE, attach_reference, preference_pairs, reference_key
+
+    shape, file = _shape(), tmp_path / REFERENCE_FILE
+
+    def reference(seed: int, resumed: bool = False) -> torch.Tensor:
+        pairs = preference_pairs(_data(tmp_path, chat_tokenizer), shape)
+        attach_reference(pairs, shape, seed, tmp_path, "cpu", resumed=resumed)
+        return pairs.ref
+
+    own = reference(0)
+    other = reference(1)  # another (random) model, a fresh start in the same directory
+    assert not torch.allclose(other, own), "read the other model's cached reference"
+    assert torch.equal(reference(0), own)  # (a fresh start over the other model's file: computed)
+    cached = torch.load(file, weights_only=True)
+    torch.save({**cached, "ref": cached["ref"] + 1}, file)  # (so that what is read shows)
+    assert torch.equal(reference(0, resumed=True), own + 1)  # a resume of this model reads it
+    with caplog.at_level("WARNING", logger="recipes.dpo"):
+        assert torch.equal(reference(1, resumed=True), other)  # ... of another model computes it
+    assert "was made for another model or other pairs (model.seed differ)" in caplog.text, caplog.text
+    assert torch.load(file, weights_only=True)["key"]["model"]["seed"] == 1
+
+    from tests.test_chat import _chat_llama
+
+    hf = _chat_llama(tmp_path, chat_tokenizer)
+    pairs = preference_pairs(_data(tmp_path, chat_tokenizer), _shape())
+
+    def key(path: Path, *more: str, seed: int = 0) -> dict:
+        return reference_key(pairs, describe(compose(["model=hf", f"model.path={path}", *more]).model), seed)
+
+    first = key(hf)
+    assert key(hf, "model.lora.rank=4", "model.lora.alpha=8") == first  # (adapters start at the base)
+    assert key(hf, seed=5) == first  # (pretrained weights: the seed decides nothing)
+    assert key(hf, "model.pretrained=false", seed=5) != key(hf, "model.pretrained=false")
+    (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes() + b" ")
+    assert key(hf) != first  # the weights rewritten in place: another model
 
 
 def _common(tmp: Path, tokenizer: Path, *extra: str) -> tuple[str, ...]:
@@ -251,6 +298,36 @@ def test_first_step_is_the_formula_and_the_report_has_rewards(dpo_reference_run,
     assert set(dpo) == {"chosen_reward", "rejected_reward", "reward_margin", "accuracy", "pairs", "step"}
     assert dpo["pairs"] == 8 and dpo["step"] == 3
     assert abs(dpo["reward_margin"]) > 1e-3 and run.losses[1] != run.losses[0]  # (the policy moved)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(400)
+def test_a_fresh_start_computes_the_reference_a_resume_reads_it(dpo_reference_run, tmp_path):
+    """Through train.py, in a finished run's directory whose dpo_reference.pt holds other values
+    (planted: its chosen log-probs + 1): a resume (resume_from=auto, step 3 -> 4) reads them back; a
+    fresh start (resume_from=null) read them too, and trained against them. It computes its
+    own: its first loss is the first run's, and the file holds that run's reference again."""
+    import shutil
+
+    import torch
+
+    from recipes.dpo import REFERENCE_FILE
+
+    common, first = dpo_reference_run
+    out = tmp_path / "run"
+    shutil.copytree(first.out, out)
+    own = torch.load(out / REFERENCE_FILE, weights_only=True)
+    planted = own["ref"].clone()
+    planted[:, 0] += 1  # (the chosen responses': the loss moves)
+    torch.save({**own, "ref": planted}, out / REFERENCE_FILE)
+    one = ("strategy=single", "trainer.micro_batch_size=8")
+    resumed = run_cli("train.py", *common, *one, "trainer.max_steps=4", out=out, timeout=300)
+    assert "dpo: reference log-probs of 24 pairs read from" in resumed.log, resumed.log[-3000:]
+    fresh = run_cli("train.py", *common, *one, "trainer.max_steps=1", "trainer.resume_from=null", out=out,
+                    timeout=300)
+    assert fresh.losses[0] == pytest.approx(first.losses[0], abs=1e-6)
+    assert "dpo: reference log-probs of 24 pairs computed on cpu" in fresh.log, fresh.log[-3000:]
+    assert torch.equal(torch.load(out / REFERENCE_FILE, weights_only=True)["ref"], own["ref"])
 
 
 LAYOUTS = {

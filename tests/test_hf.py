@@ -195,6 +195,35 @@ def test_a_shape_override_on_model_hf_is_refused(llama):
 
 
 @pytest.mark.unit
+def test_model_dropout_on_a_transformers_model_is_refused_and_config_json_gives_attention_dropout(
+        llama, tmp_path):
+    """model.dropout (the built-in GPT's attention, residual and embedding dropout) was accepted
+    for model=hf and built nothing: transformers' Llama/Mistral/Qwen2 have attention dropout
+    only, from config.json. Refused at every depth, naming the key, the value and config.json's
+    field; that field is what the build applies (two training forwards differ, eval ones not)."""
+    import torch
+
+    from recipes.hf import HFCausalLM
+    from recipes.job import CONFIG
+
+    hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
+    for depth in (CONFIG, RUN):
+        msg = _hf_problems(*hf, "model.dropout=0.3", depth=depth)
+        assert "model.dropout=0.3 with model=hf" in msg and "1 problem" in msg, msg
+        assert '"attention_dropout": 0.3 in config.json' in msg and "model.dropout=0" in msg, msg
+    named = _hf_problems("model=llama3_1b", f"model.path={llama}", "model.dropout=0.1", depth=CONFIG)
+    assert "model.dropout=0.1 with model=llama3_1b" in named, named
+    validate(compose(["cluster.accelerator=cpu", *hf, "model.dropout=0"]), depth=RUN)
+    dropping = _save(tmp_path / "dropping", weights=False, attention_dropout=0.5)
+    model = HFCausalLM(describe(compose([*hf[:-3], f"model.path={dropping}", "model.seq_len=32",
+                                         "model.pretrained=false"]).model))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(model(tokens), model(tokens))
+    model.eval()
+    assert torch.equal(model(tokens), model(tokens))
+
+
+@pytest.mark.unit
 def test_a_tokenizer_past_an_hf_models_vocabulary_advises_what_works(tmp_path, hf_tokenizer):
     """model=hf's vocabulary is config.json's: the advice is the model's own tokenizer (or a
     model whose vocabulary covers it), not model.vocab_size; the same for shards' ids, before
@@ -324,6 +353,53 @@ def _first_loss(path: Path) -> float:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
 
 
+@pytest.mark.unit
+def test_the_hf_export_keeps_the_source_checkpoints_dtype(tmp_path):
+    """save_hf (trainer.save_hf, convert.py --to hf) wrote fp32 and config.json dtype float32
+    whatever the source (a bf16 8B model exported at twice its size). It writes the source
+    config.json's dtype: bf16 weights and config, the LoRA adapters merged in fp32 first (the
+    trained model's logits to bf16 rounding), or kept apart in fp32 (peft's default) beside a
+    bf16 base; random weights (model.pretrained=false) export fp32."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from recipes import training
+    from recipes.hf import save_hf
+
+    src = _save(tmp_path / "bf16", vocab_size=512, hidden_size=64, intermediate_size=128)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    assert json.loads((src / "config.json").read_text())["dtype"] == "bfloat16"
+
+    def exported(out: Path, *more: str, merge: bool = True) -> tuple[str, set, torch.nn.Module]:
+        shape = describe(compose(["model=hf", f"model.path={src}", "model.seq_len=32", "model.lora.rank=4",
+                                  *more]).model)
+        model = training.build_model(shape, 0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)  # (trained adapters: the merge matters)
+        save_hf({k: v.clone() for k, v in model.state_dict().items()}, shape, out,  # (merged in place)
+                merge_lora=merge)
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        return json.loads((out / "config.json").read_text())["dtype"], dtypes, model
+
+    dtype, dtypes, trained = exported(tmp_path / "merged")
+    assert (dtype, dtypes) == ("bfloat16", {"BF16"}), (dtype, dtypes)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        want = trained.eval()(tokens)
+        got = merged(input_ids=tokens).logits.float()
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)  # (bf16 weights and compute)
+    dtype, dtypes, _ = exported(tmp_path / "apart", merge=False)
+    assert (dtype, dtypes) == ("bfloat16", {"BF16"})
+    with safe_open(str(tmp_path / "apart" / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    assert exported(tmp_path / "random", "model.pretrained=false")[:2] == ("float32", {"F32"})
+
+
 # ---------------------------------------------------------------------------------- LoRA
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.checkpoint_every=3", "cluster.devices=2",
         "trainer.micro_batch_size=4")
@@ -331,23 +407,34 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.checkpoint_every=3",
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_an_unmerged_export_loads_with_peft_and_a_moved_model_is_found(llama, tmp_path):
+def test_an_unmerged_export_loads_with_peft_and_a_moved_model_is_found(llama, tmp_path, caplog):
     """``convert.py --no-merge-lora``: <out>/adapter names its base (<out>) and its task, so
     peft's AutoPeftModelForCausalLM loads it (task_type was null: a plain PeftModel) and it gives
     the merged export's logits. A run whose model.path moved since was a traceback; it is one
-    line naming ``--model-path``, which then converts."""
+    line naming ``--model-path``, which then converts. (A resume of its checkpoint with another
+    model.lora.alpha or dropout -- no parameter's shape -- was silent; the launch names them.)"""
     import shutil
 
     import torch
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
+    import checkpoints
     from tests.conftest import TINY, run_cli
 
     source = tmp_path / "base"
     shutil.copytree(llama, source)
     run = run_cli("train.py", *TINY, *HF, f"model.path={source}", "model.lora.rank=4", out=tmp_path / "run")
     ckpt, moved = run.out / "checkpoints" / "step3", tmp_path / "moved"
+    again = ("cluster.accelerator=cpu", *TINY, *HF, f"model.path={source}", "model.lora.rank=4",
+             "trainer.max_steps=4", f"trainer.resume_from={ckpt}")
+    with caplog.at_level("WARNING", logger="checkpoints"):
+        checkpoints.for_launch(validate(compose(list(again)), depth=RUN), run.out, cleanup=False)
+        assert "settings differ" not in caplog.text  # (the same settings: nothing to say)
+        changed = compose([*again, "model.lora.alpha=64", "model.lora.dropout=0.1"])
+        checkpoints.for_launch(validate(changed, depth=RUN), run.out, cleanup=False)
+    assert ("apply from step 4 on: model.lora.alpha 16 -> 64 (the adapters' scale, alpha / rank: the run "
+            "continues from other effective weights); model.lora.dropout 0 -> 0.1") in caplog.text, caplog.text
     source.rename(moved)
     convert = [sys.executable, str(ROOT / "convert.py"), str(ckpt), "--to", "hf"]
     lost = subprocess.run([*convert, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)

@@ -185,7 +185,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers,
                               collate_fn=SequenceShard(*seq) if seq else None))
     share = CountedShare(data, global_batch=job.batch.global_size, seed=t.seed)
-    objective = objective_for(job, data, out, observers.meta)
+    objective = objective_for(job, data, out, observers.meta, resumed=start > 0)  # (a checkpoint's step is >= 1)
     observers.train_start(engine, start)
     model.train()
     for step in range(start, t.max_steps):

@@ -16,6 +16,7 @@ from backends.lightning.torchmetrics_imports import import_lightning
 
 L = import_lightning()  # before any other `import lightning` of ours: see torchmetrics_imports
 
+import checkpoints
 from backends import Outcome
 from backends.lightning import families
 from backends.lightning.bridge import ObserverBridge
@@ -92,7 +93,8 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
     log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
     module.share = CountedShare(train, global_batch=job.batch.global_size, seed=t.seed)
-    module.objective = objective_for(job, train, out, observers.meta)
+    module.objective = objective_for(job, train, out, observers.meta,
+                                     resumed=checkpoints.resuming(job, out))
     data = GlobalBatchData(train, global_batch=job.batch.global_size,
                            micro_batch=job.batch.per_step, steps=t.max_steps, seed=t.seed,
                            num_workers=job.data.num_workers)
@@ -102,8 +104,6 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
 
 
 def fit(built: Built) -> Outcome:
-    import checkpoints
-
     checkpoints.interruption().install()  # before Lightning's: its teardown restores ours
     job, trainer = built.job, built.trainer
     # (Lightning's note that its validation loop is skipped is filtered in backends/common/quiet.py:
