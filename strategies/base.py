@@ -4,7 +4,7 @@ A family is a dataclass subclassing ``StrategyConfig``, decorated with ``@family
 module of ``strategies/families/`` (found there; nothing else lists it). Its schema is stored in
 Hydra's ConfigStore as ``<name>_schema`` (at the root, so ``--help`` lists only presets), so each
 preset YAML in ``conf/strategy/`` starts with ``defaults: [/<name>_schema@_here_, _self_]`` and a
-typo in a key fails at compose time. Fields declare their allowed values with ``knob``
+typo in a key fails at compose time (a ``dict`` field is raw engine keys, open to new ones). Fields declare their allowed values with ``knob``
 (core/knobs.py). The family answers, each in one method, as data:
 
 - ``mesh(nodes, devices)``: its topology -- the model-parallel degrees and shard group;
@@ -248,8 +248,13 @@ def family(name: str):
         cls.FAMILY = name
         _FAMILIES[name] = cls
         from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
 
-        ConfigStore.instance().store(name=f"{name}_schema", node=cls(family=name))
+        node = OmegaConf.structured(cls(family=name))
+        for f in dataclasses.fields(cls):  # a raw mapping (ZeRO's deepspeed_config): its keys are the
+            if str(f.type).startswith("dict"):  # engine's, set as strategy.<field>.<key>=v (no + needed)
+                OmegaConf.set_struct(node[f.name], False)
+        ConfigStore.instance().store(name=f"{name}_schema", node=node)
         return cls
 
     return register

@@ -281,6 +281,23 @@ def test_raw_deepspeed_keys_with_a_typed_owner_are_refused_and_the_others_pass()
     assert ds["zero_optimization"]["round_robin_gradients"] is True and ds["aio"] == {"thread_count": 2}
 
 
+@pytest.mark.unit
+def test_deepspeed_config_takes_new_keys_without_plus():
+    """strategy.deepspeed_config holds raw DeepSpeed keys, which the schema cannot list: the plain
+    dotted and dict forms set them, as ``+`` does (not Hydra's "use +" advice, nor "no such key")."""
+    base = ["model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=2", "strategy=zero2"]
+    for given in (["strategy.deepspeed_config.steps_per_print=10",
+                   "strategy.deepspeed_config.zero_optimization.round_robin_gradients=true"],
+                  ["strategy.deepspeed_config={steps_per_print:10,zero_optimization:{round_robin_gradients:true}}"],
+                  ["+strategy.deepspeed_config.steps_per_print=10",
+                   "+strategy.deepspeed_config.zero_optimization.round_robin_gradients=true"]):
+        ds = validate(compose(base + given)).strategy.deepspeed_json()
+        assert ds["steps_per_print"] == 10, given
+        assert ds["zero_optimization"]["round_robin_gradients"] is True and ds["zero_optimization"]["stage"] == 2
+    with pytest.raises(Exception, match="deepspeed_confg"):  # the schema's own keys stay closed
+        compose(base + ["strategy.deepspeed_confg.steps_per_print=10"])
+
+
 @pytest.mark.subprocess
 def test_bad_zero_config_stops_the_cli_before_launch(train):
     run = train("strategy=zero3", "cluster.devices=2", "strategy.stage=0",
