@@ -45,7 +45,7 @@ _WHERE = {"none": DEVICE, "cpu": CPU, "nvme": NVME}
 # sizes the footprint reads from the merged JSON -- reduce_bucket_size, sub_group_size, overlap_comm,
 # contiguous_gradients, stage3_prefetch_bucket_size, stage3_param_persistence_threshold -- may be raw.)
 _OWNED = {
-    "train_batch_size": "trainer.global_batch_size", "gradient_clipping": "trainer.grad_clip (0: off)",
+    "train_batch_size": "trainer.global_batch_size", "gradient_clipping": "trainer.grad_clip",
     "train_micro_batch_size_per_gpu": "trainer.micro_batch_size",
     "gradient_accumulation_steps": "trainer.global_batch_size / trainer.micro_batch_size (it is derived)",
     **dict.fromkeys(("fp16", "bf16", "amp", "torch_autocast"), "trainer.precision"),
