@@ -42,6 +42,7 @@ def main(argv: list[str]) -> None:
     from launchers import registry
     from recipes.config import compose
     from recipes.job import RUN, validate
+    from core.errors import ConfigError
     from core.knobs import paths_elsewhere
 
     dry = "--dry-run" in argv
@@ -59,6 +60,8 @@ def main(argv: list[str]) -> None:
             planner.check(job, to="submit")
         except planner.WillNotFit as e:
             out.append(str(e))
+        except ConfigError as e:  # (a preset the backend cannot run: beside the other problems)
+            out += e.problems
         if chosen.submits and not dry:
             out += chosen.client_problems(job)
         return out

@@ -315,7 +315,10 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
     """The pre-launch check (train.py, a sweep's preflight, launch.py's submission): the plan of
     the job's preset; raises ``WillNotFit`` when it is predicted not to fit and
     ``planner.enforce`` is on (``to``: what ``planner.enforce=false`` would do anyway). The one
-    place that rule lives. With ``planner.calibrate=true`` this machine is measured first."""
+    place that rule lives. A preset that cannot run here at all (a backend that does not run it)
+    is no memory verdict: a ``ConfigError`` whatever ``planner.enforce``, which waives nothing
+    there (the backend would refuse it at launch). With ``planner.calibrate=true`` this machine
+    is measured first."""
     from planner import machine
     from core.errors import ConfigError
 
@@ -324,6 +327,9 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
                            f"does not train; the run's own come from model= (and model.lora): remove it"])
     machine.ensure(job)
     result = preflight(job)
+    if result.blocking:  # (with what would run instead, when a preset does)
+        *first, last = result.blocking
+        raise ConfigError([*first, last + (f"; {result.hint}" if result.hint else "")])
     if not result.fits and job.planner.enforce:
         raise WillNotFit(result.message() + f" (set planner.enforce=false to {to} anyway)",
                          plan_dict(result))

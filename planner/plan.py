@@ -19,6 +19,7 @@ from planner.host import offload_problems
 from planner.startup import build_problems, reference_problems
 from planner.states import GB, float8_gather, state_bytes
 from planner.compute import bubble_fraction, flops_per_step, mfu, peak_flops, peak_source
+from strategies.base import BACKENDS
 from strategies.footprint import DEVICE, SHARDED, Footprint, Sizes
 from parallel.pipeline import bubble as pipeline_bubble
 from parallel.pipeline import fsdp_gathers
@@ -260,7 +261,7 @@ def backend_problems(c: Candidate, su: Setup) -> list[str]:
     """A preset the job's backend does not run (``Capabilities.backends``; the backend's own
     refusal says why, before launch): never recommended, nor chosen by strategy=auto."""
     runs = c.config.capabilities.backends
-    if c.planned_only or su.backend in runs:
+    if c.planned_only or su.backend in runs or su.backend not in BACKENDS:  # (another: its own problems)
         return []
     return [f"strategy={c.name} is not supported by backend={su.backend}: "
             f"{' or '.join(f'backend={b}' for b in runs)} runs it"]

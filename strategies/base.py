@@ -4,8 +4,9 @@ A family is a dataclass subclassing ``StrategyConfig``, decorated with ``@family
 module of ``strategies/families/`` (found there; nothing else lists it). Its schema is stored in
 Hydra's ConfigStore as ``<name>_schema`` (at the root, so ``--help`` lists only presets), so each
 preset YAML in ``conf/strategy/`` starts with ``defaults: [/<name>_schema@_here_, _self_]`` and a
-typo in a key fails at compose time. Fields declare their allowed values with ``knob``
-(core/knobs.py). The family answers, each in one method, as data:
+typo in a key fails at compose time (a ``dict`` field holds raw engine keys: open to new ones).
+Fields declare their allowed values with ``knob`` (core/knobs.py). The family answers, each in
+one method, as data:
 
 - ``mesh(nodes, devices)``: its topology -- the model-parallel degrees and shard group;
 - ``problems(run)`` / ``model_problems(model)``: every problem, collected, before launch;
@@ -38,6 +39,9 @@ from core.mesh import Axis, Mesh
 DCP, DEEPSPEED, ZERO_EP = "dcp", "deepspeed", "zero_ep"
 SELECTIVE = "selective"
 AC_CHOICES = (False, True, SELECTIVE)
+BACKENDS = ("lightning", "accelerate")
+"""The backends ``Capabilities.backends`` speaks for; one added later (a new backends/<name>/)
+answers for itself, with its own ``problems`` before launch."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class Capabilities:
     degrees: tuple[str, ...] = ()
     """Model-parallel degrees its fields set, which a planner may choose (``with_degrees``)."""
     backends: tuple[str, ...] = ("lightning", "accelerate")
-    """The backends that run it; the others refuse it before launch with their reason
+    """Which of ``BACKENDS`` run it; the others refuse it before launch with their reason
     (backends/*/families), which the planner reads from here (it imports no backend)."""
     sharded_build: tuple[str, ...] = ()
     """Backends on which a rank's build never holds the whole model (built on the meta device
@@ -248,8 +252,13 @@ def family(name: str):
         cls.FAMILY = name
         _FAMILIES[name] = cls
         from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
 
-        ConfigStore.instance().store(name=f"{name}_schema", node=cls(family=name))
+        node = OmegaConf.structured(cls(family=name))
+        for f in dataclasses.fields(cls):  # a raw mapping (ZeRO's deepspeed_config): its keys are the
+            if str(f.type).startswith("dict"):  # engine's, set as strategy.<field>.<key>=v (no + needed)
+                OmegaConf.set_struct(node[f.name], False)
+        ConfigStore.instance().store(name=f"{name}_schema", node=node)
         return cls
 
     return register

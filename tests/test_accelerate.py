@@ -89,6 +89,33 @@ def test_presets_accelerate_cannot_run_are_refused_naming_the_backend_that_can(t
     assert "Initializing distributed" not in run.log
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["tp", "pipeline"])
+def test_a_preset_the_backend_cannot_run_is_one_error_whatever_planner_enforce(preset, tmp_path, capsys):
+    """A backend that cannot run the preset is a configuration error, not a memory verdict: no
+    "will not fit", no advice to set planner.enforce=false (which would only lead to the backend's
+    refusal at launch), and --dry-run refuses it (exit 2) with or without planner.enforce."""
+    import planner
+    from launchers import dry_run
+    from recipes.config import compose
+    from recipes.job import RUN, validate
+    from strategies import ConfigError
+
+    over = ["model=gpt_nano", "backend=accelerate", f"strategy={preset}", "cluster.devices=2",
+            "cluster.accelerator=cpu"]
+    for enforce in ("true", "false"):
+        job = validate(compose([*over, f"planner.enforce={enforce}"]), depth=RUN)
+        with pytest.raises(ConfigError) as e:
+            planner.check(job)
+        assert "not supported by backend=accelerate" in str(e.value), str(e.value)
+        assert "planner.enforce" not in str(e.value) and "will not fit" not in str(e.value), str(e.value)
+        capsys.readouterr()
+        code = dry_run.main([*over, f"planner.enforce={enforce}", f"hydra.run.dir={tmp_path}", "--dry-run"])
+        out = capsys.readouterr().out
+        assert code == 2 and "not supported by backend=accelerate" in out, (enforce, out)
+        assert "would start" not in out and "planner.enforce=false to" not in out, (enforce, out)
+
+
 def _export(tmp_path, *overrides: str) -> list[str]:
     proc = subprocess.run([sys.executable, str(ROOT / "export.py"), *overrides], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120,

@@ -224,8 +224,8 @@ def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
                    "strategy.reduce_bucket_size=0: must be >= 1",
                    "strategy.allgather_bucket_size=-5: must be >= 1",
                    "strategy.pin_memory=true needs CUDA",
-                   "strategy.deepspeed_config.gradient_accumulation_steps is set",
-                   "strategy.deepspeed_config.zero_optimization.stage is set"):
+                   "strategy.deepspeed_config.gradient_accumulation_steps=4: a typed key owns",
+                   "strategy.deepspeed_config.zero_optimization.stage=1: a typed key owns"):
         assert needle in msg, f"{needle!r} not in:\n{msg}"
     assert "(7 problem(s))" in msg
 
@@ -244,6 +244,58 @@ def test_every_zero_problem_is_named_with_key_value_and_fix(tmp_path):
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
         assert "is not writable" in _problems("strategy=zero_infinity", f"strategy.nvme_path={ro}")
+
+
+@pytest.mark.unit
+def test_raw_deepspeed_keys_with_a_typed_owner_are_refused_and_the_others_pass():
+    """A raw key the generated config sets from a typed key (or that replaces the recipe's
+    optimizer, schedule or precision) would win in the engine while report.json records the
+    typed value: each is one problem naming the key, its value and the typed key; a key no typed
+    key owns reaches the engine's JSON."""
+    owned = {  # override -> (the refused key and its value as said, the typed key to set)
+        "gradient_clipping=0.0": ("gradient_clipping=0.0", "trainer.grad_clip"),
+        "bf16.enabled=true": ('bf16={"enabled": true}', "trainer.precision"),
+        "fp16.enabled=true": ('fp16={"enabled": true}', "trainer.precision"),
+        "optimizer={type:Adam,params:{lr:0.1}}": ('optimizer={"type": "Adam", "params": {"lr": 0.1}}',
+                                                 "trainer.optimizer"),
+        "scheduler.type=WarmupLR": ('scheduler={"type": "WarmupLR"}', "trainer.scheduler"),
+        "train_micro_batch_size_per_gpu=4": ("train_micro_batch_size_per_gpu=4", "trainer.micro_batch_size"),
+        "zero_optimization.stage3_max_live_parameters=5": ("zero_optimization.stage3_max_live_parameters=5",
+                                                           "strategy.max_live_parameters"),
+        "zero_optimization.allgather_bucket_size=7": ("zero_optimization.allgather_bucket_size=7",
+                                                      "strategy.allgather_bucket_size"),
+        "aio.block_size=4096": ("aio.block_size=4096", "strategy.aio_block_size"),
+    }
+    msg = _problems("strategy=zero2", *(f"+strategy.deepspeed_config.{k}" for k in owned))
+    for said, owner in owned.values():
+        line = next((x for x in msg.splitlines() if f"strategy.deepspeed_config.{said}" in x), None)
+        assert line is not None and f"set {owner}" in line, f"{said!r} / {owner!r} not in:\n{msg}"
+    assert f"({len(owned)} problem(s))" in msg
+
+    free = ("steps_per_print=10", "communication_data_type=fp32", "zero_optimization.reduce_bucket_size=auto",
+            "zero_optimization.round_robin_gradients=true", "aio.thread_count=2")
+    cfg = compose(["model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=2", "strategy=zero2",
+                   *(f"+strategy.deepspeed_config.{k}" for k in free)])
+    ds = validate(cfg).strategy.deepspeed_json()
+    assert ds["steps_per_print"] == 10 and ds["communication_data_type"] == "fp32"
+    assert ds["zero_optimization"]["round_robin_gradients"] is True and ds["aio"] == {"thread_count": 2}
+
+
+@pytest.mark.unit
+def test_deepspeed_config_takes_new_keys_without_plus():
+    """strategy.deepspeed_config holds raw DeepSpeed keys, which the schema cannot list: the plain
+    dotted and dict forms set them, as ``+`` does (not Hydra's "use +" advice, nor "no such key")."""
+    base = ["model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=2", "strategy=zero2"]
+    for given in (["strategy.deepspeed_config.steps_per_print=10",
+                   "strategy.deepspeed_config.zero_optimization.round_robin_gradients=true"],
+                  ["strategy.deepspeed_config={steps_per_print:10,zero_optimization:{round_robin_gradients:true}}"],
+                  ["+strategy.deepspeed_config.steps_per_print=10",
+                   "+strategy.deepspeed_config.zero_optimization.round_robin_gradients=true"]):
+        ds = validate(compose(base + given)).strategy.deepspeed_json()
+        assert ds["steps_per_print"] == 10, given
+        assert ds["zero_optimization"]["round_robin_gradients"] is True and ds["zero_optimization"]["stage"] == 2
+    with pytest.raises(Exception, match="deepspeed_confg"):  # the schema's own keys stay closed
+        compose(base + ["strategy.deepspeed_confg.steps_per_print=10"])
 
 
 @pytest.mark.subprocess
@@ -272,7 +324,7 @@ def test_deepspeed_config_is_plain_and_overrides_merge_over_the_generated_one():
                    "strategy=zero3_offload", "strategy.reduce_bucket_size=1000",
                    "+strategy.deepspeed_config.zero_optimization.reduce_bucket_size=2000",
                    "+strategy.deepspeed_config.zero_optimization.offload_optimizer_extra=1",
-                   "+strategy.deepspeed_config.gradient_clipping=0.25"])
+                   "+strategy.deepspeed_config.communication_data_type=fp32"])
     assert isinstance(cfg.strategy.deepspeed_config, DictConfig)
     job = validate(cfg)
     ds = job.strategy.deepspeed_json(job.run)
@@ -289,7 +341,8 @@ def test_deepspeed_config_is_plain_and_overrides_merge_over_the_generated_one():
     assert z["reduce_bucket_size"] == 2000           # deepspeed_config wins over the typed key
     assert z["offload_optimizer_extra"] == 1         # deep merge keeps generated siblings
     assert z["stage3_param_persistence_threshold"] == 100_000
-    assert ds["gradient_clipping"] == 0.25           # ... and over values taken from the trainer
+    assert ds["communication_data_type"] == "fp32"  # a key no typed key owns passes through
+    assert ds["gradient_clipping"] == 0.5            # from the trainer (a raw one is refused)
     assert ds["train_micro_batch_size_per_gpu"] == 4
     # from the run (Accelerate's engine needs it); Lightning's strategy gets the config without the
     # run and sets it from accumulate_grad_batches

@@ -5,18 +5,13 @@ ranks, ZeRO-2 also the gradients, ZeRO-3 also the parameters (gathered per layer
 backward). Offload keeps the optimizer state (ZeRO-Offload) or the parameter shards too
 (ZeRO-Infinity) in CPU memory or on NVMe.
 
-The DeepSpeed config is generated from the typed keys below (``deepspeed_json``, plain data);
-``deepspeed_config`` is raw DeepSpeed JSON merged over it. Precedence, lowest first:
-
-1. the generated config (typed keys; with a ``Run``, for an engine that does not fill them
-   itself -- Accelerate's plugin, an exported JSON -- also the micro batch, accumulation,
-   clipping and precision sections);
-2. ``strategy.deepspeed_config``, deep-merged: nested mappings merge key by key, any other value
-   replaces the generated one. Keys with a typed owner are refused by ``problems()`` instead of
-   silently winning (``gradient_accumulation_steps``, ``train_batch_size``,
-   ``zero_optimization.stage``, ``zero_optimization.offload_*``: set the typed key);
-3. an engine that fills what is still missing itself (Lightning: accumulation, micro batch,
-   clipping and precision from the Trainer).
+The DeepSpeed config is generated from the typed keys below (``deepspeed_json``, plain data; with
+a ``Run``, for an engine that does not fill them itself -- Accelerate's plugin, an exported JSON --
+also the micro batch, accumulation, clipping and precision). ``strategy.deepspeed_config`` is raw
+DeepSpeed JSON deep-merged over it (mappings key by key, any other value replaces), except that a
+key with a typed owner (``_OWNED``) is refused by ``problems()`` instead of silently winning; an
+engine then fills what is still missing itself (Lightning: accumulation, micro batch, clipping and
+precision from the Trainer).
 
 The engine code (the DeepSpeed engine under each backend, ``zero.Init``, its CPU accelerator,
 counting what it holds) lives in backends/.
@@ -25,6 +20,8 @@ counting what it holds) lives in backends/.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -43,15 +40,21 @@ from core.run import Run
 STAGES = (1, 2, 3)
 OFFLOAD = ("none", "cpu", "nvme")
 _WHERE = {"none": DEVICE, "cpu": CPU, "nvme": NVME}
-# deepspeed_config keys that a typed key (or the batch arithmetic) owns: merging them would
-# create a second way to set one knob, and make the footprint lie about what ranks hold.
+# deepspeed_config keys a typed key owns (dotted key -> what to set instead): merged, they would
+# win in the engine while report.json's config and the footprint say the typed value. (The ZeRO
+# sizes the footprint reads from the merged JSON -- reduce_bucket_size, sub_group_size, overlap_comm,
+# contiguous_gradients, stage3_prefetch_bucket_size, stage3_param_persistence_threshold -- may be raw.)
 _OWNED = {
-    "gradient_accumulation_steps": "set trainer.global_batch_size / trainer.micro_batch_size "
-                                   "(accumulation is derived)",
-    "train_batch_size": "set trainer.global_batch_size",
-    "zero_optimization.stage": "set strategy.stage",
-    "zero_optimization.offload_optimizer": "set strategy.offload_optimizer",
-    "zero_optimization.offload_param": "set strategy.offload_params",
+    "train_batch_size": "trainer.global_batch_size", "gradient_clipping": "trainer.grad_clip",
+    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size",
+    "gradient_accumulation_steps": "trainer.global_batch_size / trainer.micro_batch_size (it is derived)",
+    **dict.fromkeys(("fp16", "bf16", "amp", "torch_autocast"), "trainer.precision"),
+    "optimizer": "trainer.optimizer / lr / betas / weight_decay (the recipe's torch optimizer steps)",
+    "scheduler": "trainer.scheduler / warmup_steps (the recipe's schedule)",
+    **{f"zero_optimization.{k}": f"strategy.{v or k.removeprefix('stage3_')}" for k, v in {
+        "stage": "", "offload_optimizer": "", "offload_param": "offload_params", "allgather_bucket_size": "",
+        "stage3_max_live_parameters": "", "stage3_max_reuse_distance": ""}.items()},
+    "aio.block_size": "strategy.aio_block_size", "aio.queue_depth": "strategy.aio_queue_depth",
 }
 AUTO = "auto"
 # zero_optimization keys DeepSpeed's integrations fill from the model's hidden size when "auto"
@@ -156,16 +159,20 @@ class ZeroConfig(StrategyConfig):
             out.append(f"strategy.offload_params={self.offload_params} needs strategy.stage=3 "
                        f"(got {self.stage}): only ZeRO-3 shards parameters; use strategy=zero3_offload "
                        "or set strategy.offload_params=none")
-        if "nvme" in (self.offload_optimizer, self.offload_params):
-            out += self._nvme_problems()
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            why = " and ".join(f"strategy.{k}=nvme" for k in ("offload_optimizer", "offload_params")
+                               if getattr(self, k) == "nvme")
+            out.append(f"strategy.nvme_path={self.nvme_path!r} but {why} needs a directory for swap "
+                       "files: set strategy.nvme_path=/path/on/nvme (it must exist and be writable)")
         if self.pin_memory and run.accelerator == "cpu":
             out.append("strategy.pin_memory=true needs CUDA (page-locked memory for host<->GPU "
                        "copies): set strategy.pin_memory=false on cluster.accelerator=cpu")
-        for dotted, fix in _OWNED.items():
-            if has(self.deepspeed_config, dotted):
-                out.append(f"strategy.deepspeed_config.{dotted} is set, but that knob has a typed "
-                           f"owner: remove it from deepspeed_config and {fix}")
-        return out
+        raw = plain(self.deepspeed_config)
+        at = lambda k: json.dumps(functools.reduce(dict.get, k.split("."), raw))  # noqa: E731
+        return out + [f"strategy.deepspeed_config.{k}={at(k)}: a typed key owns that knob, and the raw "
+                      "value would silently win over it; remove it from strategy.deepspeed_config and "
+                      f"set {owner} instead"
+                      for k, owner in _OWNED.items() if has(raw, k)]
 
     def value_problems(self) -> list[str]:
         """Raw ``deepspeed_config.zero_optimization`` sizes: an integer in range or "auto"."""
@@ -180,14 +187,6 @@ class ZeroConfig(StrategyConfig):
                        f"hidden size h, as Accelerate does: {rule}); set it to e.g. "
                        f"{_default(typed)} or \"auto\", or remove it and set strategy.{typed}")
         return out
-
-    def _nvme_problems(self) -> list[str]:
-        where = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
-        why = " and ".join(f"strategy.{k}=nvme" for k in where)
-        if not self.nvme_path:
-            return [f"strategy.nvme_path={self.nvme_path!r} but {why} needs a directory for swap "
-                    "files: set strategy.nvme_path=/path/on/nvme (it must exist and be writable)"]
-        return []
 
     def launch_problems(self, run: Run) -> list[str]:
         """NVMe offload on the machine that runs it: a writable swap directory, Linux libaio."""
