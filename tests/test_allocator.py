@@ -226,7 +226,8 @@ n, k = 24 << 20, 4  # then a step as test_a_large_step_... makes it
 
 @pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-@pytest.mark.parametrize("kind,name,kept", [("lightning", "auto", False), ("lightning", "single", True),
+@pytest.mark.parametrize("kind,name,kept", [("lightning", "auto", False),
+                                            pytest.param("lightning", "single", True, marks=pytest.mark.slow),
                                             ("lightning", "zero2", True), ("accelerate", "single", True),
                                             ("train", "single", True)])
 def test_a_users_own_script_on_a_preset_allocates_as_train_pys_ranks(kind, name, kept):

@@ -142,7 +142,7 @@ CALLS = ROOT / "tests" / "lightning_calls_script.py"
 # CI: one preset per family that trains a plain module (issue 39's matrix): DDP, FSDP2 (sharded in
 # our setup, repeated calls keep their shards) and ZeRO-2 (DeepSpeed's inference engine on CPU for
 # validate/test/predict) here, FSDP1 in test_clients.py; zero3 in the slow tier.
-CALLS_CI = {"ddp", "fsdp2", "zero2"}
+CALLS_CI = {"ddp", "zero2"}  # (fsdp2: test_clients' documented fsdp client and the meta-built fsdp2 module)
 
 
 CALLS_OPEN: dict[str, str] = {}  # preset -> why it is expected to fail (none now)
@@ -193,7 +193,9 @@ def straight_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("preset", ["ddp_powersgd", pytest.param("ddp_topk", marks=pytest.mark.slow),
+# CI: train.py's exact resume of the same state (test_ddp_efficient ...resumes_exactly[ddp_powersgd-lightning])
+# and this entry's refusal of another preset's checkpoint (below)
+@pytest.mark.parametrize("preset", [pytest.param("ddp_powersgd", marks=pytest.mark.slow), pytest.param("ddp_topk", marks=pytest.mark.slow),
                                     pytest.param("local_sgd", marks=pytest.mark.slow),
                                     pytest.param("diloco", marks=pytest.mark.slow)])
 def test_a_users_ckpt_path_resumes_a_preset_that_keeps_state_on_each_rank(tmp_path, preset, straight_runs):
