@@ -334,7 +334,6 @@ def save_hf(state: dict[str, torch.Tensor], shape: ModelConfig, out: Path, *, me
     import dataclasses
     import shutil
 
-
     # Parameters on the meta device, then the state's tensors assigned: no weights read twice.
     model = model_class(shape.path)(dataclasses.replace(shape, pretrained=True), meta=True)
     model.load_state_dict(state, strict=True, assign=True)

@@ -46,14 +46,15 @@ _WHERE = {"none": DEVICE, "cpu": CPU, "nvme": NVME}
 # contiguous_gradients, stage3_prefetch_bucket_size, stage3_param_persistence_threshold -- may be raw.)
 _OWNED = {
     "train_batch_size": "trainer.global_batch_size", "gradient_clipping": "trainer.grad_clip",
-    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size",
+    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size", "scheduler": "trainer.scheduler / warmup_steps",
     "gradient_accumulation_steps": "trainer.global_batch_size / trainer.micro_batch_size (it is derived)",
     **dict.fromkeys(("fp16", "bf16", "amp", "torch_autocast"), "trainer.precision"),
     "optimizer": "trainer.optimizer / lr / betas / weight_decay (the recipe's torch optimizer steps)",
-    "scheduler": "trainer.scheduler / warmup_steps (the recipe's schedule)",
-    **{f"zero_optimization.{k}": f"strategy.{v or k.removeprefix('stage3_')}" for k, v in {
-        "stage": "", "offload_optimizer": "", "offload_param": "offload_params", "allgather_bucket_size": "",
-        "stage3_max_live_parameters": "", "stage3_max_reuse_distance": ""}.items()},
+    "zero_optimization.stage": "strategy.stage", "zero_optimization.offload_param": "strategy.offload_params",
+    "zero_optimization.offload_optimizer": "strategy.offload_optimizer",
+    "zero_optimization.allgather_bucket_size": "strategy.allgather_bucket_size",
+    "zero_optimization.stage3_max_live_parameters": "strategy.max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance": "strategy.max_reuse_distance",
     "aio.block_size": "strategy.aio_block_size", "aio.queue_depth": "strategy.aio_queue_depth",
 }
 AUTO = "auto"
