@@ -62,6 +62,20 @@ def test_zero_matches_single_process_and_shards(cached, reference, preset, optim
 
 
 @pytest.mark.multiprocess
+def test_a_tied_table_at_the_heads_scale_is_what_zero3s_partitioned_build_trains(cached):
+    """model.tie_embeddings=true draws the shared table at a head's spread (recipes/gpt.py
+    ``Embedding``), inside the embedding's constructor: zero.Init partitions a module when its
+    constructor returns, so a scaling after it would leave ZeRO-3 training the N(0, 1) table
+    (a first loss ~25 above ln(vocab)) while the single process trains the scaled one."""
+    tied = ("model.tie_embeddings=true", *OPTIMIZERS["sgd"])
+    single = cached(*EQUIV, *tied, "strategy=single", "trainer.micro_batch_size=8")
+    zero3 = cached(*EQUIV, *CASES["zero3"].overrides, *tied, "backend=lightning")
+    assert single.losses[0] < 7.0, single.losses  # (ln 256 = 5.5; the N(0, 1) table: 31.8)
+    assert_losses_close(single.losses, zero3.losses, rtol=1e-5)
+    assert_params_close(single.params(), zero3.params(), rtol=1e-5)
+
+
+@pytest.mark.multiprocess
 def test_zero3_persistent_tensors_are_planned_as_held_and_sent(train):
     """Tensors at or under stage3_param_persistence_threshold stay whole on every rank beside
     their partition and are all-gathered once after each step instead of per use: at 1000
