@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 import checkpoints
 from core.errors import ConfigError, DataError
 from launchers import slurm
+from observers.compare import sweep_facts
 from observers.files import atomic_write_text
 from planner import WillNotFit
 
@@ -159,7 +160,6 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
             r["predicted_device_bytes"] = plan["memory"]["total"]
         return r
     ranks = report.get("memory", {}).get("ranks", [])
-    comm = report.get("communication", {}).get("per_step", {})
     pvm = report.get("predicted_vs_measured", {})
     r.update({
         "steps": report.get("steps"),
@@ -170,8 +170,7 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
         "step_seconds": report.get("throughput", {}).get("step_seconds"),
         "state_bytes_per_rank": [sum(x.get(k, 0) for k in ("params", "grads", "optimizer")) for x in ranks],
         "peak_memory_per_rank": [_peak(x) for x in ranks],
-        # what rank 0 sends per step on a ring: the planner's unit (observers/compare.py)
-        "comm_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) if comm else None,
+        **sweep_facts(report),  # what rank 0 sends per step on a ring, after the preset's warm-up
         "predicted_state_bytes": pvm.get("state_bytes", {}).get("predicted"),
         "predicted_comm_bytes_per_step": pvm.get("communication", {}).get("predicted",
                                                                           plan.get("communication", {}).get("bytes_per_step")),
@@ -227,7 +226,8 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
     lines = [f"# Sweep report: {sweep}", "",
              "Measured (rank 0 for communication; every rank for memory) beside the planner's "
              "prediction. Peak memory: the GPU's peak allocation, on CPU the process's peak RSS. "
-             "Communication: bytes rank 0 sends per optimizer step on a ring.", "",
+             "Communication: bytes rank 0 sends per optimizer step on a ring, after the preset's "
+             "warm-up (the steady state the plan prices; \"(warm-up)\": the run never left it).", "",
              "Every job: " + (" ".join(f"`{o}`" for o in sorted(common)) or "-"), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -237,7 +237,7 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
             _num(r.get("final_loss"), ".4f"), _num(r.get("tokens_per_second"), ",.0f"),
             _num(r.get("step_seconds"), ".3g"), _num(r.get("first_step_seconds"), ".1f"),
             _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
-            _mib(r.get("comm_bytes_per_step")), fits, _num(r.get("predicted_step_seconds"), ".3g"),
+            _mib(r.get("comm_bytes_per_step")) + (" (warm-up)" if r.get("comm_of") == "warm-up" else ""), fits, _num(r.get("predicted_step_seconds"), ".3g"),
             _mib(r.get("predicted_state_bytes")), _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
     notes = [r for r in rows if r["status"] != OK]
     if notes:

@@ -38,9 +38,14 @@ Ulysses' all-to-all, backends/common/deepspeed.py), DeepSpeed's MoE groups by it
 what the strategy does on it (data-shard when it shards, else data-replicate).
 
 Report key ``communication``: ``per_step[kind] -> {count, bytes, wire_bytes, seconds}`` (rank 0,
-averaged over optimizer steps, the first excluded when there are others: engines set up in it),
-``by_group[group][kind]`` the same per group, ``ranks`` (every rank's per-step totals),
-``steps`` (how many were recorded), ``mechanism`` and ``unobserved``.
+averaged over optimizer steps, the first excluded when there are others: engines set up in it;
+and the steps of the preset's warm-up -- ``strategy.powersgd_warmup_steps``, the ``start_step``
+of top-k, int8, local SGD and DiLoCo: plain all-reduce -- excluded, so the average is the steady
+state the planner prices), ``by_group[group][kind]`` the same per group, ``ranks`` (every rank's
+per-step totals), ``steps`` (how many were recorded), ``averaged_steps`` (how many the averages
+cover), ``warmup_steps`` (the preset's warm-up, 0: none), ``steady_state`` (false: every step
+but the first was in the warm-up, and the averages are the warm-up's), ``mechanism`` and
+``unobserved``.
 """
 
 from __future__ import annotations
@@ -348,21 +353,40 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
 class CommunicationProfile(Observer):
     """Records every optimizer step; reports rank 0's average per step."""
 
-    def __init__(self, world_role: str):
+    def __init__(self, world_role: str, warmup: tuple[int, str] = (0, "")):
+        """``warmup``: the preset's steps before its steady-state traffic, and their key
+        (``StrategyConfig.traffic_warmup``)."""
         self.world_role = world_role
+        self.warmup, self.warmup_key = warmup
         self.steps: list[dict[str, dict[str, dict[str, float]]]] = []
+        self.indices: list[int] = []
+        """Each recorded step's index (0-based, counted over the whole run: a resumed run's first
+        is its checkpoint's step), beside ``steps``."""
         self.ranks: list[Any] = []
         self._rec: Recorder | None = None
+        self._index = 0
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         self._rec = recorder(self.world_role)
 
     def on_step_start(self, engine: Engine, step: int) -> None:
+        self._index = step
         self._rec.start()
 
     def on_step_work_end(self, engine: Engine, step: int) -> None:
         # before the backend reduces the step's loss for the report: not training traffic
         self.steps.append(summarize(self._rec.stop()))
+        self.indices.append(self._index)
+
+    def averaged(self) -> tuple[list[dict[str, Any]], bool]:
+        """The recorded steps the averages cover, and whether they are the steady state: every
+        step but the first (when there are others: engines set up in it -- DeepSpeed ZeRO-3
+        traces its gather order, DDP rebuilds its buckets) from the preset's warm-up's end on;
+        when no step is past the warm-up, the warm-up's (not steady)."""
+        recorded = list(zip(self.indices, self.steps))
+        later = recorded[1:] or recorded
+        steady = [s for i, s in later if i >= self.warmup]
+        return (steady, True) if steady or not later else ([s for _, s in later], False)
 
     def on_train_end(self, engine: Engine) -> None:
         from observers.memory import all_gather
@@ -372,10 +396,8 @@ class CommunicationProfile(Observer):
         self.ranks = all_gather({"rank": engine.rank, **_totals(self.per_step())})
 
     def by_group(self) -> dict[str, dict[str, dict[str, float]]]:
-        """group -> kind -> averages over the recorded steps but the first (when there are
-        others: engines set up in it -- DeepSpeed ZeRO-3 traces its gather order, DDP rebuilds
-        its buckets)."""
-        steps = self.steps[1:] or self.steps
+        """group -> kind -> averages over the steps ``averaged`` names."""
+        steps = self.averaged()[0]
         n = max(len(steps), 1)
         acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         for step in steps:
@@ -396,8 +418,11 @@ class CommunicationProfile(Observer):
         return {k: dict(v) for k, v in out.items()}
 
     def report(self) -> dict[str, Any]:
+        averaged, steady = self.averaged()
         return {"communication": {"per_step": self.per_step(), "by_group": self.by_group(),
                                   "ranks": self.ranks, "steps": len(self.steps),
+                                  "averaged_steps": len(averaged), "warmup_steps": self.warmup,
+                                  "steady_state": steady,
                                   "mechanism": MECHANISM,
                                   "unobserved": self._rec.unobserved if self._rec else []}}
 
@@ -418,4 +443,4 @@ def _selected(s: Selection) -> Observer | None:
     """``callbacks.communication`` (off: nothing is intercepted)."""
     if not s.job.callbacks.communication:
         return None
-    return CommunicationProfile(s.job.strategy.world_role(s.job.mesh))
+    return CommunicationProfile(s.job.strategy.world_role(s.job.mesh), s.job.strategy.traffic_warmup())

@@ -10,7 +10,10 @@ runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak a
 ``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
 ``communication``
 (bytes the busiest rank sends per optimizer step on a ring: the planner's unit; offload's
-host and NVMe copies are not collectives and are left out of the prediction) and
+host and NVMe copies are not collectives and are left out of the prediction; measured after the
+preset's warm-up -- PowerSGD's, top-k's, int8's, local SGD's and DiLoCo's plain all-reduce steps
+--, the steady state the plan prices, which ``of`` says; a run that never left its warm-up has
+``steady_state: false`` and no ratio) and
 ``step_seconds`` (the planner's step time against the throughput observer's median step, the
 first excluded; planned from the nominal cluster.peak_tflops x planner.mfu rather than this
 machine's measured matmul rate, it is marked ``calibrated: false`` and has no ratio: "not
@@ -49,6 +52,22 @@ def predicted_wire_bytes(communication: dict[str, Any]) -> float:
     return sum(x["bytes"] for x in by if x["group"] not in ("host", "nvme"))
 
 
+def _steady(comm: Any) -> dict[str, Any]:
+    """What the measured communication covers, beside the plan's steady state: the steps after
+    the preset's warm-up; none past it: no ratio, and why."""
+    if not comm.warmup:
+        return {}
+    averaged, steady = comm.averaged()
+    what = f"{comm.warmup_key}={comm.warmup}"
+    if steady:
+        return {"of": f"the {len(averaged)} step(s) measured after {what} (the plain all-reduce "
+                      "warm-up): the steady state the plan prices"}
+    return {"ratio": None, "steady_state": False,
+            "of": f"every step measured was in the warm-up ({what}: plain all-reduce), and the plan "
+                  f"is the steady state after it: no ratio (trainer.max_steps above {comm.warmup} "
+                  "measures it)"}
+
+
 class Comparison(Observer):
     """Reads the memory and communication observers' results (whichever are on)."""
 
@@ -74,7 +93,8 @@ class Comparison(Observer):
         if self.communication is not None and self.communication.steps:
             sent = sum(v["wire_bytes"] for v in self.communication.per_step().values())
             sent = max([sent, *(r["wire_bytes"] for r in self.communication.ranks or [])])
-            out["communication"] = _row(predicted_wire_bytes(self.plan["communication"]), sent)
+            out["communication"] = _row(predicted_wire_bytes(self.plan["communication"]), sent) \
+                | _steady(self.communication)
         if self.throughput is not None and self.throughput.seconds and self.plan.get("step_seconds"):
             row = _row(self.plan["step_seconds"], self.throughput.step_seconds())
             source = (self.plan.get("compute") or {}).get("peak_source", "")
@@ -108,6 +128,16 @@ class Comparison(Observer):
         return out
 
 
+def sweep_facts(report: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row's communication (launchers/sweep.py): what rank 0 sends per step on a ring,
+    the planner's unit, after the preset's warm-up as this comparison reads it; ``comm_of``
+    says "warm-up" when the run never left it (not the steady state the plan prices)."""
+    comm = report.get("communication") or {}
+    per = comm.get("per_step") or {}
+    return {"comm_bytes_per_step": sum(v["wire_bytes"] for v in per.values()) if per else None,
+            "comm_of": "warm-up" if comm.get("steady_state") is False else "steady state"}
+
+
 SMALL_PEAK = 64 << 20
 """Below this planned peak the table says the ratio is the runtime's, not the plan's."""
 
@@ -124,8 +154,11 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
         if r.get("calibrated") is False:
             ratio = "uncal."
+        if r.get("steady_state") is False:
+            ratio = "warm-up"
         lines.append(f"{name:>14} {unit(name, r['predicted']):>14} {unit(name, r['measured']):>14} {ratio:>7}")
-    return lines + [f"{'':>14} {note}" for name, note in LEGEND.items() if _shown(name, rows)]
+    warm = [f"{'':>14} warm-up: {r['of']}" for r in rows.values() if r.get("steady_state") is False]
+    return lines + [f"{'':>14} {note}" for name, note in LEGEND.items() if _shown(name, rows)] + warm
 
 
 LEGEND = {

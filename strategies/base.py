@@ -215,6 +215,11 @@ class StrategyConfig:
 
         return Footprint()
 
+    def traffic_warmup(self) -> tuple[int, str]:
+        """Optimizer steps this preset runs before its traffic is the steady state the planner
+        prices, and the key that sets them ((0, ""): the steady state from the first step)."""
+        return 0, ""
+
     def low_precision_weights(self, mesh: Mesh) -> bool:
         """Under a mixed precision, forward and backward run on 16-bit weights (the activation
         calibration's ``bf16`` regime, not autocast over fp32 weights): an engine keeping an

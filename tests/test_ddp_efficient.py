@@ -8,6 +8,8 @@ communication observer's bytes equal the planner's for every new preset."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close
@@ -94,6 +96,69 @@ def test_resume_is_refused_by_name(preset):
     job = validate(compose([f"strategy={preset}", "cluster.devices=2"]))
     assert preset in job.strategy.resume_problem() and "cannot resume" in job.strategy.resume_problem()
     assert validate(compose(["strategy=ddp", "cluster.devices=2"])).strategy.resume_problem() is None
+
+
+def _feed(profile, sent: list[float]) -> None:
+    """``sent[i]``: the all-reduce bytes of step i, through the observer's own hooks (its
+    recorder stands in for torch's collectives: what the aggregation does with them is tested)."""
+    records: list = []
+    profile._rec = type("Rec", (), {"start": lambda self: records.clear(), "stop": lambda self: list(records),
+                                    "unobserved": []})()
+    for step, b in enumerate(sent):
+        profile.on_step_start(None, step)
+        records.append({"kind": "all_reduce", "group": "data-replicate", "bytes": b, "wire_bytes": b,
+                        "seconds": None})
+        profile.on_step_work_end(None, step)
+
+
+@pytest.mark.unit
+def test_the_comparison_leaves_out_the_warm_up_steps():
+    """ddp_powersgd, 16 steps on gpt_nano at 2 ranks (the audit's run): 10 warm-up steps of plain
+    all-reduce (139,904 B) then 6 compressed (7,040 B). The row read 12.47 ("the planner
+    under-predicts PowerSGD 12x"): its average held 9 warm-up steps. It is now the steady state the
+    plan prices; a run that never leaves its warm-up gives no ratio and says why; the sweep
+    reads the same figure (report.json ``communication.per_step``)."""
+    import dataclasses
+
+    from launchers.sweep import markdown
+    from observers.comm import _selected
+    from observers.base import Selection
+    from observers.compare import Comparison, summary_lines, sweep_facts
+    from recipes.config import compose
+    from recipes.job import validate
+
+    psgd, ddp = (validate(compose(["cluster.devices=2", "model=gpt_nano", f"strategy={p}"]))
+                 for p in ("ddp_powersgd", "ddp"))
+    assert psgd.strategy.traffic_warmup() == (10, "strategy.powersgd_warmup_steps")
+    for over in ({"comm_hook": "topk"}, {"comm_hook": "int8"}, {"sync": "local_sgd"}, {"sync": "diloco"}):
+        preset = dataclasses.replace(ddp.strategy, **over, start_step=3)
+        assert preset.traffic_warmup() == (3, "strategy.start_step"), over
+    assert ddp.strategy.traffic_warmup() == (0, "")  # (its start_step starts nothing)
+    plan = {"memory": {}, "communication": {"by_collective": {"grad": {"bytes": 7039, "group": "data"}}}}
+    for steps, measured, ratio in ((16, 7040, 7040 / 7039), (4, 139904, None)):
+        profile = _selected(Selection(psgd, Path("."), plan))
+        _feed(profile, [139904] * 10 + [7040] * (steps - 10) if steps > 10 else [139904] * steps)
+        comm = profile.report()["communication"]
+        assert comm["per_step"]["all_reduce"]["wire_bytes"] == pytest.approx(measured), comm
+        assert (comm["warmup_steps"], comm["steady_state"]) == (10, ratio is not None), comm
+        assert comm["averaged_steps"] == (6 if steps == 16 else 3), comm  # (4 steps: the first is left out)
+        row = Comparison(plan, communication=profile).report()["predicted_vs_measured"]["communication"]
+        assert row["measured"] == pytest.approx(measured) and row["ratio"] == (ratio and pytest.approx(ratio)), row
+        table = summary_lines({"communication": row})
+        facts = sweep_facts({"communication": comm})  # (the sweep's comm MiB/step column)
+        assert facts["comm_bytes_per_step"] == pytest.approx(measured), facts
+        cell = markdown([{"job": "0", "overrides": [], "status": "ok", **facts}], Path(".")).split("| 0 |")[1]
+        if ratio is None:
+            assert table[1].endswith("warm-up") and "strategy.powersgd_warmup_steps=10" in row["of"], table
+            assert any("strategy.powersgd_warmup_steps=10" in x for x in table[2:]), table
+            assert "0.13 (warm-up)" in cell, cell
+        else:
+            assert "after strategy.powersgd_warmup_steps=10" in row["of"], row
+            assert "0.01 |" in cell and "warm-up" not in cell, cell
+    # without a warm-up: every step but the first, as before
+    plain = _selected(Selection(ddp, Path("."), plan))
+    _feed(plain, [5.0, 1.0, 2.0, 3.0])
+    assert plain.report()["communication"]["per_step"]["all_reduce"]["wire_bytes"] == pytest.approx(2.0)
 
 
 @pytest.mark.unit
@@ -410,6 +475,10 @@ def test_powersgd_with_several_buckets_keeps_the_collective_order(tmp_path, back
                       "trainer.max_steps=12", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                       f"backend={backend}", "cluster.accelerator=cpu", out=tmp_path / f"run{i}", timeout=300)
         assert len(run.losses) == 12
+    # ... and its all-reduce after the 10 warm-up steps is the plan's (averaged over steps 2-12: 5x)
+    measured, planned = _bytes(run)
+    assert run.report["communication"]["averaged_steps"] == 2 and measured == pytest.approx(planned, rel=0.02)
+    assert "after strategy.powersgd_warmup_steps=10" in run.report["predicted_vs_measured"]["communication"]["of"]
 
 
 # (slow tier: CI proves local SGD's sync on one node, exact at sync_every=1 and every H steps)
@@ -461,3 +530,6 @@ def test_compression_of_a_bucket_of_any_size_trains_past_its_start_step(cached, 
     after 2 plain ones, and the loss falls."""
     run = cached(*SGD, *TWO, *ODD, f"strategy={preset}", "strategy.start_step=2", "trainer.max_steps=22")
     assert len(run.losses) == 22 and run.losses[-1] < run.losses[0], run.losses
+    # the compressed steps' bytes, the plan's (with the second step's plain all-reduce in the average: +14%)
+    measured, planned = _bytes(run)
+    assert run.report["communication"]["averaged_steps"] == 20 and measured == pytest.approx(planned, rel=0.02)

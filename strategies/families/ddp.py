@@ -92,6 +92,15 @@ class DDPConfig(StrategyConfig):
                 "cluster.nodes, start the run again without trainer.resume_from, or resume with "
                 "strategy=ddp")
 
+    def traffic_warmup(self) -> tuple[int, str]:
+        """PowerSGD's warm-up, or the plain all-reduce steps before top-k, int8, local SGD or
+        DiLoCo start (the plan is the traffic after them)."""
+        if self.comm_hook == "powersgd":
+            return self.powersgd_warmup_steps, "strategy.powersgd_warmup_steps"
+        if self.comm_hook in ("topk", "int8") or self.sync != "every_step":
+            return self.start_step, "strategy.start_step"
+        return 0, ""
+
     def footprint(self) -> DDPFootprint:
         powersgd = self.comm_hook == "powersgd"
         return DDPFootprint(topk_ratio=self.topk_ratio if self.comm_hook == "topk" else 0.0,
