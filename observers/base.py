@@ -10,7 +10,7 @@ A backend calls the hub (``Observers``) at these moments of the loop and hands i
         before_optimizer_step             (gradients ready, update not run)
       step_work_end                       (the update has run; the loss is not reduced yet)
       step_end(loss)                      (the global-batch loss)
-      validation_end(metrics)             (after the steps trainer.val_every names, and the last)
+      validation_start, validation_end(metrics)  (after the steps trainer.val_every names, and the last)
     train_end
  Each observer owns the report
 keys it returns from ``report()``; the hub merges them (a key owned twice is an error, so the
@@ -109,6 +109,9 @@ class Observer:
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         """``loss``: the global-batch loss (mean over every micro-batch on every rank)."""
 
+    def on_validation_start(self, engine: Engine, step: int) -> None:
+        """A validation after ``step`` optimizer steps begins (``on_validation_end`` follows)."""
+
     def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
         """A validation after ``step`` optimizer steps: ``metrics`` has ``loss`` (mean token
         cross entropy over the held-out samples, every rank's) and ``perplexity``."""
@@ -165,6 +168,9 @@ class Observers:
 
     def step_end(self, engine: Engine, step: int, loss: float) -> None:
         self._each("on_step_end", engine, step, loss)
+
+    def validation_start(self, engine: Engine, step: int) -> None:
+        self._each("on_validation_start", engine, step)
 
     def validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
         self._each("on_validation_end", engine, step, metrics)

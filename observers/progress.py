@@ -5,15 +5,17 @@
 - otherwise (``python train.py > run.log``, nohup, Slurm, Kubernetes, CI): one log line every
   ``callbacks.log_every`` steps, on the first step of the attempt and on the last, and at least
   every ``HEARTBEAT_SECONDS``: the last step's line when a step ended since the line before, else
-  which step is running and for how long (a long step, a validation, a checkpoint), so a log file
-  never looks hung::
+  what is running and for how long -- a long step, a validation, what runs between steps (a
+  checkpoint, the next batch) or after the last (finishing) --, so a log file never looks hung::
 
       step 20/300 (7%) | loss 3.2145 | lr 3.00e-04 | 41,235 tok/s | 0.199 s/step | ETA 0:00:56 | mem 812 MiB RSS
+      validating after step 20/300: 0:01:00 since step 20 ended | last loss 3.2145 | ETA 0:00:56 | mem 812 MiB RSS
 
-  step time and tokens/s are the means since the step line before; the ETA is the steps left times the
-  mean step of this attempt (its first step, which carries the warm-up, left out once there are
-  others); memory is rank 0's: the CUDA caching allocator's reserved bytes on GPU, the resident
-  set on CPU.
+  step time and tokens/s are the mean of the steps since the step line before, each from its start
+  to its end as metrics.csv's ``step_seconds`` (validations and checkpoints between steps left
+  out); the ETA is the steps left times the mean wall-clock step of this attempt (validations and
+  checkpoints in; its first step, which carries the warm-up, left out once there are others);
+  memory is rank 0's: the CUDA caching allocator's reserved bytes on GPU, the resident set on CPU.
 """
 
 from __future__ import annotations
@@ -84,8 +86,11 @@ class Progress(Observer):
         self._loss: float | None = None
         self._started = 0.0        # when this attempt's training started
         self._ended = 0.0          # when the last step ended (or training started)
+        self._began: float | None = None  # when the running step started (None: between steps)
+        self._busy = 0.0           # seconds inside steps (start to end) this attempt
+        self._validating = False
         self._said = 0.0           # when the last line (of either kind) was logged
-        self._line = (0, 0.0)      # (step, time) of the last step line: the next line's means
+        self._line = (0, 0.0, 0.0)  # (step, time, busy) of the last step line: the next line's means
         self._timed: tuple[int, float] | None = None  # (step, time) the ETA's mean counts from
 
     # ------------------------------------------------------------------ hooks
@@ -106,7 +111,8 @@ class Progress(Observer):
         elif self.log_every > 0:
             self._first = self._step = step
             self._started = self._ended = self._said = now
-            self._line, self._timed, self._loss = (step, now), None, None
+            self._line, self._timed, self._loss = (step, now, 0.0), None, None
+            self._began, self._busy, self._validating = None, 0.0, False
             self._lines = True
             self._stop.clear()
             if Progress._beating is not None:  # a job of this process that failed (a sweep goes on)
@@ -115,9 +121,19 @@ class Progress(Observer):
             self._thread = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
             self._thread.start()
 
+    def on_step_start(self, engine: Engine, step: int) -> None:
+        with self._lock:
+            self._began = self._last = time.perf_counter()
+
     def on_before_optimizer_step(self, engine: Engine, step: int) -> None:
         if self._lines:
             self._lr = learning_rate(engine)
+
+    def on_validation_start(self, engine: Engine, step: int) -> None:
+        self._validating = True
+
+    def on_validation_end(self, engine: Engine, step: int, metrics: dict) -> None:
+        self._validating = False
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
         now = time.perf_counter()
@@ -130,7 +146,9 @@ class Progress(Observer):
             return
         with self._lock:
             first = self._timed is None
-            self._step, self._loss, self._ended = step, float(loss), now
+            # (a step's start to its end; a caller without on_step_start: since the last end)
+            self._busy += now - (self._ended if self._began is None else self._began)
+            self._step, self._loss, self._ended, self._began = step, float(loss), now, None
             if first:  # the ETA's mean starts after this attempt's first step (its warm-up)
                 self._timed = (step, now)
             if first or step % self.log_every == 0 or step >= self.max_steps:
@@ -171,13 +189,13 @@ class Progress(Observer):
         log.info("%s", line)
         self._said = time.perf_counter()
         if step_line:
-            self._line = (self._step, self._ended)
+            self._line = (self._step, self._ended, self._busy)
 
     def _step_line(self) -> str:
-        """The line after step ``self._step``: step time and tokens/s are the means since the step
-        of the line before."""
-        step, at = self._line
-        per = (self._ended - at) / (self._step - step) if self._step > step else 0.0
+        """The line after step ``self._step``: step time and tokens/s are the mean of the steps
+        since the step of the line before, each its start to its end (not what ran between)."""
+        step, _, busy = self._line
+        per = (self._busy - busy) / (self._step - step) if self._step > step else 0.0
         parts = [f"step {self._step}/{self.max_steps} ({self._step / max(self.max_steps, 1):.0%})",
                  f"loss {self._loss:.4f}", f"lr {self._lr:.2e}",
                  f"{self.tokens_per_step / per:,.0f} tok/s" if per > 0 else "- tok/s", f"{per:.3f} s/step"]
@@ -187,10 +205,21 @@ class Progress(Observer):
             parts.append(f"mem {mem}")
         return " | ".join(parts)
 
+    def _running(self) -> str:
+        """What runs now, for the heartbeat: a step, a validation, or what runs between steps."""
+        done = f"step {self._step}/{self.max_steps}"
+        if self._validating:
+            return f"validating after {done}"
+        if self._began is not None or self._step == self._first:  # (a step, or the first's batch)
+            return f"step {self._step + 1}/{self.max_steps} still running"
+        if self._step >= self.max_steps:
+            return f"after {done}, finishing (a checkpoint, the report)"
+        return f"after {done}, between steps (a checkpoint, the next batch)"
+
     def _beat(self) -> None:
         """Nothing logged for ``heartbeat`` seconds: the line of the last step when one ended since
-        the line before, else which step is running and for how long (a long step, a validation,
-        a checkpoint)."""
+        the line before, else what is running and for how long (a long step, a validation, a
+        checkpoint)."""
         while not self._stop.wait(min(self.heartbeat, 5.0)):
             with self._lock:
                 now = time.perf_counter()
@@ -200,8 +229,7 @@ class Progress(Observer):
                     self._say(self._step_line())
                     continue
                 since = "training started" if self._step == self._first else f"step {self._step} ended"
-                parts = [f"step {self._step + 1}/{self.max_steps} still running: {_clock(now - self._ended)} "
-                         f"since {since}"]
+                parts = [f"{self._running()}: {_clock(now - self._ended)} since {since}"]
                 if self._loss is not None:
                     parts.append(f"last loss {self._loss:.4f}")
                 if (eta := self._eta()) is not None:

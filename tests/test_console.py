@@ -225,10 +225,13 @@ def test_a_long_step_still_says_something_within_the_heartbeat(caplog):
     caplog.set_level(logging.INFO, logger="observers.progress")
     p, engine = Progress(100, 1024, log_every=50, interactive=False, heartbeat=0.2), _Engine()
     p.on_train_start(engine, 0)
+    p.on_step_start(engine, 0)
     p.on_step_end(engine, 1, 2.5)  # a line (the first step)
+    p.on_step_start(engine, 1)
     time.sleep(0.7)  # step 2 takes long: the heartbeat says so
     p.on_step_end(engine, 2, 2.4)  # not due (log_every=50) ...
     time.sleep(0.3)  # ... but the heartbeat gives its line
+    p.on_step_start(engine, 2)
     p.on_step_end(engine, 3, 2.3)
     p.on_train_end(engine)  # stopped before max_steps: the line of where it stopped
     lines = _progress_lines(caplog)
@@ -246,6 +249,74 @@ def test_a_long_step_still_says_something_within_the_heartbeat(caplog):
     failed._thread.join(timeout=6)
     assert not failed._thread.is_alive()
     nxt.on_train_end(engine)
+
+
+@pytest.mark.unit
+def test_the_heartbeat_between_steps_names_what_runs_not_a_step_that_is_not(caplog):
+    """A long final validation printed "step 3/2 still running: 0:01:01 since step 2 ended" (and
+    a mid-run one "step 101/300 still running" while step 101 had not started). Between steps
+    the line now says what runs: the validation, a checkpoint or the next batch, or the run
+    finishing after its last step."""
+    import time
+
+    from observers.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="observers.progress")
+    p, engine = Progress(3, 1024, log_every=50, interactive=False, heartbeat=0.2), _Engine()
+    p.on_train_start(engine, 0)
+
+    def quiet(seconds: float = 0.5) -> list[str]:  # what the heartbeat said meanwhile
+        caplog.clear()
+        time.sleep(seconds)
+        return _progress_lines(caplog)
+
+    p.on_step_start(engine, 0)
+    p.on_step_end(engine, 1, 2.5)
+    p.on_validation_start(engine, 1)
+    said = quiet()
+    assert said and all(x.startswith("validating after step 1/3: 0:00:0") for x in said), said
+    p.on_validation_end(engine, 1, {"loss": 2.4, "perplexity": 11.0})
+    said = quiet()
+    assert said and all(x.startswith("after step 1/3, between steps (a checkpoint, the next batch): ")
+                        for x in said), said
+    p.on_step_start(engine, 1)
+    said = quiet()
+    assert said and all(x.startswith("step 2/3 still running: ") for x in said), said
+    p.on_step_end(engine, 2, 2.4)
+    p.on_step_start(engine, 2)
+    p.on_step_end(engine, 3, 2.4)
+    said = quiet()
+    assert said and all(x.startswith("after step 3/3, finishing (a checkpoint, the report): 0:00:0") and
+                        "since step 3 ended | last loss 2.4000" in x for x in said), said
+    p.on_train_end(engine)
+    assert not any(re.search(r"step 4/3", x) for x in _progress_lines(caplog))
+
+
+@pytest.mark.unit
+def test_the_progress_line_times_the_steps_not_the_validation_between(caplog):
+    """metrics.csv's step_seconds is a step's start to its end; the progress line's s/step and
+    tok/s were the wall clock since the line before, a validation included (0.238 s/step beside
+    metrics.csv's 0.068). They are now the steps' own time, as metrics.csv has it."""
+    import time
+
+    from observers.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="observers.progress")
+    p, engine = Progress(4, 1000, log_every=2, interactive=False, heartbeat=60), _Engine()
+    p.on_train_start(engine, 0)
+    for step in range(4):
+        p.on_step_start(engine, step)
+        time.sleep(0.05)
+        p.on_step_end(engine, step + 1, 2.5)
+        if step == 1:  # a validation after step 2, between the lines of steps 2 and 4
+            p.on_validation_start(engine, 2)
+            time.sleep(0.6)
+            p.on_validation_end(engine, 2, {"loss": 2.4, "perplexity": 11.0})
+    p.on_train_end(engine)
+    line = _progress_lines(caplog)[-1]
+    per = float(re.search(r"\| ([\d.]+) s/step", line).group(1))
+    rate = float(re.search(r"\| ([\d,]+) tok/s", line).group(1).replace(",", ""))
+    assert line.startswith("step 4/4") and 0.05 <= per < 0.2 and rate == pytest.approx(1000 / per, rel=0.02), line
 
 
 @pytest.mark.parametrize("backend, extra", [

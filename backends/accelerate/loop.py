@@ -217,6 +217,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
         observers.step_end(engine, step + 1, loss)
         if validator is not None and step + 1 in validator.due:
+            observers.validation_start(engine, step + 1)
             observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1,
                                                                  p.builder, t.loss_chunk))
         decision = validator.decide(t, step + 1) if validator is not None else None

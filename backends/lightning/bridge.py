@@ -100,6 +100,7 @@ class ObserverBridge(L.Callback):
         loss = float(trainer.strategy.reduce(local, reduce_op="mean"))
         self.observers.step_end(engine, self._step, loss)
         if self.validator is not None and self._step in self.validator.due:
+            self.observers.validation_start(engine, self._step)
             self.observers.validation_end(engine, self._step, self._validate(trainer))
 
     def _validate(self, trainer: L.Trainer) -> dict[str, Any]:
