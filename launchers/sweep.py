@@ -164,13 +164,11 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
     r.update({
         "steps": report.get("steps"),
         "final_loss": report.get("final_loss"),
-        "tokens_per_second": report.get("throughput", {}).get("tokens_per_second",
-                                                              report.get("tokens_per_second")),
         "wall_seconds": report.get("wall_seconds"),
         "step_seconds": report.get("throughput", {}).get("step_seconds"),
         "state_bytes_per_rank": [sum(x.get(k, 0) for k in ("params", "grads", "optimizer")) for x in ranks],
         "peak_memory_per_rank": [_peak(x) for x in ranks],
-        **sweep_facts(report),  # what rank 0 sends per step on a ring, after the preset's warm-up
+        **sweep_facts(report),  # tokens/s and what rank 0 sends per step, each with what it is
         "predicted_state_bytes": pvm.get("state_bytes", {}).get("predicted"),
         "predicted_comm_bytes_per_step": pvm.get("communication", {}).get("predicted",
                                                                           plan.get("communication", {}).get("bytes_per_step")),
@@ -225,7 +223,8 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
     lines = [f"# Sweep report: {sweep}", "",
              "Measured (rank 0 for communication; every rank for memory) beside the planner's "
-             "prediction. Peak memory: the GPU's peak allocation, on CPU the process's peak RSS. "
+             "prediction. Tokens/s: at the median step; \"(whole loop)\": callbacks.throughput was "
+             "off, the loop's rate, first step included. Peak memory: the GPU's peak allocation, on CPU the process's peak RSS. "
              "Communication: bytes rank 0 sends per optimizer step on a ring, after the preset's "
              "warm-up (the steady state the plan prices; \"(warm-up)\": the run never left it).", "",
              "Every job: " + (" ".join(f"`{o}`" for o in sorted(common)) or "-"), "",
@@ -234,7 +233,8 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
         fits = {True: "yes", False: "no", None: "-"}[r.get("predicted_fits")]
         lines.append("| " + " | ".join([
             r["job"], " ".join(f"`{o}`" for o in r["overrides"] if o not in common) or "-", r["status"],
-            _num(r.get("final_loss"), ".4f"), _num(r.get("tokens_per_second"), ",.0f"),
+            _num(r.get("final_loss"), ".4f"), _num(r.get("tokens_per_second"), ",.0f")
+            + (" (whole loop)" if r.get("tokens_per_second_of") == "whole loop" else ""),
             _num(r.get("step_seconds"), ".3g"), _num(r.get("first_step_seconds"), ".1f"),
             _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
             _mib(r.get("comm_bytes_per_step")) + (" (warm-up)" if r.get("comm_of") == "warm-up" else ""), fits, _num(r.get("predicted_step_seconds"), ".3g"),
@@ -297,15 +297,12 @@ def write(sweep: Path, earlier: dict[Path, int] | None = None) -> list[dict[str,
                                                               indent=1, default=str))
     atomic_write_text(sweep / "sweep_report.md", markdown(rows, sweep))
     if rows:
-        from observers.plots import sweep_panels
+        from observers.plots import job_names, losses_overlay, sweep_panels
 
         sweep_panels(rows, sweep / "sweep_report.png")
-    curves = {f"{r['job']}: " + (" ".join(o for o in r["overrides"] if o not in common) or r["strategy"]):
-              r["losses"] for r in rows if r.get("losses")}
-    if curves:
-        from observers.plots import losses_overlay
-
-        losses_overlay(curves, sweep / "sweep_losses.png")
+        curves = {name: r["losses"] for name, r in zip(job_names(rows), rows) if r.get("losses")}
+        if curves:
+            losses_overlay(curves, sweep / "sweep_losses.png")
     return rows
 
 

@@ -129,12 +129,16 @@ class Comparison(Observer):
 
 
 def sweep_facts(report: dict[str, Any]) -> dict[str, Any]:
-    """A sweep row's communication (launchers/sweep.py): what rank 0 sends per step on a ring,
-    the planner's unit, after the preset's warm-up as this comparison reads it; ``comm_of``
-    says "warm-up" when the run never left it (not the steady state the plan prices)."""
-    comm = report.get("communication") or {}
-    per = comm.get("per_step") or {}
-    return {"comm_bytes_per_step": sum(v["wire_bytes"] for v in per.values()) if per else None,
+    """A sweep row's rates (launchers/sweep.py), each with what it is: tokens/s at the median step,
+    or the whole loop's (first step included) when the throughput observer was off
+    (``tokens_per_second_of``); what rank 0 sends per step on a ring, the planner's unit, after
+    the preset's warm-up as this comparison reads it (``comm_of``: "warm-up" when the run never
+    left it, not the steady state the plan prices)."""
+    comm, throughput = report.get("communication") or {}, report.get("throughput") or {}
+    per, median = comm.get("per_step") or {}, "tokens_per_second" in throughput
+    return {"tokens_per_second": throughput["tokens_per_second"] if median else report.get("tokens_per_second"),
+            "tokens_per_second_of": "median step" if median else "whole loop",
+            "comm_bytes_per_step": sum(v["wire_bytes"] for v in per.values()) if per else None,
             "comm_of": "warm-up" if comm.get("steady_state") is False else "steady state"}
 
 

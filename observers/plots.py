@@ -135,8 +135,19 @@ def sweep_panels(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['job']}: {r['strategy']}" + ("" if r["status"] == "ok" else f"\n({r['status']})")
-              for r in rows]
+    fig = sweep_figure(rows)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep_figure(rows: list[dict[str, Any]]) -> Any:
+    """``sweep_panels``' figure (matplotlib's, drawn; the caller saves and closes it). Each job is
+    named by the overrides that set it apart from the sweep's other jobs (its strategy when none
+    do); a tokens/s bar of the whole loop's rate (callbacks.throughput off) is hatched."""
+    import matplotlib.pyplot as plt
+
+    names = job_names(rows)
+    labels = [n + ("" if r["status"] == "ok" else f"\n({r['status']})") for n, r in zip(job_names(rows, "\n"), rows)]
     x = range(len(rows))
 
     def get(key: str, scale: float = 1.0) -> list[float]:
@@ -149,30 +160,52 @@ def sweep_panels(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 5, figsize=(8 + 2.8 * len(rows), 4))
     w = 0.4
-    axes[0].bar(x, get("tokens_per_second"))
-    axes[0].set_title("tokens/s")
-    for ax, (measured, predicted, title, scale) in zip(axes[1:], [
-            ("state_bytes_per_rank", "predicted_state_bytes", "model states per rank, MiB", 2**20),
-            ("peak_memory_per_rank", None, "peak memory per rank, MiB", 2**20),
-            ("comm_bytes_per_step", "predicted_comm_bytes_per_step", "communication per step, MiB", 2**20)]):
+    loop = [r.get("tokens_per_second_of") == "whole loop" for r in rows]
+    for bar, whole in zip(axes[0].bar(x, get("tokens_per_second")), loop):
+        bar.set_hatch("//" if whole else None)
+    axes[0].set_title("tokens/s" + ("\n(hatched: the whole loop's, first step in)" if any(loop) else ""),
+                      fontsize=10)
+    for ax, (measured, predicted, title, who) in zip(axes[1:], [
+            ("state_bytes_per_rank", "predicted_state_bytes", "model states per rank, MiB", "max rank"),
+            ("peak_memory_per_rank", None, "peak memory per rank, MiB", None),
+            ("comm_bytes_per_step", "predicted_comm_bytes_per_step", "communication per step, MiB", "rank 0")]):
         if predicted is None:
-            ax.bar(x, get(measured, scale))
+            ax.bar(x, get(measured, 2**20))
         else:
-            ax.bar([i - w / 2 for i in x], get(measured, scale), w, label="measured (max rank)")
-            ax.bar([i + w / 2 for i in x], get(predicted, scale), w, label="predicted")
+            ax.bar([i - w / 2 for i in x], get(measured, 2**20), w, label=f"measured ({who})")
+            ax.bar([i + w / 2 for i in x], get(predicted, 2**20), w, label="predicted")
             ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
     for ax in axes[:4]:
         ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
-    done = [r for r in rows if r.get("final_loss") is not None and r.get("comm_bytes_per_step")]
-    for r in done:
-        axes[4].scatter(r["comm_bytes_per_step"] / 2**20, r["final_loss"])
-        axes[4].annotate(r["strategy"], (r["comm_bytes_per_step"] / 2**20, r["final_loss"]), fontsize=7)
-    if done:
-        axes[4].set_xscale("log")
-    axes[4].set_xlabel("communication per step, MiB (measured)", fontsize=8)
-    axes[4].tick_params(axis="x", labelsize=7, labelrotation=30)  # (a log axis' labels ran together)
-    axes[4].set_title("final loss vs bytes", fontsize=10)
+    _loss_vs_bytes(axes[4], rows, names)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def job_names(rows: list[dict[str, Any]], sep: str = " ") -> list[str]:
+    """``<job>: <the overrides not every job has>`` (the strategy when every override is shared)."""
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
+    return [f"{r['job']}: " + (sep.join(o for o in r["overrides"] if o not in common) or r["strategy"])
+            for r in rows]
+
+
+def _loss_vs_bytes(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
+    """Final loss against rank 0's measured communication per step, each point named; a log axis
+    only over more than a decade (within one, its minor labels overprinted each other)."""
+    from matplotlib.ticker import MaxNLocator, NullFormatter
+
+    done = [(r["comm_bytes_per_step"] / 2**20, r["final_loss"], n) for r, n in zip(rows, names)
+            if r.get("final_loss") is not None and r.get("comm_bytes_per_step")]
+    for mib, loss, name in done:
+        ax.scatter(mib, loss)
+        ax.annotate(name, (mib, loss), fontsize=7)
+    if done and max(d[0] for d in done) > 10 * min(d[0] for d in done):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(3))
+        ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+    ax.set_xlabel("communication per step, MiB (rank 0, measured)", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+    ax.set_title("final loss vs bytes", fontsize=10)

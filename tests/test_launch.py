@@ -201,6 +201,54 @@ def test_a_sweep_job_run_with_callbacks_report_false_is_ok_not_failed(tmp_path):
     assert lost["status"] == "failed" and "no report.json" in lost["reason"], lost
 
 
+@pytest.mark.unit
+def test_the_sweep_report_says_which_job_is_which_and_what_each_figure_is(tmp_path):
+    """A sweep over callbacks=default,none x trainer.lr: the tokens/s column held the median step
+    (throughput observer on) beside the whole loop's (off), 4x apart and unmarked; the png named
+    every bar "0: single" .. "3: single"; its communication legend said "max rank" for rank 0's
+    bytes; and the final-loss-vs-bytes ticks of close values overprinted ("1.4x10^-1 1.5x10^-1..").
+    The whole-loop rates are marked (md and png), the bars and points carry each job's differing
+    overrides, the legend says rank 0, and no two tick labels overlap."""
+    from launchers.sweep import markdown, row
+    from observers.plots import sweep_figure
+
+    rows = []
+    for job, (cb, lr, mib) in enumerate([("default", "0.0001", 0.1334), ("default", "0.003", 0.14),
+                                        ("none", "0.0001", 0.145), ("none", "0.003", 0.15)]):
+        d = tmp_path / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- callbacks={cb}\n- trainer.lr={lr}\n- model=gpt_nano\n")
+        (d / ".hydra" / "config.yaml").write_text("strategy: {name: single}\ncluster: {nodes: 1, devices: 1}\n")
+        report = {"steps": 4, "final_loss": 5.6 - job / 10, "tokens_per_second": 652.0,
+                  "communication": {"per_step": {"all_reduce": {"wire_bytes": mib * 2**20}}}}
+        if cb == "default":
+            report["throughput"] = {"tokens_per_second": 163.0, "step_seconds": 3.14}
+        (d / "report.json").write_text(json.dumps(report))
+        rows.append(row(d, tmp_path))
+    assert [r["tokens_per_second_of"] for r in rows] == ["median step"] * 2 + ["whole loop"] * 2
+    md = markdown(rows, tmp_path)
+    assert "| 163 |" in md and "| 652 (whole loop) |" in md and "whole loop" in md.split("|")[0], md
+    fig = sweep_figure(rows)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["0: callbacks=default\ntrainer.lr=0.0001", "1: callbacks=default\ntrainer.lr=0.003",
+                     "2: callbacks=none\ntrainer.lr=0.0001", "3: callbacks=none\ntrainer.lr=0.003"], ticks
+    assert "hatched: the whole loop's" in fig.axes[0].get_title()
+    assert [b.get_hatch() for b in fig.axes[0].patches] == [None, None, "//", "//"]
+    legend = [t.get_text() for t in fig.axes[3].get_legend().get_texts()]
+    assert legend == ["measured (rank 0)", "predicted"], legend
+    assert [t.get_text() for t in fig.axes[4].texts] == [x.replace("\n", " ") for x in ticks]
+    fig.canvas.draw()
+    low, high = fig.axes[4].get_xlim()
+    shown = [t for t in fig.axes[4].get_xticklabels(which="both")
+             if t.get_visible() and t.get_text() and low <= t.get_position()[0] <= high]
+    boxes = [t.get_window_extent() for t in shown]
+    assert len(boxes) >= 2 and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), \
+        [t.get_text() for t in shown]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------- torchrun, two nodes
 def _free_port() -> int:
     import socket
