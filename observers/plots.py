@@ -26,14 +26,29 @@ class Plots(Observer):
 
         matplotlib.use("Agg")
         if report.get("losses"):
-            loss_plot(report["losses"], report.get("validation") or [], self.out / "loss.png")
+            loss_plot(report["losses"], report.get("validation") or [], self.out / "loss.png", moe=moe_run(report))
         if report.get("memory", {}).get("ranks"):
             memory_plot(report["memory"], self.out / "memory.png")
         if report.get("communication", {}).get("by_group"):
             communication_plot(report["communication"]["by_group"], self.out / "communication.png")
 
 
-def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path) -> None:
+def moe_run(report: dict[str, Any]) -> bool:
+    """Whether the run trained a mixture of experts (its train loss adds the router's aux loss)."""
+    model = (report.get("config") or {}).get("model") or {}
+    return bool(report.get("moe") or model.get("n_experts"))
+
+
+def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path, moe: bool = False) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(losses, validation, moe)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def loss_figure(losses: list[float], validation: list[dict[str, Any]], moe: bool = False) -> Any:
+    """``loss_plot``'s figure (the caller saves and closes it)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -45,8 +60,11 @@ def loss_plot(losses: list[float], validation: list[dict[str, Any]], path: Path)
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (token cross entropy; a MoE's train adds its aux loss)")
-    _save(fig, ax, "loss", path)
+    ax.set_ylabel("loss (token cross entropy)" + ("\ntrain: + the MoE's aux loss" if moe else ""))
+    ax.set_title("loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def losses_overlay(curves: dict[str, list[float]], path: Path) -> None:

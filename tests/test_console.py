@@ -340,6 +340,28 @@ def test_a_run_logged_to_a_file_prints_progress_lines(tmp_path, backend, extra):
 
 
 @pytest.mark.unit
+def test_the_loss_plot_s_label_fits_and_names_moe_only_on_a_moe_run():
+    """loss.png's y label read "loss (token cross entropy; a MoE's train adds its aux los..." on a
+    dense gpt_nano run, cut off at the figure's edge. It fits, and names MoE only on MoE runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from observers.plots import loss_figure, moe_run
+
+    assert not moe_run({"config": {"model": {"n_experts": 0}}}) and moe_run({"config": {"model": {"n_experts": 4}}})
+    for moe in (False, True):
+        fig = loss_figure([5.0, 4.0, 3.0], [{"step": 3, "loss": 3.1}], moe)
+        fig.canvas.draw()
+        label, page = fig.axes[0].yaxis.label, fig.bbox
+        box = label.get_window_extent()
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)
+        assert ("MoE" in label.get_text()) is moe, label.get_text()
+        plt.close(fig)
+
+
+@pytest.mark.unit
 def test_the_closing_table_marks_an_uncalibrated_step_time():
     from observers.compare import summary_lines
 
