@@ -148,8 +148,8 @@ class Plan:
         if self.blocking:
             return (f"plan: {self.strategy} cannot run on {self.cluster} ({self.world_size} devices): "
                     + "; ".join(self.blocking))
-        if not self.fits and self.margin < 0:
-            verdict = f"does NOT fit on the device, short {gb(-self.margin)}"
+        if not self.fits and self.margin < 0:  # (and whatever else overflows: every shortfall)
+            verdict = "; ".join([f"does NOT fit on the device, short {gb(-self.margin)}", *self.overflows])
         elif not self.fits:  # the device has room: host memory or NVMe overflows (or the layout)
             verdict = (f"fits on the device, but does NOT fit: {'; '.join(self.overflows)}"
                        if self.overflows else "does NOT fit")
@@ -173,11 +173,9 @@ class Plan:
         if self.fits:
             missing = f"; but the config is incomplete: {'; '.join(self.missing)}" if self.missing else ""
             return self.summary() + missing
-        if self.memory.total > self.device_bytes:
-            need = "needs {} per device, has {}".format(*gb_apart(self.memory.total, self.device_bytes))
-        else:  # host memory or NVMe is what overflows
-            need = "; ".join(self.overflows)
-        line = f"does not fit on {self.cluster}: {need}"
+        device = ["needs {} per device, has {}".format(*gb_apart(self.memory.total, self.device_bytes))
+                  ] if self.memory.total > self.device_bytes else []
+        line = f"does not fit on {self.cluster}: {'; '.join(device + self.overflows)}"  # (every overflow)
         return line + (f"; {self.hint}" if self.hint else "")
 
 
