@@ -163,8 +163,17 @@ class Plan:
         devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
         return (f"plan: {self.strategy} on {self.cluster} ({devices}): "
                 f"{need} of {has} per device ({verdict}); "
-                f"comm {gb(self.communication.bytes_per_step)}/step; "
+                f"comm {self._comm()}; "
                 f"step ~ {self.step_seconds:.3g} s{stalled}")
+
+    def _comm(self) -> str:
+        """The bytes a rank moves per step; with offload, which are collectives (what the end-of-run
+        table compares) and which are host / NVMe copies (one train.log read 0.4 MiB against the
+        table's 0.13)."""
+        comm = self.communication
+        copies = sum(x.bytes for x in comm.by_collective.values() if x.group in ("host", "nvme"))
+        return f"{gb(comm.bytes_per_step)}/step" + (
+            f" (collectives {gb(comm.bytes_per_step - copies)}, offload copies {gb(copies)})" if copies else "")
 
     def message(self) -> str:
         """The verdict line: the summary if it fits, else needs / has and the cheapest preset."""

@@ -882,6 +882,24 @@ def test_when_only_the_host_overflows_the_summary_says_so():
 
 
 @pytest.mark.unit
+def test_the_plan_line_says_which_part_of_comm_the_closing_table_compares():
+    """zero3_offload on 2 CPU ranks: train.log's plan line read "comm 0.4 MiB/step" and the
+    closing table "communication 0.13 MiB": the first counts offload's host copies, the second
+    the collectives alone. The plan line names both parts; the collectives are the table's."""
+    from observers.compare import predicted_wire_bytes
+    from planner import plan_dict, preflight
+    from planner.states import gb
+
+    plan = preflight(typed(_compose(("model=gpt_nano", "strategy=zero3_offload", "cluster.accelerator=cpu",
+                                     "cluster.devices=2"))))
+    wire = predicted_wire_bytes(plan_dict(plan)["communication"])
+    copies = plan.communication.bytes_per_step - wire
+    assert 0 < wire and 0 < copies, plan.communication
+    assert (f"comm {gb(plan.communication.bytes_per_step)}/step (collectives {gb(wire)}, offload "
+            f"copies {gb(copies)})") in plan.summary(), plan.summary()
+
+
+@pytest.mark.unit
 def test_a_verdict_names_every_overflow_and_its_hint_only_fixes_that_could_help():
     """llama_70b zero_infinity on one H200 overflows the device by 1 GB and NVMe by 1.3 TB: the
     verdict named the device alone, and the hint advised "a smaller micro batch or activation
