@@ -882,6 +882,24 @@ def test_when_only_the_host_overflows_the_summary_says_so():
 
 
 @pytest.mark.unit
+def test_one_ranks_recommendation_names_the_picked_engines_saving():
+    """llama3_8b on one H200: the reason for torch FSDP credited "DeepSpeed's bf16 parameters +
+    fp32 master". Each engine's reason is its own: FSDP makes one unit's 16-bit weights at a
+    time where torch AMP keeps a 16-bit copy of every weight; DeepSpeed's 16-bit parameters are
+    the working weights."""
+    from planner import plan_all, recommend
+
+    plans = plan_all(typed(_compose(("model=llama3_8b", "cluster=h200_1x",
+                                     "planner.activation_checkpointing=true")))).plans
+    for pick, own, other in (("fsdp", "one unit's 16-bit weights at a time", "DeepSpeed"),
+                             ("fsdp2", "one unit's 16-bit weights at a time", "DeepSpeed"),
+                             ("zero3", "DeepSpeed's 16-bit parameters are the working weights", "unit")):
+        rec = recommend([p for p in plans if p.strategy in (pick, "ddp", "single")])
+        assert rec.strategy == pick and "nothing is sharded" in rec.reason, rec.reason
+        assert own in rec.reason and other not in rec.reason, rec.reason
+
+
+@pytest.mark.unit
 def test_the_plan_line_says_which_part_of_comm_the_closing_table_compares():
     """zero3_offload on 2 CPU ranks: train.log's plan line read "comm 0.4 MiB/step" and the
     closing table "communication 0.13 MiB": the first counts offload's host copies, the second
