@@ -66,7 +66,7 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
                            f"fewer accumulation steps)")
     for p in plans:
         if not p.fits:
-            p.hint = _hint(*((plans, cands, checkpointed) if not chosen else _others(su, p)))
+            p.hint = _hint(*((plans, cands, checkpointed) if not chosen else _others(su, p)), su=su)
     name = f"{su.params:,} parameters" if su.shape is None else str(job.model.name)
     return Report(model=name, cluster=su.cluster.name, world_size=su.world_size,
                   accounting=su.options.accounting, plans=rank(plans, rec), recommendation=rec,
@@ -243,10 +243,12 @@ def _others(su: Setup, skip: Plan) -> tuple[list[Plan], list[Candidate], Planned
     return [plan_candidate(c, su) for c in cands], cands, checkpointed
 
 
-def _hint(plans: list[Plan], cands: list[Candidate], checkpointed: Planned | None = None) -> str:
+def _hint(plans: list[Plan], cands: list[Candidate], checkpointed: Planned | None = None, *,
+          su: Setup) -> str:
     """What to run instead: the best runnable preset that fits, spelled at the degrees it was
     planned with (``run_overrides``); else the best that fits with activation checkpointing
-    (``checkpointed``: the presets planned with it), with it in the command; or why nothing does."""
+    (``checkpointed``: the presets planned with it), with it in the command; or why nothing does
+    and only the fixes that are not set and could help (``_fixes``)."""
     for pool, ckpt in ((plans, cands), checkpointed) if checkpointed else ((plans, cands),):
         rec = recommend([p for p in pool if p.runnable])
         if rec.strategy:
@@ -257,10 +259,27 @@ def _hint(plans: list[Plan], cands: list[Candidate], checkpointed: Planned | Non
     planned = recommend([p for p in plans if p.planned_only])
     if planned.strategy:
         return f"no preset fits; the planned-only layout {planned.strategy} would"
-    if any(p.memory.total <= p.device_bytes for p in plans if p.overflows and not p.blocking):
+    live = [p for pool in (plans, *([checkpointed[0]] if checkpointed else [])) for p in pool
+            if not p.blocking and not p.planned_only]  # (with checkpointing too, where planned)
+    if any(p.memory.total <= p.device_bytes for p in live if p.overflows):
         return ("no preset fits: those with room on the device overflow the host or NVMe (more nodes "
                 "split offloaded state; activation checkpointing and micro batches do not change it)")
-    return "no preset fits: use more devices, a smaller micro batch or activation checkpointing"
+    return f"no preset fits: use {_fixes(live, su, tried=checkpointed is not None)}"
+
+
+def _fixes(live: list[Plan], su: Setup, *, tried: bool) -> str:
+    """What could make a layout fit when every one that can run overflows the device (``live``):
+    more devices (more nodes also split what overflows the host or NVMe); a smaller micro batch
+    above 1; activation checkpointing where it is not on and was not already planned (``tried``:
+    the presets were planned with it and none fits), full where it is selective."""
+    out = ["more devices" + (" (more nodes also split the offloaded state)" if any(p.overflows for p in live)
+                             else "")]
+    ac = su.options.activation_checkpointing
+    if su.trainer.micro_batch_size > 1:
+        out.append("a smaller micro batch")
+    if not tried and su.shape is not None and ac is not True:
+        out.append(f"{'full ' if ac else ''}activation checkpointing (planner.activation_checkpointing=true)")
+    return ", ".join(out[:-1]) + f" or {out[-1]}" if len(out) > 1 else out[0]
 
 
 def choose(job: Inputs, model: ModelDescription | None = None) -> tuple[StrategyConfig, str]:

@@ -267,13 +267,26 @@ def backend_problems(c: Candidate, su: Setup) -> list[str]:
             f"{' or '.join(f'backend={b}' for b in runs)} runs it"]
 
 
+def checkpointing_problems(lo: _Layout) -> list[str]:
+    """The preset's activation checkpointing as planned (``planner.activation_checkpointing``
+    or its own) against its family and the model, as the config validator checks a named preset
+    (``StrategyConfig.checkpointing_problems``): FSDP1's engines and the expert-parallel presets
+    refuse selective, so it is never ranked as runnable, recommended or chosen by strategy=auto."""
+    if lo.c.planned_only:
+        return []
+    config = lo.c.config
+    if config.activation_checkpointing != lo.ckpt:
+        config = dataclasses.replace(config, activation_checkpointing=lo.ckpt)
+    return config.checkpointing_problems(lo.su.shape)
+
+
 def plan_candidate(c: Candidate, su: Setup) -> Plan:
     """Memory, communication and step time of one candidate on one setup."""
     cl, shape, o = su.cluster, su.shape, su.options
     lo = _layout(c, su)
     run, mesh = lo.run, lo.mesh
     asked = su.layout_problems(c.config, run) if su.layout_problems and not c.planned_only else []
-    problems = [*backend_problems(c, su), *c.config.problems(run), *asked,
+    problems = [*backend_problems(c, su), *checkpointing_problems(lo), *c.config.problems(run), *asked,
                 *(c.config.model_problems(shape) if shape is not None else ()),
                 *run.problems(), *(mesh.model_problems(shape, c.name) if shape is not None else ()),
                 *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]

@@ -172,8 +172,7 @@ def _why_first(top: Plan, plans: list[Plan]) -> str:
     elif rep and top.shard <= 1:  # nothing is sharded over one rank: the engine holds less
         lead = (f"replicated needs {need} per device, has {gb(top.device_bytes)}; with one "
                 f"data-parallel rank nothing is sharded, but {top.strategy}'s engine holds the "
-                f"same states in less ({gb(top.memory.total)}: e.g. DeepSpeed's bf16 parameters "
-                "+ fp32 master instead of torch AMP's fp32 parameters and bf16 copies)")
+                f"same model in less ({gb(top.memory.total)}: {_held_less(top, rep)})")
     elif rep:
         lead = f"replicated needs {need} per device, has {gb(top.device_bytes)}, so the state must be sharded"
     else:
@@ -182,6 +181,21 @@ def _why_first(top: Plan, plans: list[Plan]) -> str:
     return (f"{lead}; {top.strategy} is the fastest {kind}layout that fits "
             f"(step ~ {top.step_seconds:.3g} s, {gb(top.memory.total)} per device, "
             f"{gb(top.communication.bytes_per_step)} moved per step)")
+
+
+def _held_less(top: Plan, rep: list[Plan]) -> str:
+    """Why ``top``'s engine holds less than the replicated layouts on one data-parallel rank, its
+    own reason read from the plans: DeepSpeed's (a master copy) or a 16-bit unit at a time
+    (FSDP's mixed precision) against torch AMP's 16-bit copy of every weight, kept for backward."""
+    low = min(rep, key=lambda p: p.memory.total)
+    if top.memory.master:  # (DeepSpeed's layout keeps the fp32 master)
+        return ("DeepSpeed's 16-bit parameters are the working weights, beside an fp32 master, where "
+                "torch AMP keeps fp32 parameters and gradients and a 16-bit copy of every weight")
+    if top.memory.buffers < low.memory.buffers:
+        return (f"its mixed precision makes one unit's 16-bit weights at a time ({gb(top.memory.buffers)} "
+                f"of buffers), where torch AMP keeps a 16-bit copy of every weight for backward "
+                f"({low.strategy}: {gb(low.memory.buffers)})")
+    return f"{gb(low.memory.total - top.memory.total)} less than {low.strategy} in the engine's own buffers"
 
 
 def rank(plans: list[Plan], rec: Recommendation) -> list[Plan]:

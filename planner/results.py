@@ -148,8 +148,8 @@ class Plan:
         if self.blocking:
             return (f"plan: {self.strategy} cannot run on {self.cluster} ({self.world_size} devices): "
                     + "; ".join(self.blocking))
-        if not self.fits and self.margin < 0:
-            verdict = f"does NOT fit on the device, short {gb(-self.margin)}"
+        if not self.fits and self.margin < 0:  # (and whatever else overflows: every shortfall)
+            verdict = "; ".join([f"does NOT fit on the device, short {gb(-self.margin)}", *self.overflows])
         elif not self.fits:  # the device has room: host memory or NVMe overflows (or the layout)
             verdict = (f"fits on the device, but does NOT fit: {'; '.join(self.overflows)}"
                        if self.overflows else "does NOT fit")
@@ -163,8 +163,17 @@ class Plan:
         devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
         return (f"plan: {self.strategy} on {self.cluster} ({devices}): "
                 f"{need} of {has} per device ({verdict}); "
-                f"comm {gb(self.communication.bytes_per_step)}/step; "
+                f"comm {self._comm()}; "
                 f"step ~ {self.step_seconds:.3g} s{stalled}")
+
+    def _comm(self) -> str:
+        """The bytes a rank moves per step; with offload, which are collectives (what the end-of-run
+        table compares) and which are host / NVMe copies (one train.log read 0.4 MiB against the
+        table's 0.13)."""
+        comm = self.communication
+        copies = sum(x.bytes for x in comm.by_collective.values() if x.group in ("host", "nvme"))
+        return f"{gb(comm.bytes_per_step)}/step" + (
+            f" (collectives {gb(comm.bytes_per_step - copies)}, offload copies {gb(copies)})" if copies else "")
 
     def message(self) -> str:
         """The verdict line: the summary if it fits, else needs / has and the cheapest preset."""
@@ -173,11 +182,9 @@ class Plan:
         if self.fits:
             missing = f"; but the config is incomplete: {'; '.join(self.missing)}" if self.missing else ""
             return self.summary() + missing
-        if self.memory.total > self.device_bytes:
-            need = "needs {} per device, has {}".format(*gb_apart(self.memory.total, self.device_bytes))
-        else:  # host memory or NVMe is what overflows
-            need = "; ".join(self.overflows)
-        line = f"does not fit on {self.cluster}: {need}"
+        device = ["needs {} per device, has {}".format(*gb_apart(self.memory.total, self.device_bytes))
+                  ] if self.memory.total > self.device_bytes else []
+        line = f"does not fit on {self.cluster}: {'; '.join(device + self.overflows)}"  # (every overflow)
         return line + (f"; {self.hint}" if self.hint else "")
 
 

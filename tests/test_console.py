@@ -394,3 +394,28 @@ def test_under_checkpointing_the_activations_row_has_no_ratio():
         assert row["ratio"] == (None if ratio is None else pytest.approx(ratio)), row
         assert ("recomputes in backward" in row.get("of", "")) is ckpt
         assert any("recomputed in backward" in x for x in summary_lines({"activations": row})) is ckpt
+
+
+@pytest.mark.unit
+def test_an_offload_plans_engine_runtime_does_not_hide_the_small_peak_note():
+    """gpt_nano on 2 CPU ranks: zero2's peak (2.5 MiB planned, 117 measured) had the note that a
+    plan under 64 MiB is mostly the runtime's, zero2_offload's (the same measured peak) a bare 1.4:
+    only the offload plan books DeepSpeed's fixed engine_runtime (85 MB), which lifted it over
+    the threshold. The threshold reads the plan without it."""
+    from types import SimpleNamespace
+
+    from observers.compare import Comparison, summary_lines
+    from planner.host import ENGINE_RUNTIME_BYTES
+
+    def peak(host_items: dict) -> list[str]:
+        host = sum(v for k, v in host_items.items() if k != "process")
+        plan = {"memory": {"total": 2 << 20, "growth": 1 << 20, "host": host, "host_items": host_items,
+                           "activations": 0, "params": 0, "grads": 0, "master": 0, "optimizer": 0}}
+        memory = SimpleNamespace(ranks=[{"peak_rss_growth": 2 << 20, "peak_rss_run": 117 << 20}])
+        rows = Comparison(plan, memory).report()["predicted_vs_measured"]
+        return summary_lines({"peak": rows["peak"]})
+
+    note = "a plan under 64 MiB"
+    offload = peak({"fp32_master": 1 << 20, "engine_runtime": ENGINE_RUNTIME_BYTES, "process": 5 << 28})
+    assert any(note in x for x in offload), offload
+    assert not any(note in x for x in peak({"fp32_master": 100 << 20, "engine_runtime": ENGINE_RUNTIME_BYTES}))

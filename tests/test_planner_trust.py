@@ -879,3 +879,69 @@ def test_when_only_the_host_overflows_the_summary_says_so():
     assert "short -" not in plan.summary()
     device = preflight(typed(_compose((*over[:-2], "cluster.device_memory_GB=1", "cluster.host_memory_GB=500"))))
     assert not device.fits and "does NOT fit on the device, short" in device.summary()
+
+
+@pytest.mark.unit
+def test_one_ranks_recommendation_names_the_picked_engines_saving():
+    """llama3_8b on one H200: the reason for torch FSDP credited "DeepSpeed's bf16 parameters +
+    fp32 master". Each engine's reason is its own: FSDP makes one unit's 16-bit weights at a
+    time where torch AMP keeps a 16-bit copy of every weight; DeepSpeed's 16-bit parameters are
+    the working weights."""
+    from planner import plan_all, recommend
+
+    plans = plan_all(typed(_compose(("model=llama3_8b", "cluster=h200_1x",
+                                     "planner.activation_checkpointing=true")))).plans
+    for pick, own, other in (("fsdp", "one unit's 16-bit weights at a time", "DeepSpeed"),
+                             ("fsdp2", "one unit's 16-bit weights at a time", "DeepSpeed"),
+                             ("zero3", "DeepSpeed's 16-bit parameters are the working weights", "unit")):
+        rec = recommend([p for p in plans if p.strategy in (pick, "ddp", "single")])
+        assert rec.strategy == pick and "nothing is sharded" in rec.reason, rec.reason
+        assert own in rec.reason and other not in rec.reason, rec.reason
+
+
+@pytest.mark.unit
+def test_the_plan_line_says_which_part_of_comm_the_closing_table_compares():
+    """zero3_offload on 2 CPU ranks: train.log's plan line read "comm 0.4 MiB/step" and the
+    closing table "communication 0.13 MiB": the first counts offload's host copies, the second
+    the collectives alone. The plan line names both parts; the collectives are the table's."""
+    from observers.compare import predicted_wire_bytes
+    from planner import plan_dict, preflight
+    from planner.states import gb
+
+    plan = preflight(typed(_compose(("model=gpt_nano", "strategy=zero3_offload", "cluster.accelerator=cpu",
+                                     "cluster.devices=2"))))
+    wire = predicted_wire_bytes(plan_dict(plan)["communication"])
+    copies = plan.communication.bytes_per_step - wire
+    assert 0 < wire and 0 < copies, plan.communication
+    assert (f"comm {gb(plan.communication.bytes_per_step)}/step (collectives {gb(wire)}, offload "
+            f"copies {gb(copies)})") in plan.summary(), plan.summary()
+
+
+@pytest.mark.unit
+def test_a_verdict_names_every_overflow_and_its_hint_only_fixes_that_could_help():
+    """llama_70b zero_infinity on one H200 overflows the device by 1 GB and NVMe by 1.3 TB: the
+    verdict named the device alone, and the hint advised "a smaller micro batch or activation
+    checkpointing" -- at micro batch 1, after checkpointing was planned and fitted nothing, and
+    again once checkpointing was on. Every overflow is named; a fix is offered only where it is
+    not set and could change the answer."""
+    from planner import preflight
+    from recipes.config import compose
+
+    over = ("model=llama_70b", "cluster=h200_1x", "strategy=zero_infinity", "strategy.nvme_path=/nvme",
+            "trainer.micro_batch_size=1")
+    both = preflight(typed(_compose(over)))
+    for line in (both.message(), both.summary()):
+        assert "142.0 GB" in line and "NVMe: needs 1,379.5 GB per node, has 68.0 GB" in line, line
+    on = preflight(typed(_compose((*over, "strategy.activation_checkpointing=true"))))
+    assert on.margin > 0 and on.message().startswith("does not fit on h200_1x: NVMe: needs")
+    for hint in (both.hint, on.hint):  # (with checkpointing zero_infinity has room on the device)
+        assert "overflow the host or NVMe (more nodes split offloaded state" in hint, hint
+        assert "use more devices, a smaller micro batch or activation checkpointing" not in hint
+    cfg = compose(["model=gpt_nano", "cluster.accelerator=cpu", "cluster.device_memory_GB=0.0001",
+                   "trainer.micro_batch_size=2", "planner.activation_checkpointing=false"])
+    off = preflight(typed(cfg))  # (checkpointing off and not planned: offered; micro batch 2: offered)
+    assert off.hint.endswith("use more devices, a smaller micro batch or activation checkpointing "
+                             "(planner.activation_checkpointing=true)"), off.hint
+    cfg.planner.activation_checkpointing = "selective"
+    assert preflight(typed(cfg)).hint.endswith("or full activation checkpointing (planner.activation_"
+                                               "checkpointing=true)")

@@ -200,3 +200,54 @@ def test_presets_equal_their_run_without_checkpointing(cached, backend, case, ex
     on = cached(*base, "strategy.activation_checkpointing=selective", *extra)
     assert_losses_close(off.losses, on.losses, rtol=EXACT[0])
     assert_params_close(off.params(), on.params(), rtol=EXACT[1])
+
+
+
+# ----------------------------------------------------------------------------- the planner's presets
+def _as_named(cfg, name: str):
+    """``cfg`` with strategy=<name> (the preset's node, as Hydra composes it: strategies/presets.py)."""
+    from strategies.presets import node
+
+    out = cfg.copy()
+    out.strategy = node(name)
+    return out
+
+
+@pytest.mark.unit
+def test_planner_selective_ranks_only_presets_the_validator_takes():
+    """planner.activation_checkpointing=selective: a preset that refuses selective checkpointing
+    (FSDP1's, the expert-parallel ones) is "cannot run" with that reason and never the
+    recommendation (fsdp was, and its "run it" command was refused); every row that runs, and
+    the recommendation as printed, pass the validator a user's explicit strategy= meets."""
+    import planner
+    from recipes.job import CONFIG
+
+    cfg = compose(["model=llama_7b", "cluster=node_8x_a100_80g", "planner.activation_checkpointing=selective"])
+    report = planner.plan_all(validate(cfg, depth=CONFIG))
+    rec, runs = report.recommendation, [p for p in report.plans if p.runnable]
+    assert runs and rec.config is not None and rec.config.activation_checkpointing == "selective"
+    for name in {p.strategy for p in runs} | {rec.strategy}:
+        validate(_as_named(cfg, name), depth=CONFIG)  # raises on a refusal
+    printed = _as_named(cfg, rec.strategy)  # the "run it" line: the preset and every key it sets
+    for key_value in planner.run_overrides(rec.config)[1:]:
+        key, value = key_value.removeprefix("strategy.").split("=")
+        printed.strategy[key] = {"true": True, "false": False, "null": None}.get(value, value)
+    validate(printed, depth=CONFIG)
+    refused = {p.strategy: p for p in report.plans if p.strategy in ("fsdp", "fsdp_hybrid", "fsdp_ep", "zero2_ep")}
+    assert len(refused) == 4 and all(p.verdict == "cannot run" for p in refused.values())
+    assert "selective with strategy=fsdp: FSDP1" in " ".join(refused["fsdp"].problems)
+
+
+@pytest.mark.unit
+def test_strategy_auto_under_planner_selective_picks_a_preset_that_checkpoints_selectively():
+    """strategy=auto never chooses what an explicit strategy= would refuse: it ran FSDP1's
+    fsdp_grad_op (full checkpointing) under a plan for selective, step time 25% low."""
+    import planner
+    from recipes.job import CONFIG
+
+    cfg = compose(["model=gpt_nano", *CPU, "cluster.devices=2", "cluster.device_memory_GB=0.0046",
+                   "planner.activation_checkpointing=selective", "strategy=auto"])
+    auto = validate(cfg, depth=CONFIG, auto=planner.choose)
+    assert auto.strategy.activation_checkpointing == "selective"
+    assert auto.strategy.capabilities.selective_checkpointing and not auto.strategy.SELECTIVE_REFUSED
+    validate(_as_named(cfg, auto.strategy.name), depth=CONFIG)
