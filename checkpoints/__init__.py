@@ -138,6 +138,9 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
             _set_aside_newer(ckpt, run_dir)
         _say_batch_change(ckpt, job)
         _say_model_change(ckpt, job)
+        from checkpoints.data_stream import say_changes
+
+        say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)

@@ -654,6 +654,47 @@ def _validated(*overrides: str):
     return validate(compose([*TINY, *overrides]))
 
 
+def _config(*overrides: str) -> dict:
+    """trainer, model and data of TINY + ``overrides`` as meta.json's ``config`` holds them."""
+    from checkpoints.data_stream import this_run
+
+    return this_run(_validated(*overrides))
+
+
+@pytest.mark.unit
+def test_a_resume_names_the_settings_that_decide_the_data_stream():
+    """trainer.seed, model.seq_len and the data source decide the sample stream the position
+    (step x global batch) is taken in: each that differs from the checkpoint's run is named
+    (they changed the data silently); a key the data does not read (data.field and a tokenizer's
+    keys for byte text, num_workers, cache_dir, a val_samples above the split's floor) is not."""
+    import copy
+
+    from checkpoints.data_stream import changes
+
+    saved, held = _config(), _config("data.val_fraction=0.1")  # (held out: fewer training windows)
+
+    def edited(config: dict, **values) -> dict:
+        out = copy.deepcopy(config)
+        for key, value in values.items():
+            section, name = key.split("__")
+            out[section][name] = value
+        return out
+
+    assert changes(saved, edited(saved, data__num_workers=2, data__cache_dir="/x", data__field="body")) == []
+    assert changes(saved, edited(saved, trainer__seed=7, model__seq_len=64)) == ["trainer.seed 1234 -> 7",
+                                                                                 "model.seq_len 32 -> 64"]
+    assert changes(saved, _config("data=synthetic")) == ["data.name text -> synthetic"]
+    assert changes(saved, edited(saved, data__tokenizer="/tok")) == ["data.tokenizer null -> /tok"]
+    assert changes(saved, edited(saved, data__mixture=[{"name": "text", "weight": 1}])) == [
+        'data.mixture [] -> [{"name":"text","weight":1}]']
+    assert changes(saved, held) == ["data.val_fraction 0.0 -> 0.1"]
+    assert changes(held, edited(held, data__val_samples=512)) == []
+    assert changes(held, edited(held, data__val_samples=8)) == ["data.val_samples 256 -> 8"]
+    assert changes(held, edited(held, data__val_path="/v.txt")) == ["data.val_path null -> /v.txt"]
+    del saved["trainer"]["seed"]  # (an older checkpoint without the key: not compared)
+    assert changes(saved, edited(held, trainer__seed=7)) == ["data.val_fraction 0.0 -> 0.1"]
+
+
 @pytest.mark.unit
 def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     """Where the checkpoint's optimizer state loads, another trainer.optimizer (torch DCP raised
@@ -697,6 +738,29 @@ def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     assert why.startswith("trainer.weight_decay=0.1 with trainer.no_decay=true: 2 optimizer parameter group(s), "
                           "the checkpoint's run 1") and "trainer.no_decay=false" in why
     assert refusal(job(zero2), job(zero2, weight_decay=0.1, no_decay=False)) is None
+
+
+@pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
+def test_a_resume_from_a_real_checkpoint_says_a_new_data_stream(good, caplog):
+    """With the meta.json a run wrote: the same settings say nothing; a new seed and seq_len are
+    one warning (another optimizer: test_another_optimizer_is_refused_before_launch)."""
+    import logging
+
+    import checkpoints
+    from recipes.config import compose
+    from recipes.job import validate
+
+    def launch(*overrides: str) -> list[str]:
+        caplog.clear()
+        job = validate(compose([*TINY, *EQUIV, *PRESETS["fsdp"], f"trainer.resume_from={good}", *overrides]))
+        checkpoints.for_launch(job, good.parent.parent, cleanup=False)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    caplog.set_level(logging.INFO)
+    assert launch() == []
+    said = launch("trainer.seed=7", "model.seq_len=64")
+    assert len(said) == 1 and said[0].startswith("resume: trainer.seed 1234 -> 7; model.seq_len 32 -> 64: these "
+                                                 "decide the data stream, so the data does not continue"), said
 
 
 @pytest.mark.unit
