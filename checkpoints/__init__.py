@@ -138,6 +138,9 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
             _set_aside_newer(ckpt, run_dir)
         _say_batch_change(ckpt, job)
         _say_model_change(ckpt, job)
+        from checkpoints.data_stream import say_changes
+
+        say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
@@ -200,9 +203,14 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     engine loads its own checkpoints of the same world size and backend whole, any other's model
     (its optimizer starts fresh), zero2_ep only its own; torch presets load anything, except
     those that keep state of their own on each rank (``resume_problem``: ddp's PowerSGD, top-k,
-    int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks."""
+    int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks. Where the
+    optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``)."""
+    from checkpoints.resume_settings import optimizer_refusal
+
     why = getattr(job.strategy, "resume_problem", lambda: None)()
     if why and not _holds_rank_state(ckpt, job):
+        return why
+    if why := optimizer_refusal(ckpt, job):
         return why
     if job.run.checkpoint != "zero_ep":  # (a ZeRO run takes any other's model, optimizer fresh)
         return None

@@ -4,7 +4,9 @@ run's config built them are put back over what a loaded optimizer state carries,
 schedule continues from the checkpoint's step count on this run's schedule. What differed is
 returned for one warning (checkpoints/state.py ``load``). The model's settings that are no
 parameter's shape (``model_changes``: LoRA's alpha and dropout, dropout) pass the resume's shape
-check, and apply from the resume on: said before launch (checkpoints ``for_launch``)."""
+check, and apply from the resume on: said before launch (checkpoints ``for_launch``). What
+shapes the optimizer's state cannot change where that state is loaded (``optimizer_refusal``,
+refused before launch: checkpoints ``refusal``)."""
 
 from __future__ import annotations
 
@@ -73,6 +75,63 @@ def model_changes(saved: dict[str, Any], model: Any) -> list[str]:
                 " (the adapters' scale, alpha / rank: the run continues from other effective weights)"
                 if key == "lora.alpha" else ""))
     return changed
+
+
+def loads_optimizer(meta: dict[str, Any], job: Any) -> bool:
+    """Whether resuming ``job`` from the checkpoint of ``meta`` loads that checkpoint's optimizer
+    state -- checkpoints/state.py ``load``'s conditions: DCP into a torch preset (any world size);
+    DeepSpeed's own or zero2_ep's into the same payload on as many ranks and the same backend
+    (ZeRO-3's layout only into ZeRO-3). Anything else loads the model only: the optimizer starts
+    fresh, whatever it is."""
+    payload = meta.get("payload")
+    if payload != job.run.checkpoint:
+        return False
+    if payload == "dcp":
+        return True
+    if (int(meta.get("world_size", 0)), meta.get("backend")) != (job.mesh.size, job.backend):
+        return False
+    if payload == "deepspeed":
+        stage = ((meta.get("config") or {}).get("strategy") or {}).get("stage") or 0
+        return (stage >= 3) == ((getattr(job.strategy, "stage", 0) or 0) >= 3)
+    return True
+
+
+def optimizer_refusal(ckpt: Any, job: Any) -> str | None:
+    """Why ``job``'s optimizer cannot take the optimizer state of ``ckpt`` (where one is loaded:
+    ``loads_optimizer``); None when it can. Its kind (``trainer.optimizer``: AdamW's moments are
+    no SGD momentum -- torch DCP raised a missing key on every rank, DeepSpeed ran on silently),
+    SGD's momentum from 0 (plain SGD keeps no buffers to load), and under DeepSpeed the parameter
+    groups (``trainer.weight_decay`` > 0 with ``no_decay`` splits one into two; torch DCP keys
+    the state by parameter and takes either)."""
+    old, t = (ckpt.meta.get("config") or {}).get("trainer") or {}, job.trainer
+    if not old or not loads_optimizer(ckpt.meta, job):
+        return None
+    fresh = "start a new run with trainer.resume_from=null" + (
+        f" (from its weights: python convert.py {ckpt.path} --to hf --out <dir>, then model.path=<dir>)"
+        if getattr(job.model, "is_hf", False) else "")
+    kind = old.get("optimizer", t.optimizer)
+    if kind != t.optimizer:
+        return (f"trainer.optimizer={t.optimizer}, the checkpoint's run {kind}: the checkpoint holds {kind}'s "
+                f"optimizer state, which {t.optimizer} cannot continue from; resume with "
+                f"trainer.optimizer={kind}, or {fresh}")
+    if t.optimizer == "sgd" and t.momentum and old.get("momentum", t.momentum) == 0:
+        return (f"trainer.momentum={t.momentum}, the checkpoint's run 0: its plain SGD kept no momentum "
+                f"buffers to continue from; resume with trainer.momentum=0, or {fresh}")
+    decay, split = old.get("weight_decay", t.weight_decay), old.get("no_decay", t.no_decay)
+    was, now = _groups(decay, split), _groups(t.weight_decay, t.no_decay)
+    if ckpt.meta.get("payload") == "dcp" or was == now:
+        return None
+    return (f"trainer.weight_decay={_shown(t.weight_decay)} with trainer.no_decay={str(t.no_decay).lower()}: "
+            f"{now} optimizer parameter group(s), the checkpoint's run {was} (weight_decay={_shown(decay)}, "
+            f"no_decay={str(split).lower()}); DeepSpeed loads its optimizer state only into the groups it "
+            f"was saved from: resume with trainer.weight_decay={_shown(decay)} trainer.no_decay="
+            f"{str(split).lower()}" + (", or with trainer.no_decay=false (one group: every parameter decayed)"
+                                       if was == 1 else ""))
+
+
+def _groups(weight_decay: float, no_decay: bool) -> int:
+    """The optimizer's parameter groups (recipes/training.py ``param_groups``)."""
+    return 2 if no_decay and weight_decay > 0 else 1
 
 
 def _differs(a: Any, b: Any) -> bool:

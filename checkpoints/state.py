@@ -178,7 +178,8 @@ def scheduler_state(h: Handles) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ load
 def load(h: Handles, ckpt: Checkpoint) -> None:
-    """Every rank: restore model, optimizer, scheduler and this rank's RNG from ``ckpt``."""
+    """Every rank: restore model, optimizer, scheduler and this rank's RNG from ``ckpt``. (Which
+    branch loads the optimizer is told before launch by resume_settings.py ``loads_optimizer``.)"""
     meta, path = ckpt.meta, ckpt.path
     saved = meta["payload"]
     same_world = int(meta["world_size"]) == h.world_size

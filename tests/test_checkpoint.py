@@ -20,6 +20,7 @@ resumed run switches the measuring observers off (``callbacks=none``).
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import shutil
@@ -645,6 +646,123 @@ def test_a_resume_names_the_model_settings_no_shape_pins():
     assert model_changes(saved, lora) == ["model.dropout 0 -> 0.1"]
 
 
+@functools.cache
+def _validated(*overrides: str):
+    from recipes.config import compose
+    from recipes.job import validate
+
+    return validate(compose([*TINY, *overrides]))
+
+
+def _config(*overrides: str) -> dict:
+    """trainer, model and data of TINY + ``overrides`` as meta.json's ``config`` holds them."""
+    from checkpoints.data_stream import this_run
+
+    return this_run(_validated(*overrides))
+
+
+@pytest.mark.unit
+def test_a_resume_names_the_settings_that_decide_the_data_stream():
+    """trainer.seed, model.seq_len and the data source decide the sample stream the position
+    (step x global batch) is taken in: each that differs from the checkpoint's run is named
+    (they changed the data silently); a key the data does not read (data.field and a tokenizer's
+    keys for byte text, num_workers, cache_dir, a val_samples above the split's floor) is not."""
+    import copy
+
+    from checkpoints.data_stream import changes
+
+    saved, held = _config(), _config("data.val_fraction=0.1")  # (held out: fewer training windows)
+
+    def edited(config: dict, **values) -> dict:
+        out = copy.deepcopy(config)
+        for key, value in values.items():
+            section, name = key.split("__")
+            out[section][name] = value
+        return out
+
+    assert changes(saved, edited(saved, data__num_workers=2, data__cache_dir="/x", data__field="body")) == []
+    assert changes(saved, edited(saved, trainer__seed=7, model__seq_len=64)) == ["trainer.seed 1234 -> 7",
+                                                                                 "model.seq_len 32 -> 64"]
+    assert changes(saved, _config("data=synthetic")) == ["data.name text -> synthetic"]
+    assert changes(saved, edited(saved, data__tokenizer="/tok")) == ["data.tokenizer null -> /tok"]
+    assert changes(saved, edited(saved, data__mixture=[{"name": "text", "weight": 1}])) == [
+        'data.mixture [] -> [{"name":"text","weight":1}]']
+    assert changes(saved, held) == ["data.val_fraction 0.0 -> 0.1"]
+    assert changes(held, edited(held, data__val_samples=512)) == []
+    assert changes(held, edited(held, data__val_samples=8)) == ["data.val_samples 256 -> 8"]
+    assert changes(held, edited(held, data__val_path="/v.txt")) == ["data.val_path null -> /v.txt"]
+    del saved["trainer"]["seed"]  # (an older checkpoint without the key: not compared)
+    assert changes(saved, edited(held, trainer__seed=7)) == ["data.val_fraction 0.0 -> 0.1"]
+
+
+@pytest.mark.unit
+def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
+    """Where the checkpoint's optimizer state loads, another trainer.optimizer (torch DCP raised
+    a missing key on every rank after launch, ZeRO ran on silently), SGD's momentum from 0, and
+    under DeepSpeed another number of parameter groups are refused before launch; a load of the
+    model only (another engine, world size or ZeRO-3-or-not) starts the optimizer fresh and takes any."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from checkpoints.resume_settings import optimizer_refusal
+
+    def job(layout: tuple[str, ...], **trainer):
+        j = _validated(*layout)
+        return dataclasses.replace(j, trainer=dataclasses.replace(j.trainer, **trainer))
+
+    def refusal(was, now, **written) -> str | None:  # (written: meta.json's world_size, backend)
+        meta = {"payload": was.run.checkpoint, "world_size": was.mesh.size, "backend": was.backend,
+                "config": {"trainer": dataclasses.asdict(was.trainer),
+                           "strategy": OmegaConf.to_container(was.cfg.strategy, resolve=True)}, **written}
+        return optimizer_refusal(SimpleNamespace(meta=meta, path="ckpt"), now)
+
+    single, ddp, zero2 = ("strategy=single",), ("strategy=ddp", "cluster.devices=2"), ("strategy=zero2", "cluster.devices=2")
+    zero3 = ("strategy=zero3", "cluster.devices=2")
+    for layout in (ddp, zero2, zero3):
+        assert refusal(job(layout), job(layout)) is None
+        why = refusal(job(layout), job(layout, optimizer="sgd"))
+        assert why.startswith("trainer.optimizer=sgd, the checkpoint's run adamw:") and "trainer.optimizer=adamw" in why
+    assert "trainer.optimizer=adamw, the checkpoint's run sgd" in refusal(job(ddp, optimizer="sgd"), job(single))
+    assert refusal(job(ddp), job(zero2, optimizer="sgd")) is None  # (the model only, optimizer fresh)
+    for written in ({"world_size": 1}, {"backend": "accelerate"}):
+        assert refusal(job(zero2), job(zero2, optimizer="sgd"), **written) is None, written
+    assert refusal(job(zero2), job(zero3, optimizer="sgd")) is None  # (ZeRO-3's layout: the model only)
+    sgd = job(single, optimizer="sgd")
+    assert refusal(sgd, job(single, optimizer="sgd", momentum=0.9)).startswith(
+        "trainer.momentum=0.9, the checkpoint's run 0")
+    assert refusal(job(single, optimizer="sgd", momentum=0.9), sgd) is None
+    assert refusal(job(ddp), job(ddp, weight_decay=0.1)) is None  # (DCP keys the state by parameter)
+    why = refusal(job(zero2), job(zero2, weight_decay=0.1))
+    assert why.startswith("trainer.weight_decay=0.1 with trainer.no_decay=true: 2 optimizer parameter group(s), "
+                          "the checkpoint's run 1") and "trainer.no_decay=false" in why
+    assert refusal(job(zero2), job(zero2, weight_decay=0.1, no_decay=False)) is None
+
+
+@pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
+def test_a_resume_from_a_real_checkpoint_says_a_new_data_stream(good, caplog):
+    """With the meta.json a run wrote: the same settings say nothing; a new seed and seq_len are
+    one warning (another optimizer: test_another_optimizer_is_refused_before_launch)."""
+    import logging
+
+    import checkpoints
+    from recipes.config import compose
+    from recipes.job import validate
+
+    def launch(*overrides: str) -> list[str]:
+        caplog.clear()
+        job = validate(compose([*TINY, *EQUIV, *PRESETS["fsdp"], f"trainer.resume_from={good}", *overrides]))
+        checkpoints.for_launch(job, good.parent.parent, cleanup=False)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    caplog.set_level(logging.INFO)
+    assert launch() == []
+    said = launch("trainer.seed=7", "model.seq_len=64")
+    assert len(said) == 1 and said[0].startswith("resume: trainer.seed 1234 -> 7; model.seq_len 32 -> 64: these "
+                                                 "decide the data stream, so the data does not continue"), said
+
+
 @pytest.mark.unit
 def test_written_files_are_as_readable_as_the_umask_allows(tmp_path):
     """Temp file + rename must not leave the temp file's private 0600: a teammate reads the
@@ -733,6 +851,17 @@ def test_a_bad_checkpoint_is_refused_before_launch(good, train, tmp_path):
     assert run.proc.returncode == 2, run.log[-3000:]
     assert f"{path / 'dcp' / '__0_0.distcp'} is truncated" in run.log
     assert "trainer.resume_from=" in run.log and "null to start fresh" in run.log
+    assert "Initializing distributed" not in run.log and "Traceback" not in run.log
+
+
+@pytest.mark.multiprocess
+def test_another_optimizer_is_refused_before_launch(good, train):
+    """The audit's crash: an AdamW checkpoint resumed with trainer.optimizer=sgd raised torch DCP's
+    missing key on every rank after launch; now one line, exit 2, no process started."""
+    run = train(*EQUIV, *PRESETS["ddp"], "trainer.optimizer=sgd", f"trainer.resume_from={good}", QUIET,
+                name="sgd", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert "trainer.optimizer=sgd, the checkpoint's run adamw" in run.log
     assert "Initializing distributed" not in run.log and "Traceback" not in run.log
 
 
