@@ -23,6 +23,7 @@ from launchers import sweep
 from recipes.config import DataConfig, compose
 from recipes.job import RUN, validate
 from recipes.token_checks import data_problems, shard_id_problem
+from tests.conftest import TINY, run_cli
 
 NOBODY = 65534
 POINT = ("model=gpt_nano", "cluster.accelerator=cpu", "trainer.max_steps=2")
@@ -128,3 +129,37 @@ def test_an_empty_jsonl_says_it_holds_no_records(tmp_path):
     (tmp_path / "f.jsonl").write_text('{"body": "x"}\n')
     said = data_problems(DataConfig(name="jsonl", path=str(tmp_path), tokenizer="/nonexistent"), None)
     assert any("data.field='text' is not a key" in p and "it has: body" in p for p in said), said
+
+
+# ------------------------------------------------------------------ resume
+@pytest.mark.unit
+def test_a_resume_from_that_is_no_checkpoint_is_refused_by_the_dry_run_and_the_preflight(tmp_path):
+    """The run refused these (checkpoints.for_launch) after Hydra made its directory; --dry-run and
+    the preflight said "would start". Both call the run's own check, ``checkpoints.checked``."""
+    (tmp_path / "ed").mkdir()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    checked = sweep.preflight([[*POINT, f"trainer.resume_from={tmp_path / 'ed'}"],
+                               [*POINT, f"trainer.resume_from={tmp_path / 'run'}"]], local=True)
+    said = [" ".join(p.problems) for p in checked.points]
+    assert said[0].startswith(f"trainer.resume_from={tmp_path / 'ed'}: ") and "COMPLETE" in said[0], said[0]
+    assert f"{tmp_path / 'run'} holds no complete checkpoint (a run directory" in said[1], said[1]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+def test_a_checkpoint_at_max_steps_reports_and_one_past_it_is_refused_before_launch(tmp_path):
+    """Resumed at trainer.max_steps, Lightning skipped its loop and wrote no report.json, no
+    summary, nothing about why (Accelerate reported); past it, the same in silence. At it, the run
+    says so and reports what it loaded on both backends; past it is a mistake, refused before
+    launch (by ``checkpoints.checked``, the dry run's check too)."""
+    quiet = (*TINY, "callbacks=none")
+    straight = run_cli("train.py", *quiet, "trainer.max_steps=3", out=tmp_path / "straight")
+    step3 = straight.out / "checkpoints" / "step3"
+    at = run_cli("train.py", *quiet, "trainer.max_steps=3", f"trainer.resume_from={step3}", out=tmp_path / "at")
+    assert f"resume: {step3} is at step 3 = trainer.max_steps: nothing is left to train" in at.log, at.log[-3000:]
+    assert "done: 3 steps" in at.log and at.report["losses"] == straight.losses, at.log[-3000:]
+    past = [*quiet, "trainer.max_steps=2", f"trainer.resume_from={step3}"]
+    refused = run_cli("train.py", *past, out=tmp_path / "past", check=False)
+    assert refused.proc.returncode == 2 and "Traceback" not in refused.log, refused.log[-3000:]
+    assert (f"trainer.resume_from={step3} is at step 3, past trainer.max_steps=2: set trainer.max_steps "
+            "above 3 to continue it (=3 only loads it), or resume an earlier checkpoint") in refused.log
