@@ -151,7 +151,8 @@ def test_a_checkpoint_at_max_steps_reports_and_one_past_it_is_refused_before_lau
     """Resumed at trainer.max_steps, Lightning skipped its loop and wrote no report.json, no
     summary, nothing about why (Accelerate reported); past it, the same in silence. At it, the run
     says so and reports what it loaded on both backends; past it is a mistake, refused before
-    launch (by ``checkpoints.checked``, the dry run's check too)."""
+    launch (by ``checkpoints.checked``, the dry run's check too), and the refused run leaves no run
+    directory behind."""
     quiet = (*TINY, "callbacks=none")
     straight = run_cli("train.py", *quiet, "trainer.max_steps=3", out=tmp_path / "straight")
     step3 = straight.out / "checkpoints" / "step3"
@@ -159,7 +160,13 @@ def test_a_checkpoint_at_max_steps_reports_and_one_past_it_is_refused_before_lau
     assert f"resume: {step3} is at step 3 = trainer.max_steps: nothing is left to train" in at.log, at.log[-3000:]
     assert "done: 3 steps" in at.log and at.report["losses"] == straight.losses, at.log[-3000:]
     past = [*quiet, "trainer.max_steps=2", f"trainer.resume_from={step3}"]
-    refused = run_cli("train.py", *past, out=tmp_path / "past", check=False)
+    refused = run_cli("train.py", *past, out=tmp_path / "new" / "past", check=False)
     assert refused.proc.returncode == 2 and "Traceback" not in refused.log, refused.log[-3000:]
     assert (f"trainer.resume_from={step3} is at step 3, past trainer.max_steps=2: set trainer.max_steps "
             "above 3 to continue it (=3 only loads it), or resume an earlier checkpoint") in refused.log
+    assert not (tmp_path / "new").exists()  # (made for the refused job: gone with it)
+    # a directory that existed keeps everything, Hydra's files too
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes").write_text("mine")
+    run_cli("train.py", *TINY, "trainer.lr=0", out=tmp_path / "mine", check=False)
+    assert (tmp_path / "mine" / "notes").read_text() == "mine" and (tmp_path / "mine" / ".hydra").is_dir()
