@@ -23,6 +23,7 @@ from launchers import sweep
 from recipes.config import DataConfig, compose
 from recipes.job import RUN, validate
 from recipes.token_checks import data_problems, shard_id_problem
+from strategies import ConfigError
 from tests.conftest import TINY, run_cli
 
 NOBODY = 65534
@@ -170,3 +171,17 @@ def test_a_checkpoint_at_max_steps_reports_and_one_past_it_is_refused_before_lau
     (tmp_path / "mine" / "notes").write_text("mine")
     run_cli("train.py", *TINY, "trainer.lr=0", out=tmp_path / "mine", check=False)
     assert (tmp_path / "mine" / "notes").read_text() == "mine" and (tmp_path / "mine" / ".hydra").is_dir()
+
+
+# ------------------------------------------------------------------ advice
+@pytest.mark.unit
+def test_zero3_compile_refusal_names_a_fix_other_than_the_preset_in_use():
+    """strategy=zero2 strategy.stage=3 trainer.compile=true was told to use strategy=zero2."""
+    base = ["cluster.devices=2", "cluster.accelerator=cpu", "trainer.compile=true"]
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "strategy=zero2", "strategy.stage=3"]), depth=RUN)
+    assert ("engine.compile); set strategy.stage=2, or use strategy=fsdp2, or set trainer.compile=false"
+            in str(e.value)), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "strategy=zero3"]), depth=RUN)
+    assert "use strategy=zero2 or strategy=fsdp2, or set trainer.compile=false" in str(e.value), str(e.value)
