@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from recipes.config import ModelConfig
     from recipes.job import Job
 
-__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "disk_full", "due", "Interrupt",
-           "Interrupted", "for_launch", "interruption", "load", "resolve", "resuming", "save", "shapes", "start",
-           "write_error"]
+__all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "checked", "disk_full", "due",
+           "Interrupt", "Interrupted", "for_launch", "interruption", "load", "resolve", "resuming", "save",
+           "shapes", "start", "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -103,19 +103,16 @@ def _whole(run_dir: str | Path) -> Path | None:
     return found
 
 
-def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
-    """The checkpoint ``trainer.resume_from`` means, checked whole before any process starts --
-    every file, the model's shapes, whether this preset can continue from it. A path stays that
-    path; ``auto`` stays ``auto``, so a restarted worker finds the newest checkpoint again (its
-    ranks agree on it: ``start``). ``cleanup``: this process (the launcher, or rank 0 under
-    torchrun) removes what interrupted saves left. Raises ``Finished`` when ``auto`` finds a
-    checkpoint already at ``trainer.max_steps`` (a re-run, or a requeue after the last step; a
-    path at or past it only loads: the run trains nothing and exports what it loaded)."""
-    import dataclasses
-
+def checked(job: Job, run_dir: str | Path | None = None, *, cleanup: bool = False) -> Checkpoint | None:
+    """The checkpoint ``trainer.resume_from`` names, checked whole (every file, the model's shapes,
+    whether this preset continues from it, a path not past ``trainer.max_steps``), or one
+    ConfigError: train.py's check (``for_launch``), ``--dry-run``'s and a sweep preflight's
+    (``run_dir`` None: no run directory yet, ``auto`` not looked for)."""
     from strategies import ConfigError
 
     resume_from = job.trainer.resume_from
+    if resume_from is None or (resume_from == AUTO and run_dir is None):
+        return None
     try:
         ckpt = resolve(resume_from, run_dir, job.model, cleanup=cleanup)
     except CheckpointError as e:
@@ -124,6 +121,26 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     why = ckpt and refusal(ckpt, job)
     if why:
         raise ConfigError(f"trainer.resume_from={resume_from}: {why}")
+    if resume_from != AUTO and ckpt.step > job.trainer.max_steps:
+        raise ConfigError(f"trainer.resume_from={resume_from} is at step {ckpt.step}, past trainer.max_steps="
+                          f"{job.trainer.max_steps}: set trainer.max_steps above {ckpt.step} to continue it "
+                          f"(={ckpt.step} only loads it), or resume an earlier checkpoint")
+    return ckpt
+
+
+def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
+    """The checkpoint ``trainer.resume_from`` means, ``checked`` before any process starts. A path
+    stays that path; ``auto`` stays ``auto``, so a restarted worker finds the newest checkpoint
+    again (its ranks agree on it: ``start``). ``cleanup``: this process (the launcher, or rank 0
+    under torchrun) removes what interrupted saves left. Raises ``Finished`` when ``auto`` finds
+    a checkpoint at ``trainer.max_steps`` (a re-run, a requeue); a path at it only loads (said)."""
+    import dataclasses
+
+    resume_from = job.trainer.resume_from
+    ckpt = checked(job, run_dir, cleanup=cleanup)
+    if resume_from != AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
+        log.warning("resume: %s is at step %d = trainer.max_steps: nothing is left to train; the run loads "
+                    "it and reports it (raise trainer.max_steps to continue)", ckpt.path, ckpt.step)
     if resume_from == AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
         raise Finished(f"already finished at step {ckpt.step} ({ckpt.path}); raise "
                        f"trainer.max_steps (now {job.trainer.max_steps}) to continue")

@@ -42,7 +42,9 @@ def run(job: Job, out: Path, plan: dict | None = None) -> Outcome:
     without a result for submitit (the requeued attempt writes it)."""
     from backends.common import quiet
     from observers import startup
+    from recipes.cli import keep_run_dir
 
+    keep_run_dir()  # (a refusal from here on is the run's: its directory stays)
     startup.mark("checkpoint_load")  # (since the plan: which checkpoint, checked whole; startup)
     quiet.install()  # (this process too: it exports trainer.save_hf after the ranks)
     start = registry.get(job.cluster.launcher).run

@@ -370,11 +370,14 @@ def check_point(overrides: Sequence[str], local: bool = False) -> Point:
     """One point composed, chosen (strategy=auto), validated and planned, as its job will be
     (torch-free at RUN depth: the backend's own refusals and the resume check come at the job's
     start). ``local``: this process runs the job (a local sweep, ``--dry-run`` without a
-    submission): the launcher's own check too, and ``depth`` says how deep."""
+    submission): the launcher's own check too, and ``depth`` says how deep; at LAUNCH depth a
+    ``trainer.resume_from`` path is checked as the run checks it (``checkpoints.checked``; ``auto``
+    is the job's run directory's, which does not exist yet)."""
+    import checkpoints
     import launchers
     import planner
     from recipes.compose import compose
-    from recipes.job import validate
+    from recipes.job import LAUNCH, validate
     from strategies import ConfigError
 
     t0 = time.perf_counter()
@@ -383,8 +386,10 @@ def check_point(overrides: Sequence[str], local: bool = False) -> Point:
         cfg = compose(point.overrides)
         if local:  # (what train.py checks first: cluster=k8s or sagemaker is launch.py's)
             launchers.refuse_elsewhere(cfg)
-        job = validate(cfg, depth=depth(cfg, local), auto=planner.choose,
+        job = validate(cfg, depth=(deep := depth(cfg, local)), auto=planner.choose,
                        extra=[launchers.check] if local else ())
+        if deep == LAUNCH:
+            checkpoints.checked(job)
         result = planner.check(job)
         point.fits, point.plan = result.fits, result.summary()
     except WillNotFit as e:

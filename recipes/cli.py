@@ -76,11 +76,44 @@ def started() -> None:
 
 def fail(error: Exception, log: logging.Logger) -> None:
     """A configuration error found after composition: log it and exit 2. Under an outside launcher
-    every rank finds the same error; rank 0 says it, the others exit quietly."""
+    every rank finds the same error; rank 0 says it, the others exit quietly. Found before the job
+    launched, the run directory Hydra made for it goes again (``_discard_made``)."""
     if int(os.environ.get("RANK") or 0) != 0:
         sys.exit(CONFIG_ERROR)
     log.error("%s", error)
+    _discard_made()
     sys.exit(CONFIG_ERROR)
+
+
+_made: list[Path] = []  # the run directory, then its ancestors, that Hydra makes for this job (not
+# under an outside launcher: its ranks share it), until the job launches (OutputDirectory, keep_run_dir)
+
+
+def keep_run_dir() -> None:
+    """The job launches (launchers.run): its run directory is the run's, whatever happens next."""
+    _made.clear()
+
+
+def _discard_made() -> None:
+    """A job refused before it launched leaves no run directory that looks like a run: the one Hydra
+    made, holding only what Hydra and the run lock wrote, goes, then its ancestors made with it while
+    empty. Anything else in it keeps it whole; a directory that existed before is never touched."""
+    if not _made:
+        return
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    own = {".hydra", ".lock", ".owner.json", f"{HydraConfig.get().job.name}.log"}
+    try:
+        if {p.name for p in _made[0].iterdir()} - own:
+            return
+        shutil.rmtree(_made[0])
+        for ancestor in _made[1:]:
+            ancestor.rmdir()  # (OSError when not empty: another job's, kept)
+    except OSError:
+        pass
+    _made.clear()
 
 
 def unwritable(key: str, directory: str | Path, file: str | None = None) -> str | None:
@@ -136,6 +169,9 @@ class OutputDirectory(Callback):
         except Exception:  # noqa: BLE001  (Hydra resolves it itself next, and says what is wrong)
             return
         if directory is None or (problem := unwritable(key, str(directory))) is None:
+            if directory is not None and key == "hydra.run.dir" and not {"RANK", "LOCAL_RANK"} & set(os.environ):
+                path = Path(str(directory)).expanduser().absolute()
+                _made[:] = [p for p in (path, *path.parents) if not p.exists()]
             return
         if int(os.environ.get("RANK") or 0) == 0:
             print(problem, file=sys.stderr)

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset, Subset
 
 from core.errors import DataError
 # (VAL_MIN_SAMPLES and held_out: importable from here, as before they moved)
-from recipes.data_size import VAL_MIN_SAMPLES, epochs, held_out, say_split  # noqa: F401
+from recipes.data_size import VAL_MIN_SAMPLES, epochs, held_out, no_sample, say_split, windows  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +56,10 @@ class TokenWindows(Dataset):
         self.arrays, self.seq_len = list(arrays), seq_len
         self.masks = list(masks) if masks is not None else [None] * len(self.arrays)
         self.n_loss = list(n_loss) if n_loss is not None else [None] * len(self.arrays)
-        counts = [max(0, (len(a) - 1) // seq_len) for a in self.arrays]
+        counts = [windows([len(a)], seq_len) for a in self.arrays]
         self.starts = list(itertools.accumulate(counts, initial=0))
         if len(self) < 1:
-            raise DataError(f"{what}: {sum(len(a) for a in self.arrays)} tokens hold no sample of "
-                            f"model.seq_len + 1 = {seq_len + 1} tokens (per shard): use more data "
-                            "or a shorter model.seq_len")
+            raise DataError(no_sample(what, sum(len(a) for a in self.arrays), seq_len))
 
     def __len__(self) -> int:
         return self.starts[-1]

@@ -24,6 +24,19 @@ def _rank0() -> bool:
     return int(os.environ.get("RANK") or 0) == 0
 
 
+def windows(lengths: list[int], seq_len: int) -> int:
+    """The ``seq_len + 1``-token windows arrays of ``lengths`` tokens hold (recipes/data.py
+    ``TokenWindows``: stride ``seq_len``, none across arrays)."""
+    return sum(max(0, (n - 1) // seq_len) for n in lengths)
+
+
+def no_sample(what: str, tokens: int, seq_len: int) -> str:
+    """The error for data that holds no window: the run's (``TokenWindows``) and the check's
+    before launch (recipes/token_checks.py) alike."""
+    return (f"{what}: {tokens} tokens hold no sample of model.seq_len + 1 = {seq_len + 1} tokens "
+            "(per shard): use more data or a shorter model.seq_len")
+
+
 def held_out(n: int, fraction: float, val_samples: int | None) -> int:
     """How many of ``n`` samples ``data.val_fraction`` holds out: the fraction (at least one), grown
     to ``VAL_MIN_SAMPLES`` where a tenth of the data and ``data.val_samples`` allow."""

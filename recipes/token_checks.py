@@ -7,6 +7,7 @@ directory, keyed by the shard's path, size and modification time.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from recipes.data_size import no_sample, windows
 from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, Inputs, TokenizerInfo, _messages_problem,
                                   chat_template_of, default_cache_dir, record_keys, resolve_inputs,
                                   splits_of, tokenizer_info)
@@ -44,10 +46,16 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
             continue
         try:
             read[key] = inputs = resolve_inputs(name, value, splits_of(key))
-        except (ValueError, OSError) as e:
+        except OSError as e:  # (a directory on the way this user may not enter)
+            out.append(cannot_read(key, value, [(Path(e.filename or value), e)]))
+            continue
+        except ValueError as e:
             out.append(f"{key}={value}: {e}"
                        + (", or data.path=null for the bundled corpus" if name == "text" and
                           key == "data.path" and "does not exist" in str(e) else ""))
+            continue
+        if failed := unreadable(inputs.files):
+            out.append(cannot_read(key, value, failed, len(inputs.files)))
             continue
         if key == "data.val_path" and "data.path" in read and _same_files(read["data.path"], inputs):
             out.append(f"data.val_path={value}: the same files as data.path={data.path}, so the "
@@ -55,12 +63,15 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
                        "data, or remove it and set data.val_fraction")
             continue
         if name == "tokens":
-            out += _shard_problems(key, value, inputs.files, data, vocab, hf)
+            out += (_shard_problems(key, value, inputs.files, data, vocab, hf)
+                    or _window_problems(key, value, inputs.files, 2 if data.dtype == "uint16" else 4, model))
         elif name == "text" and not data.tokenized:
             if len(inputs.files) != 1 or inputs.disk is not None:
                 out.append(f"{key}={value}: data=text without a tokenizer reads one file's bytes: "
                            f"point {key} at a file, or set data.tokenizer to tokenize a directory, "
                            "glob or save_to_disk directory")
+            else:
+                out += _window_problems(key, value, inputs.files, 1, model)
         elif name in ("jsonl", "parquet", "chat") or inputs.disk is not None:
             out += _record_problems(key, value, inputs, data)
     if name in ("jsonl", "parquet", "chat") and data.tokenizer is None:
@@ -69,6 +80,42 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
     if data.tokenized and data.tokenizer is not None and not knobs.elsewhere(data.tokenizer):
         out += tokenizer_problems(data.tokenizer, vocab, chat=name == "chat", hf=hf)
     return out
+
+
+def unreadable(files: Iterable[Path]) -> list[tuple[Path, OSError]]:
+    """The files this process cannot open and read (no read permission, an I/O error), each
+    with its error: the checks before launch read little of them, the ranks read them whole."""
+    out = []
+    for f in files:
+        try:
+            with open(f, "rb") as handle:
+                handle.read(1)
+        except OSError as e:
+            out.append((Path(f), e))
+    return out
+
+
+def cannot_read(key: str, value: Any, failed: list[tuple[Path, OSError]], total: int = 1) -> str:
+    """The one line for ``unreadable``'s answer: the key, its value, the first file that failed
+    (and how many of ``total``), why, and the fix."""
+    f, e = failed[0]
+    why = e.strerror or str(e)
+    same = str(f) == str(Path(str(value)).expanduser())
+    which = ("it" if same else f"{f}") if total == 1 else f"{len(failed)} of its {total} files, the first {f}"
+    mode = "a+rx" if os.path.isdir(f) else "a+r"
+    fix = (f"give this user read permission (chmod {mode} {f}) or point {key} at readable data"
+           if e.errno in (errno.EACCES, errno.EPERM) else f"check the file system, or point {key} at readable data")
+    return f"{key}={value}: cannot read {which} ({why}): {fix}"
+
+
+def _window_problems(key: str, value: Any, files: Iterable[Path], itemsize: int, model: Any) -> list[str]:
+    """Data of no ``model.seq_len + 1``-token window, from the files' sizes (the ranks refuse it,
+    recipes/data.py ``TokenWindows``, after launch)."""
+    seq_len = getattr(model, "seq_len", None)
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        return []
+    lengths = [Path(f).stat().st_size // itemsize for f in files]
+    return [] if windows(lengths, seq_len) else [no_sample(f"{key}={value}", sum(lengths), seq_len)]
 
 
 def _same_files(a: Inputs, b: Inputs) -> bool:
@@ -96,6 +143,9 @@ def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[st
     if found is None:
         return []
     keys, record = found
+    if inputs.loader == "json" and record is None:
+        return [f"{key}={value}: holds no records (its {'file is' if len(inputs.files) == 1 else 'files are'} "
+                f"empty or blank lines only): point {key} at {data.name} data with records"]
     what = "column" if inputs.loader in ("parquet", DISK) else "key"
     if field not in keys:
         return [f"{knob}={field!r} is not a {what} of {value}'s records (it has: "
@@ -168,6 +218,8 @@ def _shard_problems(key: str, value: str, files: tuple[Path, ...], data: Any, vo
     odd = [f"{key}: {f} has {f.stat().st_size} bytes, not a multiple of {size} "
            f"(data.dtype={data.dtype}): set data.dtype to the shards' type (uint16, uint32)"
            for f in files if f.stat().st_size % size]
+    odd += [f"{key}={value}: shard {f} is empty (0 bytes), which cannot be read as tokens: remove "
+            f"it, or point {key} at the shards that hold tokens" for f in files if not f.stat().st_size]
     if odd or vocab is None:
         return odd
     return [p for p in [shard_id_problem(key, value, files, data.dtype, vocab, data.cache_dir, hf=hf)] if p]
@@ -177,7 +229,11 @@ def shard_id_problem(key: str, value: Any, files: Iterable[Path], dtype: str, vo
                      cache_dir: str | Path | None, *, hf: bool = False) -> str | None:
     """The error for the first shard holding an id >= ``vocab`` (None when all fit)."""
     files = list(files)
-    for f, top in zip(files, shard_max_ids(files, dtype, cache_dir)):
+    try:
+        tops = shard_max_ids(files, dtype, cache_dir)
+    except OSError as e:  # (unreadable since the check before launch: its one line)
+        return cannot_read(key, value, [(Path(e.filename or files[0]), e)])
+    for f, top in zip(files, tops):
         if top >= vocab:
             return (f"{key}={value}: shard {f.name} holds token id {top} but {vocab_named(vocab, hf)} "
                     f"(the embedding has ids 0..{vocab - 1}; training would fail with an IndexError): "

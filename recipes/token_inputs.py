@@ -204,8 +204,9 @@ def _first_json_record(f: Path) -> Any:
 
 def record_keys(inputs: Inputs) -> tuple[list[str], Any] | None:
     """(the keys / columns of the input's records, the first JSON record or None), read from
-    the first file's first line (a one-line JSON array: its first record), parquet schema or
-    save_to_disk features; None when unknown (text; a .json file holding one JSON document over
+    the first file's first line (a one-line JSON array: its first record; the next file's when
+    it has none: ``([], None)`` when no file has one), parquet schema or save_to_disk features;
+    None when unknown (text; a .json file holding one JSON document over
     several lines, which ``datasets`` reads whole)."""
     if inputs.loader == DISK:
         features = json.loads((inputs.disk / "dataset_info.json").read_text()).get("features") or {}
@@ -216,12 +217,16 @@ def record_keys(inputs: Inputs) -> tuple[list[str], Any] | None:
 
         return pq.read_schema(first).names, None
     if inputs.loader == "json":
-        try:
-            record = _first_json_record(first)
-        except json.JSONDecodeError:
-            if first.name.endswith((".json", ".json.gz")):
-                return None  # not JSON lines: a whole JSON document
-            raise
+        record = None
+        for f in inputs.files:  # (the first file's first record; the next file's if it has none)
+            try:
+                record = _first_json_record(f)
+            except json.JSONDecodeError:
+                if f.name.endswith((".json", ".json.gz")):
+                    return None  # not JSON lines: a whole JSON document
+                raise
+            if record is not None:
+                break
         return (list(record), record) if isinstance(record, dict) else ([], record)
     return None
 

@@ -123,6 +123,13 @@ class StrategyConfig:
             raise ValueError(f"strategy={self.name} has no degree {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **degrees)
 
+    def preset_value(self, key: str) -> Any:
+        """``key`` as this preset's YAML sets it (None when ``name`` is no preset): a value that
+        differs was set on the command line, and the preset's own is a fix a refusal can name."""
+        from strategies.presets import load, names
+
+        return getattr(load(self.name), key, None) if self.name in names() else None
+
     def pipeline_microbatches(self) -> int | None:
         """Pipeline micro-batches one engine step is cut into; None without a pipeline."""
         return None

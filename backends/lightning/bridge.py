@@ -66,8 +66,10 @@ class ObserverBridge(L.Callback):
         self._micro: list[torch.Tensor] = []
         self._step = 0
         self._in_step = False
+        self.started = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = True
         self._step = trainer.global_step
         self.observers.meta["engine"] = {"strategy": type(trainer.strategy).__name__,
                                          "wrapped_model": type(trainer.strategy.model).__name__}
@@ -121,3 +123,13 @@ class ObserverBridge(L.Callback):
         if pipeline is not None and (section := pipeline()) is not None:
             self.observers.meta["pipeline"] = section  # collective: every rank calls it
         self.report = self.observers.train_end(LightningEngine(trainer))
+
+    def untrained(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After ``fit``: a run restored at ``trainer.max_steps`` (an explicit checkpoint path
+        there, which only loads) has had Lightning skip its loop and with it the train hooks, and
+        wrote no report; it reports what it loaded, as Accelerate's loop does."""
+        if self.started:
+            return
+        self.on_train_start(trainer, pl_module)
+        pl_module.on_train_epoch_end()  # (DPO's report section, as after a trained epoch)
+        self.on_train_end(trainer, pl_module)

@@ -109,6 +109,7 @@ def fit(built: Built) -> Outcome:
     # (Lightning's note that its validation loop is skipped is filtered in backends/common/quiet.py:
     # the module's validation_step is reached through strategy.validation_step by the bridge.)
     trainer.fit(built.module, datamodule=built.data)
+    built.bridge.untrained(trainer, built.module)  # (restored at max_steps: the loop was skipped)
     if job.trainer.export_params:
         params = trainer.strategy.full_state_dict(prefix=MODEL_PREFIX)
         if trainer.global_rank == 0:

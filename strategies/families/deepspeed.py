@@ -152,10 +152,12 @@ class ZeroConfig(StrategyConfig):
     def problems(self, run: Run) -> list[str]:
         out: list[str] = []
         if run.compile and self.stage == 3:
+            own = self.preset_value("stage")  # (strategy.stage=3 over a ZeRO-1/2 preset: its own fixes it)
+            fix = f"set strategy.stage={own}, or use" if own in (1, 2) else "use strategy=zero2 or"
             out.append(f"trainer.compile=true with strategy={self.name} (ZeRO-3): DeepSpeed gathers "
                        "each partitioned parameter in hooks around every module's forward, which a "
                        "compiled block would have to trace (DeepSpeed compiles only through its own "
-                       "engine.compile); use strategy=zero2 or fsdp2, or set trainer.compile=false")
+                       f"engine.compile); {fix} strategy=fsdp2, or set trainer.compile=false")
         if self.offload_params != "none" and self.stage != 3:
             out.append(f"strategy.offload_params={self.offload_params} needs strategy.stage=3 "
                        f"(got {self.stage}): only ZeRO-3 shards parameters; use strategy=zero3_offload "
@@ -469,11 +471,9 @@ def _or(value: int | None, default: int) -> int:
 def _count(value: Any, least: int) -> int | None:
     """A DeepSpeed element count as an int (integral floats such as 5e8 too); None when absent,
     "auto" (the footprint sizes it from the model) or unusable (``value_problems`` says so)."""
-    if value is None or value == AUTO:
+    if value is None or value == AUTO or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        return None
-    return int(value) if int(value) >= least else None
+    return int(value) if value == int(value) >= least else None  # (integral, and at least ``least``)
 
 
 def hidden_size(n: Sizes) -> int:
