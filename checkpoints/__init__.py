@@ -153,11 +153,11 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
                  ckpt.meta["strategy"], ckpt.meta["world_size"])
         if cleanup and resume_from != AUTO:
             _set_aside_newer(ckpt, run_dir)
-        _say_batch_change(ckpt, job)
-        _say_model_change(ckpt, job)
-        from checkpoints.data_stream import say_changes
+        from checkpoints import data_stream, resume_settings
 
-        say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
+        data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
+        data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
+        resume_settings.say_model_change(ckpt, job)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
@@ -188,31 +188,6 @@ def _set_aside_newer(ckpt: Checkpoint, run_dir: str | Path) -> None:
                 ", ".join(p.name for p in newer), aside)
 
 
-def _say_batch_change(ckpt: Checkpoint, job: Job) -> None:
-    """The data position is step x global batch (the stream's order is the seed's alone): a
-    resume at another trainer.global_batch_size continues elsewhere in the stream than where
-    the checkpoint's run stopped. Said once, with the value that continues exactly."""
-    seen, size = ckpt.meta.get("samples_seen"), job.batch.global_size
-    if seen is None or seen == ckpt.step * size:
-        return
-    was = seen // max(ckpt.step, 1)
-    log.warning("resume: trainer.global_batch_size=%d, the checkpoint's run %d: the data continues at "
-                "sample %d of the stream, where that run had consumed %d (samples %s); "
-                "trainer.global_batch_size=%d continues where it stopped", size, was, ckpt.step * size, seen,
-                f"{seen}-{ckpt.step * size - 1} are skipped" if ckpt.step * size > seen
-                else f"{ckpt.step * size}-{seen - 1} are seen again", was)
-
-
-def _say_model_change(ckpt: Checkpoint, job: Job) -> None:
-    """model.* settings no parameter shape pins (LoRA's alpha and dropout; ``_check_shapes``
-    compares the rest) that differ from the checkpoint's run: they apply from here, said once."""
-    from checkpoints.resume_settings import model_changes
-
-    changed = model_changes(ckpt.meta.get("config", {}).get("model") or {}, job.model)
-    if changed:
-        log.warning("resume: this run's model settings differ from the checkpoint's run's and apply "
-                    "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
-                    ckpt.step + 1, "; ".join(changed))
 
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:

@@ -5,7 +5,7 @@ The data position is step x global batch in one sample stream (recipes/data.py
 ``GlobalBatchSampler``): the training windows -- ``model.seq_len`` + 1 tokens each, cut from the
 data source (its group, path, tokenizer, packing, field, held-out split; a mixture's sources) --
 in the epoch orders ``trainer.seed`` draws. Another global batch moves the position
-(``checkpoints._say_batch_change``); another value of any setting here keeps the position but
+(``say_batch_change``); another value of any setting here keeps the position but
 changes the stream under it: the resumed run reads other samples than the ones the checkpoint's
 run would have read next (a new seed's permutation repeats some of the epoch's samples and skips
 others; longer windows are other tokens; another source is other data, from sample step x global
@@ -110,3 +110,17 @@ def _shown(value: Any) -> str:
     if value is None or isinstance(value, (bool, list, dict)):
         return json.dumps(value, separators=(",", ":"))
     return str(value)
+
+def say_batch_change(ckpt: Any, job: Any) -> None:
+    """The data position is step x global batch (the stream's order is the seed's alone): a
+    resume at another trainer.global_batch_size continues elsewhere in the stream than where
+    the checkpoint's run stopped. Said once, with the value that continues exactly."""
+    seen, size = ckpt.meta.get("samples_seen"), job.batch.global_size
+    if seen is None or seen == ckpt.step * size:
+        return
+    was = seen // max(ckpt.step, 1)
+    log.warning("resume: trainer.global_batch_size=%d, the checkpoint's run %d: the data continues at "
+                "sample %d of the stream, where that run had consumed %d (samples %s); "
+                "trainer.global_batch_size=%d continues where it stopped", size, was, ckpt.step * size, seen,
+                f"{seen}-{ckpt.step * size - 1} are skipped" if ckpt.step * size > seen
+                else f"{ckpt.step * size}-{seen - 1} are seen again", was)

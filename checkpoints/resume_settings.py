@@ -10,8 +10,11 @@ refused before launch: checkpoints ``refusal``)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def of(optimizer: Any) -> list[dict[str, Any]]:
@@ -144,3 +147,13 @@ def _differs(a: Any, b: Any) -> bool:
 
 def _shown(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(tuple(v) if isinstance(v, list) else v)
+
+
+def say_model_change(ckpt: Any, job: Any) -> None:
+    """model.* settings no parameter shape pins (LoRA's alpha and dropout; ``_check_shapes``
+    compares the rest) that differ from the checkpoint's run: they apply from here, said once."""
+    changed = model_changes(ckpt.meta.get("config", {}).get("model") or {}, job.model)
+    if changed:
+        log.warning("resume: this run's model settings differ from the checkpoint's run's and apply "
+                    "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
+                    ckpt.step + 1, "; ".join(changed))
