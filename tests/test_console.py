@@ -101,8 +101,12 @@ def test_the_noise_filter_is_scoped(monkeypatch):
             warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
             warnings.warn("a warning nobody filtered", UserWarning)
             warnings.warn("`torch.distributed.something_else` is deprecated", FutureWarning)
+            sharded = "Please use DTensor instead and we are deprecating ShardedTensor."
+            for module in ("torch.distributed.fsdp._state_dict_utils", "torch.distributed._state_dict_utils",
+                           "torch.distributed.checkpoint.planner_helpers", "my_own_module"):  # (an FSDP1 resume)
+                warnings.warn_explicit(sharded, FutureWarning, "x.py", 1, module=module)
         assert [str(w.message) for w in seen] == ["a warning nobody filtered",
-                                                  "`torch.distributed.something_else` is deprecated"]
+                                                  "`torch.distributed.something_else` is deprecated", sharded]
         rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
         tip = logging.LogRecord(rank_zero.name, logging.INFO, __file__, 1,
                                 "💡 Tip: For seamless cloud logging ... try installing [litlogger](...)", None, None)
