@@ -25,7 +25,8 @@ def build_problems(c: Any, su: Any) -> list[str]:
     if need <= su.host_bytes:
         return []
     return [f"host memory: each of the node's {cl.devices} processes builds the whole fp32 model "
-            f"({gb(whole)}) before strategy={c.name} shards it, {gb(need)} per node, has "
+            f"({gb(whole)}) before strategy={c.name} {'shards' if c.config.footprint().sharded else 'wraps'} it, "
+            f"{gb(need)} per node, has "
             f"{su.host_has()}; fsdp2 and the tp/pp presets build their shards alone "
             "(backend=lightning), zero3 under zero.Init"]
 
