@@ -124,8 +124,34 @@ def _start(job: Job) -> bool:
         ray.init(num_cpus=max(cpus, 1), include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=True)
         return True
-    ray.init(address=address, log_to_driver=True)
+    join(address)
     return False
+
+
+def join(address: str) -> None:
+    """``ray.init`` on the cluster at ``address``; Ray's ConnectionError (no cluster for ``auto``;
+    after its own retries, something that answers TCP but is not Ray's GCS) as a ConfigError."""
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except ConnectionError as e:
+        from core.errors import ConfigError
+
+        raise ConfigError(not_ray(address, e)) from None
+
+
+def not_ray(address: str, error: BaseException) -> str:
+    """The sentence for Ray's ``error`` joining the cluster ``address`` names, with the fix."""
+    why = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), type(error).__name__)[:300]
+    if address == "auto":
+        return (f"cluster.ray.address=auto: Ray found no cluster on this machine to join ({why}): "
+                "start one with `ray start --head`, or set cluster.ray.address=<head>:6379 (a cluster "
+                "elsewhere) or cluster.ray.address=null to start Ray on this machine for the job")
+    return (f"cluster.ray.address={address}: something answers there, but no Ray cluster Ray could join "
+            f"({why}): give the address `ray start --head` printed on the head (<head>:6379, or "
+            "ray://<head>:10001 for Ray Client), not another service's port, or set "
+            "cluster.ray.address=null to start Ray on this machine for the job")
 
 
 def _timeline() -> dict[str, str]:

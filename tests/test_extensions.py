@@ -114,6 +114,32 @@ def test_the_watcher_explains_a_wait_and_times_it(waiting, caplog, monkeypatch):
 
 
 @pytest.mark.unit
+def test_a_wait_on_another_ranks_first_build_says_it_is_one(waiting, caplog, monkeypatch):
+    """Rank 0 (the rank whose INFO reaches the console) may lose the race for the lock of an op no
+    run built yet; its wait then said only who held the lock, like a wait on a stuck build, and
+    never the promised "first run only". With a library in the folder (a load), it does not."""
+    from backends.common import extensions
+    from observers import startup
+
+    monkeypatch.setattr(startup, "_spans", [])
+    monkeypatch.chdir(waiting.parent)  # (this process "works in" the folder, as the builder's ninja does)
+    os.utime(waiting)  # (a fresh lock)
+    caplog.set_level(logging.INFO, logger=extensions.__name__)
+    watcher = extensions.Watcher(first_s=0.0, every_s=60)
+    time.sleep(0.1)
+    watcher.poll()
+    [said] = caplog.records
+    text = said.getMessage()
+    assert said.levelno == logging.INFO and "DeepSpeed" not in text, text
+    assert "the C++ extension myop, which another process is building for the first time (first run " \
+           "only, later runs load it" in text and f"works in {waiting.parent.resolve()}" in text, text
+    (waiting.parent / "myop.so").touch()  # built: the lock is a load's, or a rebuild's
+    level, text = extensions.explain_wait(extensions.activities()[0], 6.0)
+    assert level == logging.INFO and "for the first time" not in text, text
+    assert "This run goes on when that build ends" in text, text
+
+
+@pytest.mark.unit
 def test_who_holds_a_lock_and_who_builds_beside_it(tmp_path, monkeypatch):
     from backends.common import extensions
 

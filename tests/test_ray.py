@@ -116,6 +116,42 @@ def test_a_ray_address_where_nothing_answers_is_one_line_with_the_fix():
     assert ray.unreachable("auto") is None
 
 
+def _gcs_server_here() -> bool:
+    """A Ray cluster's GCS runs on this machine (another test's, or a user's)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "gcs_server":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.unit
+def test_a_ray_address_that_answers_but_is_not_ray_is_one_line_with_the_fix(tmp_path, monkeypatch):
+    """cluster.ray.address=10.0.0.1:6379 where something that is not Ray accepts TCP passed the
+    connect probe, then ended after Ray's retries (52 s there; 40 s a try against a silent local
+    listener, too slow to test) in a ConnectionError traceback and exit 1. Ray's ConnectionError is
+    now one sentence naming the key, the value and the fix (exit 2, a ConfigError): its text here,
+    and the mapping on Ray's own ConnectionError for address=auto with no cluster here (a second)."""
+    from launchers import ray
+    from strategies import ConfigError
+
+    raised = ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379")  # (Ray 2.60's words)
+    said = ray.not_ray("10.0.0.1:6379", raised)
+    assert "\n" not in said and said.startswith("cluster.ray.address=10.0.0.1:6379: "), said
+    assert "Failed to connect to Ray cluster at 10.0.0.1:6379" in said, said
+    assert "`ray start --head`" in said and "cluster.ray.address=null" in said, said
+    if _gcs_server_here():
+        pytest.skip("a Ray cluster runs on this machine: address=auto would join it")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # (no record of a cluster started here)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError) as e:
+        ray.join("auto")
+    [said] = e.value.problems
+    assert said.startswith("cluster.ray.address=auto: ") and "`ray start --head`" in said, said
+
+
 @pytest.mark.slow  # (CI: the unit test above, the same decision)
 @pytest.mark.subprocess
 def test_train_py_with_a_ray_address_where_nothing_answers_exits_2_at_once(tmp_path):

@@ -21,7 +21,8 @@ what is going on; nothing of torch is replaced -- and:
   lock's path and age, who on this machine holds it (a process with the file open) or builds in
   its folder (a compiler working there), when the folder last changed, and what to do. A lock
   nobody holds is a warning on every rank; a build another process is running is said at INFO.
-  Waiting counts as ``op_build`` too.
+  Waiting counts as ``op_build`` too; a wait for another process's first build of the op says
+  so (the rank on the console may be the one that waits).
 """
 
 from __future__ import annotations
@@ -155,8 +156,10 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days"
 
 
-def explain_wait(act: Activity, waited: float, now: float | None = None) -> tuple[int, str]:
-    """(log level, sentence) for a wait of ``waited`` seconds on ``act``'s lock (``now``: epoch)."""
+def explain_wait(act: Activity, waited: float, now: float | None = None,
+                 first: bool = False) -> tuple[int, str]:
+    """(log level, sentence) for a wait of ``waited`` seconds on ``act``'s lock (``now``: epoch);
+    ``first``: no library in its folder when the wait began, so the build held is the op's first."""
     now = time.time() if now is None else now
     lock = act.lock
     try:
@@ -169,6 +172,11 @@ def explain_wait(act: Activity, waited: float, now: float | None = None) -> tupl
     if holders or builders:
         who = "; ".join([f"process {p} holds it" for p in holders]
                         + [f"process {p} works in {act.folder}" for p in builders])
+        if first:  # (the rank that lost the race for a first build: often rank 0, the one on the console)
+            return logging.INFO, (
+                f"waiting {waited:.0f} s for {act.what}, which another process is building for the first "
+                f"time (first run only, later runs load it; a C++ compile of a minute or more, start-up "
+                f"phase {PHASE}): torch's build lock {lock} ({age}): {who}. This run goes on when it ends.")
         return logging.INFO, (f"{head}: {who}. This run goes on when that build ends (a first build "
                               "takes minutes).")
     try:
@@ -254,7 +262,7 @@ class Watcher:
                     log.info("still building %s (%.0f s so far)", act.what, lasted)
                     seen.said = now
             elif lasted >= self.first_s and due:
-                level, text = explain_wait(act, lasted)
+                level, text = explain_wait(act, lasted, first=seen.first)
                 log.log(level, "%s", text)
                 seen.said = now
         for key in [k for k in self._seen if k not in current]:
