@@ -188,8 +188,6 @@ def _set_aside_newer(ckpt: Checkpoint, run_dir: str | Path) -> None:
                 ", ".join(p.name for p in newer), aside)
 
 
-
-
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
     engine loads its own checkpoints of the same world size and backend whole, any other's model

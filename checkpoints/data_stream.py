@@ -111,6 +111,7 @@ def _shown(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"))
     return str(value)
 
+
 def say_batch_change(ckpt: Any, job: Any) -> None:
     """The data position is step x global batch (the stream's order is the seed's alone): a
     resume at another trainer.global_batch_size continues elsewhere in the stream than where

@@ -237,7 +237,8 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
             + (" (whole loop)" if r.get("tokens_per_second_of") == "whole loop" else ""),
             _num(r.get("step_seconds"), ".3g"), _num(r.get("first_step_seconds"), ".1f"),
             _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
-            _mib(r.get("comm_bytes_per_step")) + (" (warm-up)" if r.get("comm_of") == "warm-up" else ""), fits, _num(r.get("predicted_step_seconds"), ".3g"),
+            _mib(r.get("comm_bytes_per_step")) + (" (warm-up)" if r.get("comm_of") == "warm-up" else ""),
+            fits, _num(r.get("predicted_step_seconds"), ".3g"),
             _mib(r.get("predicted_state_bytes")), _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
     notes = [r for r in rows if r["status"] != OK]
     if notes:
@@ -373,7 +374,6 @@ def check_point(overrides: Sequence[str], local: bool = False) -> Point:
     submission): the launcher's own check too, and ``depth`` says how deep; at LAUNCH depth a
     ``trainer.resume_from`` path is checked as the run checks it (``checkpoints.checked``; ``auto``
     is the job's run directory's, which does not exist yet)."""
-    import checkpoints
     import launchers
     import planner
     from recipes.compose import compose
