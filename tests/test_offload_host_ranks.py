@@ -60,7 +60,7 @@ def test_zero3_books_the_coalesced_cat_and_gloos_reduce_scatter_copy():
     (torch.cat, gloo's reduce_scatter_tensor), on a GPU one (NCCL reduce-scatters in place)."""
     one, two = _cpu("zero3_offload", 1), _cpu("zero3_offload", 2)
     assert one.buffers == two.buffers
-    from strategies.families.deepspeed import ZeroFootprint
+    from strategies.zero_footprint import ZeroFootprint
     from strategies.footprint import Sizes, StateBytes, reduction_copies
 
     sb = StateBytes(params=2, grads=2, master=4, optimizer=8, gather=2, reduce=2, activation=2)

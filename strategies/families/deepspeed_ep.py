@@ -14,12 +14,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import ZERO_EP, Capabilities, family
 from core.knobs import knob
-from strategies.families.deepspeed import ZeroConfig, ZeroFootprint
-from strategies.families.fsdp2_ep import EP_SELECTIVE, ExpertSplit, moe_problems
 from core.mesh import Mesh
 from core.run import Run
+from strategies.base import ZERO_EP, Capabilities, family
+from strategies.families.deepspeed import ZeroConfig
+from strategies.families.fsdp2_ep import EP_SELECTIVE, ExpertSplit, moe_problems
+from strategies.zero_footprint import ZeroFootprint
 
 
 @dataclass(frozen=True)
