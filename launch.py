@@ -36,7 +36,9 @@ NO_LAUNCH_STEP = ("cluster={name} (cluster.launcher={launcher}) needs no launch 
 
 def main(argv: list[str]) -> None:
     if {"-h", "--help"} & set(argv):
-        print(__doc__ + "\n" + cli.groups_help())
+        from recipes.cli_help import groups_help
+
+        print(__doc__ + "\n" + groups_help())
         return
     import planner
     from launchers import registry

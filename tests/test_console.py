@@ -44,7 +44,7 @@ def test_help_is_our_page_not_hydras():
 def test_every_common_key_of_the_help_is_a_key():
     from omegaconf import OmegaConf
 
-    from recipes.cli import COMMON_KEYS
+    from recipes.cli_help import COMMON_KEYS
     from recipes.config import compose
 
     cfg = compose([])
@@ -67,7 +67,7 @@ def test_every_common_key_of_the_help_is_a_key():
     (["trainer.zzzzzz=3"], ["trainer.zzzzzz=3: no such key; the keys of trainer: betas, "]),  # nothing close: the keys
 ], ids=["key", "second-key", "group", "preset-key", "all-fine", "nothing-close"])
 def test_suggestions(argv, expected):
-    from recipes.cli import suggestions
+    from recipes.cli_help import suggestions
 
     found = suggestions(argv)
     assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected)), found

@@ -141,7 +141,7 @@ def test_gradient_checkpointing_is_the_strategy_key():
 
 @pytest.mark.unit
 def test_help_lists_the_fine_tuners_keys():
-    from recipes.cli import help_page
+    from recipes.cli_help import help_page
 
     page = help_page("train")
     for key in ("trainer.gradient_checkpointing=null", "trainer.keep_best=false",

@@ -1,0 +1,241 @@
+"""What a user can type and what they mistyped: the ``--help`` page (the config groups, the keys
+most runs change, examples), and the likely spelling of a key or an option the config does not
+have (``suggestions``), for ``recipes.cli``'s one way of ending on a configuration error."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from core.conf import CONF_DIR
+from recipes.cli import normalize
+
+
+def groups_help() -> str:
+    """The config groups a user picks from and their options, as files of conf/ (what ``--help``
+    lists): the groups of the root schema, not the internal ones (``strategy_model``,
+    ``cluster_trainer``: applied by themselves). ``*`` marks conf/train.yaml's default."""
+    from dataclasses import fields
+
+    from recipes.compose import _default_choices
+    from recipes.config import TrainConfig
+
+    defaults = _default_choices()
+    lines = ["config groups (group=option; * the default; group=null switches an opt-in group off):"]
+    public = {f.name for f in fields(TrainConfig)}
+    groups = sorted((p for p in CONF_DIR.iterdir() if p.is_dir() and p.name in public),
+                    key=lambda p: (GROUP_ORDER.index(p.name) if p.name in GROUP_ORDER else len(GROUP_ORDER), p.name))
+    width = max(len(g.name) for g in groups) + 4
+    for group in groups:
+        options = [f.stem + ("*" if defaults.get(group.name) == f.stem else "")
+                   for f in sorted(group.glob("*.yaml"))]
+        off = [] if defaults.get(group.name, "None") not in ("None", "null") else ["(off unless chosen)"]
+        lines += textwrap.wrap(" ".join([f"{o}," for o in options[:-1]] + options[-1:] + off), 100,
+                               initial_indent=f"  {group.name + ':':<{width - 2}}",
+                               subsequent_indent=" " * width, break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+# The order --help lists the groups in: what a run is, then how it runs, then the rest.
+GROUP_ORDER = ("model", "strategy", "cluster", "backend", "data", "trainer", "objective", "callbacks",
+               "logger", "planner", "experiment", "export", "paths")
+
+# The keys most runs set, with what each means (``--help``); tests/test_console.py keeps every one
+# a key of the composed config.
+COMMON_KEYS: tuple[tuple[str, str], ...] = (
+    ("trainer.max_steps", "optimizer steps"),
+    ("trainer.global_batch_size", "samples per optimizer step (= micro x data-parallel x accumulation)"),
+    ("trainer.micro_batch_size", "samples per forward pass, per rank (accumulation is derived)"),
+    ("trainer.lr", "peak learning rate (trainer.optimizer=adamw | sgd, trainer.scheduler)"),
+    ("trainer.precision", "32 | bf16-mixed | 16-mixed"),
+    ("trainer.val_every", "validate every N steps (0: at the end), given a validation split"),
+    ("trainer.checkpoint_every", "save a checkpoint every N steps (the last one is saved anyway)"),
+    ("trainer.keep_best", "also keep the checkpoint of the lowest validation loss (val_every > 0)"),
+    ("trainer.early_stopping.patience", "stop after N validations without improvement (0: never)"),
+    ("trainer.gradient_checkpointing", "recompute activations in backward (= strategy.activation_checkpointing)"),
+    ("trainer.resume_from", "auto (newest checkpoint in the run dir) | a checkpoint dir | null"),
+    ("cluster.devices", "processes per node (null: 1, or what torchrun / srun started)"),
+    ("cluster.nodes", "nodes (null: 1, or the launcher's; torchrun, Slurm, SageMaker start them)"),
+    ("cluster.accelerator", "auto | cpu | gpu"),
+    ("data.path", "your own data: a file, directory or glob (data=text | jsonl | parquet | chat | tokens)"),
+    ("data.val_fraction", "hold out this fraction of the windows for validation"),
+    ("model.path", "a Hugging Face model directory (model=hf)"),
+    ("callbacks.progress_bar", "the progress bar on rank 0 (when stdout is a terminal)"),
+    ("callbacks.log_every", "otherwise a progress line every N steps and every 60 s (0: none)"),
+    ("callbacks.samples.prompts", "at each validation, greedy completions of these prompts (a file, or '[a,b]')"),
+    ("planner.enforce", "refuse a run predicted not to fit"),
+)
+
+EXAMPLES = (
+    ("python train.py model=gpt_nano trainer.max_steps=20", "a small run on this machine"),
+    ("python train.py strategy=ddp cluster.devices=2", "two processes, DDP"),
+    ("python train.py strategy=zero3 cluster.devices=2 model=gpt_nano", "DeepSpeed ZeRO-3"),
+    ("python train.py data.val_fraction=0.05 trainer.val_every=20", "with validation"),
+    ("python train.py -m strategy=ddp,fsdp,zero2 cluster.devices=2", "a sweep, compared in a report"),
+    ("python train.py --cfg job strategy=fsdp", "print the composed config, run nothing"),
+    ("python plan.py model=llama_7b cluster=node_8x_a100_80g", "will it fit, before any run"),
+)
+
+
+def _key_defaults() -> dict[str, object]:
+    """Each common key's value in the default composition, read from conf/'s YAML (no Hydra
+    composition, no torch: ``--help`` answers at once)."""
+    from omegaconf import OmegaConf
+
+    from recipes.compose import _default_choices
+
+    choices, out = _default_choices(), {}
+    for key, _ in COMMON_KEYS:
+        group, _, rest = key.partition(".")
+        path = CONF_DIR / group / f"{choices.get(group)}.yaml"
+        if not path.is_file():
+            continue
+        node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        for part in rest.split("."):
+            node = node.get(part, "") if isinstance(node, dict) else ""
+        if node != "" and not (isinstance(node, str) and "${" in node):
+            out[key] = node
+    return out
+
+
+def help_page(doc: str) -> str:
+    """``python train.py --help``: what the script does, the groups and their options, the common
+    keys with their defaults, examples, and where the rest is written down."""
+    defaults = _key_defaults()
+    usage = doc.strip().splitlines()[0]
+    def shown(value: object) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    keys = [f"{key}={shown(defaults.get(key))}" for key, _ in COMMON_KEYS]
+    width = max(map(len, keys)) + 2
+    lines = ["usage: python train.py [group=option ...] [key=value ...] [-m] [--cfg job]", "",
+             usage, "", groups_help(), "",
+             "common keys (key=value, shown with their default; any key of `python train.py --cfg job` works):"]
+    lines += [f"  {k:<{width}}{what}" for k, (_, what) in zip(keys, COMMON_KEYS)]
+    lines += ["", "examples:"]
+    width = max(len(cmd) for cmd, _ in EXAMPLES) + 2
+    lines += [f"  {cmd:<{width}}# {what}" for cmd, what in EXAMPLES]
+    readme = CONF_DIR.parent / "README.md"
+    lines += ["", f"more: README.md ({readme if readme.is_file() else 'in the repository'}): every group, "
+              "key and report field; docs/ARCHITECTURE.md; Hydra's own flags: --hydra-help"]
+    return "\n".join(lines)
+
+
+def _flat_keys(node: object, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return []
+    out = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        out += [key, *_flat_keys(v, key + ".")]
+    return out
+
+
+def _has_key(node: object, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def suggestions(argv: list[str]) -> list[str]:
+    """For each override whose key the config does not have (``trainer.max_step=3``), one line:
+    the override, that the key does not exist, the closest key that does (``did you mean
+    trainer.max_steps?``) and the override to write instead, or, with none close, the keys there
+    are -- from the config composed with the same group choices; nothing when the groups
+    themselves do not compose (Hydra's message says why)."""
+    from omegaconf import OmegaConf
+
+    from recipes.compose import compose
+
+    groups, keys, options = [], [], []
+    for arg in normalize([a for a in argv if not a.startswith("-")]):
+        key, eq, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not eq or key.startswith("hydra"):
+            continue
+        if "." not in key and (CONF_DIR / key).is_dir():
+            groups.append(arg)
+            options += [line for v in value.split(",") if (line := _no_such_option(key, v.strip()))]
+        else:
+            keys.append((key, value))
+    if options or not keys:
+        return options
+    try:
+        cfg = OmegaConf.to_container(compose(groups), resolve=False)
+    except Exception:  # the groups themselves are the error: Hydra said so
+        return []
+    return [_no_such_key(cfg, key, value) for key, value in keys if not _has_key(cfg, key)]
+
+
+def _no_such_option(group: str, value: str) -> str | None:
+    """``strategy=zero33: no such strategy; did you mean zero3? (strategy=zero3); the options:
+    ...``; None when conf/<group>/ has it (or it is null)."""
+    import difflib
+
+    names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    if not names or value in names or value in ("null", ""):
+        return None
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+    guess = f"did you mean {close[0]}? ({group}={close[0]}); " if close else ""
+    return f"{group}={value}: no such {group}; {guess}the options: {', '.join(names)}"
+
+
+def _wrong_type(error: Exception) -> str | None:
+    """``cluster.devices=two: could not be converted to Integer; ...``: a value OmegaConf cannot
+    take for its key's type, as one line (Hydra's is four, naming the schema's class)."""
+    from omegaconf.errors import ValidationError
+
+    cause, text = error.__cause__, str(error)
+    if not isinstance(cause, ValidationError) or not text.startswith("Error merging override "):
+        return None
+    override = text.removeprefix("Error merging override ").splitlines()[0]
+    why = str(getattr(cause, "msg", cause)).splitlines()[0]
+    why = why.split(" could not be converted to ")[-1] if " could not be converted to " in why else why
+    kind = {"Integer": "an integer", "Float": "a number"}.get(why) or (
+        "true or false" if "is not a valid bool" in why else
+        "a list ([a,b])" if "is not a ListConfig" in why else None)
+    return (f"{override}: {cause.full_key} takes {kind}" if kind else f"{override}: {why}") + \
+        f"; python {_script()} --help lists the keys with their defaults"
+
+
+def _script() -> str:
+    """The script the user ran (train.py, plan.py, export.py, ...), for a hint that names it."""
+    name = Path(sys.argv[0]).name
+    return name if name in ("plan.py", "export.py", "launch.py") else "train.py"
+
+
+def _no_such_key(cfg: dict, key: str, value: str) -> str:
+    """``trainer.max_stepz=3: no such key; did you mean trainer.max_steps? (trainer.max_steps=3)``."""
+    import difflib
+
+    parent, _, leaf = key.rpartition(".")
+    if not parent:  # a group or a top-level key
+        names = sorted({p.name for p in CONF_DIR.iterdir() if p.is_dir()} | set(cfg))
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    elif _has_key(cfg, parent):  # a key of a node that exists: among its keys
+        node = cfg
+        for part in parent.split("."):
+            node = node[part]
+        names = sorted(node) if isinstance(node, dict) else []
+        close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
+    else:  # the node itself is mistyped: among every key
+        names = []
+        close = difflib.get_close_matches(key, _flat_keys(cfg), n=1, cutoff=0.6)
+    if close:
+        return f"{key}={value}: no such key; did you mean {close[0]}? ({close[0]}={value})"
+    where = f"the keys of {parent or 'the config'}: {', '.join(names)}" if names else \
+        "every key: python train.py --cfg job"
+    return f"{key}={value}: no such key; {where}"
+
+
+def composition_problems(error: Exception, argv: list[str]) -> list[str]:
+    """Our lines for a composition error: each key the config does not have (``suggestions``), or
+    a value of the wrong type (``_wrong_type``); [] for any other (Hydra's message says it)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    lines = suggestions(argv) if isinstance(error, (HydraException, OmegaConfBaseException)) else []
+    return lines or [line for line in [_wrong_type(error)] if line]
