@@ -10,7 +10,6 @@ and batch arithmetic and the preset on that world, on the configured accelerator
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -21,18 +20,16 @@ from omegaconf import DictConfig, OmegaConf
 from recipes import dpo_checks, float8_checks, mixture, packing, samples, stopping
 from recipes.cluster_config import ClusterConfig
 from recipes.compose import register, unreadable
+from recipes.job_checks import (logger_problems, lora_problems, loss_chunk_problems, save_hf_problems,
+                                trainer_problems, wandb_online_problems)
 from recipes.config import (GROUP_SCHEMAS, CallbacksConfig, ExportConfig, LoggerConfig, PathsConfig,
                             PlannerConfig, TrainConfig)
 from recipes.model_config import ModelConfig
 from recipes.trainer_config import DataConfig, ObjectiveConfig, TrainerConfig
 from core import knobs
 from strategies import ConfigError, Run, StrategyConfig, as_config
-from strategies.presets import AUTO, load, names
+from strategies.presets import AUTO
 from core.run import settle
-
-# logger name -> (module it needs, the extra that installs it)
-LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
-
 
 @dataclass(frozen=True)
 class Job:
@@ -180,121 +177,6 @@ def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
             f"remove +{prefix}.{k}=..." for k in sorted(set(node) - known)]
 
 
-def _trainer_problems(t: TrainerConfig, strategy: StrategyConfig) -> list[str]:
-    """The optimizer and schedule settings that only make sense together."""
-    out = []
-    betas = list(t.betas)
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        out.append(f"trainer.betas={betas}: AdamW takes two numbers, each >= 0 and < 1; set "
-                   "trainer.betas=[0.9,0.95] (the default) or e.g. [0.9,0.999]")
-    end = t.decay_steps or t.max_steps
-    if t.scheduler != "constant" and end <= t.warmup_steps:
-        key = f"trainer.decay_steps={t.decay_steps}" if t.decay_steps else f"trainer.max_steps={t.max_steps}"
-        out.append(f"trainer.scheduler={t.scheduler} decays between trainer.warmup_steps={t.warmup_steps} "
-                   f"and {key}, which leaves no steps to decay over: set trainer.decay_steps (or "
-                   f"trainer.max_steps) above {t.warmup_steps}, or trainer.scheduler=constant")
-    if t.decay_steps is not None and t.scheduler == "constant":
-        out.append(f"trainer.decay_steps={t.decay_steps} with trainer.scheduler=constant does nothing: "
-                   "set trainer.scheduler=cosine or linear, or remove trainer.decay_steps")
-    if t.no_decay and t.weight_decay > 0 and not strategy.capabilities.param_groups:
-        out.append(f"trainer.no_decay=true (no weight decay for norms, biases, embeddings) needs "
-                   f"per-parameter optimizer groups, and strategy={strategy.name} hands the optimizer "
-                   "flat parameters (strategy.use_orig_params=false): set trainer.no_decay=false, "
-                   "or trainer.weight_decay=0")
-    return out
-
-
-def _logger_problems(logger: LoggerConfig | None) -> list[str]:
-    if logger is None or logger.name not in LOGGER_PACKAGES:
-        return []
-    module, extra = LOGGER_PACKAGES[logger.name]
-    if importlib.util.find_spec(module) is None:
-        return [f"logger={logger.name} needs the {module!r} package, which is not installed: "
-                f"pip install -e '.[{extra}]' (or pip install {module}), or logger=null"]
-    return []
-
-
-def _save_hf_problems(t: TrainerConfig, model: ModelConfig) -> list[str]:
-    if not t.save_hf:
-        return []
-    if not model.is_hf:
-        return [f"trainer.save_hf=true writes a Hugging Face directory of a model=hf run (model="
-                f"{model.name} now): remove it (convert.py --to full exports the built-in models)"]
-    if not t.save_last:
-        return ["trainer.save_hf=true exports the final checkpoint, and trainer.save_last=false "
-                "saves none: set trainer.save_last=true"]
-    return []
-
-
-def _loss_chunk_problems(t: TrainerConfig, model: ModelConfig, run: Run, preset: str) -> list[str]:
-    """Where the chunked loss (recipes/head.py: the built-in GPT's head) cannot run."""
-    c = t.loss_chunk
-    if c == 0:
-        return []
-    key, fix = f"trainer.loss_chunk={c}", "set trainer.loss_chunk=0 (the whole logits at once)"
-    if model.is_hf:
-        return [f"{key}: the chunked loss is the built-in GPT's head (recipes/head.py), and model=hf "
-                f"runs a transformers model that returns its whole logits: {fix}"]
-    out = []
-    if run.mesh.tp > 1:
-        out.append(f"{key} with strategy={preset} (tensor parallel {run.mesh.tp}): its head is "
-                   "column-parallel over the vocabulary and hands its logits to the parallel plan, "
-                   f"which the chunked loss does not compute: {fix}, or a preset without tensor "
-                   "parallelism")
-    if run.mesh.pp > 1:
-        out.append(f"{key} with strategy={preset} ({run.mesh.pp} pipeline stages): the last stage's "
-                   f"loss runs inside the pipeline schedule on the whole logits: {fix}, or a preset "
-                   "without a pipeline")
-    return out
-
-
-def wandb_online_problems(env: dict[str, str] | None = None, *, timeout: float = 3.0) -> list[str]:
-    """What ``logger.mode=online`` needs before any rank starts (else wandb.init fails in every
-    rank with a traceback, or waits on the network): credentials where wandb looks for them
-    (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, a netrc entry for the server), and the server
-    reachable (a TCP connect, ``timeout`` seconds)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    env = os.environ if env is None else env
-    base = env.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    url = urlsplit(base if "://" in base else f"https://{base}")
-    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
-    fix = "run `wandb login` (or set WANDB_API_KEY), or use logger.mode=offline and `wandb sync` later"
-    if not (env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(host, env)):
-        return [f"logger.mode=online: no W&B credentials for {host} (no WANDB_API_KEY, no netrc "
-                f"entry); {fix}"]
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return [f"logger.mode=online: cannot reach the W&B server {host}:{port} ({e}); "
-                f"use logger.mode=offline and `wandb sync <run dir>/wandb` when online"]
-    return []
-
-
-def _netrc_has(host: str, env: dict[str, str]) -> bool:
-    paths = [env["NETRC"]] if env.get("NETRC") else [os.path.expanduser(f"~/{n}") for n in (".netrc", "_netrc")]
-    import netrc
-
-    for path in paths:
-        try:
-            if netrc.netrc(path).authenticators(host):
-                return True
-        except (OSError, netrc.NetrcParseError):
-            continue
-    return False
-
-
-def _lora_problems(strategy: StrategyConfig, model: ModelConfig) -> list[str]:
-    """LoRA (frozen base weights next to trainable adapters) on a preset whose engine keeps
-    per-parameter requires_grad (``capabilities.lora``)."""
-    if not model.lora.rank or strategy.capabilities.lora:
-        return []
-    able = ", ".join(n for n in names() if (c := load(n).capabilities).lora and not c.cuts_model)  # (model=hf)
-    return [f"model.lora.rank={model.lora.rank} with strategy={strategy.name}: LoRA runs with "
-            f"{able}; choose one of them, or model.lora.rank=0 for a full fine-tune"]
-
-
 def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:
     """What the data keys name, read cheaply (recipes/tokens.py's ``data_problems``): the inputs
     (a file, directory, glob or save_to_disk directory), the record fields, the tokenizer's EOS,
@@ -388,9 +270,9 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         # (the planner derives each candidate's run itself: this one is the placeholder's)
         preset, why = auto(_job(cfg, objs, bad, strategy, *settle(strategy, c, t, accelerator="cpu")))
     strategy = preset
-    problems += _logger_problems(objs["logger"])
+    problems += logger_problems(objs["logger"])
     if not bad["trainer"] and not bad["strategy"]:
-        problems += _trainer_problems(t, strategy)
+        problems += trainer_problems(t, strategy)
     problems += _data_checks(objs, bad)
     if not bad["trainer"] and not bad["data"]:
         problems += stopping.problems(t, d := objs["data"]) + dpo_checks.problems(objs.get("objective"), d, t)
@@ -403,7 +285,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if depth >= LAUNCH:
         accelerator = resolve_accelerator(accelerator)
         lg = objs["logger"]
-        if lg is not None and lg.name == "wandb" and lg.mode == "online" and not _logger_problems(lg):
+        if lg is not None and lg.name == "wandb" and lg.mode == "online" and not logger_problems(lg):
             problems += wandb_online_problems()
     strategy, run = settle(preset, c, t, accelerator=accelerator,
                            hidden=model.dim if not bad["model"] and not bad["strategy"] else None)
@@ -422,7 +304,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if not bad["model"] and not bad["data"] and (eos := packing.document_eos(objs["data"])) is not None:
         objs["model"] = replace(model, document_eos=eos)  # (the model masks documents at it)
     if not bad["model"] and not bad["trainer"]:
-        problems += _save_hf_problems(t, model) + _loss_chunk_problems(t, model, run, strategy.name)
+        problems += save_hf_problems(t, model) + loss_chunk_problems(t, model, run, strategy.name)
     if not bad["trainer"] and not bad["strategy"] and preset.name != AUTO:
         problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
                                            accelerator=c.accelerator, launch=depth >= LAUNCH)
@@ -477,7 +359,7 @@ def _layout_problems(strategy: StrategyConfig, run: Run, objs: dict[str, Any],
     """What the job's other groups ask of a preset (``Job.layout_problems``, the planner's)."""
     model, out = objs["model"], []
     if not bad["model"]:
-        out += _lora_problems(strategy, model)
+        out += lora_problems(strategy, model)
     if not bad["data"]:
         out += packing.problems(objs["data"], None if bad["model"] else model, run.mesh, strategy.name)
     if not bad.get("objective"):
