@@ -120,7 +120,7 @@ def test_the_comparison_leaves_out_the_warm_up_steps():
     reads the same figure (report.json ``communication.per_step``)."""
     import dataclasses
 
-    from launchers.sweep import markdown
+    from launchers.sweep_report import markdown
     from observers.comm import _selected
     from observers.base import Selection
     from observers.compare import Comparison, summary_lines, sweep_facts

@@ -188,7 +188,7 @@ def test_a_sweep_job_run_with_callbacks_report_false_is_ok_not_failed(tmp_path):
     """``callbacks.report=false`` is a documented knob: its jobs finished (job.json "ok") but
     the sweep marked each "failed: no report.json", picked nothing and exited 1. Such a job is
     an ok row that measured nothing; a job that wrote no report otherwise still failed."""
-    from launchers.sweep import row
+    from launchers.sweep_report import row
 
     for job, reports in (("0", False), ("1", True)):
         (tmp_path / job / ".hydra").mkdir(parents=True)
@@ -209,7 +209,7 @@ def test_the_sweep_report_says_which_job_is_which_and_what_each_figure_is(tmp_pa
     bytes; and the final-loss-vs-bytes ticks of close values overprinted ("1.4x10^-1 1.5x10^-1..").
     The whole-loop rates are marked (md and png), the bars and points carry each job's differing
     overrides, the legend says rank 0, and no two tick labels overlap."""
-    from launchers.sweep import markdown, row
+    from launchers.sweep_report import markdown, row
     from observers.plots import sweep_figure
 
     rows = []
