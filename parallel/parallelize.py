@@ -187,7 +187,7 @@ def compile_blocks(module: Any) -> None:
 def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32") -> Any:
     """``fully_shard`` each block of the model inside ``module``, then the model; ``mesh``: the
     data-parallel DeviceMesh, 1-D, or 2-D (replicate, shard) for HSDP. A module that declares
-    no model (a user's own) is sharded child by child."""
+    no model (a user's own) is sharded child by child, then itself where it holds parameters."""
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_policy(precision, plan.reduce_fp32)
@@ -197,9 +197,13 @@ def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32
             fully_shard(m, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
     # The model (embeddings, final norm, output) is used last in forward and first in backward:
     # resharding it after forward would only re-gather it at once.
-    # (a module that declares no block, a user's own, child by child: one unit would gather all)
+    # (a module that declares no block, a user's own, child by child: one unit would gather all;
+    # then the module itself over the parameters it holds directly, a learned table say, which
+    # no child's unit manages: left out, they were neither sharded nor reduced)
     roots = [model] if block is not None else [
         c for c in module.children() if any(True for _ in c.parameters())]
+    if block is None and any(True for _ in module.parameters(recurse=False)):
+        roots.append(module)
     for root in roots:
         fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     return module

@@ -204,3 +204,44 @@ def test_fsdp2_shards_a_model_passed_bare(tmp_path):
     done = subprocess.run([sys.executable, "-c", _BARE_MODEL.format(store=tmp_path / "store")], cwd=ROOT,
                           capture_output=True, text=True, timeout=100, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_OWN_PARAMETER = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from parallel.parallelize import FSDP2Plan, apply_fsdp2
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+
+class Client(torch.nn.Module):  # a user's module: layers as children, a learned table on itself
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.pos = torch.nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x):
+        return self.net(x + self.pos)
+
+model = apply_fsdp2(Client(), init_device_mesh("cpu", (1,)), FSDP2Plan())
+plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+assert not plain, plain
+model(torch.randn(4, 8)).sum().backward()
+print("ok")
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_a_parameter_held_by_a_users_module_itself(tmp_path):
+    """A user's module (no model declared) is sharded child by child; a parameter on the module
+    itself (a learned position table) was left out -- never sharded, its gradient never reduced,
+    so each rank trained its own copy without a word. The module is sharded last, over what its
+    children leave."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-c", _OWN_PARAMETER.format(store=tmp_path / "store")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
