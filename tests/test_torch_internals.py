@@ -1,0 +1,39 @@
+"""Where we lean on torch's internals (docs/ARCHITECTURE.md's table): each probe asks the running
+torch, and a torch without the private name gets one clear message naming the feature, the name,
+the torch version and the fix (or, where the feature can degrade, one warning and an unknown
+value, never a wrong one). The missing name is simulated by handing the probe a stand-in object,
+or by ``monkeypatch.delattr`` on torch's attribute; each probe also passes on the real torch (CI
+runs this file on both torch legs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+VERSION = f"torch {torch.__version__}"
+
+
+class _Bare:
+    """A stand-in for a torch module or class that has none of the names asked."""
+
+
+# --------------------------------------------------------------------- checkpoints/state.py
+def test_a_dcp_loader_without_its_key_reader_is_a_checkpoint_error(monkeypatch, tmp_path):
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    from checkpoints.state import dcp_key_reader, full_model
+    from checkpoints.store import Checkpoint, CheckpointError
+
+    assert dcp_key_reader(loader) is loader._load_state_dict_from_keys
+    with pytest.raises(CheckpointError) as e:
+        dcp_key_reader(_Bare())
+    assert "state_dict_loader._load_state_dict_from_keys" in str(e.value) and VERSION in str(e.value)
+    assert "convert.py --to full" in str(e.value) and "2.11 to 2.13" in str(e.value)
+    # full_model (convert.py, a model-only resume): the same error, not an ImportError
+    monkeypatch.delattr(loader, "_load_state_dict_from_keys")
+    with pytest.raises(CheckpointError, match="_load_state_dict_from_keys"):
+        full_model(Checkpoint(Path(tmp_path), {"payload": "dcp", "prefix": ""}))
