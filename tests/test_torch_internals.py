@@ -37,3 +37,25 @@ def test_a_dcp_loader_without_its_key_reader_is_a_checkpoint_error(monkeypatch, 
     monkeypatch.delattr(loader, "_load_state_dict_from_keys")
     with pytest.raises(CheckpointError, match="_load_state_dict_from_keys"):
         full_model(Checkpoint(Path(tmp_path), {"payload": "dcp", "prefix": ""}))
+
+
+# --------------------------------------------------------------------- backends/common/ddp_comm.py
+def test_ddp_int8_asks_for_its_quantization_kernels_when_the_hook_is_made(monkeypatch):
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks
+
+    from backends.common.ddp_comm import comm_hook, int8_hook, int8_kernels
+    from core.internals import TorchLacks
+    from strategies.families.ddp import DDPConfig
+
+    assert int8_kernels() is quantization_hooks
+    with pytest.raises(TorchLacks) as e:
+        int8_kernels(_Bare())
+    text = str(e.value)
+    assert "strategy.comm_hook=int8" in text and VERSION in text and "comm_hook=topk" in text
+    assert "quantization_hooks._quantize_per_tensor_backend" in text and "_dequantize_per_tensor_backend" in text
+    preset = DDPConfig(comm_hook="int8")
+    assert comm_hook(preset)[0] is int8_hook
+    # at setup (the hook made), not after start_step steps at the first compressed bucket
+    monkeypatch.delattr(quantization_hooks, "_quantize_per_tensor_backend")
+    with pytest.raises(TorchLacks, match="_quantize_per_tensor_backend"):
+        comm_hook(preset)
