@@ -59,3 +59,18 @@ def test_ddp_int8_asks_for_its_quantization_kernels_when_the_hook_is_made(monkey
     monkeypatch.delattr(quantization_hooks, "_quantize_per_tensor_backend")
     with pytest.raises(TorchLacks, match="_quantize_per_tensor_backend"):
         comm_hook(preset)
+
+
+# --------------------------------------------------------------------- parallel/context_parallel.py
+def test_context_parallelism_asks_for_device_mesh_flatten(monkeypatch):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from core.internals import TorchLacks, lacking
+    from parallel.context_parallel import flattened
+
+    assert not lacking(DeviceMesh, ["_flatten"])
+    monkeypatch.delattr(DeviceMesh, "_flatten")
+    with pytest.raises(TorchLacks) as e:
+        flattened(object.__new__(DeviceMesh), "dp_cp")
+    text = str(e.value)
+    assert "DeviceMesh._flatten" in text and VERSION in text and "strategy.cp=1" in text
