@@ -7,6 +7,7 @@ runs this file on both torch legs)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,60 @@ def test_context_parallelism_asks_for_device_mesh_flatten(monkeypatch):
         flattened(object.__new__(DeviceMesh), "dp_cp")
     text = str(e.value)
     assert "DeviceMesh._flatten" in text and VERSION in text and "strategy.cp=1" in text
+
+
+# --------------------------------------------------------------------- parallel/checkpointing.py
+def _selective_block_bytes() -> int | None:
+    """The saved bytes of one selectively checkpointed matmul block, counted as the memory
+    observer counts them."""
+    from torch.utils.checkpoint import checkpoint
+
+    from parallel.checkpointing import selective_context
+    from parallel.memory import SavedTensors
+
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    with SavedTensors() as saved:
+        y = checkpoint(lambda t: torch.relu(t @ w) @ w, x, use_reentrant=False, context_fn=selective_context)
+    y.sum().backward()
+    return saved.bytes
+
+
+class _Context:
+    """A stand-in for SAC's forward context: ``storage`` as given (absent when None)."""
+
+    def __init__(self, storage=None):
+        if storage is not None:
+            self.storage = storage
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_selective_checkpointing_counts_its_cache_or_says_it_cannot(caplog):
+    import parallel.checkpointing as sac
+    from core import internals
+    from parallel.memory import SavedTensors
+
+    # this torch's layout (2.11's list or 2.13's dict with _RECOMPUTE): the kept matmul outputs count
+    with caplog.at_level(logging.WARNING):
+        kept = _selective_block_bytes()
+    assert kept is not None and kept >= 2 * 32 * 64 * 4 and not caplog.records, caplog.text
+    t = torch.ones(3)
+    assert sac.sac_kept(_Context({"mm": [(t,)]})) == [t]  # 2.11's layout, a tensor in place of a wrapper
+    recompute = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)  # (2.13's sentinel; 2.11 has none)
+    layout_213 = {0: t, 1: recompute} if recompute is not None else {0: t}
+    assert sac.sac_kept(_Context({("mm", 0): layout_213})) == [t]  # 2.13's
+    internals._WARNED.discard("sac-storage")
+    for storage in (None, {"mm": 5}, {"mm": [{"a": t}]}, [t]):  # no storage; three unknown layouts
+        assert sac.sac_kept(_Context(storage)) is None, storage
+        with SavedTensors() as saved:
+            held: list = []
+            with sac._Counted(_Context(storage), held, count=True):
+                pass
+        assert saved.bytes is None and held == [], storage  # unknown, not 0
+    warned = [r for r in caplog.records if "selective checkpoint context" in r.getMessage()]
+    assert len(warned) == 1 and VERSION in warned[0].getMessage() and "unknown" in warned[0].getMessage()
