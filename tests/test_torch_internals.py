@@ -132,3 +132,22 @@ def test_selective_checkpointing_counts_its_cache_or_says_it_cannot(caplog):
         assert saved.bytes is None and held == [], storage  # unknown, not 0
     warned = [r for r in caplog.records if "selective checkpoint context" in r.getMessage()]
     assert len(warned) == 1 and VERSION in warned[0].getMessage() and "unknown" in warned[0].getMessage()
+
+
+# --------------------------------------------------------------------- observers/startup.py
+def test_the_compile_phase_is_unmeasured_and_said_once_without_dynamos_callbacks(monkeypatch, caplog):
+    import torch._dynamo.callback as callback
+
+    from core import internals
+    from observers.startup import _compile_callbacks, compile_callback_handler
+
+    assert compile_callback_handler() is callback.callback_handler
+    hooks = _compile_callbacks()
+    assert hooks is not None and _compile_callbacks(remove=hooks) is None
+    internals._WARNED.discard("compile-callbacks")
+    monkeypatch.delattr(type(callback.callback_handler), "register_start_callback")  # a renamed method
+    with caplog.at_level(logging.WARNING):
+        assert _compile_callbacks() is None and compile_callback_handler(_Bare()) is None
+    [warned] = [r.getMessage() for r in caplog.records]
+    assert "callback_handler.register_start_callback" in warned and VERSION in warned
+    assert "unmeasured" in warned
