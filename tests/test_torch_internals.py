@@ -151,3 +151,31 @@ def test_the_compile_phase_is_unmeasured_and_said_once_without_dynamos_callbacks
     [warned] = [r.getMessage() for r in caplog.records]
     assert "callback_handler.register_start_callback" in warned and VERSION in warned
     assert "unmeasured" in warned
+
+
+# --------------------------------------------------------------------- observers/comm.py
+def test_the_communication_observer_is_unavailable_not_a_crash_without_its_dispatch_internals(
+        monkeypatch, caplog):
+    import observers.comm as comm
+    from core import internals
+
+    assert comm.dispatch_problem() is None  # this torch has them all
+    problem = comm.dispatch_problem(_Bare(), torch.ops.c10d.allreduce_.default)
+    assert "torch._C._after_autograd_keyset" in problem and VERSION in problem
+    assert "callbacks.communication=false" in problem and "training goes on" in problem
+    assert "OpOverload._op_dk, torch._ops.OpOverload.redispatch" in comm.dispatch_problem(torch._C, _Bare())
+    # registration: asked once, one warning, no kernels installed, a report that says why
+    monkeypatch.setattr(comm, "_recorder", None)
+    monkeypatch.setattr(comm, "_unavailable", None)
+    monkeypatch.delattr(torch._C, "_after_autograd_keyset")
+    internals._WARNED.discard("comm-dispatch")
+    profile = comm.CommunicationProfile("data-replicate")
+    with caplog.at_level(logging.WARNING):
+        profile.on_train_start(None, 0)
+        profile.on_step_start(None, 0)
+        profile.on_step_work_end(None, 0)
+        assert comm.recorder("data-replicate") is None
+    [warned] = [r.getMessage() for r in caplog.records]
+    assert "_after_autograd_keyset" in warned and VERSION in warned
+    report = profile.report()["communication"]
+    assert report["unavailable"] == warned and report["steps"] == 0 and report["per_step"] == {}
