@@ -248,12 +248,13 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     or DeepSpeed's zero_to_fp32. Needs no process group (convert.py); under one, every rank reads."""
     path, meta = ckpt.path, ckpt.meta
     if meta["payload"] == DCP:
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        import torch.distributed.checkpoint.state_dict_loader as loader
 
+        read_keys = dcp_key_reader(loader)
         _check_dcp_metadata(path / DCP)
         try:
             with _dcp_quietly():
-                sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path / DCP))["model"]
+                sd = read_keys({"model"}, checkpoint_id=str(path / DCP))["model"]
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read {path / DCP}: {_first_line(e)}") from e
     elif meta["payload"] == ZERO_EP:
@@ -268,6 +269,20 @@ def full_model(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         # (DeepSpeed saves its module's own names: activation checkpointing's wrapper in them)
         sd = _strip({plain_key(k): v for k, v in sd.items()}, meta["prefix"])
     return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+
+
+def dcp_key_reader(loader: Any) -> Any:
+    """torch's private ``_load_state_dict_from_keys`` of ``loader`` (DCP's state_dict_loader): a
+    DCP checkpoint's model read whole, without a model to load into. A torch without it is a
+    ``CheckpointError`` naming it, not an ImportError."""
+    from core.internals import PROVEN, require
+
+    found = require(loader, ["_load_state_dict_from_keys"], error=CheckpointError,
+                    feature="reading a DCP checkpoint's full model (convert.py --to full, a resume that "
+                            "takes the model only)",
+                    where="torch.distributed.checkpoint.state_dict_loader",
+                    fix=f"read it with torch {PROVEN} (the versions CI runs)")
+    return found._load_state_dict_from_keys
 
 
 def _zero1_frozen(state_dir: Path, have: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -45,11 +45,14 @@ state the planner prices), ``by_group[group][kind]`` the same per group, ``ranks
 per-step totals), ``steps`` (how many were recorded), ``averaged_steps`` (how many the averages
 cover), ``warmup_steps`` (the preset's warm-up, 0: none), ``steady_state`` (false: every step
 but the first was in the warm-up, and the averages are the warm-up's), ``mechanism`` and
-``unobserved``.
+``unobserved``; and ``unavailable``, only where this torch lacks a private name the kernels lean
+on (``dispatch_problem``, asked once before anything is registered: one warning, nothing
+recorded, training goes on).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -58,6 +61,8 @@ from typing import Any
 
 from core.mesh import Axis
 from observers.base import Engine, Observer, Selection, observer
+
+log = logging.getLogger(__name__)
 
 MECHANISM = ("torch.library kernels on the Autograd key of the c10d collective ops and the "
              "CPU/CUDA keys of the _c10d_functional ones (see observers/comm.py)")
@@ -98,6 +103,8 @@ ALIASES = {"dp_shard": Axis.SHARD, "dp_replicate": Axis.REPLICATE, "dp": Axis.DA
 ROLES = {**{axis.value: axis.role for axis in Axis}, **{name: axis.role for name, axis in ALIASES.items()}}
 
 _recorder: Recorder | None = None
+_unavailable: str | None = None
+"""Why this torch cannot be observed (``dispatch_problem``), once asked."""
 _install_lock = threading.Lock()
 
 
@@ -323,14 +330,46 @@ def _install() -> dict[str, str]:
     return seen
 
 
-def recorder(world_role: str) -> Recorder:
-    """The process's recorder (installing the kernels on first use)."""
-    global _recorder
+DISPATCH = ("_after_autograd_keyset", "_dispatch_has_kernel_for_dispatch_key")
+OVERLOAD = ("_op_dk", "redispatch")
+
+
+def dispatch_problem(C: Any = None, op: Any = None) -> str | None:
+    """What ``_install`` leans on and this torch lacks, in one sentence; None where it has it all:
+    ``C`` (``torch._C``) with ``DISPATCH``, ``op`` (an ``OpOverload``: c10d's allreduce_) with
+    ``OVERLOAD``. Stand-ins can be handed in."""
+    from core.internals import lacking, lacks_message
+
+    if C is None:
+        import torch
+
+        C, op = torch._C, _op("c10d", "allreduce_")
+    for owner, where, names in ((C, "torch._C", DISPATCH), (op, "torch._ops.OpOverload", OVERLOAD)):
+        missing = lacking(owner, names)
+        if missing:
+            return lacks_message("the communication observer (callbacks.communication)", where, missing,
+                                 "report.json's communication is unavailable on this torch and training "
+                                 "goes on; set callbacks.communication=false to run without it and this "
+                                 "warning")
+    return None
+
+
+def recorder(world_role: str) -> Recorder | None:
+    """The process's recorder (installing the kernels on first use); None, said once, where this
+    torch lacks what the kernels lean on (``dispatch_problem``)."""
+    global _recorder, _unavailable
     with _install_lock:
+        if _recorder is None and _unavailable is None:
+            _unavailable = dispatch_problem()
+            if _unavailable is None:
+                seen = _install()
+                _recorder = Recorder(world_role)
+                _recorder.unobserved = sorted(op for op, where in seen.items() if where.startswith("not observed"))
         if _recorder is None:
-            seen = _install()
-            _recorder = Recorder(world_role)
-            _recorder.unobserved = sorted(op for op, where in seen.items() if where.startswith("not observed"))
+            from core.internals import warn_once
+
+            warn_once(log, "comm-dispatch", str(_unavailable))
+            return None
         _recorder.world_role = world_role
     return _recorder
 
@@ -365,15 +404,21 @@ class CommunicationProfile(Observer):
         self.ranks: list[Any] = []
         self._rec: Recorder | None = None
         self._index = 0
+        self.unavailable: str | None = None
+        """Why this torch cannot be observed (``dispatch_problem``): the report says so."""
 
     def on_train_start(self, engine: Engine, step: int) -> None:
         self._rec = recorder(self.world_role)
+        self.unavailable = _unavailable
 
     def on_step_start(self, engine: Engine, step: int) -> None:
         self._index = step
-        self._rec.start()
+        if self._rec is not None:
+            self._rec.start()
 
     def on_step_work_end(self, engine: Engine, step: int) -> None:
+        if self._rec is None:  # (this torch cannot be observed: nothing recorded)
+            return
         # before the backend reduces the step's loss for the report: not training traffic
         self.steps.append(summarize(self._rec.stop()))
         self.indices.append(self._index)
@@ -424,7 +469,8 @@ class CommunicationProfile(Observer):
                                   "averaged_steps": len(averaged), "warmup_steps": self.warmup,
                                   "steady_state": steady,
                                   "mechanism": MECHANISM,
-                                  "unobserved": self._rec.unobserved if self._rec else []}}
+                                  "unobserved": self._rec.unobserved if self._rec else [],
+                                  **({"unavailable": self.unavailable} if self.unavailable else {})}}
 
 
 def _totals(per_step: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -8,7 +8,8 @@
   distinct storage saved, parameters and module buffers (and views of them) excluded, at the
   live peak (a pipeline's first schedule runs forward and backward of every micro-batch inside
   that window: the most its chunks held at once). With activation checkpointing it falls to the
-  blocks' inputs.
+  blocks' inputs (selective: and the outputs its policy keeps; None, with one warning, on a torch
+  whose cache of them cannot be read: parallel/checkpointing.py ``sac_kept``).
 - ``peak_rss``: the process's own peak resident memory (``VmHWM``; see ``peak_rss``).
 - ``peak_rss_growth``: how far a training step's resident memory rises above what the step
   leaves behind -- its peak (reset at the step's start, Linux ``/proc/self/clear_refs``) minus

@@ -110,7 +110,7 @@ def memory_plot(memory: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(bars), 4))
     bottom = [0.0] * len(bars)
     for cat in CATEGORIES:
-        values = [b[1].get(cat, 0) / 2**20 for b in bars]
+        values = [(b[1].get(cat) or 0) / 2**20 for b in bars]  # (activations None: not counted)
         ax.bar([b[0] for b in bars], values, bottom=bottom, label=cat)
         bottom = [x + v for x, v in zip(bottom, values)]
     ax.set_ylabel("MiB")

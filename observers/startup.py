@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from observers.base import Engine, Observer, Selection, observer
+
+log = logging.getLogger(__name__)
 
 PHASES = ("import", "config", "plan", "rendezvous", "op_build", "model_build", "checkpoint_load",
           "compile", "first_step")
@@ -236,13 +239,12 @@ def _compile_callbacks(remove: tuple[Callable[..., None], Callable[..., None]] |
     """Register (or ``remove``) torch dynamo's compile start/end callbacks that ``record`` each
     outermost compilation (torch runs them once around nested ones) as ``compile``; None where
     this torch has no callback handler."""
-    try:
-        from torch._dynamo.callback import callback_handler
-    except ImportError:
+    handler = compile_callback_handler()
+    if handler is None:
         return None
     if remove is not None:
-        callback_handler.remove_start_callback(remove[0])
-        callback_handler.remove_end_callback(remove[1])
+        handler.remove_start_callback(remove[0])
+        handler.remove_end_callback(remove[1])
         return None
     began: list[float] = []
 
@@ -253,9 +255,34 @@ def _compile_callbacks(remove: tuple[Callable[..., None], Callable[..., None]] |
         if began:
             record("compile", began.pop(), _now())
 
-    callback_handler.register_start_callback(start)
-    callback_handler.register_end_callback(end)
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
     return start, end
+
+
+COMPILE_CALLBACKS = ("register_start_callback", "register_end_callback", "remove_start_callback",
+                     "remove_end_callback")
+
+
+def compile_callback_handler(module: Any = None) -> Any:
+    """torch dynamo's private ``callback_handler`` (of ``module``, ``torch._dynamo.callback`` by
+    default), or None, said once, where this torch has none with the methods we call: the
+    ``compile`` phase of the start-up is then left unmeasured (inside ``first_step``)."""
+    from core.internals import lacking, lacks_message, warn_once
+
+    if module is None:
+        try:
+            import torch._dynamo.callback as module
+        except ImportError:
+            module = None
+    handler = getattr(module, "callback_handler", None)
+    missing = lacking(handler, COMPILE_CALLBACKS)
+    if missing:
+        warn_once(log, "compile-callbacks", lacks_message(
+            "the start-up timeline's compile phase", "torch._dynamo.callback.callback_handler", missing,
+            "it is left unmeasured (counted in first_step); training is unaffected"))
+        return None
+    return handler
 
 
 @observer("startup", order=10)

@@ -16,7 +16,10 @@ uncheckpointed one. torch only, imported where used.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SELECTIVE = "selective"
 
@@ -83,23 +86,69 @@ class _Counted:
     def __exit__(self, *exc: Any) -> Any:
         out = self.ctx.__exit__(*exc)
         if self.count:
-            from parallel.memory import count_saved
+            from parallel.memory import count_saved, uncounted
 
-            self.held.extend(count_saved(_cached(getattr(self.ctx, "storage", {}))))
+            kept = sac_kept(self.ctx)
+            if kept is None:
+                _unreadable()
+                uncounted()
+            else:
+                self.held.extend(count_saved(kept))
         return out
 
 
-def _cached(x: Any) -> list[Any]:
-    """The tensors inside SAC's cache (dicts and lists of wrappers holding ``.val``)."""
+_UNKNOWN = object()
+
+
+def sac_kept(ctx: Any) -> list[Any] | None:
+    """The tensors SAC's forward context (torch's private ``_CachingTorchDispatchMode``) cached for
+    backward, read from its ``storage`` in either layout torch has had -- 2.11: ``storage[func]``,
+    a list of each call's outputs; 2.13: ``storage[key][idx]``, a dict of each call's outputs or
+    the ``_RECOMPUTE`` sentinel -- each output a (tuple of) ``_VersionWrapper`` (``.val``). None
+    where ``storage`` is missing or laid out otherwise: the count is unknown, not 0."""
+    import torch.utils.checkpoint as checkpoint
+
+    storage = getattr(ctx, "storage", _UNKNOWN)
+    if not isinstance(storage, dict):
+        return None
+    sentinels = [getattr(checkpoint, "_RECOMPUTE", _UNKNOWN)]
+    out: list[Any] = []
+    for calls in storage.values():
+        if not isinstance(calls, (list, dict)):
+            return None
+        for output in (calls.values() if isinstance(calls, dict) else calls):
+            if any(output is s for s in sentinels):
+                continue
+            tensors = _cached(output)
+            if tensors is None:
+                return None
+            out += tensors
+    return out
+
+
+def _cached(x: Any) -> list[Any] | None:
+    """The tensors in one cached output (a tensor, a wrapper holding ``.val``, or a tuple or list
+    of them); None for anything else."""
     import torch
 
     if isinstance(x, torch.Tensor):
         return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
+    if hasattr(x, "val"):
+        return [x.val] if isinstance(x.val, torch.Tensor) else []
     if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _cached(v)]
-    return _cached(x.val) if hasattr(x, "val") else []
+        parts = [_cached(v) for v in x]
+        return None if any(p is None for p in parts) else [t for p in parts for t in p]
+    return None
+
+
+def _unreadable() -> None:
+    from core.internals import torch_version, warn_once
+
+    warn_once(log, "sac-storage", f"activation_checkpointing=selective: torch {torch_version()}'s selective "
+              "checkpoint context (torch.utils.checkpoint._CachingTorchDispatchMode.storage) is missing or "
+              "laid out unlike torch 2.11's and 2.13's, so the memory observer cannot count the outputs the "
+              "policy keeps: report.json's memory activations are unknown (null) on this torch; training "
+              "is unaffected")
 
 
 def wrapper(mode: bool | str) -> Any:

@@ -97,4 +97,14 @@ def _cpu_ring() -> None:
     dispatcher._custom_op_handlers[bwd] = handler
 
 
-__all__ = ["apply_cp"]
+def flattened(mesh: Any, name: str) -> Any:
+    """``mesh``'s dimensions as one, named ``name`` (FSDP2's data x context mesh: cp ranks hold
+    different tokens of the same samples): torch's private ``DeviceMesh._flatten``, asked for first."""
+    from core.internals import PROVEN, require
+
+    return require(mesh, ["_flatten"], feature="context parallelism (strategy.cp > 1: FSDP2 over the "
+                   "data x context mesh flattened into one)", where="torch.distributed.device_mesh.DeviceMesh",
+                   fix=f"set strategy.cp=1, or use torch {PROVEN} (the versions CI runs)")._flatten(name)
+
+
+__all__ = ["apply_cp", "flattened"]

@@ -86,6 +86,8 @@ class SavedTensors:
         self._refs: dict[int, int] = {}
         self._lock = threading.Lock()
         self._hooks: Any = None
+        self.unknown = False
+        """Some saved tensors could not be counted (``uncounted``): ``bytes`` is None."""
 
     @staticmethod
     def _is_parameter(t: torch.Tensor) -> bool:
@@ -149,9 +151,9 @@ class SavedTensors:
             _ACTIVE.remove(self)
 
     @property
-    def bytes(self) -> int:
-        """The peak of the live saved bytes while active."""
-        return self.peak
+    def bytes(self) -> int | None:
+        """The peak of the live saved bytes while active; None where some could not be counted."""
+        return None if self.unknown else self.peak
 
 
 _ACTIVE: list[SavedTensors] = []
@@ -169,3 +171,10 @@ def count_saved(tensors: Iterable[torch.Tensor]) -> list[Any]:
     if not _ACTIVE:
         return []
     return [_ACTIVE[-1]._pack(t) for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def uncounted() -> None:
+    """Some tensors saved for backward cannot be counted (selective checkpointing's cache on a
+    torch whose layout we cannot read): the active ``SavedTensors`` reports None, not too few."""
+    if _ACTIVE:
+        _ACTIVE[-1].unknown = True

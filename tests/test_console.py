@@ -91,7 +91,7 @@ def test_the_noise_filter_is_scoped(monkeypatch):
 
     assert all(n.message and n.why for n in quiet.WARNINGS)
     monkeypatch.setattr(quiet, "after_import", lambda *a, **k: None)  # (no import hooks from a test)
-    loggers = {name: logging.getLogger(name) for name in [*quiet.RECORDS, *quiet.LEVELS]}
+    loggers = {name: logging.getLogger(name) for name in [*quiet.RECORDS, *quiet.NO_DEVICE_RECORDS, *quiet.LEVELS]}
     saved = {name: (list(lg.filters), lg.level) for name, lg in loggers.items()}
     try:
         with warnings.catch_warnings(record=True) as seen:
@@ -116,6 +116,27 @@ def test_the_noise_filter_is_scoped(monkeypatch):
         for name, (filters, level) in saved.items():
             loggers[name].filters[:] = filters
             loggers[name].setLevel(level)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("device", [False, True], ids=["no-cuda-device", "cuda-device"])
+def test_no_cuda_runtime_is_filtered_only_without_a_cuda_device(monkeypatch, device):
+    """torch's cpp_extension says "No CUDA runtime is found" once per rank on a CUDA wheel on a
+    CPU host: dropped there, shown where a CUDA device is present."""
+    from backends.common import quiet
+
+    monkeypatch.setattr(quiet, "after_import", lambda *a, **k: None)  # (no import hooks from a test)
+    assert quiet.cuda_device() in (False, True)
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    filters = list(logger.filters)
+    try:
+        quiet.install(device=device)
+        said = logging.LogRecord(logger.name, logging.WARNING, __file__, 140,
+                                 "No CUDA runtime is found, using CUDA_HOME='%s'", ("/usr/local",), None)
+        other = logging.LogRecord(logger.name, logging.WARNING, __file__, 1, "Error building extension", None, None)
+        assert bool(logger.filter(said)) == device and logger.filter(other)
+    finally:
+        logger.filters[:] = filters
 
 
 # --------------------------------------------------------------------- the console of real runs

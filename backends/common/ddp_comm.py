@@ -220,8 +220,7 @@ def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes, [scale, zero point] as fp32) of ``x``: torch's per-tensor affine
     quantization as its ``quantization_pertensor_hook`` does it (``MinMaxObserver``'s qparams,
     its ``_quantize_per_tensor_backend``)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as q
-
+    q = int8_kernels()
     obs = torch.ao.quantization.MinMaxObserver().to(x.device)
     obs(x)
     s, z = obs.calculate_qparams()
@@ -230,9 +229,23 @@ def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_dequantize(codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as q
+    return int8_kernels()._dequantize_per_tensor_backend(codes, sz[0], sz[1])
 
-    return q._dequantize_per_tensor_backend(codes, sz[0], sz[1])
+
+INT8_KERNELS = ("_quantize_per_tensor_backend", "_dequantize_per_tensor_backend")
+
+
+def int8_kernels(hooks: Any = None) -> Any:
+    """torch's ``quantization_hooks`` module (or ``hooks``, a stand-in), which ``ddp_int8`` leans
+    on for its private per-tensor (de)quantization; a torch without them is one clear error,
+    raised when the hook is made (``comm_hook``, at setup), not at the first compressed step."""
+    from core.internals import PROVEN, require
+
+    if hooks is None:
+        from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as hooks
+    return require(hooks, INT8_KERNELS, feature="strategy.comm_hook=int8 (ddp_int8)",
+                   where="torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks",
+                   fix=f"use strategy.comm_hook=topk or powersgd, or torch {PROVEN} (the versions CI runs)")
 
 
 def int8_hook(state, bucket):  # no annotations: torch checks them against dist.GradBucket
@@ -279,6 +292,7 @@ def comm_hook(preset: Any) -> tuple[Any, Any]:
     if preset.comm_hook == "topk":
         return topk_hook, TopKState(preset.topk_ratio, preset.start_step)
     if preset.comm_hook == "int8":
+        int8_kernels()  # (asked now, at setup)
         return int8_hook, Int8State(preset.start_step)
     return None, None
 

@@ -5,7 +5,7 @@ Accelerate print on every run that tells the user nothing they can act on.
 launcher started it, and the single process of a one-process run) before the engine builds
 anything. Every entry is scoped -- a warning by its exact message (and, where the engine
 attributes it to its own module, that module), a log record by its logger and text, a logger by
-its name -- and says why it is noise. Nothing else is touched: there is no global warnings filter
+its name -- and says why it is noise (``NO_DEVICE_RECORDS`` only on a host with no CUDA device). Nothing else is touched: there is no global warnings filter
 (``warnings.simplefilter("ignore")``), so a new warning still shows. ``STRATAGEM_QUIET=0`` in the
 environment turns all of this off (everything the engines print comes back).
 
@@ -95,6 +95,25 @@ RECORDS: dict[str, tuple[str, str]] = {
         "(launchers/local.py), and the launcher says so, with the command that resumes"),
 }
 
+# The same, only on a host with no CUDA device: a GPU user must still see it should it apply to them.
+NO_DEVICE_RECORDS: dict[str, tuple[str, str]] = {
+    "torch.utils.cpp_extension": (
+        r"^No CUDA runtime is found, using CUDA_HOME=",
+        "torch's CUDA wheel (2.11+cu130, the CI leg's) on a host without a GPU says so once per rank "
+        "when DeepSpeed or torch.compile imports cpp_extension; a CPU run cannot act on it"),
+}
+
+
+def cuda_device() -> bool:
+    """This host has a CUDA device: one the driver lists (``/dev/nvidia<N>``) or torch sees."""
+    import glob
+
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return True
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
 # logger -> the lowest level shown.
 LEVELS: dict[str, tuple[int, str]] = {
     "compilers": (logging.WARNING, "distutils' compiler (setuptools), with which DeepSpeed's op builders "
@@ -118,14 +137,16 @@ class _Drop(logging.Filter):
         return not self.pattern.search(record.getMessage())
 
 
-def install() -> None:
-    """Apply every filter above in this process (idempotent); fix Lightning's second handler
-    once Lightning is imported, DeepSpeed's print once its communication backend is."""
+def install(device: bool | None = None) -> None:
+    """Apply every filter above in this process (idempotent; ``NO_DEVICE_RECORDS`` only where
+    ``device``, by default ``cuda_device()``, is false); fix Lightning's second handler once
+    Lightning is imported, DeepSpeed's print once its communication backend is."""
     if not enabled():
         return
     for n in WARNINGS:
         warnings.filterwarnings("ignore", message=n.message, category=n.category, module=n.module)
-    for name, (pattern, _) in RECORDS.items():
+    device = cuda_device() if device is None else device
+    for name, (pattern, _) in (RECORDS | ({} if device else NO_DEVICE_RECORDS)).items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(_Drop(pattern))

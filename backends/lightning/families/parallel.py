@@ -19,6 +19,7 @@ from backends.lightning.pipeline import Pipeline
 from backends.lightning.preset import PresetStrategy, sharded, sharded_here
 from core.mesh import Axis
 from strategies.families.parallel import ParallelConfig
+from parallel.context_parallel import flattened
 from parallel.parallelize import clip_global_, materialize, parallelize, plan_for
 
 
@@ -72,7 +73,7 @@ class ParallelStrategy(PresetStrategy, ModelParallelStrategy):
         mesh = self.device_mesh
         if self.preset.cp == 1:
             return mesh[Axis.DATA]
-        return mesh[Axis.DATA, Axis.CONTEXT]._flatten(Axis.DP_CP)
+        return flattened(mesh[Axis.DATA, Axis.CONTEXT], Axis.DP_CP)
 
     def _cp_mesh(self) -> Any:
         """The context-parallel ranks' mesh, or None without context parallelism."""
