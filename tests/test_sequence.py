@@ -13,6 +13,8 @@ amplifies last-bit gradient differences, as in tests/test_parallel.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from recipes.config import compose
@@ -213,6 +215,17 @@ def test_heads_not_divisible_by_the_ulysses_degree_is_one_clear_error():
     assert "model.n_heads=2 is not divisible by strategy.sp=4" in msg, msg
     assert "n_kv_heads" not in msg
     validate(compose([*CPU, "strategy=ulysses", *FOUR, "strategy.sp=4"]))  # gpt_nano: 4 heads, 2 KV
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path", ["README.md", "conf/strategy/ulysses.yaml",
+                                  "conf/strategy/zero3_ulysses.yaml", "strategies/families/deepspeed.py"])
+def test_the_docs_say_what_ulysses_requires(path):
+    """The check above requires query heads and seq_len divisible by sp, not KV heads: the README,
+    the presets' comments and the sp knob's docstring say that, not more."""
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    assert "KV heads and" not in text and "n_kv_heads and seq_len" not in text, path
+    assert "replicated" in text and "seq_len" in text, path
 
 
 @pytest.mark.multiprocess
