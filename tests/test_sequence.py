@@ -250,6 +250,21 @@ def test_sequence_not_divisible_by_two_cp_is_one_clear_error():
     assert "model.seq_len=30 is not divisible by 2 x strategy.cp=2 = 4" in msg, msg
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [("strategy=fsdp_cp", "cluster.devices=2"),
+                                       ("strategy=3d", *FOUR, "strategy.cp=2", "strategy.tp=1",
+                                        "strategy.pp=1")])
+def test_attention_dropout_under_context_parallelism_is_refused_with_the_fix(overrides):
+    """Ring attention runs no attention dropout (CPU: the ranks failed inside
+    scaled_dot_product_attention, mixing a Tensor and a DTensor); refused before launch, every
+    cp > 1 composition; the fix it names validates."""
+    msg = _problems(*overrides, "model.dropout=0.1")
+    assert "model.dropout=0.1 with strategy.cp=2" in msg, msg
+    assert "set model.dropout=0" in msg and "strategy=ulysses" in msg, msg
+    validate(compose([*CPU, *overrides, "model.dropout=0"]))
+    validate(compose([*CPU, "strategy=ulysses", "cluster.devices=2", "model.dropout=0.1"]))
+
+
 @pytest.mark.subprocess
 def test_invalid_sequence_shapes_exit_2_before_launch(tmp_path):
     run = run_cli("train.py", *CPU, "model=gpt_nano", "strategy=ulysses", *FOUR, "strategy.sp=4",

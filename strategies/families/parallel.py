@@ -63,7 +63,8 @@ class ParallelConfig(StrategyConfig):
     cp: int = knob(1, min=1)
     """Context-parallel degree (torch's context_parallel: ring attention over sequence shards,
     causal chunks load-balanced): cp ranks read the same samples, each 2 of 2 x cp chunks of the
-    sequence; FSDP2 shards over dp x cp. model.seq_len must be divisible by 2 x cp."""
+    sequence; FSDP2 shards over dp x cp. model.seq_len must be divisible by 2 x cp, and
+    model.dropout 0 (ring attention runs no attention dropout)."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -204,6 +205,16 @@ class ParallelConfig(StrategyConfig):
                        f"{2 * self.cp}: torch's load balancing cuts the causal sequence into 2 x cp "
                        f"chunks (each rank one early and one late); choose seq_len a multiple of "
                        f"{2 * self.cp} or another cp")
+        dropout = getattr(model, "dropout", 0.0)
+        if self.cp > 1 and isinstance(dropout, (int, float)) and dropout > 0:
+            # measured (CPU, torch 2.13): the ranks fail inside scaled_dot_product_attention
+            # (aten.add.Tensor mixing a Tensor and a DTensor); the residual dropout alone runs
+            out.append(f"model.dropout={dropout} with strategy.cp={self.cp}: context parallelism "
+                       "(torch's ring attention) does not run attention dropout -- on CPU the ranks "
+                       "fail inside scaled_dot_product_attention, and torch's CUDA ring backward "
+                       "reuses one chunk's dropout seed for every chunk; set model.dropout=0, or "
+                       "shard the sequence with a preset without context parallelism "
+                       "(strategy=ulysses or zero3_ulysses)")
         if self.sequence_parallel and self.tp > 1 and isinstance(seq_len, int) and \
                 (seq_len // self.cp) % self.tp and not seq_len % self.cp:
             per = f" / strategy.cp={self.cp} = {seq_len // self.cp}" if self.cp > 1 else ""
