@@ -158,14 +158,12 @@ class ParallelConfig(StrategyConfig):
             # null found no count the schedule runs: say why, in the batch's terms
             n = b.global_size // (b.micro_size * b.dp)
             least = self.pp if self.schedule != "gpipe" else 1
-            micro = max(1, b.global_size // (b.dp * least))
             out.append(f"strategy.microbatches=null derives the pipeline's micro-batches from the batch: "
                        f"global_batch_size({b.global_size}) / (micro_batch_size({b.micro_size}) x "
                        f"data-parallel size({b.dp})) = {n} per step, and strategy.schedule={self.schedule} "
                        f"with pp={self.pp} needs {least} or more"
                        + (f" (a multiple of {self.pp})" if self.schedule.startswith("interleaved") else "")
-                       + f": set trainer.micro_batch_size={micro} or less, or raise "
-                       f"trainer.global_batch_size, or set strategy.microbatches")
+                       + f": set {self._batch_change(b)}")
             return out
         if self.stages is not None and self.stages % self.pp:
             out.append(f"strategy.stages={self.stages} is not a multiple of strategy.pp={self.pp}: "
@@ -185,13 +183,41 @@ class ParallelConfig(StrategyConfig):
             return out
         if self.schedule != "gpipe" and self.microbatches < self.pp:
             out.append(f"strategy.microbatches={self.microbatches} < strategy.pp={self.pp}: "
-                       f"{self.schedule} needs at least one micro-batch per stage in flight; set "
-                       f"strategy.microbatches>={self.pp} (or schedule=gpipe)")
-        if self.schedule in ("interleaved_1f1b", "interleaved_zb") and self.microbatches % self.pp:
+                       f"{self.schedule} needs at least one micro-batch per stage in flight; "
+                       f"{self._count_fix(b)} (or schedule=gpipe)")
+        elif self.schedule in ("interleaved_1f1b", "interleaved_zb") and self.microbatches % self.pp:
             out.append(f"strategy.microbatches={self.microbatches} must be a multiple of "
-                       f"strategy.pp={self.pp} for {self.schedule}: set microbatches="
-                       f"{max(self.pp, self.microbatches // self.pp * self.pp)}")
+                       f"strategy.pp={self.pp} for {self.schedule}: {self._count_fix(b)}")
         return out
+
+    def _count_fix(self, b: Any) -> str:
+        """The micro-batch counts this schedule runs that the batch divides into (global =
+        micro x microbatches x dp x accumulation), else the batch changes that make one."""
+        g, m, dp = b.global_size, b.micro_size, b.dp
+        n = g // (m * dp) if m >= 1 and dp >= 1 and g % (m * dp) == 0 else 0
+        counts = [c for c in range(1, n + 1) if n % c == 0 and self._runs(c)]
+        if counts:
+            return f"set strategy.microbatches={_either(counts)}"
+        least = self.pp if self.schedule != "gpipe" else 1
+        what = f"multiple of {self.pp}" if self.schedule.startswith("interleaved") else \
+            f"count of {least} or more"
+        per = f" per data-parallel replica (of {dp})" if dp > 1 else ""
+        holds = (f"the {n} micro-batches of {m} a step holds{per}" if n else
+                 f"global_batch_size({g}) / (micro_batch_size({m}) x data-parallel size({dp}))")
+        return f"no {what} divides {holds}; set strategy.microbatches={least} with {self._batch_change(b)}"
+
+    def _batch_change(self, b: Any) -> str:
+        """trainer.global_batch_size / micro_batch_size values whose micro-batches per step
+        (global / (micro x dp)) the schedule runs: a multiple of pp (1 for gpipe)."""
+        g, m, dp = b.global_size, b.micro_size, b.dp
+        least = self.pp if self.schedule != "gpipe" else 1
+        unit = max(1, m) * dp * least
+        lo = g // unit * unit
+        sizes = [v for v in (lo, lo + unit) if v >= unit]
+        fix = f"trainer.global_batch_size={_either(sizes)}"
+        per = g // (dp * least) if g % (dp * least) == 0 else 0
+        micros = [d for d in range(1, per + 1) if per % d == 0]
+        return fix + (f", or trainer.micro_batch_size={_either(micros)}" if micros else "")
 
     def model_problems(self, model: Any) -> list[str]:
         """Problems of this preset with the model's shape (``recipes.config.ModelConfig``)."""
@@ -268,6 +294,12 @@ class ParallelConfig(StrategyConfig):
             if degree == mesh.size:
                 return axis.role
         return Axis.SHARD.role
+
+
+def _either(values: list[int], most: int = 6) -> str:
+    """1, 2 or 4 (the first ``most``)."""
+    shown = [str(v) for v in values[:most]]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
 __all__ = ["ParallelConfig"]
