@@ -155,7 +155,11 @@ class Mesh:
     def model_problems(self, model: object, preset: str) -> list[str]:
         """What this layout cannot train of ``model`` (``recipes.config.ModelConfig``): a mixture
         of experts routes each sequence as one group (its capacity and load-balancing loss are
-        per sequence, recipes/gpt.py), so no rank may hold a shard of a sequence."""
+        per sequence, recipes/gpt.py), so no rank may hold a shard of a sequence; its experts
+        split over ``ep`` ranks, whole experts each (``ep`` divides them)."""
+        n = getattr(model, "n_experts", 0) or 0
+        if n and self.ep > 1 and n % self.ep:
+            return [_expert_degree_problem(n, self.ep, self.dp_shard * self.seq)]
         if self.seq > 1 and getattr(model, "is_moe", False):
             return [f"model={getattr(model, 'name', '?')} (a mixture of experts) with a sequence-parallel "
                     f"preset (strategy={preset}, sequence degree {self.seq}): the router's capacity and "
@@ -163,6 +167,20 @@ class Mesh:
                     "routing it alone; use a data- or expert-parallel preset (fsdp2, fsdp_ep) for MoE "
                     "models"]
         return []
+
+
+def _expert_degree_problem(n: int, ep: int, fold: int) -> str:
+    """n experts do not divide over ep ranks: the degrees dividing both the experts and the
+    data-parallel ranks ep folds into, or (only 1 does) the n_experts change."""
+    head = (f"model.n_experts={n} is not divisible by strategy.ep={ep}: each expert-parallel rank "
+            f"holds n_experts / ep whole experts, and ep also divides the data-parallel ranks it "
+            f"folds into (dp_shard x cp = {fold})")
+    fits = [d for d in range(1, min(n, fold) + 1) if n % d == 0 and fold % d == 0]
+    if len(fits) > 1:
+        return f"{head}; choose ep among {', '.join(map(str, fits))} (dividing both), or change model.n_experts"
+    more = -(-n // ep) * ep
+    return (f"{head}; no ep > 1 divides both: set model.n_experts={more} (a multiple of "
+            f"strategy.ep={ep}), or strategy.ep=1 (no expert parallelism)")
 
 
 @dataclass(frozen=True)

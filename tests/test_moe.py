@@ -100,6 +100,27 @@ def test_bad_moe_shapes_one_clear_error_each(overrides, needle):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
+@pytest.mark.parametrize("overrides, needle, fixes", [
+    # 3 experts on 2 data-parallel ranks: only ep=1 divides both (ep=3 was once suggested)
+    ((*TWO, "model.n_experts=3", "model.top_k=1"),
+     "no ep > 1 divides both: set model.n_experts=4 (a multiple of strategy.ep=2), or strategy.ep=1",
+     [("model.n_experts=4",), ("strategy.ep=1",)]),
+    # 6 experts on 4 ranks: ep 2 divides both, 3 and 6 only the experts
+    (("cluster.devices=4", "cluster.oversubscribe=true", "trainer.micro_batch_size=4", "model.n_experts=6",
+      "model.top_k=1", "strategy.ep=4"), "choose ep among 1, 2 (dividing both)", [("strategy.ep=2",)]),
+])
+def test_expert_degree_refusal_names_only_degrees_that_fit(preset, overrides, needle, fixes):
+    """ep must divide model.n_experts and the data-parallel ranks it folds into: the refusal
+    lists only degrees dividing both, or names the n_experts change; each fix validates."""
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*MOE, *CPU, f"strategy={preset}", *overrides]))
+    assert len(e.value.problems) == 1 and needle in e.value.problems[0], e.value.problems
+    for fix in fixes:
+        validate(compose([*MOE, *CPU, f"strategy={preset}", *overrides, *fix]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
 def test_ep_presets_refuse_a_dense_model_by_name(preset):
     with pytest.raises(ConfigError) as e:
         validate(compose([f"strategy={preset}", *TWO, *CPU, "model=gpt_nano"]))

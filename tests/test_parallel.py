@@ -257,6 +257,40 @@ def test_pipeline_backend_accelerate_refuses_with_the_fix():
     assert "use backend=lightning" in str(e.value)
 
 
+# 4 interleaved stages on 2 ranks, 12 samples a step of micro-batches of 4: 3 per step, and
+# interleaved_1f1b needs a multiple of pp=2 -- none divides 3
+INTER = ("model.n_layers=4", "strategy=pipeline", "cluster.devices=2", "strategy.schedule=interleaved_1f1b",
+         "trainer.global_batch_size=12", "trainer.micro_batch_size=4")
+BATCH_FIX = ("trainer.global_batch_size=8 or 16, or trainer.micro_batch_size=1, 2, 3 or 6")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides, needle, fixes", [
+    ((*INTER, "strategy.microbatches=3"),
+     f"must be a multiple of strategy.pp=2 for interleaved_1f1b: no multiple of 2 divides the 3 "
+     f"micro-batches of 4 a step holds; set strategy.microbatches=2 with {BATCH_FIX}",
+     [("strategy.microbatches=2", "trainer.global_batch_size=8"),
+      ("strategy.microbatches=2", "trainer.global_batch_size=16"),
+      ("strategy.microbatches=2", "trainer.micro_batch_size=3")]),
+    ((*INTER, "trainer.global_batch_size=16", "trainer.micro_batch_size=2", "strategy.microbatches=3"),
+     "must be a multiple of strategy.pp=2 for interleaved_1f1b: set strategy.microbatches=2, 4 or 8",
+     [("strategy.microbatches=4",), ("strategy.microbatches=8",)]),
+    ((*INTER, "strategy.schedule=1f1b", "strategy.microbatches=1"),
+     "strategy.microbatches=1 < strategy.pp=2: 1f1b needs at least one micro-batch per stage in "
+     "flight; set strategy.microbatches=3 (or schedule=gpipe)", [("strategy.microbatches=3",)]),
+    (INTER, f"needs 2 or more (a multiple of 2): set {BATCH_FIX}",
+     [("trainer.global_batch_size=16",), ("trainer.micro_batch_size=3",), ("trainer.micro_batch_size=1",)]),
+])
+def test_pipeline_microbatch_refusals_name_a_fix_that_fits_the_batch(overrides, needle, fixes):
+    """The count suggested must run with the user's batch (global / (micro x dp) divisible by
+    it): once "set microbatches=2" was refused next on the batch arithmetic (12 / (4 x 2))."""
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*CPU, *overrides]))
+    assert needle in str(e.value), str(e.value)
+    for fix in fixes:
+        validate(compose([*CPU, *overrides, *fix]))
+
+
 @pytest.mark.unit
 def test_balanced_split_by_parameter_count():
     # 8 equal blocks, a heavy embedding on the first stage and a heavy head on the last

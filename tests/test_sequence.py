@@ -13,6 +13,8 @@ amplifies last-bit gradient differences, as in tests/test_parallel.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from recipes.config import compose
@@ -215,6 +217,17 @@ def test_heads_not_divisible_by_the_ulysses_degree_is_one_clear_error():
     validate(compose([*CPU, "strategy=ulysses", *FOUR, "strategy.sp=4"]))  # gpt_nano: 4 heads, 2 KV
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("path", ["README.md", "conf/strategy/ulysses.yaml",
+                                  "conf/strategy/zero3_ulysses.yaml", "strategies/families/deepspeed.py"])
+def test_the_docs_say_what_ulysses_requires(path):
+    """The check above requires query heads and seq_len divisible by sp, not KV heads: the README,
+    the presets' comments and the sp knob's docstring say that, not more."""
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    assert "KV heads and" not in text and "n_kv_heads and seq_len" not in text, path
+    assert "replicated" in text and "seq_len" in text, path
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow  # (CI: Ulysses' equality with divisible KV heads, test_ulysses_* above)
 def test_ulysses_with_kv_heads_sp_does_not_divide_equals_one_process(runs):
@@ -235,6 +248,21 @@ def test_world_not_divisible_by_the_sequence_degree_prints_the_arithmetic():
 def test_sequence_not_divisible_by_two_cp_is_one_clear_error():
     msg = _problems("strategy=fsdp_cp", "cluster.devices=2", "model.seq_len=30")
     assert "model.seq_len=30 is not divisible by 2 x strategy.cp=2 = 4" in msg, msg
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [("strategy=fsdp_cp", "cluster.devices=2"),
+                                       ("strategy=3d", *FOUR, "strategy.cp=2", "strategy.tp=1",
+                                        "strategy.pp=1")])
+def test_attention_dropout_under_context_parallelism_is_refused_with_the_fix(overrides):
+    """Ring attention runs no attention dropout (CPU: the ranks failed inside
+    scaled_dot_product_attention, mixing a Tensor and a DTensor); refused before launch, every
+    cp > 1 composition; the fix it names validates."""
+    msg = _problems(*overrides, "model.dropout=0.1")
+    assert "model.dropout=0.1 with strategy.cp=2" in msg, msg
+    assert "set model.dropout=0" in msg and "strategy=ulysses" in msg, msg
+    validate(compose([*CPU, *overrides, "model.dropout=0"]))
+    validate(compose([*CPU, "strategy=ulysses", "cluster.devices=2", "model.dropout=0.1"]))
 
 
 @pytest.mark.subprocess

@@ -111,7 +111,8 @@ class ZeroConfig(StrategyConfig):
     sp: int = knob(1, min=1)
     """DeepSpeed Ulysses degree: sp ranks read the same samples, each a 1/sp shard of the
     sequence; an all-to-all turns sequence shards into head shards around attention
-    (DistributedAttention). model.n_heads, n_kv_heads and seq_len must be divisible by it."""
+    (DistributedAttention). model.n_heads and seq_len must be divisible by it (KV heads it does
+    not divide are replicated to the query heads, as DeepSpeed does)."""
 
     @property
     def capabilities(self) -> Capabilities:

@@ -66,7 +66,7 @@ class ZeroEPConfig(ZeroConfig):
         return out
 
     def model_problems(self, model: Any) -> list[str]:
-        return super().model_problems(model) + moe_problems(self, self.ep, model)
+        return super().model_problems(model) + moe_problems(self, model)
 
     def footprint(self) -> ZeroEPFootprint:
         base = super().footprint()

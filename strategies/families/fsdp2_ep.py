@@ -5,7 +5,8 @@ data-parallel engine over everything else. This module: the family ``fsdp2_ep`` 
 FSDP2-sharded over the dp / ep ranks that hold the same experts -- torchtitan's layout), and what
 every expert-parallel family shares (the model's problems, the experts' footprint: ``ExpertSplit``;
 ``deepspeed_ep.py`` is the other). ``ep`` takes no ranks of its own: it folds into the
-data-parallel ranks (``Mesh``), which must be a multiple of it; the model's experts must divide by it.
+data-parallel ranks (``Mesh``), which must be a multiple of it; the model's experts must divide by it
+(``Mesh.model_problems``, which names the degrees dividing both).
 """
 
 from __future__ import annotations
@@ -22,17 +23,13 @@ from core.mesh import Mesh
 from core.run import Run
 
 
-def moe_problems(preset: StrategyConfig, ep: int, model: Any) -> list[str]:
+def moe_problems(preset: StrategyConfig, model: Any) -> list[str]:
     n = getattr(model, "n_experts", 0) or 0
     if n == 0:
         return [f"strategy={preset.name} shards the experts of a mixture-of-experts model, and "
                 f"model={getattr(model, 'name', '?')} has none (model.n_experts=0): use a MoE model "
                 "(model=gpt_moe_nano, mixtral_8x7b, deepseek_moe_16b) or a dense preset (fsdp2, zero2)"]
-    if n % ep:
-        fits = [d for d in range(1, n + 1) if n % d == 0]
-        return [f"model.n_experts={n} is not divisible by strategy.ep={ep}: each expert-parallel "
-                f"rank holds n_experts / ep whole experts; choose ep among {fits} "
-                f"(dividing the data-parallel size too), or change model.n_experts"]
+    # (n_experts divisible by ep: core.mesh.Mesh.model_problems, which knows the ranks ep folds into)
     return []
 
 
@@ -146,7 +143,7 @@ class FSDP2EPConfig(FSDP2Config):
         return out
 
     def model_problems(self, model: Any) -> list[str]:
-        return super().model_problems(model) + moe_problems(self, self.ep, model)
+        return super().model_problems(model) + moe_problems(self, model)
 
     def footprint(self) -> FSDPEPFootprint:
         return FSDPEPFootprint(ep=self.ep, reshard_after_forward=self.reshard_after_forward,

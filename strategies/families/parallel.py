@@ -63,7 +63,8 @@ class ParallelConfig(StrategyConfig):
     cp: int = knob(1, min=1)
     """Context-parallel degree (torch's context_parallel: ring attention over sequence shards,
     causal chunks load-balanced): cp ranks read the same samples, each 2 of 2 x cp chunks of the
-    sequence; FSDP2 shards over dp x cp. model.seq_len must be divisible by 2 x cp."""
+    sequence; FSDP2 shards over dp x cp. model.seq_len must be divisible by 2 x cp, and
+    model.dropout 0 (ring attention runs no attention dropout)."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -157,14 +158,12 @@ class ParallelConfig(StrategyConfig):
             # null found no count the schedule runs: say why, in the batch's terms
             n = b.global_size // (b.micro_size * b.dp)
             least = self.pp if self.schedule != "gpipe" else 1
-            micro = max(1, b.global_size // (b.dp * least))
             out.append(f"strategy.microbatches=null derives the pipeline's micro-batches from the batch: "
                        f"global_batch_size({b.global_size}) / (micro_batch_size({b.micro_size}) x "
                        f"data-parallel size({b.dp})) = {n} per step, and strategy.schedule={self.schedule} "
                        f"with pp={self.pp} needs {least} or more"
                        + (f" (a multiple of {self.pp})" if self.schedule.startswith("interleaved") else "")
-                       + f": set trainer.micro_batch_size={micro} or less, or raise "
-                       f"trainer.global_batch_size, or set strategy.microbatches")
+                       + f": set {self._batch_change(b)}")
             return out
         if self.stages is not None and self.stages % self.pp:
             out.append(f"strategy.stages={self.stages} is not a multiple of strategy.pp={self.pp}: "
@@ -184,13 +183,41 @@ class ParallelConfig(StrategyConfig):
             return out
         if self.schedule != "gpipe" and self.microbatches < self.pp:
             out.append(f"strategy.microbatches={self.microbatches} < strategy.pp={self.pp}: "
-                       f"{self.schedule} needs at least one micro-batch per stage in flight; set "
-                       f"strategy.microbatches>={self.pp} (or schedule=gpipe)")
-        if self.schedule in ("interleaved_1f1b", "interleaved_zb") and self.microbatches % self.pp:
+                       f"{self.schedule} needs at least one micro-batch per stage in flight; "
+                       f"{self._count_fix(b)} (or schedule=gpipe)")
+        elif self.schedule in ("interleaved_1f1b", "interleaved_zb") and self.microbatches % self.pp:
             out.append(f"strategy.microbatches={self.microbatches} must be a multiple of "
-                       f"strategy.pp={self.pp} for {self.schedule}: set microbatches="
-                       f"{max(self.pp, self.microbatches // self.pp * self.pp)}")
+                       f"strategy.pp={self.pp} for {self.schedule}: {self._count_fix(b)}")
         return out
+
+    def _count_fix(self, b: Any) -> str:
+        """The micro-batch counts this schedule runs that the batch divides into (global =
+        micro x microbatches x dp x accumulation), else the batch changes that make one."""
+        g, m, dp = b.global_size, b.micro_size, b.dp
+        n = g // (m * dp) if m >= 1 and dp >= 1 and g % (m * dp) == 0 else 0
+        counts = [c for c in range(1, n + 1) if n % c == 0 and self._runs(c)]
+        if counts:
+            return f"set strategy.microbatches={_either(counts)}"
+        least = self.pp if self.schedule != "gpipe" else 1
+        what = f"multiple of {self.pp}" if self.schedule.startswith("interleaved") else \
+            f"count of {least} or more"
+        per = f" per data-parallel replica (of {dp})" if dp > 1 else ""
+        holds = (f"the {n} micro-batches of {m} a step holds{per}" if n else
+                 f"global_batch_size({g}) / (micro_batch_size({m}) x data-parallel size({dp}))")
+        return f"no {what} divides {holds}; set strategy.microbatches={least} with {self._batch_change(b)}"
+
+    def _batch_change(self, b: Any) -> str:
+        """trainer.global_batch_size / micro_batch_size values whose micro-batches per step
+        (global / (micro x dp)) the schedule runs: a multiple of pp (1 for gpipe)."""
+        g, m, dp = b.global_size, b.micro_size, b.dp
+        least = self.pp if self.schedule != "gpipe" else 1
+        unit = max(1, m) * dp * least
+        lo = g // unit * unit
+        sizes = [v for v in (lo, lo + unit) if v >= unit]
+        fix = f"trainer.global_batch_size={_either(sizes)}"
+        per = g // (dp * least) if g % (dp * least) == 0 else 0
+        micros = [d for d in range(1, per + 1) if per % d == 0]
+        return fix + (f", or trainer.micro_batch_size={_either(micros)}" if micros else "")
 
     def model_problems(self, model: Any) -> list[str]:
         """Problems of this preset with the model's shape (``recipes.config.ModelConfig``)."""
@@ -204,6 +231,16 @@ class ParallelConfig(StrategyConfig):
                        f"{2 * self.cp}: torch's load balancing cuts the causal sequence into 2 x cp "
                        f"chunks (each rank one early and one late); choose seq_len a multiple of "
                        f"{2 * self.cp} or another cp")
+        dropout = getattr(model, "dropout", 0.0)
+        if self.cp > 1 and isinstance(dropout, (int, float)) and dropout > 0:
+            # measured (CPU, torch 2.13): the ranks fail inside scaled_dot_product_attention
+            # (aten.add.Tensor mixing a Tensor and a DTensor); the residual dropout alone runs
+            out.append(f"model.dropout={dropout} with strategy.cp={self.cp}: context parallelism "
+                       "(torch's ring attention) does not run attention dropout -- on CPU the ranks "
+                       "fail inside scaled_dot_product_attention, and torch's CUDA ring backward "
+                       "reuses one chunk's dropout seed for every chunk; set model.dropout=0, or "
+                       "shard the sequence with a preset without context parallelism "
+                       "(strategy=ulysses or zero3_ulysses)")
         if self.sequence_parallel and self.tp > 1 and isinstance(seq_len, int) and \
                 (seq_len // self.cp) % self.tp and not seq_len % self.cp:
             per = f" / strategy.cp={self.cp} = {seq_len // self.cp}" if self.cp > 1 else ""
@@ -257,6 +294,12 @@ class ParallelConfig(StrategyConfig):
             if degree == mesh.size:
                 return axis.role
         return Axis.SHARD.role
+
+
+def _either(values: list[int], most: int = 6) -> str:
+    """1, 2 or 4 (the first ``most``)."""
+    shown = [str(v) for v in values[:most]]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
 __all__ = ["ParallelConfig"]
