@@ -1,9 +1,11 @@
 """trainer.seed decides the training RNG too (model.dropout > 0): the same config and seed give
-the same run, bitwise, on both backends; each rank's seed
+the same run, bitwise, on both backends, and a resume continues it exactly; each rank's seed
 follows core.mesh.training_seed (ranks holding different tokens draw different masks, tensor-
 parallel peers the same)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -14,8 +16,10 @@ from tests.conftest import TINY, run_cli
 DROPOUT = ("model.dropout=0.1", "trainer.max_steps=4", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
            "trainer.checkpoint_every=2", "trainer.export_params=true", "callbacks=none")
 
+
 def _seeds(mesh: Mesh, seed: int = 7) -> list[int]:
     return [training_seed(seed, mesh, r) for r in range(mesh.size)]
+
 
 @pytest.mark.unit
 def test_each_rank_holding_other_tokens_draws_its_own_masks_and_tensor_peers_share_them():
@@ -33,14 +37,23 @@ def test_each_rank_holding_other_tokens_draws_its_own_masks_and_tensor_peers_sha
     seeds = _seeds(mesh)
     assert seeds[::2] == seeds[1::2] and sorted(set(seeds)) == list(range(7, 15))
 
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["lightning", "accelerate"])
-def test_dropout_runs_of_one_seed_are_bitwise_equal(tmp_path, backend):
+def test_dropout_runs_of_one_seed_are_bitwise_equal_and_resume_exactly(tmp_path, backend):
     args = (*TINY, *DROPOUT, f"backend={backend}")
-    # (fresh interpreters: runs forked from tests/zygote.py's would start from its one RNG state)
+    # (one fresh interpreter, one forked from tests/zygote.py's: two forked runs would start from
+    # its one RNG state, and equal each other unseeded)
     first = run_cli("train.py", *args, out=tmp_path / "first", timeout=240, fresh=True)
-    again = run_cli("train.py", *args, out=tmp_path / "again", timeout=240, fresh=True)
+    again = run_cli("train.py", *args, out=tmp_path / "again", timeout=240)
     assert first.losses == again.losses, (first.losses, again.losses)
     a, b = first.params(), again.params()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # 2 steps, then resumed to 4 from the step-2 checkpoint: the same masks as the straight run
+    shutil.copytree(first.out / "checkpoints" / "step2", tmp_path / "resumed" / "checkpoints" / "step2")
+    resumed = run_cli("train.py", *args, out=tmp_path / "resumed", timeout=240)
+    assert "resumed from" in resumed.log
+    assert resumed.losses == first.losses, (resumed.losses, first.losses)
+    c = resumed.params()
+    assert all(torch.equal(a[k], c[k]) for k in a)
