@@ -391,7 +391,12 @@ def start(job: Job, run_dir: str | Path, *, rank: int, world_size: int, device: 
     """Every rank, once the process group exists, before the first step: check that a
     multi-node job's run directory is one directory for every rank, then agree on the checkpoint
     to resume (``trainer.resume_from``; ``auto``: rank 0 finds the newest complete one -- again
-    on every restart of the workers -- and the others take its answer)."""
+    on every restart of the workers -- and the others take its answer). First this rank's
+    training RNG is seeded from ``trainer.seed`` (``recipes.training.seed_training``): the RNG a
+    fresh run starts from, which ``load`` replaces with the checkpoint's."""
+    from recipes.training import seed_training
+
+    seed_training(job.trainer.seed, job.mesh, rank)
     if job.mesh.nodes > 1:
         _check_shared(Path(run_dir), rank, world_size)
     resume_from = job.trainer.resume_from

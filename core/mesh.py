@@ -183,6 +183,20 @@ def _expert_degree_problem(n: int, ep: int, fold: int) -> str:
             f"strategy.ep={ep}), or strategy.ep=1 (no expert parallelism)")
 
 
+def training_seed(seed: int, mesh: Mesh, rank: int) -> int:
+    """The seed of ``rank``'s training RNG (dropout masks) in a run of ``trainer.seed`` on
+    ``mesh``, as torchtitan and Megatron seed theirs: ranks that hold different tokens -- data-
+    parallel replicas and shards, sequence shards (cp or Ulysses' sp), pipeline stages -- draw
+    different masks; tensor-parallel peers, which hold the same activations and must keep the
+    replicated ones identical, draw the same. Ranks are laid out (data, sequence, pipeline,
+    tensor), tensor innermost (``Axis.TENSOR``'s neighbouring ranks, Ulysses' sp group likewise
+    when tp is 1); expert parallelism folds into data and sequence and adds no ranks."""
+    data, rest = divmod(rank, mesh.seq * mesh.pp * mesh.tp)
+    sequence, rest = divmod(rest, mesh.pp * mesh.tp)
+    stage = rest // mesh.tp  # (its tensor coordinate left out: the peers share the seed)
+    return seed + (data * mesh.seq + sequence) * mesh.pp + stage
+
+
 @dataclass(frozen=True)
 class Batch:
     """global = micro x chunks x dp x accumulation, with accumulation derived. ``chunks``: the
@@ -221,4 +235,4 @@ class Batch:
         return []
 
 
-__all__ = ["Axis", "Batch", "Mesh"]
+__all__ = ["Axis", "Batch", "Mesh", "training_seed"]

@@ -321,6 +321,18 @@ class SequenceShard:
         return sequence_shard(default_collate(samples), self.rank, self.degree, self.balanced)
 
 
+def train_loader(data: Dataset, sampler: GlobalBatchSampler, num_workers: int, seq: Any, seed: int) -> Any:
+    """The training DataLoader of both backends (``seq``: this rank's Ulysses sequence shard, or
+    None). Its own generator: a DataLoader's iterator draws its workers' base seed from the
+    global RNG otherwise, and a resumed run, which makes a new iterator after restoring the
+    checkpoint's RNG, would then draw other dropout masks than the run it continues."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(data, batch_sampler=sampler, num_workers=num_workers,
+                      collate_fn=SequenceShard(*seq) if seq else None,
+                      generator=torch.Generator().manual_seed(seed))
+
+
 def shards(path: str | Path) -> list[Path]:
     """``data=tokens``: the file, a directory's ``*.bin`` files, or a glob's files, in name order."""
     from recipes.token_inputs import resolve_inputs

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from recipes.data import IGNORE  # a target the loss does not count (data=chat's masked ones)
 
 if TYPE_CHECKING:
+    from core.mesh import Mesh
     from recipes.model_config import ModelConfig
     from recipes.trainer_config import TrainerConfig
 
@@ -50,6 +51,25 @@ def build_model(shape: ModelConfig, seed: int, *, meta: bool = False,
             model = model_class(shape)(shape)
         model.pending_init = seed  # (recipes/gpt.py GPT.init_shards, once sharded)
         return model
+
+
+def seed_training(seed: int, mesh: Mesh, rank: int) -> int:
+    """Seed this rank's training RNG (torch's, every device's, and Python's and numpy's: what a
+    checkpoint's ``rng/rank<r>.pt`` restores) from ``trainer.seed``, after the model's build
+    (drawn in a forked RNG of its own) and before the first step, so a config and seed give the
+    same run, dropout masks included; each rank's seed is ``core.mesh.training_seed``'s (ranks
+    holding different tokens draw different masks, tensor-parallel peers the same). Returns it."""
+    import random
+
+    import numpy as np
+
+    from core.mesh import training_seed
+
+    own = training_seed(seed, mesh, rank)
+    torch.manual_seed(own)
+    random.seed(own)
+    np.random.seed(own % 2**32)
+    return own
 
 
 def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], chunk: int = 0,

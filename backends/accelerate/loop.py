@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader
 
 import checkpoints
 from backends.accelerate import families
@@ -29,7 +28,7 @@ from observers import startup
 from observers.memory import release_freed
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
-from recipes.data import CountedShare, GlobalBatchSampler, SequenceShard, build_datasets, data_facts
+from recipes.data import CountedShare, GlobalBatchSampler, build_datasets, data_facts, train_loader
 from recipes.dpo import objective_for
 from recipes.job import optimizer_device
 
@@ -182,8 +181,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
                                  micro_batch=job.batch.per_step, dp_rank=dp_rank,
                                  dp_size=dp_size, seed=t.seed, steps=t.max_steps,
                                  start_step=start)
-    batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=job.data.num_workers,
-                              collate_fn=SequenceShard(*seq) if seq else None))
+    batches = iter(train_loader(data, sampler, job.data.num_workers, seq, t.seed))
     share = CountedShare(data, global_batch=job.batch.global_size, seed=t.seed)
     objective = objective_for(job, data, out, observers.meta, resumed=start > 0)  # (a checkpoint's step is >= 1)
     observers.train_start(engine, start)

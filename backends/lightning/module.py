@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from parallel.float8 import precompute_after_step
 from recipes import evaluation, training
-from recipes.data import CountedShare, GlobalBatchSampler, SequenceShard
+from recipes.data import CountedShare, GlobalBatchSampler, train_loader
 
 if TYPE_CHECKING:
     from recipes.config import ModelConfig, TrainerConfig
@@ -109,5 +109,4 @@ class GlobalBatchData(L.LightningDataModule):
         )
         # Ulysses: this rank's sequence shard of its sequence group's samples
         seq = getattr(strategy, "sequence_shard", None)
-        return DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                          collate_fn=SequenceShard(*seq) if seq else None)
+        return train_loader(self.dataset, sampler, self.num_workers, seq, self.seed)
