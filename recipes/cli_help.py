@@ -150,6 +150,8 @@ def suggestions(argv: list[str]) -> list[str]:
 
     from recipes.compose import compose
 
+    if malformed := [line for arg in argv if not arg.startswith("-") and (line := _malformed(arg))]:
+        return malformed
     groups, keys, options = [], [], []
     for arg in normalize([a for a in argv if not a.startswith("-")]):
         key, eq, value = arg.partition("=")
@@ -168,6 +170,34 @@ def suggestions(argv: list[str]) -> list[str]:
     except Exception:  # the groups themselves are the error: Hydra said so
         return []
     return [_no_such_key(cfg, key, value) for key, value in keys if not _has_key(cfg, key)]
+
+
+def _malformed(arg: str) -> str | None:
+    """An override that names no key (``=foo``), no option (``strategy=``), removes a key of the
+    schema (``~trainer.lr``) or switches off a group a run needs (``strategy=null``, which
+    ``normalize`` made ``~strategy``): its line; None for any other."""
+    from recipes.compose import _default_choices
+
+    key, eq, value = arg.partition("=")
+    name = key.lstrip("+~")
+    if eq and not name:
+        return (f"{arg}: an override is key=value, and this one has no key; e.g. trainer.max_steps={value} "
+                f"(python {_script()} --help lists the keys)")
+    group = "." not in name and (CONF_DIR / name).is_dir()
+    options = ", ".join(sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))) if group else ""
+    if group and eq and not value:
+        return f"{name}=: no {name} named; the options: {options}"
+    if not key.startswith("~") or name.startswith("hydra"):
+        return None
+    if not group:
+        return (f"{arg}: a key of the config cannot be removed; set it instead ({name}=<value>; "
+                f"python {_script()} --help lists the common keys and their defaults)")
+    default = _default_choices().get(name, "None")
+    if default in ("None", "null"):
+        return None  # (an opt-in group: off is its default)
+    opt_in = sorted(g for g, o in _default_choices().items() if o in ("None", "null"))
+    return (f"{name}=null: {name} cannot be switched off; choose one of {options} ({name}={default} is the "
+            f"default); group=null switches off only the opt-in groups: {', '.join(opt_in)}")
 
 
 def _no_such_option(group: str, value: str) -> str | None:

@@ -73,6 +73,30 @@ def test_suggestions(argv, expected):
     assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected)), found
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, expected", [
+    (["=foo"], "=foo: an override is key=value, and this one has no key"),
+    (["strategy="], "strategy=: no strategy named; the options: 3d, auto, ddp"),
+    (["~trainer.lr"], "~trainer.lr: a key of the config cannot be removed; set it instead (trainer.lr=<value>"),
+    (["~strategy"], "strategy=null: strategy cannot be switched off; choose one of 3d, auto, ddp"),
+], ids=["no-key", "no-option", "remove-key", "required-group-off"])
+def test_a_malformed_override_is_one_line_with_the_fix(argv, expected):
+    """Hydra's own words for these were a search path, a schema's class name, an interpolation
+    error, or "no such ; the options: train"."""
+    from recipes.cli_help import suggestions
+
+    found = suggestions(argv)
+    assert len(found) == 1 and found[0].startswith(expected), found
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("arg", ["strategy=", "~trainer.lr", "=foo", "strategy=null"])
+def test_a_malformed_override_exits_2_with_our_line(tmp_path, arg):
+    run = run_cli("train.py", arg, out=tmp_path / "bad", check=False)
+    assert run.proc.returncode == 2, run.log
+    assert len(run.proc.stderr.strip().splitlines()) == 1 and "Traceback" not in run.log, run.log
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("script", ["train.py", "plan.py"])
 def test_a_mistyped_key_gets_did_you_mean(tmp_path, script):
