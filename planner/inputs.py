@@ -36,6 +36,10 @@ class ModelDescription(Protocol):
 
     def num_params(self) -> int: ...
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the model's buffers (DDP broadcasts them each step); a description without
+        it: 0, nothing priced."""
+
     def block_params(self) -> int:
         """Parameters of one repeated block."""
 

@@ -178,6 +178,13 @@ class ModelConfig:
         return (dense * self.block_params(moe=False) + self.moe_layers * self.block_params()
                 + embeddings + self.dim)
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the model's buffers (what DDP broadcasts from rank 0 before a forward): the
+        built-in GPT's rope table, seq_len x head_dim fp32 (recipes/gpt.py; no precision we
+        offer casts it); model=hf: transformers 5's rotary module, inv_freq and
+        original_inv_freq, head_dim / 2 fp32 each."""
+        return self.head_dim * 4 * (1 if self.is_hf else self.seq_len)
+
     def moe_problems(self) -> list[str]:
         """The mixture-of-experts keys together (a dense model: none)."""
         if not self.is_moe:

@@ -23,12 +23,14 @@ def _max_rel(ref: list[float], other: list[float]) -> float:
     return max(abs(a - b) / abs(a) for a, b in zip(ref, other))
 
 
-def _bytes(run) -> tuple[float, float]:
-    """(measured data-parallel wire bytes per step, the planner's): DDP's per-forward buffer
-    broadcast (~1 KB, the model's buffers; not priced by the planner for any ddp preset) aside."""
+def _bytes(run, buffers: bool = True) -> tuple[float, float]:
+    """(measured data-parallel wire bytes per step, the planner's), DDP's buffer broadcast (the
+    rope table, 1 KB a step) included on both sides; ``buffers=False``: the gradient (or
+    parameter) traffic alone, to compare presets with each other."""
     measured = sum(v["wire_bytes"] for k, v in run.report["communication"]["per_step"].items()
-                   if k != "broadcast")
-    planned = sum(v["bytes"] for v in run.report["plan"]["communication"]["by_collective"].values())
+                   if buffers or k != "broadcast")
+    planned = sum(v["bytes"] for k, v in run.report["plan"]["communication"]["by_collective"].items()
+                  if buffers or k != "buffer_broadcast")
     return measured, planned
 
 
@@ -195,6 +197,33 @@ def test_planner_prices_each_method():
     assert held("strategy=diloco") - base == 8 * P and held("strategy=local_sgd") == base
 
 
+@pytest.mark.unit
+def test_the_plan_prices_ddp_s_buffer_broadcast():
+    """DDP broadcasts the model's buffers from rank 0 before each step's first forward: gpt_nano's
+    rope table, seq_len 32 x head_dim 8 x 4 bytes = 1024, on every rank (the observer's count),
+    exposed; none on one rank, for a model with no description (planner.params only), or with
+    broadcast_buffers off; model=hf: transformers' inv_freq and original_inv_freq, head_dim / 2
+    fp32 each."""
+    import dataclasses
+
+    from recipes.config import compose
+    from recipes.job import validate
+    from strategies.footprint import Sizes, StateBytes
+
+    job = validate(compose(["cluster.devices=2", "model=gpt_nano", "strategy=ddp"]))
+    fp, shape = job.strategy.footprint(), job.model
+    sizes = Sizes(params=1e4, trainable=1e4, bytes=StateBytes(4, 4, 0, 8, 4, 4, 4), dp=2, shard=1, model=shape)
+    sent = {t.name: t for t in fp.traffic(sizes)}
+    assert set(sent) == {"grad_all_reduce", "buffer_broadcast"}
+    b = sent["buffer_broadcast"]
+    assert (b.op, b.ranks, b.bytes, b.overlap, b.calls) == ("broadcast", 2, 32 * 8 * 4, "none", 1.0)
+    assert [t.name for t in fp.traffic(dataclasses.replace(sizes, model=None))] == ["grad_all_reduce"]
+    assert [t.name for t in fp.traffic(dataclasses.replace(sizes, dp=1))] == ["grad_all_reduce"]
+    assert [t.name for t in dataclasses.replace(fp, broadcast_buffers=False).traffic(sizes)] == ["grad_all_reduce"]
+    hf = dataclasses.replace(shape, architecture="llama", dim=64, n_heads=4)
+    assert {t.name: t.bytes for t in fp.traffic(dataclasses.replace(sizes, model=hf))}["buffer_broadcast"] == 16 * 4
+
+
 # ----------------------------------------------------------------------------- real processes
 def _feedback_worker(rank: int, world: int, init: str, kind: str, out: dict) -> None:
     import torch
@@ -338,7 +367,7 @@ def test_int8_within_its_quantization_tolerance(cached, reference):
     measured, planned = _bytes(run)
     assert measured == pytest.approx(planned, rel=0.02)
     ddp = cached(*SGD, *TWO, "strategy=ddp")
-    assert measured / _bytes(ddp)[0] == pytest.approx(0.25, rel=0.02)
+    assert _bytes(run, buffers=False)[0] / _bytes(ddp, buffers=False)[0] == pytest.approx(0.25, rel=0.02)
 
 
 @pytest.mark.multiprocess
@@ -352,7 +381,7 @@ def test_topk_sends_two_percent_and_still_learns(cached, reference):
     ddp = cached(*SGD, *TWO, "strategy=ddp")
     measured, planned = _bytes(run)
     assert measured == pytest.approx(planned, rel=0.02)
-    assert measured / _bytes(ddp)[0] == pytest.approx(0.02, rel=0.05)
+    assert _bytes(run, buffers=False)[0] / _bytes(ddp, buffers=False)[0] == pytest.approx(0.02, rel=0.05)
     assert all(b < a for a, b in zip(run.losses, run.losses[1:]))
     assert abs(run.losses[-1] - ddp.losses[-1]) / ddp.losses[-1] <= 0.2
 

@@ -134,8 +134,22 @@ class DDPFootprint(Footprint):
     """sync=local_sgd|diloco: a parameter all-reduce every this many steps (0: every step DDP)."""
     diloco: bool = False
     start_step: int = 0
+    broadcast_buffers: bool = True
+    """DDP's broadcast_buffers (torch's default, Lightning's and Accelerate's): the module's
+    buffers go from rank 0 before the first forward after a synchronized one, once per step."""
 
     def traffic(self, n: Sizes) -> list[Traffic]:
+        """The gradient (or parameter) traffic, plus DDP's buffer broadcast: every buffer of the
+        model (``ModelDescription.buffer_bytes``: the built-in GPT's rope table) from rank 0 over
+        the data-parallel group, once per step, exposed before the forward (torch's
+        ``_check_sync_bufs_pre_fwd``); the observer counts a broadcast's bytes on every rank, as
+        the plan does."""
+        buffers = getattr(n.model, "buffer_bytes", None)
+        nbytes = buffers() if self.broadcast_buffers and buffers is not None and n.dp > 1 else 0
+        return self.sync_traffic(n) + ([Traffic("buffer_broadcast", "broadcast", n.dp, n.tp, nbytes,
+                                                "none")] if nbytes else [])
+
+    def sync_traffic(self, n: Sizes) -> list[Traffic]:
         """After ``start_step``: top-k's all-gather of k (value, index) pairs per bucket, 8 bytes
         each (the per-rank ring volume (N-1) x k x 8); int8's all-gather of one byte per element
         plus each bucket's scale and zero point (N/8 of an fp32 all-reduce: a quarter at 2
