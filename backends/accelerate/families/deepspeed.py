@@ -59,6 +59,7 @@ class Zero(Builder):
 
     def repair(self, model: Any, optimizer: Any) -> None:
         ds.repair(optimizer)
+        ds.refuse_skipped_parameters(model, optimizer)  # (ZeRO steps them with stale gradients)
 
     def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
         return ds.held_bytes(model, optimizers[0] if optimizers else None, what)

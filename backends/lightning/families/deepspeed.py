@@ -9,7 +9,8 @@ validate/test/predict. It also passes ``scale_wrt_gas=False`` to the engine's
 backward: Lightning has already divided the loss by ``accumulate_grad_batches``, and DeepSpeed
 dividing it again would shrink accumulated gradients by the accumulation. On every accelerator it
 (4) repairs how DeepSpeed reads gradients back from NVMe when the optimizer state is there
-(backends/common/deepspeed.py). Lightning fills what the generated config leaves open from the
+(backends/common/deepspeed.py), and (5) stops the run before a step in which a parameter that
+had a gradient earlier has none (ZeRO would step it with a stale gradient). Lightning fills what the generated config leaves open from the
 Trainer: accumulation, micro batch, clipping and the precision sections.
 """
 
@@ -93,6 +94,7 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
                 dist_init_required=False,
             )
         ds.repair(ds_optimizer)  # (4)
+        ds.refuse_skipped_parameters(engine, ds_optimizer)  # (5)
         return engine, ds_optimizer
 
     def _initialize_deepspeed_inference(self, model: Any) -> None:
