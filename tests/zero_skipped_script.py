@@ -61,7 +61,7 @@ if __name__ == "__main__":
     model = Skips(never)
     trainer = L.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=1, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, use_distributed_sampler=False)
     try:
         trainer.fit(model)
         out = {"losses": model.losses, "plain": reference}
