@@ -61,3 +61,12 @@ def test_the_cast_warning_names_the_parameters_the_dtype_and_the_fix():
     assert cast_warning(Mixed(), "bf16-mixed", "zero2") is None  # (mixed: the plugin casts nothing)
     assert cast_warning(Mixed().float(), "32-true", "zero2") is None
     assert "b.weight, b.bias" in cast_warning(Mixed(), "bf16-true", "stratagem_fsdp")
+
+
+def test_the_cast_warning_counts_a_zero3_partitioned_parameter_whole():
+    from backends.lightning.families import cast_warning
+
+    m = Mixed()
+    m.a.weight.data = m.a.weight.data.new_empty(0)  # as ZeRO-3 leaves it: the rest in ds_numel
+    m.a.weight.ds_numel = 16
+    assert "(20 values; bfloat16" in cast_warning(m, "32-true", "zero3")

@@ -61,7 +61,7 @@ def cast_warning(module: Any, precision: str, strategy: str) -> str | None:
     fix = (f'Trainer(precision="{KEEPS[held[0]]}") keeps {held[0]}' if len(held) == 1 and held[0] in KEEPS
            else "give every parameter one dtype and the Trainer its precision")
     return (f"strategy={strategy}, Trainer(precision=\"{precision}\"): Lightning's precision plugin casts "
-            f"{len(cast)} of the module's parameters ({sum(p.numel() for _, p in cast):,} values; "
+            f"{len(cast)} of the module's parameters ({sum(getattr(p, 'ds_numel', p.numel()) for _, p in cast):,} values; "
             f"{'/'.join(held)}: {names}) to {to} before training -- their memory changes with it, and a "
             f"forward that casts its input to a layer's dtype then fails (\"mat1 and mat2 must have the "
             f"same dtype\"); {fix}, or cast the module to {to} yourself to train it so")
