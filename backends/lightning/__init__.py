@@ -5,12 +5,22 @@ Its builders, one per strategy family it runs, are in ``families/``; the pipelin
 ``pipeline.py``; the registration of our presets in Lightning's registry in ``registry.py``.
 This module stays light (Lightning is imported by the functions below), because importing the
 registry module runs it while Lightning itself is still being imported.
+
+A user's own Lightning script on a preset with keys of its own (the registry's names carry none):
+
+    from backends.lightning import stratagem_strategy
+
+    Trainer(strategy=stratagem_strategy("ddp_int8", "strategy.find_unused_parameters=true"))
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from backends.lightning.registry import stratagem_strategy
+
+__all__ = ["stratagem_strategy", "load_engine", "problems", "build", "fit"]
 
 if TYPE_CHECKING:
     from backends import Outcome

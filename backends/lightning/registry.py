@@ -7,6 +7,10 @@ asks for it.
 Lightning's own entries are never replaced: a preset whose name Lightning already registers
 (``ddp``, ``fsdp``) joins under ``stratagem_<name>``, so importing a library does not change what
 ``Trainer(strategy="ddp")`` means. Every preset is also registered as ``stratagem_<name>``.
+
+A registry name carries no preset keys; ``stratagem_strategy(preset, "strategy.<key>=<value>", ...)``
+builds the same strategy with them, for ``Trainer(strategy=...)`` (as ``stratagem_accelerator``
+does for an Accelerate script).
 """
 
 from __future__ import annotations
@@ -26,6 +30,21 @@ def _factory(name: str):
 
     build.__name__ = f"{PREFIX}{name}"
     return build
+
+
+def stratagem_strategy(strategy: str, *overrides: str) -> Any:
+    """The Lightning strategy of preset ``strategy`` (its name, or its registry name
+    ``stratagem_<name>``) with ``overrides``, the preset's keys as on train.py's command line
+    (``"strategy.find_unused_parameters=true"``), for ``Trainer(strategy=...)``: the object
+    ``Trainer(strategy="<preset>")`` builds, with those keys. A key the preset does not have, or a
+    value it does not take, is a ``ConfigError`` naming it (``strategies.presets.load``)."""
+    from backends.lightning.families import build as build_strategy
+    from strategies.presets import load, names
+
+    if strategy not in names() and strategy.removeprefix(PREFIX) in names():
+        strategy = strategy.removeprefix(PREFIX)
+    _teardown_registered()
+    return build_strategy(load(strategy, overrides))
 
 
 def entries() -> dict[str, str]:
@@ -52,6 +71,10 @@ def register() -> None:
     for key, name in entries().items():
         StrategyRegistry.register(key, _factory(name), override=True,
                                   description=f"stratagem preset conf/strategy/{name}.yaml")
+    _teardown_registered()
+
+
+def _teardown_registered() -> None:
     atexit.unregister(_teardown_at_exit)  # once, however often this is called
     atexit.register(_teardown_at_exit)
 

@@ -32,6 +32,22 @@ def comm_hook(preset: DDPConfig) -> tuple[Any, Any]:
     return efficient_hook(preset)  # PowerSGD, top-k, int8, local SGD, DiLoCo
 
 
+_UNUSED = "Expected to have finished reduction in the prior iteration"
+"""torch DDP's error for a parameter that got no gradient in a step (Lightning rewords it)."""
+
+
+def unused_parameters_advice(preset: DDPConfig) -> str:
+    """What a user whose module leaves a parameter unused in a step does under ``preset``."""
+    name = preset.name
+    return (f"It looks like your LightningModule has parameters that were not used in producing the loss "
+            f"returned by training_step. If this is intentional, set strategy={name}'s key "
+            f"strategy.find_unused_parameters=true: Trainer(strategy=stratagem_strategy('{name}', "
+            f"'strategy.find_unused_parameters=true')) (from backends.lightning import stratagem_strategy), "
+            f"or python train.py strategy={name} strategy.find_unused_parameters=true. Not Lightning's "
+            f"strategy='ddp_find_unused_parameters_true': it replaces strategy={name} with Lightning's "
+            f"plain DDP (no compression hook, no local SGD).")
+
+
 @builds(DDPConfig)
 class PresetDDPStrategy(PresetStrategy, DDPStrategy):
     """Lightning's DDPStrategy with the preset's hook and buckets."""
@@ -60,6 +76,15 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
 
     def _setup_model(self, model: Any) -> Any:
         return super()._setup_model(parallelize(model, plan_for(self.preset, self.run())))
+
+    def on_exception(self, exception: BaseException) -> None:
+        """DDP's error for a parameter unused in a step: Lightning's advice (``strategy=
+        'ddp_find_unused_parameters_true'``) would replace the preset with its plain DDP -- no
+        compression, no local SGD -- so the message names the preset's own key instead."""
+        super().on_exception(exception)
+        exception.args = tuple(unused_parameters_advice(self.preset) if isinstance(a, str) and
+                               (_UNUSED in a or "ddp_find_unused_parameters_true" in a) else a
+                               for a in exception.args)
 
     def _register_ddp_hooks(self) -> None:
         """Lightning registers communication hooks on CUDA only and silently drops them

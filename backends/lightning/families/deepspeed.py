@@ -24,7 +24,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from backends.common import deepspeed as ds
-from backends.lightning.families import builds
+from backends.lightning.families import builds, warn_cast
 from backends.lightning.preset import PresetStrategy
 from strategies.families.deepspeed import ZeroConfig
 from parallel.parallelize import parallelize, plan_for
@@ -64,6 +64,10 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
             return DeepSpeedStrategy.setup_environment(self)
         ds.check_accelerator()
         DDPStrategy.setup_environment(self)  # (1) the parent refuses any non-CUDA accelerator
+
+    def setup(self, trainer: Any) -> None:
+        warn_cast(self)  # (Lightning's precision plugin casts the module first: convert_module)
+        super().setup(trainer)
 
     def setup_distributed(self) -> None:
         if not self._on_cpu:

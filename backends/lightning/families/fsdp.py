@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from backends.common import torch as torch_common
-from backends.lightning.families import builds
+from backends.lightning.families import builds, warn_cast
 from backends.lightning.preset import PresetStrategy
 from core.mesh import Axis
 from core.precision import low_dtype
@@ -105,6 +105,10 @@ class CPUCapableFSDPStrategy(PresetStrategy, FSDPStrategy):
             plugin = _DeviceAutocastFSDPPrecision(name)
             plugin.scaler = scaler
         FSDPStrategy.precision_plugin.fset(self, plugin)
+
+    def setup(self, trainer: Any) -> None:
+        warn_cast(self)  # (Lightning's precision plugin casts the module first: convert_module)
+        super().setup(trainer)
 
     def mesh_shape(self) -> tuple[int, int] | None:
         """HYBRID_SHARD's (replicate, shard) device mesh on the world Lightning runs."""
