@@ -197,16 +197,104 @@ def apply_fsdp2(module: Any, mesh: Any, plan: FSDP2Plan, *, precision: str = "32
             fully_shard(m, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
     # The model (embeddings, final norm, output) is used last in forward and first in backward:
     # resharding it after forward would only re-gather it at once.
-    # (a module that declares no block, a user's own, child by child: one unit would gather all;
-    # then the module itself over the parameters it holds directly, a learned table say, which
-    # no child's unit manages: left out, they were neither sharded nor reduced)
-    roots = [model] if block is not None else [
-        c for c in module.children() if any(True for _ in c.parameters())]
-    if block is None and any(True for _ in module.parameters(recurse=False)):
-        roots.append(module)
+    # (a module that declares no block, a user's own: ``user_units``)
+    roots = [[model]] if block is not None else user_units(module)
     for root in roots:
-        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(root if len(root) > 1 else root[0], mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     return module
+
+
+def user_units(module: Any) -> list[list[Any]]:
+    """FSDP2's units for a module that declares no block (a user's own), each a list of modules
+    for one ``fully_shard``, inner units first: each child that holds parameters (one unit over
+    all would gather all at once; a child whose trainable parameters have two dtypes, or a
+    ModuleList, split into its children and itself: FSDP2 asserts one dtype per unit at the
+    first forward), then the module itself over the parameters it holds directly (left out,
+    they were neither sharded nor reduced). Units that share a Parameter (an embedding tied to
+    the output layer) become one, under the module as root unit (torch refuses a parameter in
+    two units). Two dtypes left in one unit raise ``ValueError``, before anything is sharded."""
+    from torch.nn import ModuleDict, ModuleList
+
+    units: list[Any] = []
+
+    def add(m: Any) -> None:  # a list or dict of modules is no unit: torch has no forward to hook
+        if len(_dtypes(m.parameters())) > 1 or isinstance(m, (ModuleList, ModuleDict)):
+            for c in m.children():
+                if _holds(c):
+                    add(c)
+            if _holds(m, recurse=False):
+                units.append(m)
+        else:
+            units.append(m)
+
+    for c in module.children():
+        if _holds(c):
+            add(c)
+    groups = _merge_tied(units + [module] if _holds(module, recurse=False) else units)
+    if any(len(g) > 1 for g in groups) and not any(m is module for m in groups[-1]):
+        groups.append([module])  # a unit of several modules needs one root unit above it
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    units = [m for group in groups for m in group]
+    for group in groups:
+        mixed = _dtypes(p for _, p in _own(group, units, names))
+        if len(mixed) > 1:
+            where = ", ".join(".".join(filter(None, (type(module).__name__, names.get(id(m))))) for m in group)
+            found = "; ".join(f"{n}: {str(p.dtype).removeprefix('torch.')}" for n, p in _own(group, units, names)
+                              if p.requires_grad)
+            raise ValueError(f"strategy=fsdp2 shards {where} as one unit, "
+                             f"whose trainable parameters have {len(mixed)} dtypes ({found}); FSDP2 needs "
+                             "one dtype per unit: give the parameters one dtype, move them into modules "
+                             "of one dtype each, or call fully_shard yourself in configure_model")
+    return groups
+
+
+def _holds(m: Any, *, recurse: bool = True) -> bool:
+    return any(True for _ in m.parameters(recurse=recurse))
+
+
+def _dtypes(params: Any) -> set[Any]:
+    return {p.dtype for p in params if p.requires_grad}
+
+
+def _own(group: list[Any], units: list[Any], names: dict | None = None) -> list[tuple[str, Any]]:
+    """The parameters ``fully_shard(group)`` manages: its modules', less those of other units
+    inside them (sharded before it), with their names (``names``: each module's path)."""
+    inner = {id(u) for u in units} - {id(m) for m in group}
+    out, seen = [], set()
+    for top in group:
+        stack = [(f"{(names or {}).get(id(top))}." if (names or {}).get(id(top)) else "", top)]
+        while stack:
+            prefix, m = stack.pop()
+            for n, p in m.named_parameters(prefix=prefix.rstrip("."), recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((n, p))
+            stack += [(f"{prefix}{n}.", c) for n, c in m.named_children() if id(c) not in inner]
+    return out
+
+
+def _merge_tied(units: list[Any]) -> list[list[Any]]:
+    """``units`` (inner ones first) grouped where they share a Parameter, each group in the
+    place of its last member; a member inside another member is left to it."""
+    group = list(range(len(units)))
+
+    def top(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, u in enumerate(units):
+        for _, p in _own([u], units):
+            j = owner.setdefault(id(p), i)
+            group[top(j)] = top(i)
+    out = []
+    last = {top(i): i for i in range(len(units))}
+    for root, i in sorted(last.items(), key=lambda kv: kv[1]):
+        members = [units[k] for k in range(len(units)) if top(k) == root]
+        inside = {id(c) for m in members for c in list(m.modules())[1:]}
+        out.append([m for m in members if id(m) not in inside])
+    return out
 
 
 def _units(model: Any, block: type) -> list[Any]:

@@ -245,3 +245,99 @@ def test_fsdp2_shards_a_parameter_held_by_a_users_module_itself(tmp_path):
     done = subprocess.run([sys.executable, "-c", _OWN_PARAMETER.format(store=tmp_path / "store")], cwd=ROOT,
                           capture_output=True, text=True, timeout=100, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_USERS_MODULES = """
+import copy, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from parallel.parallelize import FSDP2Plan, apply_fsdp2
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+torch.manual_seed(0)
+
+class Tied(torch.nn.Module):  # an embedding and an output Linear sharing one Parameter
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+        self.out = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 16, bias=False))
+        self.out[1].weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(self.mid(self.emb(x)))
+
+class Box(torch.nn.Module):  # an fp32 gain beside bf16 layers: a subtree of two dtypes
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]).to(torch.bfloat16)
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = torch.tanh(layer(h.to(torch.bfloat16)))
+        return h.float() * self.scale
+
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.box, self.head = torch.nn.Linear(4, 8), Box(), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.box(self.inp(x)))
+
+def steps(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+mesh = init_device_mesh("cpu", (1,))
+for build, x in ((Tied, torch.randint(0, 16, (4, 5))), (Mixed, torch.randn(4, 4))):
+    plain = build()
+    model = apply_fsdp2(copy.deepcopy(plain), mesh, FSDP2Plan())
+    left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not left, (build.__name__, left)
+    got, want = steps(model, x), steps(plain, x)
+    assert got == want, (build.__name__, got, want)
+    if build is Tied:
+        assert model.out[1].weight is model.emb.weight
+        assert torch.equal(model.emb.weight.full_tensor(), plain.emb.weight.detach())
+
+class Uneven(torch.nn.Module):  # two dtypes on the module itself: no unit can hold both
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bias = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.zeros(4))
+        self.gain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+
+try:
+    apply_fsdp2(Uneven(), mesh, FSDP2Plan())
+except ValueError as e:
+    assert "Uneven" in str(e) and "gain" in str(e) and "bfloat16" in str(e) and "configure_model" in str(e), e
+else:
+    raise AssertionError("no error")
+print("ok")
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_a_users_module_with_tied_weights_and_mixed_dtypes(tmp_path):
+    """A user's module is sharded child by child. Children sharing a Parameter (an embedding
+    tied to the output Linear) each became a unit, and every rank failed at the first forward
+    with torch's "use fully_shard([module_a, module_b])", which a Trainer user cannot act on; a
+    child holding an fp32 Parameter beside bf16 layers became one unit, and every rank asserted
+    "FSDP expects uniform original parameter dtype". Now tied children are one unit, a child of
+    two dtypes is split, both train as the plain module does, and two dtypes on one module
+    that cannot be split are refused before any unit is built, naming the parameters."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-c", _USERS_MODULES.format(store=tmp_path / "store")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
