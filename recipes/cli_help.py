@@ -192,10 +192,11 @@ def _malformed(arg: str) -> str | None:
     if not group:
         return (f"{arg}: a key of the config cannot be removed; set it instead ({name}=<value>; "
                 f"python {_script()} --help lists the common keys and their defaults)")
-    default = _default_choices().get(name, "None")
+    choices = _default_choices()
+    default = choices.get(name, "None")
     if default in ("None", "null"):
         return None  # (an opt-in group: off is its default)
-    opt_in = sorted(g for g, o in _default_choices().items() if o in ("None", "null"))
+    opt_in = sorted(g for g, o in choices.items() if o in ("None", "null"))
     return (f"{name}=null: {name} cannot be switched off; choose one of {options} ({name}={default} is the "
             f"default); group=null switches off only the opt-in groups: {', '.join(opt_in)}")
 
