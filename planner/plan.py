@@ -116,7 +116,7 @@ def _layout(c: Candidate, su: Setup) -> _Layout:
                   units=layers + 1,
                   blocks=shape.n_layers * shape.block_params() / mp if shape is not None else None,
                   model=shape, total_params=su.params, micro=t.micro_batch_size,
-                  resident=su.cluster.accelerator != "gpu")
+                  accumulation=run.batch.accumulation, resident=su.cluster.accelerator != "gpu")
     # sequence parallelism under TP: the preset's own (planned-only layouts: planner's option)
     tp_sp = tp > 1 and bool(getattr(strategy, "sequence_parallel", o.sequence_parallel))
     return _Layout(c=c, su=su, run=run, sb=sb, sizes=sizes, per_step=per_step, schedule=schedule,
@@ -161,7 +161,8 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
     mem.step = states + step_buffers  # the end of backward and the optimizer step: no activations
     backward = states - released + mem.buffers  # forward/backward, beside the activations
     mem.total = max(backward + (peak_ckpt if ckpt else peak_full), mem.step)
-    mem.growth = mem.total - (states + kept)  # over what a finished step leaves: every state
+    left = states + kept - (0 if lo.documents else fp.freed_at_step(sizes))  # what a finished step leaves
+    mem.growth = mem.total - left  # every state but what the step's end frees
     checkpointed = max(backward + peak_ckpt, mem.step)  # with activation checkpointing
     return mem, act_full, act_ckpt, checkpointed
 

@@ -82,6 +82,8 @@ class Sizes:
     """The whole model's parameters."""
     micro: int = 1
     """Samples per micro-batch (token all-to-all payloads of expert parallelism)."""
+    accumulation: int = 1
+    """Micro-batches each replica runs per optimizer step (gradient accumulation)."""
     resident: bool = False
     """Memory is a CPU host's, counted as resident pages: an allocation costs only what is
     written (``torch.empty``'s untouched tail takes no memory), where a GPU allocator reserves
@@ -193,6 +195,11 @@ class Footprint:
     def held_grads(self, n: Sizes, split: int) -> int:
         """Gradient bytes held at the step (``split``: the state divided as declared)."""
         return split
+
+    def freed_at_step(self, n: Sizes) -> float:
+        """State bytes counted at the step that the engine frees when the step ends (what a
+        finished step leaves lacks them; the next step's backward makes them again)."""
+        return 0.0
 
     def grads_released(self, n: Sizes) -> bool:
         """Gradients are freed between steps (the optimizer's ``zero_grad(set_to_none=True)``) and

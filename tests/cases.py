@@ -100,8 +100,9 @@ CASES: dict[str, Case] = {
     "fsdp_tp": Case(("strategy=fsdp_tp", *FOUR, "trainer.micro_batch_size=4"), 4, 4),
     # sequence parallel (Ulysses, tests/test_sequence.py): sp 2 on 2 ranks is one data-parallel
     # replica; ZeRO shards over every rank (dp x sp)
-    "ulysses": Case(("strategy=ulysses", *TWO, "trainer.micro_batch_size=4"), 2, 4, held=_ZERO12,
-                    shard=2, seq=2),
+    # (ZeRO-1 with accumulation 2: the full gradients at the step, tests/test_sequence.py)
+    "ulysses": Case(("strategy=ulysses", *TWO, "trainer.micro_batch_size=4"), 2, 4,
+                    held={**_ZERO12, "grads": 1.0}, shard=2, seq=2),
     "zero3_ulysses": Case(("strategy=zero3_ulysses", *FOUR, "trainer.micro_batch_size=2", SHARD_ALL), 4, 2,
                           shard=4, seq=2),
     # context parallel (torch's ring attention, tests/test_sequence.py): cp 2 on 2 ranks is one

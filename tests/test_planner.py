@@ -512,10 +512,31 @@ def test_deepspeed_step_makes_an_fp32_copy_of_the_gradient_partition():
 
 @pytest.mark.unit
 def test_zero1_holds_its_gradient_partition_at_the_step_and_full_gradients_in_backward():
-    p = _plans(*BF16_1B, "strategy=zero1")["zero1"]
+    """One micro-batch a step: the reduction leaves the partition; the full gradients are
+    backward's transient (``memory.buffers``)."""
+    p = _plans("model=llama_1b", "cluster=node_8x_h100", "trainer.global_batch_size=8", "strategy=zero1")["zero1"]
     n = p.memory.params / 2
-    assert p.memory.grads == pytest.approx(2 * n / p.shard, rel=1e-6)
+    assert p.microbatches == 1 and p.memory.grads == pytest.approx(2 * n / p.shard, rel=1e-6)
     assert p.memory.buffers >= 2 * n  # the full bf16 gradients before the boundary's reduction
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset, replicas", [("zero1", 8), ("ulysses", 4)])  # (ulysses: sp 2)
+def test_zero1_with_accumulation_holds_the_full_gradients_at_the_step(preset, replicas):
+    """stage_1_and_2 reduces only at the accumulation boundary: with accumulation > 1 every rank
+    keeps its full .grad across the micro-batches and at the step (measured on 4 gloo ranks,
+    accumulation 2: the partition was planned 1.5x low), and the step's zero_grad frees it: a
+    state, not a second backward transient, and not part of what a finished step leaves."""
+    one, acc = (_plans("model=llama_1b", "cluster=node_8x_h100", f"trainer.global_batch_size={g}",
+                       f"strategy={preset}")[preset] for g in (replicas, 8 * replicas))
+    n = acc.memory.params / 2
+    assert (one.microbatches, acc.microbatches, acc.world_size) == (1, 8, 8)  # (ZeRO: over dp x sp)
+    assert one.memory.grads == pytest.approx(2 * n / 8, rel=1e-6)
+    assert acc.memory.grads == pytest.approx(2 * n, rel=1e-6)  # the full bf16 gradients
+    bucket = acc.memory.buffers  # (one's buffers: the bucket and the full gradients' transient)
+    assert one.memory.buffers == pytest.approx(bucket + 2 * n, rel=1e-6)
+    states = acc.memory.params + acc.memory.grads + acc.memory.master + acc.memory.optimizer
+    assert acc.memory.growth == acc.memory.total - (states - acc.memory.grads + bucket)
 
 
 @pytest.mark.unit
