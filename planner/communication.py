@@ -128,11 +128,11 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
     residual = boundary_elem or sb.activation  # bytes per element of the residual stream
     if shape is not None and tp > 1:
         for x in tp_traffic(shape, su.trainer.micro_batch_size, tp, pp, sb.activation, residual, ckpt,
-                            tp_sp):
+                            tp_sp, seq=cp * sp):
             add(x)
     if shape is not None and pp > 1:
         add(pp_traffic(shape, su.trainer.micro_batch_size, tp, pp, dp, devices, residual, tp_sp,
-                       pipeline))
+                       pipeline, seq=cp * sp))
     if shape is not None and sp > 1:
         add(ulysses_traffic(shape, su.trainer.micro_batch_size, sp, sb.activation, ckpt, pp))
     if shape is not None and cp > 1:
@@ -143,10 +143,12 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
 
 
 def tp_traffic(shape, micro: int, tp: int, pp: int, elem: float, residual: float, ckpt: bool,
-               tp_sp: bool) -> list[Traffic]:
+               tp_sp: bool, seq: int = 1) -> list[Traffic]:
     """Tensor parallelism's collectives per micro-batch: the blocks' all-reduces (or, with
     sequence parallelism, their all-gathers and reduce-scatters) and the logits' all-gather.
-    ``elem``: bytes per element in the compute dtype; ``residual``: of the residual stream."""
+    ``elem``: bytes per element in the compute dtype; ``residual``: of the residual stream;
+    ``seq``: the sequence degree (cp x sp): a rank's blocks and head see seq_len / seq tokens
+    (outside attention under Ulysses, where the row outputs and the logits are)."""
     # Row-parallel layers reduce their output in forward (in the compute dtype: bf16 under
     # autocast); column-parallel ones their input's gradient in backward (the residual
     # stream's dtype: fp32 under autocast). torch's DTensor TP reduces q, k, v, gate and up
@@ -159,7 +161,7 @@ def tp_traffic(shape, micro: int, tp: int, pp: int, elem: float, residual: float
     # reduce-scatter for q, k, v together): 4 + 4 half-collectives per block.
     fwd, bwd = getattr(shape, "tp_collectives", lambda: (2, 4))()
     layers = math.ceil(shape.n_layers / pp)
-    tokens = micro * shape.seq_len * shape.dim
+    tokens = micro * shape.seq_len / seq * shape.dim
     low, res = tokens * elem, tokens * residual
     ends = 2 if pp == 1 else 1  # the embedding's and the head's (one of them past pp = 1)
     again = 2 if ckpt else 1
@@ -174,19 +176,20 @@ def tp_traffic(shape, micro: int, tp: int, pp: int, elem: float, residual: float
         count = layers * (fwd * again + bwd) + ends
         nbytes = layers * (fwd * again * low + bwd * res) + ends * res
         out = [Traffic("tp_all_reduce", "all_reduce", tp, 1, nbytes, "none", per_micro=True, calls=count)]
-    logits = micro * shape.seq_len * shape.vocab_size * elem
+    logits = micro * shape.seq_len / seq * shape.vocab_size * elem
     return out + [Traffic("tp_logits_all_gather", "all_gather", tp, 1, logits, "none", per_micro=True)]
 
 
 def pp_traffic(shape, micro: int, tp: int, pp: int, dp: int, devices: int, residual: float,
-               tp_sp: bool, pipeline: tuple[str, int]) -> Traffic:
-    """The pipeline's stage-boundary sends per micro-batch on the busiest rank."""
+               tp_sp: bool, pipeline: tuple[str, int], seq: int = 1) -> Traffic:
+    """The pipeline's stage-boundary sends per micro-batch on the busiest rank (``seq``: the
+    sequence degree, cp x sp: a boundary carries this rank's seq_len / seq tokens)."""
     # every stage boundary between two ranks carries each micro-batch's activation forward
     # and its gradient back: the busiest rank's sends (parallel.pipeline counts them for
     # the schedule's stage placement: 2v - 1 or 2v per rank looped, fewer in a V)
     schedule, virtual = pipeline
     sends = max(sends_per_microbatch(schedule, pp, virtual))
-    x = boundary_activation_bytes(micro, shape.seq_len, shape.dim, residual)
+    x = boundary_activation_bytes(micro, shape.seq_len / seq, shape.dim, residual)
     return Traffic("pp_send_recv", "send_recv", pp, tp * dp, sends * x / (tp if tp_sp else 1),
                    "none", per_micro=True, link="intra" if tp * dp < devices else "inter", calls=sends)
 

@@ -150,6 +150,30 @@ def test_fsdp2_under_a_pipeline_gathers_per_schedule():
     assert two["grad_reduce_scatter"].bytes == 2 * one["grad_reduce_scatter"].bytes  # per schedule run
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("tp, pp, names", [(2, 1, ("tp_all_reduce", "tp_logits_all_gather")),
+                                           (1, 2, ("pp_send_recv",))])
+def test_context_parallelism_divides_the_tp_and_pp_traffic(tp, pp, names):
+    """Under cp each rank holds seq_len / cp tokens: its TP all-reduces, logits all-gather and
+    pipeline boundary sends carry half a micro-batch's tokens at cp 2 (measured on 4 gloo ranks,
+    fp32, micro 4, the whole step: tensor all_reduce 524,352 B and all_gather 131,072 B at
+    cp 2 x tp 2, pipeline send 32,768 B at cp 2 x pp 2, where the plan read twice those)."""
+    from planner import plan_all
+    from recipes.config import compose
+
+    base = ["model=gpt_nano", "strategy=3d", "cluster.devices=4", "cluster.oversubscribe=true",
+            "trainer.global_batch_size=16", "trainer.micro_batch_size=4", f"strategy.tp={tp}",
+            f"strategy.pp={pp}", "callbacks=none"]
+    cp1, cp2 = ({q.strategy: q for q in plan_all(typed(compose([*base, f"strategy.cp={cp}"]))).plans}["3d"]
+                for cp in (1, 2))
+    assert (cp1.microbatches, cp2.microbatches) == (2, 4)  # (cp 2: one replica, twice the micro-batches)
+    for name in names:
+        one, two = cp1.communication.by_collective[name], cp2.communication.by_collective[name]
+        assert two.bytes / 4 == one.bytes / 2 / 2, name  # per micro-batch: half the tokens
+    measured = {"tp_all_reduce": 524_288, "tp_logits_all_gather": 131_072, "pp_send_recv": 32_768}
+    assert {k: cp2.communication.by_collective[k].bytes for k in names} == {k: measured[k] for k in names}
+
+
 # ----------------------------------------------------------------------------- 5, 6. activations
 @pytest.mark.unit
 def test_pipeline_activations_hold_what_the_schedule_keeps_alive():
