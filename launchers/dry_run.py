@@ -95,6 +95,7 @@ def main(argv: list[str]) -> int:
             code = CONFIG_ERROR
             continue
         print(f"would start{f' job {i}' if multirun else ''}: {_launch(job, run_dir)}")
+        print("".join(f"note: {line}\n" for line in job.strategy.notes(job.run)), end="")
     print("--dry-run: nothing was started")
     return code
 

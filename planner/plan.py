@@ -296,7 +296,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
     notes = offload_problems(mem, su) + build_problems(c, su) + reference_problems(c, mem, su)
     memory_fits = mem.total <= device_bytes and not notes
     t = _seconds(lo)
-    notes += c.footprint.notes(lo.sizes)
+    notes += c.config.notes(run) + c.footprint.notes(lo.sizes)
     if mesh.seq > 1:  # the sequence degree the plan was made at (Ulysses' is chosen by the planner)
         notes.insert(0, f"{'sp' if mesh.sp > 1 else 'cp'}={mesh.seq} dp={mesh.dp}: each rank holds "
                         f"1/{mesh.seq} of the sequence")

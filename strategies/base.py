@@ -163,6 +163,11 @@ class StrategyConfig:
         """Every problem with this preset on this run, as sentences naming key, value and fix."""
         return []
 
+    def notes(self, run: Run) -> list[str]:
+        """What a user should know of this preset on this run, which is no problem (it runs as
+        asked): one line each, in plan.py's notes and train.py's log."""
+        return []
+
     def launch_problems(self, run: Run) -> list[str]:
         """Problems of this preset with the machine that runs it (a directory, a system
         library): checked at launch by train.py, never when planning (plan.py plans a cluster

@@ -113,6 +113,25 @@ def test_presets_validate_on_cpu(preset):
     assert footprint.reshard_after_forward == (preset != "fsdp_grad_op")
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp_hybrid", "hsdp2"])
+def test_a_hybrid_preset_with_one_replica_says_so_once(preset):
+    """shard_group_size defaults to cluster.devices: on one node the shard group is the world and
+    there is one replica -- plain full sharding, which the user did not ask for. One note (the
+    plan's notes, train.py's log, the dry run), naming the key and the sizes that make replicas."""
+    from planner import preflight
+
+    one = validate(compose([*CPU, f"strategy={preset}", *FOUR[:2]]))
+    assert (one.mesh.dp_shard, one.mesh.dp_replicate) == (4, 1)
+    want = (f"strategy={preset} with strategy.shard_group_size unset (cluster.devices=4): one shard "
+            "group of all 4 data-parallel ranks, one replica: this is plain full sharding, no hybrid; "
+            "set strategy.shard_group_size to 2 for replicas")
+    assert one.strategy.notes(one.run) == [want]
+    assert [n for n in preflight(one).notes if "one replica" in n] == [want]
+    two = validate(compose([*CPU, f"strategy={preset}", *FOUR]))
+    assert two.mesh.dp_replicate == 2 and two.strategy.notes(two.run) == []
+
+
 @pytest.mark.multiprocess
 def test_bad_input_through_the_cli(train):
     run = train("strategy=fsdp_hybrid", "cluster.devices=2", "strategy.shard_group_size=1", check=False)

@@ -121,3 +121,4 @@ def test_each_strategy_table_command_runs_as_printed(line):
     elsewhere = "cluster.accelerator=gpu" in line or "nvme_path=" in line
     code, out = _run(line.replace("train.py", "plan.py") if elsewhere else line + " cluster.oversubscribe=true")
     assert code == 0, f"{line}\n-> exit {code}:\n{out[-3000:]}"
+    assert "one replica" not in out, f"{line}: a hybrid row that builds no replicas\n{out[-3000:]}"

@@ -102,6 +102,9 @@ class FSDPConfig(StrategyConfig):
                            "(full state dict with offload_to_cpu): set strategy.state_dict_type=sharded")
         return out
 
+    def notes(self, run: Run) -> list[str]:
+        return one_replica(self.name, self.shard_group_size, run.mesh) if self.hybrid else []
+
     def footprint(self) -> FSDPFootprint:
         # CPUOffload moves parameter shards AND gradients to the host; the step runs there.
         offload = CPU if self.offload_params else DEVICE
@@ -110,6 +113,20 @@ class FSDPConfig(StrategyConfig):
 
     def plan(self, mesh: Mesh) -> ParallelPlan:
         return ParallelPlan()  # FSDP1's wrapper checkpoints the blocks it wraps (the engine's policy)
+
+
+def one_replica(name: str, shard_group_size: int | None, mesh: Mesh) -> list[str]:
+    """A hybrid preset whose shard group is every data-parallel rank has one replica: it runs as
+    plain full sharding (shared with strategies/families/fsdp2.py)."""
+    if mesh.dp_replicate > 1 or mesh.dp_shard < 2:
+        return []
+    key = f"strategy.shard_group_size={shard_group_size}" if shard_group_size else \
+        f"strategy.shard_group_size unset (cluster.devices={mesh.devices})"
+    divisors = [d for d in range(2, mesh.dp_shard) if mesh.dp_shard % d == 0]
+    fix = (f"set strategy.shard_group_size to {' or '.join(map(str, divisors))} for replicas"
+           if divisors else "more ranks (nodes) make replicas")
+    return [f"strategy={name} with {key}: one shard group of all {mesh.dp_shard} data-parallel ranks, "
+            f"one replica: this is plain full sharding, no hybrid; {fix}"]
 
 
 def hybrid_problems(shard_group_size: int | None, mesh: Mesh) -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from strategies.base import Capabilities, StrategyConfig, family
 from core.knobs import knob
-from strategies.families.fsdp import hybrid_problems
+from strategies.families.fsdp import hybrid_problems, one_replica
 from strategies.footprint import FSDPFootprint
 from core.mesh import Mesh
 from parallel.parallelize import FSDP2Plan, ParallelPlan
@@ -59,6 +59,9 @@ class FSDP2Config(StrategyConfig):
                        "DTensor gradients (Lightning's ModelParallelStrategy refuses it too); "
                        "allowed: 32, bf16-mixed. Set trainer.precision=bf16-mixed")
         return out
+
+    def notes(self, run: Run) -> list[str]:
+        return one_replica(self.name, self.shard_group_size, run.mesh) if self.hybrid else []
 
     def footprint(self) -> FSDPFootprint:
         return FSDPFootprint(reshard_after_forward=self.reshard_after_forward,
