@@ -164,6 +164,44 @@ def test_no_cuda_runtime_is_filtered_only_without_a_cuda_device(monkeypatch, dev
         logger.filters[:] = filters
 
 
+@pytest.mark.unit
+def test_the_2d_mesh_warnings_are_filtered_only_for_our_model_and_these_placements(monkeypatch):
+    """tp / fsdp_tp at 4 ranks and fsdp_ep printed, per rank, FSDP2's view-tensor warning for our
+    GPT and DTensor's two-step redistribution of the norm (_NormPartial) and of full parameters
+    (_StridedShard): dropped; a user's module's view warning and other placements still show."""
+    from backends.common import quiet
+
+    monkeypatch.setattr(quiet, "after_import", lambda *a, **k: None)  # (no import hooks from a test)
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    filters = list(logger.filters)
+    view = ("FSDP2-wrapped module ({}) returned a view tensor. An in-place op on this view (e.g., `x += y`) "
+            "will silently drop the pre-backward hook and skip the all-gather, ...")
+    fsdp = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet.install()
+            for cls, module in (("FSDPGPT", fsdp), ("FSDPLlamaForCausalLM", fsdp), ("FSDPGPT", "my_own")):
+                warnings.warn_explicit(view.format(cls), UserWarning, "x.py", 1, module=module)
+        assert [(str(w.message), w.filename) for w in seen] == [
+            (view.format("FSDPLlamaForCausalLM"), "x.py"), (view.format("FSDPGPT"), "x.py")]
+        said = ("While redistributing from %s to %s, %d sequential %s operations will be performed. This is "
+                "suboptimal: ... and may give inconsistent results between ranks due to different reduction "
+                "orders. %s")
+
+        def shown(src: str, dst: str = "(Replicate(), Replicate())", op: str = "all_reduce") -> bool:
+            args = (src, dst, 2, op, "To optimize, flatten mesh dimensions ...")
+            return bool(logger.filter(logging.LogRecord(logger.name, logging.WARNING, __file__, 390, said,
+                                                        args, None)))
+
+        assert not shown("(_NormPartial(2.0), _NormPartial(2.0))")
+        assert not shown("(_StridedShard(dim=0, sf=2), Shard(dim=0))", op="all_gather")
+        assert not shown("(_StridedShard(dim=0, sf=4), Shard(dim=0))", op="all_gather")
+        assert shown("(Partial(sum), Partial(sum))") and shown("(Shard(dim=0), Shard(dim=1))", op="all_gather")
+    finally:
+        logger.filters[:] = filters
+
+
 # --------------------------------------------------------------------- the console of real runs
 CONSOLE_RUNS = {
     "single": (),

@@ -70,6 +70,12 @@ WARNINGS: tuple[Noise, ...] = (
           "torch's FSDP1 calls its own deprecated helper", module=r"torch\.distributed\.fsdp\."),
     Noise(r"Multiple backends are registered with this ProcessGroup",
           "the same helper, on a gloo process group on CPU", module=r"torch\.distributed\.fsdp\."),
+    Noise(r"FSDP2-wrapped module \(FSDPGPT\) returned a view tensor",
+          "torch's FSDP2 on a 2-D mesh (tp, fsdp_tp, fsdp_ep) when our GPT's root returns the logits "
+          "as a view of the gathered output, per rank: it warns of an in-place op on that view, and "
+          "our loss never writes into the logits (runs equal the single process); a user's own "
+          "model class is not named here, so its warning still shows",
+          module=r"torch\.distributed\.fsdp\.", category=UserWarning),
     Noise(r"OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 1",
           "Accelerate's note on its CPU state, per rank"),
     Noise(r"`is_gradient_checkpointing` is deprecated",
@@ -88,6 +94,15 @@ RECORDS: dict[str, tuple[str, str]] = {
     "accelerate.utils.dataclasses": (
         r"sharding_strategy is deprecated in favor of reshard_after_forward",
         "Accelerate's FSDP plugin with fsdp_version=1 (FSDP1 presets) still reads sharding_strategy"),
+    "torch.distributed.tensor._redistribute": (
+        r"^While redistributing from \((_NormPartial\(2\.0\), _NormPartial\(2\.0\)|_StridedShard\(dim=0, "
+        r"sf=\d+\), Shard\(dim=0\))\) to \(Replicate\(\), Replicate\(\)\), 2 sequential "
+        r"(all_reduce|all_gather) operations will be performed",
+        "torch's DTensor on a 2-D mesh (tp, fsdp_tp, fsdp_ep), once per rank: the gradient norm "
+        "(parallel/parallelize.py clip_global_) reduced over both dimensions one after the other, "
+        "and full parameters (export, checkpoints) gathered in two steps; every rank reduces in the "
+        "same order and the runs equal the single process, so 'inconsistent results' does not "
+        "apply; other placements still show"),
     "torch.distributed.elastic.multiprocessing.api": (
         r"^failed \(exitcode: (130|138|143)\)",
         "torch's agent reports, with a traceback of its own, a rank that ended with 128 + SIGINT, "
