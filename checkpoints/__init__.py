@@ -132,8 +132,10 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     """The checkpoint ``trainer.resume_from`` means, ``checked`` before any process starts. A path
     stays that path; ``auto`` stays ``auto``, so a restarted worker finds the newest checkpoint
     again (its ranks agree on it: ``start``). ``cleanup``: this process (the launcher, or rank 0
-    under torchrun) removes what interrupted saves left. Raises ``Finished`` when ``auto`` finds
-    a checkpoint at ``trainer.max_steps`` (a re-run, a requeue); a path at it only loads (said)."""
+    under torchrun) removes what interrupted saves left and, as the run will train, sets an
+    earlier attempt's report.json and plots aside (``observers.report.set_aside``). Raises
+    ``Finished`` when ``auto`` finds a checkpoint at ``trainer.max_steps`` (a re-run, a requeue:
+    its report stands); a path at it only loads (said)."""
     import dataclasses
 
     resume_from = job.trainer.resume_from
@@ -148,6 +150,10 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         raise Finished(f"already stopped early at step {ckpt.step} ({ckpt.path}, trainer."
                        "early_stopping); raise trainer.early_stopping.patience, or set it to 0, "
                        "to continue")
+    if cleanup:  # training starts here: an earlier attempt's report is not this attempt's
+        from observers.report import set_aside
+
+        set_aside(run_dir)
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])

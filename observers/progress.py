@@ -6,10 +6,13 @@
   ``callbacks.log_every`` steps, on the first step of the attempt and on the last, and at least
   every ``HEARTBEAT_SECONDS``: the last step's line when a step ended since the line before, else
   what is running and for how long -- a long step, a validation, what runs between steps (a
-  checkpoint, the next batch) or after the last (finishing) --, so a log file never looks hung::
+  checkpoint, the next batch) or after the last (finishing) --, so a log file never looks hung;
+  both at the same beat when what runs is overdue (``OVERDUE`` mean steps since the last ended),
+  so a stall shows at its first beat, and an overdue step's lines claim no ETA::
 
       step 20/300 (7%) | loss 3.2145 | lr 3.00e-04 | 41,235 tok/s | 0.199 s/step | ETA 0:00:56 | mem 812 MiB RSS
       validating after step 20/300: 0:01:00 since step 20 ended | last loss 3.2145 | ETA 0:00:56 | mem 812 MiB RSS
+      step 22/300 still running: 0:01:04 since step 21 ended, overdue (0.201 s a step so far) | last loss 3.2101 | mem 812 MiB RSS
 
   step time and tokens/s are the mean of the steps since the step line before, each from its start
   to its end as metrics.csv's ``step_seconds`` (validations and checkpoints between steps left
@@ -35,6 +38,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 60.0
 """The longest a log file goes without a progress line while training."""
+OVERDUE = 4.0
+"""What runs is overdue past this many mean steps since the last step ended (and at least half a
+heartbeat): the heartbeat then says what runs at once, after the last step's pending line."""
 
 
 def _bytes(n: float) -> str:
@@ -171,18 +177,29 @@ class Progress(Observer):
             Progress._beating = None
 
     # ------------------------------------------------------------------ lines
-    def _eta(self) -> float | None:
-        """Seconds left: the steps to go times this attempt's mean step (after its first; the
-        first alone while it is the only one)."""
-        left = self.max_steps - self._step
-        if left <= 0:
-            return 0.0
+    def _mean_step(self) -> float | None:
+        """This attempt's mean wall-clock step, validations and checkpoints in (after its first
+        step, the warm-up; the first alone while it is the only one); None before it ends."""
         if self._timed is None:
             return None
         step, at = self._timed
         if self._step > step:
-            return left * (self._ended - at) / (self._step - step)
-        return left * (at - self._started) / max(step - self._first, 1)
+            return (self._ended - at) / (self._step - step)
+        return (at - self._started) / max(step - self._first, 1)
+
+    def _eta(self) -> float | None:
+        """Seconds left: the steps to go times ``_mean_step``."""
+        left = self.max_steps - self._step
+        if left <= 0:
+            return 0.0
+        mean = self._mean_step()
+        return None if mean is None else left * mean
+
+    def _overdue(self, now: float) -> bool:
+        """What runs now (a step, a validation, a checkpoint) has run ``OVERDUE`` times the mean
+        step since the last step ended, and at least half a heartbeat: a stall, or a slow phase."""
+        mean = self._mean_step()
+        return mean is not None and now - self._ended > max(OVERDUE * mean, self.heartbeat / 2)
 
     def _say(self, line: str, *, step_line: bool = True) -> None:
         """Log ``line`` (the lock held); a step line starts the next one's means."""
@@ -191,16 +208,17 @@ class Progress(Observer):
         if step_line:
             self._line = (self._step, self._ended, self._busy)
 
-    def _step_line(self) -> str:
+    def _step_line(self, eta: bool = True) -> str:
         """The line after step ``self._step``: step time and tokens/s are the mean of the steps
-        since the step of the line before, each its start to its end (not what ran between)."""
+        since the step of the line before, each its start to its end (not what ran between);
+        ``eta``: with the ETA (not when an overdue step's line follows)."""
         step, _, busy = self._line
         per = (self._busy - busy) / (self._step - step) if self._step > step else 0.0
         parts = [f"step {self._step}/{self.max_steps} ({self._step / max(self.max_steps, 1):.0%})",
                  f"loss {self._loss:.4f}", f"lr {self._lr:.2e}",
                  f"{self.tokens_per_step / per:,.0f} tok/s" if per > 0 else "- tok/s", f"{per:.3f} s/step"]
-        if (eta := self._eta()) is not None:
-            parts.append(f"ETA {_clock(eta)}")
+        if eta and (left := self._eta()) is not None:
+            parts.append(f"ETA {_clock(left)}")
         if (mem := memory_now()) is not None:
             parts.append(f"mem {mem}")
         return " | ".join(parts)
@@ -217,26 +235,34 @@ class Progress(Observer):
         return f"after {done}, between steps (a checkpoint, the next batch)"
 
     def _beat(self) -> None:
-        """Nothing logged for ``heartbeat`` seconds: the line of the last step when one ended since
-        the line before, else what is running and for how long (a long step, a validation, a
-        checkpoint)."""
+        """Nothing logged for ``heartbeat`` seconds: ``_pulse``, until train end."""
         while not self._stop.wait(min(self.heartbeat, 5.0)):
             with self._lock:
-                now = time.perf_counter()
-                if not self._lines or now - self._said < self.heartbeat:
-                    continue
-                if self._step > self._line[0]:
-                    self._say(self._step_line())
-                    continue
-                since = "training started" if self._step == self._first else f"step {self._step} ended"
-                parts = [f"{self._running()}: {_clock(now - self._ended)} since {since}"]
-                if self._loss is not None:
-                    parts.append(f"last loss {self._loss:.4f}")
-                if (eta := self._eta()) is not None:
-                    parts.append(f"ETA {_clock(eta)}")
-                if (mem := memory_now()) is not None:
-                    parts.append(f"mem {mem}")
-                self._say(" | ".join(parts), step_line=False)
+                self._pulse(time.perf_counter())
+
+    def _pulse(self, now: float) -> None:
+        """One heartbeat (the lock held): the line of the last step when one ended since the line
+        before; then, or else, what is running and for how long (a long step, a validation, a
+        checkpoint). When what runs is overdue (``_overdue``) both lines come at this beat, and a
+        step that is overdue gets no ETA: the mean it comes from no longer holds."""
+        if not self._lines or now - self._said < self.heartbeat:
+            return
+        overdue = self._overdue(now)
+        if self._step > self._line[0]:
+            self._say(self._step_line(eta=not overdue))
+            if not overdue:
+                return
+        stalled = overdue and self._began is not None  # (a step; not a validation or a checkpoint)
+        since = "training started" if self._step == self._first else f"step {self._step} ended"
+        tag = f", overdue ({self._mean_step():.3f} s a step so far)" if stalled else ""
+        parts = [f"{self._running()}: {_clock(now - self._ended)} since {since}{tag}"]
+        if self._loss is not None:
+            parts.append(f"last loss {self._loss:.4f}")
+        if not stalled and (eta := self._eta()) is not None:
+            parts.append(f"ETA {_clock(eta)}")
+        if (mem := memory_now()) is not None:
+            parts.append(f"mem {mem}")
+        self._say(" | ".join(parts), step_line=False)
 
 
 @dataclass

@@ -153,6 +153,34 @@ def closing(report: dict[str, Any], path: Path | None = None) -> list[str]:
     return (["predicted vs measured:\n" + "\n".join(lines)] if lines else []) + [summary(report, path)]
 
 
+RECORD = ("report.json", "loss.png", "memory.png", "communication.png")
+"""What a run writes when it ends (the hub's report, plots.py's figures): one attempt's record."""
+
+
+def set_aside(run_dir: str | Path) -> Path | None:
+    """Training starts again in ``run_dir``: an earlier attempt's record (``RECORD``) moves to
+    ``run_dir/superseded-<time>/`` -- report.json first, each file by one rename -- so that
+    report.json stands only for an attempt that finished (a failed one leaves none) and nothing
+    is lost; every other file stays. The folder it went to; None when there was none."""
+    run_dir = Path(run_dir)
+    found = [run_dir / name for name in RECORD if (run_dir / name).is_file()]
+    if not found:
+        return None
+    stamp, n = time.strftime("%Y%m%dT%H%M%S"), 1
+    while True:
+        aside = run_dir / (f"superseded-{stamp}" if n == 1 else f"superseded-{stamp}-{n}")
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+    for f in found:
+        f.rename(aside / f.name)
+    log.info("the earlier attempt's %s moved to %s: this attempt writes its own when it ends",
+             ", ".join(f.name for f in found), aside)
+    return aside
+
+
 @dataclass
 class ReportKnobs:
     report: bool = True

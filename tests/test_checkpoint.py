@@ -515,6 +515,52 @@ def test_a_resumed_run_keeps_one_history(tmp_path, logger):
     assert "already finished at step 6" in again.log and "raise trainer.max_steps" in again.log
     assert "Initializing distributed" not in again.log and again.report == r  # the report stands
 
+@pytest.mark.unit
+def test_a_run_that_trains_again_sets_the_earlier_report_aside(tmp_path):
+    """A resume into a finished run's directory that then failed (a rank raising at step 2 of 4
+    more) left that run's report.json ("stopped: max_steps, step 4") and plots: README says a
+    failed run leaves none, and a sweep takes report.json for "finished". As a run is to train
+    there, the launcher (for_launch's cleanup) moves the earlier record to superseded-<time>/;
+    every other file stays; a torchrun worker that is not rank 0 moves nothing."""
+    import checkpoints
+    from observers.report import RECORD
+
+    run = tmp_path / "run"
+    others = ("train.log", "metrics.csv", ".hydra/overrides.yaml", "checkpoints/superseded-x/keep")
+    for name in (*RECORD, *others):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(f"earlier {name}")
+    job = _validated("trainer.max_steps=4")
+    checkpoints.for_launch(job, run, cleanup=False)
+    assert all((run / name).is_file() for name in RECORD)
+    checkpoints.for_launch(job, run, cleanup=True)
+    aside = list(run.glob("superseded-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == sorted(RECORD), aside
+    assert (aside[0] / "report.json").read_text() == "earlier report.json"
+    assert not any((run / name).exists() for name in RECORD)
+    assert all((run / name).read_text() == f"earlier {name}" for name in others)
+    checkpoints.for_launch(job, run, cleanup=True)  # (a restarted worker: nothing left to move)
+    assert list(run.glob("superseded-*")) == aside
+
+
+@pytest.mark.subprocess
+def test_a_resume_of_a_finished_run_sets_its_report_aside_as_it_trains(tmp_path):
+    """A finished 2-step run, run again: "already finished", its report stands. Continued to 3
+    steps: the old report (stopped at step 2) moves to superseded-<time>/ before training, so a
+    continuation that fails leaves no report.json (a killed run writes none:
+    test_a_resumed_run_keeps_one_history); this one ends with its own."""
+    out, overrides = tmp_path / "run", ("trainer.global_batch_size=4", "trainer.micro_batch_size=4", QUIET)
+    first = run_cli("train.py", *TINY, *overrides, "trainer.max_steps=2", out=out).report
+    again = run_cli("train.py", *TINY, *overrides, "trainer.max_steps=2", out=out)
+    assert "already finished at step 2" in again.log and again.report == first
+    assert not list(out.glob("superseded-*"))
+    longer = run_cli("train.py", *TINY, *overrides, "trainer.max_steps=3", out=out)
+    aside = list(out.glob("superseded-*/report.json"))
+    assert len(aside) == 1 and json.loads(aside[0].read_text()) == first, aside
+    assert "report.json moved to" in longer.log and longer.report["resumed_from"]["step"] == 2
+    assert longer.report["steps"] == 3 and (out / "checkpoints" / "step2").is_dir()
+
+
 @pytest.mark.multiprocess
 def test_cluster_torchrun_restarts_resume_from_the_checkpoint(cached, tmp_path):
     """cluster=torchrun with cluster.max_restarts=1 (our launcher is the agent): rank 1 is killed

@@ -325,7 +325,9 @@ def test_a_long_step_still_says_something_within_the_heartbeat(caplog):
     lines = _progress_lines(caplog)
     running = [x for x in lines if "still running" in x]
     assert running and running[0].startswith("step 2/100 still running: 0:00:0"), lines
-    assert "since step 1 ended | last loss 2.5000 | ETA" in running[0], running
+    # (step 1 took no time: step 2 is overdue, and no ETA is claimed from that mean)
+    assert "since step 1 ended, overdue (" in running[0] and "| last loss 2.5000" in running[0], running
+    assert "ETA" not in running[0], running
     steps = [int(m.group(1)) for m in map(PROGRESS_LINE.search, lines) if m]
     assert steps == [1, 2, 3], lines
     assert not any("still running" in x for x in lines[lines.index(running[-1]) + 2:]), lines
@@ -337,6 +339,48 @@ def test_a_long_step_still_says_something_within_the_heartbeat(caplog):
     failed._thread.join(timeout=6)
     assert not failed._thread.is_alive()
     nxt.on_train_end(engine)
+
+
+@pytest.mark.unit
+def test_a_stalled_step_shows_at_the_first_heartbeat_without_an_eta(caplog, monkeypatch):
+    """A rank stalled in step 3 of 20 (log_every=10): the first heartbeat, 64 s in, printed only
+    step 2's pending line, "7,826 tok/s | 0.065 s/step | ETA 0:00:07", and the stall showed a
+    minute later. Now that beat prints step 2's line without the ETA and then "step 3/20 still
+    running ... overdue"; a step within its usual time gets the pending line alone, with its ETA."""
+    from types import SimpleNamespace
+
+    import observers.progress as progress
+
+    clock = [1000.0]
+    monkeypatch.setattr(progress, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    caplog.set_level(logging.INFO, logger="observers.progress")
+
+    def run(step_seconds: float, steps: int) -> progress.Progress:
+        p, engine = progress.Progress(20, 1024, log_every=10, interactive=False, heartbeat=60), _Engine()
+        p.on_train_start(engine, 0)
+        p._stop.set()  # (this test's beats are _pulse's, at the clock it sets)
+        p._thread.join(timeout=6)
+        for step in range(steps):
+            p.on_step_start(engine, step)
+            clock[0] += step_seconds
+            p.on_step_end(engine, step + 1, 5.6743)
+        p.on_step_start(engine, steps)  # the next step runs
+        caplog.clear()
+        return p
+
+    p = run(0.065, 2)
+    clock[0] += 64.0
+    p._pulse(clock[0])
+    lines = _progress_lines(caplog)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 2/20 (10%) | loss 5.6743") and "ETA" not in lines[0], lines
+    assert lines[1].startswith("step 3/20 still running: 0:01:04 since step 2 ended, overdue (0.065 s a "
+                               "step so far) | last loss 5.6743") and "ETA" not in lines[1], lines
+    p = run(20.0, 4)  # healthy 20 s steps: step 5 has run 10 s at the beat
+    clock[0] += 10.0
+    p._pulse(clock[0])
+    lines = _progress_lines(caplog)
+    assert len(lines) == 1 and lines[0].startswith("step 4/20 (20%)") and "| ETA 0:05:20" in lines[0], lines
 
 
 @pytest.mark.unit
