@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launchers import sagemaker, slurm, torchrun
-from launchers.lost import PEER_GONE, _lost, _quiet_said_errors, _said_error
+from launchers.lost import PEER_GONE, ROLL, Reaper, Roll, _lost, _quiet_said_errors, _said_error
 from launchers.registry import launcher
 
 if TYPE_CHECKING:
@@ -80,12 +82,14 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from checkpoints.interrupt import Interrupted
     from recipes.cli import rank_aware_logging
 
-    # Until the run takes its stop signals (checkpoints/interrupt.py, as training starts): Ctrl-C
-    # is the launcher's to pass on (it reached this process group's launcher too), SIGTERM ends
-    # this rank at once -- nothing is saved before the first step. Inherited from the launcher
-    # otherwise (forked), its handlers would be in force here.
+    # Until the run takes its stop signals (checkpoints/interrupt.py, as the backend starts, before
+    # the process group forms): Ctrl-C is the launcher's to pass on (it reached this process
+    # group's launcher too), SIGTERM ends this rank at once. Inherited from the launcher otherwise
+    # (forked), its handlers would be in force here. A rank that then hangs ignores the agent's
+    # SIGTERM: the launcher kills it (launchers/lost.py, Reaper).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    Roll.enter()  # (the launcher names a rank it had to kill)
     checkpoints.interruption().announce = False  # the launcher says what a Ctrl-C does
     if os.environ.get(STOPPING):  # restarted (cluster.max_restarts) after the launcher was stopped
         sys.exit(128 + int(os.environ[STOPPING]))
@@ -325,6 +329,10 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     stops = _Stops(out, job)
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_quiet_said_errors)
+    reaper, spawn_log = Reaper(lambda: bool(stops.signum)), logging.getLogger("torch.multiprocessing.spawn")
+    spawn_log.addFilter(reaper)
+    roll = Roll(Path(tempfile.mkdtemp(prefix="stratagem-ranks-")))
+    os.environ[ROLL] = str(roll.path)
     try:
         with stops:
             outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
@@ -337,11 +345,15 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
             signum = codes.pop() - 128
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
         said = _said_error(e)  # (a bad record, a run directory not shared: its line, exit 2)
-        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes))) from None
+        stuck = roll.ranks(reaper.killed)
+        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes, stuck))) from None
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
         agent_log.removeFilter(_quiet_said_errors)
+        spawn_log.removeFilter(reaper)
+        os.environ.pop(ROLL, None)
+        shutil.rmtree(roll.path, ignore_errors=True)
         startup.take_back()
 
 

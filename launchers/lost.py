@@ -6,14 +6,87 @@ the rank that waited for it timed out on."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
-from typing import Any
+import threading
+from pathlib import Path
+from typing import Any, Callable
 
 from core.errors import ConfigError, DataError
 
+# What a rank's wait says when it timed out: a collective (gloo, NCCL), the store as the process
+# group forms (DistStoreError: "wait timeout after 60000ms").
+TIMED_OUT = ("timed out", "Timed out", "wait timeout")
 # What a rank's collective says when a peer is gone (gloo, NCCL, the store).
-PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Timed out",
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", *TIMED_OUT,
              "communicator was aborted", "DistNetworkError")
+ROLL = "STRATAGEM_ROLL"
+"""The directory where our launcher's ranks write their pids (``Roll``), in their environment."""
+
+
+class Roll:
+    """Which rank each of this node's processes is: each rank writes its pid under its global rank
+    as it starts (``enter``), so the launcher can name a pid that torch's agent only logs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @staticmethod
+    def enter() -> None:
+        """In a rank: write this process's pid as its rank's (where the launcher gave a roll)."""
+        where = os.environ.get(ROLL)
+        if where and "RANK" in os.environ:
+            (Path(where) / os.environ["RANK"]).write_text(str(os.getpid()))
+
+    def ranks(self, pids: set[int]) -> dict[int, int]:
+        """Global rank -> pid, for those of ``pids`` a rank wrote."""
+        found = {}
+        for f in self.path.iterdir() if self.path.is_dir() else ():
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if pid in pids and f.name.isdigit():
+                found[int(f.name)] = pid
+        return found
+
+
+class Reaper(logging.Filter):
+    """When a rank fails, torch's agent (torch.multiprocessing's ``ProcessContext.join``) sends the
+    others SIGTERM and kills them 30 s later. A rank stuck in a collective or in its own code
+    ignores that SIGTERM (its stop handler, checkpoints/interrupt.py, only sets a flag), so a job
+    whose rank hung ended 30 s after the collective timeout. On the agent's record of that
+    SIGTERM ("Terminating process <pid> via signal SIGTERM", torch.multiprocessing.spawn's log),
+    unless the launcher itself is stopping the run (``stopping``), the rank gets ``GRACE_S`` to
+    exit (a rank whose peer vanished needs ~2 s: ``_rank``), then is killed; ``killed`` holds the
+    pids killed so, or by torch after its grace ("Unable to shutdown process <pid>")."""
+
+    GRACE_S = 5.0
+
+    def __init__(self, stopping: Callable[[], bool]) -> None:
+        super().__init__()
+        self.stopping = stopping
+        self.killed: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if not args or not isinstance(args[0], int):
+            return True
+        if text.startswith("Terminating process") and not self.stopping():
+            timer = threading.Timer(self.GRACE_S, self._kill, (args[0],))
+            timer.daemon = True
+            timer.start()
+        elif text.startswith("Unable to shutdown process"):
+            self.killed.add(args[0])
+        return True
+
+    def _kill(self, pid: int) -> None:
+        try:  # (still running: not exited; WNOWAIT leaves the exit to the agent, which reaps it)
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                os.kill(pid, signal.SIGKILL)
+                self.killed.add(pid)
+        except (ChildProcessError, ProcessLookupError):  # (exited and reaped already)
+            pass
 
 
 def _quiet_said_errors(record: logging.LogRecord) -> bool:
@@ -64,10 +137,12 @@ def _said_error(e: Any) -> DataError | ConfigError | None:
     return next(iter(said.values())) if len(said) == 1 else None
 
 
-def _lost(e: Any, world: int, nodes: int = 1) -> str:
+def _lost(e: Any, world: int, nodes: int = 1, stuck: dict[int, int] | None = None) -> str:
     """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
     stopped end by SIGTERM and are not the cause). On one node of several, when every failure
-    here is a peer gone, the lost rank is on another node: say that, not this node's own."""
+    here is a peer gone, the lost rank is on another node: say that, not this node's own. A rank
+    that timed out waiting is not the cause: the ranks that had to be killed (``stuck``: global
+    rank -> pid, ``Reaper``) are, when known."""
 
     if nodes > 1:
         mine = sorted(e.failures.items())
@@ -96,9 +171,14 @@ def _lost(e: Any, world: int, nodes: int = 1) -> str:
     if first.exitcode > 0 and _said(first):
         detail = f": {_said(first).splitlines()[-1][:500]}"
     others = sorted({r for r, _ in failures} - {rank})
-    if first.exitcode > 0 and any(t in detail for t in ("timed out", "Timed out")):  # (a peer, not it)
-        return (f"rank {rank} of {world} timed out waiting for its peers in a collective{detail}: "
-                "another rank stopped responding (hung, stopped, or slower than "
-                "cluster.collective_timeout); the job stopped")
+    if first.exitcode > 0 and any(t in detail for t in TIMED_OUT):  # (a peer, not it)
+        where = "as the process group formed" if "DistStoreError" in detail else "in a collective"
+        who = "another rank"
+        if stuck:
+            names = ", ".join(f"{r} (pid {pid})" for r, pid in sorted(stuck.items()))
+            who = f"rank{'s' if len(stuck) > 1 else ''} {names}, killed then,"
+        return (f"rank {rank} of {world} timed out waiting for its peers {where}{detail}: {who} "
+                "stopped responding (hung, stopped, or slower than cluster.collective_timeout); "
+                "the job stopped")
     return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
             "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))

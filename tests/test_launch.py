@@ -158,6 +158,24 @@ def test_a_collective_timeout_is_told_as_a_peer_that_stopped_responding():
 
 
 @pytest.mark.unit
+def test_a_rank_stuck_before_the_process_group_forms_is_named_not_the_rank_that_waited():
+    """Rank 1 hung inside init_process_group: rank 0's store wait timed out ("DistStoreError: wait
+    timeout after 60000ms"), which was not read as a timeout, so the line said "lost rank 0 ...
+    exited with code 1", blaming the healthy rank. It is a timeout now, and the rank the launcher
+    had to kill is named."""
+    from types import SimpleNamespace
+
+    from launchers.lost import _lost
+
+    said = "DistStoreError: wait timeout after 60000ms, keys: /default_pg/0//cpu//0/1"
+    e = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1, timestamp=1.0, pid=7, message=said)})
+    msg = _lost(e, 2, stuck={1: 8})
+    assert msg.startswith("rank 0 of 2 timed out waiting for its peers as the process group formed: "
+                          "DistStoreError: wait timeout"), msg
+    assert "rank 1 (pid 8), killed then, stopped responding" in msg and "lost rank" not in msg, msg
+
+
+@pytest.mark.unit
 def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank():
     """checkpoints' "run directory not shared" is a ConfigError raised in the ranks: it was told as
     "lost rank 0 ... exited with code 1:   - hydra.run.dir=..." (exit 1, under torch's traceback).
