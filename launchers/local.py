@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launchers import sagemaker, slurm, torchrun
-from launchers.lost import PEER_GONE, ROLL, Reaper, Roll, _lost, _quiet_said_errors, _said_error
+from launchers.lost import (PEER_GONE, ROLL, Reaper, Roll, _lost, _quiet_said_errors, _said_error,
+                            mismatch_hint)
 from launchers.registry import launcher
 
 if TYPE_CHECKING:
@@ -346,7 +347,8 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
         said = _said_error(e)  # (a bad record, a run directory not shared: its line, exit 2)
         stuck = roll.ranks(reaper.killed)
-        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes, stuck))) from None
+        hint = mismatch_hint(e) if job.run.checkpoint == "deepspeed" else ""  # (a ZeRO preset)
+        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes, stuck) + hint)) from None
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:

@@ -137,6 +137,24 @@ def _said_error(e: Any) -> DataError | ConfigError | None:
     return next(iter(said.values())) if len(said) == 1 else None
 
 
+MISMATCH = "collective mismatch"
+"""gloo's words when the ranks' collectives differ ("Is there a distributed collective mismatch")."""
+
+
+def mismatch_hint(e: Any) -> str:
+    """Under a ZeRO preset: a rank ended by SIGABRT or with gloo's collective-mismatch text is most
+    likely a parameter used on some ranks and not on others in one step, which DeepSpeed's
+    reductions in backward cannot take (the SkippedParameterError check at the step comes too late)."""
+    ended = [f for f in e.failures.values() if f.exitcode == -signal.SIGABRT or MISMATCH in _said(f)]
+    if not ended:
+        return ""
+    return ("; under ZeRO this is most likely a parameter that got a gradient on some ranks and none "
+            "on others in one step (a data-dependent branch, an expert no token reached): DeepSpeed's "
+            "reductions then differ between ranks (gloo aborts: 'Is there a distributed collective "
+            "mismatch', deepspeedai/DeepSpeed#1355). Fix: make every rank use every parameter in each "
+            "forward (add 0 * the skipped layer's output), or use fsdp2 or a ddp preset")
+
+
 def _lost(e: Any, world: int, nodes: int = 1, stuck: dict[int, int] | None = None) -> str:
     """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
     stopped end by SIGTERM and are not the cause). On one node of several, when every failure

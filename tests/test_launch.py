@@ -176,6 +176,27 @@ def test_a_rank_stuck_before_the_process_group_forms_is_named_not_the_rank_that_
 
 
 @pytest.mark.unit
+def test_a_zero_rank_aborted_on_a_collective_mismatch_is_told_its_likely_cause():
+    """A parameter unused on one rank only under zero2/zero3: DeepSpeed's reductions in backward
+    differ between ranks and gloo aborts the rank (SIGABRT, "Is there a distributed collective
+    mismatch"), before SkippedParameterError's check at the step; the line named nothing. Under a
+    ZeRO preset it now says the likely cause and the fix; other deaths get no such hint."""
+    from types import SimpleNamespace
+
+    from launchers.lost import mismatch_hint
+
+    def failures(code, said=None):
+        return SimpleNamespace(failures={1: SimpleNamespace(exitcode=code, timestamp=1.0, pid=8, message=said)})
+
+    hint = mismatch_hint(failures(-6))
+    assert "some ranks and none on others in one step" in hint and "DeepSpeed#1355" in hint, hint
+    assert "0 * the skipped layer's output" in hint and "fsdp2 or a ddp preset" in hint
+    said = "RuntimeError: ... Received data size doesn't match expected size. Is there a distributed collective mismatch"
+    assert mismatch_hint(failures(1, said)) == hint
+    assert mismatch_hint(failures(-9)) == "" and mismatch_hint(failures(1, "RuntimeError: boom")) == ""
+
+
+@pytest.mark.unit
 def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank():
     """checkpoints' "run directory not shared" is a ConfigError raised in the ranks: it was told as
     "lost rank 0 ... exited with code 1:   - hydra.run.dir=..." (exit 1, under torch's traceback).
