@@ -92,6 +92,7 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     Roll.enter()  # (the launcher names a rank it had to kill)
     checkpoints.interruption().announce = False  # the launcher says what a Ctrl-C does
+    checkpoints.interruption().taken = Roll.taken  # (and whether it is saved: _Stops)
     if os.environ.get(STOPPING):  # restarted (cluster.max_restarts) after the launcher was stopped
         sys.exit(128 + int(os.environ[STOPPING]))
     rank_aware_logging()
@@ -183,10 +184,11 @@ class _Stops:
     and so does the first when no rank runs yet (a rendezvous still waiting for other nodes).
     This process ends with 128 + the first signal either way."""
 
-    def __init__(self, out: Path, job: Job):
+    def __init__(self, out: Path, job: Job, roll: Roll):
         from checkpoints.interrupt import SAME_PRESS_S
 
         self.out, self.job, self.bound_s = out, job, float(job.cluster.collective_timeout)
+        self.roll = roll
         self.window = SAME_PRESS_S
         self.signum = 0
         self._presses, self._first, self._pid, self._before = 0, 0.0, 0, {}
@@ -229,10 +231,21 @@ class _Stops:
         if not self._send(signal.SIGTERM):  # (still meeting the other nodes, or all done)
             self._end(f"stopped by {_signal_name(signum)}: no rank was running")
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        say(f"{what}: every rank finishes its step and saves a checkpoint, then the run stops (within "
-            f"{self.bound_s:g} s, cluster.collective_timeout)" +
-            ("; Ctrl-C again to stop at once, without one" if signum == signal.SIGINT else ""))
+        if not self.roll.all_taken(self.job.mesh.devices):  # (a rank still starting ends at once)
+            say(f"{what}: the ranks are still starting, before their first step: the run stops now, "
+                "without a checkpoint")
+        else:
+            say(f"{what}: every rank finishes its step and saves a checkpoint, then the run stops (within "
+                f"{self.bound_s:g} s, cluster.collective_timeout)" +
+                ("; Ctrl-C again to stop at once, without one" if signum == signal.SIGINT else ""))
         signal.setitimer(signal.ITIMER_REAL, self.bound_s)
+
+    def quiet(self, record: logging.LogRecord) -> bool:
+        """A filter for torch's agent log: not its record (with a traceback) of a rank ended by the
+        SIGTERM or SIGKILL this process sent it on a stop; the last line says how the run ended."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (self.signum and str(record.msg).startswith("failed (exitcode")
+                    and args and args[0] in (-signal.SIGTERM, -signal.SIGKILL))
 
     def _too_long(self, signum: int, frame: Any) -> None:
         self._end(f"the ranks did not stop within {self.bound_s:g} s (cluster.collective_timeout) of "
@@ -327,13 +340,14 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from observers import startup
 
     startup.hand_over()  # the ranks continue this process's start-up timeline
-    stops = _Stops(out, job)
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(_quiet_said_errors)
-    reaper, spawn_log = Reaper(lambda: bool(stops.signum)), logging.getLogger("torch.multiprocessing.spawn")
-    spawn_log.addFilter(reaper)
     roll = Roll(Path(tempfile.mkdtemp(prefix="stratagem-ranks-")))
     os.environ[ROLL] = str(roll.path)
+    stops = _Stops(out, job, roll)
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_quiet_said_errors)
+    agent_log.addFilter(stops.quiet)
+    reaper, spawn_log = Reaper(lambda: bool(stops.signum)), logging.getLogger("torch.multiprocessing.spawn")
+    spawn_log.addFilter(reaper)
     try:
         with stops:
             outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
@@ -353,6 +367,7 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
         agent_log.removeFilter(_quiet_said_errors)
+        agent_log.removeFilter(stops.quiet)
         spawn_log.removeFilter(reaper)
         os.environ.pop(ROLL, None)
         shutil.rmtree(roll.path, ignore_errors=True)

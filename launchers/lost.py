@@ -38,6 +38,17 @@ class Roll:
         if where and "RANK" in os.environ:
             (Path(where) / os.environ["RANK"]).write_text(str(os.getpid()))
 
+    @staticmethod
+    def taken() -> None:
+        """In a rank: say that it took its stop signals (a stop then saves after its step)."""
+        where = os.environ.get(ROLL)
+        if where and "RANK" in os.environ:
+            (Path(where) / f"{os.environ['RANK']}.stops").touch()
+
+    def all_taken(self, ranks: int) -> bool:
+        """Every one of this node's ``ranks`` took its stop signals."""
+        return len(list(self.path.glob("*.stops"))) >= ranks
+
     def ranks(self, pids: set[int]) -> dict[int, int]:
         """Global rank -> pid, for those of ``pids`` a rank wrote."""
         found = {}

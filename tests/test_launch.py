@@ -197,6 +197,42 @@ def test_a_zero_rank_aborted_on_a_collective_mismatch_is_told_its_likely_cause()
 
 
 @pytest.mark.unit
+def test_ctrl_c_before_the_first_step_promises_no_checkpoint_and_hides_the_agents_traceback(
+        monkeypatch, capfd, tmp_path):
+    """Ctrl-C while the ranks were starting said "every rank finishes its step and saves a
+    checkpoint" (none was saved: a rank still starting ends at once), then torch's agent logged
+    each rank's SIGTERM exit with a ProcessExitedException traceback. The promise now waits for
+    every rank to take its stop signals (launchers/lost.py Roll), and those records are dropped
+    while the launcher stops the run."""
+    import logging
+    from types import SimpleNamespace
+
+    from launchers.local import _Stops
+    from launchers.lost import Roll
+
+    job = SimpleNamespace(cluster=SimpleNamespace(collective_timeout=5.0), mesh=SimpleNamespace(devices=2))
+    monkeypatch.setattr(signal, "setitimer", lambda *a: None)  # (no SIGALRM in the test process)
+    monkeypatch.setattr(_Stops, "_send", lambda self, signum: 2)  # (two ranks, not signalled)
+    said = []
+    for taken in (["0"], ["0", "1"]):
+        for rank in taken:
+            (tmp_path / f"{rank}.stops").touch()
+        stops = _Stops(tmp_path / "run", job, Roll(tmp_path))
+        stops._pid = os.getpid()
+        stops._signal(signal.SIGTERM, None)
+        said.append(capfd.readouterr().err)
+    assert said[0].startswith("SIGTERM: the ranks are still starting, before their first step: the run "
+                              "stops now, without a checkpoint"), said[0]
+    assert said[1].startswith("SIGTERM: every rank finishes its step and saves a checkpoint"), said[1]
+    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, "api.py", 836,
+                               "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                               (-15, 0, 7, "_rank", "fork"), None)
+    assert stops.quiet(record) is False
+    stops.signum = 0
+    assert stops.quiet(record) is True  # (a rank SIGTERMed by something else: torch's record stays)
+
+
+@pytest.mark.unit
 def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank():
     """checkpoints' "run directory not shared" is a ConfigError raised in the ranks: it was told as
     "lost rank 0 ... exited with code 1:   - hydra.run.dir=..." (exit 1, under torch's traceback).
