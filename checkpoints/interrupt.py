@@ -80,6 +80,8 @@ class Interrupt:
         self._first = 0.0
         self._pid = 0
         self._before: Any = None
+        self.taken: Any = None
+        """Called when this process takes its stop signals (our launcher's ranks tell it so)."""
 
     def install(self) -> Interrupt:
         """Take SIGUSR1, SIGTERM and SIGINT (again: Lightning sets its own as a fit starts; from
@@ -96,6 +98,8 @@ class Interrupt:
                 self._before = held
                 signal.signal(signal.SIGINT, self._sigint)
             self._pid = os.getpid()
+            if self.taken is not None:
+                self.taken()
         return self
 
     def release(self) -> None:

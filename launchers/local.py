@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.errors import ConfigError, DataError
 from launchers import sagemaker, slurm, torchrun
+from launchers.lost import (PEER_GONE, ROLL, Reaper, Roll, _lost, _quiet_said_errors, _said_error,
+                            mismatch_hint)
 from launchers.registry import launcher
 
 if TYPE_CHECKING:
@@ -72,9 +75,6 @@ def rendezvous(job: Job) -> Rendezvous:
 
 
 MONITOR_SECONDS = 0.5
-# What a rank's collective says when a peer is gone (gloo, NCCL, the store).
-PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Timed out",
-             "communicator was aborted", "DistNetworkError")
 
 
 def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
@@ -83,13 +83,16 @@ def _rank(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from checkpoints.interrupt import Interrupted
     from recipes.cli import rank_aware_logging
 
-    # Until the run takes its stop signals (checkpoints/interrupt.py, as training starts): Ctrl-C
-    # is the launcher's to pass on (it reached this process group's launcher too), SIGTERM ends
-    # this rank at once -- nothing is saved before the first step. Inherited from the launcher
-    # otherwise (forked), its handlers would be in force here.
+    # Until the run takes its stop signals (checkpoints/interrupt.py, as the backend starts, before
+    # the process group forms): Ctrl-C is the launcher's to pass on (it reached this process
+    # group's launcher too), SIGTERM ends this rank at once. Inherited from the launcher otherwise
+    # (forked), its handlers would be in force here. A rank that then hangs ignores the agent's
+    # SIGTERM: the launcher kills it (launchers/lost.py, Reaper).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    Roll.enter()  # (the launcher names a rank it had to kill)
     checkpoints.interruption().announce = False  # the launcher says what a Ctrl-C does
+    checkpoints.interruption().taken = Roll.taken  # (and whether it is saved: _Stops)
     if os.environ.get(STOPPING):  # restarted (cluster.max_restarts) after the launcher was stopped
         sys.exit(128 + int(os.environ[STOPPING]))
     rank_aware_logging()
@@ -181,10 +184,11 @@ class _Stops:
     and so does the first when no rank runs yet (a rendezvous still waiting for other nodes).
     This process ends with 128 + the first signal either way."""
 
-    def __init__(self, out: Path, job: Job):
+    def __init__(self, out: Path, job: Job, roll: Roll):
         from checkpoints.interrupt import SAME_PRESS_S
 
         self.out, self.job, self.bound_s = out, job, float(job.cluster.collective_timeout)
+        self.roll = roll
         self.window = SAME_PRESS_S
         self.signum = 0
         self._presses, self._first, self._pid, self._before = 0, 0.0, 0, {}
@@ -227,10 +231,21 @@ class _Stops:
         if not self._send(signal.SIGTERM):  # (still meeting the other nodes, or all done)
             self._end(f"stopped by {_signal_name(signum)}: no rank was running")
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        say(f"{what}: every rank finishes its step and saves a checkpoint, then the run stops (within "
-            f"{self.bound_s:g} s, cluster.collective_timeout)" +
-            ("; Ctrl-C again to stop at once, without one" if signum == signal.SIGINT else ""))
+        if not self.roll.all_taken(self.job.mesh.devices):  # (a rank still starting ends at once)
+            say(f"{what}: the ranks are still starting, before their first step: the run stops now, "
+                "without a checkpoint")
+        else:
+            say(f"{what}: every rank finishes its step and saves a checkpoint, then the run stops (within "
+                f"{self.bound_s:g} s, cluster.collective_timeout)" +
+                ("; Ctrl-C again to stop at once, without one" if signum == signal.SIGINT else ""))
         signal.setitimer(signal.ITIMER_REAL, self.bound_s)
+
+    def quiet(self, record: logging.LogRecord) -> bool:
+        """A filter for torch's agent log: not its record (with a traceback) of a rank ended by the
+        SIGTERM or SIGKILL this process sent it on a stop; the last line says how the run ended."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (self.signum and str(record.msg).startswith("failed (exitcode")
+                    and args and args[0] in (-signal.SIGTERM, -signal.SIGKILL))
 
     def _too_long(self, signum: int, frame: Any) -> None:
         self._end(f"the ranks did not stop within {self.bound_s:g} s (cluster.collective_timeout) of "
@@ -325,9 +340,14 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
     from observers import startup
 
     startup.hand_over()  # the ranks continue this process's start-up timeline
-    stops = _Stops(out, job)
+    roll = Roll(Path(tempfile.mkdtemp(prefix="stratagem-ranks-")))
+    os.environ[ROLL] = str(roll.path)
+    stops = _Stops(out, job, roll)
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_quiet_said_errors)
+    agent_log.addFilter(stops.quiet)
+    reaper, spawn_log = Reaper(lambda: bool(stops.signum)), logging.getLogger("torch.multiprocessing.spawn")
+    spawn_log.addFilter(reaper)
     try:
         with stops:
             outcomes = elastic_launch(config, _rank)(job, out, plan)  # keyed by global rank
@@ -340,21 +360,18 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
             signum = codes.pop() - 128
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
         said = _said_error(e)  # (a bad record, a run directory not shared: its line, exit 2)
-        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes))) from None
+        stuck = roll.ranks(reaper.killed)
+        hint = mismatch_hint(e) if job.run.checkpoint == "deepspeed" else ""  # (a ZeRO preset)
+        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes, stuck) + hint)) from None
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:
         agent_log.removeFilter(_quiet_said_errors)
+        agent_log.removeFilter(stops.quiet)
+        spawn_log.removeFilter(reaper)
+        os.environ.pop(ROLL, None)
+        shutil.rmtree(roll.path, ignore_errors=True)
         startup.take_back()
-
-
-def _quiet_said_errors(record: logging.LogRecord) -> bool:
-    """A filter for torch's agent log: not its record of a rank that failed on an error we say
-    in one line (a ``DataError``: a bad record in the data; a ``ConfigError`` found in the ranks:
-    a run directory the nodes do not share), with the rank's whole traceback: that sentence ends
-    the run (``_said_error``). Other failures are logged as torch logs them."""
-    error = record.exc_info[1] if record.exc_info else None
-    return error is None or _raised(str(error)) is None
 
 
 def _saved(signum: int, out: Path, job: Job) -> str:
@@ -366,85 +383,6 @@ def _saved(signum: int, out: Path, job: Job) -> str:
         return f"stopped by {_signal_name(signum)}; {newest(out, job)}"
     return (f"stopped by {_signal_name(signum)} after step {_step(ckpt)}: every rank finished its step and "
             f"saved a checkpoint ({ckpt}); to resume: {_command(out, job)}")
-
-
-def _said(failure: Any) -> str:
-    """What a failed rank's error record says (torch's agent), or ""."""
-    msg = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
-    return "" if msg in (None, "<NONE>") else str(msg).strip()
-
-
-def _raised(text: str) -> DataError | ConfigError | None:
-    """The ``DataError`` or ``ConfigError`` (core/errors.py) a rank's error text (torch's record
-    of it, or its traceback) ends in, rebuilt; None when it ends in another error."""
-    lines = text.strip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        kind, _, message = lines[i].partition(": ")
-        if kind in ("DataError", f"{DataError.__module__}.DataError"):
-            return DataError("\n".join([message, *lines[i + 1:]]))
-        if kind in ("ConfigError", f"{ConfigError.__module__}.ConfigError"):
-            problems = [ln.strip()[2:] for ln in lines[i + 1:] if ln.strip().startswith("- ")]
-            return ConfigError(problems or message)
-        if not lines[i].startswith(" "):  # (an exception's first line: not ours)
-            return None
-    return None
-
-
-def _said_error(e: Any) -> DataError | ConfigError | None:
-    """The ``DataError`` or ``ConfigError`` the failed ranks raised, when that is every failure's
-    cause (the ranks the agent then stopped with SIGTERM aside, and those whose peers vanished
-    with it): a bad record in the data, a run directory the nodes do not share -- the same
-    sentence from each rank that found it."""
-    said = {}
-    for f in e.failures.values():
-        if f.exitcode == -signal.SIGTERM:
-            continue
-        error = _raised(_said(f)) if f.exitcode > 0 else None
-        if error is None and not (f.exitcode > 0 and any(p in _said(f) for p in PEER_GONE)):
-            return None
-        if error is not None:
-            said[(type(error), str(error))] = error
-    return next(iter(said.values())) if len(said) == 1 else None
-
-
-def _lost(e: Any, world: int, nodes: int = 1) -> str:
-    """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
-    stopped end by SIGTERM and are not the cause). On one node of several, when every failure
-    here is a peer gone, the lost rank is on another node: say that, not this node's own."""
-
-    if nodes > 1:
-        mine = sorted(e.failures.items())
-        if mine and all(f.exitcode > 0 and any(p in _said(f) for p in PEER_GONE) for _, f in mine):
-            first = _said(mine[0][1]).splitlines()[-1][:300]
-            return (f"a rank on another node was lost: this node's ranks {[r for r, _ in mine]} of "
-                    f"{world} stopped when their peers vanished ({first}); the other node's log "
-                    "names the lost rank")
-
-    def how(code: int) -> str:
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
-
-    # global rank -> failure (torch records the first it finds; see _rank). A signal the agent
-    # did not send (it stops the rest with SIGTERM) first, then errors, then the rest.
-    def kind(code: int) -> int:
-        return 0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2
-
-    failures = sorted(e.failures.items(), key=lambda rf: (kind(rf[1].exitcode), rf[1].timestamp))
-    rank, first = failures[0]
-    detail = ""
-    if first.exitcode > 0 and _said(first):
-        detail = f": {_said(first).splitlines()[-1][:500]}"
-    others = sorted({r for r, _ in failures} - {rank})
-    if first.exitcode > 0 and any(t in detail for t in ("timed out", "Timed out")):  # (a peer, not it)
-        return (f"rank {rank} of {world} timed out waiting for its peers in a collective{detail}: "
-                "another rank stopped responding (hung, stopped, or slower than "
-                "cluster.collective_timeout); the job stopped")
-    return (f"lost rank {rank} of {world} (pid {first.pid}) -- it {how(first.exitcode)}{detail}; "
-            "the job stopped" + (f" (ranks {others} were stopped with it)" if others else ""))
 
 
 @launcher("local")

@@ -2,7 +2,7 @@
 
     python tests/faults.py [--kill-at STEP --rank R [--once FILE]] [--signal-at STEP --signum NAME]
                            [--slow-save STEP --seconds S] [--pause-at STEP --rank R --seconds S]
-                           [--note FILE] -- <train.py overrides>
+                           [--hang-at STEP --rank R --seconds S] [--note FILE] -- <train.py overrides>
 
 --kill-at: rank R SIGKILLs itself right after optimizer step STEP (with --once, only if FILE does
 not exist yet, which it then creates: under torchrun's restarts the fault happens once).
@@ -12,6 +12,9 @@ other ranks get none.
 --pause-at: rank R, right after optimizer step STEP, notes "pause<R>" and waits up to S seconds
 for a stop signal to reach it (checkpoints/interrupt.py's flag): a test signals the job then, and
 the run stops after that known step.
+--hang-at: rank R, as its optimizer's STEP-th step begins (torch's global step pre-hook: inside
+DeepSpeed's ZeRO step too, whose peers then wait in its own groups), notes "hang<R>" and sleeps S
+seconds, a stop signal notwithstanding: a rank stuck in its step.
 --note: where to write "<event> <unix time>" lines (kill, saving), for the test to watch.
 The patches are made before train.py runs, so ranks forked by our launcher inherit them; under
 torchrun every rank runs this file.
@@ -50,6 +53,7 @@ def main() -> None:
     p.add_argument("--slow-save", type=int)
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--pause-at", type=int)
+    p.add_argument("--hang-at", type=int)
     p.add_argument("--note")
     args = p.parse_args(argv[:split])
     sys.path.insert(0, str(ROOT))
@@ -99,6 +103,21 @@ def main() -> None:
                     time.sleep(0.02)
 
         Observers.step_end = pausing_step_end
+
+    if args.hang_at is not None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        steps = [0]
+
+        def hang(optimizer, *_):
+            steps[0] += 1
+            if steps[0] == args.hang_at and int(os.environ.get("RANK", "0")) == args.rank:
+                _note(args.note, f"hang{args.rank}")
+                deadline = time.time() + args.seconds
+                while time.time() < deadline:
+                    time.sleep(0.1)
+
+        register_optimizer_step_pre_hook(hang)
 
     if args.slow_save is not None:
         from checkpoints import state

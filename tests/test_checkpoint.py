@@ -290,6 +290,30 @@ def test_a_killed_rank_ends_the_job_within_the_timeout(tmp_path):
     assert not _processes_with(token), "a process of the job was left behind"
 
 
+@pytest.mark.multiprocess
+def test_a_rank_stuck_in_a_zero_step_ends_the_job_at_the_timeout_naming_it(tmp_path):
+    """Rank 1 hangs as its second optimizer step begins, inside DeepSpeed's ZeRO-2 step; rank 0
+    waits in DeepSpeed's all-gather on DeepSpeed's own group. That group had torch's 30-min
+    default, not cluster.collective_timeout (the job hung for minutes); then the stuck rank, whose
+    stop handler only sets a flag, outlived torch's SIGTERM by 30 s and was never named. Now rank
+    0 times out at the timeout, the stuck rank is killed within seconds, and the last line names
+    it."""
+    token, note, timeout = uuid.uuid4().hex, tmp_path / "note", 10
+    cmd = _faulty(("--hang-at", "2", "--rank", "1", "--seconds", "300", "--note", str(note)),
+                  "strategy=zero2", "backend=accelerate", "cluster.devices=2", "trainer.max_steps=4",
+                  f"cluster.collective_timeout={timeout}", QUIET, out=tmp_path / "run")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=_env(token))
+    ended, log = time.time(), proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]
+    hung = _events(note)["hang1"]
+    assert ended - hung <= timeout + 12, f"{ended - hung:.1f}s after the hang\n{log[-3000:]}"
+    last = log.strip().splitlines()[-1]
+    assert "rank 0 of 2 timed out waiting for its peers in a collective" in last, log[-3000:]
+    assert "rank 1 (pid " in last and "killed then, stopped responding" in last, last
+    time.sleep(0.5)
+    assert not _processes_with(token), "a process of the job was left behind"
+
+
 # CI: Accelerate's (its only proof of a signal at a step boundary on several ranks); Lightning's
 # SIGUSR1 reaches its ranks in CI through a real Slurm (test_launch.py's requeue test), this
 # direct case in the slow tier.

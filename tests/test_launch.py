@@ -158,6 +158,81 @@ def test_a_collective_timeout_is_told_as_a_peer_that_stopped_responding():
 
 
 @pytest.mark.unit
+def test_a_rank_stuck_before_the_process_group_forms_is_named_not_the_rank_that_waited():
+    """Rank 1 hung inside init_process_group: rank 0's store wait timed out ("DistStoreError: wait
+    timeout after 60000ms"), which was not read as a timeout, so the line said "lost rank 0 ...
+    exited with code 1", blaming the healthy rank. It is a timeout now, and the rank the launcher
+    had to kill is named."""
+    from types import SimpleNamespace
+
+    from launchers.lost import _lost
+
+    said = "DistStoreError: wait timeout after 60000ms, keys: /default_pg/0//cpu//0/1"
+    e = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1, timestamp=1.0, pid=7, message=said)})
+    msg = _lost(e, 2, stuck={1: 8})
+    assert msg.startswith("rank 0 of 2 timed out waiting for its peers as the process group formed: "
+                          "DistStoreError: wait timeout"), msg
+    assert "rank 1 (pid 8), killed then, stopped responding" in msg and "lost rank" not in msg, msg
+
+
+@pytest.mark.unit
+def test_a_zero_rank_aborted_on_a_collective_mismatch_is_told_its_likely_cause():
+    """A parameter unused on one rank only under zero2/zero3: DeepSpeed's reductions in backward
+    differ between ranks and gloo aborts the rank (SIGABRT, "Is there a distributed collective
+    mismatch"), before SkippedParameterError's check at the step; the line named nothing. Under a
+    ZeRO preset it now says the likely cause and the fix; other deaths get no such hint."""
+    from types import SimpleNamespace
+
+    from launchers.lost import mismatch_hint
+
+    def failures(code, said=None):
+        return SimpleNamespace(failures={1: SimpleNamespace(exitcode=code, timestamp=1.0, pid=8, message=said)})
+
+    hint = mismatch_hint(failures(-6))
+    assert "some ranks and none on others in one step" in hint and "DeepSpeed#1355" in hint, hint
+    assert "0 * the skipped layer's output" in hint and "fsdp2 or a ddp preset" in hint
+    said = "RuntimeError: ... Received data size doesn't match expected size. Is there a distributed collective mismatch"
+    assert mismatch_hint(failures(1, said)) == hint
+    assert mismatch_hint(failures(-9)) == "" and mismatch_hint(failures(1, "RuntimeError: boom")) == ""
+
+
+@pytest.mark.unit
+def test_ctrl_c_before_the_first_step_promises_no_checkpoint_and_hides_the_agents_traceback(
+        monkeypatch, capfd, tmp_path):
+    """Ctrl-C while the ranks were starting said "every rank finishes its step and saves a
+    checkpoint" (none was saved: a rank still starting ends at once), then torch's agent logged
+    each rank's SIGTERM exit with a ProcessExitedException traceback. The promise now waits for
+    every rank to take its stop signals (launchers/lost.py Roll), and those records are dropped
+    while the launcher stops the run."""
+    import logging
+    from types import SimpleNamespace
+
+    from launchers.local import _Stops
+    from launchers.lost import Roll
+
+    job = SimpleNamespace(cluster=SimpleNamespace(collective_timeout=5.0), mesh=SimpleNamespace(devices=2))
+    monkeypatch.setattr(signal, "setitimer", lambda *a: None)  # (no SIGALRM in the test process)
+    monkeypatch.setattr(_Stops, "_send", lambda self, signum: 2)  # (two ranks, not signalled)
+    said = []
+    for taken in (["0"], ["0", "1"]):
+        for rank in taken:
+            (tmp_path / f"{rank}.stops").touch()
+        stops = _Stops(tmp_path / "run", job, Roll(tmp_path))
+        stops._pid = os.getpid()
+        stops._signal(signal.SIGTERM, None)
+        said.append(capfd.readouterr().err)
+    assert said[0].startswith("SIGTERM: the ranks are still starting, before their first step: the run "
+                              "stops now, without a checkpoint"), said[0]
+    assert said[1].startswith("SIGTERM: every rank finishes its step and saves a checkpoint"), said[1]
+    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, "api.py", 836,
+                               "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                               (-15, 0, 7, "_rank", "fork"), None)
+    assert stops.quiet(record) is False
+    stops.signum = 0
+    assert stops.quiet(record) is True  # (a rank SIGTERMed by something else: torch's record stays)
+
+
+@pytest.mark.unit
 def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank():
     """checkpoints' "run directory not shared" is a ConfigError raised in the ranks: it was told as
     "lost rank 0 ... exited with code 1:   - hydra.run.dir=..." (exit 1, under torch's traceback).

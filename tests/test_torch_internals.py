@@ -179,3 +179,30 @@ def test_the_communication_observer_is_unavailable_not_a_crash_without_its_dispa
     assert "_after_autograd_keyset" in warned and VERSION in warned
     report = profile.report()["communication"]
     assert report["unavailable"] == warned and report["steps"] == 0 and report["per_step"] == {}
+
+
+# --------------------------------------------------------------------- backends/common/torch.py
+def test_every_group_made_after_the_default_one_waits_the_collective_timeout(monkeypatch, caplog):
+    """cluster.collective_timeout reached the default group only: DeepSpeed's ZeRO groups (and
+    DeviceMesh's sub-groups) are made without a timeout, so torch gave them its 30 minutes, and a
+    zero2 rank waited 4 min for a stalled peer under a 40 s timeout. The module default every
+    such group reads is set now; a torch without it warns once and sets nothing."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from backends.common.torch import bound_new_groups
+    from core import internals
+
+    monkeypatch.setattr(c10d, "default_pg_timeout", c10d.default_pg_timeout)  # (put back after)
+    monkeypatch.setattr(c10d, "default_pg_nccl_timeout", c10d.default_pg_nccl_timeout)
+    assert bound_new_groups(7.0)
+    assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(seconds=7)
+    assert c10d._get_default_timeout(c10d.Backend.NCCL) == timedelta(seconds=7)
+    assert not bound_new_groups(None) and c10d.default_pg_timeout == timedelta(seconds=7)
+    internals._WARNED.discard("bound_new_groups")
+    with caplog.at_level(logging.WARNING):
+        assert not bound_new_groups(7.0, _Bare()) and not bound_new_groups(7.0, _Bare())
+    [warned] = [r.getMessage() for r in caplog.records]
+    assert "cluster.collective_timeout=7" in warned and "distributed_c10d.default_pg_timeout" in warned
+    assert VERSION in warned and "30 min" in warned

@@ -83,10 +83,13 @@ def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+    from backends.common.torch import bound_new_groups
+
     from accelerate import Accelerator as default
 
     Accelerator = cls or default  # noqa: N806
     group = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    bound_new_groups(timeout)  # (DeepSpeed's and DeviceMesh's groups too, not only the default one)
     if "deepspeed_plugin" in kwargs and world_size == 1 and "RANK" not in os.environ:
         lone_group_env()
     if "fsdp_plugin" in kwargs and more.get("gradient_accumulation_steps", 1) > 1:

@@ -1,11 +1,55 @@
 """What every backend does the same way with torch's own wrappers (DDP, FSDP1, FSDP2/DTensor)
-and pipeline stages: the full parameters after training, and the bytes a rank holds."""
+and pipeline stages: the full parameters after training, the bytes a rank holds, and how long
+every process group's collectives wait for a lost peer."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from parallel.parallelize import plain_state_dict
+
+
+log = logging.getLogger(__name__)
+
+GROUP_DEFAULTS = ("_get_default_timeout", "default_pg_timeout", "default_pg_nccl_timeout")
+"""What ``bound_new_groups`` leans on in ``torch.distributed.distributed_c10d``."""
+
+
+def bound_new_groups(seconds: float | None, c10d: Any = None) -> bool:
+    """Every process group this process makes from now on without a timeout of its own waits
+    ``seconds`` (``cluster.collective_timeout``) for a lost peer, as the default group does; None
+    leaves torch's default. DeepSpeed's groups (``deepspeed.comm.new_group(ranks)``: ZeRO's
+    data-parallel groups, MoE's), DeviceMesh's sub-groups (fsdp2/hsdp2/tp/3d on two or more
+    dimensions) and Accelerate's and Lightning's pass none, and torch gives such a group its module
+    default, 30 minutes (NCCL: 10), read from ``distributed_c10d.default_pg_timeout`` /
+    ``default_pg_nccl_timeout`` when the group is made: those are set here, and the running
+    torch asked (``_get_default_timeout``) that they took. Called before the process group forms
+    (``PresetStrategy.begin``, ``backends.accelerate.state.accelerator``). Where this torch lacks
+    the names, one warning and the groups keep torch's default; whether it took."""
+    from datetime import timedelta
+
+    from core.internals import lacking, lacks_message, warn_once
+
+    if seconds is None:
+        return False
+    if c10d is None:
+        from torch.distributed import distributed_c10d as c10d
+    wanted = timedelta(seconds=seconds)
+    missing = lacking(c10d, GROUP_DEFAULTS)
+    if not missing:
+        c10d.default_pg_timeout = wanted
+        if isinstance(c10d.default_pg_nccl_timeout, timedelta):  # (None: a torch without NCCL)
+            c10d.default_pg_nccl_timeout = wanted
+        if c10d._get_default_timeout(c10d.Backend.GLOO) == wanted:
+            return True
+        missing = ["_get_default_timeout (it no longer reads default_pg_timeout)"]
+    warn_once(log, "bound_new_groups", lacks_message(
+        f"cluster.collective_timeout={seconds:g} on the process groups DeepSpeed, DeviceMesh and the "
+        "engines make", "torch.distributed.distributed_c10d", missing,
+        "those groups wait torch's default (30 min) for a lost peer instead; the default group is "
+        "bounded as set"))
+    return False
 
 
 def unwrap(root: Any) -> Any:

@@ -85,11 +85,15 @@ class PresetStrategy:
     def begin(self) -> None:
         """What every rank does first in ``setup_environment`` (a family that replaces Lightning's
         calls it too): glibc's steady allocator, which train.py's ranks get in ``backends.run``
-        and a user's own script gets here (``observers.memory.allocate_steadily``), then ``check``."""
+        and a user's own script gets here (``observers.memory.allocate_steadily``), then ``check``;
+        then every process group made after the default one waits as long as it for a lost peer
+        (``backends.common.torch.bound_new_groups``: DeepSpeed's and DeviceMesh's groups)."""
         from observers.memory import allocate_steadily
 
         allocate_steadily()
         self.check()
+        timeout = getattr(self, "_timeout", None)  # (the default group's: cluster.collective_timeout)
+        torch_common.bound_new_groups(None if timeout is None else timeout.total_seconds())
 
     def setup_environment(self) -> None:
         self.begin()
