@@ -179,3 +179,16 @@ def test_the_communication_observer_is_unavailable_not_a_crash_without_its_dispa
     assert "_after_autograd_keyset" in warned and VERSION in warned
     report = profile.report()["communication"]
     assert report["unavailable"] == warned and report["steps"] == 0 and report["per_step"] == {}
+
+
+# --------------------------------------------------------------------- backends/common/partitioned.py
+def test_a_partitioned_parameters_aliases_share_its_storage_identity():
+    """ZeRO-3's write refusal follows ``p.data`` / ``p.detach()`` / a view back to the parameter by
+    its storage (``UntypedStorage._cdata``); an empty tensor of its own is another storage."""
+    from backends.common.partitioned import _storage
+
+    p = torch.nn.Parameter(torch.empty(0))  # (as ZeRO-3 leaves a partitioned parameter's data)
+    assert _storage(p) is not None
+    assert _storage(p) == _storage(p.data) == _storage(p.detach()) == _storage(p.data.view(-1))
+    assert _storage(p) != _storage(torch.empty(0))
+    assert _storage(_Bare()) is None
