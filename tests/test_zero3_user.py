@@ -143,3 +143,22 @@ def test_the_lightning_strategy_rewrites_that_backward_under_zero3_only():
     stratagem_strategy("zero2").on_exception(other)
     assert str(other).startswith("The size of tensor a (0)")
 
+
+@pytest.mark.unit
+def test_the_accelerate_hooks_backward_rewrites_that_error_under_zero3_only():
+    from backends.accelerate.user import _Zero3Backward
+
+    error = "Function PowBackward0 returned an invalid gradient at index 0 - got [0] but expected shape compatible with [4]"
+
+    class Fails:  # (what Accelerator.backward raises when autograd fails)
+        def backward(self, loss, **kw):
+            raise RuntimeError(error)
+
+    class Hook(_Zero3Backward, Fails):
+        stratagem = ("zero3", "deepspeed")
+
+    for zero3, starts in ((True, "a parameter was used outside the forward"), (False, "Function PowBackward0")):
+        Hook.zero3 = zero3
+        with pytest.raises(RuntimeError) as e:
+            Hook().backward(None)
+        assert str(e.value).startswith(starts), str(e.value)
