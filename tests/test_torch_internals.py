@@ -206,3 +206,16 @@ def test_every_group_made_after_the_default_one_waits_the_collective_timeout(mon
     [warned] = [r.getMessage() for r in caplog.records]
     assert "cluster.collective_timeout=7" in warned and "distributed_c10d.default_pg_timeout" in warned
     assert VERSION in warned and "30 min" in warned
+
+
+# --------------------------------------------------------------------- backends/common/partitioned.py
+def test_a_partitioned_parameters_aliases_share_its_storage_identity():
+    """ZeRO-3's write refusal follows ``p.data`` / ``p.detach()`` / a view back to the parameter by
+    its storage (``UntypedStorage._cdata``); an empty tensor of its own is another storage."""
+    from backends.common.partitioned import _storage
+
+    p = torch.nn.Parameter(torch.empty(0))  # (as ZeRO-3 leaves a partitioned parameter's data)
+    assert _storage(p) is not None
+    assert _storage(p) == _storage(p.data) == _storage(p.detach()) == _storage(p.data.view(-1))
+    assert _storage(p) != _storage(torch.empty(0))
+    assert _storage(_Bare()) is None

@@ -35,6 +35,10 @@ refuses, with a ``ConfigError``:
   clips inside its step at its config's ``gradient_clipping`` and Accelerate only returns the
   norm, so the script's clip would silently not happen (``grad_clip=`` outside ZeRO is refused).
 
+Under ZeRO-3, a ``backward`` that fails on a parameter used outside any module's forward (an L2
+penalty added after ``model(x)``: autograd's "returned an invalid gradient at index 0 - got [0]")
+is re-raised with what it means and the fixes (backends/common/partitioned.py).
+
 A script without this line (``Accelerator()``, with or without ``cpu=True``) runs none of our
 code. Under a CPU export it stops at ``Accelerator()``, which builds the plugin the launcher's
 variables name before it picks a device: an FSDP preset's ``fsdp_auto_wrap_policy`` and a ZeRO
@@ -156,6 +160,26 @@ def is_engine(model: Any, engine: str) -> bool:
     return True
 
 
+class _Zero3Backward:
+    """The hook's ``backward`` under ZeRO-3: a backward that failed on a parameter used outside any
+    module's forward (autograd's shape error) is re-raised saying so and how to fix it
+    (backends/common/partitioned.py)."""
+
+    stratagem: tuple[str, str]
+    zero3 = False
+
+    def backward(self, loss: Any, **kw: Any) -> Any:
+        try:
+            return super().backward(loss, **kw)  # (Accelerator's, next in the hook class's bases)
+        except RuntimeError as e:
+            if self.zero3:
+                from backends.common.partitioned import explain_use_outside_forward
+
+                model = getattr(self, "_parts", {}).get("model")  # (the DeepSpeedEngine)
+                explain_use_outside_forward(e, self.stratagem[0], getattr(model, "module", None))
+            raise
+
+
 def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 0.0) -> type:
     """``Accelerator`` whose ``prepare`` refuses a model the preset's engine did not wrap, whose
     ``clip_grad_norm_`` refuses a max_norm DeepSpeed does not clip at, and which counts the bytes a
@@ -166,7 +190,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
 
     from observers.memory import release_freed
 
-    class StratagemAccelerator(Accelerator):
+    class StratagemAccelerator(_Zero3Backward, Accelerator):
         _repaired = False
 
         def prepare(self, *args: Any, **kw: Any) -> Any:
@@ -234,6 +258,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
             return builder.held_bytes(model, [opt] if opt is not None else [], what)
 
     StratagemAccelerator.stratagem = (strategy, engine)
+    StratagemAccelerator.zero3 = engine == "deepspeed" and getattr(builder.preset, "stage", 0) == 3
     return StratagemAccelerator
 
 

@@ -10,20 +10,25 @@ backward: Lightning has already divided the loss by ``accumulate_grad_batches``,
 dividing it again would shrink accumulated gradients by the accumulation. On every accelerator it
 (4) repairs how DeepSpeed reads gradients back from NVMe when the optimizer state is there
 (backends/common/deepspeed.py), and (5) stops the run before a step in which a parameter that
-had a gradient earlier has none (ZeRO would step it with a stale gradient). Lightning fills what the generated config leaves open from the
+had a gradient earlier has none (ZeRO would step it with a stale gradient). Under ZeRO-3 it
+(6) refuses a write into a partitioned parameter while ``configure_model`` runs (lost otherwise)
+and (7) says what a backward that failed on a parameter used outside any module's forward means
+(backends/common/partitioned.py). Lightning fills what the generated config leaves open from the
 Trainer: accumulation, micro batch, clipping and the precision sections.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from backends.common import deepspeed as ds
+from backends.common import partitioned
 from backends.lightning.families import builds, warn_cast
 from backends.lightning.preset import PresetStrategy
 from strategies.families.deepspeed import ZeroConfig
@@ -68,6 +73,25 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         warn_cast(self)  # (Lightning's precision plugin casts the module first: convert_module)
         super().setup(trainer)
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Lightning's (``configure_model`` inside ``deepspeed.zero.Init``), refusing (6) a write
+        into a parameter zero.Init already partitioned: it would be lost without a word."""
+        with super().model_sharded_context():
+            if not self.zero_stage_3:
+                yield
+                return
+            module = self.lightning_module
+            with partitioned.refuse_partitioned_writes(self.preset.name, module.named_parameters):
+                yield
+
+    def on_exception(self, exception: BaseException) -> None:
+        """(7) A backward that failed on a partitioned parameter used outside any module's forward
+        (an L2 penalty in training_step): autograd's or DeepSpeed's shape error, said plainly."""
+        super().on_exception(exception)
+        if self.zero_stage_3:
+            partitioned.explain_use_outside_forward(exception, self.preset.name, self.lightning_module)
 
     def setup_distributed(self) -> None:
         if not self._on_cpu:
