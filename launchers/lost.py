@@ -203,9 +203,16 @@ def _lost(e: Any, world: int, nodes: int = 1, stuck: dict[int, int] | None = Non
     if first.exitcode > 0 and any(t in detail for t in TIMED_OUT):  # (a peer, not it)
         where = "as the process group formed" if "DistStoreError" in detail else "in a collective"
         who = "another rank"
+        # (the agent's SIGTERM ends a rank stuck before our handlers exist: as the group forms)
+        termed = {r: f.pid for r, f in failures if f.exitcode == -signal.SIGTERM}
         if stuck:
             names = ", ".join(f"{r} (pid {pid})" for r, pid in sorted(stuck.items()))
             who = f"rank{'s' if len(stuck) > 1 else ''} {names}, killed then,"
+        elif len(termed) == 1:
+            [(r, pid)] = termed.items()
+            who = f"rank {r} (pid {pid}), ended by the launcher then,"
+        elif termed:
+            who = f"one of ranks {sorted(termed)} (ended by the launcher then)"
         return (f"rank {rank} of {world} timed out waiting for its peers {where}{detail}: {who} "
                 "stopped responding (hung, stopped, or slower than cluster.collective_timeout); "
                 "the job stopped")
