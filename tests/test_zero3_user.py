@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from backends.common.partitioned import outside_forward_message, written
+from backends.common.partitioned import (outside_forward_message, transformers_write, unreached_name,
+                                        write_message, written)
 from tests.conftest import GLOO_ABORT, ROOT
 
 SCRIPT = ROOT / "tests" / "zero3_user_script.py"
@@ -162,3 +163,85 @@ def test_the_accelerate_hooks_backward_rewrites_that_error_under_zero3_only():
         with pytest.raises(RuntimeError) as e:
             Hook().backward(None)
         assert str(e.value).startswith(starts), str(e.value)
+
+
+# A write from a constructor that is still running (a library's own, transformers' post_init): the
+# parameter is not yet an attribute of the LightningModule, so the error names it from the stack.
+SKIP = (os.path.dirname(torch.__file__) + os.sep,)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.said = unreached_name(self.lin.weight, sys._getframe(), SKIP)  # (as at a write here)
+        self.stray = unreached_name(torch.nn.Parameter(torch.zeros(1)), sys._getframe(), SKIP)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+
+
+@pytest.mark.unit
+def test_a_write_inside_a_constructor_names_the_parameter_its_module_and_the_call_site():
+    block = _Outer().block
+    line = _Block.__init__.__code__.co_firstlineno
+    assert block.said == (f"lin.weight of the _Block being constructed (inside _Outer's constructor), written at "
+                          f"{__file__}:{line + 3} (__init__)")
+    assert block.stray == (f"<not yet an attribute of the module while _Block's constructor ran, written at "
+                           f"{__file__}:{line + 4} (__init__)>")
+    said = write_message("zero3", block.said, (2, 3), "torch.nn.init.normal_", "configure_model")
+    assert said.startswith(f"configure_model wrote into parameter {block.said} (shape [2, 3])"), said
+    assert "not from this initialisation" in said and "Fix: initialise it in the constructor" in said, said
+
+
+@pytest.mark.unit
+def test_a_write_by_transformers_says_which_weights_are_lost_and_the_fixes_a_hf_user_can_apply(tmp_path):
+    """A real tiny Llama, built and loaded with every write recorded as the guard would see it
+    (the guard itself needs DeepSpeed's partitioning; the audit ran it: two ranks, same text)."""
+    transformers = pytest.importorskip("transformers")
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            w = written(func, args, kwargs)
+            if w is not None and not seen and (everything or getattr(w[0], "shape", None) == (128, 64)
+                                               and built(w[0])):
+                seen.append((transformers_write(sys._getframe()), unreached_name(w[0], sys._getframe(), SKIP)))
+            return func(*args, **kwargs)
+
+    def built(p) -> bool:
+        """The constructor of the module that holds ``p`` has returned: zero.Init would have
+        partitioned it (the embedding's own reset_parameters writes it before)."""
+        f = sys._getframe()
+        while f is not None:
+            me = f.f_locals.get("self") if f.f_code.co_name == "__init__" else None
+            if isinstance(me, torch.nn.Module) and any(q is p for q in me.parameters(recurse=False)):
+                return False
+            f = f.f_back
+        return True
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    seen: list = []
+    everything = False
+    with Record():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert seen[0][0] == "init" and seen[0][1].startswith(
+        "embed_tokens.weight of the LlamaModel being constructed (inside LlamaForCausalLM's constructor)"), seen
+    model.save_pretrained(tmp_path)
+    seen.clear()
+    everything = True  # (from_pretrained builds on the meta device here: no initialisation is written
+    with Record():     # after a constructor returns; its own writes are from_pretrained's all the same)
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert seen[0][0] == "from_pretrained", seen
+    for how, lost in (("init", "transformers' initialisation"), ("from_pretrained", "the pretrained weights")):
+        said = write_message("zero3", "embed_tokens.weight", (128, 64), "Tensor.normal_", "configure_model", how)
+        assert f"not from {lost}" in said and "The write is transformers' own" in said, said
+        assert "in the LightningModule's __init__ instead of configure_model" in said, said
+        assert "`transformers.integrations.HfDeepSpeedConfig(self.trainer.strategy.config)` alive" in said, said
+        assert "Fix: initialise it in the constructor" not in said, said
+    assert transformers_write(sys._getframe()) is None

@@ -19,7 +19,10 @@ of a module that owns it runs, or inside ``deepspeed.zero.GatheredParameters``.
    the write. Reads pass; so do writes while the parameter is gathered (``GatheredParameters``)
    and DeepSpeed's own (the first frame outside torch is DeepSpeed's). The init functions that
    fail on an empty tensor before they write (``xavier_uniform_``'s "Fan in and fan out can not
-   be computed ...") are told the same way, from the traceback.
+   be computed ...") are told the same way, from the traceback. A parameter not yet reachable from
+   the module is named from the stack (its name in the module whose constructor is running, else
+   the call site); a write by transformers' own code (a Hugging Face model built in
+   ``configure_model``) gets the fixes a user of it can apply.
 2. A use outside any module's forward (``explain_use_outside_forward``): an L2 penalty on
    ``self.W`` in ``training_step`` computes on the empty tensor, and the backward fails inside
    autograd or DeepSpeed with "The size of tensor a (0) must match ..." or "returned an invalid
@@ -54,17 +57,85 @@ def fix_for_writes() -> str:
             "modifier_rank=0):` (the parameters are whole there, and rank 0's values are kept)")
 
 
-def write_message(strategy: str, name: str, shape: tuple[int, ...], how: str, where: str) -> str:
-    """The error for a write ``how`` into partitioned parameter ``name`` while ``where`` runs."""
+def fix_for_transformers(pretrained: bool) -> str:
+    """The fix when the write is transformers' own (its ``post_init`` / ``_init_weights``, or
+    ``from_pretrained``'s loading), which a user cannot move or wrap."""
+    return ("The write is transformers' own (the model's constructor initialises its weights"
+            + (", and from_pretrained then loads the pretrained ones" if pretrained else "")
+            + "), in code you cannot move. Fix: build the Hugging Face model in the LightningModule's "
+            "__init__ instead of configure_model (it is built whole there, and DeepSpeed partitions it "
+            "when training starts), or, in configure_model, keep "
+            "`transformers.integrations.HfDeepSpeedConfig(self.trainer.strategy.config)` alive (an "
+            "attribute: `self._hf_ds = HfDeepSpeedConfig(...)`) before `from_pretrained` -- transformers "
+            "then loads the pretrained weights into the partitioned parameters itself (with from_config "
+            "it initialises them its own ZeRO-3 way, which is not the initialisation a ddp preset starts "
+            "from)")
+
+
+def write_message(strategy: str, name: str, shape: tuple[int, ...], how: str, where: str,
+                  transformers: str | None = None) -> str:
+    """The error for a write ``how`` into partitioned parameter ``name`` while ``where`` runs;
+    ``transformers``: "from_pretrained" or "init" when transformers' own code wrote it."""
     numel = 1
     for n in shape:
         numel *= n
+    lost = {"from_pretrained": "the pretrained weights (a ddp preset would start from them)",
+            "init": "transformers' initialisation (a ddp preset would start from it)"}.get(
+        transformers or "", "this initialisation (a ddp preset would start from yours)")
+    fix = fix_for_transformers(transformers == "from_pretrained") if transformers else fix_for_writes()
     return (f"{where} wrote into parameter {name} (shape {list(shape)}) with {how} after DeepSpeed "
             f"partitioned it: under strategy={strategy} (ZeRO-3) {where} runs inside "
             "deepspeed.zero.Init, which splits each module's parameters over the ranks as soon as "
             f"the module's constructor returns, so here the parameter holds 0 of its {numel} values "
-            "and the write is lost -- training would start from the constructor's values, not from "
-            f"this initialisation (a ddp preset would start from yours). {fix_for_writes()}")
+            f"and the write is lost -- training would start from the constructor's values, not from "
+            f"{lost}. {fix}")
+
+
+def unreached_name(p: Any, frame: Any, skip: tuple[str, ...]) -> str:
+    """How to name parameter ``p``, not yet reachable from the module being configured, from the
+    stack at its write (``frame``): its name in the innermost module whose ``__init__`` is running
+    and that holds it (and the classes of those around it), else the first call site outside the
+    files under ``skip`` (torch, DeepSpeed, this file)."""
+    import torch
+
+    building = []  # the modules whose constructors run, innermost first
+    site, f = None, frame
+    while f is not None:
+        if site is None and not f.f_code.co_filename.startswith(skip):
+            site = f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+        me = f.f_locals.get("self") if f.f_code.co_name == "__init__" else None
+        if isinstance(me, torch.nn.Module) and all(m is not me for m in building):
+            building.append(me)
+        f = f.f_back
+    for i, module in enumerate(building):
+        try:
+            local = next((n for n, q in module.named_parameters(remove_duplicate=False) if q is p), None)
+        except Exception:  # (a module half-way through its constructor)
+            local = None
+        if local is not None:
+            around = ", inside ".join(f"{type(m).__name__}'s constructor" for m in building[i + 1:])
+            return (f"{local} of the {type(module).__name__} being constructed"
+                    + (f" (inside {around})" if around else "")
+                    + (f", written at {site}" if site else ""))
+    inside = f" while {type(building[0]).__name__}'s constructor ran" if building else ""
+    return f"<not yet an attribute of the module{inside}, written at {site or 'an unknown site'}>"
+
+
+def transformers_write(frame: Any) -> str | None:
+    """"from_pretrained" or "init" when transformers' code is on the stack at ``frame`` (the
+    write is its own), else None. (transformers is not imported here: only looked up.)"""
+    module = sys.modules.get("transformers")
+    if module is None or not getattr(module, "__file__", None):
+        return None
+    home = os.path.dirname(module.__file__) + os.sep
+    found = None
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(home):
+            if frame.f_code.co_name == "from_pretrained":
+                return "from_pretrained"
+            found = "init"
+        frame = frame.f_back
+    return found
 
 
 # In-place names that change no values (or only autograd's view of the tensor).
@@ -121,11 +192,12 @@ def refuse_partitioned_writes(strategy: str, params: Callable[[], Iterable[tuple
             frame = frame.f_back
         return frame is not None and frame.f_code.co_filename.startswith(deepspeed_dir)
 
-    def refuse(p: Any, how: str) -> PartitionedWriteError:
+    def refuse(p: Any, how: str, frame: Any) -> PartitionedWriteError:
         name = next((n for n, q in params() if q is p), None)
         shape = tuple(getattr(p, "ds_shape", p.shape))
         return PartitionedWriteError(write_message(
-            strategy, name or f"<not yet an attribute of the module, shape {list(shape)}>", shape, how, where))
+            strategy, name or unreached_name(p, frame, (*own, deepspeed_dir)), shape, how, where,
+            transformers_write(frame)))
 
     class RefuseWrites(TorchFunctionMode):
         def __init__(self) -> None:
@@ -145,7 +217,7 @@ def refuse_partitioned_writes(strategy: str, params: Callable[[], Iterable[tuple
             kwargs = kwargs or {}
             write = written(func, args, kwargs)
             if write is not None and (p := self.target(write[0])) is not None and not by_deepspeed():
-                raise refuse(p, write[1])
+                raise refuse(p, write[1], sys._getframe())
             for a in (*args, *kwargs.values()):
                 if is_partitioned(a):  # (p.data, p.detach(), views: they share its storage)
                     self.seen[_storage(a)] = a
@@ -160,7 +232,7 @@ def refuse_partitioned_writes(strategy: str, params: Callable[[], Iterable[tuple
         frame = _init_frame(e.__traceback__, torch.nn.init.__file__, is_partitioned)
         if frame is None:
             raise
-        raise refuse(frame.f_locals["tensor"], f"torch.nn.init.{frame.f_code.co_name}") from e
+        raise refuse(frame.f_locals["tensor"], f"torch.nn.init.{frame.f_code.co_name}", frame) from e
 
 
 def _init_frame(tb: Any, init_file: str, is_partitioned: Callable[[Any], bool]) -> Any:
