@@ -360,9 +360,10 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
             signum = codes.pop() - 128
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
         said = _said_error(e)  # (a bad record, a run directory not shared: its line, exit 2)
-        stuck = roll.ranks(reaper.killed)
+        stuck = roll.ranks(reaper.killed)  # (else the ranks the agent's SIGTERM ended: stuck early)
+        ended = {} if stuck else roll.ranks(reaper.ended - {f.pid for f in e.failures.values()})
         hint = mismatch_hint(e) if job.run.checkpoint == "deepspeed" else ""  # (a ZeRO preset)
-        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes, stuck) + hint)) from None
+        raise (said or RankLost(_lost(e, job.mesh.size, rdzv.nodes, stuck, ended) + hint)) from None
     except SignalException as e:  # an agent that handles signals itself passed it on and waited
         raise Stopped(f"stopped by {_signal_name(e.sigval)}; {newest(out, job)}", 128 + e.sigval) from None
     finally:

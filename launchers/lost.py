@@ -70,7 +70,8 @@ class Reaper(logging.Filter):
     SIGTERM ("Terminating process <pid> via signal SIGTERM", torch.multiprocessing.spawn's log),
     unless the launcher itself is stopping the run (``stopping``), the rank gets ``GRACE_S`` to
     exit (a rank whose peer vanished needs ~2 s: ``_rank``), then is killed; ``killed`` holds the
-    pids killed so, or by torch after its grace ("Unable to shutdown process <pid>")."""
+    pids killed so, or by torch after its grace ("Unable to shutdown process <pid>"); ``ended``
+    every pid sent that SIGTERM (a rank stuck before our handlers exist ends on it)."""
 
     GRACE_S = 5.0
 
@@ -78,12 +79,14 @@ class Reaper(logging.Filter):
         super().__init__()
         self.stopping = stopping
         self.killed: set[int] = set()
+        self.ended: set[int] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         text, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
         if not args or not isinstance(args[0], int):
             return True
         if text.startswith("Terminating process") and not self.stopping():
+            self.ended.add(args[0])
             timer = threading.Timer(self.GRACE_S, self._kill, (args[0],))
             timer.daemon = True
             timer.start()
@@ -166,7 +169,8 @@ def mismatch_hint(e: Any) -> str:
             "forward (add 0 * the skipped layer's output), or use fsdp2 or a ddp preset")
 
 
-def _lost(e: Any, world: int, nodes: int = 1, stuck: dict[int, int] | None = None) -> str:
+def _lost(e: Any, world: int, nodes: int = 1, stuck: dict[int, int] | None = None,
+          ended: dict[int, int] | None = None) -> str:
     """Which rank was lost and how, from the agent's failures (the ranks the agent itself then
     stopped end by SIGTERM and are not the cause). On one node of several, when every failure
     here is a peer gone, the lost rank is on another node: say that, not this node's own. A rank
@@ -203,16 +207,14 @@ def _lost(e: Any, world: int, nodes: int = 1, stuck: dict[int, int] | None = Non
     if first.exitcode > 0 and any(t in detail for t in TIMED_OUT):  # (a peer, not it)
         where = "as the process group formed" if "DistStoreError" in detail else "in a collective"
         who = "another rank"
-        # (the agent's SIGTERM ends a rank stuck before our handlers exist: as the group forms)
-        termed = {r: f.pid for r, f in failures if f.exitcode == -signal.SIGTERM}
         if stuck:
             names = ", ".join(f"{r} (pid {pid})" for r, pid in sorted(stuck.items()))
             who = f"rank{'s' if len(stuck) > 1 else ''} {names}, killed then,"
-        elif len(termed) == 1:
-            [(r, pid)] = termed.items()
+        elif ended and len(ended) == 1:
+            [(r, pid)] = ended.items()
             who = f"rank {r} (pid {pid}), ended by the launcher then,"
-        elif termed:
-            who = f"one of ranks {sorted(termed)} (ended by the launcher then)"
+        elif ended:
+            who = f"one of ranks {sorted(ended)} (ended by the launcher then)"
         return (f"rank {rank} of {world} timed out waiting for its peers {where}{detail}: {who} "
                 "stopped responding (hung, stopped, or slower than cluster.collective_timeout); "
                 "the job stopped")
