@@ -41,6 +41,10 @@ def main(argv: list[str]) -> None:
     render(report, fmt, detailed=chosen)
     if job.auto and fmt != "json":
         print(job.chosen_by)
+        # (the degrees and knobs it chose, spelled out: the command trains and plans the same)
+        mine = [a for a in argv if a.split("=")[0].lstrip("+~").split(".")[0] != "strategy"]
+        print(f"run it: python train.py {' '.join([*mine, *run_overrides(job.preset)])}"
+              "   (what strategy=auto trains)")
     if chosen and (problems := report.plans[0].problems):  # a layout that cannot run here
         what = "cannot run on" if report.plans[0].blocking else "is incomplete for"
         print(f"strategy={report.plans[0].strategy} {what} {report.cluster} "

@@ -151,6 +151,17 @@ def test_plan_py_prints_the_command_that_runs_the_recommendation():
 
 
 @pytest.mark.subprocess
+def test_strategy_auto_prints_the_command_of_what_it_chose():
+    """plan.py strategy=auto on mixtral named fsdp_ep and printed no command; the ep=8 it chose
+    was on the layout line only, and ``strategy=fsdp_ep`` (ep=2) plans 3.5x slower."""
+    proc = _plan_cli("model=mixtral_8x7b", "cluster=slurm_8x8_h100", "strategy=auto")
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("run it: "))
+    command = line.split("   ")[0]
+    assert "strategy=fsdp_ep strategy.ep=8" in command and "strategy=auto" not in command, line
+
+
+@pytest.mark.subprocess
 def test_a_tight_recommendation_is_not_offered_as_strategy_auto():
     """qwen2_5_7b on one H200: zero3 fits with 0.6 GB free, under planner.reserve_GB, so
     strategy=auto refuses it; the run it line said "(or strategy=auto)" all the same."""
