@@ -157,6 +157,16 @@ def test_planner_splits_experts_by_ep_and_prices_the_token_all_to_all():
     assert a2a["bytes"] == pytest.approx(4 * 32 * one * 7 / 8 * accumulation, rel=1e-6)
 
 
+@pytest.mark.unit
+def test_an_ep_of_one_says_no_tokens_are_traded():
+    """fsdp_ep at ep=1 (deepseek on 8 H100s recommends it) noted a token all-to-all its
+    communication table rightly leaves out."""
+    p1, p2 = _plan("fsdp_ep", 1), _plan("fsdp_ep", 2)
+    assert "moe_all_to_all" not in p1["communication"]["by_collective"]
+    assert any("no token all-to-all" in n for n in p1["notes"]), p1["notes"]
+    assert any("token all-to-all of n_experts" in n for n in p2["notes"]), p2["notes"]
+
+
 def _plan(preset: str, ep: int) -> dict:
     from planner import plan_dict, preflight
 

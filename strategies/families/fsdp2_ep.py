@@ -93,6 +93,9 @@ class ExpertSplit:
         model = n.model
         if not getattr(model, "is_moe", False):
             return super().notes(n)
+        if self.ep == 1:  # (no expert groups: the experts are sharded like the rest, nothing traded)
+            return [*super().notes(n), f"expert parallel ep=1: the {model.expert_params():,} expert parameters "
+                    "are FSDP-sharded over every rank like the rest; no token all-to-all"]
         return [*super().notes(n),
                 f"expert parallel ep={self.ep}: {model.expert_params():,} expert parameters split "
                 f"{self.ep} ways; token all-to-all of n_experts x micro x capacity({model.capacity()}) "
