@@ -114,14 +114,17 @@ def chunked_head_bytes(tokens: int, shape: ModelDescription, chunk: int = 0) -> 
 
 def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bool = False,
                      flash: bool = True, elem: float = 2, regime: str | None = None,
-                     seq: int = 1, chunk: int = 0) -> tuple[float, float, float, float]:
+                     seq: int = 1, chunk: int = 0,
+                     vocab_tp: int | None = None) -> tuple[float, float, float, float]:
     """One micro-batch's bytes on one rank: a block's saved tensors, a checkpointed block's,
     the loss tail's (final norm, head, fp32 cross entropy) and the embedding's -- calibrated
     when ``regime`` names a traced precision regime of this architecture, else the closed
     forms with ``elem`` bytes per element. ``seq``: the sequence degree (context parallel or
     Ulysses): each rank keeps its 1/seq of the tokens (Ulysses' attention sees the whole sequence
     but 1/seq of the heads: the same bytes). ``chunk`` (trainer.loss_chunk): the tail's logits
-    terms are one chunk's, plus the gradients the chunked loss holds (``chunked_head_bytes``)."""
+    terms are one chunk's, plus the gradients the chunked loss holds (``chunked_head_bytes``).
+    ``vocab_tp``: the ranks the closed form's fp32 logits are split over (default ``tp``; the
+    runnable TP presets keep the whole vocabulary's on every rank: 1)."""
     s, b, h = shape.seq_len // max(1, seq), micro, shape.dim
     logits, held = logit_tokens(s * b, chunk), chunked_head_bytes(s * b, shape, chunk)
     table = calibrated(shape, regime, tp, sp)
@@ -143,7 +146,8 @@ def activation_parts(shape: ModelDescription, *, micro: int, tp: int = 1, sp: bo
                                    kv=shape.n_kv_heads * (h // shape.n_heads), t=tp, sp=sp,
                                    dropout=shape.dropout > 0, flash=flash, mlp_tensors=4, elem=elem)
     block_input = s * b * h * elem / (tp if sp else 1)  # all a checkpointed block keeps
-    head = (4 * logits * shape.vocab_size / tp + s * b * h * elem / (tp if sp else 1)  # fp32 logits, norm
+    head = (4 * logits * shape.vocab_size / (tp if vocab_tp is None else vocab_tp)  # fp32 logits
+            + s * b * h * elem / (tp if sp else 1)  # the final norm's output
             + held)
     return layer, block_input, head, 0.0
 
@@ -209,7 +213,7 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
                      sp: bool = False, ckpt: bool | str = False, flash: bool = True, elem: float = 2,
                      regime: str | None = None, schedule: str = "1f1b", virtual: int = 1,
                      microbatches: int = 1, split: list[int] | None = None, seq: int = 1,
-                     loss: float = 0.0, every: int = 1, chunk: int = 0) -> int:
+                     loss: float = 0.0, every: int = 1, chunk: int = 0, vocab_tp: int | None = None) -> int:
     """Activations of the busiest device: without a pipeline, one micro-batch through the
     whole model; with ``pp`` stages (``virtual`` per rank), the most its ``schedule`` keeps
     alive at once over ``microbatches`` micro-batches, each chunk its stage's blocks (and the
@@ -218,9 +222,10 @@ def activation_bytes(shape: ModelDescription, *, micro: int, tp: int = 1, pp: in
     attention outputs and rebuilds the rest of one block; ``every``: only blocks n, 2n, ... are
     checkpointed (``kept_per_block``). ``loss``: bytes alive beside the activations of the
     rank holding the head at backward's start (the loss backward, ``loss_backward_bytes``).
-    ``chunk``: trainer.loss_chunk (``activation_parts``)."""
+    ``chunk``, ``vocab_tp``: as ``activation_parts`` takes them."""
     layer, block_input, head, embed = activation_parts(shape, micro=micro, tp=tp, sp=sp, flash=flash,
-                                                       elem=elem, regime=regime, seq=seq, chunk=chunk)
+                                                       elem=elem, regime=regime, seq=seq, chunk=chunk,
+                                                       vocab_tp=vocab_tp)
     embed += document_mask_bytes(shape, micro=micro, seq=seq)
     selective = (selective_block_bytes(shape, micro=micro, tp=tp, sp=sp, elem=elem, seq=seq)
                  if ckpt == "selective" else 0.0)

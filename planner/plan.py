@@ -142,7 +142,8 @@ def _memory(lo: _Layout) -> tuple[Memory, int, int, int]:
         kw = dict(micro=micro, tp=tp, pp=lo.mesh.pp, sp=lo.tp_sp, seq=lo.mesh.seq,
                   flash=su.options.flash_attention, elem=lo.sb.activation,
                   regime=None if c.planned_only else lo.run.regime, schedule=lo.schedule,
-                  virtual=lo.virtual, microbatches=lo.m, split=lo.split, chunk=chunk)
+                  virtual=lo.virtual, microbatches=lo.m, split=lo.split, chunk=chunk,
+                  vocab_tp=tp if c.planned_only else 1)  # (the runnable TP presets: whole logits)
         act_full = activation_bytes(shape, ckpt=False, **kw)
         on = dict(ckpt=ckpt or True, every=lo.every if ckpt else 1)  # as it runs, or true
         act_ckpt = activation_bytes(shape, **on, **kw)
