@@ -166,6 +166,34 @@ def test_a_sweeps_own_refusals_and_warnings_go_to_stderr_and_its_infos_to_stdout
     assert "sweep report: " in run.proc.stdout and "(0 ok, 1 skipped, 0 failed)" in run.proc.stdout
 
 
+@pytest.mark.unit
+def test_a_skipped_jobs_row_shows_the_plan_its_job_recorded(tmp_path):
+    """A job the planner skipped has no report.json, but its job.json holds the plan: its row said
+    "predicted: fits = no" and left the predicted step s, state MiB and comm MiB/step at "-".
+    They come from the recorded plan, as an ok job's come from its report."""
+    import json
+
+    import planner
+    from launchers.sweep_report import markdown, row
+    from observers.compare import predicted_state_bytes, predicted_wire_bytes
+
+    overrides = [*TINY, "strategy=ddp", "cluster.devices=2", "planner.enforce=true", "cluster.device_memory_GB=1e-6"]
+    with pytest.raises(planner.WillNotFit) as e:
+        planner.check(validate(compose(overrides)))
+    job = _earlier_job(tmp_path, 0, *overrides, results=False)
+    (job / ".hydra" / "config.yaml").write_text("strategy: {name: ddp}\ncluster: {nodes: 1, devices: 2}\n")
+    (job / "job.json").write_text(json.dumps({"status": "skipped", "reason": str(e.value), "plan": e.value.plan},
+                                             default=str))
+    r = row(job, tmp_path)
+    plan = e.value.plan
+    assert r["status"] == "skipped" and r["predicted_fits"] is False, r
+    assert r["predicted_step_seconds"] == plan["step_seconds"] > 0
+    assert r["predicted_state_bytes"] == predicted_state_bytes(plan["memory"]) > 0
+    assert r["predicted_comm_bytes_per_step"] == predicted_wire_bytes(plan["communication"]) > 0
+    cells = [c.strip() for c in markdown([r], tmp_path).splitlines()[-7].split("|")[1:-1]]
+    assert cells[2] == "skipped" and cells[10] == "no" and "-" not in cells[11:], cells
+
+
 # --------------------------------------------------------------------------- Ctrl-C in a sweep
 def _ctrl_c_sweep(tmp_path: Path) -> tuple[str, Path, list[str], dict[str, str]]:
     """A local sweep of two one-process jobs, Ctrl-C'd (SIGINT to its process group, as a terminal
