@@ -66,9 +66,10 @@ def _out_problems(job) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    implied = ()  # (what it runs on: strategy=auto picks for it)
     if "export=accelerate" in argv and not any(a.startswith("backend=") for a in argv):
-        argv = [*argv, "backend=accelerate"]  # (what it runs on: strategy=auto picks for it)
-    if (composed := cli.query(argv, __doc__)) is None:
+        implied = ("backend=accelerate",)
+    if (composed := cli.query(argv, __doc__, "export.py", implied)) is None:
         return
     cfg, _, _ = composed
     from planner import choose

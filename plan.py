@@ -18,7 +18,7 @@ from recipes import cli
 
 
 def main(argv: list[str]) -> None:
-    if (composed := cli.query(argv, __doc__)) is None:
+    if (composed := cli.query(argv, __doc__, "plan.py")) is None:
         return
     cfg, groups, argv = composed
     from planner import choose, plan_all, run_overrides, what_ifs

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from observers.compare import sweep_facts
+from observers.compare import predicted_state_bytes, predicted_wire_bytes, sweep_facts
 from observers.files import atomic_write_text
 
 STATUS = "job.json"
@@ -74,9 +74,13 @@ def row(job_dir: Path, sweep: Path) -> dict[str, Any]:
     r["predicted_fits"] = plan.get("fits")
     r["predicted_tight"] = plan.get("tight")
     r["device_memory"] = plan.get("device_memory")
-    if report is None:
+    if report is None:  # (skipped, failed: the plan its job.json recorded, as a report's would say)
+        r["predicted_step_seconds"] = plan.get("step_seconds")
         if plan.get("memory"):
             r["predicted_device_bytes"] = plan["memory"]["total"]
+            r["predicted_state_bytes"] = predicted_state_bytes(plan["memory"])
+        if plan.get("communication"):
+            r["predicted_comm_bytes_per_step"] = predicted_wire_bytes(plan["communication"])
         return r
     ranks = report.get("memory", {}).get("ranks", [])
     pvm = report.get("predicted_vs_measured", {})

@@ -195,21 +195,68 @@ def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
         sys.exit(CONFIG_ERROR)
 
 
-def query(argv: list[str], doc: str) -> tuple[object, set[str], list[str]] | None:
+def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
+          ) -> tuple[object, set[str], list[str]] | None:
     """The start of a script that queries the config instead of running a job (plan.py,
-    export.py): ``--help`` prints ``doc`` and the groups (None); otherwise the composed config,
-    the groups it chose rather than took by default (``compose_chosen``) and the normalized
-    overrides, or the composition error and exit 2."""
+    export.py): ``--help`` prints ``doc`` and the groups (None); a sweep is one line and exit 2
+    (``one_point``); otherwise the composed config (of ``argv`` and the overrides the script
+    adds, ``implied``), the groups it chose rather than took by default (``compose_chosen``) and
+    the normalized overrides, or the composition error and exit 2."""
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
 
         print(doc + "\n" + groups_help())
         return None
+    if (sweep := one_point(argv, script)) is not None:
+        print(sweep, file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
     from recipes.compose import compose_chosen
 
-    argv = normalize(argv)
+    argv = normalize([*argv, *implied])
     cfg, chosen = or_exit(lambda: compose_chosen(argv), argv)
     return cfg, chosen, argv
+
+
+SWEEP_FLAGS = ("-m", "--multirun")
+_ONE_POINT = {"plan.py": ("plans", "plan"), "export.py": ("writes the files of", "export")}
+
+
+def one_point(argv: list[str], script: str) -> str | None:
+    """Why ``script`` (plan.py, export.py: one composition, one point) cannot take this command
+    line, in one line with the fix; None when it can. A sweep -- ``-m``/``--multirun``, a comma
+    list (``strategy=ddp,fsdp2``) or Hydra's ``range``/``choice``/``glob`` -- reached Hydra's
+    "Ambiguous value ... add --multirun" advice, then its lexer error on ``-m``. The fix: a command
+    per value; plan.py: the ranking of every preset, and ``train.py -m ... --dry-run``, which
+    plans every point of a sweep, but as jobs started on this machine (launchers/dry_run.py)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    flag = next((a for a in argv if a in SWEEP_FLAGS), None)
+    rest = [a for a in argv if a not in SWEEP_FLAGS]
+    try:
+        parsed = OverridesParser.create().parse_overrides(rest)
+    except Exception:  # noqa: BLE001  (a malformed override: composing it says what is wrong)
+        parsed = []
+    does, verb = _ONE_POINT[script]
+    at = next((i for i, o in enumerate(parsed) if o.is_sweep_override()), None)
+    if at is None:
+        return None if flag is None else (f"{flag}: {script} {does} one point and takes no {flag}: "
+                                           f"python {script} {' '.join(rest)}".rstrip())
+    key, _, text = rest[at].partition("=")
+    try:
+        values = [str(v) for v in parsed[at].sweep_string_iterator()]
+    except Exception:  # noqa: BLE001  (interval(), glob(): not enumerable here)
+        values = []
+    name = key.lstrip("+~")
+    first = " ".join([script, *rest[:at], f"{key}={values[0] if values else '<one value>'}", *rest[at + 1:]])
+    then = ", ".join(f"{name}={v}" for v in values[1:])
+    line = (f"{rest[at]}: {script} {does} one point, and this sweeps {name} over {', '.join(values) or text}; "
+            f"{verb} each value in a command of its own: python {first}" + (f" (then {then})" if then else ""))
+    if script == "plan.py" and name == "strategy":
+        line += "; or leave strategy out: plan.py ranks every preset"
+    if script == "plan.py" and values:
+        line += (f"; python train.py -m {' '.join(rest)} --dry-run plans every point too, as jobs "
+                 "started on this machine (checked against its cores and GPUs)")
+    return line
 
 
 def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | None = None) -> None:

@@ -214,3 +214,38 @@ def test_a_parameter_count_what_if_prints_no_command_and_a_run_refuses_it(tmp_pa
                          timeout=120)
     assert run.returncode != 0
     assert "planner.params=1e+10: plan.py's what-if of a parameter count" in run.stdout + run.stderr
+
+
+@pytest.mark.unit
+def test_a_sweep_given_to_plan_py_or_export_py_is_one_line_with_the_commands_that_work():
+    """plan.py and export.py take one point. A comma list got Hydra's "Ambiguous value ... add
+    --multirun" advice, and -m / --multirun then Hydra's LexerNoViableAltException. Now one line:
+    the key, its values, a command per value (plan.py: or the ranking of every preset, or
+    train.py -m ... --dry-run, which plans every point as jobs started here)."""
+    from recipes.cli import one_point
+
+    args = ["model=gpt_nano", "strategy=ddp,fsdp2", "cluster.devices=2"]
+    line = one_point(["--multirun", *args], "plan.py")
+    assert line == one_point(args, "plan.py") == one_point(["-m", *args], "plan.py")
+    assert line.startswith("strategy=ddp,fsdp2: plan.py plans one point, and this sweeps strategy over ddp, "
+                           "fsdp2; plan each value in a command of its own: python plan.py model=gpt_nano "
+                           "strategy=ddp cluster.devices=2 (then strategy=fsdp2); or leave strategy out"), line
+    assert ("python train.py -m model=gpt_nano strategy=ddp,fsdp2 cluster.devices=2 --dry-run plans every "
+            "point too, as jobs started on this machine") in line and "\n" not in line
+    assert one_point(["-m", "model=gpt_nano"], "plan.py") == \
+        "-m: plan.py plans one point and takes no -m: python plan.py model=gpt_nano"
+    assert "trainer.lr over 1, 2, 3;" in one_point(["trainer.lr=range(1,4)"], "plan.py")
+    exported = one_point(["strategy=zero2,zero3", "export=deepspeed"], "export.py")
+    assert exported == ("strategy=zero2,zero3: export.py writes the files of one point, and this sweeps strategy "
+                        "over zero2, zero3; export each value in a command of its own: python export.py "
+                        "strategy=zero2 export=deepspeed (then strategy=zero3)"), exported
+    for one in (args[:1], ["strategy.buckets=[1,2]"], ["trainer.lr='1,2'"], ["logger=null"], []):
+        assert one_point(one, "plan.py") is None, one  # (a list, a quoted comma: one value)
+
+
+@pytest.mark.subprocess
+def test_plan_py_with_multirun_exits_2_with_our_line_not_hydras_lexer_error():
+    proc = _plan_cli("--multirun", "model=gpt_nano", "strategy=ddp,fsdp2", "cluster.devices=2")
+    assert proc.returncode == 2 and not proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("strategy=ddp,fsdp2: plan.py plans one point") and proc.stderr.count("\n") == 1
+    assert "Lexer" not in proc.stderr and "Ambiguous" not in proc.stderr, proc.stderr

@@ -136,6 +136,62 @@ def test_train_py_refuses_a_sweep_into_another_configurations_job_directories(tm
     assert "holds a checkpoint and report.json of an earlier sweep's job with other" in run.log, run.log[-3000:]
     assert "nothing was started" in run.log and "Traceback" not in run.log
     assert not (job / "job.json").exists() and (job / "report.json").read_text() == '{"final_loss": 5.0}'
+    # (on stderr, as a run's errors: `> sweep.log` still shows on the terminal why it stopped)
+    assert "[launchers.sweep][ERROR] - the sweep directory holds an earlier sweep's jobs" in run.proc.stderr
+    assert "earlier sweep" not in run.proc.stdout, run.proc.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- the sweep's own lines
+@pytest.mark.subprocess
+def test_a_sweeps_own_refusals_and_warnings_go_to_stderr_and_its_infos_to_stdout(tmp_path):
+    """The sweep driver logged through Hydra's own logging (hydra_logging, which
+    conf/hydra/default.yaml did not configure): the preflight's refusal (exit 2) and the report's
+    "left out" warning went to stdout, stamped [HYDRA], so `python train.py -m ... > sweep.log`
+    exited 2 showing nothing. Warnings and errors go to stderr in a run's format, infos stay on
+    stdout."""
+    bad = run_cli("train.py", "-m", *TINY, "strategy=ddp,nosuch", "cluster.devices=2", "trainer.max_steps=2",
+                  f"hydra.sweep.dir={tmp_path / 'bad'}", out=tmp_path / "x", check=False, timeout=120)
+    assert bad.proc.returncode == 2, bad.log[-3000:]
+    assert "[launchers.sweep][ERROR] - preflight: 1 of the sweep's 2 jobs cannot run" in bad.proc.stderr, \
+        bad.log[-3000:]
+    assert "strategy=nosuch: no such strategy" in bad.proc.stderr and "preflight" not in bad.proc.stdout
+    sweep = tmp_path / "s"  # (an earlier sweep's job 1, which this one-job sweep leaves out)
+    _earlier_job(sweep, 1, *TINY, "trainer.max_steps=2", results=False)
+    run = run_cli("train.py", "-m", *TINY, "strategy=ddp", "cluster.devices=2", "trainer.max_steps=2",
+                  "+preflight=false", "planner.enforce=true", "cluster.device_memory_GB=1e-6",
+                  f"hydra.sweep.dir={sweep}", out=tmp_path / "y", timeout=120)  # (job 0: skipped, not run)
+    assert "[launchers.sweep][WARNING] - sweep report: left out 1, which an earlier sweep" in run.proc.stderr, \
+        run.log[-3000:]
+    assert "left out" not in run.proc.stdout and "preflight=false" not in run.proc.stdout
+    assert "sweep report: " in run.proc.stdout and "(0 ok, 1 skipped, 0 failed)" in run.proc.stdout
+
+
+@pytest.mark.unit
+def test_a_skipped_jobs_row_shows_the_plan_its_job_recorded(tmp_path):
+    """A job the planner skipped has no report.json, but its job.json holds the plan: its row said
+    "predicted: fits = no" and left the predicted step s, state MiB and comm MiB/step at "-".
+    They come from the recorded plan, as an ok job's come from its report."""
+    import json
+
+    import planner
+    from launchers.sweep_report import markdown, row
+    from observers.compare import predicted_state_bytes, predicted_wire_bytes
+
+    overrides = [*TINY, "strategy=ddp", "cluster.devices=2", "planner.enforce=true", "cluster.device_memory_GB=1e-6"]
+    with pytest.raises(planner.WillNotFit) as e:
+        planner.check(validate(compose(overrides)))
+    job = _earlier_job(tmp_path, 0, *overrides, results=False)
+    (job / ".hydra" / "config.yaml").write_text("strategy: {name: ddp}\ncluster: {nodes: 1, devices: 2}\n")
+    (job / "job.json").write_text(json.dumps({"status": "skipped", "reason": str(e.value), "plan": e.value.plan},
+                                             default=str))
+    r = row(job, tmp_path)
+    plan = e.value.plan
+    assert r["status"] == "skipped" and r["predicted_fits"] is False, r
+    assert r["predicted_step_seconds"] == plan["step_seconds"] > 0
+    assert r["predicted_state_bytes"] == predicted_state_bytes(plan["memory"]) > 0
+    assert r["predicted_comm_bytes_per_step"] == predicted_wire_bytes(plan["communication"]) > 0
+    cells = [c.strip() for c in markdown([r], tmp_path).splitlines()[-7].split("|")[1:-1]]
+    assert cells[2] == "skipped" and cells[10] == "no" and "-" not in cells[11:], cells
 
 
 # --------------------------------------------------------------------------- Ctrl-C in a sweep
