@@ -48,6 +48,9 @@ def main(argv: list[str]) -> None:
     from core.knobs import paths_elsewhere
 
     dry = "--dry-run" in argv
+    if (sweep := cli.one_point([a for a in argv if a != "--dry-run"], "launch.py")) is not None:
+        print(sweep, file=sys.stderr)
+        sys.exit(cli.CONFIG_ERROR)
     overrides = cli.normalize([a for a in argv if a != "--dry-run"])
     cfg = cli.or_exit(lambda: compose(overrides), overrides)
 

@@ -218,11 +218,12 @@ def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
 
 
 SWEEP_FLAGS = ("-m", "--multirun")
-_ONE_POINT = {"plan.py": ("plans", "plan"), "export.py": ("writes the files of", "export")}
+_ONE_POINT = {"plan.py": ("plans", "plan"), "export.py": ("writes the files of", "export"),
+              "launch.py": ("submits", "submit")}
 
 
 def one_point(argv: list[str], script: str) -> str | None:
-    """Why ``script`` (plan.py, export.py: one composition, one point) cannot take this command
+    """Why ``script`` (plan.py, export.py, launch.py: one composition, one job) cannot take this command
     line, in one line with the fix; None when it can. A sweep -- ``-m``/``--multirun``, a comma
     list (``strategy=ddp,fsdp2``) or Hydra's ``range``/``choice``/``glob`` -- reached Hydra's
     "Ambiguous value ... add --multirun" advice, then its lexer error on ``-m``. The fix: a command

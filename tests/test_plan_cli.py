@@ -249,3 +249,6 @@ def test_plan_py_with_multirun_exits_2_with_our_line_not_hydras_lexer_error():
     assert proc.returncode == 2 and not proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr.startswith("strategy=ddp,fsdp2: plan.py plans one point") and proc.stderr.count("\n") == 1
     assert "Lexer" not in proc.stderr and "Ambiguous" not in proc.stderr, proc.stderr
+    launched = subprocess.run([sys.executable, "launch.py", "-m", "cluster=k8s", "strategy=ddp,fsdp2", "--dry-run"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert launched.returncode == 2 and launched.stderr.startswith("strategy=ddp,fsdp2: launch.py submits one point")
