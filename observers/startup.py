@@ -97,6 +97,12 @@ _start, _marks = _initial()
 _spans: list[tuple[str, float, float]] = []
 
 
+def started_at() -> float:
+    """When this timeline began (the run's start: our launcher's or torchrun's agent's for their
+    ranks), in seconds since the epoch."""
+    return time.time() - _now() + _start
+
+
 def mark(phase: str) -> None:
     """The time since the previous mark belonged to ``phase``."""
     if phase not in PHASES:
