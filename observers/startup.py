@@ -18,12 +18,15 @@ meets them:
 - ``op_build``: building a C++ extension at its first use, or waiting for another process's
   build of it (DeepSpeed's ops), wherever it happens: ``record``ed by the watcher that sees it
   (``backends/common/extensions.py``)
+- ``data``: the data's preparation -- reading the inputs, tokenizing them or waiting for the
+  rank that does, reading the token cache, counting the targets -- wherever the backend builds
+  it (Lightning: before the model; Accelerate: after it), a ``span`` around the data's build
 - ``model_build``: the engine's objects, the model, its wrapping and the optimizer
 - ``compile``: torch.compile's warm-up inside the first step (dynamo tracing, inductor's
   kernels, the backward's lazy compile), ``record``ed from torch's compile start/end callbacks
   when the run compiles (``trainer.compile``); 0 otherwise
 - ``first_step``: the data loader's start and the first optimizer step (the ``StartupTimes``
-  observer), less its ``compile`` time
+  observer), less its ``compile`` time (the data's preparation is ``data``)
 
 A rank started by our launcher continues its parent's timeline (inherited when forked, handed
 over in the environment, ``ENV``, when spawned); a rank of torchrun or ``accelerate launch``
@@ -47,7 +50,7 @@ from observers.base import Engine, Observer, Selection, observer
 
 log = logging.getLogger(__name__)
 
-PHASES = ("import", "config", "plan", "rendezvous", "op_build", "model_build", "checkpoint_load",
+PHASES = ("import", "config", "plan", "rendezvous", "op_build", "data", "model_build", "checkpoint_load",
           "compile", "first_step")
 T = TypeVar("T")
 ENV = "STRATAGEM_STARTUP"
@@ -92,6 +95,12 @@ def _initial() -> tuple[float, list[tuple[str, float]]]:
 
 _start, _marks = _initial()
 _spans: list[tuple[str, float, float]] = []
+
+
+def started_at() -> float:
+    """When this timeline began (the run's start: our launcher's or torchrun's agent's for their
+    ranks), in seconds since the epoch."""
+    return time.time() - _now() + _start
 
 
 def mark(phase: str) -> None:

@@ -362,9 +362,11 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
                             field=data_cfg.messages_field if chat else data_cfg.field,
                             tokenizer=data_cfg.tokenizer, cache_dir=data_cfg.cache_dir,
                             train_on=data_cfg.train_on, key=key)
+        from observers.startup import started_at
+
         log.info("data: %s -> %d tokens (%d in the loss), %d documents (%s, %s)", path or CORPUS,
                  stream.n_tokens, stream.n_loss_tokens, stream.n_docs, stream.path.name,
-                 "tokenized" if stream.built else "cached")
+                 stream.origin(since=started_at()))  # ("cached" only if from before this run)
         if stream.max_id >= vocab:
             from recipes.token_checks import vocab_fix, vocab_named
 

@@ -32,7 +32,9 @@ the ids are checked against ``model.vocab_size`` without reading the tokens agai
 call ``token_file`` at once (before or after the process group exists, on one node or several
 sharing a file system): an exclusive ``flock`` on a lock file lets the first one tokenize while
 the others wait, and the token file appears by atomic rename only when complete, so no rank ever
-reads a partial file.
+reads a partial file. Whichever rank tokenizes, the console is told who does and how far it got
+(recipes/token_progress.py), and the meta records who built the file and when, so a rank that
+waited does not call it cached (``TokenFile.origin``).
 
 Beside this module, by job: recipes/token_inputs.py (what an input is and holds, read
 cheaply), recipes/token_checks.py (the checks before launch, ``data_problems``, and the shards'
@@ -60,6 +62,7 @@ from recipes.token_checks import (bad_record, data_problems, shard_id_problem, s
 from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOADERS, SUFFIXES, Inputs,
                                   TokenizerInfo, chat_template_of, default_cache_dir, record_keys,
                                   resolve_inputs, splits_of, tokenizer_info)
+from recipes.token_progress import Turn, registered, take, this_rank
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,25 @@ class TokenFile:
     """EOS tokens inside documents (a chat template whose end-of-turn marker is the EOS)."""
     built: bool
     """This call tokenized it (False: read from the cache)."""
+    built_by: int | None = None
+    """The rank that tokenized it (None: a cache older than that record)."""
+    built_at: float | None = None
+    """When its tokenization ended (seconds since the epoch; None: not recorded)."""
+    build_seconds: float | None = None
+    waited: float = 0.0
+    """Seconds this call waited for another process's tokenization of it."""
+
+    def origin(self, since: float) -> str:
+        """How this call came by it, for the data line, ``since`` the run's start (seconds since
+        the epoch): tokenized by this call, tokenized by another rank (or another job) during
+        this run -- this call waited for it, or it ended after ``since`` -- or ``cached``."""
+        took = f" in {self.build_seconds:.0f} s" if self.build_seconds is not None else ""
+        if self.built:
+            return f"tokenized{took}"
+        if self.waited or (self.built_at is not None and self.built_at >= since):
+            who = f" on rank {self.built_by}" if self.built_by is not None else " by another process"
+            return f"tokenized{who}{took}" + (f"; waited {self.waited:.0f} s" if self.waited >= 1 else "")
+        return "cached"
 
     def array(self) -> Any:
         import numpy as np
@@ -131,11 +153,12 @@ class TokenFile:
 
 def token_file(*, kind: str, path: str | Path, field: str, tokenizer: str | Path,
                cache_dir: str | Path | None = None, train_on: str = "assistant",
-               key: str = "data.path") -> TokenFile:
+               key: str = "data.path", rank: int | None = None) -> TokenFile:
     """The cached token stream of ``path`` (tokenized now if no cache matches). ``field``: the
     text column, or the messages column (``kind="chat"``); ``train_on`` (chat): ``assistant``
     writes a loss mask, ``all`` none. ``key``: the input's key (``data.val_path`` reads a
-    DatasetDict's validation split, ``splits_of``), which its errors name."""
+    DatasetDict's validation split, ``splits_of``), which its errors name. ``rank``: the
+    caller's rank in the job, which the console is told (default: the launcher's, ``this_rank``)."""
     import fcntl
 
     inputs = resolve_inputs(kind, path, splits_of(key))
@@ -147,19 +170,31 @@ def token_file(*, kind: str, path: str | Path, field: str, tokenizer: str | Path
     meta_path, bin_path = cache / f"{name}.json", cache / f"{name}.bin"
     mask_path = cache / f"{name}.mask.bin" if train_on == "assistant" else None
     ends_path = cache / f"{name}.ends.bin"
-    with open(cache / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller tokenizes; the others wait here
+    turn = Turn(str(path), cache / f"{name}.progress", this_rank() if rank is None else rank)
+    fresh = not meta_path.is_file()  # (a cache from before: read under the lock, nothing said)
+    waited = 0.0
+    with open(cache / f"{name}.lock", "w") as lock, \
+            (registered(turn) if fresh else contextlib.nullcontext()):
+        # the first caller tokenizes; the others wait here (and say for whom: token_progress.py)
+        if fresh:
+            waited = take(lock, turn, meta_path)
+        else:
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             built = not meta_path.is_file()
             if built:
+                turn.start(files=len(inputs.files), size=sum(f.stat().st_size for f in inputs.files))
                 _build(kind, inputs, field, tok, train_on, bin_path, mask_path, ends_path, meta_path,
-                       source=str(path), key=key)
+                       source=str(path), key=key, turn=turn)
             meta = json.loads(meta_path.read_text())
         finally:
+            turn.done()  # (its progress file, before the next rank takes the lock)
             fcntl.flock(lock, fcntl.LOCK_UN)
+    by = meta.get("built") or {}
     return TokenFile(bin_path, meta["dtype"], meta["n_tokens"], meta["n_docs"], meta["eos_id"],
                      meta["vocab_size"], meta["max_id"], meta["n_loss_tokens"], mask_path, ends_path,
-                     meta["eos_inside"], built)
+                     meta["eos_inside"], built, by.get("rank"), by.get("at"), by.get("seconds"),
+                     0.0 if built else waited)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -213,12 +248,8 @@ def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str
             f"datasets cannot read it as {inputs.loader} ({cause[0] if cause else type(error).__name__})")
 
 
-def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str, bin_path: Path,
-           mask_path: Path | None, ends_path: Path, meta_path: Path, *, source: str,
-           key: str = "data.path") -> None:
-    import numpy as np
-    from tqdm.auto import tqdm
-
+def _tokenizer(tok_path: Path, kind: str) -> tuple[Any, int]:
+    """The tokenizer and its EOS id, refused without an EOS (or, for chat, a chat template)."""
     tok = load_tokenizer(tok_path)
     eos = tok.eos_token_id if tok.eos_token_id is not None else tokenizer_info(tok_path).eos_id
     if eos is None:
@@ -228,6 +259,16 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
         raise DataError(f"data.tokenizer={tok_path} has no chat template, and data=chat renders "
                         "each conversation with it: point data.tokenizer at a tokenizer with a "
                         "chat_template (tokenizer_config.json or chat_template.jinja)")
+    return tok, eos
+
+
+def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str, bin_path: Path,
+           mask_path: Path | None, ends_path: Path, meta_path: Path, *, source: str,
+           key: str = "data.path", turn: Turn) -> None:
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    tok, eos = _tokenizer(tok_path, kind)
     vocab = len(tok)
     dtype = np.uint16 if vocab < 2**16 else np.uint32
     column = "text" if kind == "text" and inputs.loader == "text" else field
@@ -243,8 +284,9 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
             raise DataError(f"{key}={source}: the records have no {column!r} column (they have: "
                             f"{', '.join(ds.column_names)}): set data."
                             f"{'messages_field' if kind == 'chat' else 'field'}=<one of them>")
-        log.info("tokenizing %s (%d files, %d records, field %r) with %s -> %s", source,
-                 len(inputs.files), len(ds), column, tok_path, bin_path)
+        log.info("tokenizing %s: %d records in %d files, field %r, with %s -> %s", source,
+                 len(ds), len(inputs.files), column, tok_path, bin_path)
+        turn.update(total=len(ds))
         try:
             with open(tmp, "wb") as out, open(tmp_ends, "wb") as eout, \
                     (open(tmp_mask, "wb") if tmp_mask else contextlib.nullcontext()) as mout, \
@@ -273,6 +315,7 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
                     n_tokens += len(flat)
                     n_docs += len(docs)
                     bar.update(len(docs))
+                    turn.update(docs=n_docs)
             if mask_path is None:
                 n_loss = n_tokens
             elif n_loss == 0:
@@ -292,7 +335,8 @@ def _build(kind: str, inputs: Inputs, field: str, tok_path: Path, train_on: str,
         "dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_docs": n_docs, "eos_id": eos,
         "vocab_size": vocab, "max_id": max_id, "n_loss_tokens": n_loss, "eos_inside": eos_inside,
         "source": source, "files": len(inputs.files), "field": column,
-        "train_on": train_on if kind == "chat" else None, "tokenizer": str(tok_path)})
+        "train_on": train_on if kind == "chat" else None, "tokenizer": str(tok_path),
+        "built": turn.record()})
 
 
 def _write_meta(meta_path: Path, meta: dict[str, Any]) -> None:

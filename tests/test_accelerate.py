@@ -79,6 +79,9 @@ def test_accelerate_trains_what_lightning_trains(both, reference, case, optimize
     # not Accelerate's no_sync holding unsharded gradients to the boundary)
     sent = [r.report["predicted_vs_measured"]["communication"]["measured"] for r in (lightning, accelerate)]
     assert sent[1] == pytest.approx(sent[0], rel=0.01), (case, sent)
+    # the data's build is the start-up's data phase on both (it was model_build on Lightning,
+    # first_step on Accelerate)
+    assert all(r.report["startup"]["seconds"]["data"] > 0 for r in (lightning, accelerate)), case
 
 
 @pytest.mark.subprocess

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -97,6 +98,76 @@ def test_cache_reused_then_invalidated(hf_tokenizer, tmp_path):
         t.join()
     assert sorted(r.built for r in results) == [False, False, True]
     assert len({r.path for r in results}) == 1
+
+
+@pytest.mark.unit
+def test_whichever_rank_tokenizes_rank_0_says_so_and_reports_its_progress(hf_tokenizer, tmp_path, caplog,
+                                                                          monkeypatch):
+    """Rank 1 wins the cache's lock (any rank may; only rank 0's INFO reaches the console): rank 0
+    says it waits for rank 1, the start-up watcher reports rank 1's progress on rank 0 while it
+    waits (here at a short interval), and rank 0's data line says "tokenized on rank 1", not
+    "cached" (it said "cached" for a cache this run had just built); "cached" is said of a cache
+    from before the run."""
+    from backends.common import extensions
+    from observers import startup
+    from recipes import token_progress
+    from recipes.tokens import token_file
+
+    monkeypatch.setattr(token_progress, "PROGRESS_S", 0.0)  # (every batch; 1 s in a run)
+    caplog.set_level(logging.INFO)
+    src = _jsonl(tmp_path / "d.jsonl", _docs(40) * 50)  # (2,000 documents: about a second here)
+    kw = {"kind": "jsonl", "path": src, "field": "text", "tokenizer": hf_tokenizer, "cache_dir": tmp_path / "c"}
+    got = {}
+    one = threading.Thread(target=lambda: got.update({1: token_file(**kw, rank=1)}))
+    with extensions.watch(first_s=0.0, every_s=0.0, poll_s=0.01):
+        one.start()
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "c").glob("*.progress")) and time.monotonic() < deadline:
+            time.sleep(0.002)  # (rank 1 holds the lock and tokenizes)
+        got[0] = token_file(**kw, rank=0)
+        one.join(timeout=60)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"tokenizing {src} on rank 1") for m in said), said
+    assert any(m.startswith(f"waiting for rank 1 (pid {os.getpid()}") and f"to tokenize {src}" in m
+               for m in said), said
+    still = [m for m in said if m.startswith(f"still tokenizing {src} on rank 1: ")]
+    assert still and any(" documents (" in m for m in still), said
+    assert any(m.endswith(" so far") or " so far;" in m for m in still), still
+    assert got[1].built and not got[0].built and got[0].waited > 0
+    assert not list((tmp_path / "c").glob("*.progress"))  # (removed with the cache complete)
+    before = time.time() - 3600
+    assert got[1].origin(since=before).startswith("tokenized in ")
+    assert got[0].origin(since=before).startswith("tokenized on rank 1 in "), got[0].origin(since=before)
+    caplog.clear()
+    data = _data(name="jsonl", path=str(src), tokenizer=str(hf_tokenizer), cache_dir=str(tmp_path / "c"))
+    build_datasets(data, SHAPE, 0)  # (this process's run began before rank 1 built it)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert line.endswith(f"{got[1].path.name}, tokenized on rank 1 in {got[1].build_seconds:.0f} s)"), line
+    monkeypatch.setattr(startup, "_start", startup.now())  # a later run: the cache is from before it
+    caplog.clear()
+    build_datasets(data, SHAPE, 0)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert line.endswith(f"({got[1].path.name}, cached)"), line
+
+
+@pytest.mark.unit
+def test_the_progress_lines_say_documents_done_of_the_total(tmp_path):
+    """What the tokenizing rank writes as it goes, and the line any rank of this machine or
+    another says from it: reading into Arrow first, then documents done of the total."""
+    from recipes.token_progress import Turn
+
+    builder = Turn("/data/corpus", tmp_path / "k.progress", rank=1)
+    waiter = Turn("/data/corpus", tmp_path / "k.progress", rank=0)
+    builder.start(files=3, size=40_000_000)
+    line = waiter.still()
+    assert line.startswith("still tokenizing /data/corpus on rank 1: reading 3 files (40.0 MB) into Arrow, "), line
+    builder.update(total=40_000)
+    builder.update(docs=12_000, force=True)
+    line = waiter.still()
+    assert line.startswith("still tokenizing /data/corpus on rank 1: 12,000 of 40,000 documents (30%), "), line
+    assert "; waiting " in line and "; waiting " not in builder.still()
+    builder.done()
+    assert not (tmp_path / "k.progress").exists()
 
 
 @pytest.mark.unit

@@ -1262,9 +1262,10 @@ def _assert_startup(report: dict, started: float, within: float = 0.05) -> None:
     """Every phase reported, and together they are the time from the launch to the end of the
     first step measured from outside (the test's clock at the launch; the run's at that end)."""
     s = report["startup"]
-    assert set(s["seconds"]) == {"import", "config", "plan", "rendezvous", "op_build", "model_build",
+    assert set(s["seconds"]) == {"import", "config", "plan", "rendezvous", "op_build", "data", "model_build",
                                  "checkpoint_load", "compile", "first_step"}, s
     assert all(v >= 0 for v in s["seconds"].values()) and s["seconds"]["import"] > 0
+    assert s["seconds"]["data"] > 0  # (the data's build, its own phase on both backends)
     assert s["seconds"]["rendezvous"] > 0 and s["seconds"]["model_build"] > 0 and s["seconds"]["first_step"] > 0
     measured = s["first_step_at"] - started
     assert sum(s["seconds"].values()) == pytest.approx(s["total"], abs=1e-3)

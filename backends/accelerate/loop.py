@@ -169,8 +169,9 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     t, acc, model, opt = job.trainer, p.acc, p.model, p.opt
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
-    data, val = build_datasets(job.data, job.model, t.seed)
-    observers.meta["data"] = data_facts(data, (t.max_steps, job.batch.global_size, t.seed))
+    with startup.span("data"):  # (reading, tokenizing, the cache: report.json's startup)
+        data, val = build_datasets(job.data, job.model, t.seed)
+        observers.meta["data"] = data_facts(data, (t.max_steps, job.batch.global_size, t.seed))
     validator = None if val is None else evaluation.Validator(
         val, micro_batch=job.batch.per_step, val_every=t.val_every, max_steps=t.max_steps)
     if validator is not None:

@@ -23,6 +23,12 @@ what is going on; nothing of torch is replaced -- and:
   nobody holds is a warning on every rank; a build another process is running is said at INFO.
   Waiting counts as ``op_build`` too; a wait for another process's first build of the op says
   so (the rank on the console may be the one that waits).
+
+The same thread reports a data set's tokenization (``recipes/token_progress.py``: ``token_file``
+says who tokenizes or waits, whichever rank won the cache's lock): every ``EVERY_S`` while this
+process waits for it or runs it, ``still tokenizing <path> on rank k: <done> of <total> documents
+(..), <s> so far``, from the progress file the tokenizing rank writes. Its time is the ``data``
+phase, which the backends time around the data's build, so nothing is ``record``ed for it here.
 """
 
 from __future__ import annotations
@@ -219,11 +225,13 @@ class Watcher:
     def __init__(self, first_s: float = FIRST_S, every_s: float = EVERY_S, poll_s: float = POLL_S):
         self.first_s, self.every_s, self.poll_s = first_s, every_s, poll_s
         self._seen: dict[tuple[str, Path], _Seen] = {}
+        self._told: dict[tuple[Path, float], float] = {}
+        """a tokenization underway -> time.monotonic() of its last line (or of its first sight)"""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Watcher:
-        self._thread = threading.Thread(target=self._run, name="extension-build-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="start-up-watcher", daemon=True)
         self._thread.start()
         return self
 
@@ -273,6 +281,20 @@ class Watcher:
                     log.info("built %s in %.0f s", seen.act.what, now - seen.since)
                 else:
                     log.info("%s: the lock is gone after a %.0f s wait", seen.act.what, now - seen.since)
+        self._tokenizing(now)
+
+    def _tokenizing(self, now: float) -> None:
+        """A line every ``every_s`` for each tokenization this process waits for or runs (none
+        when the data's module was never imported)."""
+        progress = sys.modules.get("recipes.token_progress")
+        turns = {(t.progress, t.began): t for t in progress.underway()} if progress is not None else {}
+        for key, turn in turns.items():
+            last = self._told.setdefault(key, now)
+            if now - last >= self.every_s:
+                log.info("%s", turn.still())
+                self._told[key] = now
+        for key in [k for k in self._told if k not in turns]:
+            del self._told[key]
 
 
 @contextlib.contextmanager

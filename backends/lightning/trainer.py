@@ -24,6 +24,7 @@ from backends.lightning.checkpointing import Checkpointing
 from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
 from backends.lightning.preset import set_timeout
 from core.precision import of
+from observers import startup
 from observers.files import atomic_torch_save
 from recipes.data import CountedShare, build_datasets, data_facts
 from recipes.dpo import objective_for
@@ -83,8 +84,9 @@ def trainer_for(job: Job, out: Path, callbacks: list[L.Callback]) -> L.Trainer:
 
 def build(job: Job, out: Path, observers: Observers) -> Built:
     t = job.trainer
-    train, val = build_datasets(job.data, job.model, t.seed)
-    observers.meta["data"] = data_facts(train, (t.max_steps, job.batch.global_size, t.seed))
+    with startup.span("data"):  # (reading, tokenizing, the cache: report.json's startup)
+        train, val = build_datasets(job.data, job.model, t.seed)
+        observers.meta["data"] = data_facts(train, (t.max_steps, job.batch.global_size, t.seed))
     validator = None if val is None else Validator(val, micro_batch=job.batch.per_step,
                                                    val_every=t.val_every, max_steps=t.max_steps)
     bridge = ObserverBridge(observers, validator)
