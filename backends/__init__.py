@@ -43,7 +43,9 @@ class Backend(Protocol):
         """Train (starting the ranks if the engine does), export what the job asks for."""
 
     # optional: ``load_engine()`` imports the engine (``get`` calls it, so the import is counted as
-    # import time in report.json's ``startup``, wherever it happens)
+    # import time in report.json's ``startup``, wherever it happens); ``forget(built)`` frees what
+    # the engine keeps in the process after a run, ``built`` None when the build failed
+    # (``leave_nothing`` calls it)
 
 
 def names() -> list[str]:
@@ -94,7 +96,8 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     quiet.install()  # third-party console noise, filtered in one place (backends/common/quiet.py)
     backend = get(job.backend)
     freeze_imports()
-    ok = False
+    env = launch_env()
+    built, ok = None, False
     try:
         # a C++ op built at first use (DeepSpeed's), or waited for, is said and timed (op_build)
         with extensions.watch():
@@ -107,7 +110,7 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
         ok = True  # every rank stopped after the same step: the barrier meets
         raise
     finally:
-        teardown(ok)
+        leave_nothing(backend, built, env, ok)
         interruption().release()  # Ctrl-C stops at a step boundary only while there are steps
 
 
@@ -128,15 +131,60 @@ def freeze_imports() -> None:
     gc.freeze()
 
 
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""torch's env:// variables: a launcher's (``launchers.launched`` reads them), or set by an engine
+for a process group of one (Lightning's DeepSpeed strategy, ``backends/accelerate/state.py``)."""
+
+
+def launch_env() -> dict[str, str]:
+    """The variables a run may set that say how this process was launched: ``LAUNCH_ENV`` and
+    Accelerate's ``ACCELERATE_*`` (read by its state, set by ``Accelerator`` and ours)."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k in LAUNCH_ENV or k.startswith("ACCELERATE_")}
+
+
+def leave_nothing(backend: Backend, built: Any, env: dict[str, str], ok: bool) -> None:
+    """The end of a run in this process, what its engine made gone with it: the one place. A
+    sweep runs its one-process jobs one after another in its own process, so what a job leaves
+    is the next job's start -- Accelerate's state singletons (a job of another layout failed
+    "Accelerate built ['NO'] ... but the preset needs DEEPSPEED"), a DeepSpeed engine its hooks
+    keep alive (the whole model and optimizer, in the next job's RSS), DeepSpeed's groups (its
+    next engine broadcast on a destroyed one), the torch env:// variables a group of one set (the
+    next job took RANK=0 as a launcher's). In order: the backend's ``forget(built)`` (its engine's
+    objects and process-wide state), ``teardown(ok)`` (the garbage collected, the process group
+    destroyed), and ``env`` (``launch_env()`` at the run's start) restored: the variables the run
+    added removed, the ones it changed set back (a rank a launcher started finds its own)."""
+    import logging
+    import os
+
+    forget = getattr(backend, "forget", None)
+    try:
+        if forget is not None:
+            forget(built)
+    except Exception as e:  # noqa: BLE001  (the run's own error, if any, is the news)
+        logging.getLogger(__name__).warning("the run's engine state was not all released (%s: %s): "
+                                            "a next run in this process may find it", type(e).__name__, e)
+    teardown(ok)
+    for key in set(launch_env()) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+
+
 def teardown(ok: bool) -> None:
-    """Leave no process group behind: gloo aborts at exit without barrier + destroy."""
+    """Leave no process group behind: gloo aborts at exit without barrier + destroy. Where
+    DeepSpeed joined it, through DeepSpeed's own ``destroy_process_group``, which also drops the
+    groups it keeps (``deepspeed.utils.groups``): the next DeepSpeed engine in this process (a
+    sweep's next one-process job) would broadcast on the destroyed group ("Group ... is not
+    registered")."""
     import torch.distributed as dist
 
     collect_here()
     if dist.is_available() and dist.is_initialized():
         if ok:
             dist.barrier()
-        dist.destroy_process_group()
+        ds = sys.modules.get("deepspeed.comm")
+        (ds if ds is not None and ds.is_initialized() else dist).destroy_process_group()
 
 
 def teardown_at_exit() -> None:

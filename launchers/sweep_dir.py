@@ -10,7 +10,9 @@ take that job's results as its own -- resume another strategy's checkpoint, repo
 configuration's numbers under its overrides -- so ``conflicts`` refuses the sweep before any job
 starts (``SweepReport``, ``--dry-run``). The same sweep again (every job's overrides as they
 were: a Ctrl-C'd sweep finished, a requeue) resumes; so does one that only raises what our
-"already finished" line says to raise (``CONTINUES``).
+"already finished" line says to raise (``CONTINUES``). Lowering one of those is refused like any
+other change: a job at step 300 asked for ``trainer.max_steps=100`` is "already finished" and
+would be reported, 300 steps' numbers, under the new value.
 
 ``stopped``: Ctrl-C (or SIGTERM) in a local sweep stops the sweep once the running job saved its
 checkpoint; it says so as a single run does (the checkpoint, the command that resumes that job),
@@ -33,8 +35,10 @@ log = logging.getLogger("launchers.sweep")
 BY_NUMBER = "${hydra.job.num}"
 """conf/hydra/default.yaml's ``hydra.sweep.subdir``: job directories named by job number."""
 CONTINUES = ("trainer.max_steps", "trainer.early_stopping.patience")
-"""Keys a new sweep may change and still continue the earlier jobs: what checkpoints.Finished
-says to raise."""
+"""Keys a new sweep may raise (or keep) and still continue the earlier jobs: what
+checkpoints.Finished says to raise. Lowered, they are a changed override (``_lowered``)."""
+NEVER = {"trainer.early_stopping.patience": 0}
+"""A ``CONTINUES`` value that means "no limit" (patience 0: never stop early): above any other."""
 NOT_THE_JOB = ("preflight",)
 """Keys that say how the sweep starts, not what a job trains (``+preflight=false``)."""
 
@@ -60,6 +64,73 @@ def _shown(overrides: dict[str, str], keys: list[str]) -> str:
     return " ".join(f"`{k}={overrides[k]}`" if k in overrides else f"`{k}` unset" for k in keys)
 
 
+def _number(key: str, value: Any) -> float | None:
+    """A ``CONTINUES`` value as a number to compare (``NEVER``'s: infinity); None: not one."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return float("inf") if NEVER.get(key) == number else number
+
+
+def _given(key: str, overrides: Sequence[str]) -> str | None:
+    """``key``'s value in an override list; None: not overridden."""
+    for o in overrides:
+        k, _, value = str(o).partition("=")
+        if k.lstrip("+") == key:
+            return value
+    return None
+
+
+def _lowered(old: Sequence[str], new: Sequence[str], old_config: Any, new_config: Any) -> list[str]:
+    """The ``CONTINUES`` keys this job lowers from the earlier job's: "<old> there, <new> in this
+    sweep's job". A key neither overrides has the value both compose to (the other overrides are
+    the same); one side's default is read from its composed config (a loader: the earlier job's
+    ``.hydra/config.yaml``, this point composed), only then."""
+    out = []
+    for key in CONTINUES:
+        given = {"there": _given(key, old), "here": _given(key, new)}
+        if given["there"] is None and given["here"] is None:
+            continue
+        shown = {}
+        for side, config in (("there", old_config), ("here", new_config)):
+            if given[side] is None:
+                try:
+                    loaded = config()
+                    given[side] = None if loaded is None else OmegaConf.select(loaded, key, default=None)
+                except Exception:  # noqa: BLE001  (unreadable: this key is not compared)
+                    given[side] = None
+                shown[side] = f"`{key}={given[side]}` (its default)"
+            else:
+                shown[side] = f"`{key}={given[side]}`"
+        was, now = _number(key, given["there"]), _number(key, given["here"])
+        if was is not None and now is not None and now < was:
+            out.append(f"{shown['there']} there, {shown['here']} in this sweep's job")
+    return out
+
+
+def _composed(point: Sequence[str]) -> Any:
+    """A loader of the point's composed config (None when it does not compose: preflight says why)."""
+    cache: list[Any] = []
+
+    def load() -> Any:
+        if not cache:
+            from recipes.compose import compose
+
+            try:
+                cache.append(compose(list(point)))
+            except Exception:  # noqa: BLE001  (an invalid point: preflight names its problem)
+                cache.append(None)
+        return cache[0]
+    return load
+
+
+def _recorded(job: Path) -> Any:
+    """A loader of the config the earlier job ran (``.hydra/config.yaml``; None without one)."""
+    path = job / ".hydra" / "config.yaml"
+    return lambda: OmegaConf.load(path) if path.is_file() else None
+
+
 def conflicts(sweep: str | Path, points: Sequence[Sequence[str]], subdir: str = BY_NUMBER) -> list[str]:
     """One sentence per job of this sweep (``points``, in job order) whose directory in ``sweep``
     holds an earlier job's results under other overrides, naming both and the fix; [] when every
@@ -74,7 +145,8 @@ def conflicts(sweep: str | Path, points: Sequence[Sequence[str]], subdir: str = 
         held = _results(job) if recorded.is_file() else []
         if not held:
             continue
-        old, new = _keyed(OmegaConf.to_container(OmegaConf.load(recorded)) or []), _keyed(point)
+        listed = OmegaConf.to_container(OmegaConf.load(recorded)) or []
+        old, new = _keyed(listed), _keyed(point)
         differ = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
         if differ:
             out.append(f"hydra.sweep.dir={sweep}: job {num}'s directory {job} holds {' and '.join(held)} "
@@ -82,6 +154,12 @@ def conflicts(sweep: str | Path, points: Sequence[Sequence[str]], subdir: str = 
                        f"{_shown(new, differ)} in this sweep's job {num}): this job would resume or "
                        "report that run as its own; set hydra.sweep.dir to a new directory, or remove "
                        f"{job} (the earlier sweep's command, run again, resumes it)")
+        elif lowered := _lowered(listed, point, _recorded(job), _composed(point)):
+            out.append(f"hydra.sweep.dir={sweep}: job {num}'s directory {job} holds {' and '.join(held)} "
+                       f"of an earlier sweep's job run to a later end ({'; '.join(lowered)} {num}): a lower "
+                       "value does not continue that run -- this job would call it finished and report "
+                       "its numbers under this sweep's value; only the same value or a raised one "
+                       f"continues it. Set hydra.sweep.dir to a new directory, or remove {job}")
     return out
 
 

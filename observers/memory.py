@@ -10,7 +10,12 @@
   that window: the most its chunks held at once). With activation checkpointing it falls to the
   blocks' inputs (selective: and the outputs its policy keeps; None, with one warning, on a torch
   whose cache of them cannot be read: parallel/checkpointing.py ``sac_kept``).
-- ``peak_rss``: the process's own peak resident memory (``VmHWM``; see ``peak_rss``).
+- ``peak_rss``: this job's peak resident memory (``VmHWM``; see ``peak_rss``), from the
+  observer's creation, before the backend builds anything (``job_peak_start``): a sweep runs its
+  one-process jobs in its own process, one after another, and the process's high-water mark
+  would be the largest job's so far. Where the kernel offers no reset it is the process's, and
+  ``peak_rss_before`` states the peak it had when the job began (said once, in a process's
+  second job).
 - ``peak_rss_growth``: how far a training step's resident memory rises above what the step
   leaves behind -- its peak (reset at the step's start, Linux ``/proc/self/clear_refs``) minus
   the RSS once its update is done, when every state exists and the transients are freed: the
@@ -31,7 +36,8 @@
   rank, ``memory_snapshot_rank<r>.pickle``, which https://pytorch.org/memory_viz opens.
 
 Report key ``memory``: ``{"ranks": [{"rank", "params", "grads", "optimizer", "activations",
-"peak_rss", "peak_rss_growth", "peak_rss_run", ["cuda"]}, ...], "predicted": {...}}`` (bytes;
+"peak_rss", "peak_rss_growth", "peak_rss_run", ["peak_rss_before"], ["cuda"]}, ...],
+"predicted": {...}}`` (bytes;
 ``predicted``: the planner's per-device numbers for the same preset, when planned).
 """
 
@@ -163,6 +169,28 @@ def reset_peak_rss() -> bool:
         return False
 
 
+_jobs = 0
+"""Jobs whose memory this process measured (``job_peak_start``): a sweep's one-process jobs."""
+
+
+def job_peak_start() -> int | None:
+    """Start this job's peak RSS: the process's high-water mark reset (``reset_peak_rss``): None.
+    Where the kernel offers no reset, the stated baseline: the process's peak so far, which this
+    job's ``peak_rss`` cannot go under (an earlier job's in this process), returned and, in a
+    process's second job, said."""
+    global _jobs
+    _jobs += 1
+    if reset_peak_rss():
+        return None
+    before = peak_rss()
+    if _jobs > 1:
+        log.warning("peak_rss: this system cannot reset a process's peak RSS (/proc/self/clear_refs), "
+                    "and this process ran a job before this one: this job's peak_rss is the process's, "
+                    "%d MiB before it began (report.json memory.ranks[].peak_rss_before) -- where it is "
+                    "not above that, the figure is an earlier job's", before >> 20)
+    return before
+
+
 def all_gather(obj: Any) -> list[Any]:
     """``obj`` from every rank, in rank order (just ``[obj]`` without a process group)."""
     import torch.distributed as dist
@@ -210,6 +238,9 @@ class MemoryProfile(Observer):
         # measured step frees stays resident beside its replacement's fresh pages, so RSS would
         # count both (zero3_offload on 2 ranks: 1.09-1.12 of the plan, 0.99 exact from the start)
         allocate_exactly(True)
+        # this job's peak from here, what an earlier job in this process freed handed back just
+        # now (a sweep's: its steady heap is never trimmed by itself)
+        self._before = job_peak_start()
         self._lifetime = 0  # the process's peak, across the per-step resets
         self._step_peaks: list[tuple[int, int]] = []  # each step's peak over its end, over the baseline
         self._resets = False
@@ -290,6 +321,8 @@ class MemoryProfile(Observer):
         mine = {"rank": engine.rank, **self.held, "peak_rss": max(self._lifetime, peak_rss()),
                 "peak_rss_growth": max((g for g, _ in steady), default=None),
                 "peak_rss_run": max((r for _, r in steady), default=None)}
+        if self._before is not None:
+            mine["peak_rss_before"] = self._before
         if self._cuda is not None:
             mine["cuda"] = self._cuda.peaks
         self.ranks = all_gather(mine)

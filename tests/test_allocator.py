@@ -147,6 +147,28 @@ def test_the_peak_rss_is_the_processs_own_not_its_parents():
     assert start < 100 and grown >= start + 195 and after_reset < grown - 150, proc.stdout
 
 
+@pytest.mark.unit
+def test_each_job_measures_its_own_peak_or_states_the_processs(monkeypatch, caplog):
+    """A sweep runs one-process jobs one after another in its own process, so the process's peak
+    was the largest job's so far (gpt_nano after gpt_small: 749 MiB, 379 alone). A job resets it
+    (``clear_refs``; the sweep test in tests/test_launch.py sees each job's own); where the
+    kernel cannot, the job states the process's peak when it began (``peak_rss_before``), and a
+    process's second job says so."""
+    from observers import memory
+
+    if sys.platform.startswith("linux"):
+        assert memory.job_peak_start() is None  # (reset: this job's own)
+    monkeypatch.setattr(memory, "reset_peak_rss", lambda: False)
+    monkeypatch.setattr(memory, "_jobs", 0)
+    with caplog.at_level("WARNING", logger="observers.memory"):
+        first = memory.job_peak_start()
+        assert first and first >= memory.current_rss() and not caplog.records  # (the process's first job)
+        second = memory.job_peak_start()
+    assert second >= first, (first, second)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "cannot reset a process's peak RSS" in said and "memory.ranks[].peak_rss_before" in said, said
+
+
 _RELEASED = _GLIBC + r"""
 from observers.memory import allocate_exactly, current_rss, release_freed
 allocate_exactly(False)  # (a rank's steady state)

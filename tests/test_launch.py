@@ -109,6 +109,40 @@ def test_multirun_of_three_strategies_writes_a_comparison(tmp_path):
     assert "fit with margin" in pick and md.rstrip().endswith(pick) and pick in run.log
 
 
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+def test_one_process_jobs_of_a_sweep_each_start_clean_and_measure_their_own_peak(tmp_path):
+    """One-process jobs run inside the sweep's own process, one after another. A job's peak RSS
+    was the process's high-water mark, never reset (gpt_nano after gpt_small: 749 MiB, 379
+    alone, in report.json, the done: line and the table); Accelerate's state singletons stayed
+    set (single then zero2 failed "Accelerate built ['NO'] ... but the preset needs DEEPSPEED ...
+    accelerate launch"); a DeepSpeed engine outlived its job (its hooks hold model and optimizer)
+    and DeepSpeed kept its destroyed groups (the next engine failed "Group ... is not
+    registered"); a group of one left RANK/WORLD_SIZE in the environment. Every job is ok, and
+    gpt_nano's peak is its own: below both gpt_small jobs before it."""
+    import re
+
+    sweep = tmp_path / "sweep"
+    tiny = [o for o in TINY if not o.startswith("model=")]
+    run = run_cli("train.py", "-m", *tiny, "backend=accelerate", "model=gpt_small,gpt_nano",
+                  "strategy=single,zero2", "trainer.max_steps=2", "trainer.global_batch_size=1",
+                  "trainer.micro_batch_size=1", "model.seq_len=16", f"hydra.sweep.dir={sweep}",
+                  out=tmp_path / "unused", timeout=240, check=False)
+    assert run.proc.returncode == 0, run.log[-4000:]
+    rows = json.loads((sweep / "sweep_report.json").read_text())["rows"]
+    assert [(r["strategy"], r["status"], r["reason"]) for r in rows] == [
+        ("single", "ok", None), ("zero2", "ok", None)] * 2, rows
+    assert [next(o for o in r["overrides"] if o.startswith("model=")) for r in rows] == [
+        "model=gpt_small"] * 2 + ["model=gpt_nano"] * 2
+    peaks = [json.loads((sweep / str(j) / "report.json").read_text())["memory"]["ranks"][0]["peak_rss"]
+             for j in range(4)]
+    assert [r["peak_memory_per_rank"] for r in rows] == [[p] for p in peaks], rows
+    small_single, small_zero2, nano_single, _ = peaks
+    assert nano_single < min(small_single, small_zero2), [p >> 20 for p in peaks]
+    said = [int(m) for m in re.findall(r"done: .*peak memory (\d+) MiB RSS", run.log)]
+    assert said == [round(p / 2**20) for p in peaks], (said, peaks)
+
+
 @pytest.mark.multiprocess
 def test_a_sweep_skips_what_will_not_fit_and_goes_on_after_a_failure(tmp_path):
     """Job by job (the preflight off: it would refuse the sweep): too little memory -> skipped

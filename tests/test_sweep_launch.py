@@ -126,6 +126,52 @@ def test_a_sweep_whose_job_directories_hold_other_overrides_results_is_refused(t
     assert sweep_dir.conflicts(sweep, same, subdir="${hydra.job.override_dirname}") == []
 
 
+@pytest.mark.unit
+def test_a_sweep_that_lowers_max_steps_in_a_used_directory_is_refused(tmp_path):
+    """trainer.max_steps was exempt from the check whichever way it changed: lowered, each job
+    found its checkpoint past the new end ("already finished at step 300"), and the sweep
+    reported the 300-step run as ok under trainer.max_steps=100, exit 0 (a sweep over max_steps
+    with its values reordered the same). Only the same or a raised value continues a job; a
+    lowered one (overridden, or a default either side: the earlier job's config.yaml, this point
+    composed) is refused naming the job, both values and the fix. early_stopping.patience too
+    (0, never stopping, is above any)."""
+    from launchers import sweep_dir
+
+    sweep = tmp_path / "s"
+    _earlier_job(sweep, 0, "model=gpt_nano", "trainer.max_steps=300")
+    lower = sweep_dir.conflicts(sweep, [["model=gpt_nano", "trainer.max_steps=100"]])
+    assert len(lower) == 1, lower
+    assert (f"job 0's directory {sweep / '0'} holds a checkpoint and report.json of an earlier sweep's "
+            "job run to a later end (`trainer.max_steps=300` there, `trainer.max_steps=100` in this "
+            "sweep's job 0)") in lower[0], lower[0]
+    assert "only the same value or a raised one continues it" in lower[0]
+    assert f"Set hydra.sweep.dir to a new directory, or remove {sweep / '0'}" in lower[0]
+    for same_or_raised in ("300", "500"):
+        assert sweep_dir.conflicts(sweep, [["model=gpt_nano", f"trainer.max_steps={same_or_raised}"]]) == []
+    # a sweep over max_steps, reordered (4,6 then 6,4): job 0 raised continues, job 1 lowered is refused
+    reorder = tmp_path / "r"
+    _earlier_job(reorder, 0, "model=gpt_nano", "trainer.max_steps=4")
+    _earlier_job(reorder, 1, "model=gpt_nano", "trainer.max_steps=6")
+    found = sweep_dir.conflicts(reorder, [["model=gpt_nano", "trainer.max_steps=6"],
+                                          ["model=gpt_nano", "trainer.max_steps=4"]])
+    assert len(found) == 1 and "job 1's directory" in found[0], found
+    # a default on either side: conf/trainer/default.yaml's 60 (composed), the earlier job's config.yaml
+    default = tmp_path / "d"
+    _earlier_job(default, 0, "model=gpt_nano", "trainer.max_steps=100")
+    job = _earlier_job(default, 1, "model=gpt_nano")
+    (job / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 60\n")
+    found = sweep_dir.conflicts(default, [["model=gpt_nano"], ["model=gpt_nano", "trainer.max_steps=10"]])
+    assert [f.split("run to a later end (")[1].split("): a lower")[0] for f in found] == [
+        "`trainer.max_steps=100` there, `trainer.max_steps=60` (its default) in this sweep's job 0",
+        "`trainer.max_steps=60` (its default) there, `trainer.max_steps=10` in this sweep's job 1"], found
+    assert sweep_dir.conflicts(default, [["model=gpt_nano", "trainer.max_steps=100"], ["model=gpt_nano"]]) == []
+    patience = tmp_path / "p"
+    _earlier_job(patience, 0, "model=gpt_nano", "trainer.early_stopping.patience=3")
+    assert sweep_dir.conflicts(patience, [["model=gpt_nano", "trainer.early_stopping.patience=2"]])
+    for more in ("3", "5", "0"):
+        assert sweep_dir.conflicts(patience, [["model=gpt_nano", f"trainer.early_stopping.patience={more}"]]) == []
+
+
 @pytest.mark.subprocess
 def test_train_py_refuses_a_sweep_into_another_configurations_job_directories(tmp_path):
     sweep = tmp_path / "s"

@@ -29,11 +29,30 @@ class Built:
     job: Job
     out: Path
     observers: Observers
+    accelerator: Any = None
+    """The run's Accelerator, once ``loop.train`` made it (``forget`` frees what it holds)."""
 
 
 def load_engine() -> None:
     """Accelerate (with torch)."""
     import accelerate  # noqa: F401
+
+
+def forget(built: Built | None) -> None:
+    """After a run (``backends.leave_nothing``): what the Accelerator holds freed by Accelerate's
+    own ``free_memory`` (a DeepSpeed engine destroyed: its hooks would keep the run's model and
+    optimizer alive in this process), then its state singletons cleared, as its own test case's
+    ``tearDown`` does: ``PartialState`` and ``AcceleratorState`` are shared by every instance in
+    the process, and ``PartialState(cpu=True)`` would hand the next job in this process (a
+    sweep's) the last one's distributed type and mixed precision ("Accelerate built ['NO'] ...
+    but the preset needs DEEPSPEED", "AcceleratorState has already been initialized")."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    if built is not None and built.accelerator is not None:
+        built.accelerator.free_memory()
+        built.accelerator = None
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def problems(job: Job) -> list[str]:
@@ -53,7 +72,7 @@ def fit(built: Built) -> Outcome:
 
     from backends.accelerate.loop import train
 
-    report = train(built.job, built.out, built.observers)
+    report = train(built.job, built.out, built.observers, built)
     return Outcome(rank=PartialState().process_index, report=report)
 
 

@@ -139,10 +139,13 @@ def prepare(job: Job) -> Prepared:
     return Prepared(acc, builder, model, opt, engine_opt, sched, handles)
 
 
-def train(job: Job, out: Path, observers: Observers) -> dict[str, Any]:
+def train(job: Job, out: Path, observers: Observers, built: Any = None) -> dict[str, Any]:
     """Run this rank; returns the report (every rank gets its copy). On SIGUSR1/SIGTERM/SIGINT
-    every rank finishes its step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py)."""
+    every rank finishes its step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py).
+    ``built``: the backend's ``Built``, which keeps the Accelerator for ``forget``."""
     p = prepare(job)
+    if built is not None:
+        built.accelerator = p.acc
     ckpt = checkpoints.start(job, out, rank=p.acc.process_index, world_size=p.acc.num_processes,
                              device=p.acc.device)
     start = checkpoints.load(p.handles, ckpt) if ckpt is not None else 0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.lightning.registry import stratagem_strategy
 
-__all__ = ["stratagem_strategy", "load_engine", "problems", "build", "fit"]
+__all__ = ["stratagem_strategy", "load_engine", "problems", "build", "fit", "forget"]
 
 if TYPE_CHECKING:
     from backends import Outcome
@@ -51,3 +51,13 @@ def fit(built: Any) -> Outcome:
     from backends.lightning import trainer
 
     return trainer.fit(built)
+
+
+def forget(built: Any) -> None:
+    """After a run (``backends.leave_nothing``): the DeepSpeed engine Lightning's strategy built,
+    destroyed (its hooks would keep the run's model and optimizer alive in this process).
+    Lightning keeps no process-wide state of its own; the env:// variables its DeepSpeed
+    strategy sets for a group of one are ``leave_nothing``'s."""
+    from backends.common.deepspeed import destroy
+
+    destroy(getattr(getattr(getattr(built, "trainer", None), "strategy", None), "model", None))
