@@ -314,6 +314,43 @@ def test_a_rank_stuck_in_a_zero_step_ends_the_job_at_the_timeout_naming_it(tmp_p
     assert not _processes_with(token), "a process of the job was left behind"
 
 
+@pytest.mark.unit
+def test_rank_0s_end_writes_follow_teardown_and_a_failed_export_names_key_and_path(tmp_path):
+    """``train_end`` (every rank, collectives allowed) only merges the report; ``backends.finish``,
+    after teardown, writes report.json, runs ``on_report`` once and writes params.pt, and drops
+    the parameters from the outcome the launcher gets back. A params.pt that cannot be written
+    fails the run naming trainer.export_params and the path, leaving no temp file."""
+    from types import SimpleNamespace
+
+    from backends import Outcome, finish
+    from observers import Observer, Observers
+
+    class Seen(Observer):
+        def __init__(self):
+            self.reports = []
+
+        def on_report(self, engine, report):
+            self.reports.append(report)
+
+    seen = Seen()
+    hub = Observers([seen], meta={"run": "x"}, report_path=tmp_path / "report.json")
+    report = hub.train_end(SimpleNamespace(rank=0))
+    assert not (tmp_path / "report.json").exists() and seen.reports == []
+    outcome = Outcome(rank=0, report=report, params={"w": torch.arange(3.0)})
+    finish(outcome, hub, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text()) == report and seen.reports == [report]
+    assert torch.equal(torch.load(tmp_path / "params.pt", weights_only=True)["w"], torch.arange(3.0))
+    assert outcome.params is None
+    finish(outcome, hub, tmp_path)  # (published once)
+    assert seen.reports == [report]
+
+    bad = tmp_path / "bad"
+    (bad / "params.pt" / "x").mkdir(parents=True)  # a directory where params.pt goes
+    with pytest.raises(OSError, match=rf"trainer.export_params=true: writing {bad / 'params.pt'}: Is a directory"):
+        finish(Outcome(rank=0, params={"w": torch.ones(2)}), Observers([]), bad)
+    assert sorted(p.name for p in bad.iterdir()) == ["params.pt"]
+
+
 # CI: Accelerate's (its only proof of a signal at a step boundary on several ranks); Lightning's
 # SIGUSR1 reaches its ranks in CI through a real Slurm (test_launch.py's requeue test), this
 # direct case in the slow tier.
