@@ -8,7 +8,9 @@ Every backend module provides the ``Backend`` protocol below as module-level fun
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from observers import Observers
     from recipes.job import Job
 
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +33,10 @@ class Outcome:
     rank: int
     report: dict[str, Any] = field(default_factory=dict)
     """The merged report, as written by rank 0 (every rank gets its own copy)."""
+    params: dict[str, Any] | None = field(default=None, repr=False)
+    """``trainer.export_params``: the full parameters, gathered (a collective) on every rank and
+    kept by rank 0 only; ``run`` writes them to ``params.pt`` once the process group is gone and
+    drops them (None in what ``run`` returns)."""
 
 
 class Backend(Protocol):
@@ -40,7 +47,8 @@ class Backend(Protocol):
         """The engine objects for the job, observers attached; starts no process."""
 
     def fit(self, built: Any) -> Outcome:
-        """Train (starting the ranks if the engine does), export what the job asks for."""
+        """Train (starting the ranks if the engine does); gather what the job exports
+        (``Outcome.params``) but write nothing of one rank alone: ``run`` does, after teardown."""
 
     # optional: ``load_engine()`` imports the engine (``get`` calls it, so the import is counted as
     # import time in report.json's ``startup``, wherever it happens); ``forget(built)`` frees what
@@ -82,7 +90,8 @@ def check(job: Job) -> list[str]:
 
 def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     """One rank of the job (or the whole job, when it has one process): the observers, the
-    chosen backend's build and fit, and a clean exit from the process group."""
+    chosen backend's build and fit, and a clean exit from the process group; then rank 0's own
+    writes (``finish``)."""
     import observers
     from backends.common import extensions, quiet
     from checkpoints.interrupt import Interrupted
@@ -101,17 +110,42 @@ def run(job: Job, out: Path, plan: dict[str, Any] | None = None) -> Outcome:
     try:
         # a C++ op built at first use (DeepSpeed's), or waited for, is said and timed (op_build)
         with extensions.watch():
-            built = backend.build(job, out, observers.build(job, out, plan))
+            hub = observers.build(job, out, plan)
+            built = backend.build(job, out, hub)
             startup.mark("model_build")  # (the engine's objects; the model itself where the engine builds it)
             outcome = backend.fit(built)
         ok = True
-        return outcome
     except Interrupted:
         ok = True  # every rank stopped after the same step: the barrier meets
         raise
     finally:
         leave_nothing(backend, built, env, ok)
         interruption().release()  # Ctrl-C stops at a step boundary only while there are steps
+    finish(outcome, hub, out)
+    return outcome
+
+
+def finish(outcome: Outcome, hub: Observers, out: Path) -> None:
+    """What one rank does alone at the end, after ``teardown``: report.json, the plots and the
+    loggers' close (``Observers.publish``), then ``params.pt`` (``trainer.export_params``). No
+    peer waits for it in a collective, so a write of any length (a 70B model's params.pt is
+    ~280 GB from rank 0) is not bounded by ``cluster.collective_timeout``; the other ranks have
+    left, and the launcher waits for this one. A failed write fails the run, naming the file."""
+    hub.publish()
+    params, outcome.params = outcome.params, None
+    if params is None:
+        return
+    from observers.files import atomic_torch_save
+
+    path, start = out / "params.pt", time.perf_counter()
+    log.info("trainer.export_params: writing %s", path)
+    try:
+        atomic_torch_save(params, path)
+    except OSError as e:  # (a full disk's message names the file already: observers/files.py)
+        detail = e.strerror or str(e)
+        raise OSError(e.errno, f"trainer.export_params=true: "
+                               f"{detail if str(path) in detail else f'writing {path}: {detail}'}") from e
+    log.info("trainer.export_params: wrote %s (%.1f s)", path, time.perf_counter() - start)
 
 
 def freeze_imports() -> None:

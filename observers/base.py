@@ -12,10 +12,14 @@ A backend calls the hub (``Observers``) at these moments of the loop and hands i
       step_end(loss)                      (the global-batch loss)
       validation_start, validation_end(metrics)  (after the steps trainer.val_every names, and the last)
     train_end
+    publish                               (after the process group is gone: report.json, on_report)
  Each observer owns the report
 keys it returns from ``report()``; the hub merges them (a key owned twice is an error, so the
-order observers are registered in does not matter) and rank 0 writes ``report.json``
-atomically. Hooks run on every rank; an observer may use collectives in ``on_train_end``.
+order observers are registered in does not matter) at ``train_end``, and at ``publish`` rank 0
+writes ``report.json`` atomically and every observer's ``on_report`` runs. Hooks run on every
+rank; an observer may use collectives in ``on_train_end``, never in ``on_report``: the runner
+(``backends.run``) publishes after its last collective, so one rank's writes (the report, plots,
+a logger's upload) are not waited for by peers bounded by ``cluster.collective_timeout``.
 
 A run that resumes continues one record: each checkpoint carries ``Observers.history()`` (what
 every observer's ``history`` returns: losses, validations), and a resumed run hands it back
@@ -123,7 +127,8 @@ class Observer:
         return {}
 
     def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
-        """The merged report, once written (loggers and plots draw from it)."""
+        """The merged report, once written (loggers and plots draw from it); the process group
+        is gone by then: no collective here."""
 
 
 class Observers:
@@ -134,6 +139,7 @@ class Observers:
         self.observers = list(observers)
         self.meta = dict(meta or {})
         self.report_path = report_path
+        self._ended: tuple[Engine, dict[str, Any]] | None = None
 
     def _each(self, hook: str, *args: Any) -> None:
         for o in self.observers:
@@ -176,13 +182,23 @@ class Observers:
         self._each("on_validation_end", engine, step, metrics)
 
     def train_end(self, engine: Engine) -> dict[str, Any]:
-        """Finish every observer, merge their keys after ``meta``; rank 0 writes the report."""
+        """Finish every observer (collectives allowed), merge their keys after ``meta``: the
+        report, which ``publish`` writes."""
         self._each("on_train_end", engine)
         report = {"resumed_from": None, **self.meta, **self._merged("report", taken=set(self.meta))}
+        self._ended = (engine, report)
+        return report
+
+    def publish(self) -> None:
+        """Rank 0 writes the report ``train_end`` merged; every observer's ``on_report`` (plots,
+        loggers). Local work only: called once no peer waits in a collective (``backends.run``,
+        after teardown). Nothing when ``train_end`` did not run (a stopped run)."""
+        if self._ended is None:
+            return
+        (engine, report), self._ended = self._ended, None
         if self.report_path is not None and engine.rank == 0:
             atomic_write_text(self.report_path, json.dumps(report, indent=2) + "\n")
         self._each("on_report", engine, report)
-        return report
 
     def _merged(self, method: str, taken: set[str] = frozenset()) -> dict[str, Any]:
         """Every observer's ``method()`` in one dict; a key owned twice is an error."""

@@ -2,7 +2,8 @@
 
     python tests/faults.py [--kill-at STEP --rank R [--once FILE]] [--signal-at STEP --signum NAME]
                            [--slow-save STEP --seconds S] [--pause-at STEP --rank R --seconds S]
-                           [--hang-at STEP --rank R --seconds S] [--note FILE] -- <train.py overrides>
+                           [--hang-at STEP --rank R --seconds S] [--slow-end --seconds S]
+                           [--note FILE] -- <train.py overrides>
 
 --kill-at: rank R SIGKILLs itself right after optimizer step STEP (with --once, only if FILE does
 not exist yet, which it then creates: under torchrun's restarts the fault happens once).
@@ -15,6 +16,9 @@ the run stops after that known step.
 --hang-at: rank R, as its optimizer's STEP-th step begins (torch's global step pre-hook: inside
 DeepSpeed's ZeRO step too, whose peers then wait in its own groups), notes "hang<R>" and sleeps S
 seconds, a stop signal notwithstanding: a rank stuck in its step.
+--slow-end: rank 0's own writes at the end of a run each take S seconds longer, after the real
+write: its plots (observers/plots.py's ``on_report``; notes "plots0") and params.pt
+(``observers.files.atomic_torch_save``; notes "export0") -- a slow disk, or a 70B model's ~280 GB.
 --note: where to write "<event> <unix time>" lines (kill, saving), for the test to watch.
 The patches are made before train.py runs, so ranks forked by our launcher inherit them; under
 torchrun every rank runs this file.
@@ -54,6 +58,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--pause-at", type=int)
     p.add_argument("--hang-at", type=int)
+    p.add_argument("--slow-end", action="store_true")
     p.add_argument("--note")
     args = p.parse_args(argv[:split])
     sys.path.insert(0, str(ROOT))
@@ -132,8 +137,32 @@ def main() -> None:
 
         state.save = slow_save
 
+    if args.slow_end:
+        _slow_end(args.seconds, args.note)
+
     sys.argv = [str(ROOT / "train.py"), *argv[split + 1:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def _slow_end(seconds: float, note: str | None) -> None:
+    """--slow-end (patched before any backend imports the writer by name)."""
+    from observers import files, plots
+
+    torch_save, on_report = files.atomic_torch_save, plots.Plots.on_report
+
+    def slow_torch_save(obj, path):
+        torch_save(obj, path)
+        if Path(path).name == "params.pt":
+            _note(note, "export0")
+            time.sleep(seconds)
+
+    def slow_on_report(self, engine, report):
+        on_report(self, engine, report)
+        if engine.rank == 0:
+            _note(note, "plots0")
+            time.sleep(seconds)
+
+    files.atomic_torch_save, plots.Plots.on_report = slow_torch_save, slow_on_report
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
   single, and from Lightning to Accelerate): the loaded parameters equal the saved ones exactly
   (convert.py's full state dict), and training continues;
 - faults: SIGKILL of one of 2 ranks ends the job within ``cluster.collective_timeout``, naming
-  the lost rank, no process left; SIGKILL during a (slowed) save resumes from the previous
+  the lost rank, no process left; rank 0's own writes at the end (plots, params.pt) held past
+  the timeout do not end a finished run; SIGKILL during a (slowed) save resumes from the previous
   checkpoint; torchrun with max_restarts=1 and a rank killed once equals the uninterrupted run;
 - untrusted files: truncated or garbage files and a different model shape -> a clear error
   naming the file or the key, before any process starts.
@@ -312,6 +313,72 @@ def test_a_rank_stuck_in_a_zero_step_ends_the_job_at_the_timeout_naming_it(tmp_p
     assert "rank 1 (pid " in last and "killed then, stopped responding" in last, last
     time.sleep(0.5)
     assert not _processes_with(token), "a process of the job was left behind"
+
+
+# CI: Lightning's (its end is teardown's barrier); Accelerate's (its own barrier after the export,
+# before the fix) in the slow tier.
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["lightning", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_rank_0s_writes_at_the_end_outlast_the_collective_timeout(tmp_path, backend):
+    """Rank 0 alone writes the plots and params.pt at the end of a run. Its peers used to wait
+    for it in a barrier bounded by cluster.collective_timeout (Accelerate's after the export,
+    teardown's on Lightning), so a finished run whose writes outlasted it -- a 70B params.pt is
+    ~280 GB from one rank -- exited 1 calling rank 0 hung. tests/faults.py holds rank 0 in each
+    write, after the real one, for twice the 2 s timeout: the run ends 0, every file whole."""
+    token, note, timeout, out = uuid.uuid4().hex, tmp_path / "note", 2, tmp_path / "run"
+    cmd = _faulty(("--slow-end", "--seconds", str(2 * timeout), "--note", str(note)), "strategy=ddp",
+                  f"backend={backend}", "cluster.devices=2", "trainer.max_steps=2", "trainer.global_batch_size=2",
+                  "trainer.micro_batch_size=1", "trainer.save_last=false", "trainer.export_params=true",
+                  "callbacks.plots=true", f"cluster.collective_timeout={timeout}", out=out)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=_env(token))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert {"plots0", "export0"} <= set(_events(note)), log[-3000:]  # (both writes were held)
+    assert "timed out" not in log and GLOO_ABORT not in log, log[-3000:]
+    assert f"trainer.export_params: wrote {out / 'params.pt'}" in log, log[-3000:]
+    params = torch.load(out / "params.pt", map_location="cpu", weights_only=True)
+    assert "tok_embeddings.weight" in params and "layers.1.attn.wq.weight" in params, sorted(params)[:5]
+    assert json.loads((out / "report.json").read_text())["steps"] == 2
+    assert (out / "loss.png").stat().st_size > 0
+    time.sleep(0.5)
+    assert not _processes_with(token), "a process of the job was left behind"
+
+
+@pytest.mark.unit
+def test_rank_0s_end_writes_follow_teardown_and_a_failed_export_names_key_and_path(tmp_path):
+    """``train_end`` (every rank, collectives allowed) only merges the report; ``backends.finish``,
+    after teardown, writes report.json, runs ``on_report`` once and writes params.pt, and drops
+    the parameters from the outcome the launcher gets back. A params.pt that cannot be written
+    fails the run naming trainer.export_params and the path, leaving no temp file."""
+    from types import SimpleNamespace
+
+    from backends import Outcome, finish
+    from observers import Observer, Observers
+
+    class Seen(Observer):
+        def __init__(self):
+            self.reports = []
+
+        def on_report(self, engine, report):
+            self.reports.append(report)
+
+    seen = Seen()
+    hub = Observers([seen], meta={"run": "x"}, report_path=tmp_path / "report.json")
+    report = hub.train_end(SimpleNamespace(rank=0))
+    assert not (tmp_path / "report.json").exists() and seen.reports == []
+    outcome = Outcome(rank=0, report=report, params={"w": torch.arange(3.0)})
+    finish(outcome, hub, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text()) == report and seen.reports == [report]
+    assert torch.equal(torch.load(tmp_path / "params.pt", weights_only=True)["w"], torch.arange(3.0))
+    assert outcome.params is None
+    finish(outcome, hub, tmp_path)  # (published once)
+    assert seen.reports == [report]
+
+    bad = tmp_path / "bad"
+    (bad / "params.pt" / "x").mkdir(parents=True)  # a directory where params.pt goes
+    with pytest.raises(OSError, match=rf"trainer.export_params=true: writing {bad / 'params.pt'}: Is a directory"):
+        finish(Outcome(rank=0, params={"w": torch.ones(2)}), Observers([]), bad)
+    assert sorted(p.name for p in bad.iterdir()) == ["params.pt"]
 
 
 # CI: Accelerate's (its only proof of a signal at a step boundary on several ranks); Lightning's

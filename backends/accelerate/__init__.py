@@ -68,12 +68,9 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
 
 
 def fit(built: Built) -> Outcome:
-    from accelerate import PartialState
-
     from backends.accelerate.loop import train
 
-    report = train(built.job, built.out, built.observers, built)
-    return Outcome(rank=PartialState().process_index, report=report)
+    return train(built.job, built.out, built.observers, built)
 
 
 def stratagem_accelerator(strategy: str, **options: Any) -> Any:

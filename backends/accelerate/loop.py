@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import checkpoints
+from backends import Outcome
 from backends.accelerate import families
 from backends.accelerate.state import accelerator
 from core.precision import of
@@ -139,10 +140,11 @@ def prepare(job: Job) -> Prepared:
     return Prepared(acc, builder, model, opt, engine_opt, sched, handles)
 
 
-def train(job: Job, out: Path, observers: Observers, built: Any = None) -> dict[str, Any]:
-    """Run this rank; returns the report (every rank gets its copy). On SIGUSR1/SIGTERM/SIGINT
-    every rank finishes its step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py).
-    ``built``: the backend's ``Built``, which keeps the Accelerator for ``forget``."""
+def train(job: Job, out: Path, observers: Observers, built: Any = None) -> Outcome:
+    """Run this rank; returns its outcome (every rank gets the report; rank 0 the exported
+    parameters, ``trainer.export_params``). On SIGUSR1/SIGTERM/SIGINT every rank finishes its
+    step, all save, and ``Interrupted`` is raised (checkpoints/interrupt.py). ``built``: the
+    backend's ``Built``, which keeps the Accelerator for ``forget``."""
     p = prepare(job)
     if built is not None:
         built.accelerator = p.acc
@@ -168,7 +170,7 @@ def train(job: Job, out: Path, observers: Observers, built: Any = None) -> dict[
 
 
 def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: AccelerateEngine, start: int,
-          save: Callable[[int], Path], interrupt: Any, history: dict[str, Any]) -> dict[str, Any]:
+          save: Callable[[int], Path], interrupt: Any, history: dict[str, Any]) -> Outcome:
     t, acc, model, opt = job.trainer, p.acc, p.model, p.opt
     observers.meta["engine"] = {"distributed_type": acc.distributed_type.name,
                                 "wrapped_model": type(model).__name__}
@@ -232,14 +234,10 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     if objective is not None:
         objective.publish()  # (report.json dpo; every rank: a collective)
     report = observers.train_end(engine)
-    if t.export_params:
-        from observers.files import atomic_torch_save
-
-        params = p.builder.full_state_dict(model)
-        if acc.is_main_process:
-            atomic_torch_save(params, out / "params.pt")
-    acc.wait_for_everyone()
-    return report
+    # (every rank gathers -- a collective under fsdp/zero3 -- and rank 0 keeps them: backends.run
+    # writes params.pt after the last collective, where no peer's timeout runs)
+    params = p.builder.full_state_dict(model) if t.export_params else None
+    return Outcome(rank=acc.process_index, report=report, params=params if acc.is_main_process else None)
 
 
 def _validate(validator: evaluation.Validator, acc: Any, model: Any, step: int,

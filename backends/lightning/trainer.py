@@ -25,7 +25,6 @@ from backends.lightning.module import MODEL_PREFIX, CausalLM, GlobalBatchData
 from backends.lightning.preset import set_timeout
 from core.precision import of
 from observers import startup
-from observers.files import atomic_torch_save
 from recipes.data import CountedShare, build_datasets, data_facts
 from recipes.dpo import objective_for
 from recipes.evaluation import Validator
@@ -112,8 +111,8 @@ def fit(built: Built) -> Outcome:
     # the module's validation_step is reached through strategy.validation_step by the bridge.)
     trainer.fit(built.module, datamodule=built.data)
     built.bridge.untrained(trainer, built.module)  # (restored at max_steps: the loop was skipped)
-    if job.trainer.export_params:
-        params = trainer.strategy.full_state_dict(prefix=MODEL_PREFIX)
-        if trainer.global_rank == 0:
-            atomic_torch_save(params, built.out / "params.pt")
-    return Outcome(rank=trainer.global_rank, report=built.bridge.report)
+    # (every rank gathers -- a collective under fsdp/zero3 -- and rank 0 keeps them: backends.run
+    # writes params.pt after the last collective, where no peer's timeout runs)
+    params = trainer.strategy.full_state_dict(prefix=MODEL_PREFIX) if job.trainer.export_params else None
+    return Outcome(rank=trainer.global_rank, report=built.bridge.report,
+                   params=params if trainer.global_rank == 0 else None)
