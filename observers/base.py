@@ -80,6 +80,13 @@ def learning_rate(engine: Engine) -> float:
     return float(engine.optimizers[0].param_groups[0]["lr"])
 
 
+@dataclass(frozen=True)
+class Ended:
+    """The engine as ``on_report`` sees it: the rank it was. The engine itself is torn down by
+    then (Accelerate's state reset, the process group destroyed: ``backends.run``)."""
+    rank: int
+
+
 class Observer:
     """Override the hooks you need. ``step`` counts optimizer steps: at ``on_step_start`` the
     index of the step beginning (0-based), at ``on_step_end`` the number completed."""
@@ -126,9 +133,9 @@ class Observer:
         """This observer's report keys (asked on every rank after every ``on_train_end``)."""
         return {}
 
-    def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
+    def on_report(self, engine: Ended, report: dict[str, Any]) -> None:
         """The merged report, once written (loggers and plots draw from it); the process group
-        is gone by then: no collective here."""
+        and the engine are gone by then: no collective here, only the rank (``Ended``)."""
 
 
 class Observers:
@@ -186,7 +193,7 @@ class Observers:
         report, which ``publish`` writes."""
         self._each("on_train_end", engine)
         report = {"resumed_from": None, **self.meta, **self._merged("report", taken=set(self.meta))}
-        self._ended = (engine, report)
+        self._ended = (Ended(engine.rank), report)
         return report
 
     def publish(self) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from observers.base import Engine, Observer, Selection, learning_rate, observer
+from observers.base import Ended, Engine, Observer, Selection, learning_rate, observer
 from observers.files import atomic_write_text
 
 LOGGERS: dict[str, Callable[[Selection], Observer]] = {}
@@ -95,7 +95,7 @@ class StepLogger(Observer):
             if self.samples is not None and self.samples.latest:
                 self.write_samples(step, self.samples.latest)
 
-    def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
+    def on_report(self, engine: Ended, report: dict[str, Any]) -> None:
         if self.rank0:
             self.close(report)
 

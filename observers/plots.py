@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from observers.base import Engine, Observer, Selection, observer
+from observers.base import Ended, Observer, Selection, observer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 
@@ -19,7 +19,7 @@ class Plots(Observer):
     def __init__(self, out: Path):
         self.out = out
 
-    def on_report(self, engine: Engine, report: dict[str, Any]) -> None:
+    def on_report(self, engine: Ended, report: dict[str, Any]) -> None:
         if engine.rank != 0:
             return
         import matplotlib
