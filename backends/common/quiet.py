@@ -99,7 +99,7 @@ RECORDS: dict[str, tuple[str, str]] = {
         r"sf=\d+\), Shard\(dim=0\))\) to \(Replicate\(\), Replicate\(\)\), 2 sequential "
         r"(all_reduce|all_gather) operations will be performed",
         "torch's DTensor on a 2-D mesh (tp, fsdp_tp, fsdp_ep), once per rank: the gradient norm "
-        "(parallel/parallelize.py clip_global_) reduced over both dimensions one after the other, "
+        "(parallel/clip.py clip_global_) reduced over both dimensions one after the other, "
         "and full parameters (export, checkpoints) gathered in two steps; every rank reduces in the "
         "same order and the runs equal the single process, so 'inconsistent results' does not "
         "apply; other placements still show"),
