@@ -151,8 +151,8 @@ def test_tp_all_reduces_on_the_tensor_group_as_planned(runs):
     assert set(groups) == {"tensor"}, groups  # one replica: no data-parallel traffic
     tensor = groups["tensor"]
     activation = 8 * 32 * 32 * 4  # micro x seq x dim x fp32
-    # ... and the gradient norm's two all-reduces of fp32 partial norms (clip_global_ on DTensor
-    # gradients, issued inside DTensor's dispatch, below autograd): tens of bytes, not planned
+    # ... and the gradient norm's two all-reduces of float64 partial sums of squares (clip_global_
+    # on the two sharded layouts of DTensor gradients, on the tensor group): tens of bytes, not planned
     acts = 2 * (2 + 5) + 2
     assert tensor["all_reduce"]["count"] == acts + 2
     norms = tensor["all_reduce"]["bytes"] - acts * activation

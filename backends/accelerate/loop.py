@@ -3,16 +3,16 @@ backend (recipes/training.py), the same data order, observers and report.
 
 Per optimizer step: ``accumulation`` micro-batches under ``accelerator.accumulate`` (DDP's
 ``no_sync`` and the 1/accumulation scale come from Accelerate), the global gradient norm and
-clipping with ``accelerator.clip_grad_norm_``, then the optimizer and the LR schedule. DeepSpeed does the
-accumulation, clipping and step inside its engine: the loop calls the engine's own
-``backward``/``step`` (what Accelerate's wrapper calls) so the observers see the gradients
+clipping by the builder (``parallel.clip.clip_global_``, the Lightning presets' measure; FSDP1:
+its root unit's through ``accelerator.clip_grad_norm_``), then the optimizer and the LR schedule.
+DeepSpeed does the accumulation, clipping and step inside its engine: the loop calls the engine's
+own ``backward``/``step`` (what Accelerate's wrapper calls) so the observers see the gradients
 before the step, as on every other path.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ class AccelerateEngine:
     optimizers: list[Any]
     builder: families.Builder
     norm: Any = None
-    """The last step's global gradient norm before clipping (Accelerate's or DeepSpeed's)."""
+    """The last step's global gradient norm before clipping (the builder's ``clip`` or DeepSpeed's)."""
 
     def held_bytes(self, what: str) -> int:
         return self.builder.held_bytes(self.model, self.optimizers, what)
@@ -210,8 +210,8 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
                     acc.backward(loss)
                     if acc.sync_gradients:
                         observers.before_optimizer_step(engine, step)
-                        # the global norm (inf: measured, not clipped), across shards
-                        engine.norm = acc.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
+                        # the global norm (grad_clip 0: measured, not clipped), across shards
+                        engine.norm = p.builder.clip(acc, model, t.grad_clip)
                     opt.step()  # a no-op until the accumulation boundary
                     if acc.sync_gradients:  # (torch's averagers average parameters with gradients)
                         p.builder.after_step(model)

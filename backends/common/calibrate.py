@@ -129,7 +129,8 @@ def _fsdp2_step(model: Callable[[], Any], world: int, device: Any, precision: st
     import torch
 
     from strategies.families.fsdp2 import FSDP2Config
-    from parallel.parallelize import apply_fsdp2, clip_global_
+    from parallel.clip import clip_global_
+    from parallel.parallelize import apply_fsdp2
 
     fsdp2 = FSDP2Config()
     if fsdp2.problems(run := run_of(fsdp2)) or run.problems():

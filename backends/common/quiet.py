@@ -95,14 +95,13 @@ RECORDS: dict[str, tuple[str, str]] = {
         r"sharding_strategy is deprecated in favor of reshard_after_forward",
         "Accelerate's FSDP plugin with fsdp_version=1 (FSDP1 presets) still reads sharding_strategy"),
     "torch.distributed.tensor._redistribute": (
-        r"^While redistributing from \((_NormPartial\(2\.0\), _NormPartial\(2\.0\)|_StridedShard\(dim=0, "
-        r"sf=\d+\), Shard\(dim=0\))\) to \(Replicate\(\), Replicate\(\)\), 2 sequential "
-        r"(all_reduce|all_gather) operations will be performed",
-        "torch's DTensor on a 2-D mesh (tp, fsdp_tp, fsdp_ep), once per rank: the gradient norm "
-        "(parallel/parallelize.py clip_global_) reduced over both dimensions one after the other, "
-        "and full parameters (export, checkpoints) gathered in two steps; every rank reduces in the "
-        "same order and the runs equal the single process, so 'inconsistent results' does not "
-        "apply; other placements still show"),
+        r"^While redistributing from \(_StridedShard\(dim=0, sf=\d+\), Shard\(dim=0\)\) to "
+        r"\(Replicate\(\), Replicate\(\)\), 2 sequential all_gather operations will be performed",
+        "torch's DTensor on a 2-D mesh (fsdp_tp, fsdp_ep), once per rank: full parameters (export, "
+        "checkpoints) gathered in two steps; every rank gathers in the same order and the runs equal "
+        "the single process, so 'inconsistent results' does not apply; other placements (and the "
+        "gradient norm's _NormPartial, which parallel/clip.py no longer reduces through DTensor) "
+        "still show"),
     "torch.distributed.elastic.multiprocessing.api": (
         r"^failed \(exitcode: (130|138|143)\)",
         "torch's agent reports, with a traceback of its own, a rank that ended with 128 + SIGINT, "

@@ -123,7 +123,7 @@ class PresetStrategy:
         """Measure the global gradient norm, then clip to ``max_norm`` (> 0), from the module's
         ``configure_gradient_clipping``: over the optimizer's parameters as the engine holds them
         (a family whose gradients are sharded or staged overrides it)."""
-        from parallel.parallelize import clip_global_
+        from parallel.clip import clip_global_
 
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._grad_norm = clip_global_(params, max_norm)

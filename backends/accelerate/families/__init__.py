@@ -60,6 +60,16 @@ class Builder:
     def after_step(self, model: Any) -> None:
         """After each optimizer step (ddp's local SGD / DiLoCo parameter synchronization)."""
 
+    def clip(self, acc: Any, model: Any, max_norm: float) -> Any:
+        """The global gradient norm before clipping, and the gradients clipped to ``max_norm`` (0:
+        measured only), at the accumulation boundary: the same exact measure as the Lightning
+        presets' (``parallel.clip.clip_global_``), over plain or DTensor gradients, after
+        Accelerate unscales fp16's (``accelerator.clip_grad_norm_``'s own first step)."""
+        from parallel.clip import clip_global_
+
+        acc.unscale_gradients()
+        return clip_global_(list(model.parameters()), max_norm)
+
     def held_bytes(self, model: Any, optimizers: list[Any], what: str) -> int:
         return torch_common.held_bytes(model, optimizers, what)
 

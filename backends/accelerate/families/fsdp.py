@@ -3,6 +3,7 @@ checkpoints the blocks itself. HYBRID_SHARD is refused (see ``problems``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from backends.accelerate.families import Builder, builds
@@ -58,6 +59,11 @@ class FSDP(Builder):
 
     def parallelize(self, model: Any) -> Any:
         return model  # the plugin wraps and checkpoints
+
+    def clip(self, acc: Any, model: Any, max_norm: float) -> Any:
+        """The root unit's own ``clip_grad_norm_`` (Accelerate calls it for FSDP1: the norm of the
+        flat shards in fp32; README's equivalence notes say how far that is from single's)."""
+        return acc.clip_grad_norm_(model.parameters(), max_norm or math.inf)
 
     def full_state_dict(self, model: Any) -> dict[str, Any]:
         return torch_common.gathered_state_dict(model)

@@ -20,7 +20,8 @@ from backends.lightning.preset import PresetStrategy, sharded, sharded_here
 from core.mesh import Axis
 from strategies.families.parallel import ParallelConfig
 from parallel.context_parallel import flattened
-from parallel.parallelize import clip_global_, materialize, parallelize, plan_for
+from parallel.clip import clip_global_
+from parallel.parallelize import materialize, parallelize, plan_for
 
 
 @builds(ParallelConfig)
