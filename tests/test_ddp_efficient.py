@@ -562,3 +562,20 @@ def test_compression_of_a_bucket_of_any_size_trains_past_its_start_step(cached, 
     # the compressed steps' bytes, the plan's (with the second step's plain all-reduce in the average: +14%)
     measured, planned = _bytes(run)
     assert run.report["communication"]["averaged_steps"] == 20 and measured == pytest.approx(planned, rel=0.02)
+
+
+@pytest.mark.unit
+def test_a_lightning_users_refused_resume_names_the_trainers_arguments():
+    """A user's fit(ckpt_path=...) of a checkpoint without the preset's per-rank state was told
+    train.py's fixes (trainer.resume_from, cluster.devices, strategy=ddp -- in a user's Trainer,
+    Lightning's own plain DDP)."""
+    from backends.lightning.families.ddp import resume_advice
+    from strategies.presets import load
+
+    said = resume_advice(load("ddp_int8"), {"preset": "ddp", "ranks": [None, None]})
+    assert "(this checkpoint holds strategy=ddp's on 2 rank(s))" in said
+    assert "fit(ckpt_path=...)" in said and "devices x num_nodes" in said and "without ckpt_path" in said
+    assert "Trainer(strategy='stratagem_ddp') (not Lightning's 'ddp'" in said
+    assert said.endswith("with train.py: resume from a strategy=ddp_int8 checkpoint with the same cluster.devices "
+                         "x cluster.nodes, start the run again without trainer.resume_from, or resume with "
+                         "strategy=ddp"), said

@@ -48,6 +48,20 @@ def unused_parameters_advice(preset: DDPConfig) -> str:
             f"plain DDP (no compression hook, no local SGD).")
 
 
+def resume_advice(preset: DDPConfig, held: dict[str, Any]) -> str:
+    """Why ``preset`` cannot continue a checkpoint that lacks its per-rank state (``held``: what
+    the checkpoint has), with a Lightning user's fixes -- their Trainer's arguments, not
+    train.py's keys -- and train.py's after them."""
+    name = preset.name
+    holds = f"strategy={held['preset']}'s on {len(held['ranks'])} rank(s)" if held else "none"
+    return (f"strategy={name} keeps state of its own on each rank ({preset.unsaved_state()}), which only its "
+            f"own checkpoints on as many ranks hold, so it cannot resume this one exactly (this checkpoint "
+            f"holds {holds}): fit(ckpt_path=...) a checkpoint strategy={name} wrote with the same Trainer "
+            f"devices x num_nodes, fit without ckpt_path to start again, or resume it with "
+            f"Trainer(strategy='stratagem_ddp') (not Lightning's 'ddp', another strategy); with train.py: "
+            f"{preset.resume_problem().rpartition('; ')[2]}")
+
+
 @builds(DDPConfig)
 class PresetDDPStrategy(PresetStrategy, DDPStrategy):
     """Lightning's DDPStrategy with the preset's hook and buckets."""
@@ -121,9 +135,7 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
         if (held.get("preset"), len(held.get("ranks") or ())) != (self.preset.name, self.world_size):
             from core.errors import ConfigError
 
-            raise ConfigError(f"{self.preset.resume_problem()} (this checkpoint holds "
-                              + (f"strategy={held['preset']}'s on {len(held['ranks'])} rank(s))" if held
-                                 else "none)"))
+            raise ConfigError(resume_advice(self.preset, held))
         own.load_state_dict(held["ranks"][self.global_rank])
 
     def rank_state(self, prefix: str) -> Any:
