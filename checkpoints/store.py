@@ -213,6 +213,10 @@ def _not_one(path: Path) -> str:
     elif path.name == DIRNAME or any(_STEP.fullmatch(p.name) or p.name.startswith(f"{TMP}step")
                                      for p in path.iterdir()):
         folder, what = path, "a run's checkpoints folder"
+    elif (tool := _lightnings(path)) is not None:
+        return (f"{path} is a checkpoint a Lightning Trainer wrote (your own script's: ModelCheckpoint or "
+                f"trainer.save_checkpoint), not one of a train.py run, which convert.py reads; its full "
+                f"weights: {tool}")
     else:
         return (f"{path} has no {MARKER} marker: the save did not finish (or this is not a stratagem "
                 "checkpoint); use an older checkpoint")
@@ -222,6 +226,19 @@ def _not_one(path: Path) -> str:
                 f"or another {folder}/step<N>")
     return (f"{path} holds no complete checkpoint ({what}; an interrupted save leaves only "
             f"{TMP}step<N>, which does not count): name a complete one, <run>/{DIRNAME}/step<N>")
+
+
+def _lightnings(path: Path) -> str | None:
+    """How to get the full weights out of ``path`` when a user's Lightning Trainer wrote it under
+    a preset (README's Lightning users' paragraph): torch DCP shards (fsdp, fsdp2) or a DeepSpeed
+    directory (ZeRO); None when it is neither."""
+    if (path / "meta.pt").is_file() and any(path.glob("*.distcp")):
+        return ("torch.distributed.checkpoint.format_utils.dcp_to_torch_save(path, 'model.pt') (one "
+                "torch.save file; your module's weights under 'state_dict' or 'model')")
+    if (path / "latest").is_file() and (path / "checkpoint").is_dir():
+        return ("lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict(path, "
+                "'model.pt')")
+    return None
 
 
 def missing_ranks(files: set[str], world_size: int) -> list[int]:

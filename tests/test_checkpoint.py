@@ -947,6 +947,27 @@ def test_a_run_directory_named_as_a_checkpoint_names_its_checkpoints(tmp_path):
         read(tmp_path)
 
 
+@pytest.mark.unit
+def test_a_lightning_users_own_checkpoint_gets_the_tool_that_reads_it(tmp_path):
+    """convert.py on what a user's Trainer wrote under fsdp/fsdp2 (DCP shards and meta.pt) or ZeRO
+    (DeepSpeed's latest + checkpoint/) said "the save did not finish"; it names the tool that
+    gives its full weights."""
+    from checkpoints.store import CheckpointError, read
+
+    dcp, zero = tmp_path / "step=3.ckpt", tmp_path / "last.ckpt"
+    dcp.mkdir()
+    (dcp / "__0_0.distcp").write_bytes(b"")
+    (dcp / "meta.pt").write_bytes(b"")
+    (zero / "checkpoint").mkdir(parents=True)
+    (zero / "latest").write_text("global_step3")
+    for path, tool in ((dcp, "dcp_to_torch_save(path, 'model.pt')"),
+                       (zero, "convert_zero_checkpoint_to_fp32_state_dict(path, 'model.pt')")):
+        with pytest.raises(CheckpointError) as e:
+            read(path)
+        assert f"{path} is a checkpoint a Lightning Trainer wrote" in str(e.value) and tool in str(e.value)
+        assert "did not finish" not in str(e.value)
+
+
 @pytest.mark.multiprocess
 def test_dcp_metadata_is_read_safely(good, tmp_path, model):
     """DCP unpickles its metadata; a pickle that would run code is refused before DCP sees it."""
