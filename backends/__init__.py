@@ -189,7 +189,6 @@ def leave_nothing(backend: Backend, built: Any, env: dict[str, str], ok: bool) -
     objects and process-wide state), ``teardown(ok)`` (the garbage collected, the process group
     destroyed), and ``env`` (``launch_env()`` at the run's start) restored: the variables the run
     added removed, the ones it changed set back (a rank a launcher started finds its own)."""
-    import logging
     import os
 
     forget = getattr(backend, "forget", None)
@@ -197,8 +196,8 @@ def leave_nothing(backend: Backend, built: Any, env: dict[str, str], ok: bool) -
         if forget is not None:
             forget(built)
     except Exception as e:  # noqa: BLE001  (the run's own error, if any, is the news)
-        logging.getLogger(__name__).warning("the run's engine state was not all released (%s: %s): "
-                                            "a next run in this process may find it", type(e).__name__, e)
+        log.warning("the run's engine state was not all released (%s: %s): a next run in this "
+                    "process may find it", type(e).__name__, e)
     teardown(ok)
     for key in set(launch_env()) - set(env):
         del os.environ[key]

@@ -43,13 +43,13 @@ NOT_THE_JOB = ("preflight",)
 """Keys that say how the sweep starts, not what a job trains (``+preflight=false``)."""
 
 
-def _keyed(overrides: Sequence[str]) -> dict[str, str]:
+def _keyed(overrides: Sequence[str], skip: tuple[str, ...] = CONTINUES + NOT_THE_JOB) -> dict[str, str]:
     """An override list as key -> value (the order on the command line is not the job's
-    configuration), without ``CONTINUES`` and ``NOT_THE_JOB``."""
+    configuration), without the keys in ``skip`` (by default ``CONTINUES`` and ``NOT_THE_JOB``)."""
     out = {}
     for o in overrides:
         key, _, value = str(o).partition("=")
-        if key.lstrip("+") not in CONTINUES + NOT_THE_JOB:
+        if key.lstrip("+") not in skip:
             out[key.lstrip("+")] = value
     return out
 
@@ -73,15 +73,6 @@ def _number(key: str, value: Any) -> float | None:
     return float("inf") if NEVER.get(key) == number else number
 
 
-def _given(key: str, overrides: Sequence[str]) -> str | None:
-    """``key``'s value in an override list; None: not overridden."""
-    for o in overrides:
-        k, _, value = str(o).partition("=")
-        if k.lstrip("+") == key:
-            return value
-    return None
-
-
 def _lowered(old: Sequence[str], new: Sequence[str], old_config: Any, new_config: Any) -> list[str]:
     """The ``CONTINUES`` keys this job lowers from the earlier job's: "<old> there, <new> in this
     sweep's job". A key neither overrides has the value both compose to (the other overrides are
@@ -89,7 +80,7 @@ def _lowered(old: Sequence[str], new: Sequence[str], old_config: Any, new_config
     ``.hydra/config.yaml``, this point composed), only then."""
     out = []
     for key in CONTINUES:
-        given = {"there": _given(key, old), "here": _given(key, new)}
+        given = {"there": _keyed(old, skip=()).get(key), "here": _keyed(new, skip=()).get(key)}
         if given["there"] is None and given["here"] is None:
             continue
         shown = {}
