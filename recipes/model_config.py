@@ -138,14 +138,17 @@ class ModelConfig:
         out += [d * self.n_experts] + [self.n_experts * d * e] * 3
         return out + ([d * self.n_shared_experts * e] * 3 if self.n_shared_experts else [])
 
-    def _lora_tensors(self) -> list[int]:
-        """Elements of each LoRA adapter tensor, A (rank x in) and B (out x rank) per targeted
-        linear layer of every block; none without LoRA."""
+    def lora_matrices(self) -> list[tuple[int, int]]:
+        """Each LoRA adapter matrix as (rows, columns): A (rank x in) and B (out x rank) per
+        targeted linear layer of every block; none without LoRA."""
         r, d, kv, f = self.lora.rank, self.dim, self.n_kv_heads * self.head_dim, self.hidden
         io = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
               "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-        one = [r * x for m in self.lora.target_modules if m in io for x in io[m]] if r else []
-        return one * self.n_layers
+        targets = [io[m] for m in self.lora.target_modules if m in io] if r else []
+        return [pair for i, o in targets for pair in ((r, i), (o, r))] * self.n_layers
+
+    def _lora_tensors(self) -> list[int]:
+        return [n * m for n, m in self.lora_matrices()]
 
     def lora_params(self) -> int:
         """Parameters of the LoRA adapters (rank x (in + out) per targeted linear layer); 0

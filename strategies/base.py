@@ -215,6 +215,11 @@ class StrategyConfig:
                     "blocks (their tp_plan / pp_plan name a dense MLP); use strategy=fsdp_ep "
                     "(expert parallelism) or a data-parallel preset"]
         if self.capabilities.cuts_model and getattr(model, "is_hf", False):
+            if getattr(self, "sequence_parallel", False) and getattr(self, "pp", 1) <= 1 and getattr(
+                    self, "cp", 1) <= 1:  # only the sequence-parallel norms stand in the way
+                return [f"strategy.sequence_parallel=true with strategy={self.name} and model=hf: it "
+                        "replaces the norms the built-in GPT declares, which a Hugging Face model does "
+                        "not; set strategy.sequence_parallel=false"]
             return [f"strategy={self.name} with model=hf: it cuts or replaces modules the "
                     "built-in GPT declares (pipeline stages, sequence-parallel norms, the attention core); model=hf "
                     "trains with the data-parallel presets and tensor parallelism (strategy=tp, "

@@ -153,13 +153,13 @@ class DDPFootprint(Footprint):
         """After ``start_step``: top-k's all-gather of k (value, index) pairs per bucket, 8 bytes
         each (the per-rank ring volume (N-1) x k x 8); int8's all-gather of one byte per element
         plus each bucket's scale and zero point (N/8 of an fp32 all-reduce: a quarter at 2
-        ranks); local SGD and DiLoCo: one fp32 all-reduce of the parameters every H steps,
-        nothing in between."""
+        ranks); local SGD and DiLoCo: one fp32 all-reduce of the trainable parameters (LoRA: the
+        adapters) every H steps, nothing in between."""
         if not (self.topk_ratio or self.int8 or self.sync_every) or n.dp <= 1:
             return super().traffic(n)
         buckets = max(1, math.ceil(n.trainable * 4 / self.bucket_bytes))
         if self.sync_every:
-            return [Traffic("param_average_all_reduce", "all_reduce", n.dp, n.tp, n.params * 4 / self.sync_every,
+            return [Traffic("param_average_all_reduce", "all_reduce", n.dp, n.tp, n.trainable * 4 / self.sync_every,
                             "none", calls=1 / self.sync_every)]
         if self.topk_ratio:
             k = topk_count(n.trainable, self.topk_ratio, self.bucket_bytes)
@@ -184,7 +184,7 @@ class DDPFootprint(Footprint):
         if (self.powersgd_rank or self.topk_ratio or self.int8) and n.dp > 1:
             bucket += n.trainable * 4  # the fp32 error-feedback residual (PowerSGD, top-k, int8)
         if self.diloco and n.dp > 1:
-            bucket += n.params * 4 * 2  # DiLoCo's outer parameters and Nesterov momentum (fp32)
+            bucket += n.trainable * 4 * 2  # DiLoCo's outer copy and Nesterov momentum of what trains (fp32)
         return bucket
 
     def notes(self, n: Sizes) -> list[str]:
@@ -209,21 +209,26 @@ def powersgd_ratio(shape: Any, params: float, rank: int) -> float:
     """Gradient elements PowerSGD sends per step, as a fraction of the parameters (Vogels et al.
     2019; torch's powerSGD_hook): each n x m gradient matrix goes as rank-r factors P (n x r)
     and Q (m x r), unless that saves less than 2x (``min_compression_rate``); vectors (norms)
-    go whole. Without a shape, square h x h matrices with h ~ 128 x layers."""
+    go whole. Under LoRA the adapters' A (r x in) and B (out x r), of which they are the
+    fraction. Without a shape, square h x h matrices with h ~ 128 x layers."""
     if shape is None:
         layers = max(1.0, (params / (12 * 128**2)) ** (1 / 3))
         h = 128 * layers
         return min(1.0, 2 * rank * h / (h * h)) if h * h >= 2 * 2 * rank * h else 1.0
-    d, f = shape.dim, shape.hidden
-    kv = shape.n_kv_heads * (d // shape.n_heads)
-    block = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]
-    tied = getattr(shape, "tie_embeddings", False)
-    matrices = block * shape.n_layers + [(shape.vocab_size, d)] * (1 if tied else 2)
-    total = shape.num_params()
+    adapters = shape.lora_matrices() if hasattr(shape, "lora_matrices") else []
+    if adapters:  # LoRA: only the adapters' gradients exist, thin matrices
+        matrices, total = adapters, sum(n * m for n, m in adapters)
+    else:
+        d, f = shape.dim, shape.hidden
+        kv = shape.n_kv_heads * (d // shape.n_heads)
+        block = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]
+        tied = getattr(shape, "tie_embeddings", False)
+        matrices = block * shape.n_layers + [(shape.vocab_size, d)] * (1 if tied else 2)
+        total = shape.num_params()
     whole = total - sum(n * m for n, m in matrices)
 
     def sent(n: int, m: int) -> int:
         factors = rank * (n + m)
-        return factors if n * m >= 2 * factors else n * m
+        return factors if n * m > 2 * factors else n * m  # torch: compressed x 2 < whole
 
     return (whole + sum(sent(n, m) for n, m in matrices)) / total
