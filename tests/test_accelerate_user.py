@@ -395,6 +395,25 @@ def test_hook_refuses_a_launchers_config_for_another_engine(monkeypatch):
 
 
 @pytest.mark.unit
+def test_the_public_hook_takes_the_presets_keys(monkeypatch):
+    """``from backends.accelerate import stratagem_accelerator; stratagem_accelerator('local_sgd',
+    'strategy.sync_every=2')``, the call README shows and export.py prints, raised TypeError (the
+    package's wrapper took no positional keys): they reach the preset now -- a bad value is the
+    preset's own line, a good one passes on to the next check (here: a launcher's config for
+    another engine, which stops it before any process group)."""
+    from backends.accelerate import stratagem_accelerator
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"strategy.sync_every=0: must be >= 1"):
+        stratagem_accelerator("local_sgd", "strategy.sync_every=0")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match=r"runs DEEPSPEED .* but strategy=local_sgd runs"):
+        stratagem_accelerator("local_sgd", "strategy.sync_every=2")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("wrap, policy", [(None, "SIZE_BASED_WRAP"), ("Block", "TRANSFORMER_BASED_WRAP")])
 def test_exported_wrap_fits_any_model(wrap, policy):
     """A GPU export is Accelerate's own config: wrap by size unless export.wrap names the class
