@@ -8,7 +8,10 @@
 Takes train.py's overrides (the batch, precision and cluster shape the files describe) and checks
 the run they describe as train.py would, but not this machine; ``strategy=auto`` writes the files
 of the preset the planner picks, as train.py would run it. Files are written atomically;
-their paths are printed.
+their paths are printed (stdout). export=accelerate also says (stderr) the one line of a user's own
+script that trains what the files describe -- ``stratagem_accelerator`` with every preset key,
+the precision, the accumulation and ZeRO's clipping the export set -- and its DataLoader's batch
+size (backends/accelerate/export.py ``script_notes``).
 """
 
 from __future__ import annotations
@@ -97,16 +100,13 @@ def main(argv: list[str]) -> None:
         written.append(ds_file)
     if kind == "accelerate":
         from backends.accelerate.export import (accelerate_config, accelerate_yaml, node_instructions,
-                                                unhooked_notes)
+                                                script_notes, unhooked_notes)
 
         ds_path = str(ds_file.resolve()) if ds_file else None
         atomic_write_text(out, accelerate_yaml(job, str(out), ds_path))
         written.append(out)
         notes = node_instructions(job, str(out)) + unhooked_notes(job, accelerate_config(job, ds_path))
-        if mine := [a for a in argv if a.startswith("strategy.")]:  # (the hook reads the preset's name only)
-            notes.append(f"a script's hook builds the preset from its name: give it these keys too, "
-                         f"stratagem_accelerator({', '.join(repr(x) for x in [job.strategy.name, *mine])})")
-        for line in notes:  # (stderr: stdout is the list of files)
+        for line in notes + script_notes(job):  # (stderr: stdout is the list of files)
             print(line, file=sys.stderr)
     for path in written:
         print(path)

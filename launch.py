@@ -11,14 +11,15 @@ Kubernetes (a Kubeflow PyTorchJob).
 Takes train.py's overrides, checks the run they describe as train.py would (not this machine),
 asks the planner whether it fits, then builds the SageMaker training job (launchers/sagemaker.py)
 and submits it with the SageMaker Python SDK (``pip install -e ".[sagemaker]"``). ``--dry-run``
-prints the job's arguments and the exact command every host will run; it needs neither the SDK
-nor AWS.
+prints the job's arguments (JSON, alone on stdout) and the exact command every host will run (on
+stderr); it needs neither the SDK nor AWS.
 
     python launch.py cluster=k8s cluster.k8s.image=<registry>/stratagem:<tag> \\
         cluster.k8s.volume_claim=<ReadWriteMany PVC> cluster.nodes=2 strategy=fsdp [--dry-run]
 
 writes the PyTorchJob manifest (launchers/k8s.py) and applies it with the kubernetes client
-(``pip install -e ".[k8s]"``); ``--dry-run`` prints it. Each launcher says whether it has this step
+(``pip install -e ".[k8s]"``); ``--dry-run`` prints it alone on stdout (``... --dry-run | kubectl
+apply -f -``), what it says of it on stderr. Each launcher says whether it has this step
 (``@launcher(..., submit=...)``, launchers/registry.py). Other clusters need no launch step: ``python train.py`` (local, torchrun) or
 ``python train.py -m hydra/launcher=submitit_slurm cluster=slurm_...`` (Slurm).
 """
@@ -77,7 +78,13 @@ def main(argv: list[str]) -> None:
     with paths_elsewhere(_elsewhere):
         job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=planner.choose))
     chosen = registry.get(job.cluster.launcher)
-    print(chosen.dry_run(job, overrides) if dry else chosen.submit(job, overrides))
+    if not dry:
+        print(chosen.submit(job, overrides))
+        return
+    document, notes = chosen.dry_run(job, overrides)
+    for line in notes:  # (stderr: stdout is the document alone, for the tool that reads it)
+        print(line, file=sys.stderr)
+    print(document)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Kubernetes: ``python launch.py cluster=k8s ...`` writes a Kubeflow ``PyTorchJob`` manifest and
 applies it with the ``kubernetes`` client (``pip install -e ".[k8s]"``); ``--dry-run`` prints it
-and needs neither the client nor a cluster.
+alone on stdout (what it says of it on stderr) and needs neither the client nor a cluster.
 
 The job is one ``Master`` pod and ``cluster.nodes - 1`` ``Worker`` pods (the training operator
 accepts exactly one master and at least one worker when there are workers), each the container
@@ -152,11 +152,13 @@ def manifest(cluster: Any, overrides: list[str], accelerator: str) -> dict[str, 
             "spec": spec}
 
 
-def dry_run(job: dict[str, Any]) -> str:
-    """The manifest (JSON is YAML: ``kubectl apply -f`` takes it as printed) and each pod's command."""
-    lines = [f"Kubeflow {KIND} (kubectl apply -f <this JSON>):", json.dumps(job, indent=1), ""]
+def dry_run(job: dict[str, Any]) -> tuple[str, list[str]]:
+    """The manifest alone (JSON is YAML: ``kubectl apply -f`` takes it as printed, ``--dry-run |
+    kubectl apply -f -`` too) and what is said of it: each pod's command, the job's name, the claim."""
     cmd = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
-    lines.append(f"every pod runs ({job['spec']['nprocPerNode']} ranks each): {' '.join(cmd)}")
+    lines = [f"Kubeflow {KIND} manifest on stdout (kubectl apply -f <it>, or pipe it: ... --dry-run | "
+             "kubectl apply -f -)",
+             f"every pod runs ({job['spec']['nprocPerNode']} ranks each): {' '.join(cmd)}"]
     meta = job["metadata"]
     lines.append(f"job {meta['namespace']}/{meta['name']} (cluster.k8s.job_name; unset, each launch gets a new "
                  "name and run directory: name it to run or resume in the same one)")
@@ -166,7 +168,7 @@ def dry_run(job: dict[str, Any]) -> str:
     if claims and "Worker" in job["spec"]["pytorchReplicaSpecs"]:
         lines.append(f"the claim {claims[0]} must be {RWX} (every node writes the run directory): "
                      "checked when submitting, not by --dry-run")
-    return "\n".join(lines)
+    return json.dumps(job, indent=1), lines
 
 
 def apply(job: dict[str, Any]) -> str:
@@ -247,7 +249,7 @@ def _client_problems(job: Job) -> list[str]:
     return claim_problems(claim_modes(job.cluster.k8s), job.cluster.k8s, job.cluster.nodes)
 
 
-def _dry_run(job: Job, overrides: list[str]) -> str:
+def _dry_run(job: Job, overrides: list[str]) -> tuple[str, list[str]]:
     return dry_run(manifest(job.cluster, overrides, job.run.accelerator))
 
 

@@ -11,8 +11,10 @@ the launcher provides, it hands to the decorator:
   several (local, torchrun, a SageMaker container); a process some launcher started is one rank.
 - a submission step for ``launch.py`` (sagemaker, k8s): ``submission_problems(job, overrides)``
   (checked on the submitting machine), ``client_problems(job)`` (what submitting from here needs: an
-  SDK, a cluster, what the cluster holds; not asked by ``--dry-run``), ``dry_run(job, overrides)`` (the text
-  ``--dry-run`` prints), ``submit(job, overrides)`` (submits; the line printed), ``elsewhere(path)``
+  SDK, a cluster, what the cluster holds; not asked by ``--dry-run``), ``dry_run(job, overrides)`` (what
+  ``--dry-run`` prints: the document a tool reads -- a manifest, the job's arguments --, alone on stdout
+  so it parses as printed, and the lines said of it, on stderr), ``submit(job, overrides)`` (submits;
+  the line printed), ``elsewhere(path)``
   (paths that exist where the job runs, not here). A launcher without ``submit`` needs no launch
   step.
 - ``checked_first``: its problems come before the checks of who started this process, which
@@ -47,7 +49,7 @@ class Launcher:
     run: Callable[..., Any] | None = None
     submission_problems: Callable[[Job, list[str]], list[str]] | None = None
     client_problems: Callable[[Job], list[str]] | None = None
-    dry_run: Callable[[Job, list[str]], str] | None = None
+    dry_run: Callable[[Job, list[str]], tuple[str, list[str]]] | None = None
     submit: Callable[[Job, list[str]], str] | None = None
     elsewhere: Callable[[str], bool] | None = None
     checked_first: bool = False

@@ -1,6 +1,7 @@
 """SageMaker: ``python launch.py cluster=sagemaker_p5_2node strategy=fsdp ...`` builds a training
 job with the SageMaker Python SDK (v3, ``ModelTrainer``) and submits it; ``--dry-run`` prints the
-job's arguments and the exact command every host runs, and needs neither the SDK nor AWS.
+job's arguments (JSON alone on stdout) and the exact command every host runs (stderr), and needs
+neither the SDK nor AWS.
 
 Every host runs the same command, ``python train.py <your overrides> <the paths below>``, in the
 source directory SageMaker unpacks (the repository, uploaded by the SDK). Inside the container
@@ -204,9 +205,10 @@ def job_arguments(cluster: Any, overrides: list[str], source_dir: str) -> dict[s
     }
 
 
-def dry_run(args: dict[str, Any], hosts: int) -> str:
-    """The job's arguments and each host's command, as printed by ``launch.py --dry-run``."""
-    lines = ["SageMaker training job (ModelTrainer arguments):", json.dumps(args, indent=1), "",
+def dry_run(args: dict[str, Any], hosts: int) -> tuple[str, list[str]]:
+    """The job's arguments alone (JSON, as ``launch.py --dry-run`` prints them on stdout) and what
+    is said of them (stderr): each host's command, where its checkpoints go."""
+    lines = ["SageMaker training job: its ModelTrainer arguments on stdout (JSON)",
              f"each host runs, in {CODE_DIR}:"]
     lines += [f"  algo-{i + 1} (SM_CURRENT_HOST_RANK={i}): {args['source_code']['command']}"
               for i in range(hosts)]
@@ -215,7 +217,7 @@ def dry_run(args: dict[str, Any], hosts: int) -> str:
                      f"SageMaker uploads to {args['checkpoint_config']['s3_uri']}; a restarted job gets "
                      "their union back on every host and resumes from the newest checkpoint every host "
                      "uploaded whole")
-    return "\n".join(lines)
+    return json.dumps(args, indent=1), lines
 
 
 def build(args: dict[str, Any]) -> Any:
@@ -271,7 +273,7 @@ def _client_problems(job: Job) -> list[str]:
     return []
 
 
-def _dry_run(job: Job, overrides: list[str]) -> str:
+def _dry_run(job: Job, overrides: list[str]) -> tuple[str, list[str]]:
     return dry_run(job_arguments(job.cluster, overrides, SOURCE_DIR), job.cluster.nodes)
 
 

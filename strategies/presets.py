@@ -103,6 +103,33 @@ def _node(name: str) -> Any:
     return OmegaConf.merge(base, own)
 
 
+def overrides_of(preset: Any) -> list[str]:
+    """The ``strategy.<key>=<value>`` overrides (as on train.py's command line) that make
+    ``load(preset.name, ...)`` equal ``preset``: every key, nested ones of a mapping
+    (``deepspeed_config``) leaf by leaf, whose value is not the named preset's own. What a user's
+    hook is given to build the preset a job ran or exported (backends/accelerate/export.py)."""
+    import dataclasses
+
+    def leaves(value: Any, key: str) -> dict[str, Any]:
+        if isinstance(value, dict) and value:
+            return {k: v for sub, item in value.items() for k, v in leaves(item, f"{key}.{sub}").items()}
+        return {key: value}
+
+    mine, own = (leaves(dataclasses.asdict(p), "strategy") for p in (preset, load(preset.name)))
+    return [f"{k}={_spelled(v)}" for k, v in mine.items() if k not in own or own[k] != v]
+
+
+def _spelled(value: Any) -> str:
+    """``value`` as an override's right-hand side that OmegaConf reads back as ``value``."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    if isinstance(value, str):
+        return value if OmegaConf.from_dotlist([f"v={value}"]).v == value else json.dumps(value)
+    return json.dumps(value)
+
+
 def compose_preset(name: str) -> Any:
     """Preset ``name`` composed by Hydra (the reference ``load`` agrees with)."""
     import hydra

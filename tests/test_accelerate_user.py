@@ -312,12 +312,13 @@ def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
         export.main([f"strategy={preset}", *TWO, "export=accelerate", f"export.out={tmp_path / 'd.yaml'}"])
         said = capsys.readouterr().err
         assert "trains plain DDP from this file" in said and lost in said, said
-        assert f"stratagem_accelerator('{preset}')" in said
+        assert f"stratagem_accelerator('{preset}', gradient_accumulation_steps=2)" in said  # (TWO: 16 = 4 x 2 x 2)
     export.main(["strategy=ddp", *TWO, "export=accelerate", f"export.out={tmp_path / 'p.yaml'}"])
     assert "without the hook" not in capsys.readouterr().err
     export.main(["strategy=local_sgd", "strategy.sync_every=2", *TWO, "export=accelerate",
                  f"export.out={tmp_path / 'l.yaml'}"])
-    assert "stratagem_accelerator('local_sgd', 'strategy.sync_every=2')" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "stratagem_accelerator('local_sgd', 'strategy.sync_every=2', gradient_accumulation_steps=2)" in said
 
 
 @pytest.mark.multiprocess
@@ -330,7 +331,8 @@ def test_exported_fsdp_yaml_refuses_a_script_without_the_hook(tmp_path):
     unhooked = _launch("--config_file", yaml_path, "--num_processes", "1", SCRIPT, "--cpu")
     out, err = unhooked.communicate(timeout=300)
     assert unhooked.returncode != 0 and not out.strip().startswith("{"), out[-2000:]
-    assert "STRATAGEM_HOOK_REQUIRED" in err and "stratagem_accelerator('fsdp2')" in err, err[-3000:]
+    assert "STRATAGEM_HOOK_REQUIRED" in err and "stratagem_accelerator('fsdp2', gradient_accumulation_steps=2)" in err, \
+        err[-3000:]
 
 
 @pytest.mark.unit
@@ -348,7 +350,7 @@ def test_exported_fsdp_yaml_refuses_plain_accelerate(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", fsdp["fsdp_auto_wrap_policy"])
     monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", str(fsdp["fsdp_min_num_params"]))
     with pytest.raises(ValueError, match=r"Invalid auto wrap policy: STRATAGEM_HOOK_REQUIRED.*"
-                                         r"stratagem_accelerator\('fsdp2'\)"):
+                                         r"stratagem_accelerator\('fsdp2', gradient_accumulation_steps=2\)"):
         FullyShardedDataParallelPlugin()
     assert _wrap(None) == fsdp["fsdp_min_num_params"] == 100_000_000  # the hook: by size
 
@@ -392,6 +394,25 @@ def test_hook_refuses_a_launchers_config_for_another_engine(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ConfigError, match=r"runs DEEPSPEED .* but strategy=fsdp2 runs FSDP"):
         stratagem_accelerator("fsdp2")
+
+
+@pytest.mark.unit
+def test_the_public_hook_takes_the_presets_keys(monkeypatch):
+    """``from backends.accelerate import stratagem_accelerator; stratagem_accelerator('local_sgd',
+    'strategy.sync_every=2')``, the call README shows and export.py prints, raised TypeError (the
+    package's wrapper took no positional keys): they reach the preset now -- a bad value is the
+    preset's own line, a good one passes on to the next check (here: a launcher's config for
+    another engine, which stops it before any process group)."""
+    from backends.accelerate import stratagem_accelerator
+    from core.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"strategy.sync_every=0: must be >= 1"):
+        stratagem_accelerator("local_sgd", "strategy.sync_every=0")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match=r"runs DEEPSPEED .* but strategy=local_sgd runs"):
+        stratagem_accelerator("local_sgd", "strategy.sync_every=2")
 
 
 @pytest.mark.unit

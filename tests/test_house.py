@@ -513,7 +513,7 @@ def _client_problems(job):
 
 
 def _dry_run(job, overrides):
-    return "mine would run: python train.py " + " ".join(overrides)
+    return "mine would run: python train.py " + " ".join(overrides), ["(what is said of it: stderr)"]
 
 
 def _submit(job, overrides):

@@ -893,8 +893,8 @@ def test_sagemaker_dry_run_prints_the_job_and_each_hosts_command():
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = next(x for x in proc.stderr.splitlines() if x.startswith("LOADED=")).removeprefix("LOADED=")
     assert loaded == "", f"--dry-run imported {loaded}"  # no SDK, no cloud, no engine
-    text = proc.stdout
-    args = json.loads(text[text.index("{"):text.index("\n}\n") + 2])
+    args = json.loads(proc.stdout)  # (the job's arguments alone; what is said of them on stderr)
+    text = proc.stderr
     assert args["compute"] == {"instance_type": "ml.p5.48xlarge", "instance_count": 2, "volume_size_in_gb": 100}
     assert args["source_code"]["source_dir"] == str(ROOT)
     command = ("pip install -q -e . && STRATAGEM_RUN_DIR_PER_HOST=1 python train.py cluster=sagemaker_p5_2node strategy=fsdp "

@@ -107,7 +107,8 @@ def test_the_k8s_default_job_name_is_new_per_launch_and_an_explicit_one_is_kept(
     pod = m["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     assert pod["command"][-1] == f"hydra.run.dir=/mnt/stratagem/{name}"
     assert {"name": "STRATAGEM_JOB_ID", "value": f"k8s:default/{name}"} in pod["env"]
-    assert name in k8s.dry_run(m)
+    manifest, said = k8s.dry_run(m)
+    assert name in manifest and any(name in line for line in said)
     k8s._new_name.cache_clear()  # the next launch
     again = k8s.manifest(validate(compose(base), depth=RUN).cluster, base, "gpu")["metadata"]["name"]
     assert again != name

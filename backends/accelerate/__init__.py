@@ -73,9 +73,10 @@ def fit(built: Built) -> Outcome:
     return train(built.job, built.out, built.observers, built)
 
 
-def stratagem_accelerator(strategy: str, **options: Any) -> Any:
-    """A user's Accelerate script on preset ``strategy``: an ``accelerate.Accelerator`` whose
-    ``prepare`` runs it for real (backends/accelerate/user.py)."""
+def stratagem_accelerator(strategy: str, *overrides: str, **options: Any) -> Any:
+    """A user's Accelerate script on preset ``strategy``, with the preset's keys as on train.py's
+    command line (``"strategy.sync_every=2"``): an ``accelerate.Accelerator`` whose ``prepare``
+    runs it for real (backends/accelerate/user.py)."""
     from backends.accelerate.user import stratagem_accelerator as build
 
-    return build(strategy, **options)
+    return build(strategy, *overrides, **options)

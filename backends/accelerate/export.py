@@ -56,8 +56,7 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
         # Accelerator() would train DDP or lone processes: the file it reads is the hook's refusal
         # (train.py and the hook pass their own plugin and never read it)
         if run.accelerator == "cpu":
-            deepspeed_file = hook_required(job.strategy.name, "DeepSpeed",
-                                           f"the preset's DeepSpeed JSON: {deepspeed_file}")
+            deepspeed_file = hook_required(job, "DeepSpeed", f"{JSON_NAMED}{deepspeed_file}")
         section = {"deepspeed_config_file": deepspeed_file, "zero3_init_flag": job.strategy.stage == 3}
         if w.nodes > 1:  # every node runs the same command (node_instructions); Accelerate's
             section["deepspeed_multinode_launcher"] = "standard"  # default is pdsh from node 0
@@ -68,25 +67,119 @@ def accelerate_config(job: Job, deepspeed_file: str | None = None) -> dict[str, 
         if run.accelerator == "cpu":  # Accelerate alone would train DDP: refuse without the hook
             wrap = ("fsdp_transformer_layer_cls_to_wrap" if "fsdp_transformer_layer_cls_to_wrap" in section
                     else "fsdp_min_num_params")
-            section["fsdp_auto_wrap_policy"] = hook_required(job.strategy.name, "FSDP", f"it wraps by {wrap}")
+            section["fsdp_auto_wrap_policy"] = hook_required(job, "FSDP", f"it wraps by {wrap}")
         return cfg | {"distributed_type": "FSDP", "fsdp_config": section}
     # DDP: the launcher's multi-process path (also for CPU ranks: Accelerate's MULTI_CPU launch
     # starts one process); the preset's hooks and buckets are applied by train.py itself
     return cfg | {"distributed_type": "MULTI_GPU" if w.size > 1 else "NO"}
 
 
-def hook_required(preset: str, engine: str, note: str) -> str:
+def hook_required(job: Job, engine: str, note: str) -> str:
     """A CPU export's value that a plain ``Accelerator()`` reads at its first line and refuses with
     this text: FSDP's ``fsdp_auto_wrap_policy`` (``Invalid auto wrap policy: ...``), DeepSpeed's
     ``deepspeed_config_file`` (``Expected a string path to an existing deepspeed config ...
     Received: ...``), both built from the launcher's variables whatever ``cpu=`` says; read by
-    ``stratagem_accelerator`` (backends/accelerate/user.py), which builds its own plugin."""
+    ``stratagem_accelerator`` (backends/accelerate/user.py), which builds its own plugin. It names
+    the hook's call that runs this export (``hook_call``)."""
     from backends.accelerate.user import HOOK_REQUIRED
 
     return (f"{HOOK_REQUIRED}: on CPU, Accelerate alone drops {engine} and trains DDP or lone processes; "
-            f"this config runs strategy={preset} only in a script that builds its Accelerator with "
+            f"this config runs strategy={job.preset.name} only in a script that builds its Accelerator with "
             f"`from backends.accelerate import stratagem_accelerator; accelerator = "
-            f"stratagem_accelerator('{preset}')` ({note})")
+            f"{hook_call(job)}` ({note})")
+
+
+JSON_NAMED = "the preset's DeepSpeed JSON: "
+"""How a CPU export's hook text names the JSON beside the YAML; the hook reads the path back
+(``unlike_the_export``)."""
+
+
+def unlike_the_export(call: str, built: dict[str, Any]) -> str | None:
+    """The warning of a hook whose call builds ``built`` under a launcher's config that names
+    another DeepSpeed JSON (``ACCELERATE_DEEPSPEED_CONFIG_FILE``: a GPU export's path, or a CPU
+    export's hook text naming it): each key that differs and the argument that gives the file's
+    value. None when they agree or no readable file is named. Not compared: the micro batch (the
+    script's DataLoader decides it) and sizes the hook leaves "auto" (Accelerate fills them from
+    the script's model)."""
+    import json
+    import os
+
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "").rsplit(JSON_NAMED, 1)[-1].removesuffix(")")
+    try:
+        with open(path) as f:
+            theirs = _leaves(json.load(f))
+    except (OSError, ValueError):
+        return None
+    ours = _leaves(built)
+    keys = [k for k in {**theirs, **ours} if k != "train_micro_batch_size_per_gpu"
+            and ours.get(k) != "auto" and theirs.get(k) != ours.get(k)]
+    if not keys:
+        return None
+    def said(d: dict[str, Any], k: str) -> str:
+        return json.dumps(d[k]) if k in d else "absent"
+
+    told = "; ".join(f"{k}: {said(theirs, k)} there, {said(ours, k)} here" for k in keys)
+    fixes = {"gradient_clipping": f"grad_clip={theirs.get('gradient_clipping', 0.0)!r}",
+             "gradient_accumulation_steps": f"gradient_accumulation_steps={theirs.get('gradient_accumulation_steps', 1)}",
+             "precision": "precision=" + repr("bf16" if theirs.get("bf16.enabled") else
+                                              "fp16" if theirs.get("fp16.enabled") else "no")}
+    wanted = {("precision" if k.split(".")[0] in ("bf16", "fp16") else k) for k in keys}
+    args = [fixes[k] for k in fixes if k in wanted] + (["the preset's keys as 'strategy.<key>=<value>'"]
+                                                       if wanted - set(fixes) else [])
+    return (f"{call} builds another DeepSpeed config than the one the launcher's config names, {path} "
+            f"(the hook builds it from its arguments and never reads that file): {told}. To train what "
+            f"the file says, pass {', '.join(args)} (export.py prints the whole call)")
+
+
+def _leaves(tree: dict[str, Any], key: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys -> leaf values."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out |= _leaves(v, f"{key}{k}.") if isinstance(v, dict) and v else {f"{key}{k}": v}
+    return out
+
+
+def hook_call(job: Job) -> str:
+    """The call of a user's script that trains what this export describes: ``stratagem_accelerator``
+    with every preset key the job changed (``strategy.*`` on the command line, an experiment's,
+    ``trainer.gradient_checkpointing``), the run's precision, its accumulation and, under ZeRO, its
+    clipping -- what the hook builds from its arguments alone (it reads neither the YAML's
+    DeepSpeed JSON nor the trainer's keys). The micro batch is the script's DataLoader's
+    (``script_notes``)."""
+    from strategies.presets import overrides_of
+
+    run = job.run
+    args = [repr(job.preset.name), *map(repr, overrides_of(job.preset))]
+    if (mixed := of(run.precision).accelerate) != "no":
+        args.append(f"precision={mixed!r}")
+    if run.grad_clip and _zero(job):  # (outside ZeRO the hook refuses it: the loop clips)
+        args.append(f"grad_clip={float(run.grad_clip)!r}")
+    if run.accumulation > 1:
+        args.append(f"gradient_accumulation_steps={run.accumulation}")
+    return f"stratagem_accelerator({', '.join(args)})"
+
+
+def script_notes(job: Job) -> list[str]:
+    """What export.py says a user's own script needs to train what this export describes: the
+    hook's call, the micro batch as its DataLoader's ``batch_size``, the accumulation as
+    Accelerate's ``accumulate`` context, and clipping outside ZeRO in its loop."""
+    run = job.run
+    b = run.batch
+    loop = [f"a DataLoader of batch_size={run.micro_batch_size} per process (the micro batch: "
+            f"{run.micro_batch_size} x {b.dp} processes x {run.accumulation} accumulated = "
+            f"trainer.global_batch_size={b.global_size})"]
+    if run.accumulation > 1:
+        loop.append("each step under `with accelerator.accumulate(model):`")
+    if run.grad_clip and not _zero(job):
+        loop.append(f"`accelerator.clip_grad_norm_(model.parameters(), {float(run.grad_clip)!r})` "
+                    "after accelerator.backward (trainer.grad_clip)")
+    return [f"your own script trains this export with `accelerator = {hook_call(job)}` (from "
+            f"backends.accelerate import stratagem_accelerator; the hook builds the preset from these "
+            f"arguments, not from the files), {', '.join(loop[:-1]) + ' and ' if len(loop) > 1 else ''}{loop[-1]}"]
+
+
+def _zero(job: Job) -> bool:
+    return job.strategy.capabilities.native_config == "deepspeed"
 
 
 UNHOOKED_SAYS = {"ddp": "trains DDP", "lone": "trains every rank alone"}
@@ -101,7 +194,7 @@ def unhooked_notes(job: Job, config: dict[str, Any]) -> list[str]:
     preset = job.strategy.name
     if (what := _ddp_hooks(job.strategy)) and config["num_processes"] > 1:
         return [f"a script without the hook trains plain DDP from this file: Accelerate's config has no "
-                f"field for strategy={preset}'s {what}; `accelerator = stratagem_accelerator('{preset}')` "
+                f"field for strategy={preset}'s {what}; `accelerator = {hook_call(job)}` "
                 "(from backends.accelerate import stratagem_accelerator) registers it at prepare"]
     runs = {"with Accelerator(cpu=True)": unhooked(config, cuda=True, cpu=True),
             "on a machine without GPUs": unhooked(config, cuda=False, cpu=False)}
@@ -110,7 +203,7 @@ def unhooked_notes(job: Job, config: dict[str, Any]) -> list[str]:
         return []
     return [f"a script without the hook gets Accelerate's own {config['distributed_type']} from this "
             f"file on GPUs, but {' and '.join(wrong)}, without a word; "
-            f"`accelerator = stratagem_accelerator('{preset}')` (from backends.accelerate import "
+            f"`accelerator = {hook_call(job)}` (from backends.accelerate import "
             "stratagem_accelerator) runs the preset in each case and checks its engine at prepare"]
 
 

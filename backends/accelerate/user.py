@@ -35,6 +35,12 @@ refuses, with a ``ConfigError``:
   clips inside its step at its config's ``gradient_clipping`` and Accelerate only returns the
   norm, so the script's clip would silently not happen (``grad_clip=`` outside ZeRO is refused).
 
+The hook builds a ZeRO preset's DeepSpeed config from its arguments alone, never from the JSON an
+exported YAML names (export.py prints the call that builds that JSON: the preset's keys,
+``precision``, ``grad_clip``, ``gradient_accumulation_steps``; the micro batch is the script's
+DataLoader's). When the JSON the launcher's config names differs, rank 0 logs one warning naming
+each key that differs and the argument that gives the file's value (``_say_unlike_the_export``).
+
 Under ZeRO-3, a ``backward`` that fails on a parameter used outside any module's forward (an L2
 penalty added after ``model(x)``: autograd's "returned an invalid gradient at index 0 - got [0]")
 is re-raised with what it means and the fixes (backends/common/partitioned.py).
@@ -337,8 +343,11 @@ def stratagem_accelerator(strategy: str, *overrides: str, wrap: str | int | None
     """An ``accelerate.Accelerator`` that runs preset ``strategy`` for real, in the processes
     ``accelerate launch`` (or torchrun) started; see the module docstring. ``overrides``: the
     preset's keys as on train.py's command line and export.py's (``"strategy.sync_every=2"``;
-    export.py prints the call for an export that set any). ``precision``:
-    Accelerate's (no | bf16 | fp16), else the launcher's config's. ``grad_clip``: a ZeRO preset's
+    export.py prints the whole call of an export). ``precision``:
+    Accelerate's (no | bf16 | fp16), else the launcher's config's. ``gradient_accumulation_steps``:
+    Accelerate's own (the script steps under ``accelerator.accumulate(model)``; a ZeRO preset's
+    DeepSpeed config gets it too); the micro batch is the script's DataLoader's ``batch_size``.
+    ``grad_clip``: a ZeRO preset's
     ``gradient_clipping`` (DeepSpeed clips inside its step; Accelerate's ``clip_grad_norm_`` only
     returns the norm there, and is refused for any other max_norm); other engines clip where the
     script calls ``clip_grad_norm_``. ``accelerator_kwargs``: the script's other ``Accelerator``
@@ -402,6 +411,18 @@ def _yours(strategy: str, kwargs: dict[str, Any], yours: dict[str, Any], timeout
     return kwargs, yours, timeout
 
 
+def _say_unlike_the_export(call: str, builder: Any) -> None:
+    """One warning (rank 0's) when the DeepSpeed JSON the launcher's config names is not the config
+    ``call`` builds (export.py's ``unlike_the_export``): the hook never reads that file."""
+    import logging
+
+    from backends.accelerate.export import unlike_the_export
+
+    told = unlike_the_export(call, builder.preset.deepspeed_json(builder.run))
+    if told and os.environ.get("RANK", "0") == "0":
+        logging.getLogger(__name__).warning(told)
+
+
 @dataclass(frozen=True)
 class Settled:
     """What the hook decides before any process group: the preset's builder and Accelerate kwargs."""
@@ -452,4 +473,9 @@ def settle(strategy: str, *, wrap: str | int | None = None, precision: str | Non
         raise ConfigError(f"the launcher's config runs {named} ({LAUNCHED[named]}=true), but "
                           f"strategy={strategy} runs {want}: export this preset's config "
                           f"(python export.py strategy={strategy} export=accelerate) or name its preset")
+    if "deepspeed_plugin" in kwargs:
+        given = [*map(repr, (strategy, *overrides)), *([f"precision={precision!r}"] if precision else []),
+                 *([f"grad_clip={grad_clip!r}"] if grad_clip else []),
+                 *([f"gradient_accumulation_steps={accumulation}"] if accumulation != 1 else [])]
+        _say_unlike_the_export(f"stratagem_accelerator({', '.join(given)})", builder)
     return Settled(builder, kwargs, world, on_cpu, mixed)
