@@ -226,13 +226,19 @@ def test_the_hooks_grad_clip_is_deepspeeds_and_only_deepspeeds(monkeypatch):
 SAVE_AT = 14  # past start_step (10), before local SGD's next average (18): replicas apart
 
 
+DROPOUT = ("--dropout", "0.1", "--loader_generator")
+"""Dropout, and the DataLoader's own generator (README: without one the resumed masks differ)."""
+
+
 def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | None = None):
     """The script under ``preset`` for 24 steps, ``accelerator.save_state`` after SAVE_AT (training
     on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``.
     local_sgd's script passes its own ``project_config`` through the hook (automatic checkpoint
-    naming: save_state and load_state find the directory themselves); the others name it."""
+    naming: save_state and load_state find the directory themselves), with dropout; the others
+    name it."""
     yaml_path = _export(tmp_path, f"strategy={preset}", *export)
-    where = ("--project_dir", str(tmp_path)) if preset == "local_sgd" else ("--state_dir", str(tmp_path / "state"))
+    where = (("--project_dir", str(tmp_path), *DROPOUT) if preset == "local_sgd"
+             else ("--state_dir", str(tmp_path / "state")))
     run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), *where)
     straight = _ranks(_launch(*run, "--strategy", preset, "--save_at", str(SAVE_AT)))
     return straight, _launch(*run, "--strategy", resume_as or preset, "--resume_at", str(SAVE_AT))
@@ -249,7 +255,8 @@ def test_a_users_save_state_resumes_exactly(preset, export, tmp_path):
     run's. The ddp family's own state on each rank (error feedback, PowerSGD's Q, local SGD's
     replicas and optimizers, DiLoCo's outer step) goes with it, one file a rank; local SGD's
     model was saved as one tensor of eight before (its averaged parameters shared one storage,
-    and Accelerate's safetensors save drops all but one)."""
+    and Accelerate's safetensors save drops all but one). local_sgd's model has dropout, and its
+    DataLoader its own generator, as README says (without it the resumed losses differ)."""
     straight, resumed = _saved_and_resumed(tmp_path, preset, *export)
     resumed = _ranks(resumed)
     if preset == "local_sgd":
