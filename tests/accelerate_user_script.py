@@ -18,30 +18,35 @@ from backends.accelerate import stratagem_accelerator
 
 
 class ToyBlock(torch.nn.Module):
-    def __init__(self, width):
+    def __init__(self, width, dropout=0.0):
         super().__init__()
         self.fc = torch.nn.Linear(width, width)
+        self.drop = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
 
     def forward(self, x):
-        return x + torch.tanh(self.fc(x))
+        return x + self.drop(torch.tanh(self.fc(x)))
 
 
 class ToyRegressor(torch.nn.Module):
-    def __init__(self, features=16, width=384, depth=2):
+    def __init__(self, features=16, width=384, depth=2, dropout=0.0):
         super().__init__()
         self.inp = torch.nn.Linear(features, width)
-        self.blocks = torch.nn.Sequential(*(ToyBlock(width) for _ in range(depth)))
+        self.blocks = torch.nn.Sequential(*(ToyBlock(width, dropout) for _ in range(depth)))
         self.out = torch.nn.Linear(width, 1)
 
     def forward(self, x):
         return self.out(self.blocks(self.inp(x)))
 
 
-def get_dataloader(batch_size, n=64, features=16):
+def get_dataloader(batch_size, n=64, features=16, own_generator=False):
+    """``own_generator``: the DataLoader's own ``generator``, from which torch draws its iterator's
+    base seed; without one that draw comes from the global RNG as the iterator starts -- after a
+    ``load_state`` that restored it, so a resumed run's dropout masks differ (README)."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(1024, features, generator=g)[:n]  # (the first samples the same for any n)
     y = x.sum(-1, keepdim=True).sin()
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False,
+                      generator=torch.Generator() if own_generator else None)
 
 
 def full_params(accelerator, model):
@@ -60,11 +65,11 @@ def training_function(args):
                                          grad_clip=args.clip if args.hook_clip else 0.0, **mine)
                    if args.strategy else Accelerator(cpu=args.cpu, gradient_accumulation_steps=acc, **mine))
     set_seed(42)
-    model = ToyRegressor()
+    model = ToyRegressor(dropout=args.dropout)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = (torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=args.lr))
-    loader = get_dataloader(args.batch_size, args.samples)
+    loader = get_dataloader(args.batch_size, args.samples, own_generator=args.loader_generator)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses, norms, step = [], [], 0
     if args.resume_at:  # as Accelerate's complete_nlp_example resumes: its state, then the batches left
@@ -120,6 +125,9 @@ def main():
     parser.add_argument("--resume_at", type=int, default=0,
                         help="load_state first, then skip this many batches (the saved run's)")
     parser.add_argument("--hook_clip", action="store_true", help="and the hook's grad_clip (DeepSpeed)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout in each block")
+    parser.add_argument("--loader_generator", action="store_true",
+                        help="the DataLoader's own generator (a resumed run's dropout then equals the straight run's)")
     training_function(parser.parse_args())
 
 

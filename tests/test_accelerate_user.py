@@ -5,7 +5,8 @@ on CPU (gloo, 2 ranks). The engine is the preset's (distributed type, the prepar
 class), each rank holds about half of the parameters, and the per-step losses and final
 parameters equal the same script under Accelerate's own DDP (``Accelerator(cpu=True)``, no hook).
 The exported config refuses the script without the hook (FSDP on CPU), and the hook refuses a
-launcher's config for another engine.
+launcher's config for another engine; a config exported for one process runs the preset's engine
+there (an fsdp2 state saved on 2 ranks loads in one).
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ def _launch(*args: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
-def _ranks(proc: subprocess.Popen) -> list[dict]:
+def _ranks(proc: subprocess.Popen, world: int = 2) -> list[dict]:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (out + err)[-4000:]
     decoder, starts = json.JSONDecoder(), [i for i in range(len(out)) if out.startswith('{"rank": ', i)]
     # (each rank's object wherever it starts: the launcher's pipe once joined two ranks' lines)
     rows = sorted((decoder.raw_decode(out, i)[0] for i in starts), key=lambda r: r["rank"])
-    assert [r["rank"] for r in rows] == [0, 1], out[-2000:]
+    assert [r["rank"] for r in rows] == list(range(world)), out[-2000:]
     return rows
 
 
@@ -82,15 +83,44 @@ def _assert_preset(rows: list[dict], ref: list[dict], distributed_type: str, mod
         assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
 
 
+@pytest.fixture(scope="module")
+def fsdp2_saved(tmp_path_factory) -> tuple[list[dict], str]:
+    """fsdp2 on 2 ranks wrapping the script's ToyBlock, SGD, 24 steps, ``save_state`` after the
+    last: the sharding test's run, and the state the one-process test loads."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    yaml_path = _export(tmp, "strategy=fsdp2", "export.wrap=ToyBlock")
+    state = str(tmp / "state")
+    return _ranks(_launch("--config_file", yaml_path, SCRIPT, "--strategy", "fsdp2", "--optimizer", "sgd",
+                          *STEPS, "--save_at", "24", "--state_dir", state)), state
+
+
 @pytest.mark.multiprocess
-def test_fsdp2_user_script_shards_and_equals_ddp(tmp_path, ddp_sgd):
+def test_fsdp2_user_script_shards_and_equals_ddp(fsdp2_saved, ddp_sgd):
     """fsdp2, wrapping the script's own block class (export.wrap=ToyBlock): FSDP2 units on the
     root and each ToyBlock, half the parameters a rank, DDP's losses and parameters under SGD."""
-    yaml_path = _export(tmp_path, "strategy=fsdp2", "export.wrap=ToyBlock")
-    hooked = _launch("--config_file", yaml_path, SCRIPT, "--strategy", "fsdp2", "--optimizer", "sgd", *STEPS)
-    rows = _ranks(hooked)
+    rows, _ = fsdp2_saved
     _assert_preset(rows, ddp_sgd, "FSDP", "FSDPToyRegressor")
     assert rows[0]["fsdp_units"] == 3  # the root and the two ToyBlocks
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp2_state_from_two_ranks_loads_in_one_process(tmp_path, fsdp2_saved):
+    """export.py strategy=fsdp2 cluster.devices=1 under `accelerate launch`: the hook refused its
+    own export ("runs FSDP, but strategy=fsdp2 runs NO"), so a state sharded on 2 ranks could not
+    be loaded on one. It now runs FSDP2 in one process, as Accelerate does on a GPU, and
+    ``load_state`` reads the 2 ranks' shards: the parameters are the saved run's, every one."""
+    import export
+
+    saved, state = fsdp2_saved
+    one = tmp_path / "one.accelerate.yaml"
+    export.main([*TWO, "cluster.devices=1", "strategy=fsdp2", "export.wrap=ToyBlock", "export=accelerate",
+                 f"export.out={one}"])
+    # (24 batches of 4 in one process, all skipped: nothing trains after the load)
+    loaded, = _ranks(_launch("--config_file", str(one), SCRIPT, "--strategy", "fsdp2", "--optimizer", "sgd",
+                             "--samples", str(4 * 24), "--resume_at", "24", "--state_dir", state), world=1)
+    assert (loaded["world"], loaded["distributed_type"]) == (1, "FSDP")
+    assert loaded["model_type"] == "FSDPToyRegressor" and loaded["fsdp_units"] == 3
+    assert loaded["losses"] == [] and loaded["params"] == saved[0]["params"] and loaded["params"]
 
 
 @pytest.mark.multiprocess
@@ -196,13 +226,19 @@ def test_the_hooks_grad_clip_is_deepspeeds_and_only_deepspeeds(monkeypatch):
 SAVE_AT = 14  # past start_step (10), before local SGD's next average (18): replicas apart
 
 
+DROPOUT = ("--dropout", "0.1", "--loader_generator")
+"""Dropout, and the DataLoader's own generator (README: without one the resumed masks differ)."""
+
+
 def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | None = None):
     """The script under ``preset`` for 24 steps, ``accelerator.save_state`` after SAVE_AT (training
     on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``.
     local_sgd's script passes its own ``project_config`` through the hook (automatic checkpoint
-    naming: save_state and load_state find the directory themselves); the others name it."""
+    naming: save_state and load_state find the directory themselves), with dropout; the others
+    name it."""
     yaml_path = _export(tmp_path, f"strategy={preset}", *export)
-    where = ("--project_dir", str(tmp_path)) if preset == "local_sgd" else ("--state_dir", str(tmp_path / "state"))
+    where = (("--project_dir", str(tmp_path), *DROPOUT) if preset == "local_sgd"
+             else ("--state_dir", str(tmp_path / "state")))
     run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), *where)
     straight = _ranks(_launch(*run, "--strategy", preset, "--save_at", str(SAVE_AT)))
     return straight, _launch(*run, "--strategy", resume_as or preset, "--resume_at", str(SAVE_AT))
@@ -219,7 +255,8 @@ def test_a_users_save_state_resumes_exactly(preset, export, tmp_path):
     run's. The ddp family's own state on each rank (error feedback, PowerSGD's Q, local SGD's
     replicas and optimizers, DiLoCo's outer step) goes with it, one file a rank; local SGD's
     model was saved as one tensor of eight before (its averaged parameters shared one storage,
-    and Accelerate's safetensors save drops all but one)."""
+    and Accelerate's safetensors save drops all but one). local_sgd's model has dropout, and its
+    DataLoader its own generator, as README says (without it the resumed losses differ)."""
     straight, resumed = _saved_and_resumed(tmp_path, preset, *export)
     resumed = _ranks(resumed)
     if preset == "local_sgd":
@@ -381,6 +418,37 @@ def test_a_zero_preset_in_one_process_runs_deepspeeds_engine_as_the_plain_script
     plain, zero = one("--cpu"), one("--strategy", "zero3_offload")
     assert (zero["world"], zero["distributed_type"], zero["model_type"]) == (1, "DEEPSPEED", "DeepSpeedEngine")
     assert_losses_close(plain["losses"], zero["losses"], rtol=RTOL)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset, engine", [("fsdp2", "fsdp2"), ("fsdp", "fsdp1"), ("zero2", "deepspeed")])
+def test_the_hook_takes_a_one_process_export_of_its_preset(tmp_path, monkeypatch, preset, engine):
+    """export.py at cluster.devices=1 writes the preset's engine (FSDP, DEEPSPEED), which
+    Accelerate runs in one process too; the hook refused the FSDP one ("runs FSDP, but
+    strategy=fsdp2 runs NO: export this preset's config", the file it was given). It now runs the
+    preset's engine there, as `accelerate launch` sets the file's variables (torchrun's
+    LOCAL_RANK: the FSDP launch); without a launcher one process still wraps nothing."""
+    import yaml
+
+    from backends.accelerate.state import expected_type
+    from backends.accelerate.user import LAUNCHED, _engine, settle
+
+    import export
+
+    out = tmp_path / "one.accelerate.yaml"
+    export.main([*TWO, "cluster.devices=1", f"strategy={preset}", "export=accelerate", f"export.out={out}"])
+    config = yaml.safe_load(out.read_text())
+    kind = "DEEPSPEED" if engine == "deepspeed" else "FSDP"
+    assert (config["num_processes"], config["distributed_type"]) == (1, kind)
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.setenv(key, "1" if "WORLD" in key else "0")
+    monkeypatch.setenv(LAUNCHED[kind], "true")
+    s = settle(preset)
+    assert (expected_type(s.kwargs, s.world, s.on_cpu), _engine(s.kwargs, s.world)) == (kind, engine)
+    for key in ("LOCAL_RANK", "RANK", LAUNCHED[kind]):  # `python script.py`
+        monkeypatch.delenv(key)
+    s = settle(preset)
+    assert _engine(s.kwargs, s.world) == ("deepspeed" if engine == "deepspeed" else "plain")
 
 
 @pytest.mark.unit

@@ -18,8 +18,9 @@ single-process reference):
 the launcher's environment); for DeepSpeed, builds ``Accelerator(cpu=False, ...)`` on that
 state, so DeepSpeed is chosen by Accelerate's own code; for FSDP, builds ``Accelerator(cpu=True,
 ...)`` and then sets what the skipped branch of ``AcceleratorState`` would have set (the plugin,
-its mixed precision, ``distributed_type=FSDP`` on the shared state). Then it asserts the
-distributed type on every view of the state, and the number of processes, so a silent fallback
+its mixed precision, ``distributed_type=FSDP`` on the shared state) -- on more than one process,
+or on one that ``accelerate launch`` started under an FSDP config (``fsdp_alone``). Then it
+asserts the distributed type on every view of the state, and the number of processes, so a silent fallback
 to DDP fails loudly. On a GPU none of this runs: ``Accelerator(**kwargs)`` as usual. On either, FSDP with
 accumulation reduces every micro-batch (``sharded_accumulation``).
 """
@@ -45,13 +46,25 @@ def sharded_accumulation(more: dict[str, Any]) -> dict[str, Any]:
                                                                               sync_each_batch=True)}
 
 
+def fsdp_alone(kwargs: dict[str, Any], world_size: int) -> bool:
+    """One process that ``accelerate launch`` started under an FSDP config (export.py at
+    cluster.devices=1): its launcher starts it through torchrun (``LOCAL_RANK``), and Accelerate
+    then runs FSDP in one process on a GPU, so the preset's FSDP runs there on CPU too -- and a
+    state that ``save_state`` sharded on N ranks loads on one through Accelerate's FSDP load.
+    Without that config one process wraps nothing (``NO``), as ``Accelerator(fsdp_plugin=...)``
+    does under ``python script.py``."""
+    return (world_size == 1 and "fsdp_plugin" in kwargs and "LOCAL_RANK" in os.environ
+            and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true")
+
+
 def expected_type(kwargs: dict[str, Any], world_size: int, on_cpu: bool) -> str:
     """The ``DistributedType`` name these Accelerator kwargs must produce (DeepSpeed's engine
-    runs in one process too: ZeRO-Offload on one GPU; the others wrap nothing there)."""
+    runs in one process too: ZeRO-Offload on one GPU; FSDP under the launcher's FSDP config,
+    ``fsdp_alone``; the others wrap nothing there)."""
     if "deepspeed_plugin" in kwargs:
         return "DEEPSPEED"
     if world_size == 1:
-        return "NO"
+        return "FSDP" if fsdp_alone(kwargs, world_size) else "NO"
     if "fsdp_plugin" in kwargs:
         return "FSDP"
     return "MULTI_CPU" if on_cpu else "MULTI_GPU"
@@ -108,7 +121,7 @@ def accelerator(kwargs: dict[str, Any], *, on_cpu: bool, world_size: int,
         else:
             acc = Accelerator(cpu=True, **kwargs, **more)
             plugin = kwargs.get("fsdp_plugin")
-            if plugin is not None and state.num_processes > 1:
+            if plugin is not None and (state.num_processes > 1 or fsdp_alone(kwargs, world_size)):
                 if acc.state.mixed_precision != "no":
                     plugin.set_mixed_precision(acc.state.mixed_precision)
                 acc.state.fsdp_plugin = plugin

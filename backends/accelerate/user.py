@@ -135,10 +135,12 @@ def unhooked(config: dict[str, Any], *, cuda: bool, cpu: bool) -> str:
 
 def _engine(kwargs: dict[str, Any], world: int) -> str:
     """What a prepared model must be: fsdp2 | fsdp1 | deepspeed | ddp | plain."""
+    from backends.accelerate.state import fsdp_alone
+
     plugin = kwargs.get("fsdp_plugin")
     if "deepspeed_plugin" in kwargs:  # (DeepSpeed's engine even in one process: ZeRO-Offload)
         return "deepspeed"
-    if world == 1:
+    if world == 1 and not fsdp_alone(kwargs, world):
         return "plain"  # (Accelerate wraps nothing else in one process: DistributedType.NO)
     if plugin is not None:
         return f"fsdp{plugin.fsdp_version}"
