@@ -479,11 +479,13 @@ def _meta(h: Handles, job: Job, step: int) -> dict[str, Any]:
     import torch
 
     from checkpoints import state
+    from recipes.tokens import input_fingerprints
 
     return {"step": step, "samples_seen": step * job.batch.global_size, "world_size": h.world_size,
             "strategy": job.strategy.name, "family": job.strategy.family, "backend": job.backend,
             "payload": h.format, "prefix": h.prefix, "scheduler": state.scheduler_state(h),
-            "shapes": shapes(job.model), "torch": torch.__version__, "config": job.meta()["config"]}
+            "shapes": shapes(job.model), "torch": torch.__version__, "config": job.meta()["config"],
+            "inputs": input_fingerprints(job.data)}  # (checkpoints/data_stream.py ``input_changes``)
 
 
 def _write_config(temp: Path, job: Job) -> None:

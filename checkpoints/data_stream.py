@@ -11,7 +11,10 @@ run would have read next (a new seed's permutation repeats some of the epoch's s
 others; longer windows are other tokens; another source is other data, from sample step x global
 batch of it). ``say_changes`` names each that differs in one warning. The checkpoint's values are
 meta.json's resolved config (``Job.config()`` when it was saved); this run's are read the same
-way (``this_run``), so like is compared with like; a key an older checkpoint lacks is not compared."""
+way (``this_run``), so like is compared with like; a key an older checkpoint lacks is not compared.
+The same warning names a source whose settings are the same but whose files are not
+(``input_changes``): meta.json's ``inputs``, each source's fingerprint when it was saved
+(recipes/tokens.py ``input_fingerprints``: the token cache's name), against the files now."""
 
 from __future__ import annotations
 
@@ -49,14 +52,55 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def say_changes(ckpt: Any, job: Any) -> None:
     """One warning naming every setting that decides the data stream and differs from the
     checkpoint's run (``changes``); nothing when none does."""
-    saved = ckpt.meta.get("config")
-    changed = changes(saved, this_run(job)) if isinstance(saved, dict) else []
-    if changed:
+    saved, now = ckpt.meta.get("config"), this_run(job)
+    changed = changes(saved, now) if isinstance(saved, dict) else []
+    edited = input_changes(ckpt.meta.get("inputs"), saved, now, job.data) if isinstance(saved, dict) else []
+    if changed or edited:
         log.warning("resume: %s: these decide the data stream, so the data does not continue where the "
                     "checkpoint's run stopped -- from step %d on the run reads this stream from sample %d "
                     "(step x global batch), not the samples that run would have read next; resume with "
-                    "the checkpoint's values to continue it", "; ".join(changed), ckpt.step + 1,
-                    ckpt.step * job.batch.global_size)
+                    "the checkpoint's values%s to continue it", "; ".join(changed + edited), ckpt.step + 1,
+                    ckpt.step * job.batch.global_size, " and data" if edited else "")
+
+
+SOURCE_KEYS = ("name", "path", "tokenizer", "field", "messages_field", "train_on", "dtype")
+"""The data keys a source's fingerprint hashes the inputs of (the same keys, another fingerprint:
+the files themselves changed)."""
+
+
+def input_changes(inputs: Any, saved: dict[str, Any], now: dict[str, Any], data: Any) -> list[str]:
+    """Each source whose settings are the checkpoint's run's but whose input fingerprint
+    (meta.json's ``inputs``) is not the one its files give now: a data file rewritten, appended or
+    regenerated under the same path, a tokenizer directory overwritten in place. Not compared:
+    a checkpoint without ``inputs`` (older), a source whose settings differ (``changes`` names
+    them), one unreadable now."""
+    if not isinstance(inputs, dict) or not inputs:
+        return []
+    from recipes.tokens import input_fingerprints
+
+    current, out = input_fingerprints(data), []
+    for label, old in inputs.items():
+        new, source = current.get(label), _source(now, label)
+        if new is None or new == old or source is _ABSENT or source != _source(saved, label):
+            continue
+        key = "data.path" if label == "data.path" else f"{label}.path"
+        name, tok = source.get("name"), source.get("tokenizer")
+        tokenizer = " or data.tokenizer's files" if name in TOKENIZED or (name == "text" and tok) else ""
+        out.append(f"{key}={source.get('path')}: its contents changed since the checkpoint (its files' "
+                   f"size or modification time{tokenizer}: input fingerprint {old} -> {new})")
+    return out
+
+
+def _source(config: dict[str, Any], label: str) -> Any:
+    """The settings of the source ``label`` (``data.path``, ``data.mixture[i]``) in ``config``."""
+    data = config.get("data") or {}
+    if label == "data.path":
+        return {k: data.get(k) for k in SOURCE_KEYS}
+    index, entries = label[len("data.mixture["):-1], data.get("mixture") or []
+    if not index.isdigit() or int(index) >= len(entries) or not isinstance(entries[int(index)], dict):
+        return _ABSENT
+    entry = {k: v for k, v in entries[int(index)].items() if k != "weight"}
+    return {**entry, "tokenizer": entry.get("tokenizer", data.get("tokenizer"))}
 
 
 def this_run(job: Any) -> dict[str, Any]:

@@ -345,7 +345,7 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
     ids past ``model.vocab_size`` are refused here (the embedding would raise an IndexError)."""
     seq_len, vocab = shape.seq_len, shape.vocab_size
     if data_cfg.name == "tokens":
-        from recipes.token_checks import shard_id_problem
+        from recipes.token_checks import say_short_shards, shard_id_problem
 
         files = shards(path)
         problem = shard_id_problem(key, path, files, data_cfg.dtype, vocab, data_cfg.cache_dir,
@@ -353,6 +353,7 @@ def _stream(data_cfg, path: str | Path | None, shape: Any, key: str) -> Dataset:
         if problem:
             raise DataError(problem)
         arrays = [np.memmap(f, dtype=data_cfg.dtype, mode="r") for f in files]
+        say_short_shards(key, path, files, [len(a) for a in arrays], seq_len)  # (windows cross none)
         return TokenWindows(arrays, seq_len, what=f"{key}={path}")
     if data_cfg.tokenized:
         from recipes.tokens import token_file

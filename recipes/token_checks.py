@@ -2,7 +2,8 @@
 cheaply from what recipes/token_inputs.py finds: the inputs, the record field, the chat template,
 the tokenizer's EOS and vocabulary; and the largest token id of pre-tokenized shards
 (``data=tokens``): ``shard_max_ids`` reads each shard's once and caches it under the cache
-directory, keyed by the shard's path, size and modification time.
+directory, keyed by the shard's path, size and modification time; and the build's warning on
+shards too short for a window (``say_short_shards``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from recipes.data_size import no_sample, windows
+from recipes.data_size import _rank0, no_sample, windows
 from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, Inputs, TokenizerInfo, _messages_problem,
                                   chat_template_of, default_cache_dir, record_keys, resolve_inputs,
                                   splits_of, tokenizer_info)
@@ -116,6 +117,26 @@ def _window_problems(key: str, value: Any, files: Iterable[Path], itemsize: int,
         return []
     lengths = [Path(f).stat().st_size // itemsize for f in files]
     return [] if windows(lengths, seq_len) else [no_sample(f"{key}={value}", sum(lengths), seq_len)]
+
+
+def say_short_shards(key: str, value: Any, files: list[Path], lengths: list[int], seq_len: int,
+                     shown: int = 5) -> None:
+    """data=tokens: rank 0 warns, once as the data is built (recipes/data.py), of the shards of
+    ``lengths`` tokens too short for one ``seq_len + 1``-token window: windows do not cross shards,
+    so their tokens are never read (an empty shard is refused before launch, ``_shard_problems``,
+    and data of no window at all, ``_window_problems``). The count, the first ``shown`` with their
+    token counts, the fix."""
+    short = [(Path(f), n) for f, n in zip(files, lengths) if not windows([n], seq_len)]
+    if not short or len(short) == len(files) or not _rank0():
+        return
+    root = os.path.commonpath([str(Path(f).parent) for f in files])
+    named = ", ".join(f"{os.path.relpath(f, root)} ({n} tokens)" for f, n in short[:shown])
+    more = f" and {len(short) - shown} more" if len(short) > shown else ""
+    log.warning("%s=%s: %d of its %d shards hold fewer than model.seq_len + 1 = %d tokens, so no window "
+                "(windows do not cross shards) and their %d tokens are never read: %s%s; concatenate "
+                "the small shards into larger ones, or lower model.seq_len (a shard of n tokens holds a "
+                "window from model.seq_len=n-1 down)", key, value,
+                len(short), len(files), seq_len + 1, sum(n for _, n in short), named, more)
 
 
 def _same_files(a: Inputs, b: Inputs) -> bool:

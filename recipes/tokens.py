@@ -27,7 +27,8 @@ do not say where a conversation ends (recipes/data.py ``DocumentRows``, recipes/
 The cache file is named by a hash of everything that decides its content: the input files
 (absolute path, size, modification time), the field, the loader, ``train_on``, and the
 tokenizer's files (their bytes, the chat template included). A changed input or tokenizer gets a
-new file; an unchanged one is read, not re-tokenized. Its meta records the largest token id, so
+new file; an unchanged one is read, not re-tokenized (a checkpoint records the name,
+``input_fingerprints``, so a resume on changed data says so). Its meta records the largest token id, so
 the ids are checked against ``model.vocab_size`` without reading the tokens again. Every rank may
 call ``token_file`` at once (before or after the process group exists, on one node or several
 sharing a file system): an exclusive ``flock`` on a lock file lets the first one tokenize while
@@ -87,6 +88,43 @@ def cache_key(kind: str, paths: Iterable[Path], field: str, tokenizer: Path, *,
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def input_fingerprints(data: Any) -> dict[str, str]:
+    """What each training source (``data.path``, or each ``data.mixture[i]``) reads, as it is
+    now: tokenized data's token-cache name (``cache_key``: its files' paths, sizes and modification
+    times, the tokenizer's files); other data's files the same way (a preference set's tokenizer
+    too). A checkpoint records them (checkpoints ``_meta``) and a resume compares them
+    (checkpoints/data_stream.py): a file rewritten or a tokenizer overwritten under the same key
+    is another stream. None for a source of nothing a user edits (the bundled corpus, synthetic
+    data) or that cannot be read now (the data checks say so)."""
+    if getattr(data, "mixture", None):
+        from recipes.mixture import source_config
+
+        sources = [(f"data.mixture[{i}]", source_config(e, data)) for i, e in enumerate(data.mixture)]
+    else:
+        sources = [("data.path", data)]
+    out = {}
+    for label, src in sources:
+        if src.name == "synthetic" or src.path is None:
+            continue
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            out[label] = _fingerprint(src)
+    return out
+
+
+def _fingerprint(src: Any) -> str:
+    kind, tok = src.name, Path(str(src.tokenizer)).expanduser()
+    if src.tokenized and kind != "preference":  # (as token_file names the cache)
+        inputs, chat = resolve_inputs(kind, src.path), kind == "chat"
+        return cache_key(kind, inputs.files, src.messages_field if chat else src.field, tok,
+                         train_on=src.train_on if chat else "all", loader=inputs.loader)
+    files = resolve_inputs(kind, src.path).files if kind == "tokens" else (Path(src.path).expanduser(),)
+    if kind == "preference":
+        return cache_key(kind, files, "", tok)
+    h = hashlib.sha256(json.dumps([kind, [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
+                                          for f in files]]).encode())
     return h.hexdigest()[:24]
 
 
@@ -349,6 +387,6 @@ def _write_meta(meta_path: Path, meta: dict[str, Any]) -> None:
 __all__ = [  # (the names callers import from here; each lives in the module of its job)
     "DISK", "EOS_NAMES", "EXAMPLES", "FORMAT_VERSION", "JSON_SUFFIXES", "LOADERS", "SUFFIXES",
     "TOKENIZER_FILES", "Inputs", "TokenFile", "TokenizerInfo", "cache_key", "chat_template_of",
-    "chat_tokens", "data_problems", "default_cache_dir", "load_tokenizer", "record_keys",
-    "resolve_inputs", "shard_id_problem", "shard_max_ids", "token_file", "tokenizer_info",
+    "chat_tokens", "data_problems", "default_cache_dir", "input_fingerprints", "load_tokenizer",
+    "record_keys", "resolve_inputs", "shard_id_problem", "shard_max_ids", "token_file", "tokenizer_info",
     "tokenizer_problems"]

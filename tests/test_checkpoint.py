@@ -833,6 +833,78 @@ def test_a_resume_names_the_settings_that_decide_the_data_stream():
 
 
 @pytest.mark.unit
+def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tmp_path, caplog):
+    """A data file rewritten (or a tokenizer overwritten in place) under the same data.path is
+    another stream as much as a new path is: the run re-tokenized it, then resumed without a
+    word. The checkpoint's meta records each source's input fingerprint (tokenized data: the
+    token cache's name) and the one resume: warning names the path whose files changed. The same
+    files, and an older checkpoint without fingerprints, say nothing; a new data.path is named
+    once, as the setting."""
+    import copy
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+
+    import checkpoints
+    from checkpoints.data_stream import say_changes
+    from recipes.config import compose
+    from recipes.job import validate
+    from recipes.tokens import cache_key, input_fingerprints
+    from recipes.trainer_config import DataConfig
+
+    tok, docs, other = tmp_path / "tok", tmp_path / "docs.jsonl", tmp_path / "other.jsonl"
+    shutil.copytree(hf_tokenizer, tok)
+    lines = [json.dumps({"text": f"document {i} of the stream"}) for i in range(40)]
+    docs.write_text("\n".join(lines) + "\n")
+    shutil.copy(docs, other)
+
+    def said(saved: dict) -> list[str]:
+        caplog.clear()
+        say_changes(SimpleNamespace(meta=saved, step=4, path=tmp_path), run)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    def touched(f: Path) -> None:  # (a rewrite a second later: the kernel's clock is coarser than ns)
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    caplog.set_level(logging.INFO)
+    run = validate(compose([*TINY, "data=jsonl", f"data.path={docs}", f"data.tokenizer={tok}",
+                            "model.vocab_size=512"]))
+    saved = checkpoints._meta(checkpoints.Handles(None, None, None, rank=0, world_size=1), run, 4)
+    cache = cache_key("jsonl", [docs], "text", tok, train_on="all", loader="json")  # (the token cache's name)
+    assert saved["inputs"] == {"data.path": cache}
+    assert said(saved) == []
+    docs.write_text("\n".join(reversed(lines)) + "\n")  # (the same size: `tac docs > docs`)
+    touched(docs)
+    warned = said(saved)
+    assert len(warned) == 1 and warned[0].startswith(
+        f"resume: data.path={docs}: its contents changed since the checkpoint (its files' size or "
+        "modification time or data.tokenizer's files: input fingerprint"), warned
+    assert "resume with the checkpoint's values and data to continue it" in warned[0]
+    assert said({k: v for k, v in saved.items() if k != "inputs"}) == []  # (an older checkpoint)
+    saved = {**saved, "inputs": input_fingerprints(run.data)}
+    config = tok / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 64}))
+    assert len(said(saved)) == 1
+    moved = copy.deepcopy(saved)  # (a new path: the setting is named, not also its files)
+    moved["config"]["data"]["path"] = str(other)
+    moved["inputs"] = input_fingerprints(dataclasses.replace(run.data, path=str(other)))
+    warned = said(moved)
+    assert len(warned) == 1 and warned[0].startswith(f"resume: data.path {other} -> {docs}: these"), warned
+    # pre-tokenized shards (their paths, sizes and times), a mixture's sources by entry
+    (tmp_path / "bins").mkdir()
+    shard = tmp_path / "bins" / "a.bin"
+    shard.write_bytes(bytes(200))
+    mixture = DataConfig(mixture=[{"name": "tokens", "path": str(shard.parent), "weight": 1.0},
+                                  {"name": "synthetic", "weight": 1.0}])
+    before = input_fingerprints(mixture)
+    assert list(before) == ["data.mixture[0]"] and before == input_fingerprints(mixture)
+    touched(shard)
+    assert input_fingerprints(mixture) != before
+    assert input_fingerprints(DataConfig(name="tokens", path=str(tmp_path / "gone"))) == {}
+
+
+@pytest.mark.unit
 def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     """Where the checkpoint's optimizer state loads, another trainer.optimizer (torch DCP raised
     a missing key on every rank after launch, ZeRO ran on silently), SGD's momentum from 0, and

@@ -210,6 +210,40 @@ def test_token_shards(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_shard_too_short_for_a_window_is_named(tmp_path, caplog, monkeypatch):
+    """data=tokens: a shard shorter than one window (windows do not cross shards) was dropped
+    without a word, while an empty one stops the run before launch. One warning at the build
+    names such shards (a count, the first few with their tokens), the window length and the fix."""
+    monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "s").mkdir()
+    for name, n in (("a", 1000), ("b", 20), ("c", 700)):
+        np.arange(n, dtype=np.uint16).tofile(tmp_path / "s" / f"{name}.bin")
+    shape, kw = SimpleNamespace(seq_len=32, vocab_size=1000), {"cache_dir": str(tmp_path / "c")}
+
+    def said(path: Path) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            train = build_datasets(_data(name="tokens", path=str(path), **kw), shape, 0)[0]
+        assert len(train) == 31 + 0 + 21
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    warned = said(tmp_path / "s")
+    assert warned == [f"data.path={tmp_path / 's'}: 1 of its 3 shards hold fewer than model.seq_len + 1 = 33 "
+                      "tokens, so no window (windows do not cross shards) and their 20 tokens are never "
+                      "read: b.bin (20 tokens); concatenate the small shards into larger ones, or lower "
+                      "model.seq_len (a shard of n tokens holds a window from model.seq_len=n-1 down)"]
+    for i in range(7):
+        np.arange(5 + i, dtype=np.uint16).tofile(tmp_path / "s" / f"d{i}.bin")
+    warned = said(tmp_path / "s")
+    assert len(warned) == 1 and "8 of its 10 shards" in warned[0] and "their 76 tokens" in warned[0]
+    assert "b.bin (20 tokens), d0.bin (5 tokens), d1.bin (6 tokens), d2.bin (7 tokens), d3.bin (8 tokens) " \
+           "and 3 more;" in warned[0]
+    for f in [tmp_path / "s" / "b.bin", *(tmp_path / "s").glob("d*.bin")]:
+        f.unlink()
+    assert said(tmp_path / "s") == []  # (every shard holds a window)
+
+
+@pytest.mark.unit
 def test_held_out_split_and_validation_batches():
     """The last windows are held out; every rank runs as many batches, and the union over the
     ranks is each validation sample once (padding has only IGNORE targets)."""
