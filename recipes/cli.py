@@ -205,7 +205,7 @@ def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
 
-        print(doc + "\n" + groups_help())
+        print(doc + "\n" + groups_help(argv))
         return None
     if (sweep := one_point(argv, script)) is not None:
         print(sweep, file=sys.stderr)
@@ -271,7 +271,7 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
     if {"-h", "--help"} & set(sys.argv[1:]):
         from recipes.cli_help import help_page
 
-        print(help_page(doc))
+        print(help_page(doc, sys.argv[1:]))
         return
     sys.argv[1:] = normalize(sys.argv[1:])
     from recipes.compose import register

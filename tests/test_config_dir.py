@@ -87,6 +87,49 @@ def test_one_point_reads_past_config_dir(project):
     assert f"python plan.py --config-dir={project} strategy=my_zero3 " in line
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("where, argv, expected", [
+    ("bad", ["strategy=typo_zero3"], "{dir}/strategy/typo_zero3.yaml: reduce_bucket_sise is not a key of the "
+     "deepspeed family (ZeroConfig); did you mean reduce_bucket_size?"),
+    ("bad", ["strategy=type_zero3"], "{dir}/strategy/type_zero3.yaml: reduce_bucket_size: lots -- "
+     "strategy.reduce_bucket_size takes an integer"),
+    ("bad", ["model=strint"], "{dir}/model/strint.yaml: n_layers: two -- model.n_layers takes an integer"),
+    ("myconf", ["strategy=my_zero3", "strategy.reduce_bucket_sise=5"],
+     "strategy.reduce_bucket_sise=5: no such key; did you mean strategy.reduce_bucket_size? "
+     "(strategy.reduce_bucket_size=5)"),
+    ("myconf", ["strategy=my_zero3", "strategy.reduce_bucket_size=lots"],
+     "strategy.reduce_bucket_size=lots: strategy.reduce_bucket_size takes an integer"),
+    ("myconf", ["strategy=my_zero33"], "strategy=my_zero33: no such strategy; did you mean my_zero3? "
+     "(strategy=my_zero3); the options: 3d, auto, ddp,"),
+    ("myconf", ["+experiment=my_exp"], "+experiment=my_exp: experiment is already in the defaults list "
+     "(conf/train.yaml); write experiment=my_exp (no +)"),
+    (None, ["+logger=csv"], "+logger=csv: logger is already in the defaults list (conf/train.yaml); "
+     "write logger=csv (no +)"),
+], ids=["key-in-file", "type-in-file", "model-type-in-file", "key-on-top", "type-on-top", "near-user-option",
+        "plus-experiment", "plus-logger"])
+def test_an_error_in_or_on_a_users_yaml_is_said_as_it_is(project, where, argv, expected):
+    """Every one of these said "<group>=<option>: no such <group>; did you mean <a built-in>?" (or
+    Hydra's "Multiple values for experiment"), though the option exists."""
+    from recipes.cli_help import composition_problems
+    from recipes.compose import compose
+
+    search = [f"hydra.searchpath=[file://{project / where}]"] if where else []
+    with pytest.raises(Exception) as e:
+        compose([*search, *argv])
+    lines = composition_problems(e.value, [*search, *argv])
+    assert len(lines) == 1 and lines[0].startswith(expected.format(dir=project / (where or ""))), lines
+    if "no such strategy" in expected:
+        assert "my_fsdp2, my_zero3" in lines[0]  # (the user's options are listed too)
+
+
+@pytest.mark.unit
+def test_help_lists_the_users_options(project):
+    from recipes.cli_help import groups_help
+
+    page = groups_help(["--config-dir", str(project / "myconf")])
+    assert "my_zero3" in page and "my_gpt" in page and "my_zero3" not in groups_help()
+
+
 @pytest.mark.subprocess
 def test_a_sweeps_preflight_sees_the_users_config_dir(project, tmp_path):
     """``train.py -m`` refused every point of a user's presets as "no such strategy" before any job
@@ -97,4 +140,4 @@ def test_a_sweeps_preflight_sees_the_users_config_dir(project, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "1 of the sweep's 2 jobs cannot run" in proc.stderr, proc.stderr
     assert "0  ok            strategy=my_fsdp2" in proc.stderr, proc.stderr
-    assert "strategy=my_zero33: no such strategy" in proc.stderr, proc.stderr
+    assert "strategy=my_zero33: no such strategy; did you mean my_zero3?" in proc.stderr, proc.stderr
