@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
 
-        print(__doc__ + "\n" + groups_help())
+        print(__doc__ + "\n" + groups_help(argv))
         return
     import planner
     from launchers import registry

@@ -18,12 +18,20 @@ SWEEP_FLAGS = ("-m", "--multirun")
 
 
 def _split(argv: list[str]) -> tuple[bool, list[str], list[str]]:
-    """(a multirun, Hydra's overrides, the job's overrides) of a command line."""
-    args = [a for a in argv if a != FLAG]
+    """(a multirun, Hydra's overrides, the job's overrides) of a command line; Hydra's begin with
+    where the command line finds configs beyond conf/ (``--config-dir``, ``hydra.searchpath``:
+    recipes/compose.py's ``search_args``, ``_search``), with which every job composes."""
+    search, args = _search(argv), _search(argv, rest=True)
     sweep = any(a in SWEEP_FLAGS for a in args)
-    hydra_own = [a for a in args if a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    hydra_own = search + [a for a in args if a.lstrip("+~").startswith(("hydra.", "hydra/"))]
     job = [a for a in args if a not in hydra_own and not a.startswith("-")]
     return sweep, hydra_own, job
+
+
+def _search(argv: list[str], rest: bool = False) -> list[str]:
+    from recipes.compose import search_args
+
+    return search_args([a for a in argv if a != FLAG])[rest]
 
 
 def points(argv: list[str]) -> list[list[str]]:
@@ -69,7 +77,8 @@ def main(argv: list[str]) -> int:
     multirun, hydra_own, _ = _split(argv)
     jobs = points(argv)
     submitit = any(a.startswith("hydra/launcher=submitit") for a in hydra_own)
-    checked = sweep.preflight(jobs, local=not submitit)  # (a submission's jobs run elsewhere)
+    search = _search(argv)
+    checked = sweep.preflight(jobs, local=not submitit, search=search)  # (a submission's jobs run elsewhere)
     if multirun:
         print(checked.message("started or queued"))
     else:
@@ -87,7 +96,7 @@ def main(argv: list[str]) -> int:
     run_dir = next((a.split("=", 1)[1] for a in hydra_own if a.startswith("hydra.run.dir=")), None)
     for i, overrides in enumerate(jobs):
         try:
-            cfg = compose(overrides)
+            cfg = compose([*search, *overrides])
             job = validate(cfg, depth=sweep.depth(cfg, not submitit), auto=planner.choose,
                            extra=[lambda j: _launcher_problems(j, submitit)])
         except ConfigError as e:
@@ -116,13 +125,14 @@ def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs
     if multirun and not found and "hydra.sweep.dir" in given:  # (a default one is new: named by the clock)
         from launchers import sweep_dir
 
-        found = sweep_dir.conflicts(where, jobs, given.get("hydra.sweep.subdir", sweep_dir.BY_NUMBER))
+        found = sweep_dir.conflicts(where, jobs, given.get("hydra.sweep.subdir", sweep_dir.BY_NUMBER),
+                                    _search(argv))
     if submitit and not found:
         from launchers import slurm
         from recipes.compose import compose
 
         # (not the Slurm client nor its partitions: a dry run may preview a submission from elsewhere)
-        found = slurm.problems(compose(jobs[0]), task=_split(argv)[2], ask=False)
+        found = slurm.problems(compose([*_search(argv), *jobs[0]]), task=_split(argv)[2], ask=False)
     return found
 
 

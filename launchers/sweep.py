@@ -155,13 +155,14 @@ class Preflight:
         return head + "\n" + self.table()
 
 
-def check_point(overrides: Sequence[str], local: bool = False) -> Point:
+def check_point(overrides: Sequence[str], local: bool = False, search: Sequence[str] = ()) -> Point:
     """One point composed, chosen (strategy=auto), validated and planned, as its job will be
     (torch-free at RUN depth: the backend's own refusals and the resume check come at the job's
     start). ``local``: this process runs the job (a local sweep, ``--dry-run`` without a
     submission): the launcher's own check too, and ``depth`` says how deep; at LAUNCH depth a
     ``trainer.resume_from`` path is checked as the run checks it (``checkpoints.checked``; ``auto``
-    is the job's run directory's, which does not exist yet)."""
+    is the job's run directory's, which does not exist yet). ``search``: the command line's own
+    config directories (recipes/compose.py's ``search_args``), composed with as its jobs are."""
     import launchers
     import planner
     from recipes.compose import compose
@@ -171,7 +172,7 @@ def check_point(overrides: Sequence[str], local: bool = False) -> Point:
     t0 = time.perf_counter()
     point = Point(list(overrides))
     try:
-        cfg = compose(point.overrides)
+        cfg = compose([*search, *point.overrides])
         if local:  # (what train.py checks first: cluster=k8s or sagemaker is launch.py's)
             launchers.refuse_elsewhere(cfg)
         job = validate(cfg, depth=(deep := depth(cfg, local)), auto=planner.choose,
@@ -188,7 +189,7 @@ def check_point(overrides: Sequence[str], local: bool = False) -> Point:
     except Exception as e:  # noqa: BLE001  (Hydra refuses to compose it: an unknown key or option)
         from recipes.cli_help import composition_problems  # (ours, not Hydra's advice to add a key with +)
 
-        point.problems = composition_problems(e, point.overrides) or [" ".join(str(e).split())[:600]
+        point.problems = composition_problems(e, [*search, *point.overrides]) or [" ".join(str(e).split())[:600]
                                                                       or type(e).__name__]
     point.seconds = time.perf_counter() - t0
     return point
@@ -204,15 +205,15 @@ def depth(cfg: DictConfig, local: bool) -> int:
     return LAUNCH if local and OmegaConf.select(cfg, "cluster.launcher") == "local" else RUN
 
 
-def preflight(points: Sequence[Sequence[str]], local: bool = False) -> Preflight:
+def preflight(points: Sequence[Sequence[str]], local: bool = False, search: Sequence[str] = ()) -> Preflight:
     """Every point of a sweep (its override lists, as the launcher gets them) composed, validated
     and planned before anything is started or queued; ``.bad`` are the points that cannot run and
     ``.message()`` the report. Every launcher calls it: the local and Slurm sweeps through
     ``SweepReport`` (all of a basic sweep's points at once), other launchers on the batch their
     ``launch(job_overrides)`` receives (``refuse``). ``local``: this process runs the jobs
-    (``check_point``)."""
+    (``check_point``), with the command line's config directories (``search``)."""
     t0 = time.perf_counter()
-    checked = [check_point(p, local) for p in points]
+    checked = [check_point(p, local, search) for p in points]
     return Preflight(checked, time.perf_counter() - t0)
 
 
@@ -225,15 +226,17 @@ def refuse(points: Sequence[Sequence[str]], config: DictConfig | None = None,
     """Preflight the points not checked yet in this process and exit 2 with the report when any
     cannot run (before the caller starts or queues anything); ``config``: the sweep's, whose
     ``preflight=false`` (``+preflight=false`` on the command line) skips the check. For launchers:
-    call it first thing in ``launch(job_overrides, ...)``; ``local``: this process runs them."""
+    call it first thing in ``launch(job_overrides, ...)``; ``local``: this process runs them. The
+    points compose with the sweep's own config directories (``--config-dir``, ``hydra.searchpath``)."""
     from recipes import cli
+    from recipes.compose import search_of
 
     if config is not None and not enabled(config):
         return None
     todo = [list(p) for p in points if tuple(p) not in _checked]
     if not todo:
         return None
-    result = preflight(todo, local)
+    result = preflight(todo, local, search_of(config) if config is not None else ())
     _checked.update(tuple(p) for p in todo)
     if result.bad:
         log.error("%s", result.message(started))
@@ -266,7 +269,7 @@ class SweepReport(Callback):
             return
         if jobs is not None:  # another sweeper: its launcher checks each batch (refuse)
             target = str(config.hydra.launcher.get("_target_", ""))
-            refuse(jobs, started="queued" if target.endswith("SlurmLauncher") else "started",
+            refuse(jobs, config, started="queued" if target.endswith("SlurmLauncher") else "started",
                    local=target.endswith("BasicLauncher"))  # (Hydra's: each job in this process)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -100,7 +100,7 @@ def _lowered(old: Sequence[str], new: Sequence[str], old_config: Any, new_config
     return out
 
 
-def _composed(point: Sequence[str]) -> Any:
+def _composed(point: Sequence[str], search: Sequence[str] = ()) -> Any:
     """A loader of the point's composed config (None when it does not compose: preflight says why)."""
     cache: list[Any] = []
 
@@ -109,7 +109,7 @@ def _composed(point: Sequence[str]) -> Any:
             from recipes.compose import compose
 
             try:
-                cache.append(compose(list(point)))
+                cache.append(compose([*search, *point]))
             except Exception:  # noqa: BLE001  (an invalid point: preflight names its problem)
                 cache.append(None)
         return cache[0]
@@ -122,7 +122,8 @@ def _recorded(job: Path) -> Any:
     return lambda: OmegaConf.load(path) if path.is_file() else None
 
 
-def conflicts(sweep: str | Path, points: Sequence[Sequence[str]], subdir: str = BY_NUMBER) -> list[str]:
+def conflicts(sweep: str | Path, points: Sequence[Sequence[str]], subdir: str = BY_NUMBER,
+              search: Sequence[str] = ()) -> list[str]:
     """One sentence per job of this sweep (``points``, in job order) whose directory in ``sweep``
     holds an earlier job's results under other overrides, naming both and the fix; [] when every
     job may run there (a new directory, the same sweep again, job directories named otherwise)."""
@@ -145,7 +146,7 @@ def conflicts(sweep: str | Path, points: Sequence[Sequence[str]], subdir: str = 
                        f"{_shown(new, differ)} in this sweep's job {num}): this job would resume or "
                        "report that run as its own; set hydra.sweep.dir to a new directory, or remove "
                        f"{job} (the earlier sweep's command, run again, resumes it)")
-        elif lowered := _lowered(listed, point, _recorded(job), _composed(point)):
+        elif lowered := _lowered(listed, point, _recorded(job), _composed(point, search)):
             out.append(f"hydra.sweep.dir={sweep}: job {num}'s directory {job} holds {' and '.join(held)} "
                        f"of an earlier sweep's job run to a later end ({'; '.join(lowered)} {num}): a lower "
                        "value does not continue that run -- this job would call it finished and report "
@@ -162,7 +163,9 @@ def refuse(config: Any, points: Sequence[Sequence[str]]) -> None:
     from recipes import cli
 
     subdir = OmegaConf.to_container(config.hydra.sweep).get("subdir")  # (unresolved: ${hydra.job.num})
-    found = conflicts(str(config.hydra.sweep.dir), points, str(subdir))
+    from recipes.compose import search_of
+
+    found = conflicts(str(config.hydra.sweep.dir), points, str(subdir), search_of(config))
     if found:
         log.error("the sweep directory holds an earlier sweep's jobs; nothing was started:\n%s",
                   "\n".join(f"  - {x}" for x in found))

@@ -205,7 +205,7 @@ def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
 
-        print(doc + "\n" + groups_help())
+        print(doc + "\n" + groups_help(argv))
         return None
     if (sweep := one_point(argv, script)) is not None:
         print(sweep, file=sys.stderr)
@@ -231,8 +231,10 @@ def one_point(argv: list[str], script: str) -> str | None:
     plans every point of a sweep, but as jobs started on this machine (launchers/dry_run.py)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from recipes.compose import search_args
+
     flag = next((a for a in argv if a in SWEEP_FLAGS), None)
-    rest = [a for a in argv if a not in SWEEP_FLAGS]
+    search, rest = search_args([a for a in argv if a not in SWEEP_FLAGS])  # (--config-dir: no override)
     try:
         parsed = OverridesParser.create().parse_overrides(rest)
     except Exception:  # noqa: BLE001  (a malformed override: composing it says what is wrong)
@@ -241,21 +243,21 @@ def one_point(argv: list[str], script: str) -> str | None:
     at = next((i for i, o in enumerate(parsed) if o.is_sweep_override()), None)
     if at is None:
         return None if flag is None else (f"{flag}: {script} {does} one point and takes no {flag}: "
-                                           f"python {script} {' '.join(rest)}".rstrip())
+                                           f"python {script} {' '.join([*search, *rest])}".rstrip())
     key, _, text = rest[at].partition("=")
     try:
         values = [str(v) for v in parsed[at].sweep_string_iterator()]
     except Exception:  # noqa: BLE001  (interval(), glob(): not enumerable here)
         values = []
     name = key.lstrip("+~")
-    first = " ".join([script, *rest[:at], f"{key}={values[0] if values else '<one value>'}", *rest[at + 1:]])
+    first = " ".join([script, *search, *rest[:at], f"{key}={values[0] if values else '<one value>'}", *rest[at + 1:]])
     then = ", ".join(f"{name}={v}" for v in values[1:])
     line = (f"{rest[at]}: {script} {does} one point, and this sweeps {name} over {', '.join(values) or text}; "
             f"{verb} each value in a command of its own: python {first}" + (f" (then {then})" if then else ""))
     if script == "plan.py" and name == "strategy":
         line += "; or leave strategy out: plan.py ranks every preset"
     if script == "plan.py" and values:
-        line += (f"; python train.py -m {' '.join(rest)} --dry-run plans every point too, as jobs "
+        line += (f"; python train.py -m {' '.join([*search, *rest])} --dry-run plans every point too, as jobs "
                  "started on this machine (checked against its cores and GPUs)")
     return line
 
@@ -269,7 +271,7 @@ def run(main: Callable[[], None], doc: str = "", ready: Callable[[], None] | Non
     if {"-h", "--help"} & set(sys.argv[1:]):
         from recipes.cli_help import help_page
 
-        print(help_page(doc))
+        print(help_page(doc, sys.argv[1:]))
         return
     sys.argv[1:] = normalize(sys.argv[1:])
     from recipes.compose import register

@@ -12,24 +12,24 @@ from core.conf import CONF_DIR
 from recipes.cli import normalize
 
 
-def groups_help() -> str:
-    """The config groups a user picks from and their options, as files of conf/ (what ``--help``
-    lists): the groups of the root schema, not the internal ones (``strategy_model``,
-    ``cluster_trainer``: applied by themselves). ``*`` marks conf/train.yaml's default."""
+def groups_help(argv: list[str] | tuple[str, ...] = ()) -> str:
+    """The config groups a user picks from and their options, as files of conf/ and of the config
+    directories ``argv`` adds (``--config-dir``, ``hydra.searchpath``) (what ``--help`` lists): the
+    groups of the root schema, not the internal ones (``strategy_model``, ``cluster_trainer``:
+    applied by themselves). ``*`` marks conf/train.yaml's default."""
     from dataclasses import fields
 
-    from recipes.compose import _default_choices
+    from recipes.compose import _default_choices, search_dirs
     from recipes.config import TrainConfig
 
-    defaults = _default_choices()
+    defaults, dirs = _default_choices(), search_dirs(argv)
     lines = ["config groups (group=option; * the default; group=null switches an opt-in group off):"]
     public = {f.name for f in fields(TrainConfig)}
     groups = sorted((p for p in CONF_DIR.iterdir() if p.is_dir() and p.name in public),
                     key=lambda p: (GROUP_ORDER.index(p.name) if p.name in GROUP_ORDER else len(GROUP_ORDER), p.name))
     width = max(len(g.name) for g in groups) + 4
     for group in groups:
-        options = [f.stem + ("*" if defaults.get(group.name) == f.stem else "")
-                   for f in sorted(group.glob("*.yaml"))]
+        options = [o + ("*" if defaults.get(group.name) == o else "") for o in _options(group.name, dirs)]
         off = [] if defaults.get(group.name, "None") not in ("None", "null") else ["(off unless chosen)"]
         lines += textwrap.wrap(" ".join([f"{o}," for o in options[:-1]] + options[-1:] + off), 100,
                                initial_indent=f"  {group.name + ':':<{width - 2}}",
@@ -99,9 +99,10 @@ def _key_defaults() -> dict[str, object]:
     return out
 
 
-def help_page(doc: str) -> str:
-    """``python train.py --help``: what the script does, the groups and their options, the common
-    keys with their defaults, examples, and where the rest is written down."""
+def help_page(doc: str, argv: list[str] | tuple[str, ...] = ()) -> str:
+    """``python train.py --help``: what the script does, the groups and their options (a config
+    directory of ``argv``'s too), the common keys with their defaults, examples, and where the rest
+    is written down."""
     defaults = _key_defaults()
     usage = doc.strip().splitlines()[0]
     def shown(value: object) -> str:
@@ -110,7 +111,7 @@ def help_page(doc: str) -> str:
     keys = [f"{key}={shown(defaults.get(key))}" for key, _ in COMMON_KEYS]
     width = max(map(len, keys)) + 2
     lines = ["usage: python train.py [group=option ...] [key=value ...] [-m] [--cfg job]", "",
-             usage, "", groups_help(), "",
+             usage, "", groups_help(argv), "",
              "common keys (key=value, shown with their default; any key of `python train.py --cfg job` works):"]
     lines += [f"  {k:<{width}}{what}" for k, (_, what) in zip(keys, COMMON_KEYS)]
     lines += ["", "examples:"]
@@ -145,12 +146,15 @@ def suggestions(argv: list[str]) -> list[str]:
     the override, that the key does not exist, the closest key that does (``did you mean
     trainer.max_steps?``) and the override to write instead, or, with none close, the keys there
     are -- from the config composed with the same group choices; nothing when the groups
-    themselves do not compose (Hydra's message says why)."""
+    themselves do not compose (Hydra's message says why). An option is one of conf/'s or of the
+    config directories the command line adds (``--config-dir``, ``hydra.searchpath``)."""
     from omegaconf import OmegaConf
 
-    from recipes.compose import compose
+    from recipes.compose import compose, search_args, search_dirs
 
-    if malformed := [line for arg in argv if not arg.startswith("-") and (line := _malformed(arg))]:
+    search, argv = search_args(argv)
+    dirs = search_dirs(search)
+    if malformed := [line for arg in argv if not arg.startswith("-") and (line := _malformed(arg, dirs))]:
         return malformed
     groups, keys, options = [], [], []
     for arg in normalize([a for a in argv if not a.startswith("-")]):
@@ -158,24 +162,34 @@ def suggestions(argv: list[str]) -> list[str]:
         key = key.lstrip("+~")
         if not eq or key.startswith("hydra"):
             continue
-        if "." not in key and (CONF_DIR / key).is_dir():
+        if _is_group(key, dirs):
             groups.append(arg)
-            options += [line for v in value.split(",") if (line := _no_such_option(key, v.strip()))]
+            options += [line for v in value.split(",") if (line := _no_such_option(key, v.strip(), dirs))]
         else:
             keys.append((key, value))
     if options or not keys:
         return options
     try:
-        cfg = OmegaConf.to_container(compose(groups), resolve=False)
+        cfg = OmegaConf.to_container(compose([*search, *groups]), resolve=False)
     except Exception:  # the groups themselves are the error: Hydra said so
         return []
-    return [_no_such_key(cfg, key, value) for key, value in keys if not _has_key(cfg, key)]
+    return [_no_such_key(cfg, key, value, dirs) for key, value in keys if not _has_key(cfg, key)]
 
 
-def _malformed(arg: str) -> str | None:
+def _options(group: str, dirs: list[Path]) -> list[str]:
+    """The options of ``group``: its files in conf/ and in each config directory ``dirs`` adds."""
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
+
+
+def _is_group(name: str, dirs: list[Path]) -> bool:
+    return bool(name) and "." not in name and "/" not in name and any((d / name).is_dir() for d in dirs)
+
+
+def _malformed(arg: str, dirs: list[Path]) -> str | None:
     """An override that names no key (``=foo``), no option (``strategy=``), removes a key of the
-    schema (``~trainer.lr``) or switches off a group a run needs (``strategy=null``, which
-    ``normalize`` made ``~strategy``): its line; None for any other."""
+    schema (``~trainer.lr``), switches off a group a run needs (``strategy=null``, which
+    ``normalize`` made ``~strategy``) or adds a group the defaults list has already
+    (``+experiment=x``, Hydra's "Multiple values for experiment"): its line; None for any other."""
     from recipes.compose import _default_choices
 
     key, eq, value = arg.partition("=")
@@ -183,10 +197,14 @@ def _malformed(arg: str) -> str | None:
     if eq and not name:
         return (f"{arg}: an override is key=value, and this one has no key; e.g. trainer.max_steps={value} "
                 f"(python {_script()} --help lists the keys)")
-    group = "." not in name and (CONF_DIR / name).is_dir()
-    options = ", ".join(sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))) if group else ""
+    group = _is_group(name, dirs)
+    options = ", ".join(_options(name, dirs)) if group else ""
     if group and eq and not value:
         return f"{name}=: no {name} named; the options: {options}"
+    if group and eq and key.startswith("+") and not key.startswith("++") and name in _default_choices() \
+            and value in _options(name, dirs):
+        return (f"{arg}: {name} is already in the defaults list (conf/train.yaml); write {name}={value} "
+                f"(no +), which chooses it")
     if not key.startswith("~") or name.startswith("hydra"):
         return None
     if not group:
@@ -201,12 +219,13 @@ def _malformed(arg: str) -> str | None:
             f"default); group=null switches off only the opt-in groups: {', '.join(opt_in)}")
 
 
-def _no_such_option(group: str, value: str) -> str | None:
+def _no_such_option(group: str, value: str, dirs: list[Path]) -> str | None:
     """``strategy=zero33: no such strategy; did you mean zero3? (strategy=zero3); the options:
-    ...``; None when conf/<group>/ has it (or it is null)."""
+    ...``; None when conf/<group>/ or a config directory of the command line (``dirs``) has it
+    (or it is null): then what fails is inside the option, and Hydra's message says what."""
     import difflib
 
-    names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    names = _options(group, dirs)
     if not names or value in names or value in ("null", ""):
         return None
     close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
@@ -224,12 +243,69 @@ def _wrong_type(error: Exception) -> str | None:
         return None
     override = text.removeprefix("Error merging override ").splitlines()[0]
     why = str(getattr(cause, "msg", cause)).splitlines()[0]
-    why = why.split(" could not be converted to ")[-1] if " could not be converted to " in why else why
-    kind = {"Integer": "an integer", "Float": "a number"}.get(why) or (
+    kind = _kind(why)
+    return (f"{override}: {cause.full_key} takes {kind}" if kind else f"{override}: {_why(why)}") + \
+        f"; python {_script()} --help lists the keys with their defaults"
+
+
+def _why(why: str) -> str:
+    return why.split(" could not be converted to ")[-1] if " could not be converted to " in why else why
+
+
+def _kind(why: str) -> str | None:
+    """What a key takes, from OmegaConf's "Value 'two' of type 'str' could not be converted to
+    Integer" (None: not a type error it words so)."""
+    why = _why(why)
+    return {"Integer": "an integer", "Float": "a number"}.get(why) or (
         "true or false" if "is not a valid bool" in why else
         "a list ([a,b])" if "is not a ListConfig" in why else None)
-    return (f"{override}: {cause.full_key} takes {kind}" if kind else f"{override}: {why}") + \
-        f"; python {_script()} --help lists the keys with their defaults"
+
+
+def _in_file(error: Exception, argv: list[str]) -> str | None:
+    """An error inside an option's own YAML (Hydra's "In 'strategy/typo_zero3': ConfigKeyError
+    raised while composing config: Key 'reduce_bucket_sise' not in 'ZeroConfig'", four lines
+    naming neither the file nor the family) as one line: the file, the key, its value or the
+    closest key (``.../strategy/typo_zero3.yaml: reduce_bucket_sise is not a key of the deepspeed
+    family (ZeroConfig); did you mean reduce_bucket_size?``); None for any other error."""
+    import difflib
+    import re
+
+    from recipes.compose import search_dirs
+
+    found = re.match(r"In '([^']+)': (\w+) raised while composing config:\n(.*)", str(error), re.S)
+    if found is None:
+        return None
+    where, kind, body = found.groups()
+    path = next((d / f"{where}.yaml" for d in search_dirs(argv) if (d / f"{where}.yaml").is_file()),
+                f"{where}.yaml")
+    first = body.splitlines()[0]
+    full_key = (re.search(r"full_key: (\S+)", body) or [None, None])[1]
+    bad_key = re.fullmatch(r"Key '([^']+)' not in '(\w+)'", first)
+    if kind in ("ConfigKeyError", "ConfigAttributeError") and bad_key:
+        leaf, schema = bad_key.groups()
+        family, keys = _schema_keys(schema)
+        close = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.6)
+        of = f"the {family} family ({schema})" if family else schema
+        hint = f"did you mean {close[0]}?" if close else f"its keys: {', '.join(keys)}" if keys else ""
+        return f"{path}: {leaf} is not a key of {of}" + (f"; {hint}" if hint else "")
+    value = re.match(r"Value '([^']*)'", first)
+    if kind == "ValidationError" and full_key and (takes := _kind(first)):
+        return f"{path}: {full_key.rpartition('.')[2]}: {value[1] if value else '?'} -- {full_key} takes {takes}"
+    return f"{path}: {first}" + (f" ({full_key})" if full_key else "")
+
+
+def _schema_keys(name: str) -> tuple[str | None, list[str]]:
+    """(the strategy family whose schema class is ``name``, or None; the schema's keys)."""
+    import dataclasses
+
+    import recipes.config
+    import strategies  # noqa: F401  (every family's schema)
+    from strategies.base import families
+
+    family = next((f for f, cls in families().items() if cls.__name__ == name), None)
+    cls = families()[family] if family else getattr(recipes.config, name, None)
+    keys = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+    return family, keys
 
 
 def _script() -> str:
@@ -238,13 +314,13 @@ def _script() -> str:
     return name if name in ("plan.py", "export.py", "launch.py") else "train.py"
 
 
-def _no_such_key(cfg: dict, key: str, value: str) -> str:
+def _no_such_key(cfg: dict, key: str, value: str, dirs: list[Path]) -> str:
     """``trainer.max_stepz=3: no such key; did you mean trainer.max_steps? (trainer.max_steps=3)``."""
     import difflib
 
     parent, _, leaf = key.rpartition(".")
     if not parent:  # a group or a top-level key
-        names = sorted({p.name for p in CONF_DIR.iterdir() if p.is_dir()} | set(cfg))
+        names = sorted({p.name for d in dirs for p in d.iterdir() if p.is_dir()} | set(cfg))
         close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
     elif _has_key(cfg, parent):  # a key of a node that exists: among its keys
         node = cfg
@@ -263,10 +339,11 @@ def _no_such_key(cfg: dict, key: str, value: str) -> str:
 
 
 def composition_problems(error: Exception, argv: list[str]) -> list[str]:
-    """Our lines for a composition error: each key the config does not have (``suggestions``), or
-    a value of the wrong type (``_wrong_type``); [] for any other (Hydra's message says it)."""
+    """Our lines for a composition error: each key the config does not have (``suggestions``), a
+    value of the wrong type (``_wrong_type``), or what is wrong inside an option's YAML (a user's
+    own, ``_in_file``); [] for any other (Hydra's message says it)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     lines = suggestions(argv) if isinstance(error, (HydraException, OmegaConfBaseException)) else []
-    return lines or [line for line in [_wrong_type(error)] if line]
+    return lines or [line for line in [_wrong_type(error) or _in_file(error, argv)] if line]

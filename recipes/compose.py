@@ -5,6 +5,7 @@ without running. Torch-free."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.conf import CONF_DIR
@@ -132,10 +133,73 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     return compose_chosen(overrides)[0]
 
 
+CONFIG_DIR_FLAGS = ("-cd", "--config-dir")
+SEARCHPATH = "hydra.searchpath"
+
+
+def search_args(argv: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """A command line split into (where it says configs are found beyond conf/, the rest): the one
+    place that reads a user's own config directory off a command line, for every composition
+    outside train.py's ``@hydra.main`` (plan.py, export.py, launch.py, ``--dry-run``, a sweep's
+    preflight, the error lines). ``--config-dir DIR`` (``-cd DIR``, ``--config-dir=DIR``; Hydra's
+    argparse keeps the last) becomes ``--config-dir=<DIR made absolute>``, and
+    ``hydra.searchpath=[...]`` stays as typed; ``compose_chosen`` takes both among its overrides."""
+    import os
+
+    found, rest, config_dir, i = [], [], None, 0
+    while i < len(argv):
+        arg, flag = argv[i], argv[i].split("=", 1)[0]
+        if flag in CONFIG_DIR_FLAGS:
+            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1] if i + 1 < len(argv) else ""
+            config_dir = f"--config-dir={os.path.abspath(value)}"
+            i += 1 if "=" in arg else 2
+            continue
+        (found if arg.lstrip("+").startswith(f"{SEARCHPATH}=") else rest).append(arg)
+        i += 1
+    return ([config_dir] if config_dir else []) + found, rest
+
+
+def search_of(config: Any) -> list[str]:
+    """``search_args``'s first half for a running app's config (a sweep driver's: its preflight
+    composes every point as its jobs will): Hydra's ``--config-dir`` and ``hydra.searchpath``."""
+    sources = config.hydra.runtime.get("config_sources") or []
+    mine = [f"--config-dir={s.path.removeprefix('file://')}" for s in sources if s.provider == "command-line"]
+    entries = list(config.hydra.get("searchpath") or [])
+    return mine[-1:] + ([f"{SEARCHPATH}=[{','.join(entries)}]"] if entries else [])
+
+
+def search_dirs(argv: list[str] | tuple[str, ...]) -> list[Path]:
+    """The directories a command line's composition finds config groups in, in Hydra's order: the
+    ``--config-dir``, conf/, then each ``hydra.searchpath`` entry (``file://``, ``pkg://`` or a
+    path); an entry that names no directory is left out (Hydra warns of it)."""
+    import importlib.util
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    search, _ = search_args(argv)
+    dirs = [Path(a.split("=", 1)[1]) for a in search if a.startswith("--config-dir=")] + [CONF_DIR]
+    for arg in (a for a in search if not a.startswith("-")):
+        try:
+            entries = OverridesParser.create().parse_overrides([arg.lstrip("+")])[0].value()
+        except Exception:  # noqa: BLE001  (malformed: composing it says what is wrong)
+            continue
+        for entry in entries if isinstance(entries, list) else []:
+            scheme, _, where = str(entry).rpartition("://")
+            if scheme == "pkg":
+                try:
+                    spec = importlib.util.find_spec(where.replace("/", "."))
+                except (ImportError, ValueError):
+                    spec = None
+                where = next(iter(spec.submodule_search_locations or []), "") if spec else ""
+            dirs += [Path(where)] if where and Path(where).is_dir() else []
+    return dirs
+
+
 def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, set[str]]:
     """``compose``, and the config groups the composition chose rather than took by default: an
     override of the group (as Hydra parses it) or a choice that differs from conf/train.yaml's
-    default (an ``experiment=`` that sets it)."""
+    default (an ``experiment=`` that sets it). A user's config directory among the overrides
+    (``--config-dir``, ``hydra.searchpath``: ``search_args``) is searched as train.py searches it."""
     import hydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import open_dict
@@ -145,9 +209,11 @@ def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, se
     from strategies.presets import hydra_context
 
     register()
-    overrides = normalize(list(overrides))
-    with hydra_context():
-        cfg = hydra.compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    search, overrides = search_args(normalize(list(overrides)))
+    config_dir = [a.split("=", 1)[1] for a in search if a.startswith("--config-dir=")]
+    with hydra_context(config_dir):
+        cfg = hydra.compose(config_name="train", overrides=[*search[len(config_dir):], *overrides],
+                            return_hydra_config=True)
     choices = dict(cfg.hydra.runtime.choices)
     named = {o.key_or_group.split("@")[0] for o in OverridesParser.create().parse_overrides(overrides)}
     defaults = _default_choices()
