@@ -251,7 +251,10 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if unknown:  # ``+key=value`` adds keys the schema does not have
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
                        f"remove +{k}=..." for k in unknown]
-    strategy = as_config(cfg.strategy)
+    try:
+        strategy = as_config(cfg.strategy)
+    except ConfigError as e:  # (a user's preset without its family's schema: with the rest)
+        raise ConfigError([p for group in bad.values() for p in group] + e.problems) from None
     bad["strategy"] = _strategy_problems(cfg, strategy, None if bad.get("model") else objs.get("model"), depth)
     problems = [p for group in bad.values() for p in group]
     if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):
