@@ -218,6 +218,16 @@ def _paths(cfg: DictConfig) -> PathsConfig | None:
     return obj if isinstance(obj, PathsConfig) else PathsConfig(**obj)
 
 
+def switched_off(cfg: DictConfig) -> list[str]:
+    """A group every run needs switched off (``~data``, ``callbacks=null``; Hydra composes them,
+    leaving the schema's ``???``): the line ``~model`` gets at compose time, one per group."""
+    from recipes.cli_help import _malformed
+
+    needed = [f.name for f in fields(TrainConfig) if f.default == "???" and f.name != "paths"]
+    return [_malformed(f"~{g}") or f"{g}=null: {g} cannot be switched off; choose one of its options"
+            for g in needed if OmegaConf.is_missing(cfg, g) or cfg.get(g) is None]
+
+
 Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
 """``strategy=auto``'s step (``planner.choose``): the preset for a Job's typed groups, and why."""
 
@@ -245,6 +255,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     and derived as if the config had named it. Without it (or with a group the planner reads
     unreadable) ``auto`` stays a placeholder preset."""
     cfg, aliased = stopping.gradient_checkpointing(cfg)  # (one switch: the strategy's key)
+    if off := switched_off(cfg):
+        raise ConfigError(off)
     objs, bad = _objects(cfg)
     bad["trainer"] = bad.get("trainer", []) + aliased
     unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})

@@ -89,6 +89,28 @@ def test_a_malformed_override_is_one_line_with_the_fix(argv, expected):
     assert len(found) == 1 and found[0].startswith(expected), found
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("arg, default", [("~callbacks", "default"), ("callbacks=null", "default"),
+                                          ("~data", "text"), ("data=null", "text"),
+                                          ("~backend", "lightning"), ("~trainer", "default")])
+def test_a_required_group_hydra_composes_without_is_refused_at_validate(arg, default):
+    """Audit hydra #5: these compose (the schema's ``???``), so ``~model``'s line, said when Hydra
+    fails, never came: ``~callbacks`` passed validation (plan.py printed it as "run it") and crashed
+    in the run ('NoneType' object has no attribute 'progress_bar'); ``~data`` and ``~trainer`` said
+    "invalid configuration (0 problem(s))" and nothing else; ``~backend`` an AttributeError. Now the
+    same line, from validate: train.py, plan.py, --dry-run and a sweep's preflight alike."""
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+    from strategies import ConfigError
+
+    group = arg.lstrip("~").split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=gpt_nano", arg]), depth=CONFIG)
+    assert len(e.value.problems) == 1, e.value.problems
+    assert e.value.problems[0].startswith(f"{group}=null: {group} cannot be switched off; choose one of "), e.value
+    assert f"({group}={default} is the default)" in e.value.problems[0]
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("arg", ["strategy=", "~trainer.lr", "=foo", "strategy=null"])
 def test_a_malformed_override_exits_2_with_our_line(tmp_path, arg):
