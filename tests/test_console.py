@@ -119,6 +119,40 @@ def test_a_malformed_override_exits_2_with_our_line(tmp_path, arg):
     assert len(run.proc.stderr.strip().splitlines()) == 1 and "Traceback" not in run.log, run.log
 
 
+# Hydra's configure_log on each logging option as train.py composes it (in a process of its own: the
+# options reconfigure the root logger, "disabled" every existing logger)
+CONFIGURE_LOG = """
+import sys
+import hydra
+from hydra import initialize_config_dir
+from hydra.core.utils import configure_log
+import strategies  # (the family schemas)
+from core.conf import CONF_DIR
+from recipes.compose import register
+register()
+for override in sys.argv[1:]:
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = hydra.compose(config_name="train", overrides=[override], return_hydra_config=True)
+    configure_log(cfg.hydra[override.split("=")[0].split("/")[1]])
+    print("configured", override, flush=True)
+"""
+
+
+@pytest.mark.subprocess
+def test_hydras_own_logging_options_work():
+    """Audit hydra #6: conf/hydra/default.yaml's job_logging / hydra_logging were deltas merged over
+    whichever option was chosen, naming handlers (console's filter, errors, file) Hydra's others do
+    not define: hydra/job_logging=disabled|none|stdout and hydra/hydra_logging=disabled crashed in
+    Hydra's configure_log ("Unable to configure handler 'console'"), exit 1. Ours are whole options
+    now (conf/hydra/job_logging/stratagem.yaml, hydra_logging/stratagem.yaml), which these replace."""
+    options = ["hydra/job_logging=disabled", "hydra/job_logging=none", "hydra/job_logging=stdout",
+               "hydra/hydra_logging=disabled", "hydra/hydra_logging=none", "hydra/hydra_logging=stratagem"]
+    proc = subprocess.run([sys.executable, "-c", CONFIGURE_LOG, *options], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:-1] == [f"configured {o}" for o in options], proc.stdout
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("script", ["train.py", "plan.py"])
 def test_a_mistyped_key_gets_did_you_mean(tmp_path, script):
