@@ -146,7 +146,10 @@ def _device_problems(accelerator: str, world: Any, oversubscribe: bool) -> list[
 
 
 def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Each group as its schema's dataclass, and each group's problems with its declared fields."""
+    """Each group as its schema's dataclass, and each group's problems with its declared fields;
+    a group every run needs switched off is a ConfigError at once."""
+    if off := switched_off(cfg):
+        raise ConfigError(off)
     register()  # the resolvers its interpolations name (a config not composed here: a sweep job's)
     objs, problems = {}, {}
     for group, schema in GROUP_SCHEMAS.items():
@@ -228,6 +231,15 @@ def switched_off(cfg: DictConfig) -> list[str]:
             for g in needed if OmegaConf.is_missing(cfg, g) or cfg.get(g) is None]
 
 
+def _strategy(cfg: DictConfig, bad: dict[str, list[str]]) -> StrategyConfig:
+    """``cfg.strategy`` as its family's dataclass; a user's preset without its family's schema
+    (``as_config``'s ConfigError) is refused with the groups' problems found so far."""
+    try:
+        return as_config(cfg.strategy)
+    except ConfigError as e:
+        raise ConfigError([p for group in bad.values() for p in group] + e.problems) from None
+
+
 Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
 """``strategy=auto``'s step (``planner.choose``): the preset for a Job's typed groups, and why."""
 
@@ -255,18 +267,13 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     and derived as if the config had named it. Without it (or with a group the planner reads
     unreadable) ``auto`` stays a placeholder preset."""
     cfg, aliased = stopping.gradient_checkpointing(cfg)  # (one switch: the strategy's key)
-    if off := switched_off(cfg):
-        raise ConfigError(off)
     objs, bad = _objects(cfg)
     bad["trainer"] = bad.get("trainer", []) + aliased
     unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
     if unknown:  # ``+key=value`` adds keys the schema does not have
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
                        f"remove +{k}=..." for k in unknown]
-    try:
-        strategy = as_config(cfg.strategy)
-    except ConfigError as e:  # (a user's preset without its family's schema: with the rest)
-        raise ConfigError([p for group in bad.values() for p in group] + e.problems) from None
+    strategy = _strategy(cfg, bad)
     bad["strategy"] = _strategy_problems(cfg, strategy, None if bad.get("model") else objs.get("model"), depth)
     problems = [p for group in bad.values() for p in group]
     if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):
