@@ -43,7 +43,7 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     if job.auto:
         log.info("%s", job.chosen_by)
     result = startup.timed("plan", planner.check, job)  # (report.json's startup)
-    log.info("%s", "\n".join([result.summary(), *(f"note: {n}" for n in job.strategy.notes(job.run))]))
+    result.say(log, job.strategy.notes(job.run))  # (the summary and notes; warnings on stderr)
     predicted = planner.plan_dict(result) | ({"chosen_by": job.chosen_by} if job.auto else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
     return checkpoints.for_launch(dataclasses.replace(job, sweep=sweep), out, cleanup=first), predicted

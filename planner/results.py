@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from planner.communication import Communication
 from planner.states import gb, gb_apart
@@ -128,6 +128,18 @@ class Plan:
         return [n for n in self.notes if n.startswith(OVERFLOWS)]
 
     @property
+    def warnings(self) -> list[str]:
+        """Notes a run says as warnings (train.py): the layout does not do what its name says."""
+        return [n for n in self.notes if n.startswith(WARNINGS)]
+
+    def say(self, log: Any, notes: list[str]) -> None:
+        """What train.py logs of its plan: the summary with the preset's ``notes``, then each
+        warning (on stderr: the run is not what its preset's name says)."""
+        log.info("%s", "\n".join([self.summary(), *(f"note: {n}" for n in notes)]))
+        for line in self.warnings:
+            log.warning("%s", line)
+
+    @property
     def missing(self) -> list[str]:
         """Problems that only say a setting the layout needs is unset (``strategy.nvme_path``)."""
         return [p for p in self.problems if incomplete(p)]
@@ -190,6 +202,8 @@ class Plan:
 
 OVERFLOWS = ("host", "NVMe", "objective=dpo")
 """How the notes that make a layout not fit beside the device's steady state begin."""
+WARNINGS = ("ZeRO-3 shards",)
+"""How the notes a run warns of begin (strategies/zero_footprint.py: ZeRO-3 sharding (almost) nothing)."""
 
 
 @dataclass

@@ -37,8 +37,8 @@ __all__ = [
     "OPTIMIZERS", "PRECISIONS", "SCHEDULERS", "TOKEN_DTYPES", "TRAIN_ON", "BackendConfig",
     "CallbacksConfig", "ClusterConfig", "DataConfig", "ExportConfig", "K8sConfig", "LoggerConfig",
     "LoraConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
-    "SageMakerConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",
-    "describe", "register", "run_name", "unreadable",
+    "SageMakerConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",  # noqa: F822
+    "describe", "register", "run_name", "unreadable",  # noqa: F822  (these: _COMPOSE, PEP 562)
 ]
 
 # A backend is a file of conf/backend/ (and a module of backends/): the files are the choices.
@@ -83,8 +83,10 @@ class ExportConfig:
 
 @dataclass
 class PathsConfig:
-    root_dir: str = MISSING
-    output_dir: str = MISSING
+    # (None: no run yet -- ``train.py --cfg job --resolve`` composes before Hydra names the run's
+    # directory, and prints these as null)
+    root_dir: str | None = MISSING
+    output_dir: str | None = MISSING
 
 
 @dataclass

@@ -146,7 +146,10 @@ def _device_problems(accelerator: str, world: Any, oversubscribe: bool) -> list[
 
 
 def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Each group as its schema's dataclass, and each group's problems with its declared fields."""
+    """Each group as its schema's dataclass, and each group's problems with its declared fields;
+    a group every run needs switched off is a ConfigError at once."""
+    if off := switched_off(cfg):
+        raise ConfigError(off)
     register()  # the resolvers its interpolations name (a config not composed here: a sweep job's)
     objs, problems = {}, {}
     for group, schema in GROUP_SCHEMAS.items():
@@ -218,6 +221,25 @@ def _paths(cfg: DictConfig) -> PathsConfig | None:
     return obj if isinstance(obj, PathsConfig) else PathsConfig(**obj)
 
 
+def switched_off(cfg: DictConfig) -> list[str]:
+    """A group every run needs switched off (``~data``, ``callbacks=null``; Hydra composes them,
+    leaving the schema's ``???``): the line ``~model`` gets at compose time, one per group."""
+    from recipes.cli_help import _malformed
+
+    needed = [f.name for f in fields(TrainConfig) if f.default == "???" and f.name != "paths"]
+    return [_malformed(f"~{g}") or f"{g}=null: {g} cannot be switched off; choose one of its options"
+            for g in needed if OmegaConf.is_missing(cfg, g) or cfg.get(g) is None]
+
+
+def _strategy(cfg: DictConfig, bad: dict[str, list[str]]) -> StrategyConfig:
+    """``cfg.strategy`` as its family's dataclass; a user's preset without its family's schema
+    (``as_config``'s ConfigError) is refused with the groups' problems found so far."""
+    try:
+        return as_config(cfg.strategy)
+    except ConfigError as e:
+        raise ConfigError([p for group in bad.values() for p in group] + e.problems) from None
+
+
 Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
 """``strategy=auto``'s step (``planner.choose``): the preset for a Job's typed groups, and why."""
 
@@ -251,7 +273,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if unknown:  # ``+key=value`` adds keys the schema does not have
         bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
                        f"remove +{k}=..." for k in unknown]
-    strategy = as_config(cfg.strategy)
+    strategy = _strategy(cfg, bad)
     bad["strategy"] = _strategy_problems(cfg, strategy, None if bad.get("model") else objs.get("model"), depth)
     problems = [p for group in bad.values() for p in group]
     if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):

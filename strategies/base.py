@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from parallel.parallelize import ParallelPlan
     from core.run import Run
 
+from core.errors import ConfigError
 from core.knobs import knob
 from core.mesh import Axis, Mesh
 
@@ -307,8 +308,36 @@ def as_config(node: Any) -> StrategyConfig:
     obj = OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
     if isinstance(obj, StrategyConfig):
         return obj
-    cls = family_of(obj["family"])
-    return cls(**obj)
+    if problem := _untyped_problem(obj):
+        raise ConfigError(problem)
+    return _FAMILIES[obj["family"]](**obj)
+
+
+def _untyped_problem(obj: Any) -> str | None:
+    """A preset written without its family's schema in its defaults list (a user's YAML: Hydra
+    checked nothing) that names no family, an unknown one, or a key its family lacks: the one line
+    naming the option, the key, what is allowed and the fix; None when it makes a config."""
+    import difflib
+
+    if not isinstance(obj, dict):
+        return f"strategy: {obj!r} is not a preset (a mapping of its keys); choose one, e.g. strategy=zero3"
+    known = ", ".join(sorted(_FAMILIES))
+    where = f"strategy={obj['name']}" if obj.get("name") else "strategy"
+    start = ("start the file from a built-in preset (`defaults: [zero3, _self_]`, then only the keys "
+             "you change) or from a family's schema (`defaults: [/deepspeed_schema@_here_, _self_]`)")
+    if "family" not in obj:
+        return f"{where}: the preset names no strategy.family (the families: {known}); {start}"
+    if obj["family"] not in _FAMILIES:
+        return f"{where}: strategy.family={obj['family']!r} is no family; the families: {known}; {start}"
+    cls = _FAMILIES[obj["family"]]
+    keys = {f.name for f in dataclasses.fields(cls)}
+    for key in sorted(set(obj) - keys):
+        close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]}? " if close else f"the keys: {', '.join(sorted(keys))}; "
+        return (f"{where}: strategy.{key}={obj[key]!r} is not a key of the {obj['family']} family; {guess}"
+                f"fix the file (`defaults: [/{obj['family']}_schema@_here_, _self_]` first in it has "
+                "Hydra check every key and type)")
+    return None
 
 
 __all__ = ["Capabilities", "DCP", "DEEPSPEED", "ZERO_EP", "StrategyConfig", "as_config", "families", "family",

@@ -21,6 +21,9 @@ from strategies.footprint import (
 )
 
 AUTO = "auto"
+UNSHARDED = 0.9
+"""ZeRO-3 with this share of the parameters under the persistence threshold is said to shard
+(almost) nothing (``ZeroFootprint.notes``)."""
 # zero_optimization keys DeepSpeed's integrations fill from the model's hidden size when "auto"
 # (accelerate's Accelerator._prepare_deepspeed, transformers' integrations/deepspeed.py):
 # key -> (elements for hidden size h, the least value, the typed key it overrides, the rule)
@@ -100,7 +103,27 @@ class ZeroFootprint(Footprint):
         h = hidden_size(n)
         return [f"zero_optimization.{k}=auto: {HIDDEN_AUTO[k][3]} = {HIDDEN_AUTO[k][0](h):,} elements "
                 f"(h={h:,}{'' if n.model is not None else ', estimated from the parameter count'}; "
-                "as Accelerate fills it)" for k in HIDDEN_AUTO if k in self.auto]
+                "as Accelerate fills it)" for k in HIDDEN_AUTO if k in self.auto] + self._unsharded(n)
+
+    def _unsharded(self, n: Sizes) -> list[str]:
+        """ZeRO-3 with every (or nearly every) parameter in tensors under the persistence threshold,
+        which DeepSpeed keeps whole on every rank: the run is ZeRO-3 by name and shards (almost)
+        nothing. A small model under a preset made for large ones (zero3's 1e5 elements), said
+        since a user's preset or model misses conf/strategy_model's by-name tweak."""
+        persist, tensors = self.persistent(n)
+        if not tensors or n.shard < 2:
+            return []
+        total = sum(n.model.tensor_sizes().values())
+        share = persist * n.mp / max(1, sum(k * c for k, c in n.model.tensor_sizes().items()))
+        if share < UNSHARDED:
+            return []
+        limit = self._sized("stage3_param_persistence_threshold", n, self.persistence)
+        key = ("strategy.param_persistence_threshold" if "stage3_param_persistence_threshold" not in self.auto
+               else "zero_optimization.stage3_param_persistence_threshold=auto, 10 x h, so")
+        what = ("nothing here: every parameter tensor is" if tensors == total else
+                f"almost nothing here: {tensors} of {total} parameter tensors ({share:.0%} of the parameters) are")
+        return [f"ZeRO-3 shards {what} under {key}={limit} (elements), which DeepSpeed keeps whole "
+                f"on every rank; set strategy.param_persistence_threshold=0 to shard them"]
 
     def full_grads_at_step(self, n: Sizes) -> bool:
         """ZeRO-1 with accumulation: stage_1_and_2 reduces only at the accumulation boundary

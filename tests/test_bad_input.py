@@ -193,3 +193,51 @@ def test_cli_exits_2_with_one_message_and_no_traceback(overrides, needle):
 def test_readme_logger_null_runs():
     proc = _cli("logger=null", "callbacks=none")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# A user's own preset (a strategy YAML on hydra.searchpath) written without its family's schema in
+# its defaults list: Hydra checks none of its keys, so validation is the first to read them.
+UNTYPED = {
+    "nofam": ({"name": "nofam", "stage": 3},
+              ["strategy=nofam: the preset names no strategy.family (the families: ddp, deepspeed,",
+               "start the file from a built-in preset (`defaults: [zero3, _self_]`"]),
+    "famfoo": ({"name": "famfoo", "family": "foo"},
+               ["strategy=famfoo: strategy.family='foo' is no family; the families: ddp, deepspeed,",
+                "`defaults: [zero3, _self_]`"]),
+    "fam_typo": ({"name": "fam_typo", "family": "deepspeed", "stage": 3, "reduce_bucket_sise": 5},
+                 ["strategy=fam_typo: strategy.reduce_bucket_sise=5 is not a key of the deepspeed family; "
+                  "did you mean reduce_bucket_size?", "`defaults: [/deepspeed_schema@_here_, _self_]`"]),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(UNTYPED))
+def test_a_user_preset_without_its_schema_is_one_config_error(name):
+    """Audit hydra #7: no ``family`` ended in ``KeyError: 'family'``, an unknown one in a KeyError,
+    a mistyped key under a family given by hand in ``TypeError: ZeroConfig.__init__() got an
+    unexpected keyword argument`` -- tracebacks, exit 1, from train.py and plan.py alike."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = compose(list(BASE))
+    with open_dict(cfg):  # (the plain mapping Hydra composes from such a file)
+        cfg.strategy = OmegaConf.create(UNTYPED[name][0])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert len(e.value.problems) == 1, e.value.problems
+    for needle in UNTYPED[name][1]:
+        assert needle in e.value.problems[0], e.value.problems[0]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_user_preset_without_a_family_exits_2_with_one_message(tmp_path):
+    import yaml
+
+    from tests.conftest import run_cli
+
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "conf" / "strategy" / "nofam.yaml").write_text(yaml.safe_dump(UNTYPED["nofam"][0]))
+    run = run_cli("train.py", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "strategy=nofam", *BASE,
+                  out=tmp_path / "run", check=False, timeout=100)
+    assert run.proc.returncode == 2, run.log[-3000:]
+    assert UNTYPED["nofam"][1][0] in run.proc.stderr and "Traceback" not in run.log, run.log[-3000:]

@@ -41,6 +41,16 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     assert not (tmp_path / "cfg" / "report.json").exists()
 
 
+def test_cfg_job_resolve_prints_the_resolved_config(tmp_path):
+    """Audit hydra #9: paths.output_dir was typed str, and under --cfg Hydra has no run directory
+    yet (None): ``--cfg job --resolve`` always failed ("Incompatible value 'None' for field of
+    type 'str'", exit 2). It prints the resolved config, the output directory null."""
+    run = run_cli("train.py", "--cfg", "job", "--resolve", "model=gpt_nano", out=tmp_path / "cfg", check=False)
+    assert run.proc.returncode == 0, run.log[-3000:]
+    assert f"root_dir: {ROOT}" in run.proc.stdout and "output_dir: null" in run.proc.stdout, run.proc.stdout
+    assert "${" not in run.proc.stdout  # (resolved)
+
+
 @pytest.mark.slow  # (CI: test_launch's multirun of three 2-process strategies, each into its own dir)
 def test_multirun_sweeps_each_job_into_its_own_dir(tmp_path):
     sweep = tmp_path / "sweep"

@@ -89,12 +89,68 @@ def test_a_malformed_override_is_one_line_with_the_fix(argv, expected):
     assert len(found) == 1 and found[0].startswith(expected), found
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("arg, default", [("~callbacks", "default"), ("callbacks=null", "default"),
+                                          ("~data", "text"), ("data=null", "text"),
+                                          ("~backend", "lightning"), ("~trainer", "default")])
+def test_a_required_group_hydra_composes_without_is_refused_at_validate(arg, default):
+    """Audit hydra #5: these compose (the schema's ``???``), so ``~model``'s line, said when Hydra
+    fails, never came: ``~callbacks`` passed validation (plan.py printed it as "run it") and crashed
+    in the run ('NoneType' object has no attribute 'progress_bar'); ``~data`` and ``~trainer`` said
+    "invalid configuration (0 problem(s))" and nothing else; ``~backend`` an AttributeError. Now the
+    same line, from validate: train.py, plan.py, --dry-run and a sweep's preflight alike."""
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+    from strategies import ConfigError
+
+    group = arg.lstrip("~").split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=gpt_nano", arg]), depth=CONFIG)
+    assert len(e.value.problems) == 1, e.value.problems
+    assert e.value.problems[0].startswith(f"{group}=null: {group} cannot be switched off; choose one of "), e.value
+    assert f"({group}={default} is the default)" in e.value.problems[0]
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("arg", ["strategy=", "~trainer.lr", "=foo", "strategy=null"])
 def test_a_malformed_override_exits_2_with_our_line(tmp_path, arg):
     run = run_cli("train.py", arg, out=tmp_path / "bad", check=False)
     assert run.proc.returncode == 2, run.log
     assert len(run.proc.stderr.strip().splitlines()) == 1 and "Traceback" not in run.log, run.log
+
+
+# Hydra's configure_log on each logging option as train.py composes it (in a process of its own: the
+# options reconfigure the root logger, "disabled" every existing logger)
+CONFIGURE_LOG = """
+import sys
+import hydra
+from hydra import initialize_config_dir
+from hydra.core.utils import configure_log
+import strategies  # (the family schemas)
+from core.conf import CONF_DIR
+from recipes.compose import register
+register()
+for override in sys.argv[1:]:
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = hydra.compose(config_name="train", overrides=[override], return_hydra_config=True)
+    configure_log(cfg.hydra[override.split("=")[0].split("/")[1]])
+    print("configured", override, flush=True)
+"""
+
+
+@pytest.mark.subprocess
+def test_hydras_own_logging_options_work():
+    """Audit hydra #6: conf/hydra/default.yaml's job_logging / hydra_logging were deltas merged over
+    whichever option was chosen, naming handlers (console's filter, errors, file) Hydra's others do
+    not define: hydra/job_logging=disabled|none|stdout and hydra/hydra_logging=disabled crashed in
+    Hydra's configure_log ("Unable to configure handler 'console'"), exit 1. Ours are whole options
+    now (conf/hydra/job_logging/stratagem.yaml, hydra_logging/stratagem.yaml), which these replace."""
+    options = ["hydra/job_logging=disabled", "hydra/job_logging=none", "hydra/job_logging=stdout",
+               "hydra/hydra_logging=disabled", "hydra/hydra_logging=none", "hydra/hydra_logging=stratagem"]
+    proc = subprocess.run([sys.executable, "-c", CONFIGURE_LOG, *options], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:-1] == [f"configured {o}" for o in options], proc.stdout
 
 
 @pytest.mark.subprocess

@@ -69,6 +69,37 @@ def test_plan_py_auto_and_negative_bucket_sizes():
     assert "reduce_bucket_size=-1: must be an integer >= 1" in proc.stderr
 
 
+@pytest.mark.unit
+def test_zero3_that_shards_nothing_says_so(caplog):
+    """Audit hydra #4: a user's preset extending zero3 (or zero3 with a model not named gpt_nano)
+    keeps DeepSpeed's 1e5-element persistence threshold, which conf/strategy_model's by-name tweak
+    sets to 0 only for zero3 + gpt_nano: every gpt_nano tensor stays whole on every rank, and the
+    run said nothing (report: state bytes "as planned"). plan.py notes it; train.py warns of it,
+    once (``Plan.say``); the tweaked pair and a model with big tensors say nothing."""
+    import logging
+
+    from planner import check
+
+    kept = ("model=gpt_nano", "strategy=zero3", "cluster.devices=2", "strategy.param_persistence_threshold=100000")
+    line = ("ZeRO-3 shards nothing here: every parameter tensor is under strategy.param_persistence_threshold="
+            "100000 (elements), which DeepSpeed keeps whole on every rank; set strategy.param_persistence_"
+            "threshold=0 to shard them")
+    assert [n for n in _plans(*kept)["zero3"].notes if n.startswith("ZeRO-3")] == [line]
+    # nearly every: 289 of 291 tensors, the two 8192-element embeddings aside
+    deep = _plans(*kept, "model.n_layers=32", "strategy.param_persistence_threshold=4096")["zero3"]
+    assert [n for n in deep.notes if n.startswith("ZeRO-3")] == [
+        "ZeRO-3 shards almost nothing here: 289 of 291 parameter tensors (95% of the parameters) are under "
+        "strategy.param_persistence_threshold=4096 (elements), which DeepSpeed keeps whole on every rank; "
+        "set strategy.param_persistence_threshold=0 to shard them"]
+    for quiet in (("model=gpt_nano", "strategy=zero3", "cluster.devices=2"),  # (the by-name tweak: 0)
+                  ("model=gpt_small", "strategy=zero3", "cluster.devices=2"),
+                  ("model=gpt_nano", "strategy=zero2", "cluster.devices=2")):
+        assert not any(n.startswith("ZeRO-3") for n in _plans(*quiet)[quiet[1].split("=")[1]].notes), quiet
+    with caplog.at_level(logging.INFO, logger="train"):
+        check(typed(_compose(kept))).say(logging.getLogger("train"), [])
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [line]
+
+
 # ----------------------------------------------------------------------------- 2. verdicts
 def _report(*overrides):
     from planner import plan_all
