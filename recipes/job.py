@@ -224,10 +224,11 @@ def _paths(cfg: DictConfig) -> PathsConfig | None:
 def switched_off(cfg: DictConfig) -> list[str]:
     """A group every run needs switched off (``~data``, ``callbacks=null``; Hydra composes them,
     leaving the schema's ``???``): the line ``~model`` gets at compose time, one per group."""
+    from core.conf import CONF_DIR
     from recipes.cli_help import _malformed
 
     needed = [f.name for f in fields(TrainConfig) if f.default == "???" and f.name != "paths"]
-    return [_malformed(f"~{g}") or f"{g}=null: {g} cannot be switched off; choose one of its options"
+    return [_malformed(f"~{g}", [CONF_DIR]) or f"{g}=null: {g} cannot be switched off; choose one of its options"
             for g in needed if OmegaConf.is_missing(cfg, g) or cfg.get(g) is None]
 
 
