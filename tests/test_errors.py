@@ -225,6 +225,23 @@ def test_a_full_disk_ends_the_run_with_no_space_left_on_device(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == line  # the last thing the run says (errors: stderr)
 
 
+@pytest.mark.subprocess
+def test_a_lower_keep_last_frees_the_full_disk_before_the_resumed_run_saves(tmp_path):
+    """The full disk's advice, "keep fewer checkpoints (trainer.keep_last)", did not work: pruning
+    ran only after the next save, so the resumed run failed at the same step with the same line.
+    A resumed run prunes to its keep_last as it starts (never the checkpoint it resumes)."""
+    disk, cmd = tmp_path / "disk", [sys.executable, str(ROOT / "train.py"), *NANO, "trainer.max_steps=4",
+                                    "trainer.checkpoint_every=1", "callbacks.plots=false"]
+    run = f"hydra.run.dir={disk / 'run'}"
+    script = (f"{shlex.join([*cmd, 'trainer.keep_last=0', run])} 2>&1; echo EXIT=$?; "
+              f"exec {shlex.join([*cmd, 'trainer.keep_last=1', run])} 2>&1")
+    proc = _in_tmpfs(disk, "size=2600k", ["sh", "-c", script])  # (a checkpoint: ~1 MB)
+    first, _, second = proc.stdout.partition("EXIT=1")
+    assert "No space left on device: saving the checkpoint of step 3" in first, first[-3000:]
+    assert proc.returncode == 0 and "resume: " in second, proc.stdout[-3000:]
+    assert "removed checkpoint" in second and "step1 (trainer.keep_last=1)" in second, second[-3000:]
+
+
 @pytest.mark.multiprocess
 def test_a_full_disk_is_the_lost_ranks_cause(tmp_path):
     disk = tmp_path / "disk"
