@@ -133,7 +133,8 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     stays that path; ``auto`` stays ``auto``, so a restarted worker finds the newest checkpoint
     again (its ranks agree on it: ``start``). ``cleanup``: this process (the launcher, or rank 0
     under torchrun) removes what interrupted saves left and, as the run will train, sets an
-    earlier attempt's report.json and plots aside (``observers.report.set_aside``). Raises
+    earlier attempt's report.json and plots aside (``observers.report.set_aside``), and the
+    checkpoints of another timeline, then prunes to ``trainer.keep_last`` (``timeline.at_start``). Raises
     ``Finished`` when ``auto`` finds a checkpoint at ``trainer.max_steps`` (a re-run, a requeue:
     its report stands); a path at it only loads (said)."""
     import dataclasses
@@ -157,41 +158,19 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     if ckpt is not None:
         log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
                  ckpt.meta["strategy"], ckpt.meta["world_size"])
-        if cleanup and resume_from != AUTO:
-            _set_aside_newer(ckpt, run_dir)
         from checkpoints import data_stream, resume_settings
 
         data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
         data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
         resume_settings.say_model_change(ckpt, job)
+    if cleanup:  # (another timeline's checkpoints aside; pruned to trainer.keep_last now)
+        from checkpoints import timeline
+
+        timeline.at_start(job, ckpt, run_dir)
     if resume_from == AUTO:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
     return dataclasses.replace(job, trainer=trainer)
-
-
-def _set_aside_newer(ckpt: Checkpoint, run_dir: str | Path) -> None:
-    """A resume from an older checkpoint of this run directory (a rewind): its newer ones are
-    the timeline it leaves. They move to ``checkpoints/superseded-<time>/`` (nothing is lost), so
-    that ``resume_from=auto`` -- a requeue, the command an interrupt prints -- continues this
-    timeline rather than going back to the abandoned one."""
-    import time
-
-    from checkpoints.store import complete, directory
-
-    own = directory(run_dir)
-    if ckpt.path.resolve().parent != own.resolve():
-        return
-    newer = [p for p in complete(run_dir) if int(p.name[len("step"):]) > ckpt.step]
-    if not newer:
-        return
-    aside = own / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}"
-    aside.mkdir()
-    for p in newer:
-        p.rename(aside / p.name)
-    log.warning("resume: %s is older than this run directory's %s: that timeline moved to %s, so "
-                "trainer.resume_from=auto continues this one", ckpt.path.name,
-                ", ".join(p.name for p in newer), aside)
 
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
@@ -281,8 +260,8 @@ def _fix(code: int) -> str:
     import errno
 
     if code in (errno.ENOSPC, errno.EDQUOT):  # (disk_full)
-        return ("free space there, keep fewer checkpoints (trainer.keep_last), or point hydra.run.dir at "
-                "a disk with room")
+        return ("free space there, keep fewer checkpoints (trainer.keep_last: the resumed run prunes to it "
+                "before it trains), or point hydra.run.dir at a disk with room")
     return "point hydra.run.dir at a directory every rank can write"
 
 
@@ -341,7 +320,7 @@ def _ranks(error: BaseException, rank: int) -> str:
 
 def _save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[str, Any] | None,
           temp: Path, final: Path) -> Path:
-    from checkpoints import hosts, state, store
+    from checkpoints import hosts, state, store, timeline
 
     per_host = hosts.leaders(run_dir)  # (None: one directory, rank 0 commits)
     lead = h.rank == 0 if per_host is None else h.rank in per_host
@@ -367,21 +346,10 @@ def _save(h: Handles, job: Job, run_dir: str | Path, step: int, history: dict[st
                               "hydra.run.dir to a path on a filesystem all nodes share")
     if lead:
         store.finish(temp, final, store.manifest(files))
-        for p in store.prune(run_dir, job.trainer.keep_last, spare=_best(job, history)):
-            log.info("removed checkpoint %s (trainer.keep_last=%d)", p, job.trainer.keep_last)
+        timeline.pruned(job, run_dir, step, history)  # (never the one just saved)
         log.info("checkpoint: %s", final)
     state._barrier()
     return final
-
-
-def _best(job: Job, history: dict[str, Any] | None) -> int | None:
-    """trainer.keep_best: the step of the best validation so far, whose checkpoint pruning spares."""
-    if not job.trainer.keep_best:
-        return None
-    from recipes.stopping import judge
-
-    best = judge((history or {}).get("validation", [])).best
-    return None if best is None else int(best["step"])
 
 
 def stopped_early(ckpt: Checkpoint, trainer: Any) -> bool:

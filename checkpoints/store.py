@@ -16,7 +16,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from observers.files import atomic_write_text
 
@@ -129,12 +129,14 @@ def latest_whole(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def prune(run_dir: str | Path, keep_last: int, spare: int | None = None) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all), and never the
-    one of step ``spare`` (trainer.keep_best: the best, kept beside the rotation)."""
+def prune(run_dir: str | Path, keep_last: int, spare: Iterable[int | None] = ()) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all), and never those
+    of the steps in ``spare`` (the one just saved or resumed; trainer.keep_best's, kept beside the
+    rotation)."""
     if keep_last <= 0:
         return []
-    old = [p for p in complete(run_dir)[:-keep_last] if spare is None or p.name != f"step{spare}"]
+    kept = {f"step{s}" for s in spare if s is not None}
+    old = [p for p in complete(run_dir)[:-keep_last] if p.name not in kept]
     for p in old:
         # Rename first: a kill mid-delete leaves a .tmp- directory, never a half step<N>.
         doomed = p.with_name(f"{TMP}pruned-{p.name}")

@@ -359,7 +359,7 @@ def run_local_ranks(job: Job, out: Path, plan: dict[str, Any] | None) -> Any:
         if len(codes) == 1 and codes <= STOP_CODES:  # a rank was signalled: all saved together
             signum = codes.pop() - 128
             raise Stopped(_saved(signum, out, job), 128 + signum) from None
-        said = _said_error(e)  # (a bad record, a run directory not shared: its line, exit 2)
+        said = _said_error(e)  # (a bad record, a run directory not shared: exit 2; a full disk: 1)
         stuck = roll.ranks(reaper.killed)  # (else the ranks the agent's SIGTERM ended: stuck early)
         ended = {} if stuck else roll.ranks(reaper.ended - {f.pid for f in e.failures.values()})
         hint = mismatch_hint(e) if job.run.checkpoint == "deepspeed" else ""  # (a ZeRO preset)

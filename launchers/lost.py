@@ -1,12 +1,14 @@
 """What the launcher says when a rank is lost (launchers/local.py): which rank, how it ended, and
-the cause where the failures torch's agent records tell it -- a bad record in the data or a
-configuration problem found in the ranks, said as itself; a peer that stopped responding, which
-the rank that waited for it timed out on."""
+the cause where the failures torch's agent records tell it -- a bad record in the data, a
+configuration problem found in the ranks or a full disk, said as itself; a peer that stopped
+responding, which the rank that waited for it timed out on."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -20,6 +22,8 @@ TIMED_OUT = ("timed out", "Timed out", "wait timeout")
 # What a rank's collective says when a peer is gone (gloo, NCCL, the store).
 PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", *TIMED_OUT,
              "communicator was aborted", "DistNetworkError")
+_ERRNO = re.compile(r"\[Errno (\d+)\] (.*)")
+"""An OSError's text: ``[Errno 28] No space left on device: ...``."""
 ROLL = "STRATAGEM_ROLL"
 """The directory where our launcher's ranks write their pids (``Roll``), in their environment."""
 
@@ -106,8 +110,9 @@ class Reaper(logging.Filter):
 def _quiet_said_errors(record: logging.LogRecord) -> bool:
     """A filter for torch's agent log: not its record of a rank that failed on an error we say
     in one line (a ``DataError``: a bad record in the data; a ``ConfigError`` found in the ranks:
-    a run directory the nodes do not share), with the rank's whole traceback: that sentence ends
-    the run (``_said_error``). Other failures are logged as torch logs them."""
+    a run directory the nodes do not share; a full disk's ``OSError``), with the rank's whole
+    traceback: that sentence ends the run (``_said_error``). Other failures are logged as torch
+    logs them."""
     error = record.exc_info[1] if record.exc_info else None
     return error is None or _raised(str(error)) is None
 
@@ -118,12 +123,16 @@ def _said(failure: Any) -> str:
     return "" if msg in (None, "<NONE>") else str(msg).strip()
 
 
-def _raised(text: str) -> DataError | ConfigError | None:
-    """The ``DataError`` or ``ConfigError`` (core/errors.py) a rank's error text (torch's record
-    of it, or its traceback) ends in, rebuilt; None when it ends in another error."""
+def _raised(text: str) -> DataError | ConfigError | OSError | None:
+    """The ``DataError`` or ``ConfigError`` (core/errors.py), or a full disk's ``OSError``
+    (``checkpoints.save``'s, ``disk_full``), a rank's error text (torch's record of it, or its
+    traceback) ends in, rebuilt; None when it ends in another error."""
     lines = text.strip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         kind, _, message = lines[i].partition(": ")
+        if kind in ("OSError", "builtins.OSError") and (m := _ERRNO.match(message)):
+            error = OSError(int(m.group(1)), m.group(2))
+            return error if int(m.group(1)) in (errno.ENOSPC, errno.EDQUOT) else None
         if kind in ("DataError", f"{DataError.__module__}.DataError"):
             return DataError("\n".join([message, *lines[i + 1:]]))
         if kind in ("ConfigError", f"{ConfigError.__module__}.ConfigError"):
@@ -134,11 +143,11 @@ def _raised(text: str) -> DataError | ConfigError | None:
     return None
 
 
-def _said_error(e: Any) -> DataError | ConfigError | None:
-    """The ``DataError`` or ``ConfigError`` the failed ranks raised, when that is every failure's
-    cause (the ranks the agent then stopped with SIGTERM aside, and those whose peers vanished
-    with it): a bad record in the data, a run directory the nodes do not share -- the same
-    sentence from each rank that found it."""
+def _said_error(e: Any) -> DataError | ConfigError | OSError | None:
+    """The ``DataError``, ``ConfigError`` or full disk's ``OSError`` the failed ranks raised, when
+    that is every failure's cause (the ranks the agent then stopped with SIGTERM aside, and those
+    whose peers vanished with it): a bad record in the data, a run directory the nodes do not
+    share, a checkpoint that did not fit -- the same sentence from each rank that found it."""
     said = {}
     for f in e.failures.values():
         if f.exitcode == -signal.SIGTERM:

@@ -155,6 +155,31 @@ def test_a_rewind_sets_the_abandoned_timeline_aside(train, tmp_path):
 
 
 @pytest.mark.subprocess
+def test_an_earlier_runs_checkpoints_never_outrank_this_runs(train):
+    """A run directory holding an earlier run's higher steps: a resume from another directory's
+    checkpoint, or trainer.resume_from=null, pruned (keep_last) each checkpoint it had just saved,
+    since the stale steps ranked newest -- its log named directories already gone, and a later
+    auto resumed the other run's. Every step<N> that is not this run's timeline moves aside, kept."""
+    every = ("trainer.checkpoint_every=1", QUIET)
+    first = train(*every, "trainer.max_steps=4", name="run")
+    ckpts = first.out / "checkpoints"
+    src = train(*every, "trainer.max_steps=1", name="src")
+    foreign = train(*every, "trainer.max_steps=2", "trainer.keep_last=1",
+                    f"trainer.resume_from={src.out / 'checkpoints' / 'step1'}", name="run")
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step2"], foreign.log[-2000:]
+    assert "step1, step2, step3, step4 (an earlier run's) moved to" in foreign.log, foreign.log[-2000:]
+    fresh = train(*every, "trainer.max_steps=1", "trainer.keep_last=1", "trainer.resume_from=null", name="run")
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step1"], fresh.log[-2000:]
+    assert "removed checkpoint" not in fresh.log and len(fresh.losses) == 1, fresh.log[-2000:]
+    ours = fresh.losses  # (read now: the next run writes the same directory)
+    aside = sorted(p for p in ckpts.iterdir() if p.name.startswith("superseded-"))
+    assert [sorted(q.name for q in p.iterdir()) for p in aside] == [
+        ["step1", "step2", "step3", "step4"], ["step2"]], aside
+    again = train(*every, "trainer.max_steps=2", "trainer.keep_last=1", name="run")  # auto: this run's step 1
+    assert again.report["resumed_from"]["step"] == 1 and again.losses[:1] == ours, again.log[-2000:]
+
+
+@pytest.mark.subprocess
 def test_a_resume_trains_at_this_runs_learning_rate_and_schedule(train, tmp_path):
     """Rewind and lower the lr, or raise max_steps of a cosine run: the resumed steps ran the
     old run's lr (the scheduler's restored base rate; report.json said the new one), and a
@@ -1117,6 +1142,27 @@ def test_commit_discovery_pruning_and_cleanup(tmp_path):
     assert [p.name for p in store.complete(tmp_path)] == ["step4", "step10"]
     assert [p.name for p in store.clean(tmp_path)] == [".tmp-step12"]
     assert sorted(p.name for p in store.directory(tmp_path).iterdir()) == ["step10", "step4"]
+
+
+@pytest.mark.unit
+def test_pruning_never_removes_the_checkpoint_saved_or_resumed(tmp_path):
+    """As a run starts (timeline.at_start) it prunes to trainer.keep_last -- a lower one frees a
+    full disk before the next save -- but never the checkpoint it resumes, even where that is not
+    the newest (per-host directories resume the newest whole one); after a save, never the one
+    just saved, which the log then names."""
+    from types import SimpleNamespace
+
+    from checkpoints import store, timeline
+
+    for step in (2, 4, 6):
+        temp = store.temp_for(tmp_path, step)
+        temp.mkdir(parents=True)
+        store.commit(temp, store.path_for(tmp_path, step), {"step": step})
+    job = SimpleNamespace(trainer=SimpleNamespace(resume_from="auto", keep_last=1, keep_best=False))
+    timeline.at_start(job, store.read(store.path_for(tmp_path, 4)), tmp_path)
+    assert [p.name for p in store.complete(tmp_path)] == ["step4", "step6"]
+    assert timeline.pruned(job, tmp_path, 4, None) == []  # (step 4 "just saved": kept)
+    assert [p.name for p in timeline.pruned(job, tmp_path, 6, None)] == ["step4"]
 
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)

@@ -1,7 +1,7 @@
 """Errors a user meets before or during a run are one clear line each, not a traceback: a
 ``model=hf`` path that holds no model (exit 2, before launch, in train.py, plan.py and export.py),
 an output directory that cannot be written (exit 2, before Hydra creates it), a full disk (the
-line says "No space left on device", and so does the summary of a job whose rank it stopped).
+line says "No space left on device", on one rank or several; exit 1).
 
 The read-only and full filesystems are real: a tmpfs mounted in a private mount namespace
 (``unshare -m``, root or CAP_SYS_ADMIN; skipped where that is not allowed), so nothing outside
@@ -225,13 +225,30 @@ def test_a_full_disk_ends_the_run_with_no_space_left_on_device(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == line  # the last thing the run says (errors: stderr)
 
 
+@pytest.mark.subprocess
+def test_a_lower_keep_last_frees_the_full_disk_before_the_resumed_run_saves(tmp_path):
+    """The full disk's advice, "keep fewer checkpoints (trainer.keep_last)", did not work: pruning
+    ran only after the next save, so the resumed run failed at the same step with the same line.
+    A resumed run prunes to its keep_last as it starts (never the checkpoint it resumes)."""
+    disk, cmd = tmp_path / "disk", [sys.executable, str(ROOT / "train.py"), *NANO, "trainer.max_steps=4",
+                                    "trainer.checkpoint_every=1", "callbacks.plots=false"]
+    run = f"hydra.run.dir={disk / 'run'}"
+    script = (f"{shlex.join([*cmd, 'trainer.keep_last=0', run])} 2>&1; echo EXIT=$?; "
+              f"exec {shlex.join([*cmd, 'trainer.keep_last=1', run])} 2>&1")
+    proc = _in_tmpfs(disk, "size=2600k", ["sh", "-c", script])  # (a checkpoint: ~1 MB)
+    first, _, second = proc.stdout.partition("EXIT=1")
+    assert "No space left on device: saving the checkpoint of step 3" in first, first[-3000:]
+    assert proc.returncode == 0 and "resume: " in second, proc.stdout[-3000:]
+    assert "removed checkpoint" in second and "step1 (trainer.keep_last=1)" in second, second[-3000:]
+
+
 @pytest.mark.multiprocess
-def test_a_full_disk_is_the_lost_ranks_cause(tmp_path):
+def test_a_full_disk_under_the_local_launcher_ends_in_the_same_one_line(tmp_path):
+    """On 2 ranks the line came last as "lost rank 0 of 2 ... exited with code 1: OSError: ...",
+    after ~130 lines of torch elastic's per-rank tracebacks; now it is the one-process run's line."""
     disk = tmp_path / "disk"
     proc = _in_tmpfs(disk, "size=256k", [sys.executable, str(ROOT / "train.py"), *NANO, *FULL, "strategy=ddp",
                                          "cluster.devices=2", f"hydra.run.dir={disk / 'run'}"])
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 1, log[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]  # the run's error, after the ranks' tracebacks
-    assert "lost rank" in last and "OSError: [Errno 28] No space left on device: saving the checkpoint of step 2" \
-        in last and "failed on ranks 0, 1" in last, last
+    line = _one_clear_line(proc, 1, "[Errno 28] No space left on device: saving the checkpoint of step 2 into "
+                           f"{disk / 'run' / 'checkpoints'}", "failed on ranks 0, 1; free space there")
+    assert proc.stderr.strip().splitlines()[-1] == line and "lost rank" not in line, line

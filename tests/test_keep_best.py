@@ -94,7 +94,7 @@ def test_pruning_spares_the_best(tmp_path):
     for step in (2, 4, 6, 8):
         (store.path_for(tmp_path, step)).mkdir(parents=True)
         (store.path_for(tmp_path, step) / store.MARKER).write_text("{}")
-    store.prune(tmp_path, 1, spare=4)
+    store.prune(tmp_path, 1, spare=(4,))
     assert [p.name for p in store.complete(tmp_path)] == ["step4", "step8"]
 
 

@@ -295,6 +295,11 @@ def test_a_configuration_error_found_in_the_ranks_is_its_problem_not_a_lost_rank
     assert isinstance(error, DataError) and str(error) == "data.path=/d line 7 is not JSON"
     assert _said_error(failures((1, config), (1, "RuntimeError: CUDA error"))) is None
     assert _said_error(failures((-9, None), (1, "DistNetworkError: Connection reset by peer"))) is None
+    # a full disk (checkpoints.save's OSError, the same on every rank): itself, as one process says it
+    full = "[Errno 28] No space left on device: saving the checkpoint of step 4 into /r/.tmp-step4 failed on ranks 0, 1"
+    error = _said_error(failures((1, f"Traceback ...\n    raise OSError(...)\nOSError: {full}"), (1, f"OSError: {full}")))
+    assert isinstance(error, OSError) and error.errno == 28 and str(error) == full, error
+    assert _said_error(failures((1, "OSError: [Errno 5] Input/output error"), (-15, None))) is None
 
 
 @pytest.mark.unit
