@@ -80,11 +80,27 @@ def main(argv: list[str]) -> None:
     chosen = registry.get(job.cluster.launcher)
     if not dry:
         print(chosen.submit(job, overrides))
+        for line in _configs_there(overrides):
+            print(line, file=sys.stderr)
         return
     document, notes = chosen.dry_run(job, overrides)
-    for line in notes:  # (stderr: stdout is the document alone, for the tool that reads it)
+    for line in notes + _configs_there(overrides):  # (stderr: stdout is the document alone, for the tool)
         print(line, file=sys.stderr)
     print(document)
+
+
+def _configs_there(overrides: list[str]) -> list[str]:
+    """The job's hosts run train.py with the user's own config directory as given here (its
+    absolute path on this machine): say that it must be at that path there."""
+    from recipes.compose import search_args
+
+    search, rest = search_args(overrides)
+    if not search:
+        return []
+    typed = " ".join(a for a in overrides if a not in rest)  # (as the hosts' command has them)
+    return [f"the job's hosts compose with your own config directory as typed here ({typed}): it must be "
+            "at that path there too (in the image, or on storage they mount), or their train.py stops "
+            "with 'no such ...'"]
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ sweep's preflight; and an error inside (or on top of) a user's YAML says what is
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,21 @@ def test_a_sweeps_preflight_sees_the_users_config_dir(project, tmp_path):
     assert "1 of the sweep's 2 jobs cannot run" in proc.stderr, proc.stderr
     assert "0  ok            strategy=my_fsdp2" in proc.stderr, proc.stderr
     assert "strategy=my_zero33: no such strategy; did you mean my_zero3?" in proc.stderr, proc.stderr
+
+
+@pytest.mark.unit
+def test_launch_py_says_the_hosts_need_the_users_config_dir(project, monkeypatch, capsys):
+    """A k8s / SageMaker job's hosts run train.py with the user's ``--config-dir`` as typed here:
+    launch.py composed with it and said nothing, so the pods stopped with 'no such strategy'."""
+    import launch
+
+    monkeypatch.chdir(project)
+    base = ["cluster=k8s", "cluster.k8s.image=r/s:1", "cluster.k8s.volume_claim=runs", "strategy=my_zero3",
+            "model=my_gpt", "--dry-run"]
+    launch.main(["-cd", "myconf", *base])
+    out, err = capsys.readouterr()
+    pod = json.loads(out)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert pod["command"][2:4] == ["-cd", "myconf"], pod["command"]
+    assert "your own config directory as typed here (-cd myconf): it must be at that path there" in err, err
+    launch.main([*base[:3], "strategy=zero3", "model=gpt_nano", "--dry-run"])
+    assert "config directory" not in capsys.readouterr().err
