@@ -117,10 +117,12 @@ def _node(name: str) -> Any:
     return OmegaConf.merge(base, own)
 
 
-def overrides_of(preset: Any) -> list[str]:
-    """The ``strategy.<key>=<value>`` overrides (as on train.py's command line) that make
-    ``load(preset.name, ...)`` equal ``preset``: every key, nested ones of a mapping
-    (``deepspeed_config``) leaf by leaf, whose value is not the named preset's own. What a user's
+def overrides_of(preset: Any) -> tuple[str, list[str]]:
+    """The built-in preset and the ``strategy.<key>=<value>`` overrides (as on train.py's command
+    line) that make ``load(name, overrides)`` equal ``preset``: every key, nested ones of a mapping
+    (``deepspeed_config``) leaf by leaf, whose value is not that preset's own. ``preset.name``
+    when it is built in; a user's own (a file in their config directory, which a hook composing
+    from conf/ cannot see), the built-in preset of its family it differs least from. What a user's
     hook is given to build the preset a job ran or exported (backends/accelerate/export.py)."""
     import dataclasses
 
@@ -129,8 +131,17 @@ def overrides_of(preset: Any) -> list[str]:
             return {k: v for sub, item in value.items() for k, v in leaves(item, f"{key}.{sub}").items()}
         return {key: value}
 
-    mine, own = (leaves(dataclasses.asdict(p), "strategy") for p in (preset, load(preset.name)))
-    return [f"{k}={_spelled(v)}" for k, v in mine.items() if k not in own or own[k] != v]
+    mine = leaves(dataclasses.asdict(preset), "strategy")
+
+    def against(name: str) -> list[str]:
+        own = leaves(dataclasses.asdict(load(name)), "strategy")
+        return [f"{k}={_spelled(v)}" for k, v in mine.items()
+                if k != "strategy.name" and (k not in own or own[k] != v)]
+
+    if preset.name in names():
+        return preset.name, against(preset.name)
+    kin = [n for n in names() if _node(n).get("family") == preset.family] or names()
+    return min(((n, against(n)) for n in kin), key=lambda pair: (len(pair[1]), pair[0]))
 
 
 def _spelled(value: Any) -> str:

@@ -120,3 +120,22 @@ def test_every_export_affecting_override_is_in_the_printed_call(tmp_path, capsys
     call = "stratagem_accelerator('local_sgd', 'strategy.sync_every=2')"
     assert said.count(f"accelerator = {call}`") == 2, said  # (what the YAML lacks, and the script's call)
     assert _settled(call).builder.preset.sync_every == 2
+
+
+def test_a_users_own_preset_is_called_as_the_built_in_one_it_extends(tmp_path, capsys, two_ranks):
+    """export.py --config-dir <theirs> strategy=my_zero3 (``defaults: [zero3, _self_]`` and two
+    bucket sizes) crashed in ``overrides_of`` ("'my_zero3' is not a preset"): the hook composes
+    presets from conf/ and cannot see the user's file, so the printed call names the built-in preset
+    of its family it differs least from, with the user's keys; that call builds the exported JSON."""
+    mine = tmp_path / "myconf" / "strategy"
+    mine.mkdir(parents=True)
+    (mine / "my_zero3.yaml").write_text("defaults: [zero3, _self_]\nname: my_zero3\n"
+                                        "reduce_bucket_size: 1000000\nprefetch_bucket_size: 500000\n")
+    cfg, said = _export(tmp_path, capsys, "--config-dir", str(tmp_path / "myconf"), "strategy=my_zero3", *CPU2)
+    call = ("stratagem_accelerator('zero3', 'strategy.reduce_bucket_size=1000000', "
+            "'strategy.prefetch_bucket_size=500000', grad_clip=1.0)")
+    assert f"accelerator = {call}`" in said, said
+    path = cfg["deepspeed_config"]["deepspeed_config_file"].rsplit(JSON_NAMED, 1)[1].removesuffix(")")
+    exported = json.loads(open(path).read())
+    exported.pop("train_micro_batch_size_per_gpu")
+    assert _engine_json(_settled(call)) == exported

@@ -149,7 +149,8 @@ def hook_call(job: Job) -> str:
     from strategies.presets import overrides_of
 
     run = job.run
-    args = [repr(job.preset.name), *map(repr, overrides_of(job.preset))]
+    name, keys = overrides_of(job.preset)  # (a user's own preset: the built-in one it differs least from)
+    args = [repr(name), *map(repr, keys)]
     if (mixed := of(run.precision).accelerate) != "no":
         args.append(f"precision={mixed!r}")
     if run.grad_clip and _zero(job):  # (outside ZeRO the hook refuses it: the loop clips)
