@@ -28,6 +28,7 @@ mounts), the job logs one warning and goes on unlocked.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -126,12 +127,20 @@ def owner(directory: str | Path) -> Owner | None:
 
 
 def _write_owner(directory: Path, me: Owner) -> None:
+    """The owner file names ``me``; if it cannot be written (a full disk), neither the temporary
+    file nor the last holder's record stays (a refusal would quote a job that ended)."""
     tmp = directory / f"{OWNER}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(me.__dict__, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / OWNER)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(me.__dict__, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / OWNER)
+    except OSError:
+        for stale in (tmp, directory / OWNER):
+            with contextlib.suppress(OSError):
+                stale.unlink(missing_ok=True)
+        raise
 
 
 def hold(directory: str | Path, key: str = "hydra.run.dir", job: str | None = None) -> bool:

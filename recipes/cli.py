@@ -6,6 +6,7 @@ traceback, exit code 2 -- and the README's spelling ``group=null`` switches an o
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -119,7 +120,8 @@ def unwritable(key: str, directory: str | Path, file: str | None = None) -> str 
     """Why this process cannot write the output directory ``directory`` (the value of ``key``),
     in one sentence with the fix; None when it can. Probed for real, not by permission bits (root
     ignores those, a read-only mount does not): a file is created and removed in the directory, or
-    in its nearest existing ancestor when it does not exist yet -- nothing is left behind. With
+    in its nearest existing ancestor when it does not exist yet, with a byte in it then (a full
+    disk; an existing directory may be a resume, which prunes first) -- nothing is left behind. With
     ``file``: ``key``'s value is that file, to be created in ``directory`` (export.py's output)."""
     import tempfile
 
@@ -135,15 +137,24 @@ def unwritable(key: str, directory: str | Path, file: str | None = None) -> str 
         here = here.parent
     if not here.is_dir():
         return f"{key}={value}: {here} is a file, not a directory; {fix}"
+    probe = None
     try:
         fd, probe = tempfile.mkstemp(prefix=".stratagem-probe-", dir=here)
+        with os.fdopen(fd, "wb") as f:
+            if here != path:  # a new directory: a byte written (an empty file fits on a full disk); an
+                f.write(b"\0")  # existing one may be a resume whose start prunes (trainer.keep_last)
+                f.flush()
+                os.fsync(f.fileno())
     except OSError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
         where = (f"create it in {here}" if here != path else "write there" if file is None
                  else f"write in {here}")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free space there, or point {key} at a disk with room"
         return f"{key}={value}: cannot {where}: {why}; {fix}"
-    os.close(fd)
-    os.unlink(probe)
+    finally:
+        if probe is not None:
+            Path(probe).unlink(missing_ok=True)
     return None
 
 
@@ -321,6 +332,10 @@ def composition_error(error: Exception, argv: list[str]) -> NoReturn:
     elif isinstance(error, (HydraException, OmegaConfBaseException)):
         cause = f"\n{error.__cause__}" if isinstance(error.__cause__, OmegaConfBaseException) else ""
         print(f"{error}{cause}", file=sys.stderr)
+    elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # (Hydra's own writes)
+        print(f"{os.strerror(error.errno)} while Hydra wrote the run directory's files (.hydra/, the log): "
+              "free space there, or point hydra.run.dir at a disk with room", file=sys.stderr)
+        sys.exit(1)
     else:  # not a configuration error: a fault of ours or a library's, with its traceback
         traceback.print_exception(error)
         sys.exit(1)

@@ -177,6 +177,33 @@ def test_a_read_only_run_directory_exits_2_with_one_line(tmp_path):
     _one_clear_line(proc, 2, f"hydra.sweep.dir={ro / 'sweep'}: cannot create it in {ro}: Read-only file system")
 
 
+@pytest.mark.subprocess
+def test_a_run_directory_on_a_disk_already_full_exits_2_with_one_line(tmp_path):
+    """The probe created an empty file, which still fits on a full tmpfs, so the run went on and
+    Hydra's write of .hydra/config.yaml ended in its 26-line traceback, exit 1: the probe writes a
+    byte now, and a full disk Hydra meets after it is one line too (``composition_error``)."""
+    disk = tmp_path / "disk"
+    fill = f"dd if=/dev/zero of={shlex.quote(str(disk / 'fill'))} bs=1k count=64 2>/dev/null; "
+    train = [sys.executable, str(ROOT / "train.py"), *NANO, f"hydra.run.dir={disk / 'run'}"]
+    proc = _in_tmpfs(disk, "size=64k", ["sh", "-c", fill + f"exec {shlex.join(train)}"])
+    _one_clear_line(proc, 2, f"hydra.run.dir={disk / 'run'}: cannot create it in {disk}: No space left on device",
+                    "free space there, or point hydra.run.dir at a disk with room")
+
+
+@pytest.mark.unit
+def test_a_full_disk_while_hydra_writes_its_files_is_one_line(capsys):
+    import errno
+
+    from recipes.cli import composition_error
+
+    with pytest.raises(SystemExit) as e:
+        composition_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), [])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err
+    assert err.strip() == ("No space left on device while Hydra wrote the run directory's files (.hydra/, the log): "
+                           "free space there, or point hydra.run.dir at a disk with room")
+
+
 # --------------------------------------------------------------------- a full disk
 @pytest.mark.unit
 def test_a_checkpoint_write_error_is_found_under_torch_dcps_exception(tmp_path):

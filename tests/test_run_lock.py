@@ -189,3 +189,31 @@ def test_the_hydra_callback_refuses_a_held_sweep_directory_with_exit_2(run_lock,
     assert run_lock.owner(tmp_path / "sweep").pid == os.getpid()
     run_lock.RunLock().on_multirun_end(config)
     _other_job(run_lock, tmp_path / "sweep").close()
+
+
+@pytest.mark.subprocess
+def test_a_full_disk_leaves_neither_a_temporary_owner_file_nor_the_last_holders(tmp_path):
+    """On a full disk the owner file could not be written: its ``.owner.json.<pid>.tmp`` stayed,
+    and so did the last (ended) job's record, which a refused job would then quote."""
+    import ast
+    import shlex
+
+    from tests.test_errors import _in_tmpfs
+
+    disk = tmp_path / "disk"
+    probe = ("import json, os, sys; from launchers import run_lock; d = sys.argv[1]; "
+             "print(run_lock.hold(d)); print(sorted(os.listdir(d)))")
+    script = (f"cd {shlex.quote(str(disk))} && echo '{{\"job\": \"ended\"}}' > {run_lock_owner()} && "
+              f"dd if=/dev/zero of=fill bs=1k count=64 2>/dev/null; cd {shlex.quote(str(ROOT))} && "
+              f"exec {shlex.join([sys.executable, '-c', probe, str(disk)])}")
+    proc = _in_tmpfs(disk, "size=64k", ["sh", "-c", script])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    held, listing = proc.stdout.strip().splitlines()[-2:]
+    assert held == "True" and "No space left on device" in proc.stderr, proc.stderr
+    assert not [n for n in ast.literal_eval(listing) if n.startswith(run_lock_owner())], listing
+
+
+def run_lock_owner() -> str:
+    from launchers.run_lock import OWNER
+
+    return OWNER
