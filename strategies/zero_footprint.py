@@ -113,8 +113,9 @@ class ZeroFootprint(Footprint):
         persist, tensors = self.persistent(n)
         if not tensors or n.shard < 2:
             return []
-        total = sum(n.model.tensor_sizes().values())
-        share = persist * n.mp / max(1, sum(k * c for k, c in n.model.tensor_sizes().items()))
+        sizes = n.model.tensor_sizes()
+        total = sum(sizes.values())
+        share = persist * n.mp / max(1, sum(k * c for k, c in sizes.items()))
         if share < UNSHARDED:
             return []
         limit = self._sized("stage3_param_persistence_threshold", n, self.persistence)
