@@ -134,29 +134,40 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
 
 
 CONFIG_DIR_FLAGS = ("-cd", "--config-dir")
+CONFIG_NAME_FLAGS = ("-cn", "--config-name")
 SEARCHPATH = "hydra.searchpath"
 
 
 def search_args(argv: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """A command line split into (where it says configs are found beyond conf/, the rest): the one
-    place that reads a user's own config directory off a command line, for every composition
-    outside train.py's ``@hydra.main`` (plan.py, export.py, launch.py, ``--dry-run``, a sweep's
-    preflight, the error lines). ``--config-dir DIR`` (``-cd DIR``, ``--config-dir=DIR``; Hydra's
-    argparse keeps the last) becomes ``--config-dir=<DIR made absolute>``, and
-    ``hydra.searchpath=[...]`` stays as typed; ``compose_chosen`` takes both among its overrides."""
+    """A command line split into (where it says configs are found beyond conf/ and which top config
+    to compose, the rest): the one place that reads a user's own config directory off a command
+    line, for every composition outside train.py's ``@hydra.main`` (plan.py, export.py, launch.py,
+    ``--dry-run``, a sweep's preflight, the error lines). ``--config-dir DIR`` (``-cd DIR``,
+    ``--config-dir=DIR``; Hydra's argparse keeps the last) becomes ``--config-dir=<DIR made
+    absolute>``, ``--config-name NAME`` (``-cn``) ``--config-name=NAME`` (a top config of the user's
+    in place of conf/train.yaml), and ``hydra.searchpath=[...]`` stays as typed; ``compose_chosen``
+    takes all three among its overrides."""
     import os
 
-    found, rest, config_dir, i = [], [], None, 0
+    found, rest, flags, i = [], [], {}, 0
     while i < len(argv):
         arg, flag = argv[i], argv[i].split("=", 1)[0]
-        if flag in CONFIG_DIR_FLAGS:
+        if flag in CONFIG_DIR_FLAGS + CONFIG_NAME_FLAGS:
             value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1] if i + 1 < len(argv) else ""
-            config_dir = f"--config-dir={os.path.abspath(value)}"
+            if flag in CONFIG_DIR_FLAGS:
+                flags["--config-dir"] = os.path.abspath(value)
+            else:
+                flags["--config-name"] = value
             i += 1 if "=" in arg else 2
             continue
         (found if arg.lstrip("+").startswith(f"{SEARCHPATH}=") else rest).append(arg)
         i += 1
-    return ([config_dir] if config_dir else []) + found, rest
+    return [f"{flag}={value}" for flag, value in sorted(flags.items())] + found, rest
+
+
+def _flag(search: list[str], flag: str) -> str | None:
+    """The value ``search_args`` gave ``flag`` (``--config-dir``, ``--config-name``), or None."""
+    return next((a.split("=", 1)[1] for a in search if a.startswith(f"{flag}=")), None)
 
 
 def search_of(config: Any) -> list[str]:
@@ -164,8 +175,10 @@ def search_of(config: Any) -> list[str]:
     composes every point as its jobs will): Hydra's ``--config-dir`` and ``hydra.searchpath``."""
     sources = config.hydra.runtime.get("config_sources") or []
     mine = [f"--config-dir={s.path.removeprefix('file://')}" for s in sources if s.provider == "command-line"]
+    name = config.hydra.job.get("config_name") or "train"
     entries = list(config.hydra.get("searchpath") or [])
-    return mine[-1:] + ([f"{SEARCHPATH}=[{','.join(entries)}]"] if entries else [])
+    return (mine[-1:] + ([f"--config-name={name}"] if name != "train" else [])
+            + ([f"{SEARCHPATH}=[{','.join(entries)}]"] if entries else []))
 
 
 def search_dirs(argv: list[str] | tuple[str, ...]) -> list[Path]:
@@ -198,8 +211,9 @@ def search_dirs(argv: list[str] | tuple[str, ...]) -> list[Path]:
 def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, set[str]]:
     """``compose``, and the config groups the composition chose rather than took by default: an
     override of the group (as Hydra parses it) or a choice that differs from conf/train.yaml's
-    default (an ``experiment=`` that sets it). A user's config directory among the overrides
-    (``--config-dir``, ``hydra.searchpath``: ``search_args``) is searched as train.py searches it."""
+    default (an ``experiment=`` that sets it). A user's config directory and top config among the
+    overrides (``--config-dir``, ``--config-name``, ``hydra.searchpath``: ``search_args``) are
+    searched and composed as train.py's are."""
     import hydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import open_dict
@@ -210,9 +224,10 @@ def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, se
 
     register()
     search, overrides = search_args(normalize(list(overrides)))
-    config_dir = [a.split("=", 1)[1] for a in search if a.startswith("--config-dir=")]
-    with hydra_context(config_dir):
-        cfg = hydra.compose(config_name="train", overrides=[*search[len(config_dir):], *overrides],
+    config_dir = _flag(search, "--config-dir")
+    with hydra_context([config_dir] if config_dir else []):
+        cfg = hydra.compose(config_name=_flag(search, "--config-name") or "train",
+                            overrides=[*(a for a in search if not a.startswith("-")), *overrides],
                             return_hydra_config=True)
     choices = dict(cfg.hydra.runtime.choices)
     named = {o.key_or_group.split("@")[0] for o in OverridesParser.create().parse_overrides(overrides)}

@@ -24,6 +24,8 @@ FILES = {  # (the audit's user project: presets over built-in ones, a model, a c
     "myconf/cluster/my_cpu2.yaml": "defaults: [local, _self_]\nname: my_cpu2\ndevices: 2\naccelerator: cpu\n",
     "myconf/experiment/my_exp.yaml": "# @package _global_\ndefaults:\n  - override /strategy: my_fsdp2\n"
                                      "  - override /model: my_gpt\ntrainer:\n  max_steps: 4\n",
+    "myconf/my_train.yaml": "defaults:\n  - train\n  - override model: my_gpt\n  - override cluster: my_cpu2\n"
+                            "  - _self_\ntrainer:\n  max_steps: 4\n",
     "bad/strategy/typo_zero3.yaml": "defaults: [zero3, _self_]\nname: typo_zero3\nreduce_bucket_sise: 1000000\n",
     "bad/strategy/type_zero3.yaml": "defaults: [zero3, _self_]\nname: type_zero3\nreduce_bucket_size: lots\n",
     "bad/model/strint.yaml": "name: strint\ndim: 32\nn_layers: two\nn_heads: 4\nvocab_size: 256\nseq_len: 32\n",
@@ -54,6 +56,26 @@ def test_compose_searches_the_users_config_dir_every_way_it_is_spelled(project):
         assert (cfg.strategy.name, cfg.strategy.reduce_bucket_size, cfg.model.name, cfg.cluster.devices) == \
             ("my_zero3", 1000000, "my_gpt", 2), search
         assert {"strategy", "model", "cluster"} <= chosen
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", [["--config-name", "my_train"], ["-cn", "my_train"], ["--config-name=my_train"]])
+def test_a_users_top_config_is_composed_as_train_py_composes_it(project, name, capsys):
+    """``train.py --config-dir D --config-name my_train`` trains the user's top config; plan.py,
+    export.py, launch.py and ``--dry-run`` composed conf/train.yaml ("LexerNoViableAltException:
+    --config-name" from plan.py; "missing EQUAL" from --dry-run)."""
+    from launchers import dry_run
+    from recipes.cli import query
+    from recipes.compose import search_args
+
+    argv = ["--config-dir", str(project / "myconf"), *name, "strategy=ddp"]
+    assert search_args(argv) == ([f"--config-dir={project / 'myconf'}", "--config-name=my_train"], ["strategy=ddp"])
+    cfg, chosen, _ = query(argv, "", "plan.py")
+    assert (cfg.model.name, cfg.cluster.devices, cfg.trainer.max_steps) == ("my_gpt", 2, 4)
+    assert {"model", "cluster", "strategy"} <= chosen
+    assert dry_run.main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 node(s) x 2 rank(s)" in out and "--config-name=my_train" in out.split("Hydra's overrides")[1], out
 
 
 @pytest.mark.unit
@@ -142,6 +164,17 @@ def test_a_sweeps_preflight_sees_the_users_config_dir(project, tmp_path):
     assert "1 of the sweep's 2 jobs cannot run" in proc.stderr, proc.stderr
     assert "0  ok            strategy=my_fsdp2" in proc.stderr, proc.stderr
     assert "strategy=my_zero33: no such strategy; did you mean my_zero3?" in proc.stderr, proc.stderr
+
+
+@pytest.mark.subprocess
+def test_a_sweeps_preflight_composes_the_users_top_config(project, tmp_path):
+    """The preflight composed conf/train.yaml whatever ``--config-name`` said: a point valid
+    there but not in the user's config (strategy=single on its 2-device cluster) was started."""
+    cmd = [sys.executable, "train.py", "-m", "--config-dir", str(project / "myconf"), "--config-name", "my_train",
+           "strategy=single,ddp", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "strategy=single runs one process, but cluster.nodes=1 x cluster.devices=2" in proc.stderr, proc.stderr
 
 
 @pytest.mark.unit
