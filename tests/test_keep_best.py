@@ -283,3 +283,59 @@ def test_save_hf_takes_the_best_checkpoint(tmp_path):
     for step, same in ((best["step"], True), (10, False)):
         want = load_file(to_hf(run.out / "checkpoints" / f"step{step}", tmp_path / f"hf{step}") / "model.safetensors")
         assert all((got[k] == want[k]).all() for k in want) == same, step
+
+
+# ----------------------------------------------------------------------------- relaxed presets
+# Between two averagings the ranks of local_sgd and diloco train replicas of their own (here:
+# averaged after steps 1 and 5, so the step-2 validation falls between them).
+RELAXED = ("cluster.devices=2", "trainer.max_steps=4", "trainer.global_batch_size=8",
+           "trainer.micro_batch_size=4", "data.val_fraction=0.05", "data.val_samples=37",
+           "trainer.checkpoint_every=2", "strategy.start_step=0", "strategy.sync_every=4")
+
+
+def _score(replica: dict, *overrides: str) -> float:
+    """The validation loss of ``replica`` (a plain state dict) in this one process: the samples
+    and the sums of every run's validation (recipes/evaluation.py), on one rank."""
+    from recipes.data import build_datasets
+    from recipes.evaluation import Validator, batch_sums
+    from recipes.training import build_model
+
+    job = validate(compose([*TINY, *overrides]), depth=RUN)
+    model = build_model(job.model, job.trainer.seed)
+    model.load_state_dict(replica)
+    model.eval()
+    _, val = build_datasets(job.data, job.model, job.trainer.seed)
+    validator = Validator(val, micro_batch=job.batch.per_step, val_every=0, max_steps=1)
+    return validator.run(lambda batch, i: batch_sums(model, batch), dp_rank=0, dp_size=1, device="cpu",
+                         step=0)["loss"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("preset, backend", [
+    ("local_sgd", "lightning"), ("diloco", "accelerate"),
+    pytest.param("diloco", "lightning", marks=pytest.mark.slow),
+    pytest.param("local_sgd", "accelerate", marks=pytest.mark.slow)])
+def test_a_relaxed_preset_validates_rank_0_s_replica(tmp_path, preset, backend):
+    """The validation between averagings scores one model, rank 0's replica (the one rank 0
+    resumes from, rank_state/rank0.pt), on every rank -- not rank 0's on the even samples and
+    rank 1's on the odd ones, a loss of no model that keep_best and early stopping judged by
+    (local_sgd on Lightning: 5.515319, where rank 0's replica scores 5.520820 and rank 1's
+    5.509749). Each rank's own replica is put back bit for bit: the run trains as the one
+    validating only at its end."""
+    import torch
+
+    args = (*RELAXED, f"strategy={preset}", f"backend={backend}")
+    run = run_cli("train.py", *TINY, *args, "trainer.val_every=2", out=tmp_path / "val", timeout=300)
+    plain = run_cli("train.py", *TINY, *args, "trainer.val_every=0", out=tmp_path / "plain", timeout=300)
+    step2 = run.out / "checkpoints" / "step2" / "rank_state"
+    replicas = [torch.load(step2 / f"rank{r}.pt", weights_only=True)["replica"] for r in (0, 1)]
+    scores = [_score(r, *args) for r in replicas]
+    assert abs(scores[0] - scores[1]) > 1e-5 * scores[0], f"the replicas should differ at step 2: {scores}"
+    assert run.report["validation"][0]["step"] == 2
+    assert run.report["validation"][0]["loss"] == pytest.approx(scores[0], rel=1e-6), scores
+    # ... and the validation changed nothing: the losses, the step-4 validation, rank 1's replica
+    assert run.losses == plain.losses
+    assert run.report["validation"][-1] == plain.report["validation"][-1]
+    mine = torch.load(plain.out / "checkpoints" / "step2" / "rank_state" / "rank1.pt", weights_only=True)["replica"]
+    assert all(torch.equal(replicas[1][k], mine[k]) for k in mine)

@@ -24,6 +24,7 @@ import checkpoints
 from backends import Outcome
 from backends.accelerate import families
 from backends.accelerate.state import accelerator
+from backends.common.replica import rank0_replica
 from core.precision import of
 from observers import startup
 from observers.memory import release_freed
@@ -221,9 +222,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
         loss = float(acc.reduce(torch.stack(micro).mean(), reduction="mean"))
         observers.step_end(engine, step + 1, loss)
         if validator is not None and step + 1 in validator.due:
-            observers.validation_start(engine, step + 1)
-            observers.validation_end(engine, step + 1, _validate(validator, acc, model, step + 1,
-                                                                 p.builder, t.loss_chunk))
+            _validate(validator, observers, engine, p, step + 1, t.loss_chunk)
         decision = validator.decide(t, step + 1) if validator is not None else None
         if checkpoints.due(t, step + 1, decision):
             save(step + 1)
@@ -240,19 +239,23 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     return Outcome(rank=acc.process_index, report=report, params=params if acc.is_main_process else None)
 
 
-def _validate(validator: evaluation.Validator, acc: Any, model: Any, step: int,
-              builder: Any, chunk: int = 0) -> dict[str, Any]:
+def _validate(validator: evaluation.Validator, observers: Observers, engine: AccelerateEngine,
+              p: Prepared, step: int, chunk: int = 0) -> None:
     """The held-out loss through the prepared model (DDP, FSDP, a DeepSpeed engine), which
-    applies the run's autocast itself."""
-    model.eval()
-    try:
-        return validator.run(lambda batch, i: evaluation.batch_sums(model, batch, chunk),
-                             dp_rank=builder.data_rank(acc.process_index, acc.num_processes)[0],
-                             dp_size=builder.data_rank(acc.process_index, acc.num_processes)[1],
-                             device=acc.device, step=step,
-                             seq=builder.sequence_shard(acc.process_index))
-    finally:
-        model.train()
+    applies the run's autocast itself, handed to the observers; under local_sgd and diloco every
+    rank validates rank 0's replica (backends/common/replica.py), as the Lightning bridge does."""
+    acc, model, builder = p.acc, p.model, p.builder
+    dp_rank, dp_size = builder.data_rank(acc.process_index, acc.num_processes)
+    observers.validation_start(engine, step)
+    with rank0_replica(getattr(builder, "synchronizer", None), model):
+        model.eval()
+        try:
+            record = validator.run(lambda batch, i: evaluation.batch_sums(model, batch, chunk),
+                                   dp_rank=dp_rank, dp_size=dp_size, device=acc.device, step=step,
+                                   seq=builder.sequence_shard(acc.process_index))
+        finally:
+            model.train()
+        observers.validation_end(engine, step, record)
 
 
 def _deepspeed_backward(acc: Any, engine: Any, loss: torch.Tensor, before_step) -> None:

@@ -9,7 +9,8 @@ Validation runs here too, after the optimizer steps the ``Validator`` names: eac
 through ``strategy.validation_step`` (the module's ``validation_step`` reached through whatever
 wraps it: DDP, FSDP, a DeepSpeed engine; a pipeline strategy runs its schedule's forward-only
 ``eval``), not through Lightning's validation loop, whose sampler and per-epoch cadence would
-not give the same fixed samples on every world size.
+not give the same fixed samples on every world size. Under local_sgd and diloco every rank
+validates rank 0's replica (backends/common/replica.py), as the Accelerate loop does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from backends.common.replica import rank0_replica
 from observers import Observers
 from recipes.evaluation import Validator
 
@@ -103,7 +105,9 @@ class ObserverBridge(L.Callback):
         self.observers.step_end(engine, self._step, loss)
         if self.validator is not None and self._step in self.validator.due:
             self.observers.validation_start(engine, self._step)
-            self.observers.validation_end(engine, self._step, self._validate(trainer))
+            # (local_sgd, diloco: every rank validates rank 0's replica, its own put back after)
+            with rank0_replica(getattr(trainer.strategy, "synchronizer", None), trainer.strategy.model):
+                self.observers.validation_end(engine, self._step, self._validate(trainer))
 
     def _validate(self, trainer: L.Trainer) -> dict[str, Any]:
         strategy = trainer.strategy

@@ -45,6 +45,12 @@ class DDP(Builder):
 
         return RankState(model, optimizer, getattr(self, "comm_state", None), getattr(self, "sync", None))
 
+    @property
+    def synchronizer(self) -> Any:
+        """The relaxed presets' parameter synchronization (validation asks it whether replicas
+        differ: backends/common/replica.py); None before ``repair``."""
+        return getattr(self, "sync", None)
+
     def before_step(self, model: Any) -> None:
         getattr(self, "sync", None) and self.sync.before_step(model)
 

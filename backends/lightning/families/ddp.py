@@ -82,6 +82,12 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
         self._model_averager = None
         self._sync = Synchronizer(self.preset, nodes=self.num_nodes, devices=self.num_processes)
 
+    @property
+    def synchronizer(self) -> Synchronizer:
+        """The relaxed presets' parameter synchronization (validation asks it whether replicas
+        differ: backends/common/replica.py)."""
+        return self._sync
+
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._sync.before_step(self.model)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
