@@ -174,10 +174,42 @@ def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
 
 
 def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
-    """Keys added with ``+group.key=value``, which the schema does not have."""
-    known = {f.name for f in fields(schema)}
-    return [f"{prefix}.{k}: not a key of {prefix} (known: {', '.join(sorted(known))}); "
-            f"remove +{prefix}.{k}=..." for k in sorted(set(node) - known)]
+    """Keys added with ``+group.key=value`` (or ``+group.sub.key=value`` under a nested group such
+    as trainer.early_stopping or model.lora), which the schema does not have: one line each, with
+    the closest key when one is close, and the fix."""
+    import difflib
+    import typing
+    from dataclasses import is_dataclass
+
+    known = sorted(f.name for f in fields(schema))
+    out = []
+    for k in sorted(set(node) - set(known)):
+        close = difflib.get_close_matches(k, known, n=1)
+        if close:
+            out.append(f"{prefix}.{k}: not a key of {prefix}; did you mean {prefix}.{close[0]}? "
+                       f"remove +{prefix}.{k}={_as_override(node, k)} and write "
+                       f"{prefix}.{close[0]}={_as_override(node, k)}")
+        else:
+            out.append(f"{prefix}.{k}: not a key of {prefix} (known: {', '.join(known)}); "
+                       f"remove +{prefix}.{k}={_as_override(node, k)}")
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # noqa: BLE001  (a schema annotated with names only a type checker sees)
+        hints = {}
+    for f in fields(schema):
+        hint = hints.get(f.name)
+        sub = next((t for t in (hint, *typing.get_args(hint)) if is_dataclass(t)), None)
+        if sub is not None and isinstance(node.get(f.name), DictConfig):
+            out += _unknown_keys(node[f.name], sub, f"{prefix}.{f.name}")
+    return out
+
+
+def _as_override(node: Any, key: str) -> str:
+    """``node[key]`` as a command line writes it (a container: ``...``)."""
+    value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value) if isinstance(value, (int, float, str)) else "..."
 
 
 def data_problems(data: DataConfig, model: ModelConfig | None) -> list[str]:

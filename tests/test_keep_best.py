@@ -120,6 +120,25 @@ def test_refused_without_validations_during_the_run():
 
 
 @pytest.mark.unit
+def test_a_key_added_under_a_nested_group_is_refused():
+    """``+trainer.early_stopping.monitor=...`` (Lightning's EarlyStopping argument) was accepted
+    and ignored: the run watched the validation loss without a word. Nested groups are checked
+    as the top-level ones are, one line each, with the closest key and the fix."""
+    lines = _problems("+trainer.early_stopping.monitor=val_acc", "+trainer.early_stopping.patiense=3",
+                      "+model.lora.foo=1", "+cluster.slurm.partitionn=gpu").splitlines()[1:]
+    assert lines == [
+        "  - model.lora.foo: not a key of model.lora (known: alpha, dropout, rank, target_modules); "
+        "remove +model.lora.foo=1",
+        "  - cluster.slurm.partitionn: not a key of cluster.slurm; did you mean cluster.slurm.partition? "
+        "remove +cluster.slurm.partitionn=gpu and write cluster.slurm.partition=gpu",
+        "  - trainer.early_stopping.monitor: not a key of trainer.early_stopping (known: min_delta, "
+        "patience); remove +trainer.early_stopping.monitor=val_acc",
+        "  - trainer.early_stopping.patiense: not a key of trainer.early_stopping; did you mean "
+        "trainer.early_stopping.patience? remove +trainer.early_stopping.patiense=3 and write "
+        "trainer.early_stopping.patience=3"]
+
+
+@pytest.mark.unit
 def test_gradient_checkpointing_is_the_strategy_key():
     """One switch: the alias gives the Job the strategy key gives (the preset as it runs, its
     Run, the config the report stores); selective stays selective; opposite values are refused."""
