@@ -72,7 +72,7 @@ class LossLog(Observer):
                      metrics["loss"], metrics["perplexity"], metrics.get("samples", 0))
             if self.trainer is not None and (s := stopping.stopped(
                     self.validation, self.trainer, step))["reason"] == stopping.EARLY_STOPPING:
-                log.info("%s", stopping.line(s))
+                log.info("%s", stopping.line(s, self.validation))
 
     def on_train_end(self, engine: Engine) -> None:
         self._end = time.perf_counter()

@@ -84,11 +84,31 @@ def stopped(records: list[dict[str, Any]], trainer: Any, steps: int) -> dict[str
     return {"reason": MAX_STEPS, "step": steps}
 
 
-def line(s: dict[str, Any]) -> str:
-    """The console's one line for an early stop."""
-    return (f"early stopping at step {s['step']}: the validation loss has not fallen by more than "
-            f"{s['min_delta']:g} for {s['patience']} validation(s) (best {s['best_val_loss']:.4f} at "
-            f"step {s['best_step']})")
+def line(s: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """The console's one line for an early stop (``s``: ``stopped``'s), the rule ``judge`` applied
+    with its numbers: each of the last ``patience`` validations against the best before it."""
+    best, seen = None, []
+    for r in records:
+        seen.append((r, best))
+        if best is None or float(r["loss"]) < best:  # (as judge: strictly lower; NaN never)
+            best = float(r["loss"])
+    n = s["patience"]
+    which = f"each of the last {n} validations" if n > 1 else "the last validation"
+    return (f"early stopping at step {s['step']}: {which} improved on the best before it by no more "
+            f"than trainer.early_stopping.min_delta={s['min_delta']:g} (trainer.early_stopping.patience={n}: "
+            f"{'; '.join(_against(r, before) for r, before in seen[-n:])}); best "
+            f"{s['best_val_loss']:.4f} at step {s['best_step']}")
+
+
+def _against(record: dict[str, Any], before: float | None) -> str:
+    """``step 6: 5.2652, 0.2576 below 5.5228``: a validation and the best before it."""
+    loss = float(record["loss"])
+    said = f"step {record['step']}: {loss:.4f}"
+    if before is None or loss != loss:  # (NaN)
+        return said
+    if loss == before:
+        return f"{said}, equal to {before:.4f}"
+    return f"{said}, {abs(before - loss):.4g} {'below' if loss < before else 'above'} {before:.4f}"
 
 
 def problems(t: Any, data: Any) -> list[str]:

@@ -88,6 +88,29 @@ def test_decide_acts_only_on_this_steps_validation_and_not_at_the_end():
 
 
 @pytest.mark.unit
+def test_the_early_stop_line_states_the_rule_with_its_numbers():
+    """It said "the validation loss has not fallen by more than 0.3 for 2 validation(s)" of a loss
+    that fell by 0.408 over those 2, and named the step it stopped at as the best: the rule is
+    that each of the last N validations improved on the best before it by no more than min_delta."""
+    from types import SimpleNamespace
+
+    from recipes.stopping import line, stopped
+
+    t = SimpleNamespace(keep_best=False, max_steps=16, early_stopping=SimpleNamespace(patience=2, min_delta=0.3))
+    records = [{"step": 2, "loss": 5.6733}, {"step": 4, "loss": 5.5228}, {"step": 6, "loss": 5.2652}]
+    assert line(stopped(records, t, 6), records) == (
+        "early stopping at step 6: each of the last 2 validations improved on the best before it by no "
+        "more than trainer.early_stopping.min_delta=0.3 (trainer.early_stopping.patience=2: step 4: 5.5228, "
+        "0.1505 below 5.6733; step 6: 5.2652, 0.2576 below 5.5228); best 5.2652 at step 6")
+    t.early_stopping = SimpleNamespace(patience=1, min_delta=0.0)  # a rise, against the best before
+    records = [{"step": 2, "loss": 2.0}, {"step": 4, "loss": 1.5}, {"step": 6, "loss": 1.75}]
+    assert line(stopped(records, t, 6), records) == (
+        "early stopping at step 6: the last validation improved on the best before it by no more than "
+        "trainer.early_stopping.min_delta=0 (trainer.early_stopping.patience=1: step 6: 1.7500, 0.25 above "
+        "1.5000); best 1.5000 at step 4")
+
+
+@pytest.mark.unit
 def test_pruning_spares_the_best(tmp_path):
     from checkpoints import store
 
