@@ -4,7 +4,8 @@ grads, optimizer state incl. fp32 master, wherever they live but NVMe; rank 0), 
 (the most saved tensors any rank held at once in its first micro-batch's forward -- a
 pipeline's whole first schedule -- against the planner's busiest device), on a Linux host
 ``step_growth`` (how far a step's RSS rises above what its update leaves -- activations, the loss
-backward, gathered units -- against the plan's ``memory.growth``; the largest rank) and ``peak``
+backward, gathered units -- against the plan's ``memory.growth``; the largest rank; no ratio when
+the run measured its first step alone, whose update creates the optimizer state) and ``peak``
 (the step's RSS above the process before the model was built against ``memory.total``: the
 runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak against
 ``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
@@ -135,6 +136,8 @@ class Comparison(Observer):
         elif grown and "growth" in mem:
             out["step_growth"] = {**_row(mem["growth"], max(r["peak_rss_growth"] for r in grown)),
                                   "of": "device (the host): RSS above what a step's update leaves"}
+            if getattr(self.memory, "first_step_only", False):
+                out["step_growth"] |= {"ratio": None, "no_ratio": "1 step", "of": FIRST_STEP}
             # offload on a host: what it moved is in the same RSS, beside the "device"
             out["peak"] = {**_row(mem["total"] + mem.get("host", 0), max(r["peak_rss_run"] for r in grown)),
                            "of": "device (the host): RSS above the process before the model was built"
@@ -142,6 +145,12 @@ class Comparison(Observer):
             if runtime := (mem.get("host_items") or {}).get("engine_runtime"):  # (offloaded DeepSpeed's)
                 out["peak"]["engine_runtime"] = runtime
         return out
+
+
+FIRST_STEP = ("device (the host): RSS above what the first step's update leaves, the only step this run "
+              "measured: that update creates the optimizer state, which the RSS after it holds and the "
+              "step's peak did not, so the growth reads low: no ratio (trainer.max_steps=2 or more "
+              "measures a later step)")
 
 
 def sweep_facts(report: dict[str, Any]) -> dict[str, Any]:
