@@ -149,7 +149,8 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
              "prediction. Tokens/s: at the median step; \"(whole loop)\": callbacks.throughput was "
              "off, the loop's rate, first step included. Peak memory: the GPU's peak allocation, on CPU the process's peak RSS. "
              "Communication: bytes rank 0 sends per optimizer step on a ring, after the preset's "
-             "warm-up (the steady state the plan prices; \"(warm-up)\": the run never left it).", "",
+             "warm-up (the steady state the plan prices; \"(warm-up)\": the run never left it; \"(part of a "
+             "sync period)\": local SGD or DiLoCo measured for less than one strategy.sync_every).", "",
              "Every job: " + (" ".join(f"`{o}`" for o in sorted(common)) or "-"), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -160,7 +161,8 @@ def markdown(rows: list[dict[str, Any]], sweep: Path) -> str:
             + (" (whole loop)" if r.get("tokens_per_second_of") == "whole loop" else ""),
             _num(r.get("step_seconds"), ".3g"), _num(r.get("first_step_seconds"), ".1f"),
             _mib(r.get("state_bytes_per_rank")), _mib(r.get("peak_memory_per_rank")),
-            _mib(r.get("comm_bytes_per_step")) + (" (warm-up)" if r.get("comm_of") == "warm-up" else ""),
+            _mib(r.get("comm_bytes_per_step")) + (f" ({r['comm_of']})" if r.get("comm_of") not in (None, "steady state")
+                                                  else ""),
             fits, _num(r.get("predicted_step_seconds"), ".3g"),
             _mib(r.get("predicted_state_bytes")), _mib(r.get("predicted_comm_bytes_per_step"))]) + " |")
     notes = [r for r in rows if r["status"] != OK]

@@ -40,14 +40,18 @@ what the strategy does on it (data-shard when it shards, else data-replicate).
 Report key ``communication``: ``per_step[kind] -> {count, bytes, wire_bytes, seconds}`` (rank 0,
 averaged over optimizer steps, the first excluded when there are others: engines set up in it;
 and the steps of the preset's warm-up -- ``strategy.powersgd_warmup_steps``, the ``start_step``
-of top-k, int8, local SGD and DiLoCo: plain all-reduce -- excluded, so the average is the steady
-state the planner prices), ``by_group[group][kind]`` the same per group, ``ranks`` (every rank's
-per-step totals), ``steps`` (how many were recorded), ``averaged_steps`` (how many the averages
-cover), ``warmup_steps`` (the preset's warm-up, 0: none), ``steady_state`` (false: every step
-but the first was in the warm-up, and the averages are the warm-up's), ``mechanism`` and
-``unobserved``; and ``unavailable``, only where this torch lacks a private name the kernels lean
-on (``dispatch_problem``, asked once before anything is registered: one warning, nothing
-recorded, training goes on).
+of top-k, int8, local SGD and DiLoCo: plain all-reduce -- excluded, and under local SGD and
+DiLoCo whole ``sync_every`` periods ending at the last step, so the average is the steady state
+the planner prices: observers/comm_steps.py; ``seconds`` null where the backend timed none of
+that kind), ``by_group[group][kind]`` the same per group, ``ranks`` (every rank's per-step
+totals), ``steps`` (how many were recorded), ``averaged_steps`` (how many the averages cover),
+``warmup_steps`` (the preset's warm-up, 0: none), ``sync_every`` (local SGD's and DiLoCo's
+period, where there is one), ``steady_state`` (false: the averages are not the steady state),
+``averaged_of`` (what they are: ``steady state``; ``warm-up``, every step but the first was in
+the warm-up; ``part of a sync period``, fewer steps after the warm-up than one period),
+``mechanism`` and ``unobserved``; and ``unavailable``, only where this torch lacks a private
+name the kernels lean on (``dispatch_problem``, asked once before anything is registered: one
+warning, nothing recorded, training goes on).
 """
 
 from __future__ import annotations
@@ -55,12 +59,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from core.mesh import Axis
 from observers.base import Engine, Observer, Selection, observer
+from observers.comm_steps import STEADY, average, covered, summarize, totals
 
 log = logging.getLogger(__name__)
 
@@ -374,29 +378,16 @@ def recorder(world_role: str) -> Recorder | None:
     return _recorder
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """group -> kind -> {count, bytes, wire_bytes, seconds, timed}."""
-    out: dict = defaultdict(lambda: defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0,
-                                                         "seconds": 0.0, "timed": 0}))
-    for r in records:
-        d = out[r["group"]][r["kind"]]
-        d["count"] += 1
-        d["bytes"] += r["bytes"]
-        d["wire_bytes"] += r["wire_bytes"]
-        if r["seconds"] is not None:
-            d["seconds"] += r["seconds"]
-            d["timed"] += 1
-    return {g: dict(kinds) for g, kinds in out.items()}
-
-
 class CommunicationProfile(Observer):
     """Records every optimizer step; reports rank 0's average per step."""
 
-    def __init__(self, world_role: str, warmup: tuple[int, str] = (0, "")):
+    def __init__(self, world_role: str, warmup: tuple[int, str] = (0, ""), period: tuple[int, str] = (1, "")):
         """``warmup``: the preset's steps before its steady-state traffic, and their key
-        (``StrategyConfig.traffic_warmup``)."""
+        (``StrategyConfig.traffic_warmup``); ``period``: the steps its steady traffic repeats
+        over, and their key (``traffic_period``)."""
         self.world_role = world_role
         self.warmup, self.warmup_key = warmup
+        self.period, self.period_key = period
         self.steps: list[dict[str, dict[str, dict[str, float]]]] = []
         self.indices: list[int] = []
         """Each recorded step's index (0-based, counted over the whole run: a resumed run's first
@@ -423,15 +414,10 @@ class CommunicationProfile(Observer):
         self.steps.append(summarize(self._rec.stop()))
         self.indices.append(self._index)
 
-    def averaged(self) -> tuple[list[dict[str, Any]], bool]:
-        """The recorded steps the averages cover, and whether they are the steady state: every
-        step but the first (when there are others: engines set up in it -- DeepSpeed ZeRO-3
-        traces its gather order, DDP rebuilds its buckets) from the preset's warm-up's end on;
-        when no step is past the warm-up, the warm-up's (not steady)."""
-        recorded = list(zip(self.indices, self.steps))
-        later = recorded[1:] or recorded
-        steady = [s for i, s in later if i >= self.warmup]
-        return (steady, True) if steady or not later else ([s for _, s in later], False)
+    def averaged(self) -> tuple[list[dict[str, Any]], str]:
+        """The recorded steps the averages cover, and what they are (observers/comm_steps.py
+        ``covered``: the steady state, the warm-up's, or part of one sync period)."""
+        return covered(list(zip(self.indices, self.steps)), self.warmup, self.period)
 
     def on_train_end(self, engine: Engine) -> None:
         from observers.memory import all_gather
@@ -440,40 +426,26 @@ class CommunicationProfile(Observer):
             self._rec.stop()
         self.ranks = all_gather({"rank": engine.rank, **_totals(self.per_step())})
 
-    def by_group(self) -> dict[str, dict[str, dict[str, float]]]:
+    def by_group(self) -> dict[str, dict[str, dict[str, float | None]]]:
         """group -> kind -> averages over the steps ``averaged`` names."""
-        steps = self.averaged()[0]
-        n = max(len(steps), 1)
-        acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
-        for step in steps:
-            for g, kinds in step.items():
-                for k, v in kinds.items():
-                    for key in ("count", "bytes", "wire_bytes"):
-                        acc[g][k][key] += v[key] / n
-                    if v["timed"]:
-                        acc[g][k]["seconds"] += v["seconds"] / n
-        return {g: {k: dict(v) for k, v in kinds.items()} for g, kinds in acc.items()}
+        return average(self.averaged()[0])
 
-    def per_step(self) -> dict[str, dict[str, float]]:
-        out: dict = defaultdict(lambda: defaultdict(float))
-        for kinds in self.by_group().values():
-            for k, v in kinds.items():
-                for key, x in v.items():
-                    out[k][key] += x
-        return {k: dict(v) for k, v in out.items()}
+    def per_step(self) -> dict[str, dict[str, float | None]]:
+        return totals(self.by_group())
 
     def report(self) -> dict[str, Any]:
-        averaged, steady = self.averaged()
+        averaged, what = self.averaged()
         return {"communication": {"per_step": self.per_step(), "by_group": self.by_group(),
                                   "ranks": self.ranks, "steps": len(self.steps),
                                   "averaged_steps": len(averaged), "warmup_steps": self.warmup,
-                                  "steady_state": steady,
+                                  **({"sync_every": self.period} if self.period > 1 else {}),
+                                  "steady_state": what == STEADY, "averaged_of": what,
                                   "mechanism": MECHANISM,
                                   "unobserved": self._rec.unobserved if self._rec else [],
                                   **({"unavailable": self.unavailable} if self.unavailable else {})}}
 
 
-def _totals(per_step: dict[str, dict[str, float]]) -> dict[str, float]:
+def _totals(per_step: dict[str, dict[str, float | None]]) -> dict[str, float]:
     return {"bytes": sum(v["bytes"] for v in per_step.values()),
             "wire_bytes": sum(v["wire_bytes"] for v in per_step.values())}
 
@@ -489,4 +461,5 @@ def _selected(s: Selection) -> Observer | None:
     """``callbacks.communication`` (off: nothing is intercepted)."""
     if not s.job.callbacks.communication:
         return None
-    return CommunicationProfile(s.job.strategy.world_role(s.job.mesh), s.job.strategy.traffic_warmup())
+    strategy = s.job.strategy
+    return CommunicationProfile(strategy.world_role(s.job.mesh), strategy.traffic_warmup(), strategy.traffic_period())

@@ -4,7 +4,8 @@ grads, optimizer state incl. fp32 master, wherever they live but NVMe; rank 0), 
 (the most saved tensors any rank held at once in its first micro-batch's forward -- a
 pipeline's whole first schedule -- against the planner's busiest device), on a Linux host
 ``step_growth`` (how far a step's RSS rises above what its update leaves -- activations, the loss
-backward, gathered units -- against the plan's ``memory.growth``; the largest rank) and ``peak``
+backward, gathered units -- against the plan's ``memory.growth``; the largest rank; no ratio when
+the run measured its first step alone, whose update creates the optimizer state) and ``peak``
 (the step's RSS above the process before the model was built against ``memory.total``: the
 runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak against
 ``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
@@ -12,13 +13,15 @@ runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak a
 (bytes the busiest rank sends per optimizer step on a ring: the planner's unit; offload's
 host and NVMe copies are not collectives and are left out of the prediction; measured after the
 preset's warm-up -- PowerSGD's, top-k's, int8's, local SGD's and DiLoCo's plain all-reduce steps
---, the steady state the plan prices, which ``of`` says; a run that never left its warm-up has
-``steady_state: false`` and no ratio) and
+--, under local SGD and DiLoCo over whole ``sync_every`` periods ending at the last step: the
+steady state the plan prices, which ``of`` says; a run that never left its warm-up, or measured
+less than one period after it, has ``steady_state: false`` and no ratio) and
 ``step_seconds`` (the planner's step time against the throughput observer's median step, the
 first excluded; planned from the nominal cluster.peak_tflops x planner.mfu rather than this
 machine's measured matmul rate, it is marked ``calibrated: false`` and has no ratio: "not
 calibrated" is all such a ratio would say), ``{"predicted", "measured", "ratio"}`` (ratio =
-measured / predicted).
+measured / predicted; a row without one where there is a reason carries ``no_ratio``, the word the
+table shows, and ``of`` says why).
 """
 
 from __future__ import annotations
@@ -54,16 +57,28 @@ def predicted_wire_bytes(communication: dict[str, Any]) -> float:
 
 def _steady(comm: Any) -> dict[str, Any]:
     """What the measured communication covers, beside the plan's steady state: the steps after
-    the preset's warm-up; none past it: no ratio, and why."""
-    if not comm.warmup:
+    the preset's warm-up (under local SGD and DiLoCo, whole sync periods of them); none past it,
+    or fewer than one period: no ratio, and why (``no_ratio``: the table's word for it)."""
+    from observers.comm_steps import PARTIAL, STEADY, first_whole
+
+    if not comm.warmup and comm.period <= 1:
         return {}
-    averaged, steady = comm.averaged()
-    what = f"{comm.warmup_key}={comm.warmup}"
-    if steady:
-        return {"of": f"the {len(averaged)} step(s) measured after {what} (the plain all-reduce "
-                      "warm-up): the steady state the plan prices"}
-    return {"ratio": None, "steady_state": False,
-            "of": f"every step measured was in the warm-up ({what}: plain all-reduce), and the plan "
+    averaged, what = comm.averaged()
+    warm = f"{comm.warmup_key}={comm.warmup}" if comm.warmup else ""
+    after = f"after {warm} (the plain all-reduce warm-up)" if warm else "after the first step"
+    need = first_whole(comm.indices[0] if comm.indices else 0, comm.warmup, comm.period)
+    sync = f"{comm.period_key}={comm.period}"
+    if what == STEADY:
+        whole = (f", {len(averaged) // comm.period} whole {sync} period(s) ending at the last step"
+                 if comm.period > 1 else "")
+        return {"of": f"the {len(averaged)} step(s) measured {after}{whole}: the steady state the plan prices"}
+    if what == PARTIAL:
+        return {"ratio": None, "steady_state": False, "no_ratio": "partial",
+                "of": f"the {len(averaged)} step(s) measured {after} are under one {sync} period, and the "
+                      f"plan spreads one parameter all-reduce over each period's {comm.period} steps: no "
+                      f"ratio (trainer.max_steps={need} or more measures a whole period)"}
+    return {"ratio": None, "steady_state": False, "no_ratio": "warm-up",
+            "of": f"every step measured was in the warm-up ({warm}: plain all-reduce), and the plan "
                   f"is the steady state after it: no ratio (trainer.max_steps above {comm.warmup} "
                   "measures it)"}
 
@@ -121,6 +136,8 @@ class Comparison(Observer):
         elif grown and "growth" in mem:
             out["step_growth"] = {**_row(mem["growth"], max(r["peak_rss_growth"] for r in grown)),
                                   "of": "device (the host): RSS above what a step's update leaves"}
+            if getattr(self.memory, "first_step_only", False):
+                out["step_growth"] |= {"ratio": None, "no_ratio": "1 step", "of": FIRST_STEP}
             # offload on a host: what it moved is in the same RSS, beside the "device"
             out["peak"] = {**_row(mem["total"] + mem.get("host", 0), max(r["peak_rss_run"] for r in grown)),
                            "of": "device (the host): RSS above the process before the model was built"
@@ -130,18 +147,26 @@ class Comparison(Observer):
         return out
 
 
+FIRST_STEP = ("device (the host): RSS above what the first step's update leaves, the only step this run "
+              "measured: that update creates the optimizer state, which the RSS after it holds and the "
+              "step's peak did not, so the growth reads low: no ratio (trainer.max_steps=2 or more "
+              "measures a later step)")
+
+
 def sweep_facts(report: dict[str, Any]) -> dict[str, Any]:
     """A sweep row's rates (launchers/sweep.py), each with what it is: tokens/s at the median step,
     or the whole loop's (first step included) when the throughput observer was off
     (``tokens_per_second_of``); what rank 0 sends per step on a ring, the planner's unit, after
-    the preset's warm-up as this comparison reads it (``comm_of``: "warm-up" when the run never
-    left it, not the steady state the plan prices)."""
+    the preset's warm-up as this comparison reads it (``comm_of``: what the average is, the
+    communication report's ``averaged_of``: "steady state", the steady state the plan prices, or
+    "warm-up" when the run never left it, or "part of a sync period")."""
     comm, throughput = report.get("communication") or {}, report.get("throughput") or {}
     per, median = comm.get("per_step") or {}, "tokens_per_second" in throughput
     return {"tokens_per_second": throughput["tokens_per_second"] if median else report.get("tokens_per_second"),
             "tokens_per_second_of": "median step" if median else "whole loop",
             "comm_bytes_per_step": sum(v["wire_bytes"] for v in per.values()) if per else None,
-            "comm_of": "warm-up" if comm.get("steady_state") is False else "steady state"}
+            "comm_of": comm.get("averaged_of") or ("warm-up" if comm.get("steady_state") is False
+                                                    else "steady state")}
 
 
 SMALL_PEAK = 64 << 20
@@ -160,11 +185,10 @@ def summary_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
         if r.get("calibrated") is False:
             ratio = "uncal."
-        if r.get("steady_state") is False:
-            ratio = "warm-up"
+        ratio = r.get("no_ratio") or ratio
         lines.append(f"{name:>14} {unit(name, r['predicted']):>14} {unit(name, r['measured']):>14} {ratio:>7}")
-    warm = [f"{'':>14} warm-up: {r['of']}" for r in rows.values() if r.get("steady_state") is False]
-    return lines + [f"{'':>14} {note}" for name, note in LEGEND.items() if _shown(name, rows)] + warm
+    why = [f"{'':>14} {r['no_ratio']}: {r['of']}" for r in rows.values() if r.get("no_ratio")]
+    return lines + [f"{'':>14} {note}" for name, note in LEGEND.items() if _shown(name, rows)] + why
 
 
 LEGEND = {

@@ -244,6 +244,9 @@ class MemoryProfile(Observer):
         self._lifetime = 0  # the process's peak, across the per-step resets
         self._step_peaks: list[tuple[int, int]] = []  # each step's peak over its end, over the baseline
         self._resets = False
+        self.first_step_only = False
+        """Whether the RSS growth measured is the first step's alone (a one-step run): its update
+        creates the optimizer state, so what it leaves is not what a later step's leaves."""
 
     def _held(self, engine: Engine, what: str) -> int:
         return engine.held_bytes(what)
@@ -318,6 +321,7 @@ class MemoryProfile(Observer):
         if self.snapshot_steps and self._cuda is not None and torch.cuda.memory._snapshot()["segments"]:
             self._dump(engine)  # a run shorter than snapshot_steps
         steady = self._step_peaks[1:] or self._step_peaks  # the first step aside, when others ran
+        self.first_step_only = len(self._step_peaks) == 1
         mine = {"rank": engine.rank, **self.held, "peak_rss": max(self._lifetime, peak_rss()),
                 "peak_rss_growth": max((g for g, _ in steady), default=None),
                 "peak_rss_run": max((r for _, r in steady), default=None)}

@@ -6,7 +6,8 @@ The selective policy keeps the outputs of the expensive ops -- every matmul (``m
 ``bmm``: the projections, the MLP, the experts), attention (each SDPA kernel), the collectives
 whose recomputation would send again (the functional reduce-scatter, all-reduce, all-to-all) and
 FP8's amax and scaled matmul -- and recomputes the rest: norms, rotary embeddings, activations,
-residual adds, dtype casts. torchtitan keeps every other ``mm`` (half the matmul outputs, one
+residual adds, dtype casts, and sequence parallelism's all-gathers of the norm outputs (sent
+again: the planner prices them, planner/communication.py ``tp_traffic``). torchtitan keeps every other ``mm`` (half the matmul outputs, one
 matmul in two recomputed); we keep them all, so backward re-runs no matmul FLOPs at all and the
 planner's term is exact per op (planner/activations.py ``selective_block_bytes``). The RNG state
 is preserved (torch's default), so dropout recomputes the same masks: the run equals the

@@ -24,7 +24,7 @@ from planner.communication import (Collective, Communication, all_gather_bytes, 
 from planner.inputs import Candidate, Inputs, ModelDescription, Setup, candidate, rows_per_sample
 from planner.compute import bubble_fraction
 from planner.plan import plan_candidate
-from planner.results import Memory, Plan, Recommendation, Report
+from planner.results import ACCOUNTING_NOTE, Memory, Plan, Recommendation, Report
 from planner.recommend import MOVE_UP, largest_micro_batch, nothing_fits, planned_candidates, rank, recommend
 from planner.render import plan_dict, report_dict
 from planner.states import ACCOUNTINGS, GB, GiB, MiB, gb, model_states, state_bytes
@@ -337,7 +337,8 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
     place that rule lives. A preset that cannot run here at all (a backend that does not run it)
     is no memory verdict: a ``ConfigError`` whatever ``planner.enforce``, which waives nothing
     there (the backend would refuse it at launch). With ``planner.calibrate=true`` this machine
-    is measured first."""
+    is measured first. A run is planned with what it allocates (``as_run``: accounting actual,
+    whatever ``planner.accounting`` says; the plan's first note says so where it differs)."""
     from planner import machine
     from core.errors import ConfigError
 
@@ -345,7 +346,9 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
         raise ConfigError([f"{', '.join(asked)}: plan.py's what-if of a parameter count, which a run "
                            f"does not train; the run's own come from model= (and model.lora): remove it"])
     machine.ensure(job)
+    job, said = as_run(job)
     result = preflight(job)
+    result.notes[:0] = [said] if said else []
     if result.blocking:  # (with what would run instead, when a preset does)
         *first, last = result.blocking
         raise ConfigError([*first, last + (f"; {result.hint}" if result.hint else "")])
@@ -353,6 +356,22 @@ def check(job: Inputs, *, to: str = "launch") -> Plan:
         raise WillNotFit(result.message() + f" (set planner.enforce=false to {to} anyway)",
                          plan_dict(result))
     return result
+
+
+def as_run(job: Inputs) -> tuple[Inputs, str | None]:
+    """The job as its run is planned: ``planner.accounting=actual``, what the engines allocate at
+    its precision, whatever the config says -- mixed16 and mixed20 are plan.py's view of the
+    reference documents' model (no engine buffers; mixed16 sends a 32-bit run's gradients in 16
+    bits), and the run's verdict and report.json's predicted-vs-measured are what the planner
+    predicts for this run. With the line that says so (train.py logs it with the plan), or None
+    where the config asked for ``actual``."""
+    asked = job.planner.accounting
+    if asked == "actual":
+        return job, None
+    return dataclasses.replace(job, planner=dataclasses.replace(job.planner, accounting="actual")), (
+        f"{ACCOUNTING_NOTE}{asked} is plan.py's view of the reference documents' model; this run is "
+        f"planned, checked and compared with what it allocates at precision {job.trainer.precision} "
+        "(accounting actual)")
 
 
 def mfu_formula(su: Setup) -> str:
@@ -435,7 +454,7 @@ def assumptions(su: Setup) -> list[str]:
     return out
 
 
-__all__ = ["mfu_formula", "ACCOUNTINGS", "GB", "GiB", "MiB", "Candidate", "Collective", "Communication", "Memory",
+__all__ = ["mfu_formula", "ACCOUNTINGS", "as_run", "GB", "GiB", "MiB", "Candidate", "Collective", "Communication", "Memory",
            "ModelDescription", "Plan", "Recommendation", "Report", "Setup", "StateBytes",
            "activation_bytes", "all_gather_bytes", "boundary_activation_bytes", "bubble_fraction",
            "candidate", "gb", "korthikanti_layer_bytes", "layer_activation_bytes", "model_states",

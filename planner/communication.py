@@ -83,7 +83,8 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
                   ckpt: bool, *, cp: int = 1, sp: int = 1, tp_sp: bool = False,
                   pipeline: tuple[str, int] = ("1f1b", 1),
                   boundary_elem: float | None = None,
-                  staged: tuple[float, float, int] | None = None) -> Communication:
+                  staged: tuple[float, float, int] | None = None,
+                  ac: tuple[bool | str, float] | None = None) -> Communication:
     """Bytes each rank sends per optimizer step, by collective, and their time: bandwidth plus
     latency (alpha-beta: calls x steps x the link's latency, ``latency_steps``). ``traffic``: the
     footprint's data-parallel collectives and offload copies; tensor- and pipeline-parallel
@@ -92,7 +93,9 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
     the schedule and stages per rank; ``boundary_elem``: bytes per element of what crosses a
     stage boundary (the residual stream: fp32 under autocast); ``staged``: under a pipeline,
     FSDP's block gathers per schedule run in forward and backward and the runs per step
-    (parallel.pipeline.fsdp_gathers: the schedule, not each micro-batch, decides them)."""
+    (parallel.pipeline.fsdp_gathers: the schedule, not each micro-batch, decides them); ``ac``:
+    activation checkpointing as it runs, the mode (true, selective) and the share of the blocks it
+    wraps (``strategy.ac_every``), for TP's recomputed collectives (None: ``ckpt`` on every block)."""
     devices, shape, tp, dp = su.cluster.devices, su.shape, n.tp, n.dp
     out = Communication()
 
@@ -127,8 +130,9 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
         add(x)
     residual = boundary_elem or sb.activation  # bytes per element of the residual stream
     if shape is not None and tp > 1:
-        for x in tp_traffic(shape, su.trainer.micro_batch_size, tp, pp, sb.activation, residual, ckpt,
-                            tp_sp, seq=cp * sp):
+        mode, wrapped = ac if ac is not None else (ckpt, 1.0)
+        for x in tp_traffic(shape, su.trainer.micro_batch_size, tp, pp, sb.activation, residual, mode,
+                            tp_sp, seq=cp * sp, wrapped=wrapped):
             add(x)
     if shape is not None and pp > 1:
         add(pp_traffic(shape, su.trainer.micro_batch_size, tp, pp, dp, devices, residual, tp_sp,
@@ -142,39 +146,47 @@ def communication(traffic: list[Traffic], su: Setup, sb: StateBytes, n: Sizes, p
     return out
 
 
-def tp_traffic(shape, micro: int, tp: int, pp: int, elem: float, residual: float, ckpt: bool,
-               tp_sp: bool, seq: int = 1) -> list[Traffic]:
+def tp_traffic(shape, micro: int, tp: int, pp: int, elem: float, residual: float, ckpt: bool | str,
+               tp_sp: bool, seq: int = 1, wrapped: float = 1.0) -> list[Traffic]:
     """Tensor parallelism's collectives per micro-batch: the blocks' all-reduces (or, with
     sequence parallelism, their all-gathers and reduce-scatters) and the logits' all-gather.
     ``elem``: bytes per element in the compute dtype; ``residual``: of the residual stream;
-    ``seq``: the sequence degree (cp x sp): a rank's blocks and head see seq_len / seq tokens
-    (outside attention under Ulysses, where the row outputs and the logits are)."""
+    ``ckpt``: the blocks' activation checkpointing (false, true, selective), over ``wrapped``
+    of them (``strategy.ac_every``); ``seq``: the sequence degree (cp x sp): a rank's blocks and
+    head see seq_len / seq tokens (outside attention under Ulysses, where the row outputs and the
+    logits are)."""
     # Row-parallel layers reduce their output in forward (in the compute dtype: bf16 under
     # autocast); column-parallel ones their input's gradient in backward (the residual
     # stream's dtype: fp32 under autocast). torch's DTensor TP reduces q, k, v, gate and up
     # input gradients separately (2 forward + 5 backward all-reduces per Llama block;
     # Megatron's fused QKV: 2 + 2). The embedding (row-parallel) reduces its output, the
     # head (column-parallel) its input gradient; the replicated logits are all-gathered.
-    # Recomputation repeats the forward ones. With sequence parallelism each block instead
-    # all-gathers its two norm outputs and reduce-scatters its two row outputs in forward,
-    # and the reverse in backward (the gathered input's gradient arrives as one
-    # reduce-scatter for q, k, v together): 4 + 4 half-collectives per block.
+    # With sequence parallelism each block instead all-gathers its two norm outputs and
+    # reduce-scatters its two row outputs in forward, and the reverse in backward (the gathered
+    # input's gradient arrives as one reduce-scatter for q, k, v together): 4 + 4
+    # half-collectives per block.
+    # Recomputation (parallel/checkpointing.py: torch's non-reentrant checkpoint, which stops
+    # once backward's saved tensors are back) repeats the forward's collectives but the block's
+    # last row output's, which feeds only the residual add (measured: one all-reduce or
+    # reduce-scatter a block, not two); the selective policy keeps every reduce's output and no
+    # all-gather's, so under SP it gathers both norm outputs again and reduces nothing again.
     fwd, bwd = getattr(shape, "tp_collectives", lambda: (2, 4))()
     layers = math.ceil(shape.n_layers / pp)
     tokens = micro * shape.seq_len / seq * shape.dim
     low, res = tokens * elem, tokens * residual
     ends = 2 if pp == 1 else 1  # the embedding's and the head's (one of them past pp = 1)
-    again = 2 if ckpt else 1
+    redone = layers * wrapped if ckpt else 0.0  # blocks run forward again in backward
+    reduced = redone if ckpt and ckpt != "selective" else 0.0  # ... reducing their outputs again
     if tp_sp:
-        gathers = layers * (2 * res * again + 2 * low) + ends * res
-        scatters = layers * (2 * low * again + 2 * res) + ends * res
-        calls = layers * (2 * again + 2) + ends
-        out = [Traffic("tp_all_gather", "all_gather", tp, 1, gathers, "none", per_micro=True, calls=calls),
+        g_calls, s_calls = layers * 4 + redone * 2 + ends, layers * 4 + reduced * (fwd - 1) + ends
+        gathers = layers * (2 * res + 2 * low) + redone * 2 * res + ends * res
+        scatters = layers * (2 * low + 2 * res) + reduced * (fwd - 1) * low + ends * res
+        out = [Traffic("tp_all_gather", "all_gather", tp, 1, gathers, "none", per_micro=True, calls=g_calls),
                Traffic("tp_reduce_scatter", "reduce_scatter", tp, 1, scatters, "none", per_micro=True,
-                       calls=calls)]
+                       calls=s_calls)]
     else:
-        count = layers * (fwd * again + bwd) + ends
-        nbytes = layers * (fwd * again * low + bwd * res) + ends * res
+        count = layers * (fwd + bwd) + reduced * (fwd - 1) + ends
+        nbytes = layers * (fwd * low + bwd * res) + reduced * (fwd - 1) * low + ends * res
         out = [Traffic("tp_all_reduce", "all_reduce", tp, 1, nbytes, "none", per_micro=True, calls=count)]
     logits = micro * shape.seq_len / seq * shape.vocab_size * elem
     return out + [Traffic("tp_logits_all_gather", "all_gather", tp, 1, logits, "none", per_micro=True)]

@@ -207,9 +207,12 @@ def _seconds(lo: _Layout) -> _Seconds:
     if pp > 1 and not c.planned_only:  # FSDP2 under torch's pipelining: per schedule run
         gathers = max(fsdp_gathers(lo.schedule, pp, lo.virtual, m, fp.reshard_after_forward), key=sum)
         staged = (*gathers, max(1, per_step // m))
+    layers = su.shape.n_layers if su.shape else 1
+    wrapped = (layers // max(1, lo.every)) / max(1, layers)  # (the blocks strategy.ac_every wraps)
     comm = communication(fp.traffic(sizes), su, lo.sb, sizes, pp, per_step, ckpt, cp=mesh.cp, sp=mesh.sp,
                          tp_sp=lo.tp_sp, pipeline=(lo.schedule, lo.virtual), staged=staged,
-                         boundary_elem=4 if lo.run.regime in ("32", "autocast") else 2)
+                         boundary_elem=4 if lo.run.regime in ("32", "autocast") else 2,
+                         ac=(lo.ckpt, wrapped))
     compute = flops_per_step(su, share) / (mesh.size * peak_flops(su) * mfu(su))
     measured_tp = (su.machine is not None and su.machine.tp_speedup > 0 and tp == su.machine.world
                    and not c.planned_only)

@@ -133,9 +133,11 @@ class Plan:
         return [n for n in self.notes if n.startswith(WARNINGS)]
 
     def say(self, log: Any, notes: list[str]) -> None:
-        """What train.py logs of its plan: the summary with the preset's ``notes``, then each
-        warning (on stderr: the run is not what its preset's name says)."""
-        log.info("%s", "\n".join([self.summary(), *(f"note: {n}" for n in notes)]))
+        """What train.py logs of its plan: the summary with the preset's ``notes`` (and the
+        accounting the run is planned with, where the config asked for another: ``planner.as_run``),
+        then each warning (on stderr: the run is not what its preset's name says)."""
+        said = [n for n in self.notes if n.startswith(ACCOUNTING_NOTE)]
+        log.info("%s", "\n".join([self.summary(), *(f"note: {n}" for n in [*said, *notes])]))
         for line in self.warnings:
             log.warning("%s", line)
 
@@ -204,6 +206,8 @@ OVERFLOWS = ("host", "NVMe", "objective=dpo")
 """How the notes that make a layout not fit beside the device's steady state begin."""
 WARNINGS = ("ZeRO-3 shards",)
 """How the notes a run warns of begin (strategies/zero_footprint.py: ZeRO-3 sharding (almost) nothing)."""
+ACCOUNTING_NOTE = "planner.accounting="
+"""How the note of a run planned with another accounting than its config's begins (said with the plan)."""
 
 
 @dataclass

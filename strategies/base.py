@@ -238,6 +238,11 @@ class StrategyConfig:
         prices, and the key that sets them ((0, ""): the steady state from the first step)."""
         return 0, ""
 
+    def traffic_period(self) -> tuple[int, str]:
+        """Optimizer steps this preset's steady traffic repeats over, which the planner spreads
+        evenly over them, and the key that sets them ((1, ""): every step sends the same)."""
+        return 1, ""
+
     def low_precision_weights(self, mesh: Mesh) -> bool:
         """Under a mixed precision, forward and backward run on 16-bit weights (the activation
         calibration's ``bf16`` regime, not autocast over fp32 weights): an engine keeping an

@@ -586,6 +586,35 @@ def test_under_checkpointing_the_activations_row_has_no_ratio():
 
 
 @pytest.mark.unit
+def test_a_one_step_runs_step_growth_has_no_ratio():
+    """ddp, trainer.max_steps=1 on 2 ranks: step_growth read 0.433 with no note -- the first
+    step, the only one measured, ends with the Adam moments its update creates, which the RSS
+    after it holds and its peak did not. The memory observer says when only the first step was
+    measured; the row then has no ratio and says why, as communication's warm-up does."""
+    from types import SimpleNamespace
+
+    from observers.compare import Comparison, summary_lines
+    from observers.memory import MemoryProfile
+
+    plan = {"memory": {"total": 4 << 20, "growth": 2 << 20, "activations": 0, "params": 0, "grads": 0,
+                       "master": 0, "optimizer": 0, "host": 0}}
+    for peaks, first_only in (([(1 << 20, 3 << 20)], True), ([(1 << 20, 3 << 20), (2 << 20, 4 << 20)], False)):
+        profile = MemoryProfile.__new__(MemoryProfile)  # (its hooks' state alone: no allocator change here)
+        profile.held, profile._step_peaks, profile._lifetime, profile._before = {}, list(peaks), 0, None
+        profile._cuda, profile.snapshot_steps = None, 0
+        profile.on_train_end(SimpleNamespace(rank=0))
+        assert profile.first_step_only is first_only
+        row = Comparison(plan, profile).report()["predicted_vs_measured"]["step_growth"]
+        table = summary_lines({"step_growth": row})
+        if first_only:
+            assert row["ratio"] is None and row["measured"] == 1 << 20, row
+            assert table[1].endswith("1 step") and "trainer.max_steps=2" in row["of"], table
+            assert any(x.strip().startswith("1 step: device (the host)") for x in table[2:]), table
+        else:
+            assert row["ratio"] == pytest.approx(1.0) and "no_ratio" not in row, row
+
+
+@pytest.mark.unit
 def test_an_offload_plans_engine_runtime_does_not_hide_the_small_peak_note():
     """gpt_nano on 2 CPU ranks: zero2's peak (2.5 MiB planned, 117 measured) had the note that a
     plan under 64 MiB is mostly the runtime's, zero2_offload's (the same measured peak) a bare 1.4:

@@ -100,16 +100,18 @@ def test_resume_is_refused_by_name(preset):
     assert validate(compose(["strategy=ddp", "cluster.devices=2"])).strategy.resume_problem() is None
 
 
-def _feed(profile, sent: list[float]) -> None:
-    """``sent[i]``: the all-reduce bytes of step i, through the observer's own hooks (its
-    recorder stands in for torch's collectives: what the aggregation does with them is tested)."""
+def _feed(profile, sent: list) -> None:
+    """``sent[i]``: the all-reduce bytes of step i, None for no collective, or a list of its
+    (kind, bytes, seconds) records, through the observer's own hooks (its recorder stands in for
+    torch's collectives: what the aggregation does with them is tested)."""
     records: list = []
     profile._rec = type("Rec", (), {"start": lambda self: records.clear(), "stop": lambda self: list(records),
                                     "unobserved": []})()
     for step, b in enumerate(sent):
         profile.on_step_start(None, step)
-        records.append({"kind": "all_reduce", "group": "data-replicate", "bytes": b, "wire_bytes": b,
-                        "seconds": None})
+        for kind, nbytes, seconds in ([] if b is None else b if isinstance(b, list) else [("all_reduce", b, None)]):
+            records.append({"kind": kind, "group": "data-replicate", "bytes": nbytes, "wire_bytes": nbytes,
+                            "seconds": seconds})
         profile.on_step_work_end(None, step)
 
 
@@ -161,6 +163,75 @@ def test_the_comparison_leaves_out_the_warm_up_steps():
     plain = _selected(Selection(ddp, Path("."), plan))
     _feed(plain, [5.0, 1.0, 2.0, 3.0])
     assert plain.report()["communication"]["per_step"]["all_reduce"]["wire_bytes"] == pytest.approx(2.0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset, first", [("local_sgd", 10), ("diloco", 17)])
+def test_local_sgd_and_diloco_are_measured_over_whole_sync_periods(preset, first):
+    """gpt_nano at 2 ranks, start_step 10, sync_every 8 (the audit's runs): 10 steps of plain
+    all-reduce, then one parameter all-reduce every 8 steps -- local SGD's first on step index 10
+    (torch's PeriodicModelAverager: (step - warmup) % period == 0), DiLoCo's on index 17 (its
+    counter is past the step) -- which the plan spreads over the 8. A run of 14 steps averaged
+    indices 10-13 and read 1.945 ("steady state"), DiLoCo's 0.055, 11 steps 7.6. Now the window is
+    the last whole periods after the warm-up; under one period: no ratio, and why."""
+    from launchers.sweep_report import markdown
+    from observers.base import Selection
+    from observers.comm import _selected
+    from observers.compare import Comparison, summary_lines, sweep_facts
+    from recipes.config import compose
+    from recipes.job import validate
+
+    job = validate(compose(["cluster.devices=2", "model=gpt_nano", f"strategy={preset}"]))
+    assert job.strategy.traffic_period() == (8, "strategy.sync_every")
+    assert validate(compose(["cluster.devices=2", "strategy=ddp_topk"])).strategy.traffic_period() == (1, "")
+    full = 139904
+    plan = {"memory": {}, "communication": {"by_collective": {
+        "param_average_all_reduce": {"bytes": full / 8, "group": "intra"}}}}
+    for steps, ratio in ((11, None), (14, None), (17, None), (18, 1.0), (20, 1.0), (25, 1.0), (26, 1.0), (30, 1.0)):
+        profile = _selected(Selection(job, Path("."), plan))
+        _feed(profile, [full if i < 10 or (i >= first and (i - first) % 8 == 0) else None for i in range(steps)])
+        comm = profile.report()["communication"]
+        row = Comparison(plan, communication=profile).report()["predicted_vs_measured"]["communication"]
+        assert comm["sync_every"] == 8 and comm["steady_state"] is (ratio is not None), (steps, comm)
+        assert row["ratio"] == (ratio and pytest.approx(ratio)), (steps, row)
+        table, facts = summary_lines({"communication": row}), sweep_facts({"communication": comm})
+        cell = markdown([{"job": "0", "overrides": [], "status": "ok", **facts}], Path(".")).split("| 0 |")[1]
+        if ratio is None:
+            assert comm["averaged_of"] == facts["comm_of"] == "part of a sync period", comm
+            assert comm["averaged_steps"] == steps - 10 and table[1].endswith("partial"), (comm, table)
+            assert "under one strategy.sync_every=8 period" in row["of"] and "trainer.max_steps=18" in row["of"], row
+            assert any(x.strip().startswith("partial: the") for x in table[2:]), table
+            assert "(part of a sync period)" in cell, cell
+        else:
+            assert comm["averaged_of"] == "steady state" and comm["averaged_steps"] % 8 == 0, comm
+            assert "whole strategy.sync_every=8 period(s) ending at the last step" in row["of"], row
+            assert "(" not in cell.split("|")[9], cell
+    # from the first step (start_step=0): the first step aside, whole periods after it
+    job0 = validate(compose(["cluster.devices=2", "model=gpt_nano", f"strategy={preset}", "strategy.start_step=0"]))
+    at = first - 10
+    for steps, ratio in ((8, None), (9, 1.0)):
+        profile = _selected(Selection(job0, Path("."), plan))
+        _feed(profile, [full if i >= at and (i - at) % 8 == 0 else None for i in range(steps)])
+        row = Comparison(plan, communication=profile).report()["predicted_vs_measured"]["communication"]
+        assert row["ratio"] == (ratio and pytest.approx(ratio)), (steps, row)
+        if ratio is None:
+            assert "after the first step" in row["of"] and "trainer.max_steps=9" in row["of"], row
+
+
+@pytest.mark.unit
+def test_every_kind_carries_seconds_null_where_untimed():
+    """README: ``per_step[kind] -> {count, bytes, wire_bytes, seconds}``. gloo times some
+    collectives only (its futures): a reduce-scatter's row had no ``seconds`` key, and a reader
+    indexing it met a KeyError. Untimed kinds carry null; timed ones their mean."""
+    from observers.comm import CommunicationProfile
+
+    profile = CommunicationProfile("data-shard")
+    _feed(profile, [[("reduce_scatter", 10.0, None), ("all_reduce", 4.0, 0.5)]] * 3)
+    comm = profile.report()["communication"]
+    for kinds in (comm["per_step"], *comm["by_group"].values()):
+        assert kinds["reduce_scatter"]["seconds"] is None, kinds
+        assert kinds["all_reduce"]["seconds"] == pytest.approx(0.5), kinds
+        assert all(set(v) == {"count", "bytes", "wire_bytes", "seconds"} for v in kinds.values()), kinds
 
 
 @pytest.mark.unit

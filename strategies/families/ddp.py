@@ -101,6 +101,12 @@ class DDPConfig(StrategyConfig):
             return self.start_step, "strategy.start_step"
         return 0, ""
 
+    def traffic_period(self) -> tuple[int, str]:
+        """Local SGD's parameter average and DiLoCo's outer step: once every ``sync_every`` steps."""
+        if self.sync != "every_step":
+            return self.sync_every, "strategy.sync_every"
+        return 1, ""
+
     def footprint(self) -> DDPFootprint:
         powersgd = self.comm_hook == "powersgd"
         return DDPFootprint(topk_ratio=self.topk_ratio if self.comm_hook == "topk" else 0.0,
