@@ -340,6 +340,21 @@ def test_the_presets_keys_reach_the_hook_as_on_the_command_line(monkeypatch):
 
 
 @pytest.mark.unit
+def test_the_deepspeed_plugin_is_named_as_accelerates(monkeypatch):
+    """The Accelerate log line (``accelerate: DEEPSPEED x 2 process(es), <plugin>``) and the
+    plugin's repr named our private subclass, ``_Plugin``; FSDP's say FullyShardedDataParallelPlugin."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from backends.accelerate.user import settle
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plugin = settle("zero2").kwargs["deepspeed_plugin"]
+    assert isinstance(plugin, DeepSpeedPlugin) and type(plugin).__name__ == "DeepSpeedPlugin"
+    assert repr(plugin).startswith("DeepSpeedPlugin("), repr(plugin)[:80]
+
+
+@pytest.mark.unit
 def test_export_says_a_ddp_family_yaml_drops_its_hook(tmp_path, capsys):
     """A ddp-family YAML is Accelerate's plain multi-process DDP (no field for a comm hook or a
     sync): export.py says what a script without the hook loses, naming the hook; nothing for ddp."""
