@@ -82,6 +82,9 @@ def test_accelerate_trains_what_lightning_trains(both, reference, case, optimize
     # the data's build is the start-up's data phase on both (it was model_build on Lightning,
     # first_step on Accelerate)
     assert all(r.report["startup"]["seconds"]["data"] > 0 for r in (lightning, accelerate)), case
+    # the device the torch optimizer steps on (it was None under ZeRO-3, which hands its fp32
+    # partitions to the torch optimizer only inside its step)
+    assert lightning.report["optimizer"]["device"] == a["optimizer"]["device"] == "cpu", (case, a["optimizer"])
 
 
 @pytest.mark.subprocess
