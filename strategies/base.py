@@ -317,7 +317,7 @@ def _untyped_problem(obj: Any) -> str | None:
     """A preset written without its family's schema in its defaults list (a user's YAML: Hydra
     checked nothing) that names no family, an unknown one, or a key its family lacks: the one line
     naming the option, the key, what is allowed and the fix; None when it makes a config."""
-    import difflib
+    from core.errors import closest
 
     if not isinstance(obj, dict):
         return f"strategy: {obj!r} is not a preset (a mapping of its keys); choose one, e.g. strategy=zero3"
@@ -332,8 +332,8 @@ def _untyped_problem(obj: Any) -> str | None:
     cls = _FAMILIES[obj["family"]]
     keys = {f.name for f in dataclasses.fields(cls)}
     for key in sorted(set(obj) - keys):
-        close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
-        guess = f"did you mean {close[0]}? " if close else f"the keys: {', '.join(sorted(keys))}; "
+        close = closest(str(key), sorted(keys))
+        guess = f"did you mean {close}? " if close else f"the keys: {', '.join(sorted(keys))}; "
         return (f"{where}: strategy.{key}={obj[key]!r} is not a key of the {obj['family']} family; {guess}"
                 f"fix the file (`defaults: [/{obj['family']}_schema@_here_, _self_]` first in it has "
                 "Hydra check every key and type)")

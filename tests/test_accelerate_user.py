@@ -330,7 +330,7 @@ def test_the_presets_keys_reach_the_hook_as_on_the_command_line(monkeypatch):
     assert plugin.reshard_after_forward is False
     ds = settle("zero3", overrides=("strategy.param_persistence_threshold=0",)).kwargs["deepspeed_plugin"]
     assert ds.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
-    with pytest.raises(ConfigError, match=r"strategy.sync_evry=2: Key 'sync_evry' not in .*local_sgd's keys: "):
+    with pytest.raises(ConfigError, match=r"strategy.sync_evry=2: no such key; did you mean strategy.sync_every\? "):
         settle("local_sgd", overrides=("strategy.sync_evry=2",))
     with pytest.raises(ConfigError, match=r"strategy.sync_every=0: must be >= 1"):
         settle("local_sgd", overrides=("strategy.sync_every=0",))
