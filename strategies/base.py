@@ -175,6 +175,30 @@ class StrategyConfig:
         from anywhere)."""
         return []
 
+    def identity_problems(self, preset: str | None = None) -> list[str]:
+        """``family`` and ``name`` set over what the preset's schema and file make them (train.py's
+        command line, a hook's overrides): one line each. The plan line, the report and a hook's
+        call read ``name`` as the preset. ``preset``: the preset they were set on, where the caller
+        knows it (``presets.load``: the hooks); a composed config does not say which file it came
+        from, so there a name is refused when it is a built-in preset of another family (a ddp run
+        whose plan line said zero3)."""
+        from strategies.presets import AUTO, preset_family
+
+        out = []
+        if self.family != self.FAMILY:
+            out.append(f"strategy.family={self.family!r}: set by the preset's schema ({self.FAMILY}), not a "
+                       "knob; remove the override")
+        other = preset_family(self.name) if preset is None else None
+        if preset is not None and self.name != preset:
+            why = f"strategy={preset}"
+        elif other is not None and other != self.FAMILY:
+            why = (f"{AUTO} asks the planner to choose; this one is a {self.FAMILY} preset" if self.name == AUTO
+                   else f"{self.name} is a preset of the {other} family, this one of {self.FAMILY}")
+        else:
+            return out
+        return [*out, f"strategy.name={self.name!r}: set by the preset's file ({why}), not a knob; remove the "
+                      "override"]
+
     def value_problems(self) -> list[str]:
         """Values no knob declares a range for (raw engine JSON) that are wrong whatever the run:
         checked at compose with the knobs' own ranges (plan.py and train.py alike)."""

@@ -79,6 +79,11 @@ def _unknown(name: str) -> Exception:
     return ConfigError(no_such_option("strategy", name, names()))
 
 
+def preset_family(name: str) -> str | None:
+    """The family of built-in preset ``name`` (``auto``'s placeholder too); None for any other name."""
+    return _node(name).get("family") if name == AUTO or name in names() else None
+
+
 @functools.cache
 def _yaml(name: str) -> Any:
     from omegaconf import OmegaConf
@@ -172,7 +177,7 @@ def load(name: str, overrides: Sequence[str] = ()) -> Any:
     """The typed config (a ``StrategyConfig`` subclass instance) of preset ``name``, with
     ``overrides`` (``strategy.<key>=<value>``, as on train.py's command line) applied; a
     ``ConfigError`` naming an override that is not one of the preset's keys (with train.py's "did you
-    mean") or not its type."""
+    mean"), not its type, or one of the two keys the preset fixes (``family``, ``name``)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -196,6 +201,7 @@ def load(name: str, overrides: Sequence[str] = ()) -> Any:
         except OmegaConfBaseException as e:
             raise ConfigError(f"{o}: {str(e).splitlines()[0]}; strategy={name}'s keys: {', '.join(keys)}") from None
     preset = as_config(node)
-    if overrides and (found := knobs.problems(preset, "strategy") + preset.value_problems()):
+    if overrides and (found := preset.identity_problems(name) + knobs.problems(preset, "strategy")
+                      + preset.value_problems()):
         raise ConfigError(found)
     return preset

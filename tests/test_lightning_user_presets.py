@@ -43,6 +43,34 @@ def test_the_hooks_say_a_mistyped_key_in_train_pys_words():
         assert e.value.problems == [said]
 
 
+@pytest.mark.parametrize("preset, override, said", [
+    ("local_sgd", "strategy.family=fsdp2", "strategy.family='fsdp2': set by the preset's schema (ddp), not a knob; "
+     "remove the override"),
+    ("ddp", "strategy.name=zero3", "strategy.name='zero3': set by the preset's file (strategy=ddp), not a knob; "
+     "remove the override")])
+def test_the_hooks_refuse_the_family_and_the_name_as_train_py_does(monkeypatch, preset, override, said):
+    """Both hooks took ``strategy.family=fsdp2`` silently (a DDPConfig with family fsdp2), which
+    train.py refuses, and ``strategy.name=zero3`` relabelled a ddp preset (train.py's plan line
+    said zero3 for a run that trains DDP). Both paths now refuse each in the same line; train.py,
+    which cannot see which file a composed preset came from, refuses a name of another family's."""
+    from backends.accelerate.user import settle
+    from recipes.config import compose
+    from recipes.job import validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as lightning_hook:
+        stratagem_strategy(preset, override)
+    with pytest.raises(ConfigError) as accelerate_hook:
+        settle(preset, overrides=(override,))
+    assert lightning_hook.value.problems == accelerate_hook.value.problems == [said]
+    with pytest.raises(ConfigError) as train:
+        validate(compose([f"strategy={preset}", override, "model=gpt_nano"]))
+    key = override.partition("=")[0]
+    assert [p for p in train.value.problems if p.startswith(key)] == [
+        said.replace("(strategy=ddp)", "(zero3 is a preset of the deepspeed family, this one of ddp)")]
+
+
 def test_a_mistyped_preset_name_is_one_line_with_its_likely_spelling():
     """It was a KeyError, printed repr-quoted, without the suggestion train.py makes."""
     with pytest.raises(ConfigError) as e:
