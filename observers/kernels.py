@@ -5,7 +5,8 @@ always-on ``StartupTimes`` observer):
   steps (unwrapped from Accelerate's and DeepSpeed's wrappers: under ZeRO the torch optimizer
   steps DeepSpeed's fp32 partitions, on the host under an offloaded optimizer), how it steps
   (fused | foreach | for-loop, from its own ``defaults``), its class and where its first
-  parameter lives; ``wrapper``: the engine's class around it, when there is one.
+  parameter lives (ZeRO-3: its first fp32 partition, which DeepSpeed hands it only inside the
+  step); ``wrapper``: the engine's class around it, when there is one.
 - ``attention``: ``{"kernel", "planner_assumes", "how"}`` -- the SDPA kernel (flash | efficient |
   cudnn | math) as torch's own dispatch chose it (``recipes.gpt.sdpa_kernel``): recorded by
   ``CoreAttention`` at its first eager training forward from the real tensors, or, where the
@@ -48,12 +49,24 @@ def optimizer_facts(optimizers: list[Any], name: str) -> dict[str, Any]:
     defaults = getattr(opt, "defaults", {})
     impl = ("fused" if defaults.get("fused") else "foreach" if defaults.get("foreach")
             else "for-loop" if defaults.get("foreach") is False else "torch default")
-    first = next((p for g in getattr(opt, "param_groups", []) for p in g["params"]), None)
+    first = next(iter(_stepped(optimizers[0], opt)), None)
     out = {"name": name, "impl": impl, "class": type(opt).__name__,
            "device": None if first is None else first.device.type}
     if wrapper is not None:
         out["wrapper"] = type(wrapper).__name__
     return out
+
+
+def _stepped(outer: Any, opt: Any) -> list[Any]:
+    """The tensors the torch optimizer ``opt`` steps: its param_groups' -- or, where the engine
+    hands them to it only inside its step (DeepSpeed's ZeRO-3 empties the groups after each
+    step), the fp32 partitions of the wrapper around it (``outer``: the engine's optimizer)."""
+    params = [p for g in getattr(opt, "param_groups", []) for p in g["params"]]
+    layer = outer
+    while not params and layer is not None and layer is not opt:
+        params = list(getattr(layer, "fp32_partitioned_groups_flat", None) or [])
+        layer = getattr(layer, "optimizer", None)
+    return params
 
 
 def attention_facts(model: Any, job: Job) -> dict[str, Any]:

@@ -223,14 +223,12 @@ def _no_such_option(group: str, value: str, dirs: list[Path]) -> str | None:
     """``strategy=zero33: no such strategy; did you mean zero3? (strategy=zero3); the options:
     ...``; None when conf/<group>/ or a config directory of the command line (``dirs``) has it
     (or it is null): then what fails is inside the option, and Hydra's message says what."""
-    import difflib
+    from core.errors import no_such_option
 
     names = _options(group, dirs)
     if not names or value in names or value in ("null", ""):
         return None
-    close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
-    guess = f"did you mean {close[0]}? ({group}={close[0]}); " if close else ""
-    return f"{group}={value}: no such {group}; {guess}the options: {', '.join(names)}"
+    return no_such_option(group, value, names)
 
 
 def _wrong_type(error: Exception) -> str | None:
@@ -267,9 +265,9 @@ def _in_file(error: Exception, argv: list[str]) -> str | None:
     naming neither the file nor the family) as one line: the file, the key, its value or the
     closest key (``.../strategy/typo_zero3.yaml: reduce_bucket_sise is not a key of the deepspeed
     family (ZeroConfig); did you mean reduce_bucket_size?``); None for any other error."""
-    import difflib
     import re
 
+    from core.errors import closest
     from recipes.compose import search_dirs
 
     found = re.match(r"In '([^']+)': (\w+) raised while composing config:\n(.*)", str(error), re.S)
@@ -284,9 +282,9 @@ def _in_file(error: Exception, argv: list[str]) -> str | None:
     if kind in ("ConfigKeyError", "ConfigAttributeError") and bad_key:
         leaf, schema = bad_key.groups()
         family, keys = _schema_keys(schema)
-        close = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.6)
+        close = closest(leaf, keys)
         of = f"the {family} family ({schema})" if family else schema
-        hint = f"did you mean {close[0]}?" if close else f"its keys: {', '.join(keys)}" if keys else ""
+        hint = f"did you mean {close}?" if close else f"its keys: {', '.join(keys)}" if keys else ""
         return f"{path}: {leaf} is not a key of {of}" + (f"; {hint}" if hint else "")
     value = re.match(r"Value '([^']*)'", first)
     if kind == "ValidationError" and full_key and (takes := _kind(first)):
@@ -316,26 +314,17 @@ def _script() -> str:
 
 def _no_such_key(cfg: dict, key: str, value: str, dirs: list[Path]) -> str:
     """``trainer.max_stepz=3: no such key; did you mean trainer.max_steps? (trainer.max_steps=3)``."""
-    import difflib
+    from core.errors import no_such_key
 
-    parent, _, leaf = key.rpartition(".")
+    parent = key.rpartition(".")[0]
     if not parent:  # a group or a top-level key
-        names = sorted({p.name for d in dirs for p in d.iterdir() if p.is_dir()} | set(cfg))
-        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-    elif _has_key(cfg, parent):  # a key of a node that exists: among its keys
-        node = cfg
-        for part in parent.split("."):
-            node = node[part]
-        names = sorted(node) if isinstance(node, dict) else []
-        close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
-    else:  # the node itself is mistyped: among every key
-        names = []
-        close = difflib.get_close_matches(key, _flat_keys(cfg), n=1, cutoff=0.6)
-    if close:
-        return f"{key}={value}: no such key; did you mean {close[0]}? ({close[0]}={value})"
-    where = f"the keys of {parent or 'the config'}: {', '.join(names)}" if names else \
-        "every key: python train.py --cfg job"
-    return f"{key}={value}: no such key; {where}"
+        return no_such_key(key, value, sorted({p.name for d in dirs for p in d.iterdir() if p.is_dir()} | set(cfg)))
+    if not _has_key(cfg, parent):  # the node itself is mistyped: among every key
+        return no_such_key(key, value, None, _flat_keys(cfg))
+    node = cfg  # a key of a node that exists: among its keys
+    for part in parent.split("."):
+        node = node[part]
+    return no_such_key(key, value, sorted(node) if isinstance(node, dict) else [])
 
 
 def composition_problems(error: Exception, argv: list[str]) -> list[str]:

@@ -279,15 +279,12 @@ Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
 
 def _strategy_problems(cfg: DictConfig, strategy: StrategyConfig, model: Any, depth: int) -> list[str]:
     """The strategy group's own problems: unknown keys, knob ranges, its values, its
-    checkpointing against the model (when readable), an overridden family."""
+    checkpointing against the model (when readable), an overridden family or name."""
     out = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
            + knobs.problems(strategy, "strategy", launch=depth >= LAUNCH) + strategy.value_problems())
     if not out:
         out += strategy.checkpointing_problems(model)
-    if strategy.family != type(strategy).FAMILY:
-        out.append(f"strategy.family={strategy.family!r}: set by the preset's schema "
-                   f"({type(strategy).FAMILY}), not a knob; remove the override")
-    return out
+    return out + strategy.identity_problems()  # (the hooks' presets.load says the same)
 
 
 def validate(cfg: DictConfig, *, depth: int = LAUNCH,

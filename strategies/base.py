@@ -175,6 +175,30 @@ class StrategyConfig:
         from anywhere)."""
         return []
 
+    def identity_problems(self, preset: str | None = None) -> list[str]:
+        """``family`` and ``name`` set over what the preset's schema and file make them (train.py's
+        command line, a hook's overrides): one line each. The plan line, the report and a hook's
+        call read ``name`` as the preset. ``preset``: the preset they were set on, where the caller
+        knows it (``presets.load``: the hooks); a composed config does not say which file it came
+        from, so there a name is refused when it is a built-in preset of another family (a ddp run
+        whose plan line said zero3)."""
+        from strategies.presets import AUTO, preset_family
+
+        out = []
+        if self.family != self.FAMILY:
+            out.append(f"strategy.family={self.family!r}: set by the preset's schema ({self.FAMILY}), not a "
+                       "knob; remove the override")
+        other = preset_family(self.name) if preset is None else None
+        if preset is not None and self.name != preset:
+            why = f"strategy={preset}"
+        elif other is not None and other != self.FAMILY:
+            why = (f"{AUTO} asks the planner to choose; this one is a {self.FAMILY} preset" if self.name == AUTO
+                   else f"{self.name} is a preset of the {other} family, this one of {self.FAMILY}")
+        else:
+            return out
+        return [*out, f"strategy.name={self.name!r}: set by the preset's file ({why}), not a knob; remove the "
+                      "override"]
+
     def value_problems(self) -> list[str]:
         """Values no knob declares a range for (raw engine JSON) that are wrong whatever the run:
         checked at compose with the knobs' own ranges (plan.py and train.py alike)."""
@@ -322,7 +346,7 @@ def _untyped_problem(obj: Any) -> str | None:
     """A preset written without its family's schema in its defaults list (a user's YAML: Hydra
     checked nothing) that names no family, an unknown one, or a key its family lacks: the one line
     naming the option, the key, what is allowed and the fix; None when it makes a config."""
-    import difflib
+    from core.errors import closest
 
     if not isinstance(obj, dict):
         return f"strategy: {obj!r} is not a preset (a mapping of its keys); choose one, e.g. strategy=zero3"
@@ -337,8 +361,8 @@ def _untyped_problem(obj: Any) -> str | None:
     cls = _FAMILIES[obj["family"]]
     keys = {f.name for f in dataclasses.fields(cls)}
     for key in sorted(set(obj) - keys):
-        close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
-        guess = f"did you mean {close[0]}? " if close else f"the keys: {', '.join(sorted(keys))}; "
+        close = closest(str(key), sorted(keys))
+        guess = f"did you mean {close}? " if close else f"the keys: {', '.join(sorted(keys))}; "
         return (f"{where}: strategy.{key}={obj[key]!r} is not a key of the {obj['family']} family; {guess}"
                 f"fix the file (`defaults: [/{obj['family']}_schema@_here_, _self_]` first in it has "
                 "Hydra check every key and type)")

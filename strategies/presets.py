@@ -71,9 +71,17 @@ def hydra_context(config_dirs: Sequence[str] = ()) -> Iterator[None]:
         JobRuntime.instance().set("name", name)
 
 
-def _unknown(name: str) -> KeyError:
-    return KeyError(f"strategy={name!r} is not a preset; available: {', '.join(names())} "
-                    f"(each is a file in {STRATEGY_DIR})")
+def _unknown(name: str) -> Exception:
+    """train.py's line for a mistyped preset (``strategy=fsdp_2: no such strategy; did you mean fsdp2?
+    (strategy=fsdp2); the options: ...``)."""
+    from core.errors import ConfigError, no_such_option
+
+    return ConfigError(no_such_option("strategy", name, names()))
+
+
+def preset_family(name: str) -> str | None:
+    """The family of built-in preset ``name`` (``auto``'s placeholder too); None for any other name."""
+    return _node(name).get("family") if name == AUTO or name in names() else None
 
 
 @functools.cache
@@ -168,12 +176,13 @@ def compose_preset(name: str) -> Any:
 def load(name: str, overrides: Sequence[str] = ()) -> Any:
     """The typed config (a ``StrategyConfig`` subclass instance) of preset ``name``, with
     ``overrides`` (``strategy.<key>=<value>``, as on train.py's command line) applied; a
-    ``ConfigError`` naming an override that is not one of the preset's keys or not its type."""
+    ``ConfigError`` naming an override that is not one of the preset's keys (with train.py's "did you
+    mean"), not its type, or one of the two keys the preset fixes (``family``, ``name``)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from core import knobs
-    from core.errors import ConfigError
+    from core.errors import ConfigError, no_such_key
     from strategies.base import as_config
 
     if name not in names():
@@ -182,13 +191,17 @@ def load(name: str, overrides: Sequence[str] = ()) -> Any:
     if bad:
         raise ConfigError([f"{o!r}: not strategy.<key>=<value> (a preset key, as on train.py's command "
                            "line)" for o in bad])
+    keys = [str(k) for k in node]
+    if unknown := [no_such_key(key, value, keys) for key, _, value in (o.partition("=") for o in overrides)
+                   if key.split(".")[1] not in keys]:
+        raise ConfigError(unknown)  # (train.py's lines: recipes/cli_help.py)
     for o in overrides:
         try:
             node = OmegaConf.merge(node, OmegaConf.from_dotlist([o.removeprefix("strategy.")]))
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{o}: {str(e).splitlines()[0]}; strategy={name}'s keys: "
-                              f"{', '.join(str(k) for k in _node(name))}") from None
+            raise ConfigError(f"{o}: {str(e).splitlines()[0]}; strategy={name}'s keys: {', '.join(keys)}") from None
     preset = as_config(node)
-    if overrides and (found := knobs.problems(preset, "strategy") + preset.value_problems()):
+    if overrides and (found := preset.identity_problems(name) + knobs.problems(preset, "strategy")
+                      + preset.value_problems()):
         raise ConfigError(found)
     return preset

@@ -82,6 +82,9 @@ def test_accelerate_trains_what_lightning_trains(both, reference, case, optimize
     # the data's build is the start-up's data phase on both (it was model_build on Lightning,
     # first_step on Accelerate)
     assert all(r.report["startup"]["seconds"]["data"] > 0 for r in (lightning, accelerate)), case
+    # the device the torch optimizer steps on (it was None under ZeRO-3, which hands its fp32
+    # partitions to the torch optimizer only inside its step)
+    assert lightning.report["optimizer"]["device"] == a["optimizer"]["device"] == "cpu", (case, a["optimizer"])
 
 
 @pytest.mark.subprocess
@@ -214,6 +217,22 @@ def test_export_refuses_a_bad_combination(tmp_path):
     assert "export=deepspeed writes a DeepSpeed config, but strategy=fsdp" in proc.stderr
     assert "Traceback" not in proc.stderr
 
+
+@pytest.mark.subprocess
+def test_the_engines_import_leaves_the_first_optimizer_nothing_to_import():
+    """The first torch optimizer built imports torch._dynamo (~2 s and ~75 MB cold), which
+    ``import lightning`` pulls in but ``import accelerate`` did not: an Accelerate run's start-up
+    charged it to model_build (checkpoint_load on a resume) and counted the modules' memory as run
+    memory (peak_rss_run 2.6x Lightning's). The backend's import (``backends.get``) now has it."""
+    code = ("import sys, backends\n"
+            "backends.get('accelerate')\n"
+            "import torch\n"
+            "before = set(sys.modules)\n"
+            "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], foreach=True)\n"
+            "print(sorted(set(sys.modules) - before)[:5])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 @pytest.mark.unit
 def test_export_refuses_an_out_it_cannot_write_before_writing(tmp_path, capsys):

@@ -330,13 +330,28 @@ def test_the_presets_keys_reach_the_hook_as_on_the_command_line(monkeypatch):
     assert plugin.reshard_after_forward is False
     ds = settle("zero3", overrides=("strategy.param_persistence_threshold=0",)).kwargs["deepspeed_plugin"]
     assert ds.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
-    with pytest.raises(ConfigError, match=r"strategy.sync_evry=2: Key 'sync_evry' not in .*local_sgd's keys: "):
+    with pytest.raises(ConfigError, match=r"strategy.sync_evry=2: no such key; did you mean strategy.sync_every\? "):
         settle("local_sgd", overrides=("strategy.sync_evry=2",))
     with pytest.raises(ConfigError, match=r"strategy.sync_every=0: must be >= 1"):
         settle("local_sgd", overrides=("strategy.sync_every=0",))
     with pytest.raises(ConfigError, match=r"second model under strategy=ddp_powersgd: .*PowerSGD"):
         _second_model("ddp_powersgd", settle("ddp_powersgd").builder)
     _second_model("ddp", settle("ddp").builder)  # (no hook of one model's: Accelerate's own DDP each)
+
+
+@pytest.mark.unit
+def test_the_deepspeed_plugin_is_named_as_accelerates(monkeypatch):
+    """The Accelerate log line (``accelerate: DEEPSPEED x 2 process(es), <plugin>``) and the
+    plugin's repr named our private subclass, ``_Plugin``; FSDP's say FullyShardedDataParallelPlugin."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from backends.accelerate.user import settle
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plugin = settle("zero2").kwargs["deepspeed_plugin"]
+    assert isinstance(plugin, DeepSpeedPlugin) and type(plugin).__name__ == "DeepSpeedPlugin"
+    assert repr(plugin).startswith("DeepSpeedPlugin("), repr(plugin)[:80]
 
 
 @pytest.mark.unit

@@ -182,7 +182,7 @@ def test_each_preset_resolves_to_its_family(name):
 
 
 def test_unknown_preset_name_lists_presets():
-    with pytest.raises(KeyError, match="available: .*ddp"):
+    with pytest.raises(ConfigError, match="strategy=nope: no such strategy; the options: .*ddp"):
         strategies.load("nope")
 
 

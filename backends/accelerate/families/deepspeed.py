@@ -21,14 +21,15 @@ def deepspeed_plugin(config: dict[str, Any]) -> Any:
     DPO's reference model -- which then wait on collectives the other ranks never start. A user's
     script turns the flag on (backends/accelerate/user.py). ``DeepSpeedPlugin.select()`` imports
     transformers even when it is not installed: the hook needs it there."""
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin as Accelerates
 
-    class _Plugin(DeepSpeedPlugin):
+    class DeepSpeedPlugin(Accelerates):  # (Accelerate's name: the log line and the repr show it)
         def set_deepspeed_weakref(self) -> None:
             if self.zero3_init_flag and importlib.util.find_spec("transformers") is not None:
                 super().set_deepspeed_weakref()
 
-    return _Plugin(hf_ds_config=config, zero3_init_flag=False)
+    DeepSpeedPlugin.__qualname__ = "DeepSpeedPlugin"  # (not deepspeed_plugin.<locals>.DeepSpeedPlugin)
+    return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
 
 
 @builds(ZeroConfig)
