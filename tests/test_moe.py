@@ -16,7 +16,8 @@ import pytest
 from recipes.config import compose, describe
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, run_cli, typed
+from tests.conftest import (EQUIV, OPTIMIZERS, assert_losses_close, assert_moe_close, assert_params_close,
+                            run_cli, typed)
 
 MOE = ("model=gpt_moe_nano",)
 CPU = ("cluster.accelerator=cpu",)
@@ -80,6 +81,46 @@ def test_tokens_over_capacity_are_dropped_and_counted():
     stats = model.layers["0"].mlp.stats
     assert stats["tokens"].tolist() == [24, 24, 24, 24]
     assert int(stats["dropped"]) == 3 * 64 - 96
+
+
+@pytest.mark.unit
+def test_the_moe_report_of_a_resumed_run_covers_the_whole_run():
+    """observers/moe.py: the router's record rides in the checkpoint's history (JSON, the run's
+    totals so far), so a run resumed at step 3 of 6 reports what the uninterrupted run does, not
+    its last three steps (capacity 1.0: some drops, counted too)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from observers.moe import MoEStats
+    from recipes.training import build_model
+
+    engine = SimpleNamespace(model=build_model(describe(compose([*MOE, "model.capacity_factor=1.0"]).model), 1))
+    batches = [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def steps(stats, first, last):
+        for step in range(first, last):
+            with torch.no_grad():
+                engine.model(batches[step])
+            stats.on_forward_end(engine, step)
+            stats.on_step_end(engine, step + 1, 0.0)
+
+    whole, first, resumed = MoEStats(), MoEStats(), MoEStats()
+    steps(whole, 0, 6)
+    steps(first, 0, 3)
+    saved = json.loads(json.dumps(first.history()))  # (history.json)
+    resumed.on_resume(engine, 3, saved)
+    steps(resumed, 3, 6)
+    for stats in (whole, resumed):
+        stats.on_train_end(engine)
+    want = whole.report()["moe"]
+    assert want["dropped_tokens"] > 0
+    assert_moe_close(want, resumed.report()["moe"])
+    last_three = MoEStats()
+    steps(last_three, 3, 6)
+    last_three.on_train_end(engine)
+    assert last_three.report()["moe"]["tokens_per_expert"] != want["tokens_per_expert"]
 
 
 @pytest.mark.unit
@@ -245,7 +286,8 @@ def test_all_to_all_on_the_ep_group_as_planned(runs):
 @pytest.mark.timeout(600)
 def test_fsdp_ep_checkpoint_resumes_exactly(runs):
     """The DCP checkpoint holds every expert (the DTensors' full shapes); resuming at step 3
-    continues exactly (AdamW: the moments of each rank's experts come back to it)."""
+    continues exactly (AdamW: the moments of each rank's experts come back to it), and the
+    report's routing covers the whole run (the checkpoint's history carries it)."""
     full = runs("strategy=fsdp_ep", *TWO, "trainer.micro_batch_size=4", "trainer.checkpoint_every=3",
                 optimizer="adamw")
     ckpt = full.out / "checkpoints" / "step3"
@@ -255,6 +297,7 @@ def test_fsdp_ep_checkpoint_resumes_exactly(runs):
     assert resumed.losses[:3] == full.losses[:3]
     assert_losses_close(full.losses[3:], resumed.losses[3:], rtol=1e-5)
     assert_params_close(full.params(), resumed.params(), rtol=1e-5)
+    assert_moe_close(full.report["moe"], resumed.report["moe"])
 
 
 @pytest.mark.subprocess

@@ -26,7 +26,8 @@ import pytest
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, bf16_valued
+from tests.conftest import (EQUIV, OPTIMIZERS, assert_losses_close, assert_moe_close, assert_params_close,
+                            bf16_valued)
 
 MOE = ("model=gpt_moe_nano",)
 CPU = ("cluster.accelerator=cpu",)
@@ -116,7 +117,8 @@ def test_zero2_ep_matches_one_process_on_more_ranks_and_with_clipping(runs, worl
 @pytest.mark.timeout(600)
 def test_zero2_ep_checkpoint_resumes_exactly(runs):
     """AdamW, 2 ranks, a checkpoint at step 3: resuming from it continues exactly (each rank's
-    experts and their moments come back to it); the checkpoint's full model is the run's."""
+    experts and their moments come back to it); the checkpoint's full model is the run's, and
+    the report's routing covers the whole run."""
     import torch
 
     full = runs("strategy=zero2_ep", *WORLD[2], "trainer.checkpoint_every=3", optimizer="adamw")
@@ -128,6 +130,7 @@ def test_zero2_ep_checkpoint_resumes_exactly(runs):
     assert_params_close(full.params(), resumed.params(), rtol=1e-5)
     last = torch.load(full.out / "checkpoints" / "step6" / "zero_ep" / "model.pt")
     assert_params_close(full.params(), last, rtol=0)
+    assert_moe_close(full.report["moe"], resumed.report["moe"])
 
 
 @pytest.mark.multiprocess
