@@ -170,6 +170,21 @@ def test_ep_presets_refuse_a_dense_model_by_name(preset):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
+def test_ep_presets_refuse_a_moe_model_without_a_moe_layer(preset):
+    """first_dense_layers = n_layers: no routed expert anywhere (it trained as the dense preset,
+    the plan saying "0 expert parameters split 2 ways"); one below it is a MoE layer, accepted."""
+    base = [f"strategy={preset}", *TWO, *CPU, *MOE]
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "model.first_dense_layers=2"]))
+    assert e.value.problems == [
+        f"strategy={preset} shards the experts of a mixture-of-experts model, and "
+        "model.first_dense_layers=2 = model.n_layers=2 leaves none (every layer dense): allowed 0..1; "
+        "set model.first_dense_layers<=1, or use a dense preset (fsdp2, zero2)"], e.value.problems
+    validate(compose([*base, "model.first_dense_layers=1"]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
 def test_ep_presets_refused_by_accelerate_by_name(preset):
     from backends import check
 

@@ -29,6 +29,12 @@ def moe_problems(preset: StrategyConfig, model: Any) -> list[str]:
         return [f"strategy={preset.name} shards the experts of a mixture-of-experts model, and "
                 f"model={getattr(model, 'name', '?')} has none (model.n_experts=0): use a MoE model "
                 "(model=gpt_moe_nano, mixtral_8x7b, deepseek_moe_16b) or a dense preset (fsdp2, zero2)"]
+    layers, dense = getattr(model, "n_layers", 0), getattr(model, "first_dense_layers", 0)
+    if getattr(model, "moe_layers", 1) == 0 and dense == layers:  # (> n_layers: the model's own problem)
+        return [f"strategy={preset.name} shards the experts of a mixture-of-experts model, and "
+                f"model.first_dense_layers={dense} = model.n_layers={layers} leaves none (every layer "
+                f"dense): allowed 0..{layers - 1}; set model.first_dense_layers<={layers - 1}, or use a "
+                "dense preset (fsdp2, zero2)"]
     # (n_experts divisible by ep: core.mesh.Mesh.model_problems, which knows the ranks ep folds into)
     return []
 
@@ -91,7 +97,7 @@ class ExpertSplit:
 
     def notes(self, n: Sizes) -> list[str]:
         model = n.model
-        if not getattr(model, "is_moe", False):
+        if not getattr(model, "is_moe", False) or not model.moe_layers:  # (no MoE layer: refused)
             return super().notes(n)
         if self.ep == 1:  # (no expert groups: the experts are sharded like the rest, nothing traded)
             return [*super().notes(n), f"expert parallel ep=1: the {model.expert_params():,} expert parameters "
