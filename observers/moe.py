@@ -81,8 +81,9 @@ class MoEStats(Observer):
                 continue
             tokens = [list(t) for t in r["tokens"]] if tokens is None else [
                 [a + b for a, b in zip(x, y)] for x, y in zip(tokens, r["tokens"])]
-        return {"aux_sum": math.fsum(r["aux_sum"] for r in ranks), "aux_count": sum(r["aux_count"] for r in ranks),
-                "tokens": tokens, "dropped": sum(r["dropped"] for r in ranks),
+        return {"aux_sum": math.fsum(r["aux_sum"] for r in ranks),
+                "aux_count": sum(r["aux_count"] for r in ranks), "tokens": tokens,
+                "dropped": sum(r["dropped"] for r in ranks),
                 "assignments": sum(r["assignments"] for r in ranks),
                 "steps": self.steps + int(self.before.get("steps", 0))}
 

@@ -96,7 +96,8 @@ def test_the_moe_report_of_a_resumed_run_covers_the_whole_run():
     from observers.moe import MoEStats
     from recipes.training import build_model
 
-    engine = SimpleNamespace(model=build_model(describe(compose([*MOE, "model.capacity_factor=1.0"]).model), 1))
+    shape = describe(compose([*MOE, "model.capacity_factor=1.0"]).model)
+    engine = SimpleNamespace(model=build_model(shape, 1))
     batches = [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(6)]
 
     def steps(stats, first, last):
