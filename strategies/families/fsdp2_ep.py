@@ -57,9 +57,12 @@ class ExpertSplit:
         ratio = n.trainable / n.params if n.params else 1.0
         layers = max(1, model.moe_layers)
         per_layer = experts / layers
+        # the largest unit beside the experts: a MoE block with its share of the experts, or one
+        # that ep leaves whole (a dense first block, an embedding)
+        whole = max(model.embedding_params(), model.block_params(moe=False) if model.n_layers > layers else 0)
+        unit = max(model.block_params() / n.mp - per_layer + per_layer / self.ep, whole / n.mp)
         dense = dataclasses.replace(n, params=n.params - experts, trainable=n.trainable - experts * ratio,
-                                    unit=max(0.0, n.unit - per_layer) + per_layer / self.ep,
-                                    blocks=None if n.blocks is None else n.blocks - experts)
+                                    unit=unit, blocks=None if n.blocks is None else n.blocks - experts)
         ex = dataclasses.replace(n, params=experts / self.ep, trainable=experts * ratio / self.ep,
                                  dp=max(1, n.dp // self.ep), shard=max(1, n.shard // self.ep),
                                  tp=n.tp * self.ep, unit=per_layer / self.ep, units=layers,
