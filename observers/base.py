@@ -97,7 +97,8 @@ class Observer:
 
     def history(self) -> dict[str, Any]:
         """What this observer's record needs to continue after a resume (JSON; saved with
-        every checkpoint, on rank 0). Keys are owned as report keys are."""
+        every checkpoint, on rank 0). Keys are owned as report keys are. Every rank asks it
+        together, before each save: a collective may gather what differs by rank (observers/moe.py)."""
         return {}
 
     def on_train_start(self, engine: Engine, step: int) -> None:

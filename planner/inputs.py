@@ -41,7 +41,13 @@ class ModelDescription(Protocol):
         it: 0, nothing priced."""
 
     def block_params(self) -> int:
-        """Parameters of one repeated block."""
+        """Parameters of one repeated block (a MoE model's: a MoE block)."""
+
+    def stack_params(self) -> int:
+        """Parameters of all the blocks together (a MoE model's dense first blocks at their size)."""
+
+    def largest_block_params(self) -> int:
+        """Parameters of the largest block."""
 
     def embedding_params(self) -> int:
         """Parameters of one vocab x dim matrix."""
@@ -63,8 +69,9 @@ class Inputs(Protocol):
 
 
 def unit_params(model: ModelDescription) -> int:
-    """The largest FSDP/ZeRO-3 unit: a transformer block or an embedding matrix."""
-    return max(model.block_params(), model.embedding_params())
+    """The largest FSDP/ZeRO-3 unit: a transformer block (the largest, where they differ) or an
+    embedding matrix."""
+    return max(model.largest_block_params(), model.embedding_params())
 
 
 def rows_per_sample(job: Any) -> int:

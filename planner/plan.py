@@ -95,7 +95,7 @@ def _layout(c: Candidate, su: Setup) -> _Layout:
     tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
     sb = _state_bytes(fp, su)
     if getattr(run, "float8", "none") == "tensorwise" and fp.params == SHARDED and shape is not None:
-        sb = float8_gather(sb, shape.n_layers * shape.block_params() / max(su.params, 1))
+        sb = float8_gather(sb, shape.stack_params() / max(su.params, 1))
     mp = tp * pp
     per_step = run.batch.accumulation * run.batch.chunks  # micro-batches each replica runs per step
     derived = strategy.for_batch(t.global_batch_size, t.micro_batch_size, dp)
@@ -114,7 +114,7 @@ def _layout(c: Candidate, su: Setup) -> _Layout:
                   bytes=sb, dp=dp * mesh.seq, shard=mesh.dp_shard * mesh.seq, tp=tp, mp=mp,
                   unit=(unit_params(shape) if shape is not None else estimated_unit(su.params)) / mp,
                   units=layers + 1,
-                  blocks=shape.n_layers * shape.block_params() / mp if shape is not None else None,
+                  blocks=shape.stack_params() / mp if shape is not None else None,
                   model=shape, total_params=su.params, micro=t.micro_batch_size,
                   accumulation=run.batch.accumulation, resident=su.cluster.accelerator != "gpu")
     # sequence parallelism under TP: the preset's own (planned-only layouts: planner's option)

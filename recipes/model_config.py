@@ -125,6 +125,17 @@ class ModelConfig:
         model, a MoE block (router, routed and shared experts) unless ``moe=False``."""
         return sum(self._block_tensors(self.is_moe and moe is not False))
 
+    def stack_params(self) -> int:
+        """Parameters of all the blocks together: the dense first layers' (first_dense_layers)
+        and the MoE layers' each at their own size."""
+        dense = self.n_layers - self.moe_layers
+        return dense * self.block_params(moe=False) + self.moe_layers * self.block_params()
+
+    def largest_block_params(self) -> int:
+        """Parameters of the largest block: a MoE block, or a dense first one where it is larger."""
+        dense = self.block_params(moe=False) if self.n_layers > self.moe_layers else 0
+        return max(dense, self.block_params() if self.moe_layers else 0)
+
     def _block_tensors(self, moe: bool) -> list[int]:
         """Elements of each of a block's tensors: q, k, v, o, the two norms, the attention's
         biases, then the MLP's three (a MoE block: the router and the stacked experts' three,
@@ -177,9 +188,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count of ``GPT(self)``, without building it."""
         embeddings = self.embedding_params() * (1 if self.tie_embeddings else 2)
-        dense = self.n_layers - self.moe_layers
-        return (dense * self.block_params(moe=False) + self.moe_layers * self.block_params()
-                + embeddings + self.dim)
+        return self.stack_params() + embeddings + self.dim
 
     def buffer_bytes(self) -> int:
         """Bytes of the model's buffers (what DDP broadcasts from rank 0 before a forward): the

@@ -196,6 +196,20 @@ def assert_losses_close(ref: list[float], other: list[float], rtol: float) -> No
     assert worst <= rtol, f"losses differ by {worst:.2e} (relative) > {rtol:g}:\n{ref}\n{other}"
 
 
+def bf16_valued(state: dict) -> list[str]:
+    """The tensors of ``state`` whose every value a bfloat16 holds exactly (a 16-bit copy's)."""
+    import torch
+
+    return sorted(k for k, v in state.items() if torch.equal(v, v.bfloat16().float()))
+
+
+def assert_moe_close(want: dict, got: dict) -> None:
+    """Two reports' ``moe`` blocks agree (tokens per expert exactly: the same routing)."""
+    assert got["tokens_per_expert"] == want["tokens_per_expert"], (want, got)
+    rest = {k: v for k, v in want.items() if k != "tokens_per_expert"}
+    assert {k: got[k] for k in got if k != "tokens_per_expert"} == pytest.approx(rest, rel=1e-6), (want, got)
+
+
 def assert_params_close(ref: dict, other: dict, rtol: float) -> None:
     """Every tensor agrees to ``rtol`` relative to its own largest magnitude."""
     assert ref.keys() == other.keys(), sorted(set(ref) ^ set(other))

@@ -16,7 +16,8 @@ import pytest
 from recipes.config import compose, describe
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close, run_cli, typed
+from tests.conftest import (EQUIV, OPTIMIZERS, assert_losses_close, assert_moe_close, assert_params_close,
+                            run_cli, typed)
 
 MOE = ("model=gpt_moe_nano",)
 CPU = ("cluster.accelerator=cpu",)
@@ -83,6 +84,47 @@ def test_tokens_over_capacity_are_dropped_and_counted():
 
 
 @pytest.mark.unit
+def test_the_moe_report_of_a_resumed_run_covers_the_whole_run():
+    """observers/moe.py: the router's record rides in the checkpoint's history (JSON, the run's
+    totals so far), so a run resumed at step 3 of 6 reports what the uninterrupted run does, not
+    its last three steps (capacity 1.0: some drops, counted too)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from observers.moe import MoEStats
+    from recipes.training import build_model
+
+    shape = describe(compose([*MOE, "model.capacity_factor=1.0"]).model)
+    engine = SimpleNamespace(model=build_model(shape, 1))
+    batches = [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def steps(stats, first, last):
+        for step in range(first, last):
+            with torch.no_grad():
+                engine.model(batches[step])
+            stats.on_forward_end(engine, step)
+            stats.on_step_end(engine, step + 1, 0.0)
+
+    whole, first, resumed = MoEStats(), MoEStats(), MoEStats()
+    steps(whole, 0, 6)
+    steps(first, 0, 3)
+    saved = json.loads(json.dumps(first.history()))  # (history.json)
+    resumed.on_resume(engine, 3, saved)
+    steps(resumed, 3, 6)
+    for stats in (whole, resumed):
+        stats.on_train_end(engine)
+    want = whole.report()["moe"]
+    assert want["dropped_tokens"] > 0
+    assert_moe_close(want, resumed.report()["moe"])
+    last_three = MoEStats()
+    steps(last_three, 3, 6)
+    last_three.on_train_end(engine)
+    assert last_three.report()["moe"]["tokens_per_expert"] != want["tokens_per_expert"]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, needle", [
     (("model.top_k=5",), "model.top_k=5 > model.n_experts=4"),
     (("model.capacity_factor=0",), "model.capacity_factor=0.0: must be > 0"),
@@ -129,6 +171,21 @@ def test_ep_presets_refuse_a_dense_model_by_name(preset):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
+def test_ep_presets_refuse_a_moe_model_without_a_moe_layer(preset):
+    """first_dense_layers = n_layers: no routed expert anywhere (it trained as the dense preset,
+    the plan saying "0 expert parameters split 2 ways"); one below it is a MoE layer, accepted."""
+    base = [f"strategy={preset}", *TWO, *CPU, *MOE]
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "model.first_dense_layers=2"]))
+    assert e.value.problems == [
+        f"strategy={preset} shards the experts of a mixture-of-experts model, and "
+        "model.first_dense_layers=2 = model.n_layers=2 leaves none (every layer dense): allowed 0..1; "
+        "set model.first_dense_layers<=1, or use a dense preset (fsdp2, zero2)"], e.value.problems
+    validate(compose([*base, "model.first_dense_layers=1"]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp_ep", "zero2_ep"])
 def test_ep_presets_refused_by_accelerate_by_name(preset):
     from backends import check
 
@@ -165,6 +222,29 @@ def test_an_ep_of_one_says_no_tokens_are_traded():
     assert "moe_all_to_all" not in p1["communication"]["by_collective"]
     assert any("no token all-to-all" in n for n in p1["notes"]), p1["notes"]
     assert any("token all-to-all of n_experts" in n for n in p2["notes"]), p2["notes"]
+
+
+# deepseek_moe_16b's kind of stack at CPU size: a dense first block, a MoE block with a shared expert
+UNEVEN = ("model.n_shared_experts=1", "model.first_dense_layers=1", "model.moe_ffn_dim=32", "model.top_k=1")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["fsdp2", "fsdp_ep"])
+@pytest.mark.parametrize("shape", [(), UNEVEN], ids=["uniform", "uneven"])
+def test_fsdp_regathers_the_blocks_as_built(preset, shape):
+    """Backward all-gathers every block again (the root is kept): on 2 ranks a rank sends half
+    of the blocks' parameters (fsdp_ep: their non-expert ones; ep=2 leaves each expert one
+    holder), counted on the built model. A dense first block was priced as a MoE block (the
+    uneven stack planned 1.6x the bytes measured: ``test_an_uneven_stack_sends_what_was_planned``)."""
+    from planner import plan_dict, preflight
+    from recipes.training import build_model
+
+    cfg = compose([*MOE, *CPU, *TWO, f"strategy={preset}", "trainer.micro_batch_size=4", *shape])
+    model = build_model(describe(cfg.model), 1)
+    held = sum(p.numel() for name, p in model.layers.named_parameters()
+               if preset == "fsdp2" or ".experts." not in f".{name}")
+    planned = plan_dict(preflight(typed(cfg)))["communication"]["by_collective"]["param_all_gather_backward"]
+    assert planned["bytes"] == held * 4 / 2 * 2  # fp32, half sent, 2 micro-batches a step
 
 
 def _plan(preset: str, ep: int) -> dict:
@@ -241,11 +321,23 @@ def test_all_to_all_on_the_ep_group_as_planned(runs):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (CI: test_fsdp_regathers_the_blocks_as_built prices it; this measures it)
+@pytest.mark.timeout(600)
+def test_an_uneven_stack_sends_what_was_planned(runs):
+    """fsdp_ep with a dense first block and a shared expert: what the ranks send per step is the
+    plan's, within 1% (it was 6% under it, the backward all-gather priced 1.6x high)."""
+    run = runs("strategy=fsdp_ep", *TWO, "trainer.micro_batch_size=4", *UNEVEN)
+    pvm = run.report["predicted_vs_measured"]["communication"]
+    assert pvm["ratio"] == pytest.approx(1.0, abs=0.01), pvm
+
+
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_ep_checkpoint_resumes_exactly(runs):
     """The DCP checkpoint holds every expert (the DTensors' full shapes); resuming at step 3
-    continues exactly (AdamW: the moments of each rank's experts come back to it)."""
+    continues exactly (AdamW: the moments of each rank's experts come back to it), and the
+    report's routing covers the whole run (the checkpoint's history carries it)."""
     full = runs("strategy=fsdp_ep", *TWO, "trainer.micro_batch_size=4", "trainer.checkpoint_every=3",
                 optimizer="adamw")
     ckpt = full.out / "checkpoints" / "step3"
@@ -255,6 +347,7 @@ def test_fsdp_ep_checkpoint_resumes_exactly(runs):
     assert resumed.losses[:3] == full.losses[:3]
     assert_losses_close(full.losses[3:], resumed.losses[3:], rtol=1e-5)
     assert_params_close(full.params(), resumed.params(), rtol=1e-5)
+    assert_moe_close(full.report["moe"], resumed.report["moe"])
 
 
 @pytest.mark.subprocess

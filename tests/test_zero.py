@@ -20,7 +20,8 @@ from recipes.config import compose
 from recipes.job import validate
 from strategies.families.deepspeed import libaio_available
 from tests.cases import CASES, P, SHARD_ALL
-from tests.conftest import EQUIV, OPTIMIZERS, ROOT, assert_losses_close, assert_params_close, by_optimizer
+from tests.conftest import (EQUIV, OPTIMIZERS, ROOT, assert_losses_close, assert_params_close, bf16_valued,
+                            by_optimizer)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -106,6 +107,29 @@ def test_zero_gradient_accumulation_matches_single_process(cached, reference, pr
     assert (run.report["accumulation"], run.report["micro_batch_size"]) == (2, 2)
     assert_losses_close(single_reference.losses, run.losses, rtol=1e-5)
     assert_params_close(single_reference.params(), run.params(), rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset, backend", [
+    ("zero2", "lightning"),
+    pytest.param("zero3", "lightning", marks=pytest.mark.slow),
+    pytest.param("zero2", "accelerate", marks=pytest.mark.slow)])
+def test_bf16_exports_the_fp32_masters(train, preset, backend):
+    """Under bf16-mixed DeepSpeed trains 16-bit copies of the parameters and steps fp32 masters:
+    params.pt holds the masters, exactly what DeepSpeed's own zero_to_fp32 reads from the run's
+    checkpoint (the export read the module's bf16 weights, each tensor then bf16-valued)."""
+    import torch
+
+    from checkpoints.state import full_model
+    from checkpoints.store import read
+
+    run = train(*CASES[preset].overrides, f"backend={backend}", "trainer.precision=bf16-mixed",
+                *OPTIMIZERS["sgd"], "trainer.max_steps=2", "trainer.global_batch_size=8",
+                "trainer.export_params=true")
+    params, masters = run.params(), full_model(read(run.out / "checkpoints" / "step2"))
+    assert not bf16_valued(params), bf16_valued(params)
+    assert set(params) == set(masters) and all(torch.equal(params[k], masters[k]) for k in masters), (
+        [k for k in masters if not torch.equal(params[k], masters[k])])
 
 
 # --- NVMe (ZeRO-Infinity) ---------------------------------------------------------------------

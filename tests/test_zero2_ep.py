@@ -26,7 +26,8 @@ import pytest
 from recipes.config import compose
 from recipes.job import validate
 from strategies import ConfigError
-from tests.conftest import EQUIV, OPTIMIZERS, assert_losses_close, assert_params_close
+from tests.conftest import (EQUIV, OPTIMIZERS, assert_losses_close, assert_moe_close, assert_params_close,
+                            bf16_valued)
 
 MOE = ("model=gpt_moe_nano",)
 CPU = ("cluster.accelerator=cpu",)
@@ -116,7 +117,8 @@ def test_zero2_ep_matches_one_process_on_more_ranks_and_with_clipping(runs, worl
 @pytest.mark.timeout(600)
 def test_zero2_ep_checkpoint_resumes_exactly(runs):
     """AdamW, 2 ranks, a checkpoint at step 3: resuming from it continues exactly (each rank's
-    experts and their moments come back to it); the checkpoint's full model is the run's."""
+    experts and their moments come back to it); the checkpoint's full model is the run's, and
+    the report's routing covers the whole run."""
     import torch
 
     full = runs("strategy=zero2_ep", *WORLD[2], "trainer.checkpoint_every=3", optimizer="adamw")
@@ -128,3 +130,25 @@ def test_zero2_ep_checkpoint_resumes_exactly(runs):
     assert_params_close(full.params(), resumed.params(), rtol=1e-5)
     last = torch.load(full.out / "checkpoints" / "step6" / "zero_ep" / "model.pt")
     assert_params_close(full.params(), last, rtol=0)
+    assert_moe_close(full.report["moe"], resumed.report["moe"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_zero2_ep_under_bf16_exports_the_fp32_masters(runs):
+    """Under bf16-mixed each rank's module holds bf16 copies (its own experts) and ZeRO steps fp32
+    masters: params.pt and the checkpoint's model.pt (what convert.py reads) are the masters --
+    no tensor bf16-valued, each rounding to the ranks' bf16 weights, experts in rank order (the
+    export was those bf16 weights themselves). The dense presets: tests/test_zero.py."""
+    import torch
+
+    run = runs("strategy=zero2_ep", *WORLD[2], "trainer.precision=bf16-mixed", "trainer.max_steps=2")
+    params = run.params()
+    d = run.out / "checkpoints" / "step2" / "zero_ep"
+    assert not bf16_valued(params), bf16_valued(params)
+    full = torch.load(d / "model.pt")
+    assert set(full) == set(params) and all(torch.equal(full[k], params[k]) for k in params)
+    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False)["module"] for r in range(2)]
+    for k, v in params.items():
+        held = ranks[0][k] if ranks[0][k].shape == v.shape else torch.cat([m[k] for m in ranks])
+        assert held.dtype == torch.bfloat16 and torch.equal(v.bfloat16(), held), k

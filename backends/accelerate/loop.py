@@ -233,7 +233,7 @@ def _loop(job: Job, out: Path, observers: Observers, p: Prepared, engine: Accele
     if objective is not None:
         objective.publish()  # (report.json dpo; every rank: a collective)
     report = observers.train_end(engine)
-    # (every rank gathers -- a collective under fsdp/zero3 -- and rank 0 keeps them: backends.run
+    # (every rank gathers -- a collective under fsdp/zero3 and 16-bit ZeRO -- and rank 0 keeps them: backends.run
     # writes params.pt after the last collective, where no peer's timeout runs)
     params = p.builder.full_state_dict(model) if t.export_params else None
     return Outcome(rank=acc.process_index, report=report, params=params if acc.is_main_process else None)

@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from core.errors import ConfigError
+from core.keys import plain_key
 from core.mesh import Axis
 from core.run import Run
 
@@ -80,16 +81,46 @@ def gathered(params: list[Any]) -> Any:
 
 def full_state_dict(engine: Any, stage: int, prefix: str = "") -> dict[str, Any]:
     """The full fp32 parameters of the module inside the DeepSpeed ``engine``, keyed as the plain
-    model, on every rank (ZeRO-3: gathered,
-    collectively; ZeRO-1/2 keep full, updated parameters in the module)."""
+    model, on every rank (collective: every rank calls it). Under bf16/fp16 the module holds
+    16-bit copies (ZeRO-1/2 whole, ZeRO-3 partitioned), so each trained parameter is its fp32
+    master instead (``_with_masters``); a parameter the optimizer does not step (frozen) is the
+    module's, as it trained."""
     module = engine.module
     if stage < 3:
-        return _plain_full_state_dict(module, prefix)
-    import deepspeed
+        state = _plain_full_state_dict(module, prefix)
+    else:
+        import deepspeed
 
-    # Collective: every rank gathers; modifier_rank=None means nobody writes back.
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return _plain_full_state_dict(module, prefix)
+        # Collective: every rank gathers; modifier_rank=None means nobody writes back.
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = _plain_full_state_dict(module, prefix)
+    return _with_masters(module, state, prefix)
+
+
+def _with_masters(module: Any, state: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``state`` with each 16-bit parameter's fp32 master, as DeepSpeed's own
+    ``safe_get_full_fp32_param`` assembles it (ZeRO-1/2: an all-reduce over the parameter's
+    data-parallel group -- an expert's: its expert-data-parallel group, so an expert comes back
+    as this rank's experts, which zero2_ep then gathers; ZeRO-3: an all-gather). Collective:
+    every rank walks the same parameters in the same order. fp32 parameters are their own
+    masters (DeepSpeed copies the updated partitions back), so nothing is sent for them."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):  # (tied: every key)
+        key = plain_key(name)
+        if key.startswith(prefix):
+            names.setdefault(id(p), []).append(key[len(prefix):])
+    out = dict(state)
+    for p in module.parameters():
+        if p.dtype == torch.float32 or (hasattr(p, "ds_id") and not hasattr(p, "_z3_optimizer")):
+            continue  # (the same on every rank: no optimizer, no masters)
+        master = safe_get_full_fp32_param(p)
+        for key in names.get(id(p), []) if master is not None else []:
+            out[key] = master.detach().float().cpu().clone()
+    return out
 
 
 def sequence_groups(sp: int) -> Any:

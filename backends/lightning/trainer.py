@@ -111,7 +111,7 @@ def fit(built: Built) -> Outcome:
     # the module's validation_step is reached through strategy.validation_step by the bridge.)
     trainer.fit(built.module, datamodule=built.data)
     built.bridge.untrained(trainer, built.module)  # (restored at max_steps: the loop was skipped)
-    # (every rank gathers -- a collective under fsdp/zero3 -- and rank 0 keeps them: backends.run
+    # (every rank gathers -- a collective under fsdp/zero3 and 16-bit ZeRO -- and rank 0 keeps them: backends.run
     # writes params.pt after the last collective, where no peer's timeout runs)
     params = trainer.strategy.full_state_dict(prefix=MODEL_PREFIX) if job.trainer.export_params else None
     return Outcome(rank=trainer.global_rank, report=built.bridge.report,

@@ -29,6 +29,12 @@ def moe_problems(preset: StrategyConfig, model: Any) -> list[str]:
         return [f"strategy={preset.name} shards the experts of a mixture-of-experts model, and "
                 f"model={getattr(model, 'name', '?')} has none (model.n_experts=0): use a MoE model "
                 "(model=gpt_moe_nano, mixtral_8x7b, deepseek_moe_16b) or a dense preset (fsdp2, zero2)"]
+    layers, dense = getattr(model, "n_layers", 0), getattr(model, "first_dense_layers", 0)
+    if getattr(model, "moe_layers", 1) == 0 and dense == layers:  # (> n_layers: the model's own problem)
+        return [f"strategy={preset.name} shards the experts of a mixture-of-experts model, and "
+                f"model.first_dense_layers={dense} = model.n_layers={layers} leaves none (every layer "
+                f"dense): allowed 0..{layers - 1}; set model.first_dense_layers<={layers - 1}, or use a "
+                "dense preset (fsdp2, zero2)"]
     # (n_experts divisible by ep: core.mesh.Mesh.model_problems, which knows the ranks ep folds into)
     return []
 
@@ -51,9 +57,12 @@ class ExpertSplit:
         ratio = n.trainable / n.params if n.params else 1.0
         layers = max(1, model.moe_layers)
         per_layer = experts / layers
+        # the largest unit beside the experts: a MoE block with its share of the experts, or one
+        # that ep leaves whole (a dense first block, an embedding)
+        whole = max(model.embedding_params(), model.block_params(moe=False) if model.n_layers > layers else 0)
+        unit = max(model.block_params() / n.mp - per_layer + per_layer / self.ep, whole / n.mp)
         dense = dataclasses.replace(n, params=n.params - experts, trainable=n.trainable - experts * ratio,
-                                    unit=max(0.0, n.unit - per_layer) + per_layer / self.ep,
-                                    blocks=None if n.blocks is None else n.blocks - experts)
+                                    unit=unit, blocks=None if n.blocks is None else n.blocks - experts)
         ex = dataclasses.replace(n, params=experts / self.ep, trainable=experts * ratio / self.ep,
                                  dp=max(1, n.dp // self.ep), shard=max(1, n.shard // self.ep),
                                  tp=n.tp * self.ep, unit=per_layer / self.ep, units=layers,
@@ -91,7 +100,7 @@ class ExpertSplit:
 
     def notes(self, n: Sizes) -> list[str]:
         model = n.model
-        if not getattr(model, "is_moe", False):
+        if not getattr(model, "is_moe", False) or not model.moe_layers:  # (no MoE layer: refused)
             return super().notes(n)
         if self.ep == 1:  # (no expert groups: the experts are sharded like the rest, nothing traded)
             return [*super().notes(n), f"expert parallel ep=1: the {model.expert_params():,} expert parameters "
