@@ -135,9 +135,15 @@ def save(h: Handles, temp: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(h.model, h.optimizer, options=_options())
+        # A tensor every rank holds is written by one: by default the rank with the least to
+        # write so far, tensor by tensor. Under local_sgd and diloco the replicas differ between
+        # averagings, and the checkpoint was a mix of them; rank 0 writes every such tensor there,
+        # so the checkpoint holds rank 0's replica and its optimizer state, the model its
+        # validation scored (backends/common/replica.py).
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=getattr(h.rank_state, "replicas_differ", False))
         with _dcp_quietly():
             dcp.save({"model": _strip(model_sd, h.prefix), "optim": _strip_optim(optim_sd, h.prefix)},
-                     checkpoint_id=str(temp / DCP))
+                     checkpoint_id=str(temp / DCP), planner=planner)
     (temp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), temp / "rng" / f"rank{h.rank}.pt")
     if h.rank_state is not None:

@@ -376,6 +376,12 @@ def test_a_relaxed_preset_validates_rank_0_s_replica(tmp_path, preset, backend):
     assert abs(scores[0] - scores[1]) > 1e-5 * scores[0], f"the replicas should differ at step 2: {scores}"
     assert run.report["validation"][0]["step"] == 2
     assert run.report["validation"][0]["loss"] == pytest.approx(scores[0], rel=1e-6), scores
+    # ... the model the checkpoint keeps (DCP: rank 0 writes each tensor every rank holds)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step2.parent / "dcp", tmp_path / "step2.pt")
+    kept = torch.load(tmp_path / "step2.pt", weights_only=False)["model"]
+    assert all(torch.equal(kept[k], replicas[0][k]) for k in replicas[0])
     # ... and the validation changed nothing: the losses, the step-4 validation, rank 1's replica
     assert run.losses == plain.losses
     assert run.report["validation"][-1] == plain.report["validation"][-1]

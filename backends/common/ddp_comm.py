@@ -427,6 +427,11 @@ class RankState:
         self.prefix = prefix
         """Where the plain model sits in the wrapped one's names (Lightning: "model.")."""
 
+    @property
+    def replicas_differ(self) -> bool:
+        """Whether the ranks train replicas of their own between averagings (local SGD, DiLoCo)."""
+        return self.sync is not None and self.sync._impl is not None
+
     def _names(self) -> dict[int, str]:
         """id -> the plain model's name (DDP's "module.", the backend's prefix, wrappers dropped)."""
         from core.keys import plain_key
