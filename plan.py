@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
         print(job.chosen_by)
         # (the degrees and knobs it chose, spelled out: the command trains and plans the same)
         mine = [a for a in argv if a.split("=")[0].lstrip("+~").split(".")[0] != "strategy"]
-        print(f"run it: python train.py {' '.join([*mine, *run_overrides(job.preset)])}"
+        print(f"run it: {start(job)} {' '.join([*mine, *run_overrides(job.preset)])}"
               "   (what strategy=auto trains)")
     if chosen and (problems := report.plans[0].problems):  # a layout that cannot run here
         what = "cannot run on" if report.plans[0].blocking else "is incomplete for"
@@ -71,11 +71,19 @@ def main(argv: list[str]) -> None:
             run = [f"model.path=/path/to/{job.model.name}", *run]
         auto = ("(tight: strategy=auto refuses it; lower planner.reserve_GB to let it)"
                 if report.recommendation.tight else "(or strategy=auto)")
-        print(f"run it: python train.py {' '.join([*keep, *run])}   {auto}")
+        print(f"run it: {start(job)} {' '.join([*keep, *run])}   {auto}")
         if (micro := report.recommendation.micro_batch_size) is not None:
             keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]
-            print(f"   or: python train.py {' '.join([*keep, *run, f'trainer.micro_batch_size={micro}'])}"
+            print(f"   or: {start(job)} {' '.join([*keep, *run, f'trainer.micro_batch_size={micro}'])}"
                   "   (the largest micro batch that fits)")
+
+
+def start(job) -> str:
+    """The command that starts ``job`` from the user's machine (its launcher's: a Slurm cluster's
+    jobs are submitted through Hydra's submitit launcher, k8s and SageMaker ones by launch.py)."""
+    from launchers.registry import get
+
+    return get(job.cluster.launcher).command
 
 
 if __name__ == "__main__":

@@ -53,11 +53,19 @@ class Launcher:
     submit: Callable[[Job, list[str]], str] | None = None
     elsewhere: Callable[[str], bool] | None = None
     checked_first: bool = False
+    start: str = "python train.py"
+    """How a user starts a job of it from their machine, before the overrides (plan.py's run-it line)."""
 
     @property
     def submits(self) -> bool:
         """``launch.py`` has a submission step for it (else: ``python train.py``)."""
         return self.submit is not None
+
+    @property
+    def command(self) -> str:
+        """The command plan.py prints before a job's overrides: launch.py for a launcher that
+        submits, else ``start``."""
+        return "python launch.py" if self.submits else self.start
 
 
 LAUNCHERS: dict[str, Launcher] = {}

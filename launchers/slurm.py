@@ -225,13 +225,16 @@ class SlurmSubmission(Callback):
         log.info("slurm: %s", {k: config.hydra.launcher[k] for k in request(config)})
 
 
-@launcher("slurm")
+SUBMIT = "python train.py -m hydra/launcher=submitit_slurm"
+
+
+@launcher("slurm", start=SUBMIT)
 def launch_problems(job: Job) -> list[str]:
     """Outside an srun step: its ranks are Slurm tasks, submitted through Hydra's launcher."""
     c, size = job.cluster, job.mesh.size
     if size > 1:
         return [f"cluster.launcher=slurm: each of the {size} ranks is a Slurm task; submit with "
-                f"python train.py -m hydra/launcher=submitit_slurm cluster={c.name} ... (a sweep of "
+                f"{SUBMIT} cluster={c.name} ... (a sweep of "
                 f"one job is fine), or inside an allocation: srun --ntasks-per-node={c.devices} "
                 "python train.py ..."]
     return []

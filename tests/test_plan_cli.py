@@ -151,6 +151,26 @@ def test_plan_py_prints_the_command_that_runs_the_recommendation():
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("cluster, start", [
+    ("slurm_8x8_h100", "python train.py -m hydra/launcher=submitit_slurm model=llama_1b cluster=slurm_8x8_h100 "),
+    ("k8s", "python launch.py model=llama_1b cluster=k8s "),
+    ("sagemaker_p5_2node", "python launch.py model=llama_1b cluster=sagemaker_p5_2node ")])
+def test_the_run_it_line_starts_the_job_as_its_launcher_does(cluster, start):
+    """For a Slurm, k8s or SageMaker cluster the line said ``python train.py ...``, which train.py
+    refuses there ("each of the 64 ranks is a Slurm task; submit with ..."). The Slurm line as
+    printed passes train.py's own --dry-run."""
+    proc = _plan_cli("model=llama_1b", f"cluster={cluster}")
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("run it: ", "   or: "))]
+    assert lines and all(x.split(": ", 1)[1].startswith(start) for x in lines), lines
+    if cluster.startswith("slurm"):
+        command = lines[0].removeprefix("run it: ").split("   ")[0].split()[1:]  # (train.py -m ...)
+        dry = subprocess.run([sys.executable, *command, "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert dry.returncode == 0 and "would start job 0" in dry.stdout, dry.stdout + dry.stderr
+
+
+@pytest.mark.subprocess
 def test_strategy_auto_prints_the_command_of_what_it_chose():
     """plan.py strategy=auto on mixtral named fsdp_ep and printed no command; the ep=8 it chose
     was on the layout line only, and ``strategy=fsdp_ep`` (ep=2) plans 3.5x slower."""
