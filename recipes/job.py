@@ -177,18 +177,18 @@ def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
     """Keys added with ``+group.key=value`` (or ``+group.sub.key=value`` under a nested group such
     as trainer.early_stopping or model.lora), which the schema does not have: one line each, with
     the closest key when one is close, and the fix."""
-    import difflib
     import typing
     from dataclasses import is_dataclass
+
+    from core.errors import closest
 
     known = sorted(f.name for f in fields(schema))
     out = []
     for k in sorted(set(node) - set(known)):
-        close = difflib.get_close_matches(k, known, n=1)
-        if close:
-            out.append(f"{prefix}.{k}: not a key of {prefix}; did you mean {prefix}.{close[0]}? "
+        if close := closest(k, known):
+            out.append(f"{prefix}.{k}: not a key of {prefix}; did you mean {prefix}.{close}? "
                        f"remove +{prefix}.{k}={_as_override(node, k)} and write "
-                       f"{prefix}.{close[0]}={_as_override(node, k)}")
+                       f"{prefix}.{close}={_as_override(node, k)}")
         else:
             out.append(f"{prefix}.{k}: not a key of {prefix} (known: {', '.join(known)}); "
                        f"remove +{prefix}.{k}={_as_override(node, k)}")

@@ -107,7 +107,6 @@ def _with_masters(module: Any, state: dict[str, Any], prefix: str) -> dict[str, 
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
 
-
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):  # (tied: every key)
         key = plain_key(name)
