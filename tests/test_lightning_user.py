@@ -229,3 +229,19 @@ def test_a_users_ckpt_path_of_another_preset_is_refused_by_a_preset_that_keeps_s
     assert done.returncode != 0
     assert "keeps state of its own on each rank" in done.stderr and "strategy=ddp_powersgd's on 2 rank(s)" \
         in done.stderr, done.stderr[-3000:]
+
+
+def test_a_users_own_validation_under_local_sgd_scores_rank_0s_replica(tmp_path):
+    """Lightning's own validation loop (a user's validation_step, sync_dist) with local SGD's
+    replicas apart: every rank scores rank 0's replica (the model its checkpoint keeps), not each
+    its own on its half of the samples; each rank's own is back bit for bit afterwards, and a
+    ModelCheckpoint saving at the validation's end holds each rank's own replica."""
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "lightning_validate_script.py"), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    rank0, rank1 = result["ranks"]
+    assert abs(rank0["own_loss"] - rank1["own_loss"]) > 1e-4, result  # the replicas differ
+    for logged in (result["at_fit"], result["at_validate"]):
+        assert math.isclose(logged, rank0["own_loss"], rel_tol=1e-6), result
+    assert rank0["back"] and rank1["back"] and rank0["in_ckpt"] and rank1["in_ckpt"], result

@@ -5,12 +5,14 @@ the same code the Accelerate loop calls)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
 from backends.common.ddp_comm import Synchronizer
 from backends.common.ddp_comm import comm_hook as efficient_hook
+from backends.common.replica import rank0_replica
 from backends.lightning.families import builds
 from backends.lightning.preset import PresetStrategy
 from strategies.families.ddp import DDPConfig
@@ -74,6 +76,7 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
                          gradient_as_bucket_view=preset.gradient_as_bucket_view)
         self.preset = preset
         self._sync = Synchronizer(preset)
+        self._scoring = ExitStack()
 
     def _enable_model_averaging(self) -> None:
         """Lightning would average with its own PeriodicModelAverager for the post-local-SGD hook;
@@ -87,6 +90,19 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
         """The relaxed presets' parameter synchronization (validation asks it whether replicas
         differ: backends/common/replica.py)."""
         return self._sync
+
+    def on_validation_start(self) -> None:
+        """A user's own validation (Lightning's loop; train.py validates in its bridge): under
+        local SGD / DiLoCo every rank scores rank 0's replica, not each its own on its share of
+        the samples (backends/common/replica.py); each rank's own is back at the end, or before
+        a checkpoint saved meanwhile (a ModelCheckpoint at validation end), so the checkpoint
+        keeps every rank's own replica."""
+        super().on_validation_start()
+        self._scoring.enter_context(rank0_replica(self._sync, self.model))
+
+    def on_validation_end(self) -> None:
+        self._scoring.close()
+        super().on_validation_end()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._sync.before_step(self.model)
@@ -123,6 +139,7 @@ class PresetDDPStrategy(PresetStrategy, DDPStrategy):
         with every rank's own state gathered into it (``RANK_STATE``), so ``ckpt_path`` resumes
         these presets exactly as train.py's checkpoints do. Every rank calls this (Lightning's
         contract); rank 0 writes."""
+        self._scoring.close()  # (each rank's own replica, also when saved inside a validation)
         if (own := self.rank_state("")) is not None:
             import torch.distributed as dist
 
