@@ -22,18 +22,19 @@ def chat_tokens(tok: Any, conversations: list[Any], eos: int, *, assistant_only:
                 first: int = 0, source: str = "data.path") -> tuple[list[list[int]], list[list[int]] | None]:
     """Each conversation's tokens (rendered with ``tok``'s chat template, EOS appended unless
     the template ends with it) and, with ``assistant_only``, its loss mask (1: an assistant
-    token). ``first``: the index of the first conversation (for errors)."""
+    token). ``first``: how many conversations come before these (errors count records from 1,
+    as token_checks.bad_record does)."""
     template = tok.chat_template
     if assistant_only and isinstance(template, str) and GENERATION.search(template):
         return _generation_masks(tok, conversations, eos, first, source)
     texts, spans = [], []
     for n, messages in enumerate(conversations):
         if (why := _messages_problem(messages)) is not None:
-            raise DataError(f"{source}: record {first + n}'s messages are {why}")
+            raise DataError(f"{source}: record {first + n + 1}'s messages are {why}")
         try:
             text, sp = _render(tok, messages, assistant_only)
         except Exception as e:
-            raise DataError(f"{source}: record {first + n} does not render with the chat template "
+            raise DataError(f"{source}: record {first + n + 1} does not render with the chat template "
                             f"of data.tokenizer: {e}") from e
         texts.append(text)
         spans.append(sp)
@@ -110,12 +111,12 @@ def _generation_masks(tok: Any, conversations: list[Any], eos: int, first: int, 
     ids_out, masks_out = [], []
     for n, messages in enumerate(conversations):
         if (why := _messages_problem(messages)) is not None:
-            raise DataError(f"{source}: record {first + n}'s messages are {why}")
+            raise DataError(f"{source}: record {first + n + 1}'s messages are {why}")
         try:
             enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
         except Exception as e:
-            raise DataError(f"{source}: record {first + n} does not render with the chat template "
+            raise DataError(f"{source}: record {first + n + 1} does not render with the chat template "
                             f"of data.tokenizer: {e}") from e
         ids, mask = list(enc["input_ids"]), [int(b) for b in enc["assistant_masks"]]
         if not ids or ids[-1] != eos:

@@ -1,0 +1,73 @@
+"""What users' data files give (the user-data audit): a ``data.val_path`` file that is also one of
+``data.path``'s, ``data.tokenizer`` pointing at a file that is not a tokenizer.json, a UTF-8-BOM
+jsonl, files whose records have other keys or columns, held-out windows beyond
+``data.val_samples``, data=chat's record numbers, and data=text's CRLF line ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from recipes.config import DataConfig, compose
+from recipes.data import CORPUS, build_datasets
+from recipes.job import CONFIG, validate
+from strategies import ConfigError
+
+pytest.importorskip("datasets")  # the hf extra
+
+SHAPE = SimpleNamespace(seq_len=16, vocab_size=512)
+MODEL = SimpleNamespace(vocab_size=512, seq_len=16)
+
+
+def _docs(n: int = 40) -> list[str]:
+    """``n`` documents of varied lengths (50-450 characters) cut from the bundled corpus."""
+    text = CORPUS.read_text()
+    return [text[i * 500 : i * 500 + 50 + (i * 137) % 400] for i in range(n)]
+
+
+def _jsonl(path: Path, records: list[dict], prefix: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prefix + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _problems(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *overrides]), depth=CONFIG)
+    return e.value.problems
+
+
+def _data_problems(**kw) -> list[str]:
+    from recipes.token_checks import data_problems
+
+    return data_problems(DataConfig(**kw), MODEL)
+
+
+# ------------------------------------------------------------------ 6: chat's record numbers
+@pytest.mark.unit
+def test_chat_record_numbers_count_from_one(hf_tokenizer):
+    """data=chat called the 6th record "record 5" where data=jsonl calls it "record 6" (counted
+    from 1, token_checks.bad_record): both count from 1, with or without {% generation %}."""
+    from transformers import AutoTokenizer
+
+    from core.errors import DataError
+    from recipes.chat_tokens import chat_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(hf_tokenizer))
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    convs = [good] * 5 + [[{"role": "user"}]] + [good]
+    templates = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
+                 "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    for template in templates:
+        tok.chat_template = template
+        for first, number in ((0, 6), (1000, 1006)):
+            with pytest.raises(DataError) as e:
+                chat_tokens(tok, convs, tok.eos_token_id, first=first, source="data.path=x")
+            assert str(e.value).startswith(f"data.path=x: record {number}'s messages are a list holding"), str(e.value)
