@@ -192,9 +192,9 @@ def chat_template_of(path: str | Path) -> str | None:
 
 def _first_json_record(f: Path) -> Any:
     """The first non-blank line, parsed; a JSON array on it (a compact .json file) is a list of
-    records: its first."""
+    records: its first. UTF-8, a byte-order mark skipped (as ``datasets`` reads JSON)."""
     opener = gzip.open if f.name.endswith(".gz") else open
-    with opener(f, "rt") as lines:
+    with opener(f, "rt", encoding="utf-8-sig") as lines:
         for line in lines:
             if line.strip():
                 record = json.loads(line)

@@ -271,7 +271,7 @@ def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str
     a JSON object (datasets names an Arrow row, not a line of the file)."""
     if inputs.loader == "json":
         for f in (f for f in inputs.files if f.name.endswith(".jsonl")):
-            with open(f, encoding="utf-8", errors="replace") as lines:
+            with open(f, encoding="utf-8-sig", errors="replace") as lines:  # (a BOM: datasets' too)
                 for n, line in enumerate(lines, 1):
                     try:
                         ok = not line.strip() or isinstance(json.loads(line), dict)

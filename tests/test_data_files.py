@@ -50,6 +50,40 @@ def _data_problems(**kw) -> list[str]:
     return data_problems(DataConfig(**kw), MODEL)
 
 
+# ------------------------------------------------------------------ 3: a UTF-8 BOM
+@pytest.mark.unit
+def test_a_utf8_bom_jsonl_is_read_as_datasets_reads_it(hf_tokenizer, tmp_path):
+    """A jsonl written with a BOM (Windows editors, PowerShell) was refused before launch as "not
+    readable as jsonl (Unexpected UTF-8 BOM)", though datasets reads it: the check reads it too,
+    plain and gzipped, and it tokenizes to the same tokens as without the BOM."""
+    from recipes.tokens import token_file
+
+    records = [{"body": d} for d in _docs(8)]
+    bom = _jsonl(tmp_path / "bom" / "a.jsonl", records, prefix="\ufeff")
+    plain = _jsonl(tmp_path / "plain" / "a.jsonl", records)
+    gz = tmp_path / "gz" / "a.jsonl.gz"
+    gz.parent.mkdir()
+    gz.write_bytes(gzip.compress(bom.read_bytes()))
+    for path in (bom, gz):
+        assert _data_problems(name="jsonl", path=str(path), field="body", tokenizer=str(hf_tokenizer)) == []
+    said = _data_problems(name="jsonl", path=str(bom), field="text", tokenizer=str(hf_tokenizer))
+    assert said == [f"data.field='text' is not a key of {bom}'s records (it has: body): set "
+                    "data.field=<one of them>"], said
+    def tokens(path: Path) -> list[int]:
+        return token_file(kind="jsonl", path=path, field="body", tokenizer=hf_tokenizer,
+                          cache_dir=tmp_path / "c").array().tolist()
+    assert tokens(bom) == tokens(plain) == tokens(gz)
+    # a broken line further down: the line named is that one, not the BOM's
+    from core.errors import DataError
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(bom.read_text(encoding="utf-8").replace('{"body"', '{"body" 1', 3).replace('{"body" 1', '{"body"', 2),
+                      encoding="utf-8")
+    with pytest.raises(DataError) as e:
+        tokens(broken)
+    assert str(e.value).startswith(f"data.path={broken}: line 3 is not JSON ("), str(e.value)
+
+
 # ------------------------------------------------------------------ 6: chat's record numbers
 @pytest.mark.unit
 def test_chat_record_numbers_count_from_one(hf_tokenizer):
