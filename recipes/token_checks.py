@@ -58,10 +58,9 @@ def data_problems(data: Any, model: Any | None) -> list[str]:
         if failed := unreadable(inputs.files):
             out.append(cannot_read(key, value, failed, len(inputs.files)))
             continue
-        if key == "data.val_path" and "data.path" in read and _same_files(read["data.path"], inputs):
-            out.append(f"data.val_path={value}: the same files as data.path={data.path}, so the "
-                       "validation loss would be a training loss: point data.val_path at held-out "
-                       "data, or remove it and set data.val_fraction")
+        if key == "data.val_path" and "data.path" in read and (
+                shared := _shared_files(value, inputs, data.path, read["data.path"])):
+            out.append(shared)
             continue
         if name == "tokens":
             out += (_shard_problems(key, value, inputs.files, data, vocab, hf)
@@ -139,9 +138,35 @@ def say_short_shards(key: str, value: Any, files: list[Path], lengths: list[int]
                 len(short), len(files), seq_len + 1, sum(n for _, n in short), named, more)
 
 
-def _same_files(a: Inputs, b: Inputs) -> bool:
-    """Two inputs that read the same files (a file and a glob of it, a directory and its files)."""
-    return {f.resolve() for f in a.files} == {f.resolve() for f in b.files}
+def _shared_files(value: Any, val: Inputs, path: Any, train: Inputs) -> str | None:
+    """The error for a ``data.val_path`` that reads files ``data.path`` reads too (the same ones:
+    a file and a glob of it, a directory and its files; or some: a validation file inside the
+    training directory or glob), naming them and the side to narrow; None when they share none."""
+    train_files = {f.resolve(): f for f in train.files}
+    val_files = {f.resolve(): f for f in val.files}
+    shared = [f for r, f in val_files.items() if r in train_files]
+    if not shared:
+        return None
+    rest_val = [f for r, f in val_files.items() if r not in train_files]
+    rest_train = [f for r, f in train_files.items() if r not in val_files]
+    if not rest_val and not rest_train:
+        return (f"data.val_path={value}: the same files as data.path={path}, so the validation loss "
+                "would be a training loss: point data.val_path at held-out data, or remove it and "
+                "set data.val_fraction")
+    named = ", ".join(map(str, shared[:3])) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+    which = (f"its file {shared[0]} is also" if len(val.files) == 1 else
+             f"{len(shared)} of its {len(val.files)} files {'is' if len(shared) == 1 else 'are'} also")
+    whose = f"one of data.path={path}'s" + ("" if len(val.files) == 1 else f" ({named})")
+
+    def alone(key: str, files: list[Path], what: str) -> str:
+        them = "it" if len(shared) == 1 else "them"
+        where = f"{key}={files[0]}" if len(files) == 1 else f"a glob or directory that leaves {them} out"
+        return f"point {key} at the {what} files alone ({where})"
+
+    fix = " or ".join([alone("data.path", rest_train, "training")] * bool(rest_train)
+                      + [alone("data.val_path", rest_val, "held-out")] * bool(rest_val))
+    return (f"data.val_path={value}: {which} {whose}, so the validation loss would be partly a "
+            f"training loss: {fix}")
 
 
 def null_why(model: Any | None) -> str:

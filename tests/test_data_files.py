@@ -50,6 +50,48 @@ def _data_problems(**kw) -> list[str]:
     return data_problems(DataConfig(**kw), MODEL)
 
 
+# ------------------------------------------------------------------ 1: val_path inside data.path
+@pytest.mark.unit
+def test_a_val_path_file_inside_the_training_inputs_is_refused(hf_tokenizer, tmp_path):
+    """A directory holding train.jsonl and val.jsonl, data.path at the directory and data.val_path
+    at val.jsonl: the 20 validation documents were trained on too, silently (only the same files
+    were refused). Refused before launch like them, naming the shared file and the fix; the same
+    for a glob and for data=tokens shards; and a data.val_path reading more than data.path."""
+    tv = tmp_path / "tv"
+    train = _jsonl(tv / "train.jsonl", [{"text": d} for d in _docs(10)])
+    val = _jsonl(tv / "val.jsonl", [{"text": d} for d in _docs(3)])
+    tok = (f"data.tokenizer={hf_tokenizer}", "model.vocab_size=512", "data=jsonl")
+    for path in (tv, f"{tv}/*.jsonl"):
+        said = _problems(*tok, f"data.path={path}", f"data.val_path={val}")
+        assert said == [f"data.val_path={val}: its file {val} is also one of data.path={path}'s, so the "
+                        "validation loss would be partly a training loss: point data.path at the "
+                        f"training files alone (data.path={train})"], said
+    # data.val_path reads the training file and another: the other is the held-out one
+    other = _jsonl(tmp_path / "more" / "test.jsonl", [{"text": d} for d in _docs(3)])
+    both = f"{tmp_path}/*/t*.jsonl"
+    said = _problems(*tok, f"data.path={train}", f"data.val_path={both}")
+    assert said == [f"data.val_path={both}: 1 of its 2 files is also one of data.path={train}'s "
+                    f"({train}), so the validation loss would be partly a training loss: point "
+                    f"data.val_path at the held-out files alone (data.val_path={other})"], said
+    # data=tokens: a shard directory and one of its shards
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("000.bin", "001.bin", "002.bin"):
+        np.arange(200, dtype=np.uint16).tofile(shards / name)
+    said = _problems("data=tokens", f"data.path={shards}", f"data.val_path={shards / '002.bin'}",
+                     f"data.cache_dir={tmp_path / 'c'}")
+    assert said == [f"data.val_path={shards / '002.bin'}: its file {shards / '002.bin'} is also one of "
+                    f"data.path={shards}'s, so the validation loss would be partly a training loss: point "
+                    "data.path at the training files alone (a glob or directory that leaves it out)"], said
+    # the same files are still the same sentence; separate files pass
+    said = _problems(*tok, f"data.path={tv}", f"data.val_path={tv}/*")
+    assert said == [f"data.val_path={tv}/*: the same files as data.path={tv}, so the validation loss "
+                    "would be a training loss: point data.val_path at held-out data, or remove it "
+                    "and set data.val_fraction"], said
+    validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *tok, f"data.path={train}",
+                      f"data.val_path={val}"]), depth=CONFIG)
+
+
 # ------------------------------------------------------------------ 3: a UTF-8 BOM
 @pytest.mark.unit
 def test_a_utf8_bom_jsonl_is_read_as_datasets_reads_it(hf_tokenizer, tmp_path):
