@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from recipes.data_size import _rank0, no_sample, windows
-from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, Inputs, TokenizerInfo, _messages_problem,
-                                  chat_template_of, default_cache_dir, record_keys, resolve_inputs,
-                                  splits_of, tokenizer_info)
+from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, TOKENIZER_FIX, Inputs, TokenizerInfo,
+                                  _messages_problem, chat_template_of, default_cache_dir,
+                                  not_tokenizer_json, record_keys, resolve_inputs, splits_of,
+                                  tokenizer_info)
 
 log = logging.getLogger("recipes.tokens")  # (the tokens cache's logger, as before the split)
 
@@ -236,6 +237,11 @@ def tokenizer_problems(path: str, vocab: int | None, *, chat: bool = False, hf: 
                 "tokenizer_config.json (data.tokenizer defaults to model.path): point it at a "
                 "tokenizer saved with save_pretrained"
                 + ("" if chat else ", or data.tokenizer=null for byte tokens (data=text)")]
+    if p.is_file() and (why := not_tokenizer_json(p)) is not None:
+        home = any((p.parent / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+        fix = (f"point data.tokenizer at its directory (data.tokenizer={p.parent}) or at a tokenizer.json"
+               if home else TOKENIZER_FIX)
+        return [f"data.tokenizer={path}: not a tokenizer.json ({why}): {fix}"]
     try:
         info = info_of(p)
         template = chat_template_of(p) if chat else None

@@ -136,6 +136,26 @@ class TokenizerInfo:
     eos_id: int | None
 
 
+TOKENIZER_FIX = "point data.tokenizer at a tokenizer directory (saved with save_pretrained) or at a tokenizer.json"
+TOKENIZER_JSON_MAX = 512 << 20  # (the largest tokenizer.json files are tens of MB; this is data)
+
+
+def not_tokenizer_json(path: Path) -> str | None:
+    """Why the file ``path`` is not a tokenizers JSON, the one file transformers' fast tokenizer
+    loads alone (a tokenizer_config.json, a data file, a sentencepiece model), or None."""
+    size = path.stat().st_size
+    if size > TOKENIZER_JSON_MAX:
+        return f"a {size / 2**30:.1f} GiB file"
+    try:
+        spec = json.loads(path.read_bytes())
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+        return f"not JSON: {str(e).splitlines()[0]}"
+    if isinstance(spec, dict) and "model" in spec:
+        return None
+    config = "; tokenizer_config.json holds a tokenizer directory's settings" if path.name == "tokenizer_config.json" else ""
+    return f"a JSON file without the tokenizer's \"model\"{config}"
+
+
 def _tokenizer_json(path: Path) -> Path | None:
     p = path / "tokenizer.json" if path.is_dir() else path
     return p if p.is_file() and p.suffix == ".json" else None

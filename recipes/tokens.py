@@ -60,9 +60,10 @@ from core.errors import DataError
 from recipes.chat_tokens import chat_tokens
 from recipes.token_checks import (bad_record, data_problems, shard_id_problem, shard_max_ids,
                                   tokenizer_problems)
-from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOADERS, SUFFIXES, Inputs,
-                                  TokenizerInfo, chat_template_of, default_cache_dir, record_keys,
-                                  resolve_inputs, splits_of, tokenizer_info)
+from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOADERS, SUFFIXES,
+                                  TOKENIZER_FIX, Inputs, TokenizerInfo, chat_template_of,
+                                  default_cache_dir, record_keys, resolve_inputs, splits_of,
+                                  tokenizer_info)
 from recipes.token_progress import Turn, registered, take, this_rank
 
 log = logging.getLogger(__name__)
@@ -236,14 +237,18 @@ def token_file(*, kind: str, path: str | Path, field: str, tokenizer: str | Path
 
 
 def load_tokenizer(path: Path) -> Any:
-    """A transformers tokenizer from a directory, or a fast one from a tokenizer.json."""
-    if path.is_dir():
-        from transformers import AutoTokenizer
+    """A transformers tokenizer from a directory, or a fast one from a tokenizer.json; one that
+    does not load is a DataError naming ``data.tokenizer`` (the checks before launch read its
+    JSON files only: a directory's files may still fail to load)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    try:
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    except Exception as e:  # noqa: BLE001  (tokenizers' Exception, transformers' OSError / ValueError)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"data.tokenizer={path}: cannot load a tokenizer from it ({why}): {TOKENIZER_FIX}") from e
 
 
 def _load(inputs: Inputs, kind: str, scratch: str, key: str = "data.path") -> Any:

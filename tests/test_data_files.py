@@ -92,6 +92,42 @@ def test_a_val_path_file_inside_the_training_inputs_is_refused(hf_tokenizer, tmp
                       f"data.val_path={val}"]), depth=CONFIG)
 
 
+# ------------------------------------------------------------------ 2: a file that is no tokenizer
+@pytest.mark.unit
+def test_a_tokenizer_file_that_is_not_a_tokenizer_json_is_one_line(hf_tokenizer, tmp_path):
+    """data.tokenizer at the directory's tokenizer_config.json, or at a jsonl: the checks and
+    --dry-run passed, the run died in a 44-line transformers traceback (exit 1). One line before
+    launch naming the key and the fix (the directory, or its tokenizer.json); and a tokenizer that
+    fails to load after launch (the checks skipped) is one DataError line."""
+    from core.errors import DataError
+    from recipes.token_checks import tokenizer_problems
+    from recipes.tokens import token_file
+
+    config = hf_tokenizer / "tokenizer_config.json"
+    data = _jsonl(tmp_path / "d" / "a.jsonl", [{"text": d} for d in _docs(5)])
+    assert tokenizer_problems(str(config), 512) == [
+        f"data.tokenizer={config}: not a tokenizer.json (a JSON file without the tokenizer's "
+        "\"model\"; tokenizer_config.json holds a tokenizer directory's settings): point "
+        f"data.tokenizer at its directory (data.tokenizer={hf_tokenizer}) or at a tokenizer.json"]
+    said = tokenizer_problems(str(data), 512)
+    assert len(said) == 1 and said[0].startswith(f"data.tokenizer={data}: not a tokenizer.json (not JSON: "), said
+    assert said[0].endswith(": point data.tokenizer at a tokenizer directory (saved with save_pretrained) "
+                            "or at a tokenizer.json"), said
+    said = _problems("data=jsonl", f"data.path={data}", f"data.tokenizer={config}", "model.vocab_size=512")
+    assert len(said) == 1 and said[0].startswith(f"data.tokenizer={config}: not a tokenizer.json"), said
+    # the directory and its tokenizer.json pass
+    assert tokenizer_problems(str(hf_tokenizer), 512) == []
+    assert tokenizer_problems(str(hf_tokenizer / "tokenizer.json"), 512) == []
+    # after launch (a tokenizer that passes no check): one DataError line
+    for bad in (config, data):
+        with pytest.raises(DataError) as e:
+            token_file(kind="jsonl", path=data, field="text", tokenizer=bad, cache_dir=tmp_path / "c")
+        said = str(e.value)
+        assert said.startswith(f"data.tokenizer={bad}: cannot load a tokenizer from it ("), said
+        assert said.endswith("): point data.tokenizer at a tokenizer directory (saved with save_pretrained) "
+                             "or at a tokenizer.json") and "\n" not in said, said
+
+
 # ------------------------------------------------------------------ 3: a UTF-8 BOM
 @pytest.mark.unit
 def test_a_utf8_bom_jsonl_is_read_as_datasets_reads_it(hf_tokenizer, tmp_path):
