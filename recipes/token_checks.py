@@ -19,7 +19,7 @@ from typing import Any
 
 from recipes.data_size import _rank0, no_sample, windows
 from recipes.token_inputs import (DISK, EXAMPLES, SUFFIXES, TOKENIZER_FIX, Inputs, TokenizerInfo,
-                                  _messages_problem, chat_template_of, default_cache_dir,
+                                  _messages_problem, chat_template_of, default_cache_dir, file_keys,
                                   not_tokenizer_json, record_keys, resolve_inputs, splits_of,
                                   tokenizer_info)
 
@@ -197,6 +197,8 @@ def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[st
     if field not in keys:
         return [f"{knob}={field!r} is not a {what} of {value}'s records (it has: "
                 f"{', '.join(map(str, keys)) or 'none'}): set {knob}=<one of them>"]
+    if (other := _other_files(key, value, inputs, field, knob)) is not None:
+        return [other]
     if chat and record is not None and (why := _messages_problem(record[field])) is not None:
         return [f"{key}={value}: the first record's {field!r} is {why}: data=chat reads "
                 f"{knob} as a list of {{\"role\": ..., \"content\": ...}} messages"]
@@ -206,6 +208,48 @@ def _record_problems(key: str, value: str, inputs: Inputs, data: Any) -> list[st
                 "'assistant', and data.train_on=assistant trains on the assistant turns alone: name "
                 f"the roles as chat templates do ({', '.join(sorted(ROLES))}), or set data.train_on=all"]
     return []
+
+
+def _other_files(key: str, value: Any, inputs: Inputs, field: str, knob: str) -> str | None:
+    """A file after the first that the run cannot read as the first: its first record (a parquet
+    file: its columns) without the field, or a parquet column the first file lacks (datasets
+    reads every file with the first one's columns: "Couldn't cast"). A JSON file's later records
+    may hold keys its first lacks, so a JSON key the first file's first record lacks is left to
+    the run (``cast_problem``)."""
+    if inputs.loader not in ("json", "parquet"):
+        return None
+    found = [(f, k) for f in inputs.files if (k := file_keys(f, inputs.loader)) is not None]
+    parquet = inputs.loader == "parquet"
+    for f, keys in found[1:]:
+        first, first_keys = found[0]
+        if field not in keys:
+            whose, have = ("columns have", "have") if parquet else ("first record has", "has")
+            return (f"{key}={value}: {f}'s {whose} no {field!r} (it has: {', '.join(keys) or 'none'}), "
+                    f"while {first.name}'s {have}: every file must hold {knob}={field!r}: fix that "
+                    f"file, or point {key} at the files that have it")
+        if parquet and (extra := [c for c in keys if c not in first_keys]):
+            return (f"{key}={value}: {f} has the column{'s' * (len(extra) > 1)} {', '.join(extra)} "
+                    f"that {first.name} (the first file: {', '.join(first_keys)}) lacks, and datasets "
+                    "reads every file with the first one's columns: give the files the same "
+                    f"columns, or point {key} at files of one layout")
+    return None
+
+
+def cast_problem(key: str, inputs: Inputs, error: Any) -> str | None:
+    """After the run's ``datasets`` failed to cast a file to the first file's columns (its
+    ``CastError``): the first later file whose records hold a key the first's lack, read whole,
+    and those keys; None when none is found."""
+    new = [c for c in error.table_column_names if c not in error.requested_column_names]
+    what = "column" if inputs.loader == "parquet" else "key"
+    for f in inputs.files[1:]:
+        extra = [c for c in file_keys(f, inputs.loader, whole=True) or () if c in new]
+        if extra:
+            return (f"{key}={f}: its records have the {what}{'s' * (len(extra) > 1)} {', '.join(extra)} "
+                    f"that {inputs.files[0].name}'s (the first file's: "
+                    f"{', '.join(error.requested_column_names)}) lack, and datasets reads every file "
+                    f"with the first one's {what}s: give every file's records the same {what}s, or "
+                    f"point {key} at files of one layout")
+    return None
 
 
 def bad_record(batch: dict[str, list[Any]], column: str, first: int, what: str) -> str:

@@ -222,6 +222,37 @@ def _first_json_record(f: Path) -> Any:
     return None
 
 
+def file_keys(f: Path, loader: str, *, whole: bool = False) -> list[str] | None:
+    """The keys of one file's records: a parquet file's columns (its schema); a JSON file's first
+    record's, or with ``whole`` every record's, in the order they first appear (the run's
+    error, after ``datasets`` failed: it reads the file whole); None when unknown (no record,
+    a line that is not JSON, a JSON document over several lines without ``whole``)."""
+    if loader == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(f).names
+    opener = gzip.open if f.name.endswith(".gz") else open
+    try:
+        if not whole:
+            record = _first_json_record(f)
+            return list(record) if isinstance(record, dict) else None
+        with opener(f, "rt", encoding="utf-8-sig") as text:
+            records: Iterable[Any] = (json.loads(line) for line in text if line.strip())
+            if f.name.endswith((".json", ".json.gz")):  # (one document, a list of records or one; or lines)
+                whole_text = text.read()
+                try:
+                    doc = json.loads(whole_text)
+                    records = doc if isinstance(doc, list) else [doc]
+                except ValueError:
+                    records = (json.loads(line) for line in whole_text.splitlines() if line.strip())
+            keys: dict[str, None] = {}
+            for record in records:
+                keys.update(dict.fromkeys(record if isinstance(record, dict) else ()))
+            return list(keys) or None
+    except (OSError, ValueError):
+        return None
+
+
 def record_keys(inputs: Inputs) -> tuple[list[str], Any] | None:
     """(the keys / columns of the input's records, the first JSON record or None), read from
     the first file's first line (a one-line JSON array: its first record; the next file's when

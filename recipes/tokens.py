@@ -58,8 +58,8 @@ from typing import Any
 
 from core.errors import DataError
 from recipes.chat_tokens import chat_tokens
-from recipes.token_checks import (bad_record, data_problems, shard_id_problem, shard_max_ids,
-                                  tokenizer_problems)
+from recipes.token_checks import (bad_record, cast_problem, data_problems, shard_id_problem,
+                                  shard_max_ids, tokenizer_problems)
 from recipes.token_inputs import (DISK, EOS_NAMES, EXAMPLES, JSON_SUFFIXES, LOADERS, SUFFIXES,
                                   TOKENIZER_FIX, Inputs, TokenizerInfo, chat_template_of,
                                   default_cache_dir, record_keys, resolve_inputs, splits_of,
@@ -286,9 +286,16 @@ def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str
                         why = "not a JSON object"
                     if not ok:
                         return f"{key}={f}: line {n} is {why}: fix or remove that line"
-    cause = str(error.__cause__ or error).strip().splitlines()
+    cause = error.__cause__ or error
+    cast = hasattr(cause, "table_column_names")  # (datasets' CastError: a later file's other columns)
+    if cast and (said := cast_problem(key, inputs, cause)):
+        return said
+    lines = str(cause).strip().splitlines()
+    why = lines[0] if lines else type(error).__name__
+    if cast and callable(getattr(cause, "details", None)):
+        why += f": {cause.details()}"  # (its first line is "Couldn't cast", the columns below it)
     return (f"{key}={inputs.files[0] if len(inputs.files) == 1 else inputs.files[0].parent}: "
-            f"datasets cannot read it as {inputs.loader} ({cause[0] if cause else type(error).__name__})")
+            f"datasets cannot read it as {inputs.loader} ({why})")
 
 
 def _tokenizer(tok_path: Path, kind: str) -> tuple[Any, int]:

@@ -349,8 +349,13 @@ def test_bad_chat_data_fails_before_launch(chat_tokenizer, hf_tokenizer, tmp_pat
     (tmp_path / "empty").mkdir()
     msg = _problems("data=parquet", f"data.path={tmp_path / 'empty'}", f"data.tokenizer={hf_tokenizer}")
     assert "a directory without *.parquet files" in msg and "glob" in msg
-    # the good ones pass: a directory, a glob
-    for path in (tmp_path, f"{tmp_path}/c.js*"):
+    # the good ones pass: a directory, a glob (tmp_path itself is refused now: its sharegpt.jsonl and
+    # flat.jsonl hold "messages", not "conversation", which the run could not read)
+    (tmp_path / "good").mkdir()
+    shutil.copy(src, tmp_path / "good")
+    msg = _problems("data=chat", f"data.path={tmp_path}", "data.messages_field=conversation", tok)
+    assert "flat.jsonl's first record has no 'conversation' (it has: messages)" in msg, msg
+    for path in (tmp_path / "good", f"{tmp_path}/c.js*"):
         validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", "model.vocab_size=516", "data=chat",
                           f"data.path={path}", "data.messages_field=conversation", tok]), depth=CONFIG)
 

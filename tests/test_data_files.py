@@ -162,6 +162,68 @@ def test_a_utf8_bom_jsonl_is_read_as_datasets_reads_it(hf_tokenizer, tmp_path):
     assert str(e.value).startswith(f"data.path={broken}: line 3 is not JSON ("), str(e.value)
 
 
+# ------------------------------------------------------------------ 4: files of other columns
+@pytest.mark.unit
+def test_files_whose_records_have_other_keys_are_named(hf_tokenizer, tmp_path):
+    """a.jsonl's records hold 'body', b.jsonl's 'text': the run failed after launch with
+    "data.path=<dir>: datasets cannot read it as json (Couldn't cast)", naming neither the file
+    nor the columns. Before launch, each file's first record (a parquet file's schema) is read:
+    a file without the field, or a parquet file with a column the first lacks, is named with its
+    columns; what only the whole file shows (a jsonl's later file with a key the first file's
+    records lack) is named after launch, in one line."""
+    from core.errors import DataError
+    from recipes.tokens import token_file
+
+    tok = str(hf_tokenizer)
+    bad = tmp_path / "bad"
+    a = _jsonl(bad / "a.jsonl", [{"body": d} for d in _docs(5)])
+    b = _jsonl(bad / "b.jsonl", [{"text": d} for d in _docs(5)])
+    said = _data_problems(name="jsonl", path=str(bad), field="body", tokenizer=tok)
+    assert said == [f"data.path={bad}: {b}'s first record has no 'body' (it has: text), while {a.name}'s "
+                    "has: every file must hold data.field='body': fix that file, or point data.path at "
+                    "the files that have it"], said
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pqd = tmp_path / "pq"
+    pqd.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"body": d} for d in _docs(5)]), pqd / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([{"body": d, "id": i} for i, d in enumerate(_docs(5))]), pqd / "b.parquet")
+    said = _data_problems(name="parquet", path=str(pqd), field="body", tokenizer=tok)
+    assert said == [f"data.path={pqd}: {pqd / 'b.parquet'} has the column id that a.parquet (the first "
+                    "file: body) lacks, and datasets reads every file with the first one's columns: "
+                    "give the files the same columns, or point data.path at files of one layout"], said
+    pq.write_table(pa.Table.from_pylist([{"text": d} for d in _docs(5)]), pqd / "b.parquet")
+    said = _data_problems(name="parquet", path=str(pqd), field="body", tokenizer=tok)
+    assert said == [f"data.path={pqd}: {pqd / 'b.parquet'}'s columns have no 'body' (it has: text), while "
+                    "a.parquet's have: every file must hold data.field='body': fix that file, or point "
+                    "data.path at the files that have it"], said
+    # after launch: b.jsonl's later record adds a key; its first record looks like a.jsonl's
+    later = tmp_path / "later"
+    _jsonl(later / "a.jsonl", [{"body": d} for d in _docs(5)])
+    b = _jsonl(later / "b.jsonl", [{"body": "x"}, {"body": "y", "id": 3}])
+    assert _data_problems(name="jsonl", path=str(later), field="body", tokenizer=tok) == []
+    with pytest.raises(DataError) as e:
+        token_file(kind="jsonl", path=later, field="body", tokenizer=hf_tokenizer, cache_dir=tmp_path / "c")
+    assert str(e.value) == (f"data.path={b}: its records have the key id that a.jsonl's (the first file's: "
+                            "body) lack, and datasets reads every file with the first one's keys: give "
+                            "every file's records the same keys, or point data.path at files of one "
+                            "layout"), str(e.value)
+    # no file found holding the new key: datasets' own explaining line is kept
+    from datasets.table import CastError
+
+    from recipes.token_inputs import resolve_inputs
+    from recipes.tokens import _unreadable
+
+    cast = CastError("Couldn't cast\nbody: string\nbody2: string\nto\n{'body': Value('string')}\nbecause "
+                     "column names don't match", table_column_names=["body", "body2"], requested_column_names=["body"])
+    failed = RuntimeError("An error occurred while generating the dataset")
+    failed.__cause__ = cast
+    assert _unreadable(resolve_inputs("jsonl", later), failed) == (
+        f"data.path={later}: datasets cannot read it as json (Couldn't cast: there are 1 new columns ({{'body2'}}))")
+
+
 # ------------------------------------------------------------------ 6: chat's record numbers
 @pytest.mark.unit
 def test_chat_record_numbers_count_from_one(hf_tokenizer):
