@@ -4,7 +4,8 @@
 
 An input (``data.path``) is a file, a directory (its files of the kind, in name order), a glob
 (``/data/**/*.parquet``, in name order) or a ``datasets.save_to_disk`` directory
-(``resolve_inputs``). Each document is tokenized (no special tokens added) and followed by the
+(``resolve_inputs``); a data=text ``.txt`` file is one document, its text as written (CRLF kept).
+Each document is tokenized (no special tokens added) and followed by the
 tokenizer's EOS; the documents are concatenated in input order into one flat token stream, stored
 as ``uint16`` when the vocabulary is below 65536 (else ``uint32``) and read back with
 ``numpy.memmap``; recipes/data.py cuts it into ``seq_len + 1`` windows, so one cache serves every
@@ -82,8 +83,10 @@ def cache_key(kind: str, paths: Iterable[Path], field: str, tokenizer: Path, *,
     for p in paths:
         st = p.stat()
         inputs.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    h.update(json.dumps({"v": FORMAT_VERSION, "kind": kind, "loader": loader or LOADERS.get(kind, kind),
-                         "field": field, "train_on": train_on, "inputs": inputs}).encode())
+    loader = loader or LOADERS.get(kind, kind)
+    text = {"newlines": "kept"} if loader == "text" else {}  # (a cache from before read CRLF as LF)
+    h.update(json.dumps({"v": FORMAT_VERSION, "kind": kind, "loader": loader, "field": field,
+                         "train_on": train_on, "inputs": inputs, **text}).encode())
     files = ([tokenizer / n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
              if tokenizer.is_dir() else [tokenizer])
     for f in files:
@@ -256,19 +259,27 @@ def _load(inputs: Inputs, kind: str, scratch: str, key: str = "data.path") -> An
         from datasets import load_from_disk
 
         return load_from_disk(str(inputs.disk))
-    from datasets import load_dataset
+    from datasets import Dataset, load_dataset
 
-    kwargs = {"sample_by": "document"} if inputs.loader == "text" else {}
+    files = [str(f) for f in inputs.files]
     said = logging.getLogger(f"datasets.packaged_modules.{inputs.loader}.{inputs.loader}")
     level = said.level
     said.setLevel(logging.CRITICAL)  # (its "Failed to load JSON ... in row 3": ours names the line)
     try:
-        return load_dataset(inputs.loader, data_files=[str(f) for f in inputs.files], split="train",
-                            cache_dir=scratch, **kwargs)
+        if inputs.loader == "text":  # (not datasets' text loader: it reads CRLF and CR as LF)
+            return Dataset.from_generator(_text_documents, gen_kwargs={"files": files}, cache_dir=scratch)
+        return load_dataset(inputs.loader, data_files=files, split="train", cache_dir=scratch)
     except Exception as e:  # noqa: BLE001  (datasets' DatasetGenerationError, pyarrow's: a bad file)
         raise DataError(_unreadable(inputs, e, key)) from e
     finally:
         said.setLevel(level)
+
+
+def _text_documents(files: list[str]) -> Iterable[dict[str, str]]:
+    """data=text: each file one document, its text as written (UTF-8; CRLF and CR kept)."""
+    for f in files:
+        with open(f, encoding="utf-8", newline="") as text:
+            yield {"text": text.read()}
 
 
 def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str:

@@ -245,3 +245,30 @@ def test_chat_record_numbers_count_from_one(hf_tokenizer):
             with pytest.raises(DataError) as e:
                 chat_tokens(tok, convs, tok.eos_token_id, first=first, source="data.path=x")
             assert str(e.value).startswith(f"data.path=x: record {number}'s messages are a list holding"), str(e.value)
+
+
+# ------------------------------------------------------------------ 7: CRLF in data=text
+@pytest.mark.unit
+def test_text_with_a_tokenizer_keeps_the_files_line_ends(hf_tokenizer, tmp_path):
+    """data=text with a tokenizer read .txt files in universal-newline mode: CRLF became LF (15002
+    tokens where the files' text gives 15005). The tokens are the files' text, each file one
+    document followed by EOS, CR and CRLF kept; a file that is not UTF-8 is still one line."""
+    from transformers import AutoTokenizer
+
+    from core.errors import DataError
+    from recipes.tokens import token_file
+
+    d = tmp_path / "txt"
+    d.mkdir()
+    texts = ["line one\r\nline two\r\n\r\nend\r\n", "old mac\rlines\r", "unix\nonly\n", ""]
+    for i, t in enumerate(texts):
+        (d / f"f{i}.txt").write_bytes(t.encode())
+    tok = AutoTokenizer.from_pretrained(str(hf_tokenizer))
+    want = [t for text in texts for t in [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    got = token_file(kind="text", path=d, field="text", tokenizer=hf_tokenizer, cache_dir=tmp_path / "c")
+    assert got.array().tolist() == want and got.n_docs == 4
+    (d / "f9.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        token_file(kind="text", path=d, field="text", tokenizer=hf_tokenizer, cache_dir=tmp_path / "c")
+    assert str(e.value).startswith(f"data.path={d}: datasets cannot read it as text ("), str(e.value)
+    assert "utf-8" in str(e.value) and "\n" not in str(e.value), str(e.value)
