@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
     from launchers import sweep
     from recipes.cli import CONFIG_ERROR
     from recipes.compose import compose
+    from recipes.data_size import held_out_notes
     from recipes.job import validate
     from strategies import ConfigError
 
@@ -104,7 +105,8 @@ def main(argv: list[str]) -> int:
             code = CONFIG_ERROR
             continue
         print(f"would start{f' job {i}' if multirun else ''}: {_launch(job, run_dir)}")
-        print("".join(f"note: {line}\n" for line in job.strategy.notes(job.run)), end="")
+        notes = [*job.strategy.notes(job.run), *held_out_notes(job.data, job.model)]
+        print("".join(f"note: {line}\n" for line in notes), end="")
     print("--dry-run: nothing was started")
     return code
 

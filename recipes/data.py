@@ -35,11 +35,9 @@ from torch.utils.data import Dataset, Subset
 
 from core.errors import DataError
 # (VAL_MIN_SAMPLES and held_out: importable from here, as before they moved)
-from recipes.data_size import VAL_MIN_SAMPLES, epochs, held_out, no_sample, say_split, windows  # noqa: F401
+from recipes.data_size import CORPUS, VAL_MIN_SAMPLES, epochs, held_out, no_sample, say_split, windows  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-CORPUS = Path(__file__).parent / "assets" / "corpus.txt"
 
 
 IGNORE = -100  # a target cross entropy skips (torch's default ignore_index)

@@ -196,7 +196,8 @@ class DataConfig:
     val_fraction)."""
     val_samples: int | None = knob(256, min=1)
     """Validate on at most this many held-out samples (the first ones: the same set on every
-    world size); None: all."""
+    world size); None: all. A data.val_fraction's held-out samples past it are neither trained
+    on nor validated (the run warns with their number)."""
     num_samples: int = knob(4096, min=1)
     """Samples in the synthetic dataset."""
     num_workers: int = knob(0, min=0)

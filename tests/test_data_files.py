@@ -224,6 +224,67 @@ def test_files_whose_records_have_other_keys_are_named(hf_tokenizer, tmp_path):
         f"data.path={later}: datasets cannot read it as json (Couldn't cast: there are 1 new columns ({{'body2'}}))")
 
 
+# ------------------------------------------------------------------ 5: held out, never validated
+@pytest.mark.unit
+def test_held_out_windows_beyond_val_samples_are_said(caplog, monkeypatch, hf_tokenizer, tmp_path):
+    """data.val_fraction=0.5 of 847 windows held out 424 and data.val_samples=256 validated 256:
+    168 windows (20% of the data) were neither trained on nor validated, and nothing said so.
+    The split stays (the held-out windows stay out of training, as the fraction says); rank 0
+    warns with the count and the fix, and --dry-run notes it (the count where the windows are
+    known before launch: byte text, shards, a token cache; else from how many on it starts)."""
+    from launchers import dry_run
+    from recipes.data_size import held_out_notes
+
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS.read_text()[: 100 * 16 + 1])  # 100 windows of 16
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = DataConfig(name="text", path=str(text), val_fraction=0.5, val_samples=8)
+    with caplog.at_level(logging.INFO, logger="recipes.data"):
+        train, val = build_datasets(cfg, SHAPE, 0)
+    assert (len(train), len(val)) == (50, 8)  # (the split as before)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    want = ("data.val_fraction=0.5 of 100 samples holds out 50 and data.val_samples=8 validates the "
+            "first 8: the other 42 held-out samples (42% of the data) are neither trained on nor "
+            "validated; raise data.val_samples to 50 (null: all), or lower data.val_fraction to 0.08")
+    assert said == [f"validation: {want}"], said
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recipes.data"):
+        build_datasets(DataConfig(name="text", path=str(text), val_fraction=0.08, val_samples=8), SHAPE, 0)
+        build_datasets(DataConfig(name="text", path=str(text), val_fraction=0.5, val_samples=None), SHAPE, 0)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert held_out_notes(cfg, MODEL) == [want]
+    assert held_out_notes(DataConfig(name="text", path=str(text), val_fraction=0.08, val_samples=8), MODEL) == []
+    src = _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in _docs(40)])
+    tokenized = DataConfig(name="jsonl", path=str(src), tokenizer=str(hf_tokenizer), val_fraction=0.5,
+                           val_samples=8, cache_dir=str(tmp_path / "c"))
+    assert held_out_notes(tokenized, MODEL) == [
+        "data.val_fraction=0.5 holds out more samples than data.val_samples=8 validates once the data "
+        "holds 18 or more (not counted before it is tokenized): those past the first 8 are neither "
+        "trained on nor validated; raise data.val_samples (null: all), or lower data.val_fraction"]
+    n = len(build_datasets(dataclasses.replace(tokenized, val_fraction=0.0), MODEL, 0)[0])
+    held = max(1, round(n * 0.5))
+    assert held_out_notes(tokenized, MODEL)[0].startswith(
+        f"data.val_fraction=0.5 of {n} samples holds out {held} and data.val_samples=8 validates the first "
+        f"8: the other {held - 8} held-out samples"), held_out_notes(tokenized, MODEL)
+
+    capsys_out = _dry_run(dry_run, ["model=gpt_nano", "cluster.accelerator=cpu", "data=text",
+                                    f"data.path={text}", "data.val_fraction=0.5", "data.val_samples=2",
+                                    f"hydra.run.dir={tmp_path / 'run'}", "--dry-run"])
+    assert "note: data.val_fraction=0.5 of 50 samples holds out 25 and data.val_samples=2 validates the " \
+           "first 2: the other 23 held-out samples" in capsys_out, capsys_out
+
+
+def _dry_run(dry_run, argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert dry_run.main(argv) == 0, out.getvalue()
+    return out.getvalue()
+
+
 # ------------------------------------------------------------------ 6: chat's record numbers
 @pytest.mark.unit
 def test_chat_record_numbers_count_from_one(hf_tokenizer):
