@@ -219,9 +219,10 @@ def _other_files(key: str, value: Any, inputs: Inputs, field: str, knob: str) ->
     if inputs.loader not in ("json", "parquet"):
         return None
     found = [(f, k) for f in inputs.files if (k := file_keys(f, inputs.loader)) is not None]
-    parquet = inputs.loader == "parquet"
+    if len(found) < 2:
+        return None
+    parquet, (first, first_keys) = inputs.loader == "parquet", found[0]
     for f, keys in found[1:]:
-        first, first_keys = found[0]
         if field not in keys:
             whose, have = ("columns have", "have") if parquet else ("first record has", "has")
             return (f"{key}={value}: {f}'s {whose} no {field!r} (it has: {', '.join(keys) or 'none'}), "
