@@ -209,8 +209,11 @@ class WandbLog(StepLogger):
     def close(self, report: dict[str, Any]) -> None:
         import wandb
 
-        for name, (columns, rows) in profile_tables(report).items():
-            self._run.log({name: wandb.Table(columns=columns, data=rows)})
+        tables = {name: wandb.Table(columns=columns, data=rows)
+                  for name, (columns, rows) in profile_tables(report).items()}
+        if tables:  # one call, at the last optimizer step: a call without a step after the first
+            # opens a step the run never took, and a resumed run continues after it (its first step lost)
+            self._run.log(tables, step=report.get("steps"))
         self._run.finish()
 
 

@@ -1,0 +1,58 @@
+"""The loggers' records (observers/loggers.py), read back with each library's own files: W&B's
+history steps are the run's optimizer steps (no step after the last), a resumed W&B run's
+first new step lands after the earlier attempt's last; a run stopped early logs its last
+step; each logger records the job's config (and W&B names the run by its overrides); a
+logger that cannot write is one line naming it, the path, the cause and the fix; wandb-only
+keys under another logger are refused before launch."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.wandb_records import history
+
+# A 2-rank run's report as close() gets it: both tables W&B is given at the end.
+PROFILES = {"memory": {"ranks": [{"rank": r, "params": 100, "grads": 100, "optimizer": 200, "activations": 50,
+                                  "peak_rss": 1000} for r in (0, 1)]},
+            "communication": {"by_group": {"data-replicate": {"all_reduce": {"count": 1.0, "bytes": 400.0,
+                                                                            "wire_bytes": 400.0}}}}}
+
+
+def _wandb_attempt(out: Path, steps: range, resumed: int | None) -> None:
+    """One attempt of a run through the W&B logger itself (offline): its steps, then close()."""
+    from observers.loggers import WandbLog
+
+    log = WandbLog(1000, out, project="stratagem-test", mode="offline", config={"trainer": {"max_steps": steps[-1]}},
+                   group=None)
+    log.resumed = resumed
+    log.open()
+    for step in steps:
+        log.write(step, {"loss": 10.0 / step})
+    log.close({"steps": steps[-1], **PROFILES})
+
+
+@pytest.mark.subprocess  # (wandb.init starts W&B's service process)
+def test_wandb_history_is_the_optimizer_steps_and_an_extended_resume_keeps_its_first_step(tmp_path, monkeypatch):
+    """close() logged each profile table in its own call without a step: the second committed the
+    last step's row and opened step max_steps + 1, a step that never happened (4 steps: history
+    steps 1-5). W&B resumes a run at its last step + 1 and ignores a lower step ("Tried to log to
+    step 5 that is less than the current step 6"), so the extended run's first step was lost on
+    sync. The tables join the last optimizer step."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    out.mkdir()
+    _wandb_attempt(out, range(1, 5), resumed=None)
+    time.sleep(1.1)  # (W&B names a run's directory by the second it started: the resume's is another)
+    _wandb_attempt(out, range(5, 9), resumed=4)  # trainer.max_steps 4 -> 8, resumed from step 4
+    first, second = sorted((out / "wandb").glob("offline-run-*"))
+    assert first.name.split("-")[-1] == second.name.split("-")[-1]  # the same W&B run, resumed
+    rows = history(first)
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4], rows
+    assert {k.split("/")[0] for k in rows[-1]} >= {"memory", "communication", "train"}, rows[-1]
+    resumed = [r["_step"] for r in history(second)]
+    assert resumed == [5, 6, 7, 8] and resumed[0] > rows[-1]["_step"], resumed
