@@ -4,7 +4,8 @@
 sweep is the wandb group; offline unless ``logger.mode=online``; the memory and communication
 profiles become tables at the end).
 
-Every ``trainer.log_every`` steps (and the last) logs ``loss``, ``lr``, ``grad_norm`` (before
+Every ``trainer.log_every`` steps and the last step trained (``trainer.max_steps``, or the step
+early stopping ended at) logs ``loss``, ``lr``, ``grad_norm`` (before
 clipping), ``tokens_seen``, ``step_seconds`` and ``tokens_per_second`` of that step; each validation
 ``val_loss`` and ``val_perplexity`` (csv: the same file, its own row), and with
 ``callbacks.samples`` its completions (TensorBoard: a text table ``samples``; wandb: a table
@@ -65,6 +66,7 @@ class StepLogger(Observer):
         self.resumed: int | None = None  # the checkpoint's step, when this run resumed
         self.samples: Any = None  # observers/samples.py's observer, when callbacks.samples is on
         self.every, self.last = 1, 0  # trainer.log_every, trainer.max_steps
+        self._unlogged: tuple[int, float, float] | None = None  # (step, loss, seconds) not written yet
 
     def on_resume(self, engine: Engine, step: int, history: dict[str, Any]) -> None:
         self.resumed = step
@@ -81,13 +83,23 @@ class StepLogger(Observer):
         self._lr = learning_rate(engine)
 
     def on_step_end(self, engine: Engine, step: int, loss: float) -> None:
-        if self.rank0 and (step % self.every == 0 or step == self.last):
-            seconds = time.perf_counter() - self._t0
-            norm = engine.grad_norm()
-            self.write(step, {"loss": loss, "lr": self._lr, "tokens_seen": step * self.tokens_per_step,
-                              **({"grad_norm": norm} if norm is not None else {}),
-                              "step_seconds": seconds,
-                              "tokens_per_second": self.tokens_per_step / max(seconds, 1e-9)})
+        if self.rank0:
+            self._unlogged = (step, loss, time.perf_counter() - self._t0)
+            if step % self.every == 0 or step == self.last:
+                self._write_step(engine)
+
+    def on_train_end(self, engine: Engine) -> None:
+        if self.rank0 and self._unlogged is not None:  # stopped early, between two logged steps
+            self._write_step(engine)
+
+    def _write_step(self, engine: Engine) -> None:
+        """The last step that ended (``_unlogged``); the engine still holds its gradient norm."""
+        (step, loss, seconds), self._unlogged = self._unlogged, None
+        norm = engine.grad_norm()
+        self.write(step, {"loss": loss, "lr": self._lr, "tokens_seen": step * self.tokens_per_step,
+                          **({"grad_norm": norm} if norm is not None else {}),
+                          "step_seconds": seconds,
+                          "tokens_per_second": self.tokens_per_step / max(seconds, 1e-9)})
 
     def on_validation_end(self, engine: Engine, step: int, metrics: dict[str, Any]) -> None:
         if self.rank0:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY, run_cli
 from tests.wandb_records import history
 
 # A 2-rank run's report as close() gets it: both tables W&B is given at the end.
@@ -56,3 +57,23 @@ def test_wandb_history_is_the_optimizer_steps_and_an_extended_resume_keeps_its_f
     assert {k.split("/")[0] for k in rows[-1]} >= {"memory", "communication", "train"}, rows[-1]
     resumed = [r["_step"] for r in history(second)]
     assert resumed == [5, 6, 7, 8] and resumed[0] > rows[-1]["_step"], resumed
+
+
+@pytest.mark.subprocess
+def test_a_run_stopped_early_logs_its_last_step(tmp_path):
+    """Early stopping at step 6 with trainer.log_every=4: metrics.csv had the train row of step 4
+    only, and the final loss the run reports (step 6) reached no logger, though the docstring
+    promises every log_every-th step and the last. The last step trained is logged at train end."""
+    import csv
+
+    out = tmp_path / "es"
+    run = run_cli("train.py", *TINY, "logger=csv", "trainer.max_steps=12", "trainer.log_every=4",
+                  "data.val_fraction=0.1", "trainer.val_every=3", "trainer.early_stopping.patience=1",
+                  "trainer.early_stopping.min_delta=10", out=out)
+    r = run.report
+    assert r["steps"] == 6, r["steps"]  # (stopped early: no improvement of 10 at step 6)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    train = [(int(x["step"]), float(x["loss"])) for x in rows if x["loss"]]
+    assert [s for s, _ in train] == [4, 6], rows
+    assert train[-1][1] == pytest.approx(r["final_loss"], rel=1e-6)
+    assert [int(x["step"]) for x in rows if x["val_loss"]] == [3, 6], rows
