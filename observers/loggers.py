@@ -1,8 +1,10 @@
 """Experiment loggers as observers, the same on every backend, written by rank 0 only:
-``logger=csv`` (``metrics.csv``), ``logger=tensorboard`` (event files under ``tensorboard/``),
-``logger=wandb`` (one run per job; the resolved config is the run config; in a sweep the
-sweep is the wandb group; offline unless ``logger.mode=online``; the memory and communication
-profiles become tables at the end).
+``logger=csv`` (``metrics.csv``, the resolved config beside it as ``config.yaml``),
+``logger=tensorboard`` (event files under ``tensorboard/``; the resolved config a text
+``config``), ``logger=wandb`` (one run per job; the resolved config is the run config, the
+job's overrides its name -- Hydra's ``override_dirname`` -- and in a sweep the sweep is the
+wandb group; offline unless ``logger.mode=online``; the memory and communication profiles
+become tables at the last step).
 
 Every ``trainer.log_every`` steps and the last step trained (``trainer.max_steps``, or the step
 early stopping ended at) logs ``loss``, ``lr``, ``grad_norm`` (before
@@ -123,9 +125,9 @@ class StepLogger(Observer):
 
 
 class CSVLog(StepLogger):
-    def __init__(self, tokens_per_step: int, out: Path):
+    def __init__(self, tokens_per_step: int, out: Path, config: dict[str, Any]):
         super().__init__(tokens_per_step)
-        self.path = out / "metrics.csv"
+        self.path, self.config = out / "metrics.csv", config
         self._file: Any = None
         self._writer: Any = None
 
@@ -141,6 +143,7 @@ class CSVLog(StepLogger):
         writer = csv.DictWriter(head, fieldnames=list(self.COLUMNS), restval="", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(kept)
+        atomic_write_text(self.path.with_name("config.yaml"), config_yaml(self.config))
         atomic_write_text(self.path, head.getvalue())  # the header and the rows kept, then append
         self._file = open(self.path, "a", newline="")  # noqa: SIM115  (closed in close())
         self._writer = csv.DictWriter(self._file, fieldnames=list(self.COLUMNS), restval="")
@@ -156,13 +159,13 @@ class CSVLog(StepLogger):
 
 @logger("csv")
 def _csv(s: Selection) -> Observer:
-    return CSVLog(s.job.tokens_per_step, s.out)
+    return CSVLog(s.job.tokens_per_step, s.out, s.job.meta()["config"])
 
 
 class TensorBoardLog(StepLogger):
-    def __init__(self, tokens_per_step: int, out: Path):
+    def __init__(self, tokens_per_step: int, out: Path, config: dict[str, Any]):
         super().__init__(tokens_per_step)
-        self.dir = out / "tensorboard"
+        self.dir, self.config = out / "tensorboard", config
         self._writer: Any = None
 
     def open(self) -> None:
@@ -170,6 +173,10 @@ class TensorBoardLog(StepLogger):
 
         purge = None if self.resumed is None else self.resumed + 1
         self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=purge)
+        # the job's config as a text (TEXT tab, tag "config"; a resumed run's at its first step,
+        # which the purge keeps): a markdown code block, one line per key
+        code = "".join(f"    {line}\n" for line in config_yaml(self.config).splitlines())
+        self._writer.add_text("config", code, self.resumed or 0)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -186,14 +193,15 @@ class TensorBoardLog(StepLogger):
 
 @logger("tensorboard")
 def _tensorboard(s: Selection) -> Observer:
-    return TensorBoardLog(s.job.tokens_per_step, s.out)
+    return TensorBoardLog(s.job.tokens_per_step, s.out, s.job.meta()["config"])
 
 
 class WandbLog(StepLogger):
     def __init__(self, tokens_per_step: int, out: Path, *, project: str, mode: str,
-                 config: dict[str, Any], group: str | None):
+                 config: dict[str, Any], group: str | None, name: str | None = None):
         super().__init__(tokens_per_step)
         self.out, self.project, self.mode, self.config, self.group = out, project, mode, config, group
+        self.name = name  # the job's overrides (None: W&B picks a name)
         self._run: Any = None
 
     def open(self) -> None:
@@ -203,8 +211,8 @@ class WandbLog(StepLogger):
         resume = self.resumed is not None and kept.is_file()
         run_id = kept.read_text().strip() if resume else uuid.uuid4().hex[:12]
         self._run = wandb.init(project=self.project, mode=self.mode, dir=str(self.out),
-                               config=self.config, group=self.group, reinit="finish_previous",
-                               id=run_id, resume="allow" if resume else None,
+                               config=self.config, group=self.group, name=self.name,
+                               reinit="finish_previous", id=run_id, resume="allow" if resume else None,
                                settings=wandb.Settings(console="off", x_disable_stats=True))
         if not resume:
             atomic_write_text(kept, run_id + "\n")
@@ -233,7 +241,14 @@ class WandbLog(StepLogger):
 def _wandb(s: Selection) -> Observer:
     job = s.job
     return WandbLog(job.tokens_per_step, s.out, project=job.logger.project, mode=job.logger.mode,
-                    config=job.meta()["config"], group=job.sweep)
+                    config=job.meta()["config"], group=job.sweep, name=job.name)
+
+
+def config_yaml(config: dict[str, Any]) -> str:
+    """The job's resolved config as YAML (as each checkpoint's ``config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(config))
 
 
 def _tag(key: str) -> str:

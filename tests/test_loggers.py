@@ -60,11 +60,14 @@ def test_wandb_history_is_the_optimizer_steps_and_an_extended_resume_keeps_its_f
 
 
 @pytest.mark.subprocess
-def test_a_run_stopped_early_logs_its_last_step(tmp_path):
+def test_a_run_stopped_early_logs_its_last_step_and_the_csv_its_config(tmp_path):
     """Early stopping at step 6 with trainer.log_every=4: metrics.csv had the train row of step 4
     only, and the final loss the run reports (step 6) reached no logger, though the docstring
-    promises every log_every-th step and the last. The last step trained is logged at train end."""
+    promises every log_every-th step and the last. The last step trained is logged at train end.
+    Beside metrics.csv: config.yaml, the job's resolved config (what W&B gets as its run config)."""
     import csv
+
+    import yaml
 
     out = tmp_path / "es"
     run = run_cli("train.py", *TINY, "logger=csv", "trainer.max_steps=12", "trainer.log_every=4",
@@ -77,3 +80,31 @@ def test_a_run_stopped_early_logs_its_last_step(tmp_path):
     assert [s for s, _ in train] == [4, 6], rows
     assert train[-1][1] == pytest.approx(r["final_loss"], rel=1e-6)
     assert [int(x["step"]) for x in rows if x["val_loss"]] == [3, 6], rows
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config == r["config"], "config.yaml is not the report's config"
+    assert config["trainer"]["log_every"] == 4 and config["logger"]["name"] == "csv"
+
+
+@pytest.mark.unit
+def test_tensorboard_records_the_jobs_config(tmp_path):
+    """TensorBoard had the scalars only: lr, strategy and batch size of a run were nowhere in it.
+    The config is a text (tag ``config``) at the run's first step; a resumed run adds its own at
+    the step it resumed from (the purge keeps it), so an extended run shows what changed."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from observers.loggers import TensorBoardLog
+
+    for resumed, max_steps in ((None, 2), (2, 4)):
+        log = TensorBoardLog(1000, tmp_path, {"strategy": {"name": "ddp"}, "trainer": {"max_steps": max_steps}})
+        log.resumed = resumed
+        log.open()
+        for step in range(1 + (resumed or 0), max_steps + 1):
+            log.write(step, {"loss": 1.0 / step})
+        log.close({})
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("config/text_summary")}
+    assert sorted(texts) == [0, 2], texts
+    assert "    strategy:\n      name: ddp\n" in texts[0] and "max_steps: 2\n" in texts[0], texts[0]
+    assert "max_steps: 4\n" in texts[2], texts[2]
