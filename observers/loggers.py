@@ -257,7 +257,8 @@ def _tag(key: str) -> str:
 
 
 def profile_tables(report: dict[str, Any]) -> dict[str, tuple[list[str], list[list[Any]]]]:
-    """The memory and communication profiles as (columns, rows) tables."""
+    """The memory and communication profiles as (columns, rows) tables (the communication per
+    optimizer step)."""
     tables = {}
     memory = report.get("memory", {}).get("ranks") or []
     if memory:
@@ -267,5 +268,6 @@ def profile_tables(report: dict[str, Any]) -> dict[str, tuple[list[str], list[li
     if comm:
         rows = [[g, k, v["count"], v["bytes"], v["wire_bytes"]]
                 for g, kinds in comm.items() for k, v in kinds.items()]
-        tables["communication"] = (["group", "kind", "count", "bytes", "wire_bytes"], rows)
+        # (report.json's communication.by_group: each an average over the optimizer steps)
+        tables["communication"] = (["group", "kind", "count_per_step", "bytes_per_step", "wire_bytes_per_step"], rows)
     return tables

@@ -108,3 +108,14 @@ def test_tensorboard_records_the_jobs_config(tmp_path):
     assert sorted(texts) == [0, 2], texts
     assert "    strategy:\n      name: ddp\n" in texts[0] and "max_steps: 2\n" in texts[0], texts[0]
     assert "max_steps: 4\n" in texts[2], texts[2]
+
+
+@pytest.mark.unit
+def test_the_communication_table_says_its_values_are_per_step():
+    """Its columns were count, bytes, wire_bytes, holding report.json's per-step averages
+    (count 2.2 for a broadcast): they say so."""
+    from observers.loggers import profile_tables
+
+    columns, rows = profile_tables(PROFILES)["communication"]
+    assert columns == ["group", "kind", "count_per_step", "bytes_per_step", "wire_bytes_per_step"]
+    assert rows == [["data-replicate", "all_reduce", 1.0, 400.0, 400.0]]
