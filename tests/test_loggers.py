@@ -7,12 +7,15 @@ keys under another logger are refused before launch."""
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, run_cli
+from tests.conftest import ROOT, TINY, run_cli
 from tests.wandb_records import history
 
 # A 2-rank run's report as close() gets it: both tables W&B is given at the end.
@@ -119,3 +122,108 @@ def test_the_communication_table_says_its_values_are_per_step():
     columns, rows = profile_tables(PROFILES)["communication"]
     assert columns == ["group", "kind", "count_per_step", "bytes_per_step", "wire_bytes_per_step"]
     assert rows == [["data-replicate", "all_reduce", 1.0, 400.0, 400.0]]
+
+
+# --------------------------------------------------------------------- a logger that cannot write
+def _blocked(tmp_path: Path, logger: str) -> tuple[Path, Path]:
+    """(the run directory, what stands in the logger's way): metrics.csv a directory, a file where
+    tensorboard/ or wandb/ should be."""
+    out = tmp_path / "run"
+    out.mkdir()
+    blocking = out / {"csv": "metrics.csv", "tensorboard": "tensorboard", "wandb": "wandb"}[logger]
+    if logger == "csv":
+        blocking.mkdir()
+    else:
+        blocking.write_text("not a directory\n")
+    return out, blocking
+
+
+def _open(logger: str, out: Path) -> None:
+    """The logger's start on rank 0 (``Ended``: the engine as a rank, all it reads there)."""
+    from observers.base import Ended
+    from observers.loggers import CSVLog, TensorBoardLog, WandbLog
+
+    made = {"csv": lambda: CSVLog(1000, out, {}), "tensorboard": lambda: TensorBoardLog(1000, out, {}),
+            "wandb": lambda: WandbLog(1000, out, project="stratagem-test", mode="offline", config={}, group=None)}
+    made[logger]().on_train_start(Ended(0), 0)
+
+
+@pytest.mark.parametrize("logger", [pytest.param("csv", marks=pytest.mark.unit),
+                                    pytest.param("tensorboard", marks=pytest.mark.unit),
+                                    pytest.param("wandb", marks=pytest.mark.subprocess)])  # (W&B's service)
+def test_a_path_in_the_loggers_way_is_one_config_error(tmp_path, monkeypatch, logger):
+    """A directory where metrics.csv goes, a file where tensorboard/ or wandb/ goes: the raw
+    IsADirectoryError / FileExistsError / NotADirectoryError of the library (a 60-70 line
+    traceback through train.py) is one ConfigError naming the logger, the path and the fix."""
+    from core.errors import ConfigError
+
+    if logger != "csv":
+        pytest.importorskip(logger)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out, blocking = _blocked(tmp_path, logger)
+    with pytest.raises(ConfigError) as e:
+        _open(logger, out)
+    (problem,) = e.value.problems
+    kind = "a directory, not a file" if logger == "csv" else "a file, not a directory"
+    assert problem.startswith(f"logger={logger} cannot write {blocking}"), problem
+    assert f"{blocking} is {kind}; remove or rename it, or point hydra.run.dir at another directory" in problem
+
+
+def _tensorboard_on(tmp_path: Path, options: str, fill: bool) -> subprocess.CompletedProcess:
+    """A 1-rank run whose tensorboard/ is a directory of its own tmpfs (``options``; ``fill``: full
+    before the run starts), the rest of the run directory on a disk with room."""
+    from tests.test_errors import _in_tmpfs
+
+    mount, out = tmp_path / "mnt", tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").symlink_to(mount / "tb")
+    then = [f"mkdir {mount / 'tb'}"]
+    if fill:
+        then.append(f"dd if=/dev/zero of={mount / 'fill'} bs=1k count=64 2>/dev/null")
+    if "ro" in options.split(","):
+        options, then = options.replace("ro,", ""), [*then, f"mount -o remount,ro {mount}"]
+    train = [sys.executable, str(ROOT / "train.py"), *TINY, "logger=tensorboard", "trainer.max_steps=2",
+             f"hydra.run.dir={out}"]
+    return _in_tmpfs(mount, options, ["sh", "-c", " && ".join([*then, f"exec {shlex.join(train)}"])])
+
+
+@pytest.mark.subprocess
+def test_a_read_only_tensorboard_directory_is_one_line_exit_2(tmp_path):
+    """Its event file is created by TensorBoard's writer thread: 159 lines, two tracebacks (the
+    thread's, then Hydra's), exit 1, no summary line."""
+    from tests.test_errors import _one_clear_line
+
+    proc = _tensorboard_on(tmp_path, "ro,size=64k", fill=False)
+    events = tmp_path / "run" / "tensorboard" / "events.out.tfevents."
+    _one_clear_line(proc, 2, f"logger=tensorboard cannot write {events}", "Read-only file system; point "
+                    "hydra.run.dir at a directory this user can write, or logger=null")
+    assert "Exception in thread" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.subprocess
+def test_a_full_disk_under_tensorboard_names_its_event_file(tmp_path):
+    """A full disk ended in "[Errno 28] No space left on device" after the writer thread's
+    traceback: the line names the logger and the event file, exit 1 as every full disk."""
+    from tests.test_errors import _one_clear_line
+
+    proc = _tensorboard_on(tmp_path, "size=64k", fill=True)
+    events = tmp_path / "run" / "tensorboard" / "events.out.tfevents."
+    line = _one_clear_line(proc, 1, f"[Errno 28] No space left on device: logger=tensorboard writing {events}",
+                           "free space there, or point hydra.run.dir at a disk with room")
+    assert "Exception in thread" not in proc.stderr and proc.stderr.strip().splitlines()[-1] == line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_directory_where_metrics_csv_goes_is_one_line_on_two_ranks(tmp_path):
+    """2 ranks: rank 0's error was torch's record of its traceback (59 lines at 1 rank, 185 at 2
+    with the agent's) ending in 'lost rank 0 of 2 ... IsADirectoryError'; the ranks' ConfigError
+    is the launcher's one line, exit 2."""
+    from tests.test_errors import _one_clear_line
+
+    out, blocking = _blocked(tmp_path, "csv")
+    run = run_cli("train.py", *TINY, "logger=csv", "strategy=ddp", "cluster.devices=2", "trainer.max_steps=2",
+                  out=out, check=False)
+    _one_clear_line(run.proc, 2, f"logger=csv cannot write {blocking}: {blocking} is a directory, not a file")
+    assert "lost rank" not in run.log, run.log[-3000:]
