@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import backends
@@ -46,7 +47,8 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     result.say(log, job.strategy.notes(job.run))  # (the summary and notes; warnings on stderr)
     predicted = planner.plan_dict(result) | ({"chosen_by": job.chosen_by} if job.auto else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
-    return checkpoints.for_launch(dataclasses.replace(job, sweep=sweep), out, cleanup=first), predicted
+    job = dataclasses.replace(job, sweep=sweep, name=HydraConfig.get().job.override_dirname or None)
+    return checkpoints.for_launch(job, out, cleanup=first), predicted
 
 
 def train(job: Job, predicted: dict, out: Path) -> None:
@@ -75,7 +77,6 @@ def main(cfg: DictConfig) -> None:
     cli.started()
     launchers.launched()  # (under srun: exports this task's rank first, for the logger)
     cli.rank_aware_logging()
-    from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from planner import WillNotFit

@@ -18,7 +18,7 @@ def _atomic(path: str | Path, write: Callable[[str], None]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
-        if (named := _named(e, path)) is e:
+        if (named := named_error(e, path)) is e:
             raise
         raise named from e
     os.close(fd)
@@ -28,15 +28,16 @@ def _atomic(path: str | Path, write: Callable[[str], None]) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if not isinstance(e, OSError) or (named := _named(e, path)) is e:
+        if not isinstance(e, OSError) or (named := named_error(e, path)) is e:
             raise
         raise named from e
 
 
-def _named(error: OSError, path: Path) -> OSError:
+def named_error(error: OSError, path: Path, doing: str = "writing") -> OSError:
     """A full disk (or quota) or a read-only one as one OSError with its errno, the file and the
     fix: the run's summary line (train.py) is this, where Python's says only "[Errno 28] No space
-    left on device" (a write's error names no file). Any other OSError is left as it is."""
+    left on device" (a write's error names no file). ``doing``: what wrote it ("logger=csv
+    writing"). Any other OSError is left as it is."""
     import errno
 
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -45,7 +46,7 @@ def _named(error: OSError, path: Path) -> OSError:
         fix = "point hydra.run.dir at a directory this user can write"
     else:
         return error
-    return OSError(error.errno, f"{os.strerror(error.errno)}: writing {path}; {fix}")
+    return OSError(error.errno, f"{os.strerror(error.errno)}: {doing} {path}; {fix}")
 
 
 def _umask() -> int:

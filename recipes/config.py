@@ -18,7 +18,7 @@ families as ``<family>_schema``), not inside the groups, so ``--help`` lists onl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
@@ -65,6 +65,10 @@ class LoggerConfig:
     """wandb: the project."""
     mode: str = knob("offline", choices=("online", "offline", "disabled"))
     """wandb: online | offline | disabled."""
+
+    READ_BY: ClassVar[dict[str, str]] = {"project": "wandb", "mode": "wandb"}
+    """The keys one logger alone reads -> that logger: set away from its default under another
+    logger, refused at validate (every logger file composes this one schema)."""
 
 
 @dataclass

@@ -68,6 +68,10 @@ class Job:
     named the preset."""
     sweep: str | None = None
     """The Hydra sweep this job belongs to (its directory), None for a single run."""
+    name: str | None = None
+    """The job's command-line overrides as Hydra joins them (``hydra.job.override_dirname``:
+    ``strategy=ddp,trainer.max_steps=50``), None without any: what tells a sweep's jobs apart
+    (the W&B run's name)."""
     layout_problems: Callable[[StrategyConfig, Run], list[str]] | None = field(
         default=None, repr=False, compare=False)
     """What the job asks of any preset beyond its own checks (LoRA, packing, DPO, samples): the

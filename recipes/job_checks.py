@@ -42,13 +42,19 @@ def trainer_problems(t: TrainerConfig, strategy: StrategyConfig) -> list[str]:
 
 
 def logger_problems(logger: LoggerConfig | None) -> list[str]:
-    if logger is None or logger.name not in LOGGER_PACKAGES:
+    if logger is None:
         return []
-    module, extra = LOGGER_PACKAGES[logger.name]
-    if importlib.util.find_spec(module) is None:
-        return [f"logger={logger.name} needs the {module!r} package, which is not installed: "
-                f"pip install -e '.[{extra}]' (or pip install {module}), or logger=null"]
-    return []
+    default = LoggerConfig()
+    out = [f"logger.{key}={getattr(logger, key)} applies to logger={owner} only; logger={logger.name} "
+           f"does not read it: remove it, or set logger={owner}"
+           for key, owner in LoggerConfig.READ_BY.items()
+           if logger.name != owner and getattr(logger, key) != getattr(default, key)]
+    if logger.name in LOGGER_PACKAGES:
+        module, extra = LOGGER_PACKAGES[logger.name]
+        if importlib.util.find_spec(module) is None:
+            out.append(f"logger={logger.name} needs the {module!r} package, which is not installed: "
+                       f"pip install -e '.[{extra}]' (or pip install {module}), or logger=null")
+    return out
 
 
 def save_hf_problems(t: TrainerConfig, model: ModelConfig) -> list[str]:

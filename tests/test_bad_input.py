@@ -98,6 +98,9 @@ HAND_PICKED = [
     (("trainer.lr=inf",), "trainer.lr"),
     # a knob's bad value on a world where the preset's run-level checks run (was a KeyError)
     (("strategy=pipeline", "cluster.devices=2", "strategy.schedule=zigzag"), "strategy.schedule='zigzag'"),
+    # wandb's keys under another logger (the shared schema composed them silently: rc 0)
+    (("logger=csv", "logger.project=mine"), "logger.project=mine applies to logger=wandb only"),
+    (("logger=tensorboard", "logger.mode=online"), "logger.mode=online applies to logger=wandb only"),
 ]
 if importlib.util.find_spec("wandb") is None:
     HAND_PICKED.append((("logger=wandb",), "pip install"))

@@ -15,6 +15,7 @@ import pytest
 
 from tests.cases import CASES, P, on_accelerate
 from tests.conftest import EQUIV, OPTIMIZERS, TINY, run_cli
+from tests.wandb_records import history, run_record
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -173,6 +174,13 @@ def test_loggers_plots_and_no_secret_leak(tmp_path, logger):
         assert len(runs) == 1, runs
         files = {p.name for p in runs[0].rglob("*")}
         assert any(name.endswith(".wandb") for name in files)  # the run's data, config and tables
+        # named by the job's overrides as Hydra joins them (hydra.job.override_dirname), not at random
+        overrides = [*TINY, "callbacks.plots=true", "trainer.max_steps=3", "logger=wandb", "strategy=ddp",
+                     "cluster.devices=2"]
+        assert run_record(runs[0]).display_name == ",".join(sorted(overrides))
+        rows = history(runs[0])  # (the tables join the last step: no step 4 the run never took)
+        assert [r["_step"] for r in rows] == [1, 2, 3], rows
+        assert {k.split("/")[0] for k in rows[-1]} >= {"train", "memory", "communication"}, rows[-1]
         config = json.dumps(json.load((out / "report.json").open())["config"])
         assert secret not in config
 

@@ -150,7 +150,7 @@ def test_loggers_draw_each_block_where_they_can(tmp_path):
     from observers.loggers import CSVLog, TensorBoardLog
 
     block = [{"step": 3, "prompt": "a|b", "completion": "c\nd"}]
-    tb = TensorBoardLog(8, tmp_path)
+    tb = TensorBoardLog(8, tmp_path, {})
     tb.open()
     tb.write_samples(3, block)
     tb.close({})
@@ -159,7 +159,7 @@ def test_loggers_draw_each_block_where_they_can(tmp_path):
     [(step, text)] = [(e.step, e.tensor_proto.string_val[0].decode())
                       for e in events.Tensors("samples/text_summary")]
     assert step == 3 and text.endswith("| a\\|b | c<br>d |")
-    CSVLog(8, tmp_path).write_samples(3, block)  # (report.json has them)
+    CSVLog(8, tmp_path, {}).write_samples(3, block)  # (report.json has them)
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -15,6 +15,9 @@ Hydra's console and ``train.log`` handlers are; every Lightning INFO line was pr
 handler is removed when the root has handlers, so each line is printed once, in Hydra's format, and
 lands in ``train.log``.
 
+One thread's traceback is not printed: TensorBoard's event writer's, on an OSError the training
+thread raises again at its next write and logger=tensorboard says in one line (``tensorboard_writer``).
+
 Ranks other than 0 log warnings and errors only (``recipes.cli.rank_aware_logging``). A few
 warnings our own code provokes around one call are silenced there, around that call
 (``observers/comm.py``: re-registering its counting kernels; ``checkpoints/state.py``: reading a
@@ -32,6 +35,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -169,6 +173,7 @@ def install(device: bool | None = None) -> None:
     after_import("lightning", then="backends.common.quiet:lightning_once")
     after_import("deepspeed.comm.torch", then="backends.common.quiet:deepspeed_prints")
     after_import("transformers", then="backends.common.quiet:transformers_bars")
+    after_import("tensorboard.summary.writer.event_file_writer", then="backends.common.quiet:tensorboard_writer")
 
 
 def lightning_once() -> None:
@@ -180,6 +185,27 @@ def lightning_once() -> None:
     for handler in list(lightning.handlers):
         if type(handler) is logging.StreamHandler:
             lightning.removeHandler(handler)
+
+
+def tensorboard_writer() -> None:
+    """TensorBoard's event writer thread re-raises the OSError it could not write with (a full
+    disk, a read-only one), which Python prints as "Exception in thread ..." and its traceback;
+    the writer raises the same error in the training thread at its next write or flush, and
+    logger=tensorboard says it in one line (observers/loggers.py ``cannot_write``). That thread's
+    OSError is not printed; any other exception of any thread is, by the hook there was before."""
+    from tensorboard.summary.writer import event_file_writer
+
+    before = threading.excepthook
+    if getattr(before, "_quiet", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.thread, event_file_writer._AsyncWriterThread)
+                and isinstance(args.exc_value, OSError)):
+            before(args)
+
+    hook._quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def transformers_bars() -> None:
