@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 __all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "checked", "disk_full", "due",
-           "Interrupt", "Interrupted", "for_launch", "interruption", "load", "resolve", "resuming", "save",
-           "shapes", "start", "write_error"]
+           "Interrupt", "Interrupted", "for_launch", "interruption", "load", "resolve", "resume_line",
+           "resuming", "save", "shapes", "start", "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -156,10 +156,9 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
 
         set_aside(run_dir)
     if ckpt is not None:
-        log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
-                 ckpt.meta["strategy"], ckpt.meta["world_size"])
         from checkpoints import data_stream, resume_settings
 
+        log.info("%s", resume_line(ckpt, job))
         data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
         data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
         resume_settings.say_model_change(ckpt, job)
@@ -171,6 +170,18 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         return job
     trainer = dataclasses.replace(job.trainer, resume_from=str(ckpt.path) if ckpt else None)
     return dataclasses.replace(job, trainer=trainer)
+
+
+def resume_line(ckpt: Checkpoint, job: Job) -> str:
+    """The checkpoint a launch resumes, and, where its optimizer state does not load
+    (resume_settings.py ``model_only``), that the model loads alone and why: train.py's log line
+    and ``--dry-run``'s."""
+    from checkpoints.resume_settings import model_only
+
+    m = ckpt.meta
+    line = f"resume: {ckpt.path} (step {ckpt.step}, {m['strategy']} on {m['world_size']} rank(s))"
+    why = model_only(m, job)
+    return line if why is None else f"{line}; the model only: {why}; the optimizer state starts fresh"
 
 
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:

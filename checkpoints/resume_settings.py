@@ -6,7 +6,9 @@ returned for one warning (checkpoints/state.py ``load``). The model's settings t
 parameter's shape (``model_changes``: LoRA's alpha and dropout, dropout) pass the resume's shape
 check, and apply from the resume on: said before launch (checkpoints ``for_launch``). What
 shapes the optimizer's state cannot change where that state is loaded (``optimizer_refusal``,
-refused before launch: checkpoints ``refusal``)."""
+refused before launch: checkpoints ``refusal``); where it is not (``model_only``: another
+engine, world size, ZeRO-3-or-not, or precision under DeepSpeed), the model loads and the
+optimizer starts fresh."""
 
 from __future__ import annotations
 
@@ -82,21 +84,46 @@ def model_changes(saved: dict[str, Any], model: Any) -> list[str]:
 
 def loads_optimizer(meta: dict[str, Any], job: Any) -> bool:
     """Whether resuming ``job`` from the checkpoint of ``meta`` loads that checkpoint's optimizer
-    state -- checkpoints/state.py ``load``'s conditions: DCP into a torch preset (any world size);
-    DeepSpeed's own or zero2_ep's into the same payload on as many ranks and the same backend
-    (ZeRO-3's layout only into ZeRO-3). Anything else loads the model only: the optimizer starts
-    fresh, whatever it is."""
-    payload = meta.get("payload")
+    state (``model_only`` says why not)."""
+    return model_only(meta, job) is None
+
+
+def model_only(meta: dict[str, Any], job: Any) -> str | None:
+    """Why resuming ``job`` from the checkpoint of ``meta`` loads the model only, the optimizer
+    starting fresh; None where the optimizer state loads -- checkpoints/state.py ``load``'s
+    conditions: DCP into a torch preset (any world size, any precision); DeepSpeed's own or
+    zero2_ep's into the same payload on as many ranks and the same backend (ZeRO-3's layout only
+    into ZeRO-3; DeepSpeed's only at the same precision: ``deepspeed_precision``)."""
+    payload, trainer = meta.get("payload"), (meta.get("config") or {}).get("trainer") or {}
     if payload != job.run.checkpoint:
-        return False
+        return (f"the checkpoint holds {payload}'s state, strategy={job.strategy.name} keeps "
+                f"{job.run.checkpoint}'s")
     if payload == "dcp":
-        return True
-    if (int(meta.get("world_size", 0)), meta.get("backend")) != (job.mesh.size, job.backend):
-        return False
-    if payload == "deepspeed":
-        stage = ((meta.get("config") or {}).get("strategy") or {}).get("stage") or 0
-        return (stage >= 3) == ((getattr(job.strategy, "stage", 0) or 0) >= 3)
-    return True
+        return None
+    world, backend = int(meta.get("world_size", 0)), meta.get("backend")
+    if (world, backend) != (job.mesh.size, job.backend):
+        return f"the checkpoint was written on {world} rank(s) with backend={backend}"
+    if payload != "deepspeed":
+        return None
+    stage = ((meta.get("config") or {}).get("strategy") or {}).get("stage") or 0
+    if (stage >= 3) != ((getattr(job.strategy, "stage", 0) or 0) >= 3):
+        into = "ZeRO-3" if stage >= 3 else "ZeRO-1/2"
+        return f"the checkpoint holds ZeRO-{stage}'s layout, which DeepSpeed loads only into {into}"
+    was = str(trainer.get("precision", "32"))
+    if deepspeed_precision(was) != deepspeed_precision(job.trainer.precision):
+        return (f"the checkpoint's run had trainer.precision={was}, this run {job.trainer.precision}, and "
+                "DeepSpeed keeps its optimizer state per precision (bf16's in bf16_zero_pp_rank_* files, "
+                f"fp16's with its loss scaler; trainer.precision={was} loads it)")
+    return None
+
+
+def deepspeed_precision(precision: str) -> str | None:
+    """The DeepSpeed precision section ``trainer.precision`` enables (bf16 | fp16; None: fp32): an
+    engine loads the ZeRO optimizer state of the same only (checkpoints/state.py ``load``)."""
+    from core.precision import find
+
+    found = find(precision)
+    return found.deepspeed if found else str(precision)
 
 
 def optimizer_refusal(ckpt: Any, job: Any) -> str | None:

@@ -130,6 +130,31 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
     assert_losses_close(zero3.losses[3:4], zero2.losses[3:4], rtol=1e-6)
 
 
+@pytest.mark.multiprocess
+def test_zero3_resumed_at_another_precision_takes_the_model_with_a_fresh_optimizer(cached, train, capsys):
+    """zero3's fp32 checkpoint resumed under trainer.precision=bf16-mixed passed --dry-run ("ok"),
+    then every rank died with FileNotFoundError: .../bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt
+    (DeepSpeed keeps its optimizer state per precision). It loads the model with a fresh
+    optimizer, as from another preset: --dry-run and the launch say so, naming trainer.precision,
+    and the first step computes on the loaded weights."""
+    from launchers import dry_run
+
+    zero3 = _straight(cached, "zero3")
+    step3 = zero3.out / "checkpoints" / "step3"
+    over = [*TINY, *EQUIV, *PRESETS["zero3"], "trainer.max_steps=4", "trainer.precision=bf16-mixed",
+            f"trainer.resume_from={step3}", QUIET]
+    capsys.readouterr()
+    assert dry_run.main([*over, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert f"resume: {step3} (step 3, zero3 on 2 rank(s)); the model only: the checkpoint's run had " \
+           "trainer.precision=32" in said, said
+    bf16 = train(*over[len(TINY):], name="bf16")
+    assert "the model only: the checkpoint's run had trainer.precision=32" in bf16.log, bf16.log[-3000:]
+    assert "model only, from a deepspeed checkpoint of zero3 on 2 rank(s)" in bf16.log
+    assert bf16.losses[:3] == zero3.losses[:3]
+    assert_losses_close(zero3.losses[3:4], bf16.losses[3:4], rtol=1e-2)  # (in bf16)
+
+
 @pytest.mark.subprocess
 def test_a_rewind_sets_the_abandoned_timeline_aside(train, tmp_path):
     """Resuming from an older checkpoint of the same run directory (rewinding past a spike):
@@ -929,28 +954,41 @@ def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tm
     assert input_fingerprints(DataConfig(name="tokens", path=str(tmp_path / "gone"))) == {}
 
 
+def _job(layout: tuple[str, ...], **trainer):
+    """TINY validated under ``layout``, with these trainer settings."""
+    import dataclasses
+
+    j = _validated(*layout)
+    return dataclasses.replace(j, trainer=dataclasses.replace(j.trainer, **trainer))
+
+
+def _meta_of(was, **written) -> dict:
+    """meta.json as the run ``was`` writes it (what the resume checks read); ``written``: other values."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    return {"payload": was.run.checkpoint, "world_size": was.mesh.size, "backend": was.backend,
+            "strategy": was.strategy.name, "config": {"trainer": dataclasses.asdict(was.trainer),
+                                                      "strategy": OmegaConf.to_container(was.cfg.strategy, resolve=True)},
+            **written}
+
+
 @pytest.mark.unit
 def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     """Where the checkpoint's optimizer state loads, another trainer.optimizer (torch DCP raised
     a missing key on every rank after launch, ZeRO ran on silently), SGD's momentum from 0, and
     under DeepSpeed another number of parameter groups are refused before launch; a load of the
-    model only (another engine, world size or ZeRO-3-or-not) starts the optimizer fresh and takes any."""
-    import dataclasses
+    model only (another engine, world size, ZeRO-3-or-not, or precision under DeepSpeed) starts the
+    optimizer fresh and takes any."""
     from types import SimpleNamespace
-
-    from omegaconf import OmegaConf
 
     from checkpoints.resume_settings import optimizer_refusal
 
-    def job(layout: tuple[str, ...], **trainer):
-        j = _validated(*layout)
-        return dataclasses.replace(j, trainer=dataclasses.replace(j.trainer, **trainer))
+    job = _job
 
     def refusal(was, now, **written) -> str | None:  # (written: meta.json's world_size, backend)
-        meta = {"payload": was.run.checkpoint, "world_size": was.mesh.size, "backend": was.backend,
-                "config": {"trainer": dataclasses.asdict(was.trainer),
-                           "strategy": OmegaConf.to_container(was.cfg.strategy, resolve=True)}, **written}
-        return optimizer_refusal(SimpleNamespace(meta=meta, path="ckpt"), now)
+        return optimizer_refusal(SimpleNamespace(meta=_meta_of(was, **written), path="ckpt"), now)
 
     single, ddp, zero2 = ("strategy=single",), ("strategy=ddp", "cluster.devices=2"), ("strategy=zero2", "cluster.devices=2")
     zero3 = ("strategy=zero3", "cluster.devices=2")
@@ -972,6 +1010,36 @@ def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     assert why.startswith("trainer.weight_decay=0.1 with trainer.no_decay=true: 2 optimizer parameter group(s), "
                           "the checkpoint's run 1") and "trainer.no_decay=false" in why
     assert refusal(job(zero2), job(zero2, weight_decay=0.1, no_decay=False)) is None
+
+
+@pytest.mark.unit
+def test_a_zero_resume_at_another_precision_loads_the_model_only():
+    """DeepSpeed keeps its ZeRO optimizer state per precision (bf16's files are
+    bf16_zero_pp_rank_*_optim_states.pt, fp16's carry a dynamic loss scaler): zero2 and zero3 resumed
+    at another trainer.precision passed the preflight and --dry-run, then every rank died with
+    FileNotFoundError for the other kind's file. The precision is one of the whole load's
+    conditions: the model loads and the optimizer starts fresh (so any optimizer is taken), and the
+    resume line says so, naming trainer.precision. DCP's state loads at any precision."""
+    from types import SimpleNamespace
+
+    import checkpoints
+    from checkpoints.resume_settings import loads_optimizer, optimizer_refusal
+
+    zero2, zero3 = ("strategy=zero2", "cluster.devices=2"), ("strategy=zero3", "cluster.devices=2")
+    for layout in (zero2, zero3):
+        for was, now in (("32", "bf16-mixed"), ("bf16-mixed", "32")):
+            meta = _meta_of(_job(layout, precision=was))
+            assert loads_optimizer(meta, _job(layout, precision=was)), (layout, was)
+            assert not loads_optimizer(meta, _job(layout, precision=now)), (layout, was, now)
+            ckpt = SimpleNamespace(meta=meta, path="ckpt", step=6)
+            line = checkpoints.resume_line(ckpt, _job(layout, precision=now))
+            assert line.startswith("resume: ckpt (step 6, ") and "the model only" in line, line
+            assert f"trainer.precision={was}" in line and "starts fresh" in line, line
+            assert optimizer_refusal(ckpt, _job(layout, precision=now, optimizer="sgd")) is None
+    assert "the model only" not in checkpoints.resume_line(  # (the same precision: model and optimizer)
+        SimpleNamespace(meta=_meta_of(_job(zero2)), path="ckpt", step=6), _job(zero2))
+    ddp = ("strategy=ddp", "cluster.devices=2")
+    assert loads_optimizer(_meta_of(_job(ddp)), _job(ddp, precision="bf16-mixed"))
 
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
