@@ -190,24 +190,31 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     (its optimizer starts fresh), zero2_ep only its own; torch presets load anything, except
     those that keep state of their own on each rank (``resume_problem``: ddp's PowerSGD, top-k,
     int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks. Where the
-    optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``)."""
-    from checkpoints.resume_settings import optimizer_refusal
+    optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``).
+    The model must be the checkpoint's (``model_refusal``: its keys that keep the shapes)."""
+    from checkpoints.resume_settings import model_refusal, optimizer_refusal
 
     why = getattr(job.strategy, "resume_problem", lambda: None)()
     if why and not _holds_rank_state(ckpt, job):
         return why
-    if why := optimizer_refusal(ckpt, job):
+    if why := optimizer_refusal(ckpt, job) or _zero_ep_refusal(ckpt, job):
         return why
-    if job.run.checkpoint != "zero_ep":  # (a ZeRO run takes any other's model, optimizer fresh)
-        return None
+    saved = (ckpt.meta.get("config") or {}).get("model")
+    return model_refusal(saved, job.model) if isinstance(saved, dict) else None
+
+
+def _zero_ep_refusal(ckpt: Checkpoint, job: Job) -> str | None:
+    """zero2_ep resumes only from its own checkpoints of the same world size and backend (a ZeRO
+    run takes any other's model, the optimizer fresh)."""
     m = ckpt.meta
-    if (m["payload"], int(m["world_size"]), m["backend"]) != (job.run.checkpoint, job.mesh.size, job.backend):
-        return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
-                f"backend={m['backend']}; strategy={job.strategy.name} (experts split over ranks) "
-                f"resumes only from its own checkpoints of the same world size and backend: resume "
-                f"with strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
-                "or a torch preset (single, ddp, fsdp, fsdp2)")
-    return None
+    if job.run.checkpoint != "zero_ep" or (m["payload"], int(m["world_size"]), m["backend"]) == (
+            job.run.checkpoint, job.mesh.size, job.backend):
+        return None
+    return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
+            f"backend={m['backend']}; strategy={job.strategy.name} (experts split over ranks) "
+            f"resumes only from its own checkpoints of the same world size and backend: resume "
+            f"with strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
+            "or a torch preset (single, ddp, fsdp, fsdp2)")
 
 
 def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:

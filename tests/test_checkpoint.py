@@ -1042,6 +1042,92 @@ def test_a_zero_resume_at_another_precision_loads_the_model_only():
     assert loads_optimizer(_meta_of(_job(ddp)), _job(ddp, precision="bf16-mixed"))
 
 
+def _model(*overrides: str):
+    from recipes.config import compose, describe
+
+    return describe(compose([*TINY, *overrides]).model)
+
+
+def _model_config(*overrides: str) -> dict:
+    """The model section of meta.json's config as a run of TINY + ``overrides`` writes it."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import compose
+
+    return OmegaConf.to_container(compose([*TINY, *overrides]).model, resolve=True)
+
+
+@pytest.mark.unit
+def test_a_resume_refuses_another_model_of_the_same_shapes():
+    """Attention heads regrouped at the same shapes, another rotary base or norm epsilon, tied
+    embeddings (one of the two trained matrices silently dropped), another MoE top_k: each passed
+    the shape check and resumed another model from the checkpoint's weights, without a word. Any
+    model key that is what the weights compute is refused before launch, by name, with the
+    checkpoint's value and the fix; the settings a resume takes (dropout, LoRA's alpha and
+    dropout, a MoE model's capacity and balancing weight) are named instead, and a key an older
+    checkpoint lacks is not compared."""
+    import checkpoints
+    from checkpoints.resume_settings import model_changes, model_refusal
+
+    saved = _model_config()
+    assert model_refusal(saved, _model()) is None
+    assert model_refusal(saved, _model("model.dropout=0.1")) is None
+    heads = _model("model.n_heads=8", "model.n_kv_heads=4")
+    assert checkpoints.shapes(heads) == checkpoints.shapes(_model())  # (the shape check passes it)
+    assert model_refusal(saved, heads) == (
+        "model.n_heads=8 (the checkpoint's run: 4), model.n_kv_heads=4 (the checkpoint's run: 2): "
+        "the checkpoint's weights are another model's -- these keys keep every parameter's shape but "
+        "change what the weights compute; resume with model.n_heads=4 model.n_kv_heads=2, or start "
+        "a new run with trainer.resume_from=null")
+    for key, new, old in (("rope_theta", "500.0", "10000.0"), ("norm_eps", "0.5", "1e-05"),
+                          ("tie_embeddings", "true", "false")):
+        why = model_refusal(saved, _model(f"model.{key}={new}"))
+        assert why.startswith(f"model.{key}={new} (the checkpoint's run: {old}): ") and \
+            f"resume with model.{key}={old}, or" in why, why
+    assert model_refusal({k: v for k, v in saved.items() if k != "rope_theta"}, _model("model.rope_theta=500")) is None
+    moe = _model_config("model=gpt_moe_nano")
+    assert "model.top_k=1 (the checkpoint's run: 2)" in model_refusal(moe, _model("model=gpt_moe_nano", "model.top_k=1"))
+    routing = _model("model=gpt_moe_nano", "model.capacity_factor=1.5", "model.aux_loss_coef=0.1")
+    assert model_refusal(moe, routing) is None
+    assert model_changes(moe, routing) == ["model.capacity_factor 2 -> 1.5", "model.aux_loss_coef 0.01 -> 0.1"]
+    assert model_changes(saved, _model("model.aux_loss_coef=0.1")) == []  # (a dense model has none)
+
+
+@pytest.mark.unit
+def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_path):
+    """model=hf reads its keys from model.path's config.json (an override of them is refused):
+    a path whose config.json gives another rotary base is refused naming the key and pointing
+    at the model the checkpoint's run read; the same config.json elsewhere (the model moved) is
+    the same model. LoRA's rank and target modules are the adapters' (their order is not); the
+    built-in GPT's unused LoRA keys are not compared."""
+    from checkpoints.resume_settings import model_refusal
+
+    def saved_at(name: str, **config) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **config}))
+        return d
+
+    a, moved, other = saved_at("a"), saved_at("moved"), saved_at("other", rope_theta=500000.0)
+    hf = ("model=hf", "model.pretrained=false", "data.tokenizer=null")
+    lora = ("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
+    saved = _model_config(*hf, f"model.path={a}", *lora)
+    assert model_refusal(saved, _model(*hf, f"model.path={moved}", *lora)) is None
+    assert model_refusal(saved, _model(*hf, f"model.path={a}", "model.lora.rank=4",
+                                       "model.lora.target_modules=[v_proj,q_proj]", "model.lora.alpha=8")) is None
+    why = model_refusal(saved, _model(*hf, f"model.path={other}", *lora))
+    assert why.startswith("model.rope_theta=500000.0 (the checkpoint's run: 10000.0): ") and \
+        f"point model.path at a model whose config.json gives the checkpoint's values (its run's: model.path={a})" \
+        in why and "resume with model.rope_theta" not in why, why
+    why = model_refusal(saved, _model(*hf, f"model.path={a}", "model.lora.rank=8",
+                                      "model.lora.target_modules=[q_proj,v_proj]"))
+    assert why.startswith("model.lora.rank=8 (the checkpoint's run: 4)") and "resume with model.lora.rank=4," in why
+    assert model_refusal({**_model_config(), "lora": {"target_modules": ["o_proj"]}}, _model()) is None
+
+
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
 def test_a_resume_from_a_real_checkpoint_says_a_new_data_stream(good, caplog):
     """With the meta.json a run wrote: the same settings say nothing; a new seed and seq_len are
