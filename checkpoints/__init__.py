@@ -162,6 +162,7 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
         data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
         resume_settings.say_model_change(ckpt, job)
+        resume_settings.say_schedule_change(ckpt, job)
     if cleanup:  # (another timeline's checkpoints aside; pruned to trainer.keep_last now)
         from checkpoints import timeline
 

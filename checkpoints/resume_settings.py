@@ -2,7 +2,8 @@
 param-group settings (lr, betas, weight decay, eps; and how it steps: foreach, fused) as this
 run's config built them are put back over what a loaded optimizer state carries, and the
 schedule continues from the checkpoint's step count on this run's schedule. What differed is
-returned for one warning (checkpoints/state.py ``load``). The model is the checkpoint's: its shapes (checkpoints
+returned for one warning (checkpoints/state.py ``load``); the schedule's keys that differ are named
+before launch (``schedule_changes``). The model is the checkpoint's: its shapes (checkpoints
 ``_check_shapes``) and every key that is what its weights compute (``model_refusal``, refused
 before launch); the model's settings that are neither (``model_changes``: LoRA's alpha and
 dropout, dropout, a MoE model's capacity and balancing weight) apply from the resume on: said
@@ -200,6 +201,26 @@ def deepspeed_precision(precision: str) -> str | None:
     return found.deepspeed if found else str(precision)
 
 
+def schedule_changes(saved: dict[str, Any], t: Any) -> list[str]:
+    """The schedule's keys (recipes/training.py ``lr_factor``) that differ between the checkpoint's
+    run's trainer config (``saved``) and this run's (``t``), as ``trainer.<key> old -> new``: the
+    scheduler and warm-up; where both decay, the floor and where the decay ends (decay_steps, or
+    max_steps where it is null). (trainer.lr: ``govern``.)"""
+    out = [f"trainer.{k} {_override(saved[k])} -> {_override(getattr(t, k))}"
+           for k in ("scheduler", "warmup_steps") if k in saved and _differs(saved[k], getattr(t, k))]
+    if saved.get("scheduler", "constant") == "constant" or t.scheduler == "constant":
+        return out
+    if "min_lr_ratio" in saved and _differs(saved["min_lr_ratio"], t.min_lr_ratio):
+        out.append(f"trainer.min_lr_ratio {_override(saved['min_lr_ratio'])} -> {_override(t.min_lr_ratio)}")
+    was, decay = saved.get("max_steps"), saved.get("decay_steps")
+    if was is None or (decay or was) == (t.decay_steps or t.max_steps):
+        return out
+    if decay != t.decay_steps:
+        return [*out, f"trainer.decay_steps {_override(decay)} -> {_override(t.decay_steps)}"]
+    return [*out, f"trainer.max_steps {was} -> {t.max_steps} (the {t.scheduler} decay ends there: "
+                  "trainer.decay_steps is null)"]
+
+
 def optimizer_refusal(ckpt: Any, job: Any) -> str | None:
     """Why ``job``'s optimizer cannot take the optimizer state of ``ckpt`` (where one is loaded:
     ``loads_optimizer``); None when it can. Its kind (``trainer.optimizer``: AdamW's moments are
@@ -259,3 +280,12 @@ def say_model_change(ckpt: Any, job: Any) -> None:
                     "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
                     ckpt.step + 1, "; ".join(changed))
 
+
+def say_schedule_change(ckpt: Any, job: Any) -> None:
+    """The schedule's keys that differ from the checkpoint's run (``schedule_changes``): they apply
+    from here (``continue_schedule``), said once, before launch."""
+    saved = (ckpt.meta.get("config") or {}).get("trainer") or {}
+    changed = schedule_changes(saved, job.trainer) if saved else []
+    if changed:
+        log.warning("resume: this run's schedule differs from the checkpoint's run's and applies from step "
+                    "%d on (the lr follows this run's schedule): %s", ckpt.step + 1, "; ".join(changed))

@@ -1128,6 +1128,43 @@ def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_pat
     assert model_refusal({**_model_config(), "lora": {"target_modules": ["o_proj"]}}, _model()) is None
 
 
+@pytest.mark.unit
+def test_a_resume_names_each_schedule_key_that_differs(caplog):
+    """A longer cosine schedule (max_steps raised), another warm-up, decay or scheduler apply from
+    the checkpoint's step on (the lr follows this run's schedule) and README says the log names
+    each: it named only the next step's lr (and nothing at all while the checkpoint was in warm-up).
+    One resume: warning names each key by its value in both runs; max_steps only where it ends a
+    decay (decay_steps null), min_lr_ratio and the decay's end only where both runs decay."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+
+    from checkpoints.resume_settings import say_schedule_change, schedule_changes
+    from recipes.trainer_config import TrainerConfig
+
+    def changes(was: dict, **now) -> list[str]:
+        return schedule_changes(dataclasses.asdict(TrainerConfig(**was)), TrainerConfig(**(was | now)))
+
+    cosine = {"scheduler": "cosine", "max_steps": 12, "warmup_steps": 5}
+    assert changes(cosine) == [] and changes(cosine, lr=0.1, seed=7) == []
+    assert changes(cosine, max_steps=20) == ["trainer.max_steps 12 -> 20 (the cosine decay ends there: "
+                                             "trainer.decay_steps is null)"]
+    assert changes(cosine, warmup_steps=10) == ["trainer.warmup_steps 5 -> 10"]
+    assert changes(cosine, scheduler="linear", min_lr_ratio=0.1) == ["trainer.scheduler cosine -> linear",
+                                                                      "trainer.min_lr_ratio 0.0 -> 0.1"]
+    assert changes(cosine, decay_steps=20) == ["trainer.decay_steps null -> 20"]
+    assert changes(cosine | {"decay_steps": 12}, max_steps=20) == []  # (the decay ends where it did)
+    assert changes({"max_steps": 12}, max_steps=20, min_lr_ratio=0.5) == []  # (constant: neither applies)
+    assert changes({"max_steps": 12}, scheduler="cosine") == ["trainer.scheduler constant -> cosine"]
+    caplog.set_level(logging.INFO)
+    ckpt = SimpleNamespace(meta={"config": {"trainer": dataclasses.asdict(TrainerConfig(**cosine))}}, step=3)
+    say_schedule_change(ckpt, SimpleNamespace(trainer=TrainerConfig(**(cosine | {"max_steps": 20}))))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["resume: this run's schedule differs from the checkpoint's run's and applies from step 4 "
+                    "on (the lr follows this run's schedule): trainer.max_steps 12 -> 20 (the cosine decay "
+                    "ends there: trainer.decay_steps is null)"], said
+
+
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
 def test_a_resume_from_a_real_checkpoint_says_a_new_data_stream(good, caplog):
     """With the meta.json a run wrote: the same settings say nothing; a new seed and seq_len are
