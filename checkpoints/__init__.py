@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from recipes.job import Job
 
 __all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "checked", "disk_full", "due",
-           "Interrupt", "Interrupted", "for_launch", "interruption", "load", "resolve", "resuming", "save",
-           "shapes", "start", "write_error"]
+           "Interrupt", "Interrupted", "for_launch", "interruption", "load", "resolve", "resume_line",
+           "resuming", "save", "shapes", "start", "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -156,13 +156,13 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
 
         set_aside(run_dir)
     if ckpt is not None:
-        log.info("resume: %s (step %d, %s on %d rank(s))", ckpt.path, ckpt.step,
-                 ckpt.meta["strategy"], ckpt.meta["world_size"])
         from checkpoints import data_stream, resume_settings
 
+        log.info("%s", resume_line(ckpt, job))
         data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
         data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
         resume_settings.say_model_change(ckpt, job)
+        resume_settings.say_schedule_change(ckpt, job)
     if cleanup:  # (another timeline's checkpoints aside; pruned to trainer.keep_last now)
         from checkpoints import timeline
 
@@ -173,30 +173,49 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
     return dataclasses.replace(job, trainer=trainer)
 
 
+def resume_line(ckpt: Checkpoint, job: Job) -> str:
+    """The checkpoint a launch resumes, and, where its optimizer state does not load
+    (resume_settings.py ``model_only``), that the model loads alone and why: train.py's log line
+    and ``--dry-run``'s."""
+    from checkpoints.resume_settings import model_only
+
+    m = ckpt.meta
+    line = f"resume: {ckpt.path} (step {ckpt.step}, {m['strategy']} on {m['world_size']} rank(s))"
+    why = model_only(m, job)
+    return line if why is None else f"{line}; the model only: {why}; the optimizer state starts fresh"
+
+
 def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     """Why ``job`` cannot continue from ``ckpt``, before launch; None when it can. A DeepSpeed
     engine loads its own checkpoints of the same world size and backend whole, any other's model
     (its optimizer starts fresh), zero2_ep only its own; torch presets load anything, except
     those that keep state of their own on each rank (``resume_problem``: ddp's PowerSGD, top-k,
     int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks. Where the
-    optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``)."""
-    from checkpoints.resume_settings import optimizer_refusal
+    optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``).
+    The model must be the checkpoint's (``model_refusal``: its keys that keep the shapes)."""
+    from checkpoints.resume_settings import model_refusal, optimizer_refusal
 
     why = getattr(job.strategy, "resume_problem", lambda: None)()
     if why and not _holds_rank_state(ckpt, job):
         return why
-    if why := optimizer_refusal(ckpt, job):
+    if why := optimizer_refusal(ckpt, job) or _zero_ep_refusal(ckpt, job):
         return why
-    if job.run.checkpoint != "zero_ep":  # (a ZeRO run takes any other's model, optimizer fresh)
-        return None
+    saved = (ckpt.meta.get("config") or {}).get("model")
+    return model_refusal(saved, job.model) if isinstance(saved, dict) else None
+
+
+def _zero_ep_refusal(ckpt: Checkpoint, job: Job) -> str | None:
+    """zero2_ep resumes only from its own checkpoints of the same world size and backend (a ZeRO
+    run takes any other's model, the optimizer fresh)."""
     m = ckpt.meta
-    if (m["payload"], int(m["world_size"]), m["backend"]) != (job.run.checkpoint, job.mesh.size, job.backend):
-        return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
-                f"backend={m['backend']}; strategy={job.strategy.name} (experts split over ranks) "
-                f"resumes only from its own checkpoints of the same world size and backend: resume "
-                f"with strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
-                "or a torch preset (single, ddp, fsdp, fsdp2)")
-    return None
+    if job.run.checkpoint != "zero_ep" or (m["payload"], int(m["world_size"]), m["backend"]) == (
+            job.run.checkpoint, job.mesh.size, job.backend):
+        return None
+    return (f"{ckpt.path} was written by {m['strategy']} on {m['world_size']} rank(s) with "
+            f"backend={m['backend']}; strategy={job.strategy.name} (experts split over ranks) "
+            f"resumes only from its own checkpoints of the same world size and backend: resume "
+            f"with strategy={m['strategy']} cluster.devices={m['world_size']} backend={m['backend']}, "
+            "or a torch preset (single, ddp, fsdp, fsdp2)")
 
 
 def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:

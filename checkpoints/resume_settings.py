@@ -2,11 +2,15 @@
 param-group settings (lr, betas, weight decay, eps; and how it steps: foreach, fused) as this
 run's config built them are put back over what a loaded optimizer state carries, and the
 schedule continues from the checkpoint's step count on this run's schedule. What differed is
-returned for one warning (checkpoints/state.py ``load``). The model's settings that are no
-parameter's shape (``model_changes``: LoRA's alpha and dropout, dropout) pass the resume's shape
-check, and apply from the resume on: said before launch (checkpoints ``for_launch``). What
-shapes the optimizer's state cannot change where that state is loaded (``optimizer_refusal``,
-refused before launch: checkpoints ``refusal``)."""
+returned for one warning (checkpoints/state.py ``load``); the schedule's keys that differ are named
+before launch (``schedule_changes``). The model is the checkpoint's: its shapes (checkpoints
+``_check_shapes``) and every key that is what its weights compute (``model_refusal``, refused
+before launch); the model's settings that are neither (``model_changes``: LoRA's alpha and
+dropout, dropout, a MoE model's capacity and balancing weight) apply from the resume on: said
+before launch (checkpoints ``for_launch``). What shapes the optimizer's state cannot change where
+that state is loaded (``optimizer_refusal``, refused before launch: checkpoints ``refusal``);
+where it is not (``model_only``: another engine, world size, ZeRO-3-or-not, or precision under
+DeepSpeed), the model loads and the optimizer starts fresh."""
 
 from __future__ import annotations
 
@@ -58,45 +62,163 @@ def continue_schedule(scheduler: Any, optimizer: Any, saved: dict[str, Any]) -> 
     return []
 
 
-MODEL_SETTINGS = ("lora.alpha", "lora.dropout", "dropout")
-"""model.* settings a checkpoint's parameter shapes do not pin (the rank and target modules do)."""
+MODEL_SETTINGS = ("lora.alpha", "lora.dropout", "dropout", "capacity_factor", "aux_loss_coef")
+"""model.* settings a resume takes, named (``model_changes``): no parameter's shape, nor what the
+weights compute -- the adapters' scale (alpha / rank x B A) and dropout, dropout, and a MoE
+model's routing budget (tokens over it are dropped) and the balancing loss's weight."""
+
+NOT_THE_MODEL = ("name", "path", "pretrained", "seq_len", "max_seq_len", "document_eos")
+"""model.* keys that are not the model the checkpoint's weights are: its name, where its weights
+and config.json are and whether they load (a resume loads the checkpoint's; ``model=hf``'s
+architecture keys, read from config.json, are compared), the data's windows and documents
+(checkpoints/data_stream.py names ``model.seq_len`` and ``data.packing``), and the longest
+sequence it supports (a limit). Every other key of the schema is what the weights compute
+(``model_refusal``), a key the schema gains included."""
+
+MOE_SETTINGS = ("capacity_factor", "aux_loss_coef")
+"""Of ``MODEL_SETTINGS``, those only a MoE model reads."""
+_ABSENT = object()
+
+
+def _model_keys() -> list[str]:
+    """Every key of ``model``'s schema, LoRA's as ``lora.<key>``."""
+    from dataclasses import fields
+
+    from recipes.model_config import LoraConfig, ModelConfig
+
+    return [k for f in fields(ModelConfig)
+            for k in ([f"lora.{g.name}" for g in fields(LoraConfig)] if f.name == "lora" else [f.name])]
+
+
+def _compared(saved: dict[str, Any], model: Any, keys: Any) -> list[tuple[str, Any, Any]]:
+    """(key, the checkpoint's run's value, this run's) of each of ``keys`` that differs; LoRA's
+    keys (but its rank) only where both runs have adapters, a MoE model's only where both are
+    one (a dense model reads none; the rank and n_experts are compared), a key the checkpoint's
+    config lacks (an older one) not at all."""
+    lora = model.lora.rank and (saved.get("lora") or {}).get("rank", model.lora.rank)
+    moe = model.n_experts and saved.get("n_experts", model.n_experts)
+    out = []
+    for key in keys:
+        if (key.startswith("lora.") and key != "lora.rank" and not lora) or (key in MOE_SETTINGS and not moe):
+            continue
+        old, new = saved, model
+        for part in key.split("."):
+            old, new = (old if isinstance(old, dict) else {}).get(part, _ABSENT), getattr(new, part)
+        if old is not _ABSENT and _differs(_canonical(old), _canonical(new)):
+            out.append((key, old, new))
+    return out
+
+
+def _canonical(v: Any) -> Any:
+    """A list of names (LoRA's target modules) as a set: their order is no other model."""
+    return sorted(v) if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v) else v
 
 
 def model_changes(saved: dict[str, Any], model: Any) -> list[str]:
     """``MODEL_SETTINGS`` that differ between the checkpoint's run (``saved``: its resolved
     ``model`` config) and this one, as ``model.<key> old -> new``. alpha scales the adapters'
     update (alpha / rank x B A), so a new one changes the model the run continues from, and says so."""
-    changed = []
-    for key in MODEL_SETTINGS:
-        if key.startswith("lora.") and not model.lora.rank:
-            continue  # (no adapters: nothing to scale or drop)
-        old, new = saved, model
-        for part in key.split("."):
-            old, new = (old or {}).get(part), getattr(new, part)
-        if old is not None and _differs(old, new):
-            changed.append(f"model.{key} {_shown(old)} -> {_shown(new)}" + (
-                " (the adapters' scale, alpha / rank: the run continues from other effective weights)"
-                if key == "lora.alpha" else ""))
-    return changed
+    return [f"model.{key} {_shown(old)} -> {_shown(new)}" + (
+        " (the adapters' scale, alpha / rank: the run continues from other effective weights)"
+        if key == "lora.alpha" else "") for key, old, new in _compared(saved, model, MODEL_SETTINGS)]
+
+
+def model_refusal(saved: dict[str, Any], model: Any) -> str | None:
+    """Why ``model`` cannot continue from the weights of the checkpoint's run (``saved``: its
+    resolved ``model`` config); None when it can. Every key that is what the weights compute
+    (not ``MODEL_SETTINGS``, not ``NOT_THE_MODEL``) must be the checkpoint's: the shape check
+    passes n_heads and n_kv_heads changed at equal shapes (the same weights regrouped into other
+    heads), rope_theta, norm_eps, and tie_embeddings (one of the two trained matrices dropped),
+    and each resumed another model without a word. model=hf reads its keys from model.path's
+    config.json (an override of them is refused), so the fix there is the path."""
+    from recipes.hf_config import SHAPE_KEYS
+
+    skip = set(MODEL_SETTINGS) | set(NOT_THE_MODEL)
+    differ = _compared(saved, model, [k for k in _model_keys() if k not in skip])
+    if not differ:
+        return None
+    from_json = [(k, old) for k, old, _ in differ if model.is_hf and k in SHAPE_KEYS]
+    ours = [f"model.{k}={_override(old)}" for k, old, _ in differ if (k, old) not in from_json]
+    fixes = [f"resume with {' '.join(ours)}"] if ours else []
+    if from_json:
+        fixes.append("point model.path at a model whose config.json gives the checkpoint's values (its "
+                     f"run's: model.path={saved.get('path')})")
+    said = ", ".join(f"model.{k}={_override(new)} (the checkpoint's run: {_override(old)})"
+                     for k, old, new in differ)
+    return (said + ": the checkpoint's weights are another model's -- these keys keep every parameter's "
+            f"shape but change what the weights compute; {' and '.join(fixes)}, or start a new run with "
+            "trainer.resume_from=null")
+
+
+def _override(v: Any) -> str:
+    """As an override writes it: true, null, [q_proj,v_proj]."""
+    if isinstance(v, bool) or v is None:
+        return "null" if v is None else str(v).lower()
+    return f"[{','.join(map(str, v))}]" if isinstance(v, (list, tuple)) else str(v)
 
 
 def loads_optimizer(meta: dict[str, Any], job: Any) -> bool:
     """Whether resuming ``job`` from the checkpoint of ``meta`` loads that checkpoint's optimizer
-    state -- checkpoints/state.py ``load``'s conditions: DCP into a torch preset (any world size);
-    DeepSpeed's own or zero2_ep's into the same payload on as many ranks and the same backend
-    (ZeRO-3's layout only into ZeRO-3). Anything else loads the model only: the optimizer starts
-    fresh, whatever it is."""
-    payload = meta.get("payload")
+    state (``model_only`` says why not)."""
+    return model_only(meta, job) is None
+
+
+def model_only(meta: dict[str, Any], job: Any) -> str | None:
+    """Why resuming ``job`` from the checkpoint of ``meta`` loads the model only, the optimizer
+    starting fresh; None where the optimizer state loads -- checkpoints/state.py ``load``'s
+    conditions: DCP into a torch preset (any world size, any precision); DeepSpeed's own or
+    zero2_ep's into the same payload on as many ranks and the same backend (ZeRO-3's layout only
+    into ZeRO-3; DeepSpeed's only at the same precision: ``deepspeed_precision``)."""
+    payload, trainer = meta.get("payload"), (meta.get("config") or {}).get("trainer") or {}
     if payload != job.run.checkpoint:
-        return False
+        return (f"the checkpoint holds {payload}'s state, strategy={job.strategy.name} keeps "
+                f"{job.run.checkpoint}'s")
     if payload == "dcp":
-        return True
-    if (int(meta.get("world_size", 0)), meta.get("backend")) != (job.mesh.size, job.backend):
-        return False
-    if payload == "deepspeed":
-        stage = ((meta.get("config") or {}).get("strategy") or {}).get("stage") or 0
-        return (stage >= 3) == ((getattr(job.strategy, "stage", 0) or 0) >= 3)
-    return True
+        return None
+    world, backend = int(meta.get("world_size", 0)), meta.get("backend")
+    if (world, backend) != (job.mesh.size, job.backend):
+        return f"the checkpoint was written on {world} rank(s) with backend={backend}"
+    if payload != "deepspeed":
+        return None
+    stage = ((meta.get("config") or {}).get("strategy") or {}).get("stage") or 0
+    if (stage >= 3) != ((getattr(job.strategy, "stage", 0) or 0) >= 3):
+        into = "ZeRO-3" if stage >= 3 else "ZeRO-1/2"
+        return f"the checkpoint holds ZeRO-{stage}'s layout, which DeepSpeed loads only into {into}"
+    was = str(trainer.get("precision", "32"))
+    if deepspeed_precision(was) != deepspeed_precision(job.trainer.precision):
+        return (f"the checkpoint's run had trainer.precision={was}, this run {job.trainer.precision}, and "
+                "DeepSpeed keeps its optimizer state per precision (bf16's in bf16_zero_pp_rank_* files, "
+                f"fp16's with its loss scaler; trainer.precision={was} loads it)")
+    return None
+
+
+def deepspeed_precision(precision: str) -> str | None:
+    """The DeepSpeed precision section ``trainer.precision`` enables (bf16 | fp16; None: fp32): an
+    engine loads the ZeRO optimizer state of the same only (checkpoints/state.py ``load``)."""
+    from core.precision import find
+
+    found = find(precision)
+    return found.deepspeed if found else str(precision)
+
+
+def schedule_changes(saved: dict[str, Any], t: Any) -> list[str]:
+    """The schedule's keys (recipes/training.py ``lr_factor``) that differ between the checkpoint's
+    run's trainer config (``saved``) and this run's (``t``), as ``trainer.<key> old -> new``: the
+    scheduler and warm-up; where both decay, the floor and where the decay ends (decay_steps, or
+    max_steps where it is null). (trainer.lr: ``govern``.)"""
+    out = [f"trainer.{k} {_override(saved[k])} -> {_override(getattr(t, k))}"
+           for k in ("scheduler", "warmup_steps") if k in saved and _differs(saved[k], getattr(t, k))]
+    if saved.get("scheduler", "constant") == "constant" or t.scheduler == "constant":
+        return out
+    if "min_lr_ratio" in saved and _differs(saved["min_lr_ratio"], t.min_lr_ratio):
+        out.append(f"trainer.min_lr_ratio {_override(saved['min_lr_ratio'])} -> {_override(t.min_lr_ratio)}")
+    was, decay = saved.get("max_steps"), saved.get("decay_steps")
+    if was is None or (decay or was) == (t.decay_steps or t.max_steps):
+        return out
+    if decay != t.decay_steps:
+        return [*out, f"trainer.decay_steps {_override(decay)} -> {_override(t.decay_steps)}"]
+    return [*out, f"trainer.max_steps {was} -> {t.max_steps} (the {t.scheduler} decay ends there: "
+                  "trainer.decay_steps is null)"]
 
 
 def optimizer_refusal(ckpt: Any, job: Any) -> str | None:
@@ -157,3 +279,13 @@ def say_model_change(ckpt: Any, job: Any) -> None:
         log.warning("resume: this run's model settings differ from the checkpoint's run's and apply "
                     "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
                     ckpt.step + 1, "; ".join(changed))
+
+
+def say_schedule_change(ckpt: Any, job: Any) -> None:
+    """The schedule's keys that differ from the checkpoint's run (``schedule_changes``): they apply
+    from here (``continue_schedule``), said once, before launch."""
+    saved = (ckpt.meta.get("config") or {}).get("trainer") or {}
+    changed = schedule_changes(saved, job.trainer) if saved else []
+    if changed:
+        log.warning("resume: this run's schedule differs from the checkpoint's run's and applies from step "
+                    "%d on (the lr follows this run's schedule): %s", ckpt.step + 1, "; ".join(changed))

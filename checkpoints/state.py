@@ -14,14 +14,14 @@ most faithful path the two sides allow:
 - DCP -> any torch strategy, any world size: ``dcp.load`` into the engine's own state dict
   (``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``); DCP
   reshards. Model and optimizer come back.
-- DeepSpeed -> DeepSpeed on the same world size and keys: the engine's ``load_checkpoint``.
+- DeepSpeed -> DeepSpeed on the same world size, keys and precision: the engine's ``load_checkpoint``.
 - zero_ep (DeepSpeed's ZeRO-2 with the experts split, zero2_ep: its ``save_checkpoint`` keys a MoE
   layer's experts only as its own MoE layer names them) -> zero2_ep on the same world size: each
   rank's module (its own experts, plain keys) and ZeRO optimizer state, written and read through
   the engine's ``state_dict`` / ``load_state_dict``; ``model.pt`` beside them holds the full
   model (experts gathered over the ep group), for convert.py and the other presets.
-- anything else (ZeRO -> FSDP/DDP/single, DCP -> ZeRO, or another world size or backend under
-  ZeRO): the full fp32 parameters (DeepSpeed's ``zero_to_fp32``, or DCP read whole) loaded into
+- anything else (ZeRO -> FSDP/DDP/single, DCP -> ZeRO, or another world size, backend or precision
+  under ZeRO): the full fp32 parameters (DeepSpeed's ``zero_to_fp32``, or DCP read whole) loaded into
   the engine -- a DeepSpeed engine's module set (under ZeRO-3 gathered and partitioned again)
   and its fp32 masters refreshed from it; the optimizer starts fresh, and the log says so.
 """
@@ -185,7 +185,7 @@ def scheduler_state(h: Handles) -> dict[str, Any]:
 # ------------------------------------------------------------------ load
 def load(h: Handles, ckpt: Checkpoint) -> None:
     """Every rank: restore model, optimizer, scheduler and this rank's RNG from ``ckpt``. (Which
-    branch loads the optimizer is told before launch by resume_settings.py ``loads_optimizer``.)"""
+    branch loads the optimizer is told before launch by resume_settings.py ``model_only``.)"""
     meta, path = ckpt.meta, ckpt.path
     saved = meta["payload"]
     same_world = int(meta["world_size"]) == h.world_size
@@ -195,7 +195,8 @@ def load(h: Handles, ckpt: Checkpoint) -> None:
         how = "model and optimizer (DCP" + (")" if same_world else
                                             f", resharded from {meta['world_size']} ranks)")
     elif (saved == DEEPSPEED and h.format == DEEPSPEED and same_world and meta["prefix"] == h.prefix
-          and _zero3_files(path) == (h.model.zero_optimization_stage() >= 3)):  # (ZeRO-3's own layout)
+          and _zero3_files(path) == (h.model.zero_optimization_stage() >= 3)  # (ZeRO-3's own layout)
+          and _same_precision(meta, h.model)):
         _check_pickles(path / DEEPSPEED)
         done, _ = h.model.load_checkpoint(str(path / DEEPSPEED), tag=TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=False, load_module_strict=True)
@@ -241,6 +242,16 @@ def _load_dcp(h: Handles, path: Path) -> None:
         raise CheckpointError(f"cannot load {path / DCP}: {_first_line(e)}") from e
     set_state_dict(h.model, h.optimizer, model_state_dict=_add(state["model"], h.prefix),
                    optim_state_dict=_add_optim(state["optim"], h.prefix), options=_options())
+
+
+def _same_precision(meta: dict[str, Any], engine: Any) -> bool:
+    """The checkpoint's run had the precision ``engine`` runs (DeepSpeed's bf16 or fp16 section, or
+    neither): its ZeRO optimizer state is per precision -- bf16's files are
+    ``bf16_zero_pp_rank_*``, which another engine's loader does not find (FileNotFoundError on
+    every rank), fp16's carry its loss scaler."""
+    was = ((meta.get("config") or {}).get("trainer") or {}).get("precision", "32")
+    runs = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else None
+    return resume_settings.deepspeed_precision(was) == runs
 
 
 def _zero3_files(path: Path) -> bool:

@@ -107,8 +107,25 @@ def main(argv: list[str]) -> int:
         print(f"would start{f' job {i}' if multirun else ''}: {_launch(job, run_dir)}")
         notes = [*job.strategy.notes(job.run), *held_out_notes(job.data, job.model)]
         print("".join(f"note: {line}\n" for line in notes), end="")
+        if (resume := _resume(job, cfg, submitit)) is not None:
+            print(resume)
     print("--dry-run: nothing was started")
     return code
+
+
+def _resume(job: Any, cfg: Any, submitit: bool) -> str | None:
+    """What a ``trainer.resume_from`` path loads, as the launch logs it (checkpoints
+    ``resume_line``: the model only, and why, where its optimizer state does not carry over);
+    preflight checked the checkpoint where the job starts here (``auto``: the run directory's,
+    not there yet)."""
+    import checkpoints
+    from launchers import sweep
+    from recipes.job import LAUNCH
+
+    path = job.trainer.resume_from
+    if path in (None, checkpoints.AUTO) or sweep.depth(cfg, not submitit) != LAUNCH:
+        return None
+    return checkpoints.resume_line(checkpoints.resolve(path, ".", cleanup=False), job)
 
 
 def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs: list[list[str]],

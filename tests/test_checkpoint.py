@@ -130,6 +130,31 @@ def test_zero3_on_2_resumes_as_fsdp_on_1_and_ddp_on_2(cached, train, tmp_path):
     assert_losses_close(zero3.losses[3:4], zero2.losses[3:4], rtol=1e-6)
 
 
+@pytest.mark.multiprocess
+def test_zero3_resumed_at_another_precision_takes_the_model_with_a_fresh_optimizer(cached, train, capsys):
+    """zero3's fp32 checkpoint resumed under trainer.precision=bf16-mixed passed --dry-run ("ok"),
+    then every rank died with FileNotFoundError: .../bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt
+    (DeepSpeed keeps its optimizer state per precision). It loads the model with a fresh
+    optimizer, as from another preset: --dry-run and the launch say so, naming trainer.precision,
+    and the first step computes on the loaded weights."""
+    from launchers import dry_run
+
+    zero3 = _straight(cached, "zero3")
+    step3 = zero3.out / "checkpoints" / "step3"
+    over = [*TINY, *EQUIV, *PRESETS["zero3"], "trainer.max_steps=4", "trainer.precision=bf16-mixed",
+            f"trainer.resume_from={step3}", QUIET]
+    capsys.readouterr()
+    assert dry_run.main([*over, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert f"resume: {step3} (step 3, zero3 on 2 rank(s)); the model only: the checkpoint's run had " \
+           "trainer.precision=32" in said, said
+    bf16 = train(*over[len(TINY):], name="bf16")
+    assert "the model only: the checkpoint's run had trainer.precision=32" in bf16.log, bf16.log[-3000:]
+    assert "model only, from a deepspeed checkpoint of zero3 on 2 rank(s)" in bf16.log
+    assert bf16.losses[:3] == zero3.losses[:3]
+    assert_losses_close(zero3.losses[3:4], bf16.losses[3:4], rtol=1e-2)  # (in bf16)
+
+
 @pytest.mark.subprocess
 def test_a_rewind_sets_the_abandoned_timeline_aside(train, tmp_path):
     """Resuming from an older checkpoint of the same run directory (rewinding past a spike):
@@ -929,28 +954,41 @@ def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tm
     assert input_fingerprints(DataConfig(name="tokens", path=str(tmp_path / "gone"))) == {}
 
 
+def _job(layout: tuple[str, ...], **trainer):
+    """TINY validated under ``layout``, with these trainer settings."""
+    import dataclasses
+
+    j = _validated(*layout)
+    return dataclasses.replace(j, trainer=dataclasses.replace(j.trainer, **trainer))
+
+
+def _meta_of(was, **written) -> dict:
+    """meta.json as the run ``was`` writes it (what the resume checks read); ``written``: other values."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    return {"payload": was.run.checkpoint, "world_size": was.mesh.size, "backend": was.backend,
+            "strategy": was.strategy.name, "config": {"trainer": dataclasses.asdict(was.trainer),
+                                                      "strategy": OmegaConf.to_container(was.cfg.strategy, resolve=True)},
+            **written}
+
+
 @pytest.mark.unit
 def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     """Where the checkpoint's optimizer state loads, another trainer.optimizer (torch DCP raised
     a missing key on every rank after launch, ZeRO ran on silently), SGD's momentum from 0, and
     under DeepSpeed another number of parameter groups are refused before launch; a load of the
-    model only (another engine, world size or ZeRO-3-or-not) starts the optimizer fresh and takes any."""
-    import dataclasses
+    model only (another engine, world size, ZeRO-3-or-not, or precision under DeepSpeed) starts the
+    optimizer fresh and takes any."""
     from types import SimpleNamespace
-
-    from omegaconf import OmegaConf
 
     from checkpoints.resume_settings import optimizer_refusal
 
-    def job(layout: tuple[str, ...], **trainer):
-        j = _validated(*layout)
-        return dataclasses.replace(j, trainer=dataclasses.replace(j.trainer, **trainer))
+    job = _job
 
     def refusal(was, now, **written) -> str | None:  # (written: meta.json's world_size, backend)
-        meta = {"payload": was.run.checkpoint, "world_size": was.mesh.size, "backend": was.backend,
-                "config": {"trainer": dataclasses.asdict(was.trainer),
-                           "strategy": OmegaConf.to_container(was.cfg.strategy, resolve=True)}, **written}
-        return optimizer_refusal(SimpleNamespace(meta=meta, path="ckpt"), now)
+        return optimizer_refusal(SimpleNamespace(meta=_meta_of(was, **written), path="ckpt"), now)
 
     single, ddp, zero2 = ("strategy=single",), ("strategy=ddp", "cluster.devices=2"), ("strategy=zero2", "cluster.devices=2")
     zero3 = ("strategy=zero3", "cluster.devices=2")
@@ -972,6 +1010,159 @@ def test_a_resume_refuses_what_would_reshape_the_optimizer_state_it_loads():
     assert why.startswith("trainer.weight_decay=0.1 with trainer.no_decay=true: 2 optimizer parameter group(s), "
                           "the checkpoint's run 1") and "trainer.no_decay=false" in why
     assert refusal(job(zero2), job(zero2, weight_decay=0.1, no_decay=False)) is None
+
+
+@pytest.mark.unit
+def test_a_zero_resume_at_another_precision_loads_the_model_only():
+    """DeepSpeed keeps its ZeRO optimizer state per precision (bf16's files are
+    bf16_zero_pp_rank_*_optim_states.pt, fp16's carry a dynamic loss scaler): zero2 and zero3 resumed
+    at another trainer.precision passed the preflight and --dry-run, then every rank died with
+    FileNotFoundError for the other kind's file. The precision is one of the whole load's
+    conditions: the model loads and the optimizer starts fresh (so any optimizer is taken), and the
+    resume line says so, naming trainer.precision. DCP's state loads at any precision."""
+    from types import SimpleNamespace
+
+    import checkpoints
+    from checkpoints.resume_settings import loads_optimizer, optimizer_refusal
+
+    zero2, zero3 = ("strategy=zero2", "cluster.devices=2"), ("strategy=zero3", "cluster.devices=2")
+    for layout in (zero2, zero3):
+        for was, now in (("32", "bf16-mixed"), ("bf16-mixed", "32")):
+            meta = _meta_of(_job(layout, precision=was))
+            assert loads_optimizer(meta, _job(layout, precision=was)), (layout, was)
+            assert not loads_optimizer(meta, _job(layout, precision=now)), (layout, was, now)
+            ckpt = SimpleNamespace(meta=meta, path="ckpt", step=6)
+            line = checkpoints.resume_line(ckpt, _job(layout, precision=now))
+            assert line.startswith("resume: ckpt (step 6, ") and "the model only" in line, line
+            assert f"trainer.precision={was}" in line and "starts fresh" in line, line
+            assert optimizer_refusal(ckpt, _job(layout, precision=now, optimizer="sgd")) is None
+    assert "the model only" not in checkpoints.resume_line(  # (the same precision: model and optimizer)
+        SimpleNamespace(meta=_meta_of(_job(zero2)), path="ckpt", step=6), _job(zero2))
+    ddp = ("strategy=ddp", "cluster.devices=2")
+    assert loads_optimizer(_meta_of(_job(ddp)), _job(ddp, precision="bf16-mixed"))
+
+
+def _model(*overrides: str):
+    from recipes.config import compose, describe
+
+    return describe(compose([*TINY, *overrides]).model)
+
+
+def _model_config(*overrides: str) -> dict:
+    """The model section of meta.json's config as a run of TINY + ``overrides`` writes it."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import compose
+
+    return OmegaConf.to_container(compose([*TINY, *overrides]).model, resolve=True)
+
+
+@pytest.mark.unit
+def test_a_resume_refuses_another_model_of_the_same_shapes():
+    """Attention heads regrouped at the same shapes, another rotary base or norm epsilon, tied
+    embeddings (one of the two trained matrices silently dropped), another MoE top_k: each passed
+    the shape check and resumed another model from the checkpoint's weights, without a word. Any
+    model key that is what the weights compute is refused before launch, by name, with the
+    checkpoint's value and the fix; the settings a resume takes (dropout, LoRA's alpha and
+    dropout, a MoE model's capacity and balancing weight) are named instead, and a key an older
+    checkpoint lacks is not compared."""
+    import checkpoints
+    from checkpoints.resume_settings import model_changes, model_refusal
+
+    saved = _model_config()
+    assert model_refusal(saved, _model()) is None
+    assert model_refusal(saved, _model("model.dropout=0.1")) is None
+    heads = _model("model.n_heads=8", "model.n_kv_heads=4")
+    assert checkpoints.shapes(heads) == checkpoints.shapes(_model())  # (the shape check passes it)
+    assert model_refusal(saved, heads) == (
+        "model.n_heads=8 (the checkpoint's run: 4), model.n_kv_heads=4 (the checkpoint's run: 2): "
+        "the checkpoint's weights are another model's -- these keys keep every parameter's shape but "
+        "change what the weights compute; resume with model.n_heads=4 model.n_kv_heads=2, or start "
+        "a new run with trainer.resume_from=null")
+    for key, new, old in (("rope_theta", "500.0", "10000.0"), ("norm_eps", "0.5", "1e-05"),
+                          ("tie_embeddings", "true", "false")):
+        why = model_refusal(saved, _model(f"model.{key}={new}"))
+        assert why.startswith(f"model.{key}={new} (the checkpoint's run: {old}): ") and \
+            f"resume with model.{key}={old}, or" in why, why
+    assert model_refusal({k: v for k, v in saved.items() if k != "rope_theta"}, _model("model.rope_theta=500")) is None
+    moe = _model_config("model=gpt_moe_nano")
+    assert "model.top_k=1 (the checkpoint's run: 2)" in model_refusal(moe, _model("model=gpt_moe_nano", "model.top_k=1"))
+    routing = _model("model=gpt_moe_nano", "model.capacity_factor=1.5", "model.aux_loss_coef=0.1")
+    assert model_refusal(moe, routing) is None
+    assert model_changes(moe, routing) == ["model.capacity_factor 2 -> 1.5", "model.aux_loss_coef 0.01 -> 0.1"]
+    assert model_changes(saved, _model("model.aux_loss_coef=0.1")) == []  # (a dense model has none)
+
+
+@pytest.mark.unit
+def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_path):
+    """model=hf reads its keys from model.path's config.json (an override of them is refused):
+    a path whose config.json gives another rotary base is refused naming the key and pointing
+    at the model the checkpoint's run read; the same config.json elsewhere (the model moved) is
+    the same model. LoRA's rank and target modules are the adapters' (their order is not); the
+    built-in GPT's unused LoRA keys are not compared."""
+    from checkpoints.resume_settings import model_refusal
+
+    def saved_at(name: str, **config) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **config}))
+        return d
+
+    a, moved, other = saved_at("a"), saved_at("moved"), saved_at("other", rope_theta=500000.0)
+    hf = ("model=hf", "model.pretrained=false", "data.tokenizer=null")
+    lora = ("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
+    saved = _model_config(*hf, f"model.path={a}", *lora)
+    assert model_refusal(saved, _model(*hf, f"model.path={moved}", *lora)) is None
+    assert model_refusal(saved, _model(*hf, f"model.path={a}", "model.lora.rank=4",
+                                       "model.lora.target_modules=[v_proj,q_proj]", "model.lora.alpha=8")) is None
+    why = model_refusal(saved, _model(*hf, f"model.path={other}", *lora))
+    assert why.startswith("model.rope_theta=500000.0 (the checkpoint's run: 10000.0): ") and \
+        f"point model.path at a model whose config.json gives the checkpoint's values (its run's: model.path={a})" \
+        in why and "resume with model.rope_theta" not in why, why
+    why = model_refusal(saved, _model(*hf, f"model.path={a}", "model.lora.rank=8",
+                                      "model.lora.target_modules=[q_proj,v_proj]"))
+    assert why.startswith("model.lora.rank=8 (the checkpoint's run: 4)") and "resume with model.lora.rank=4," in why
+    assert model_refusal({**_model_config(), "lora": {"target_modules": ["o_proj"]}}, _model()) is None
+
+
+@pytest.mark.unit
+def test_a_resume_names_each_schedule_key_that_differs(caplog):
+    """A longer cosine schedule (max_steps raised), another warm-up, decay or scheduler apply from
+    the checkpoint's step on (the lr follows this run's schedule) and README says the log names
+    each: it named only the next step's lr (and nothing at all while the checkpoint was in warm-up).
+    One resume: warning names each key by its value in both runs; max_steps only where it ends a
+    decay (decay_steps null), min_lr_ratio and the decay's end only where both runs decay."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+
+    from checkpoints.resume_settings import say_schedule_change, schedule_changes
+    from recipes.trainer_config import TrainerConfig
+
+    def changes(was: dict, **now) -> list[str]:
+        return schedule_changes(dataclasses.asdict(TrainerConfig(**was)), TrainerConfig(**(was | now)))
+
+    cosine = {"scheduler": "cosine", "max_steps": 12, "warmup_steps": 5}
+    assert changes(cosine) == [] and changes(cosine, lr=0.1, seed=7) == []
+    assert changes(cosine, max_steps=20) == ["trainer.max_steps 12 -> 20 (the cosine decay ends there: "
+                                             "trainer.decay_steps is null)"]
+    assert changes(cosine, warmup_steps=10) == ["trainer.warmup_steps 5 -> 10"]
+    assert changes(cosine, scheduler="linear", min_lr_ratio=0.1) == ["trainer.scheduler cosine -> linear",
+                                                                      "trainer.min_lr_ratio 0.0 -> 0.1"]
+    assert changes(cosine, decay_steps=20) == ["trainer.decay_steps null -> 20"]
+    assert changes(cosine | {"decay_steps": 12}, max_steps=20) == []  # (the decay ends where it did)
+    assert changes({"max_steps": 12}, max_steps=20, min_lr_ratio=0.5) == []  # (constant: neither applies)
+    assert changes({"max_steps": 12}, scheduler="cosine") == ["trainer.scheduler constant -> cosine"]
+    caplog.set_level(logging.INFO)
+    ckpt = SimpleNamespace(meta={"config": {"trainer": dataclasses.asdict(TrainerConfig(**cosine))}}, step=3)
+    say_schedule_change(ckpt, SimpleNamespace(trainer=TrainerConfig(**(cosine | {"max_steps": 20}))))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["resume: this run's schedule differs from the checkpoint's run's and applies from step 4 "
+                    "on (the lr follows this run's schedule): trainer.max_steps 12 -> 20 (the cosine decay "
+                    "ends there: trainer.decay_steps is null)"], said
 
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
