@@ -11,7 +11,9 @@ dividing it again would shrink accumulated gradients by the accumulation. On eve
 (4) repairs how DeepSpeed reads gradients back from NVMe when the optimizer state is there
 (backends/common/deepspeed.py), and (5) stops the run before a step in which a parameter that
 had a gradient earlier has none (ZeRO would step it with a stale gradient). Under ZeRO-3 it
-(6) refuses a write into a partitioned parameter while ``configure_model`` runs (lost otherwise)
+(6) builds the model under the Accelerate backend's ``zero.Init`` (backends/common/deepspeed.py
+``zero_init``: drawn in fp32, cast to 16-bit as partitioned, the init ZeRO-1/2 start from) and
+refuses a write into a partitioned parameter while ``configure_model`` runs (lost otherwise)
 and (7) says what a backward that failed on a parameter used outside any module's forward means
 (backends/common/partitioned.py). Lightning fills what the generated config leaves open from the
 Trainer: accumulation, micro batch, clipping and the precision sections.
@@ -76,9 +78,13 @@ class CPUCapableDeepSpeedStrategy(PresetStrategy, DeepSpeedStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Iterator[None]:
-        """Lightning's (``configure_model`` inside ``deepspeed.zero.Init``), refusing (6) a write
-        into a parameter zero.Init already partitioned: it would be lost without a word."""
-        with super().model_sharded_context():
+        """Lightning's (``configure_model`` inside ``deepspeed.zero.Init``), under the zero.Init
+        the Accelerate backend builds in too (``zero_init``: the constructors draw in fp32, each
+        module's parameters cast to 16-bit as it is partitioned; Lightning's drew in bf16),
+        refusing (6) a write into a parameter zero.Init already partitioned: it would be lost
+        without a word."""
+        self._init_config_if_needed()  # (the parent's first step: the config's precision section)
+        with ds.zero_init(self.config, stage=self.preset.stage, offload_params=self.preset.offload_params):
             if not self.zero_stage_3:
                 yield
                 return
