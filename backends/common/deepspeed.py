@@ -79,11 +79,22 @@ def zero_init(config: dict[str, Any], *, stage: int, offload_params: str) -> Any
     the build's transient grows: a module's own parameters are whole in fp32 until its
     constructor returns, then beside their 16-bit copy while cast (one 50M-element Linear on
     CPU: 302 MB at once, 201 MB under DeepSpeed's default, whose fp32 was never written)."""
-    from deepspeed.runtime.zero import DeepSpeedTensorOverride
+    import deepspeed
+    import deepspeed.runtime.zero as zero
 
     remote = offload_params if offload_params != "none" else None
+    if not hasattr(zero, "DeepSpeedTensorOverride") or not hasattr(deepspeed.zero.Init, "_post_init_method"):
+        import logging
+
+        from core.internals import warn_once
+
+        warn_once(logging.getLogger(__name__), "zero_init", (
+            f"deepspeed {deepspeed.__version__} lacks zero.Init's tensor_overrides or _post_init_method "
+            "(0.19.8 has both): ZeRO-3 builds the model as DeepSpeed's default does, its init drawn in "
+            "the 16-bit dtype (not the fp32 init ZeRO-1/2 start from); deepspeed==0.19.8 draws it in fp32"))
+        return deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote, enabled=stage == 3)
     return _zero_init_class()(config_dict_or_path=config, remote_device=remote, enabled=stage == 3,
-                              tensor_overrides=[DeepSpeedTensorOverride.device])
+                              tensor_overrides=[zero.DeepSpeedTensorOverride.device])
 
 
 @functools.cache
