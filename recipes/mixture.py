@@ -119,11 +119,12 @@ def settle(data: DataConfig, model: Any | None) -> tuple[DataConfig, list[str]]:
     keys, each source's declared checks and its inputs (recipes/tokens.py ``data_problems``),
     prefixed with ``data.mixture[i]``; and of the top-level keys beside them."""
     from core import knobs
+    from recipes.token_checks import mixture_shared_files
     from recipes.tokens import data_problems
 
     inherited, ignored = _top_level(data, getattr(model, "path", None))
     out = _conflicts(data) + ignored
-    settled, read = [], set()
+    settled, read, checked = [], set(), []
     for i, entry in enumerate(data.mixture):
         bad = _entry_problems(i, entry)
         out += bad
@@ -137,12 +138,14 @@ def settle(data: DataConfig, model: Any | None) -> tuple[DataConfig, list[str]]:
         declared = knobs.problems(src, key)
         out += declared
         if not declared:
+            checked.append((i, src))
             out += [f"{key} (data={src.name}): {p}" for p in data_problems(src, model)]
             vocab = getattr(model, "vocab_size", None)
             if src.name == "text" and not src.tokenized and isinstance(vocab, int) and vocab < 256:
                 out.append(f"{key}: byte tokens of data=text need model.vocab_size >= 256 "
                            f"(it is {vocab}): set model.vocab_size=256 or {key}.tokenizer")
         settled.append({**dataclasses.asdict(src), "weight": float(entry["weight"])})
+    out += mixture_shared_files(checked)
     if len(settled) == len(data.mixture):  # (every entry read)
         out += [f"data.{k}={inherited[k]} with data.mixture: no source reads one (data=tokens and "
                 f"synthetic do not): remove data.{k}" for k in sorted(inherited.keys() - read)]

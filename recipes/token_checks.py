@@ -139,10 +139,12 @@ def say_short_shards(key: str, value: Any, files: list[Path], lengths: list[int]
                 len(short), len(files), seq_len + 1, sum(n for _, n in short), named, more)
 
 
-def _shared_files(value: Any, val: Inputs, path: Any, train: Inputs) -> str | None:
-    """The error for a ``data.val_path`` that reads files ``data.path`` reads too (the same ones:
-    a file and a glob of it, a directory and its files; or some: a validation file inside the
-    training directory or glob), naming them and the side to narrow; None when they share none."""
+def _shared_files(value: Any, val: Inputs, path: Any, train: Inputs, val_key: str = "data.val_path",
+                  path_key: str = "data.path") -> str | None:
+    """The error for a ``data.val_path`` (``val_key``) that reads files ``data.path`` (``path_key``:
+    its own, or another mixture entry's) reads too (the same ones: a file and a glob of it, a
+    directory and its files; or some: a validation file inside the training directory or glob),
+    naming them and the side to narrow; None when they share none."""
     train_files = {f.resolve(): f for f in train.files}
     val_files = {f.resolve(): f for f in val.files}
     shared = [f for r, f in val_files.items() if r in train_files]
@@ -151,23 +153,50 @@ def _shared_files(value: Any, val: Inputs, path: Any, train: Inputs) -> str | No
     rest_val = [f for r, f in val_files.items() if r not in train_files]
     rest_train = [f for r, f in train_files.items() if r not in val_files]
     if not rest_val and not rest_train:
-        return (f"data.val_path={value}: the same files as data.path={path}, so the validation loss "
-                "would be a training loss: point data.val_path at held-out data, or remove it and "
-                "set data.val_fraction")
+        return (f"{val_key}={value}: the same files as {path_key}={path}, so the validation loss "
+                f"would be a training loss: point {val_key} at held-out data, or remove it and "
+                f"set {val_key.removesuffix('val_path')}val_fraction")
     named = ", ".join(map(str, shared[:3])) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
     which = (f"its file {shared[0]} is also" if len(val.files) == 1 else
              f"{len(shared)} of its {len(val.files)} files {'is' if len(shared) == 1 else 'are'} also")
-    whose = f"one of data.path={path}'s" + ("" if len(val.files) == 1 else f" ({named})")
+    whose = f"one of {path_key}={path}'s" + ("" if len(val.files) == 1 else f" ({named})")
 
     def alone(key: str, files: list[Path], what: str) -> str:
         them = "it" if len(shared) == 1 else "them"
         where = f"{key}={files[0]}" if len(files) == 1 else f"a glob or directory that leaves {them} out"
         return f"point {key} at the {what} files alone ({where})"
 
-    fix = " or ".join([alone("data.path", rest_train, "training")] * bool(rest_train)
-                      + [alone("data.val_path", rest_val, "held-out")] * bool(rest_val))
-    return (f"data.val_path={value}: {which} {whose}, so the validation loss would be partly a "
+    fix = " or ".join([alone(path_key, rest_train, "training")] * bool(rest_train)
+                      + [alone(val_key, rest_val, "held-out")] * bool(rest_val))
+    return (f"{val_key}={value}: {which} {whose}, so the validation loss would be partly a "
             f"training loss: {fix}")
+
+
+def mixture_shared_files(sources: list[tuple[int, Any]]) -> list[str]:
+    """data.mixture: each entry's ``val_path`` that reads files another entry's ``path`` trains
+    on (``_shared_files``; an entry's own pair is ``data_problems``'), one line per pair naming
+    both. ``sources``: (index, the settled source config); inputs that do not resolve are skipped
+    (``data_problems`` names them)."""
+    from core import knobs
+
+    def inputs(src: Any, key: str) -> Inputs | None:
+        value = getattr(src, key)
+        if not value or knobs.elsewhere(value):
+            return None
+        try:
+            return resolve_inputs(src.name, value, splits_of(key))
+        except (OSError, ValueError):
+            return None
+
+    train = {i: inputs(src, "path") for i, src in sources}
+    out = []
+    for i, src in sources:
+        if (val := inputs(src, "val_path")) is None:
+            continue
+        out += [line for j, other in sources if j != i and train[j] is not None and (
+            line := _shared_files(src.val_path, val, other.path, train[j],
+                                  f"data.mixture[{i}].val_path", f"data.mixture[{j}].path"))]
+    return out
 
 
 def null_why(model: Any | None) -> str:

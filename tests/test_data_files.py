@@ -92,6 +92,34 @@ def test_a_val_path_file_inside_the_training_inputs_is_refused(hf_tokenizer, tmp
                       f"data.val_path={val}"]), depth=CONFIG)
 
 
+@pytest.mark.unit
+def test_a_mixture_entrys_val_path_inside_another_entrys_path_is_refused(hf_tokenizer, tmp_path):
+    """data.mixture: entry 0 validating on val.jsonl, entry 1 training on the directory that holds
+    it passed the checks and --dry-run ("0 ok") and ran: source 1 read 140 records from 2 files,
+    so the validation loss was scored on data entry 1 trains on (only an entry's own data.path
+    was compared). Refused before launch naming both entries, the shared file and the fix; the
+    same files are the same sentence; an entry's val_path apart from every path passes."""
+    tv = tmp_path / "tv"
+    train = _jsonl(tv / "train.jsonl", [{"text": d} for d in _docs(10)])
+    val = _jsonl(tv / "val.jsonl", [{"text": d} for d in _docs(3)])
+    tok = (f"data.tokenizer={hf_tokenizer}", "model.vocab_size=512")
+
+    def mixture(path: Path | str) -> str:
+        return (f"data.mixture=[{{name:jsonl,path:{train},val_path:{val},weight:0.5}},"
+                f"{{name:jsonl,path:{path},val_fraction:0,weight:0.5}}]")
+
+    said = _problems(*tok, mixture(tv))
+    assert said == [f"data.mixture[0].val_path={val}: its file {val} is also one of "
+                    f"data.mixture[1].path={tv}'s, so the validation loss would be partly a training "
+                    "loss: point data.mixture[1].path at the training files alone "
+                    f"(data.mixture[1].path={train})"], said
+    said = _problems(*tok, mixture(val))
+    assert said == [f"data.mixture[0].val_path={val}: the same files as data.mixture[1].path={val}, so "
+                    "the validation loss would be a training loss: point data.mixture[0].val_path at "
+                    "held-out data, or remove it and set data.mixture[0].val_fraction"], said
+    validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *tok, mixture(train)]), depth=CONFIG)
+
+
 # ------------------------------------------------------------------ 2: a file that is no tokenizer
 @pytest.mark.unit
 def test_a_tokenizer_file_that_is_not_a_tokenizer_json_is_one_line(hf_tokenizer, tmp_path):
