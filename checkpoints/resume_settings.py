@@ -145,8 +145,8 @@ def model_refusal(saved: dict[str, Any], model: Any) -> str | None:
                      f"run's: model.path={saved.get('path')})")
     said = ", ".join(f"model.{k}={_override(new)} (the checkpoint's run: {_override(old)})"
                      for k, old, new in differ)
-    return (said + ": the checkpoint's weights are another model's -- these keys keep every parameter's "
-            f"shape but change what the weights compute; {' and '.join(fixes)}, or start a new run with "
+    return (said + ": the checkpoint's weights are another model's -- these keys decide the parameters' "
+            f"shapes or what the weights compute; {' and '.join(fixes)}, or start a new run with "
             "trainer.resume_from=null")
 
 

@@ -1076,8 +1076,8 @@ def test_a_resume_refuses_another_model_of_the_same_shapes():
     assert checkpoints.shapes(heads) == checkpoints.shapes(_model())  # (the shape check passes it)
     assert model_refusal(saved, heads) == (
         "model.n_heads=8 (the checkpoint's run: 4), model.n_kv_heads=4 (the checkpoint's run: 2): "
-        "the checkpoint's weights are another model's -- these keys keep every parameter's shape but "
-        "change what the weights compute; resume with model.n_heads=4 model.n_kv_heads=2, or start "
+        "the checkpoint's weights are another model's -- these keys decide the parameters' shapes or "
+        "what the weights compute; resume with model.n_heads=4 model.n_kv_heads=2, or start "
         "a new run with trainer.resume_from=null")
     for key, new, old in (("rope_theta", "500.0", "10000.0"), ("norm_eps", "0.5", "1e-05"),
                           ("tie_embeddings", "true", "false")):
@@ -1093,6 +1093,37 @@ def test_a_resume_refuses_another_model_of_the_same_shapes():
     assert model_changes(saved, _model("model.aux_loss_coef=0.1")) == []  # (a dense model has none)
 
 
+HF = ("model=hf", "model.pretrained=false", "data.tokenizer=null")
+"""model=hf built from a config.json alone (``_llama``): no weights to read."""
+
+
+def _llama(d: Path, **config) -> Path:
+    """A directory holding a tiny Llama's config.json (``config``: other values)."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **config}))
+    return d
+
+
+def _written(run_dir: Path, *overrides: str, step: int = 3) -> Path:
+    """The checkpoint of ``step`` as a run of TINY + ``overrides`` writes it, but for the model and
+    optimizer files: its meta.json (checkpoints ``_meta``) under a manifest -- what every check
+    before the file check reads."""
+    import checkpoints
+    from checkpoints import store
+
+    temp = store.temp_for(run_dir, step)
+    (temp / "rng").mkdir(parents=True)
+    (temp / "rng" / "rank0.pt").write_bytes(b"")  # (read() asks every rank's file be there)
+    was = _validated(*overrides)
+    meta = checkpoints._meta(checkpoints.Handles(None, None, None, rank=0, world_size=1), was, step)
+    meta["config"] |= _config(*overrides)  # (resolved, as in a Hydra run: model=hf's ${hf:...} keys)
+    store.commit(temp, store.path_for(run_dir, step), meta)
+    return store.path_for(run_dir, step)
+
+
 @pytest.mark.unit
 def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_path):
     """model=hf reads its keys from model.path's config.json (an override of them is refused):
@@ -1102,17 +1133,8 @@ def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_pat
     built-in GPT's unused LoRA keys are not compared."""
     from checkpoints.resume_settings import model_refusal
 
-    def saved_at(name: str, **config) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({
-            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **config}))
-        return d
-
-    a, moved, other = saved_at("a"), saved_at("moved"), saved_at("other", rope_theta=500000.0)
-    hf = ("model=hf", "model.pretrained=false", "data.tokenizer=null")
+    a, moved, other = _llama(tmp_path / "a"), _llama(tmp_path / "moved"), _llama(tmp_path / "other", rope_theta=500000.0)
+    hf = HF
     lora = ("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
     saved = _model_config(*hf, f"model.path={a}", *lora)
     assert model_refusal(saved, _model(*hf, f"model.path={moved}", *lora)) is None
@@ -1126,6 +1148,34 @@ def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_pat
                                       "model.lora.target_modules=[q_proj,v_proj]"))
     assert why.startswith("model.lora.rank=8 (the checkpoint's run: 4)") and "resume with model.lora.rank=4," in why
     assert model_refusal({**_model_config(), "lora": {"target_modules": ["o_proj"]}}, _model()) is None
+
+
+@pytest.mark.unit
+def test_a_resume_refused_for_a_model_key_names_the_key_not_a_parameters_shape(tmp_path):
+    """README: a changed model.lora.rank or lora.target_modules is refused before launch in one
+    line naming the key, both values and the fix. Through ``checked`` (train.py's preflight,
+    --dry-run's, a sweep's) the shape check ran first and its line won, naming no key: "parameter
+    '...k_proj.lora_A.default.weight' has shape [4, 64] in the checkpoint but [8, 64] ...", "...
+    is missing from the checkpoint (a different model.* shape?)". The key's line comes first now,
+    a built-in model's reshaping key (model.dim) too."""
+    import checkpoints
+    from strategies import ConfigError
+
+    path = _llama(tmp_path / "llama")
+    lora = (*HF, f"model.path={path}", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
+    ckpt = _written(tmp_path / "lora", *lora)
+    for change, says in ((("model.lora.rank=8",), "model.lora.rank=8 (the checkpoint's run: 4)"),
+                         (("model.lora.target_modules=[q_proj,k_proj,v_proj]",),
+                          "model.lora.target_modules=[q_proj,k_proj,v_proj] (the checkpoint's run: [q_proj,v_proj])")):
+        job = _validated(*lora, *change, f"trainer.resume_from={ckpt}", "trainer.max_steps=8")
+        with pytest.raises(ConfigError) as e:
+            checkpoints.checked(job)
+        assert f"- trainer.resume_from={ckpt}: {says}: the checkpoint's weights are another model's" in \
+            str(e.value), str(e.value)
+        assert "resume with model.lora." in str(e.value) and "parameter '" not in str(e.value), str(e.value)
+    nano = _written(tmp_path / "nano")
+    with pytest.raises(ConfigError, match=r"model\.dim=128 \(the checkpoint's run: 32\): .*resume with model\.dim=32"):
+        checkpoints.checked(_validated("model.dim=128", f"trainer.resume_from={nano}"))
 
 
 @pytest.mark.unit
