@@ -151,9 +151,6 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
 
     resume_from = job.trainer.resume_from
     ckpt = checked(job, run_dir, cleanup=cleanup)
-    if resume_from != AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
-        log.warning("resume: %s is at step %d = trainer.max_steps: nothing is left to train; the run loads "
-                    "it and reports it (raise trainer.max_steps to continue)", ckpt.path, ckpt.step)
     if resume_from == AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
         raise Finished(f"already finished at step {ckpt.step} ({ckpt.path}); raise "
                        f"trainer.max_steps (now {job.trainer.max_steps}) to continue")
@@ -165,14 +162,12 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         from observers.report import set_aside
 
         set_aside(run_dir)
-    if ckpt is not None:
-        from checkpoints import data_stream, resume_settings
+    if ckpt is not None:  # (and --dry-run's notes: the same lines)
+        from checkpoints.resume_settings import notes
 
         log.info("%s", resume_line(ckpt, job))
-        data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
-        data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
-        resume_settings.say_model_change(ckpt, job)
-        resume_settings.say_schedule_change(ckpt, job)
+        for line in notes(ckpt, job):  # (the batch, data stream, model settings, schedule that differ)
+            log.warning("%s", line)
     if cleanup:  # (another timeline's checkpoints aside; pruned to trainer.keep_last now)
         from checkpoints import timeline
 

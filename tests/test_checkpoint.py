@@ -883,7 +883,7 @@ def test_a_resume_names_the_settings_that_decide_the_data_stream():
 
 
 @pytest.mark.unit
-def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tmp_path, caplog):
+def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tmp_path):
     """A data file rewritten (or a tokenizer overwritten in place) under the same data.path is
     another stream as much as a new path is: the run re-tokenized it, then resumed without a
     word. The checkpoint's meta records each source's input fingerprint (tokenized data: the
@@ -892,11 +892,10 @@ def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tm
     once, as the setting."""
     import copy
     import dataclasses
-    import logging
     from types import SimpleNamespace
 
     import checkpoints
-    from checkpoints.data_stream import say_changes
+    from checkpoints.data_stream import stream_note
     from recipes.config import compose
     from recipes.job import validate
     from recipes.tokens import cache_key, input_fingerprints
@@ -909,15 +908,13 @@ def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tm
     shutil.copy(docs, other)
 
     def said(saved: dict) -> list[str]:
-        caplog.clear()
-        say_changes(SimpleNamespace(meta=saved, step=4, path=tmp_path), run)
-        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        note = stream_note(SimpleNamespace(meta=saved, step=4, path=tmp_path), run)
+        return [note] if note else []
 
     def touched(f: Path) -> None:  # (a rewrite a second later: the kernel's clock is coarser than ns)
         st = f.stat()
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
 
-    caplog.set_level(logging.INFO)
     run = validate(compose([*TINY, "data=jsonl", f"data.path={docs}", f"data.tokenizer={tok}",
                             "model.vocab_size=512"]))
     saved = checkpoints._meta(checkpoints.Handles(None, None, None, rank=0, world_size=1), run, 4)
@@ -1179,17 +1176,45 @@ def test_a_resume_refused_for_a_model_key_names_the_key_not_a_parameters_shape(t
 
 
 @pytest.mark.unit
-def test_a_resume_names_each_schedule_key_that_differs(caplog):
+def test_the_dry_run_of_a_resume_notes_what_the_launch_warns(tmp_path):
+    """--dry-run of a resume printed the resume: line alone, not the warnings the launch logs (a
+    longer cosine schedule, a model setting, the data stream, the global batch): read as a
+    preview of the launch, it said nothing differed. It prints each as a note:, in the launch's
+    words (checkpoints/resume_settings.py ``notes``: for_launch logs the same)."""
+    from launchers.dry_run import _resume
+
+    was = ("trainer.scheduler=cosine", "trainer.max_steps=6", "trainer.global_batch_size=8")
+    ckpt = _written(tmp_path / "run", *was)
+    job = _validated(*was, "trainer.max_steps=10", "model.dropout=0.1", "trainer.seed=7",
+                     "trainer.global_batch_size=16", f"trainer.resume_from={ckpt}")
+    lines = _resume(job, job.cfg, False).splitlines()
+    assert lines[0].startswith(f"resume: {ckpt} (step 3, single on 1 rank(s))"), lines
+    assert [line.split(":")[0] for line in lines[1:]] == ["note"] * 4, lines
+    said = "\n".join(lines)
+    for part in ("note: resume: trainer.global_batch_size=16, the checkpoint's run 8: the data continues at sample 48",
+                 "note: resume: trainer.seed 1234 -> 7: these decide the data stream",
+                 "note: resume: this run's model settings differ from the checkpoint's run's and apply from step 4 "
+                 "on: model.dropout 0 -> 0.1",
+                 "note: resume: this run's schedule differs from the checkpoint's run's and applies from step 4 on "
+                 "(the lr follows this run's schedule): trainer.max_steps 6 -> 10 (the cosine decay ends there"):
+        assert part in said, said
+    done = _validated(*was, "trainer.max_steps=3", f"trainer.resume_from={ckpt}")
+    assert _resume(done, done.cfg, False).splitlines()[1] == (  # (then the schedule's max_steps 6 -> 3)
+        f"note: resume: {ckpt} is at step 3 = trainer.max_steps: nothing is left to train; the run loads it "
+        "and reports it (raise trainer.max_steps to continue)")
+
+
+@pytest.mark.unit
+def test_a_resume_names_each_schedule_key_that_differs():
     """A longer cosine schedule (max_steps raised), another warm-up, decay or scheduler apply from
     the checkpoint's step on (the lr follows this run's schedule) and README says the log names
     each: it named only the next step's lr (and nothing at all while the checkpoint was in warm-up).
     One resume: warning names each key by its value in both runs; max_steps only where it ends a
     decay (decay_steps null), min_lr_ratio and the decay's end only where both runs decay."""
     import dataclasses
-    import logging
     from types import SimpleNamespace
 
-    from checkpoints.resume_settings import say_schedule_change, schedule_changes
+    from checkpoints.resume_settings import schedule_changes, schedule_note
     from recipes.trainer_config import TrainerConfig
 
     def changes(was: dict, **now) -> list[str]:
@@ -1206,13 +1231,11 @@ def test_a_resume_names_each_schedule_key_that_differs(caplog):
     assert changes(cosine | {"decay_steps": 12}, max_steps=20) == []  # (the decay ends where it did)
     assert changes({"max_steps": 12}, max_steps=20, min_lr_ratio=0.5) == []  # (constant: neither applies)
     assert changes({"max_steps": 12}, scheduler="cosine") == ["trainer.scheduler constant -> cosine"]
-    caplog.set_level(logging.INFO)
     ckpt = SimpleNamespace(meta={"config": {"trainer": dataclasses.asdict(TrainerConfig(**cosine))}}, step=3)
-    say_schedule_change(ckpt, SimpleNamespace(trainer=TrainerConfig(**(cosine | {"max_steps": 20}))))
-    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert said == ["resume: this run's schedule differs from the checkpoint's run's and applies from step 4 "
+    said = schedule_note(ckpt, SimpleNamespace(trainer=TrainerConfig(**(cosine | {"max_steps": 20}))))
+    assert said == ("resume: this run's schedule differs from the checkpoint's run's and applies from step 4 "
                     "on (the lr follows this run's schedule): trainer.max_steps 12 -> 20 (the cosine decay "
-                    "ends there: trainer.decay_steps is null)"], said
+                    "ends there: trainer.decay_steps is null)"), said
 
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
