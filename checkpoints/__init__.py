@@ -225,8 +225,8 @@ def _zero_ep_refusal(ckpt: Checkpoint, job: Job) -> str | None:
 
 def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:
     """``ckpt`` holds every rank's own state for ``job``: written by the same preset on as many
-    ranks (checkpoints/state.py ``RANK_STATE``)."""
-    from checkpoints.state import RANK_STATE
+    ranks (checkpoints/store.py ``RANK_STATE``): a look at meta.json and the directory, no torch."""
+    from checkpoints.store import RANK_STATE
 
     m = ckpt.meta
     return (m.get("strategy"), int(m.get("world_size", 0))) == (job.strategy.name, job.mesh.size) and all(

@@ -1204,6 +1204,34 @@ def test_the_dry_run_of_a_resume_notes_what_the_launch_warns(tmp_path):
         "and reports it (raise trainer.max_steps to continue)")
 
 
+@pytest.mark.subprocess
+def test_plan_py_checks_a_resume_as_train_py_does_without_torch(tmp_path):
+    """plan.py with trainer.resume_from=<path> never ran the resume check: rc 0 and a 'run it:'
+    command train.py refuses (model.rope_theta=500 against a checkpoint of 10000). It runs the
+    check's meta.json part now (checkpoints ``checked(files=False)``: every refusal, not past
+    trainer.max_steps), without torch: a refusal is its line, exit 2; a path not on this machine
+    (a cluster's) is said not checked."""
+    from tests.conftest import engines_loaded
+
+    import plan
+    from core.knobs import paths_elsewhere
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    ckpt = _written(tmp_path / "run")
+    proc, engines = engines_loaded("plan.py", *TINY, f"trainer.resume_from={ckpt}", "model.rope_theta=500")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"trainer.resume_from={ckpt}: model.rope_theta=500.0 (the checkpoint's run: 10000.0): " in proc.stderr
+    assert "run it:" not in proc.stdout and "Traceback" not in proc.stderr, proc.stdout[-2000:]
+    assert not {"torch", "lightning", "deepspeed", "transformers"} & set(engines), engines
+    ok = validate(compose([*TINY, f"trainer.resume_from={ckpt}", "trainer.max_steps=10"]), depth=CONFIG)
+    assert plan.resume_checked(ok) is None  # (its files are not read: _written wrote none)
+    with paths_elsewhere(lambda path: True):  # (as plan.py validates: the cluster's files)
+        gone = validate(compose([*TINY, f"trainer.resume_from={tmp_path / 'elsewhere'}"]), depth=CONFIG)
+    assert plan.resume_checked(gone) == (f"note: trainer.resume_from={tmp_path / 'elsewhere'} is not on this "
+                                         "machine: plan.py did not check it (train.py does, before launch)")
+
+
 @pytest.mark.unit
 def test_a_resume_names_each_schedule_key_that_differs():
     """A longer cosine schedule (max_steps raised), another warm-up, decay or scheduler apply from
