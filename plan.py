@@ -6,8 +6,8 @@
 
 Takes the same overrides as train.py and composes the same conf/ with Hydra's compose API (a
 query, not a job: one composition, nothing written to disk), then validates what the config
-says (not this machine: plan a GPU cluster from a laptop). It imports neither torch nor an
-engine. Method and JSON contract: docs/PLANNER.md.
+says (not this machine: plan a GPU cluster from a laptop), and a ``trainer.resume_from`` path
+found here as train.py checks it (``resume_checked``). It imports neither torch nor an engine. Method and JSON contract: docs/PLANNER.md.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def main(argv: list[str]) -> None:
         ensure(job)  # planner.calibrate=true: this machine measured once, in a subprocess (no torch here)
     except RuntimeError as e:
         sys.exit(f"{e}")
+    if note := cli.or_exit(lambda: resume_checked(job)):  # (a refusal: exit 2, before any plan)
+        print(note, file=sys.stderr)
     report = cli.or_exit(lambda: plan_all(job, chosen=chosen))
     fmt = job.planner.format
     if job.auto:
@@ -76,6 +78,23 @@ def main(argv: list[str]) -> None:
             keep = [a for a in keep if a.split("=")[0] != "trainer.micro_batch_size"]
             print(f"   or: {start(job)} {' '.join([*keep, *run, f'trainer.micro_batch_size={micro}'])}"
                   "   (the largest micro batch that fits)")
+
+
+def resume_checked(job) -> str | None:
+    """``trainer.resume_from``, checked as train.py checks it before launch (checkpoints
+    ``checked``: whether this preset and model continue from it, a path not past
+    ``trainer.max_steps``) but for what torch reads (every file, the model's shapes): a refusal is
+    one ConfigError. A path not on this machine (the cluster's) is a note: not checked."""
+    from pathlib import Path
+
+    import checkpoints
+
+    path = job.trainer.resume_from
+    if path not in (None, checkpoints.AUTO) and not Path(path).exists():
+        return (f"note: trainer.resume_from={path} is not on this machine: plan.py did not check it "
+                "(train.py does, before launch)")
+    checkpoints.checked(job, files=False)
+    return None
 
 
 def start(job) -> str:

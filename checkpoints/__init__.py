@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO", "Checkpoint", "CheckpointError", "Finished", "Handles", "checked", "disk_full", "due",
            "Interrupt", "Interrupted", "for_launch", "interruption", "load", "resolve", "resume_line",
-           "resuming", "save", "shapes", "start", "write_error"]
+           "resuming", "save", "shapes", "start", "verify", "write_error"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -70,9 +70,8 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
     """The checkpoint ``trainer.resume_from`` names, checked whole: ``auto`` -> the newest complete
     one in ``run_dir`` (None: start fresh), a path -> that one, None -> none. ``cleanup``: remove
     what interrupted saves left in ``run_dir`` (one process does it: rank 0 or the launcher).
-    ``model``: also compare the parameter shapes with it and read every file safely (train.py,
-    before launch). Raises ``CheckpointError`` naming the file, or the parameter whose shape
-    differs."""
+    ``model``: also ``verify`` it whole against that model. Raises ``CheckpointError`` naming the
+    file, or the parameter whose shape differs."""
     if resume_from is None:
         return None
     if resume_from == AUTO:
@@ -85,12 +84,18 @@ def resolve(resume_from: str | None, run_dir: str | Path, model: ModelConfig | N
         ckpt = read(found)
     else:
         ckpt = read(resume_from)
-    if model is not None:  # before launch: everything, once
-        from checkpoints import state
-
-        _check_shapes(ckpt, shapes(model))
-        state.verify(ckpt)
+    if model is not None:
+        verify(ckpt, model)
     return ckpt
+
+
+def verify(ckpt: Checkpoint, model: ModelConfig) -> None:
+    """Before launch, once: the parameter shapes against ``model``'s, and every file read safely
+    (torch's: the meta-device build, DCP's metadata, the RNG files)."""
+    from checkpoints import state
+
+    _check_shapes(ckpt, shapes(model))
+    state.verify(ckpt)
 
 
 def _whole(run_dir: str | Path) -> Path | None:
@@ -103,22 +108,27 @@ def _whole(run_dir: str | Path) -> Path | None:
     return found
 
 
-def checked(job: Job, run_dir: str | Path | None = None, *, cleanup: bool = False) -> Checkpoint | None:
-    """The checkpoint ``trainer.resume_from`` names, checked whole (every file, the model's shapes,
-    whether this preset continues from it, a path not past ``trainer.max_steps``), or one
-    ConfigError: train.py's check (``for_launch``), ``--dry-run``'s and a sweep preflight's
-    (``run_dir`` None: no run directory yet, ``auto`` not looked for)."""
+def checked(job: Job, run_dir: str | Path | None = None, *, cleanup: bool = False, files: bool = True
+            ) -> Checkpoint | None:
+    """The checkpoint ``trainer.resume_from`` names, checked whole (whether this preset and model
+    continue from it: ``refusal``, first, so a model key's line names the key, not a parameter's
+    shape; then every file and the model's shapes: ``verify``; a path not past
+    ``trainer.max_steps``), or one ConfigError: train.py's check (``for_launch``), ``--dry-run``'s
+    and a sweep preflight's (``run_dir`` None: no run directory yet, ``auto`` not looked for).
+    ``files`` False: what meta.json says only, without torch (plan.py)."""
     from strategies import ConfigError
 
     resume_from = job.trainer.resume_from
     if resume_from is None or (resume_from == AUTO and run_dir is None):
         return None
     try:
-        ckpt = resolve(resume_from, run_dir, job.model, cleanup=cleanup)
+        ckpt = resolve(resume_from, run_dir, cleanup=cleanup)
+        why = ckpt and refusal(ckpt, job)
+        if ckpt and not why and files:
+            verify(ckpt, job.model)
     except CheckpointError as e:
         raise ConfigError(f"trainer.resume_from={resume_from}: {e}; point trainer.resume_from at "
                           "another checkpoint, or null to start fresh") from None
-    why = ckpt and refusal(ckpt, job)
     if why:
         raise ConfigError(f"trainer.resume_from={resume_from}: {why}")
     if resume_from != AUTO and ckpt.step > job.trainer.max_steps:
@@ -141,9 +151,6 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
 
     resume_from = job.trainer.resume_from
     ckpt = checked(job, run_dir, cleanup=cleanup)
-    if resume_from != AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
-        log.warning("resume: %s is at step %d = trainer.max_steps: nothing is left to train; the run loads "
-                    "it and reports it (raise trainer.max_steps to continue)", ckpt.path, ckpt.step)
     if resume_from == AUTO and ckpt is not None and ckpt.step >= job.trainer.max_steps:
         raise Finished(f"already finished at step {ckpt.step} ({ckpt.path}); raise "
                        f"trainer.max_steps (now {job.trainer.max_steps}) to continue")
@@ -155,14 +162,12 @@ def for_launch(job: Job, run_dir: str | Path, *, cleanup: bool) -> Job:
         from observers.report import set_aside
 
         set_aside(run_dir)
-    if ckpt is not None:
-        from checkpoints import data_stream, resume_settings
+    if ckpt is not None:  # (and --dry-run's notes: the same lines)
+        from checkpoints.resume_settings import notes
 
         log.info("%s", resume_line(ckpt, job))
-        data_stream.say_batch_change(ckpt, job)  # (trainer.global_batch_size)
-        data_stream.say_changes(ckpt, job)  # (trainer.seed, model.seq_len, the data source)
-        resume_settings.say_model_change(ckpt, job)
-        resume_settings.say_schedule_change(ckpt, job)
+        for line in notes(ckpt, job):  # (the batch, data stream, model settings, schedule that differ)
+            log.warning("%s", line)
     if cleanup:  # (another timeline's checkpoints aside; pruned to trainer.keep_last now)
         from checkpoints import timeline
 
@@ -192,7 +197,7 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     those that keep state of their own on each rank (``resume_problem``: ddp's PowerSGD, top-k,
     int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks. Where the
     optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``).
-    The model must be the checkpoint's (``model_refusal``: its keys that keep the shapes)."""
+    The model must be the checkpoint's (``model_refusal``: its keys, by name, before the shapes are compared)."""
     from checkpoints.resume_settings import model_refusal, optimizer_refusal
 
     why = getattr(job.strategy, "resume_problem", lambda: None)()
@@ -220,8 +225,8 @@ def _zero_ep_refusal(ckpt: Checkpoint, job: Job) -> str | None:
 
 def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:
     """``ckpt`` holds every rank's own state for ``job``: written by the same preset on as many
-    ranks (checkpoints/state.py ``RANK_STATE``)."""
-    from checkpoints.state import RANK_STATE
+    ranks (checkpoints/store.py ``RANK_STATE``): a look at meta.json and the directory, no torch."""
+    from checkpoints.store import RANK_STATE
 
     m = ckpt.meta
     return (m.get("strategy"), int(m.get("world_size", 0))) == (job.strategy.name, job.mesh.size) and all(

@@ -5,11 +5,11 @@ The data position is step x global batch in one sample stream (recipes/data.py
 ``GlobalBatchSampler``): the training windows -- ``model.seq_len`` + 1 tokens each, cut from the
 data source (its group, path, tokenizer, packing, field, held-out split; a mixture's sources) --
 in the epoch orders ``trainer.seed`` draws. Another global batch moves the position
-(``say_batch_change``); another value of any setting here keeps the position but
+(``batch_note``); another value of any setting here keeps the position but
 changes the stream under it: the resumed run reads other samples than the ones the checkpoint's
 run would have read next (a new seed's permutation repeats some of the epoch's samples and skips
 others; longer windows are other tokens; another source is other data, from sample step x global
-batch of it). ``say_changes`` names each that differs in one warning. The checkpoint's values are
+batch of it). ``stream_note`` names each that differs in one warning. The checkpoint's values are
 meta.json's resolved config (``Job.config()`` when it was saved); this run's are read the same
 way (``this_run``), so like is compared with like; a key an older checkpoint lacks is not compared.
 The same warning names a source whose settings are the same but whose files are not
@@ -49,18 +49,19 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return changed
 
 
-def say_changes(ckpt: Any, job: Any) -> None:
+def stream_note(ckpt: Any, job: Any) -> str | None:
     """One warning naming every setting that decides the data stream and differs from the
-    checkpoint's run (``changes``); nothing when none does."""
+    checkpoint's run (``changes``); None when none does."""
     saved, now = ckpt.meta.get("config"), this_run(job)
     changed = changes(saved, now) if isinstance(saved, dict) else []
     edited = input_changes(ckpt.meta.get("inputs"), saved, now, job.data) if isinstance(saved, dict) else []
-    if changed or edited:
-        log.warning("resume: %s: these decide the data stream, so the data does not continue where the "
-                    "checkpoint's run stopped -- from step %d on the run reads this stream from sample %d "
-                    "(step x global batch), not the samples that run would have read next; resume with "
-                    "the checkpoint's values%s to continue it", "; ".join(changed + edited), ckpt.step + 1,
-                    ckpt.step * job.batch.global_size, " and data" if edited else "")
+    if not (changed or edited):
+        return None
+    return (f"resume: {'; '.join(changed + edited)}: these decide the data stream, so the data does not "
+            f"continue where the checkpoint's run stopped -- from step {ckpt.step + 1} on the run reads this "
+            f"stream from sample {ckpt.step * job.batch.global_size} (step x global batch), not the samples "
+            f"that run would have read next; resume with the checkpoint's values{' and data' if edited else ''} "
+            "to continue it")
 
 
 SOURCE_KEYS = ("name", "path", "tokenizer", "field", "messages_field", "train_on", "dtype")
@@ -156,16 +157,15 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def say_batch_change(ckpt: Any, job: Any) -> None:
+def batch_note(ckpt: Any, job: Any) -> str | None:
     """The data position is step x global batch (the stream's order is the seed's alone): a
     resume at another trainer.global_batch_size continues elsewhere in the stream than where
     the checkpoint's run stopped. Said once, with the value that continues exactly."""
     seen, size = ckpt.meta.get("samples_seen"), job.batch.global_size
     if seen is None or seen == ckpt.step * size:
-        return
-    was = seen // max(ckpt.step, 1)
-    log.warning("resume: trainer.global_batch_size=%d, the checkpoint's run %d: the data continues at "
-                "sample %d of the stream, where that run had consumed %d (samples %s); "
-                "trainer.global_batch_size=%d continues where it stopped", size, was, ckpt.step * size, seen,
-                f"{seen}-{ckpt.step * size - 1} are skipped" if ckpt.step * size > seen
-                else f"{ckpt.step * size}-{seen - 1} are seen again", was)
+        return None
+    was, at = seen // max(ckpt.step, 1), ckpt.step * size
+    moved = f"{seen}-{at - 1} are skipped" if at > seen else f"{at}-{seen - 1} are seen again"
+    return (f"resume: trainer.global_batch_size={size}, the checkpoint's run {was}: the data continues at "
+            f"sample {at} of the stream, where that run had consumed {seen} (samples {moved}); "
+            f"trainer.global_batch_size={was} continues where it stopped")

@@ -145,8 +145,8 @@ def model_refusal(saved: dict[str, Any], model: Any) -> str | None:
                      f"run's: model.path={saved.get('path')})")
     said = ", ".join(f"model.{k}={_override(new)} (the checkpoint's run: {_override(old)})"
                      for k, old, new in differ)
-    return (said + ": the checkpoint's weights are another model's -- these keys keep every parameter's "
-            f"shape but change what the weights compute; {' and '.join(fixes)}, or start a new run with "
+    return (said + ": the checkpoint's weights are another model's -- these keys decide the parameters' "
+            f"shapes or what the weights compute; {' and '.join(fixes)}, or start a new run with "
             "trainer.resume_from=null")
 
 
@@ -271,21 +271,38 @@ def _shown(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(tuple(v) if isinstance(v, list) else v)
 
 
-def say_model_change(ckpt: Any, job: Any) -> None:
-    """model.* settings no parameter shape pins (LoRA's alpha and dropout; ``_check_shapes``
-    compares the rest) that differ from the checkpoint's run: they apply from here, said once."""
+def notes(ckpt: Any, job: Any) -> list[str]:
+    """What a resume of ``ckpt`` by ``job`` warns of before launch (checkpoints ``for_launch``
+    logs each; ``--dry-run`` prints each as a note): a path at trainer.max_steps that only loads,
+    another global batch and another data stream (checkpoints/data_stream.py), the model settings
+    and the schedule keys that apply from the checkpoint's step on."""
+    from checkpoints import AUTO, data_stream
+
+    done = None
+    if job.trainer.resume_from != AUTO and ckpt.step >= job.trainer.max_steps:
+        done = (f"resume: {ckpt.path} is at step {ckpt.step} = trainer.max_steps: nothing is left to train; "
+                "the run loads it and reports it (raise trainer.max_steps to continue)")
+    said = (done, data_stream.batch_note(ckpt, job), data_stream.stream_note(ckpt, job),
+            model_note(ckpt, job), schedule_note(ckpt, job))
+    return [line for line in said if line]
+
+
+def model_note(ckpt: Any, job: Any) -> str | None:
+    """The model.* settings a resume takes (``MODEL_SETTINGS``: LoRA's alpha and dropout, ...) that
+    differ from the checkpoint's run: they apply from here, said once."""
     changed = model_changes(ckpt.meta.get("config", {}).get("model") or {}, job.model)
-    if changed:
-        log.warning("resume: this run's model settings differ from the checkpoint's run's and apply "
-                    "from step %d on: %s; resume with the checkpoint's values to continue it as it was",
-                    ckpt.step + 1, "; ".join(changed))
+    if not changed:
+        return None
+    return (f"resume: this run's model settings differ from the checkpoint's run's and apply from step "
+            f"{ckpt.step + 1} on: {'; '.join(changed)}; resume with the checkpoint's values to continue it as it was")
 
 
-def say_schedule_change(ckpt: Any, job: Any) -> None:
+def schedule_note(ckpt: Any, job: Any) -> str | None:
     """The schedule's keys that differ from the checkpoint's run (``schedule_changes``): they apply
     from here (``continue_schedule``), said once, before launch."""
     saved = (ckpt.meta.get("config") or {}).get("trainer") or {}
     changed = schedule_changes(saved, job.trainer) if saved else []
-    if changed:
-        log.warning("resume: this run's schedule differs from the checkpoint's run's and applies from step "
-                    "%d on (the lr follows this run's schedule): %s", ckpt.step + 1, "; ".join(changed))
+    if not changed:
+        return None
+    return (f"resume: this run's schedule differs from the checkpoint's run's and applies from step "
+            f"{ckpt.step + 1} on (the lr follows this run's schedule): {'; '.join(changed)}")

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from checkpoints import resume_settings
-from checkpoints.store import Checkpoint, CheckpointError
+from checkpoints.store import RANK_STATE, Checkpoint, CheckpointError
 from core.keys import plain_key
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,6 @@ def _zero_to_fp32_quietly() -> Iterator[None]:
 
 
 DCP, DEEPSPEED, ZERO_EP = "dcp", "deepspeed", "zero_ep"
-RANK_STATE = "rank_state"  # <checkpoint>/rank_state/rank<r>.pt: Handles.rank_state's
 TAG = "state"  # DeepSpeed's tag (sub-directory) inside <checkpoint>/deepspeed
 
 

@@ -24,6 +24,7 @@ DIRNAME = "checkpoints"
 MARKER = "COMPLETE"
 META = "meta.json"
 HISTORY = "history.json"
+RANK_STATE = "rank_state"  # <checkpoint>/rank_state/rank<r>.pt: Handles.rank_state's (checkpoints/state.py)
 TMP = ".tmp-"
 _STEP = re.compile(r"step(\d+)")
 

@@ -115,17 +115,20 @@ def main(argv: list[str]) -> int:
 
 def _resume(job: Any, cfg: Any, submitit: bool) -> str | None:
     """What a ``trainer.resume_from`` path loads, as the launch logs it (checkpoints
-    ``resume_line``: the model only, and why, where its optimizer state does not carry over);
+    ``resume_line``: the model only, and why, where its optimizer state does not carry over),
+    and what the launch warns of, each a ``note:`` (checkpoints/resume_settings.py ``notes``);
     preflight checked the checkpoint where the job starts here (``auto``: the run directory's,
     not there yet)."""
     import checkpoints
+    from checkpoints.resume_settings import notes
     from launchers import sweep
     from recipes.job import LAUNCH
 
     path = job.trainer.resume_from
     if path in (None, checkpoints.AUTO) or sweep.depth(cfg, not submitit) != LAUNCH:
         return None
-    return checkpoints.resume_line(checkpoints.resolve(path, ".", cleanup=False), job)
+    ckpt = checkpoints.resolve(path, ".", cleanup=False)
+    return "\n".join([checkpoints.resume_line(ckpt, job), *(f"note: {line}" for line in notes(ckpt, job))])
 
 
 def _launch_problems(multirun: bool, hydra_own: list[str], argv: list[str], jobs: list[list[str]],

@@ -883,7 +883,7 @@ def test_a_resume_names_the_settings_that_decide_the_data_stream():
 
 
 @pytest.mark.unit
-def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tmp_path, caplog):
+def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tmp_path):
     """A data file rewritten (or a tokenizer overwritten in place) under the same data.path is
     another stream as much as a new path is: the run re-tokenized it, then resumed without a
     word. The checkpoint's meta records each source's input fingerprint (tokenized data: the
@@ -892,11 +892,10 @@ def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tm
     once, as the setting."""
     import copy
     import dataclasses
-    import logging
     from types import SimpleNamespace
 
     import checkpoints
-    from checkpoints.data_stream import say_changes
+    from checkpoints.data_stream import stream_note
     from recipes.config import compose
     from recipes.job import validate
     from recipes.tokens import cache_key, input_fingerprints
@@ -909,15 +908,13 @@ def test_a_resume_names_a_data_file_changed_under_the_same_path(hf_tokenizer, tm
     shutil.copy(docs, other)
 
     def said(saved: dict) -> list[str]:
-        caplog.clear()
-        say_changes(SimpleNamespace(meta=saved, step=4, path=tmp_path), run)
-        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        note = stream_note(SimpleNamespace(meta=saved, step=4, path=tmp_path), run)
+        return [note] if note else []
 
     def touched(f: Path) -> None:  # (a rewrite a second later: the kernel's clock is coarser than ns)
         st = f.stat()
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
 
-    caplog.set_level(logging.INFO)
     run = validate(compose([*TINY, "data=jsonl", f"data.path={docs}", f"data.tokenizer={tok}",
                             "model.vocab_size=512"]))
     saved = checkpoints._meta(checkpoints.Handles(None, None, None, rank=0, world_size=1), run, 4)
@@ -1076,8 +1073,8 @@ def test_a_resume_refuses_another_model_of_the_same_shapes():
     assert checkpoints.shapes(heads) == checkpoints.shapes(_model())  # (the shape check passes it)
     assert model_refusal(saved, heads) == (
         "model.n_heads=8 (the checkpoint's run: 4), model.n_kv_heads=4 (the checkpoint's run: 2): "
-        "the checkpoint's weights are another model's -- these keys keep every parameter's shape but "
-        "change what the weights compute; resume with model.n_heads=4 model.n_kv_heads=2, or start "
+        "the checkpoint's weights are another model's -- these keys decide the parameters' shapes or "
+        "what the weights compute; resume with model.n_heads=4 model.n_kv_heads=2, or start "
         "a new run with trainer.resume_from=null")
     for key, new, old in (("rope_theta", "500.0", "10000.0"), ("norm_eps", "0.5", "1e-05"),
                           ("tie_embeddings", "true", "false")):
@@ -1093,6 +1090,37 @@ def test_a_resume_refuses_another_model_of_the_same_shapes():
     assert model_changes(saved, _model("model.aux_loss_coef=0.1")) == []  # (a dense model has none)
 
 
+HF = ("model=hf", "model.pretrained=false", "data.tokenizer=null")
+"""model=hf built from a config.json alone (``_llama``): no weights to read."""
+
+
+def _llama(d: Path, **config) -> Path:
+    """A directory holding a tiny Llama's config.json (``config``: other values)."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **config}))
+    return d
+
+
+def _written(run_dir: Path, *overrides: str, step: int = 3) -> Path:
+    """The checkpoint of ``step`` as a run of TINY + ``overrides`` writes it, but for the model and
+    optimizer files: its meta.json (checkpoints ``_meta``) under a manifest -- what every check
+    before the file check reads."""
+    import checkpoints
+    from checkpoints import store
+
+    temp = store.temp_for(run_dir, step)
+    (temp / "rng").mkdir(parents=True)
+    (temp / "rng" / "rank0.pt").write_bytes(b"")  # (read() asks every rank's file be there)
+    was = _validated(*overrides)
+    meta = checkpoints._meta(checkpoints.Handles(None, None, None, rank=0, world_size=1), was, step)
+    meta["config"] |= _config(*overrides)  # (resolved, as in a Hydra run: model=hf's ${hf:...} keys)
+    store.commit(temp, store.path_for(run_dir, step), meta)
+    return store.path_for(run_dir, step)
+
+
 @pytest.mark.unit
 def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_path):
     """model=hf reads its keys from model.path's config.json (an override of them is refused):
@@ -1102,17 +1130,8 @@ def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_pat
     built-in GPT's unused LoRA keys are not compared."""
     from checkpoints.resume_settings import model_refusal
 
-    def saved_at(name: str, **config) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({
-            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **config}))
-        return d
-
-    a, moved, other = saved_at("a"), saved_at("moved"), saved_at("other", rope_theta=500000.0)
-    hf = ("model=hf", "model.pretrained=false", "data.tokenizer=null")
+    a, moved, other = _llama(tmp_path / "a"), _llama(tmp_path / "moved"), _llama(tmp_path / "other", rope_theta=500000.0)
+    hf = HF
     lora = ("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
     saved = _model_config(*hf, f"model.path={a}", *lora)
     assert model_refusal(saved, _model(*hf, f"model.path={moved}", *lora)) is None
@@ -1129,17 +1148,101 @@ def test_a_resume_refuses_a_transformers_model_whose_config_json_differs(tmp_pat
 
 
 @pytest.mark.unit
-def test_a_resume_names_each_schedule_key_that_differs(caplog):
+def test_a_resume_refused_for_a_model_key_names_the_key_not_a_parameters_shape(tmp_path):
+    """README: a changed model.lora.rank or lora.target_modules is refused before launch in one
+    line naming the key, both values and the fix. Through ``checked`` (train.py's preflight,
+    --dry-run's, a sweep's) the shape check ran first and its line won, naming no key: "parameter
+    '...k_proj.lora_A.default.weight' has shape [4, 64] in the checkpoint but [8, 64] ...", "...
+    is missing from the checkpoint (a different model.* shape?)". The key's line comes first now,
+    a built-in model's reshaping key (model.dim) too."""
+    import checkpoints
+    from strategies import ConfigError
+
+    path = _llama(tmp_path / "llama")
+    lora = (*HF, f"model.path={path}", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
+    ckpt = _written(tmp_path / "lora", *lora)
+    for change, says in ((("model.lora.rank=8",), "model.lora.rank=8 (the checkpoint's run: 4)"),
+                         (("model.lora.target_modules=[q_proj,k_proj,v_proj]",),
+                          "model.lora.target_modules=[q_proj,k_proj,v_proj] (the checkpoint's run: [q_proj,v_proj])")):
+        job = _validated(*lora, *change, f"trainer.resume_from={ckpt}", "trainer.max_steps=8")
+        with pytest.raises(ConfigError) as e:
+            checkpoints.checked(job)
+        assert f"- trainer.resume_from={ckpt}: {says}: the checkpoint's weights are another model's" in \
+            str(e.value), str(e.value)
+        assert "resume with model.lora." in str(e.value) and "parameter '" not in str(e.value), str(e.value)
+    nano = _written(tmp_path / "nano")
+    with pytest.raises(ConfigError, match=r"model\.dim=128 \(the checkpoint's run: 32\): .*resume with model\.dim=32"):
+        checkpoints.checked(_validated("model.dim=128", f"trainer.resume_from={nano}"))
+
+
+@pytest.mark.unit
+def test_the_dry_run_of_a_resume_notes_what_the_launch_warns(tmp_path):
+    """--dry-run of a resume printed the resume: line alone, not the warnings the launch logs (a
+    longer cosine schedule, a model setting, the data stream, the global batch): read as a
+    preview of the launch, it said nothing differed. It prints each as a note:, in the launch's
+    words (checkpoints/resume_settings.py ``notes``: for_launch logs the same)."""
+    from launchers.dry_run import _resume
+
+    was = ("trainer.scheduler=cosine", "trainer.max_steps=6", "trainer.global_batch_size=8")
+    ckpt = _written(tmp_path / "run", *was)
+    job = _validated(*was, "trainer.max_steps=10", "model.dropout=0.1", "trainer.seed=7",
+                     "trainer.global_batch_size=16", f"trainer.resume_from={ckpt}")
+    lines = _resume(job, job.cfg, False).splitlines()
+    assert lines[0].startswith(f"resume: {ckpt} (step 3, single on 1 rank(s))"), lines
+    assert [line.split(":")[0] for line in lines[1:]] == ["note"] * 4, lines
+    said = "\n".join(lines)
+    for part in ("note: resume: trainer.global_batch_size=16, the checkpoint's run 8: the data continues at sample 48",
+                 "note: resume: trainer.seed 1234 -> 7: these decide the data stream",
+                 "note: resume: this run's model settings differ from the checkpoint's run's and apply from step 4 "
+                 "on: model.dropout 0 -> 0.1",
+                 "note: resume: this run's schedule differs from the checkpoint's run's and applies from step 4 on "
+                 "(the lr follows this run's schedule): trainer.max_steps 6 -> 10 (the cosine decay ends there"):
+        assert part in said, said
+    done = _validated(*was, "trainer.max_steps=3", f"trainer.resume_from={ckpt}")
+    assert _resume(done, done.cfg, False).splitlines()[1] == (  # (then the schedule's max_steps 6 -> 3)
+        f"note: resume: {ckpt} is at step 3 = trainer.max_steps: nothing is left to train; the run loads it "
+        "and reports it (raise trainer.max_steps to continue)")
+
+
+@pytest.mark.subprocess
+def test_plan_py_checks_a_resume_as_train_py_does_without_torch(tmp_path):
+    """plan.py with trainer.resume_from=<path> never ran the resume check: rc 0 and a 'run it:'
+    command train.py refuses (model.rope_theta=500 against a checkpoint of 10000). It runs the
+    check's meta.json part now (checkpoints ``checked(files=False)``: every refusal, not past
+    trainer.max_steps), without torch: a refusal is its line, exit 2; a path not on this machine
+    (a cluster's) is said not checked."""
+    from tests.conftest import engines_loaded
+
+    import plan
+    from core.knobs import paths_elsewhere
+    from recipes.config import compose
+    from recipes.job import CONFIG, validate
+
+    ckpt = _written(tmp_path / "run")
+    proc, engines = engines_loaded("plan.py", *TINY, f"trainer.resume_from={ckpt}", "model.rope_theta=500")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"trainer.resume_from={ckpt}: model.rope_theta=500.0 (the checkpoint's run: 10000.0): " in proc.stderr
+    assert "run it:" not in proc.stdout and "Traceback" not in proc.stderr, proc.stdout[-2000:]
+    assert not {"torch", "lightning", "deepspeed", "transformers"} & set(engines), engines
+    ok = validate(compose([*TINY, f"trainer.resume_from={ckpt}", "trainer.max_steps=10"]), depth=CONFIG)
+    assert plan.resume_checked(ok) is None  # (its files are not read: _written wrote none)
+    with paths_elsewhere(lambda path: True):  # (as plan.py validates: the cluster's files)
+        gone = validate(compose([*TINY, f"trainer.resume_from={tmp_path / 'elsewhere'}"]), depth=CONFIG)
+    assert plan.resume_checked(gone) == (f"note: trainer.resume_from={tmp_path / 'elsewhere'} is not on this "
+                                         "machine: plan.py did not check it (train.py does, before launch)")
+
+
+@pytest.mark.unit
+def test_a_resume_names_each_schedule_key_that_differs():
     """A longer cosine schedule (max_steps raised), another warm-up, decay or scheduler apply from
     the checkpoint's step on (the lr follows this run's schedule) and README says the log names
     each: it named only the next step's lr (and nothing at all while the checkpoint was in warm-up).
     One resume: warning names each key by its value in both runs; max_steps only where it ends a
     decay (decay_steps null), min_lr_ratio and the decay's end only where both runs decay."""
     import dataclasses
-    import logging
     from types import SimpleNamespace
 
-    from checkpoints.resume_settings import say_schedule_change, schedule_changes
+    from checkpoints.resume_settings import schedule_changes, schedule_note
     from recipes.trainer_config import TrainerConfig
 
     def changes(was: dict, **now) -> list[str]:
@@ -1156,13 +1259,11 @@ def test_a_resume_names_each_schedule_key_that_differs(caplog):
     assert changes(cosine | {"decay_steps": 12}, max_steps=20) == []  # (the decay ends where it did)
     assert changes({"max_steps": 12}, max_steps=20, min_lr_ratio=0.5) == []  # (constant: neither applies)
     assert changes({"max_steps": 12}, scheduler="cosine") == ["trainer.scheduler constant -> cosine"]
-    caplog.set_level(logging.INFO)
     ckpt = SimpleNamespace(meta={"config": {"trainer": dataclasses.asdict(TrainerConfig(**cosine))}}, step=3)
-    say_schedule_change(ckpt, SimpleNamespace(trainer=TrainerConfig(**(cosine | {"max_steps": 20}))))
-    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert said == ["resume: this run's schedule differs from the checkpoint's run's and applies from step 4 "
+    said = schedule_note(ckpt, SimpleNamespace(trainer=TrainerConfig(**(cosine | {"max_steps": 20}))))
+    assert said == ("resume: this run's schedule differs from the checkpoint's run's and applies from step 4 "
                     "on (the lr follows this run's schedule): trainer.max_steps 12 -> 20 (the cosine decay "
-                    "ends there: trainer.decay_steps is null)"], said
+                    "ends there: trainer.decay_steps is null)"), said
 
 
 @pytest.mark.multiprocess  # (reads a checkpoint the cache trains)
