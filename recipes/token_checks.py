@@ -175,8 +175,9 @@ def _shared_files(value: Any, val: Inputs, path: Any, train: Inputs, val_key: st
 def mixture_shared_files(sources: list[tuple[int, Any]]) -> list[str]:
     """data.mixture: each entry's ``val_path`` that reads files another entry's ``path`` trains
     on (``_shared_files``; an entry's own pair is ``data_problems``'), one line per pair naming
-    both. ``sources``: (index, the settled source config); inputs that do not resolve are skipped
-    (``data_problems`` names them)."""
+    both; and each entry's ``val_fraction`` whose files another entry's ``path`` reads
+    (``_held_out_shared``). ``sources``: (index, the settled source config); inputs that do not
+    resolve are skipped (``data_problems`` names them)."""
     from core import knobs
 
     def inputs(src: Any, key: str) -> Inputs | None:
@@ -192,10 +193,32 @@ def mixture_shared_files(sources: list[tuple[int, Any]]) -> list[str]:
     out = []
     for i, src in sources:
         if (val := inputs(src, "val_path")) is None:
+            out += _held_out_shared(i, src, sources, train)
             continue
         out += [line for j, other in sources if j != i and train[j] is not None and (
             line := _shared_files(src.val_path, val, other.path, train[j],
                                   f"data.mixture[{i}].val_path", f"data.mixture[{j}].path"))]
+    return out
+
+
+def _held_out_shared(i: int, src: Any, sources: list[tuple[int, Any]],
+                     train: dict[int, Inputs | None]) -> list[str]:
+    """Entry ``i``'s ``val_fraction`` holds out the last windows of its own files; another entry
+    whose ``path`` reads any of those files trains on them. One line per such entry."""
+    if not getattr(src, "val_fraction", 0) or train[i] is None:
+        return []
+    mine = {f.resolve() for f in train[i].files}
+    out = []
+    for j, other in sources:
+        shared = [f for f in (train[j].files if j != i and train[j] is not None else ())
+                  if f.resolve() in mine]
+        if shared:
+            named = ", ".join(map(str, shared[:3])) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+            out.append(f"data.mixture[{i}].val_fraction={src.val_fraction} holds out windows of "
+                       f"data.mixture[{i}].path={src.path}, but data.mixture[{j}].path={other.path} "
+                       f"trains on the same file{'s' if len(shared) > 1 else ''} ({named}), so the "
+                       f"validation loss would be partly a training loss: give the two entries "
+                       f"separate files, or validate on held-out data (data.mixture[{i}].val_path)")
     return out
 
 

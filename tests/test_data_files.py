@@ -120,6 +120,30 @@ def test_a_mixture_entrys_val_path_inside_another_entrys_path_is_refused(hf_toke
     validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *tok, mixture(train)]), depth=CONFIG)
 
 
+@pytest.mark.unit
+def test_a_mixture_entrys_held_out_windows_in_another_entrys_path_are_refused(hf_tokenizer, tmp_path):
+    """data.mixture: entry 0 holding out data.val_fraction of train.jsonl while entry 1 trains on
+    the directory that holds train.jsonl passed the checks: entry 1 trained on the windows entry 0
+    validated on. Refused before launch naming both entries and the shared file; entries on
+    separate files, or without val_fraction, pass."""
+    tv = tmp_path / "tv"
+    train = _jsonl(tv / "train.jsonl", [{"text": d} for d in _docs(10)])
+    other = _jsonl(tmp_path / "other" / "more.jsonl", [{"text": d} for d in _docs(10)])
+    tok = (f"data.tokenizer={hf_tokenizer}", "model.vocab_size=512")
+
+    def mixture(path: Path | str, fraction: float = 0.2) -> str:
+        return (f"data.mixture=[{{name:jsonl,path:{train},val_fraction:{fraction},weight:0.5}},"
+                f"{{name:jsonl,path:{path},val_fraction:0,weight:0.5}}]")
+
+    said = _problems(*tok, mixture(tv))
+    assert said == [f"data.mixture[0].val_fraction=0.2 holds out windows of data.mixture[0].path="
+                    f"{train}, but data.mixture[1].path={tv} trains on the same file ({train}), so "
+                    "the validation loss would be partly a training loss: give the two entries "
+                    "separate files, or validate on held-out data (data.mixture[0].val_path)"], said
+    validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *tok, mixture(other)]), depth=CONFIG)
+    validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", *tok, mixture(tv, 0)]), depth=CONFIG)
+
+
 # ------------------------------------------------------------------ 2: a file that is no tokenizer
 @pytest.mark.unit
 def test_a_tokenizer_file_that_is_not_a_tokenizer_json_is_one_line(hf_tokenizer, tmp_path):
