@@ -215,6 +215,41 @@ def test_the_cached_reference_is_this_models_and_read_back_only_on_a_resume(chat
     assert key(hf) != first  # the weights rewritten in place: another model
 
 
+@pytest.mark.unit
+def test_the_cached_reference_is_these_pairs_in_this_order(chat_tokenizer, tmp_path, caplog):
+    """The pairs' part of the cache key was [shape, sum of x, sum of y]: a pairs.jsonl reordered
+    (records 0 and 1 swapped) or with chosen and rejected swapped inside a record kept it, and a
+    resume read the old reference back, each pair against another's log-probs (the audit: step 2
+    loss 1.0127743, 0.0512900 against the right reference). Either edit changes the key now, the
+    same records keep it, and a resume over a reordered file computes the reordered reference."""
+    import torch
+
+    from recipes.dpo import attach_reference, preference_pairs, reference_key
+
+    shape, records = _shape(), _pairs(8)
+
+    def pairs(name: str, recs: list[dict]):
+        (tmp_path / name).mkdir(exist_ok=True)
+        data = _data(tmp_path, chat_tokenizer)
+        data.path = str(_jsonl(tmp_path / name / "pairs.jsonl", recs))
+        return preference_pairs(data, shape)
+
+    reordered = [records[1], records[0], *records[2:]]
+    swapped = [{**records[0], "chosen": records[0]["rejected"], "rejected": records[0]["chosen"]}, *records[1:]]
+    key = reference_key(pairs("a", records), shape, 0)
+    assert reference_key(pairs("same", [dict(r) for r in records]), shape, 0) == key
+    assert reference_key(pairs("reordered", reordered), shape, 0)["pairs"] != key["pairs"]
+    assert reference_key(pairs("swapped", swapped), shape, 0)["pairs"] != key["pairs"]
+
+    first = pairs("run", records)
+    attach_reference(first, shape, 0, tmp_path / "run", "cpu")
+    again = pairs("run", reordered)  # (the run's file edited, then resumed)
+    with caplog.at_level("WARNING", logger="recipes.dpo"):
+        attach_reference(again, shape, 0, tmp_path / "run", "cpu", resumed=True)
+    assert "(the pairs' tokens differ)" in caplog.text, caplog.text
+    torch.testing.assert_close(again.ref, first.ref[[1, 0, *range(2, 8)]], rtol=1e-6, atol=1e-5)
+
+
 def _common(tmp: Path, tokenizer: Path, *extra: str) -> tuple[str, ...]:
     src = _jsonl(tmp / "pairs.jsonl", _pairs(24))
     return (*TINY, "model.vocab_size=516", "objective=dpo", "objective.beta=0.5", "data=preference",
