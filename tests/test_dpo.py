@@ -281,6 +281,32 @@ def test_refusals_name_the_key_and_the_fix(chat_tokenizer, tmp_path):
 
 
 @pytest.mark.unit
+def test_keys_the_objective_or_the_data_does_not_read_are_refused(chat_tokenizer, tmp_path):
+    """objective.beta / label_smoothing under objective=lm, and data.train_on / messages_field /
+    field under data=preference, were accepted and did nothing (the audit: an SFT run with
+    label_smoothing=0.3 trained plain cross entropy). Away from their defaults each is one line
+    naming the key, its value, what reads it and the fix; at their defaults nothing is said."""
+    lm = (*TINY, "model.vocab_size=516", "data=synthetic")
+    dpo = _common(tmp_path, chat_tokenizer)
+    cases = {
+        (*lm, "objective.beta=5"): "objective.beta=5 applies to objective=dpo only; objective=lm does "
+                                   "not read it: remove it, or set objective=dpo",
+        (*lm, "objective.label_smoothing=0.3"): "objective.label_smoothing=0.3 applies to objective=dpo only",
+        (*dpo, "data.train_on=all"): "data.train_on=all applies to data=chat only; data=preference does "
+                                     "not read it",
+        (*dpo, "data.messages_field=conv"): "data.messages_field=conv applies to data=chat only",
+        (*dpo, "data.field=body"): "data.field=body applies to data=jsonl, parquet",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            validate(compose(list(overrides)), depth=CONFIG)
+        assert message in str(e.value), (overrides[-1], str(e.value))
+        assert len(e.value.problems) == 1, e.value.problems
+    validate(compose([*lm, "objective.beta=0.1", "objective.label_smoothing=0"]), depth=CONFIG)
+    validate(compose([*dpo, "data.train_on=assistant", "data.field=text"]), depth=CONFIG)
+
+
+@pytest.mark.unit
 def test_the_planner_prices_two_rows_per_pair(chat_tokenizer, tmp_path):
     """objective=dpo's micro batch of m pairs is 2m rows: the plan's activations (and batch) are
     those of a next-token job with micro batch 2m (measured by train.py's predicted-vs-measured
