@@ -307,6 +307,36 @@ def test_keys_the_objective_or_the_data_does_not_read_are_refused(chat_tokenizer
 
 
 @pytest.mark.unit
+def test_a_resume_names_a_changed_objective_and_train_on(chat_tokenizer, tmp_path):
+    """A resume with another objective.beta / label_smoothing (DPO) or data.train_on (chat SFT:
+    the audit's step 3 trained on 2016 targets, not 843) said nothing, while lora.alpha and lr
+    are named. The launch warns (and --dry-run notes) each, by its values in both runs, once;
+    the same values, and a key the run's objective or data does not read, say nothing."""
+    from launchers.dry_run import _resume
+    from tests.test_chat import _conversations
+    from tests.test_chat import _jsonl as _chats
+    from tests.test_checkpoint import _validated, _written
+
+    def notes(was: tuple[str, ...], *now: str) -> list[str]:
+        ckpt = _written(tmp_path / str(len(list(tmp_path.iterdir()))), *was)
+        job = _validated(*was, *now, f"trainer.resume_from={ckpt}")
+        return [line for line in _resume(job, job.cfg, False).splitlines()[1:] if "loss settings" in line]
+
+    dpo = tuple(o for o in _common(tmp_path, chat_tokenizer) if o not in TINY)
+    assert notes(dpo, "trainer.max_steps=4") == []
+    assert notes(dpo, "objective.beta=2.0", "objective.label_smoothing=0.3") == [
+        "note: resume: this run's loss settings differ from the checkpoint's run's and apply from step 4 "
+        "on: objective.beta 0.5 -> 2; objective.label_smoothing 0 -> 0.3; resume with the checkpoint's "
+        "values to continue it as it was"]
+    chat = ("model.vocab_size=516", "data=chat", f"data.path={_chats(tmp_path / 'chats.jsonl', _conversations())}",
+            f"data.tokenizer={chat_tokenizer}", "data.val_fraction=0", "trainer.max_steps=3")
+    said = notes(chat, "data.train_on=all")
+    assert len(said) == 1 and ("apply from step 4 on: data.train_on assistant -> all (the loss counts "
+                               "every target from here on, not the assistant turns alone)") in said[0], said
+    assert notes(chat, "trainer.max_steps=5") == []
+
+
+@pytest.mark.unit
 def test_the_planner_prices_two_rows_per_pair(chat_tokenizer, tmp_path):
     """objective=dpo's micro batch of m pairs is 2m rows: the plan's activations (and batch) are
     those of a next-token job with micro batch 2m (measured by train.py's predicted-vs-measured
