@@ -7,7 +7,8 @@ before launch (``schedule_changes``). The model is the checkpoint's: its shapes 
 ``_check_shapes``) and every key that is what its weights compute (``model_refusal``, refused
 before launch); the model's settings that are neither (``model_changes``: LoRA's alpha and
 dropout, dropout, a MoE model's capacity and balancing weight) apply from the resume on: said
-before launch (checkpoints ``for_launch``). What shapes the optimizer's state cannot change where
+before launch (checkpoints ``for_launch``), as are the loss's settings (``loss_changes``:
+objective=dpo's beta and label smoothing, data=chat's train_on). What shapes the optimizer's state cannot change where
 that state is loaded (``optimizer_refusal``, refused before launch: checkpoints ``refusal``);
 where it is not (``model_only``: another engine, world size, ZeRO-3-or-not, or precision under
 DeepSpeed), the model loads and the optimizer starts fresh."""
@@ -274,8 +275,8 @@ def _shown(v: Any) -> str:
 def notes(ckpt: Any, job: Any) -> list[str]:
     """What a resume of ``ckpt`` by ``job`` warns of before launch (checkpoints ``for_launch``
     logs each; ``--dry-run`` prints each as a note): a path at trainer.max_steps that only loads,
-    another global batch and another data stream (checkpoints/data_stream.py), the model settings
-    and the schedule keys that apply from the checkpoint's step on."""
+    another global batch and another data stream (checkpoints/data_stream.py), the model and loss
+    settings and the schedule keys that apply from the checkpoint's step on."""
     from checkpoints import AUTO, data_stream
 
     done = None
@@ -283,7 +284,7 @@ def notes(ckpt: Any, job: Any) -> list[str]:
         done = (f"resume: {ckpt.path} is at step {ckpt.step} = trainer.max_steps: nothing is left to train; "
                 "the run loads it and reports it (raise trainer.max_steps to continue)")
     said = (done, data_stream.batch_note(ckpt, job), data_stream.stream_note(ckpt, job),
-            model_note(ckpt, job), schedule_note(ckpt, job))
+            model_note(ckpt, job), loss_note(ckpt, job), schedule_note(ckpt, job))
     return [line for line in said if line]
 
 
@@ -295,6 +296,40 @@ def model_note(ckpt: Any, job: Any) -> str | None:
         return None
     return (f"resume: this run's model settings differ from the checkpoint's run's and apply from step "
             f"{ckpt.step + 1} on: {'; '.join(changed)}; resume with the checkpoint's values to continue it as it was")
+
+
+def loss_changes(saved: dict[str, Any], job: Any) -> list[str]:
+    """The loss's settings that differ between the checkpoint's run (``saved``: its resolved
+    config) and ``job``, as ``key old -> new``: the objective; where both runs are
+    objective=dpo, its beta and label smoothing; where both read data=chat (one source), which
+    targets the loss counts (``data.train_on``: the same windows, other targets -- not a new data
+    stream, which checkpoints/data_stream.py names). A key the checkpoint's config lacks (an
+    older one) is not compared."""
+    out, was, now = [], saved.get("objective"), job.objective
+    if isinstance(was, dict) and now is not None and "name" in was:
+        if was["name"] != now.name:
+            out.append(f"objective {was['name']} -> {now.name}")
+        elif now.name == "dpo":
+            out += [f"objective.{k} {_shown(was[k])} -> {_shown(getattr(now, k))}"
+                    for k in ("beta", "label_smoothing") if k in was and _differs(was[k], getattr(now, k))]
+    data, d = saved.get("data") or {}, job.data
+    if (data.get("name") == d.name == "chat" and not (data.get("mixture") or d.mixture)
+            and data.get("train_on", d.train_on) != d.train_on):
+        counts = ("every target from here on, not the assistant turns alone" if d.train_on == "all"
+                  else "the assistant turns alone from here on, not every target")
+        out.append(f"data.train_on {data['train_on']} -> {d.train_on} (the loss counts {counts})")
+    return out
+
+
+def loss_note(ckpt: Any, job: Any) -> str | None:
+    """The loss's settings that differ from the checkpoint's run (``loss_changes``: a new
+    objective.beta is a choice a run may make): they apply from here, said once, before launch."""
+    changed = loss_changes(ckpt.meta.get("config") or {}, job)
+    if not changed:
+        return None
+    return (f"resume: this run's loss settings differ from the checkpoint's run's and apply from step "
+            f"{ckpt.step + 1} on: {'; '.join(changed)}; resume with the checkpoint's values to continue it "
+            "as it was")
 
 
 def schedule_note(ckpt: Any, job: Any) -> str | None:

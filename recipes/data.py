@@ -35,7 +35,8 @@ from torch.utils.data import Dataset, Subset
 
 from core.errors import DataError
 # (VAL_MIN_SAMPLES and held_out: importable from here, as before they moved)
-from recipes.data_size import CORPUS, VAL_MIN_SAMPLES, epochs, held_out, no_sample, say_split, windows  # noqa: F401
+from recipes.data_size import (CORPUS, VAL_MIN_SAMPLES, epochs, held_out, no_sample, say_empty_step,  # noqa: F401
+                               say_split, windows)
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,9 @@ class CountedShare:
     over micro-batches and the ranks the gradient is averaged over, that is the sum of every
     counted token's loss in the global batch over their number, whatever the micro batch,
     accumulation, data-parallel, pipeline or sequence layout. Unmasked data divides by the
-    micro-batch's target count, as a per-micro-batch mean does: the same numbers bit for bit."""
+    micro-batch's target count, as a per-micro-batch mean does: the same numbers bit for bit.
+    A step whose global batch counts no target divides by 1 (loss and gradient 0, no NaN for
+    early stopping to act on): said once (recipes/data_size.py ``say_empty_step``)."""
 
     def __init__(self, dataset: Dataset, *, global_batch: int, seed: int):
         self.counted = counted_per_sample(dataset)
@@ -247,6 +250,7 @@ class CountedShare:
                                         dp_rank=0, dp_size=1, seed=seed, steps=0)
         self.seq_len = getattr(_unwrap(dataset)[0], "seq_len", 1)
         self._last: tuple[int, float] = (-1, 1.0)
+        self._said = False
 
     def __call__(self, step: int) -> float:
         if self.counted is None:
@@ -254,6 +258,8 @@ class CountedShare:
         if self._last[0] != step:
             idx = self.order.global_indices(step)
             n = int(self.counted[idx].sum())
+            if n == 0 and not self._said:
+                self._said = say_empty_step(step, len(idx))
             self._last = (step, max(n, 1) / (len(idx) * self.seq_len))
         return self._last[1]
 

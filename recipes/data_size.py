@@ -3,7 +3,7 @@
 small one, or on held-out samples past ``data.val_samples``, neither trained on nor validated
 (``say_split``; ``held_out_notes``: --dry-run's notes of them); and a training set smaller than
 a global batch, whose samples repeat inside each step (``epochs``: report.json's
-``data.epochs``, and a warning at start). Torch-free; rank 0 logs, on the ``recipes.data`` logger."""
+``data.epochs``, and a warning at start); a step with no counted target (``say_empty_step``). Torch-free; rank 0 logs, on the ``recipes.data`` logger."""
 
 from __future__ import annotations
 
@@ -162,3 +162,16 @@ def epochs(n: int, steps: int, global_batch: int) -> float | None:
                     "(%g epochs in the run); use more data or a smaller trainer.global_batch_size",
                     n, global_batch, round(global_batch / n, 2), round(steps * global_batch / n, 2))
     return round(steps * global_batch / n, 6)
+
+
+def say_empty_step(step: int, samples: int) -> bool:
+    """A step whose global batch holds no target the loss counts (recipes/data.py
+    ``CountedShare``; every rank knows it from the sampler's order, no communication) logs loss
+    0 and trains on nothing, which reads as a perfect step: rank 0 warns, once per run, at the
+    first one. Returns True: said (or another rank's to say)."""
+    if _rank0():
+        log.warning("step %d: its global batch of %d samples holds no target the loss counts (with "
+                    "data.train_on=assistant: no assistant token in them), so the step logs loss 0 "
+                    "and trains on nothing (later such steps are not said again); check the data's "
+                    "assistant turns against model.seq_len, or set data.train_on=all", step + 1, samples)
+    return True

@@ -201,7 +201,8 @@ def attach_reference(pairs: PreferencePairs, shape: Any, seed: int, out: Path, a
 
 
 def reference_key(pairs: PreferencePairs, shape: Any, seed: int) -> dict[str, Any]:
-    """What decides the reference log-probs: the pairs' tokens, and the model before training
+    """What decides the reference log-probs: the pairs' tokens (``pairs_digest``: each row's
+    tokens and response mask in their order), and the model before training
     -- its shape fields; for a transformers model, its directory and, with
     ``model.pretrained``, each safetensors file's name, size and modification time (weights
     rewritten in place are another model); for random weights (the built-in models,
@@ -221,7 +222,20 @@ def reference_key(pairs: PreferencePairs, shape: Any, seed: int) -> dict[str, An
                                 for f in sorted(where.glob("*.safetensors"))]
     if not (shape.is_hf and shape.pretrained):
         model["seed"] = seed
-    return {"pairs": [*pairs.x.shape, int(pairs.x.sum()), int(pairs.y.sum())], "model": model}
+    return {"pairs": [*pairs.x.shape, pairs_digest(pairs)], "model": model}
+
+
+def pairs_digest(pairs: PreferencePairs) -> str:
+    """SHA-256 of the pairs' inputs and targets, byte for byte: another order of the records, or
+    chosen and rejected swapped inside one, is another digest (sums of the tokens, the key
+    before, were the same for both, and a resume paired each row with another's reference)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (pairs.x, pairs.y):
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.contiguous().numpy().data)
+    return h.hexdigest()
 
 
 def _read_cache(pairs: PreferencePairs, path: Path, key: dict[str, Any]) -> str | None:

@@ -57,6 +57,33 @@ def problems(objective: Any, data: Any, trainer: Any) -> list[str]:
     return out
 
 
+# data keys data=preference does not read -> the data kinds that do
+UNREAD_BY_PAIRS = {"field": "jsonl, parquet", "messages_field": "chat", "train_on": "chat"}
+
+
+def unread_problems(objective: Any, data: Any) -> list[str]:
+    """Keys set away from their defaults that the chosen objective or data kind does not read
+    (they would do nothing): objective.beta / label_smoothing under objective=lm, data.field /
+    messages_field / train_on under data=preference. One line each: the key, its value, what
+    reads it, the fix."""
+    from recipes.trainer_config import DataConfig, ObjectiveConfig
+
+    out = []
+    if objective is not None:
+        default = ObjectiveConfig()
+        out += [f"objective.{key}={getattr(objective, key):g} applies to objective={owner} only; "
+                f"objective={objective.name} does not read it: remove it, or set objective={owner}"
+                for key, owner in ObjectiveConfig.READ_BY.items()
+                if objective.name != owner and getattr(objective, key) != getattr(default, key)]
+    if data is not None and data.name == "preference":
+        default = DataConfig()
+        out += [f"data.{key}={getattr(data, key)} applies to data={kinds} only; data=preference does not "
+                "read it (it reads each record's prompt, chosen and rejected, and counts the response "
+                "tokens): remove it"
+                for key, kinds in UNREAD_BY_PAIRS.items() if getattr(data, key) != getattr(default, key)]
+    return out
+
+
 def layout_problems(objective: Any, mesh: Any, preset: str) -> list[str]:
     """objective=dpo on the preset's mesh: data parallelism only."""
     if objective is None or objective.name != "dpo":

@@ -326,7 +326,7 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
         # (the planner derives each candidate's run itself: this one is the placeholder's)
         preset, why = auto(_job(cfg, objs, bad, strategy, *settle(strategy, c, t, accelerator="cpu")))
     strategy = preset
-    problems += logger_problems(objs["logger"])
+    problems += logger_problems(objs["logger"]) + _unread_problems(objs, bad)
     if not bad["trainer"] and not bad["strategy"]:
         problems += trainer_problems(t, strategy)
     problems += _data_checks(objs, bad)
@@ -371,6 +371,13 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if problems:
         raise ConfigError(problems)
     return job
+
+
+def _unread_problems(objs: dict[str, Any], bad: dict[str, list[str]]) -> list[str]:
+    """Objective and data keys set that the chosen objective / data kind does not read
+    (recipes/dpo_checks.py ``unread_problems``), of the groups that read."""
+    return dpo_checks.unread_problems(None if bad.get("objective") else objs.get("objective"),
+                                      None if bad["data"] else objs["data"])
 
 
 def _engine_trainer(t: TrainerConfig, strategy: StrategyConfig, run: Run, depth: int

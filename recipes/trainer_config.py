@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from core.precision import PRECISIONS
 from core.knobs import free, knob
@@ -32,6 +32,10 @@ class ObjectiveConfig:
     label_smoothing: float = knob(0.0, min=0.0, below=0.5)
     """objective=dpo: the share of pairs assumed mislabelled (conservative DPO; TRL's sigmoid loss
     with label_smoothing); 0: plain DPO."""
+
+    READ_BY: ClassVar[dict[str, str]] = {"beta": "dpo", "label_smoothing": "dpo"}
+    """The keys one objective alone reads -> that objective: set away from its default under
+    another, refused at validate (recipes/dpo_checks.py ``unread_problems``)."""
 
 
 @dataclass

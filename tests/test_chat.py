@@ -662,3 +662,35 @@ def test_counted_share_reads_each_samples_counted_targets_through_subsets():
 
     y = torch.ones(2, 16, dtype=torch.long)
     assert token_weight(y, 0.25) == 8.0 and int(token_weight(y, 1.0)) == 32
+
+
+@pytest.mark.unit
+def test_a_step_with_no_counted_target_is_said_once(caplog, monkeypatch):
+    """A global batch whose windows hold no target the loss counts (data.train_on=assistant and
+    only system / user tokens in them) logged loss 0.0000 and grad norm 0 with no word (the
+    audit: every step of a sparse chat set). Its loss stays 0 (no NaN for early stopping and
+    keep_best to trip on), and rank 0 warns once, at the first such step, naming it; other
+    ranks, later such steps and steps with targets say nothing."""
+    from recipes.data import CountedShare
+
+    arrays = [np.arange(16 * 8 + 1) % 50]
+    masks = [np.zeros(16 * 8 + 1, dtype=np.uint8)]
+    masks[0][: 16 * 2] = 1  # (windows 0 and 1 count targets, 2..7 none)
+    ds = TokenWindows(arrays, 16, masks=masks)
+    share = CountedShare(ds, global_batch=2, seed=1)
+    empty = [s for s in range(8) if not any(i < 2 for i in share.order.global_indices(s))]
+    full = [s for s in range(8) if s not in empty]
+    assert empty and full
+    with caplog.at_level("WARNING", logger="recipes.data"):
+        assert share(full[0]) > 0 and not caplog.records
+        assert share(empty[0]) == 1 / (2 * 16)  # (the clamp: a loss of 0, not 0 / 0)
+        for s in empty[1:] + empty:
+            share(s)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(
+        f"step {empty[0] + 1}: its global batch of 2 samples holds no target the loss counts"), said
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level("WARNING", logger="recipes.data"):
+        CountedShare(ds, global_batch=2, seed=1)(empty[0])
+    assert not caplog.records

@@ -215,6 +215,41 @@ def test_the_cached_reference_is_this_models_and_read_back_only_on_a_resume(chat
     assert key(hf) != first  # the weights rewritten in place: another model
 
 
+@pytest.mark.unit
+def test_the_cached_reference_is_these_pairs_in_this_order(chat_tokenizer, tmp_path, caplog):
+    """The pairs' part of the cache key was [shape, sum of x, sum of y]: a pairs.jsonl reordered
+    (records 0 and 1 swapped) or with chosen and rejected swapped inside a record kept it, and a
+    resume read the old reference back, each pair against another's log-probs (the audit: step 2
+    loss 1.0127743, 0.0512900 against the right reference). Either edit changes the key now, the
+    same records keep it, and a resume over a reordered file computes the reordered reference."""
+    import torch
+
+    from recipes.dpo import attach_reference, preference_pairs, reference_key
+
+    shape, records = _shape(), _pairs(8)
+
+    def pairs(name: str, recs: list[dict]):
+        (tmp_path / name).mkdir(exist_ok=True)
+        data = _data(tmp_path, chat_tokenizer)
+        data.path = str(_jsonl(tmp_path / name / "pairs.jsonl", recs))
+        return preference_pairs(data, shape)
+
+    reordered = [records[1], records[0], *records[2:]]
+    swapped = [{**records[0], "chosen": records[0]["rejected"], "rejected": records[0]["chosen"]}, *records[1:]]
+    key = reference_key(pairs("a", records), shape, 0)
+    assert reference_key(pairs("same", [dict(r) for r in records]), shape, 0) == key
+    assert reference_key(pairs("reordered", reordered), shape, 0)["pairs"] != key["pairs"]
+    assert reference_key(pairs("swapped", swapped), shape, 0)["pairs"] != key["pairs"]
+
+    first = pairs("run", records)
+    attach_reference(first, shape, 0, tmp_path / "run", "cpu")
+    again = pairs("run", reordered)  # (the run's file edited, then resumed)
+    with caplog.at_level("WARNING", logger="recipes.dpo"):
+        attach_reference(again, shape, 0, tmp_path / "run", "cpu", resumed=True)
+    assert "(the pairs' tokens differ)" in caplog.text, caplog.text
+    torch.testing.assert_close(again.ref, first.ref[[1, 0, *range(2, 8)]], rtol=1e-6, atol=1e-5)
+
+
 def _common(tmp: Path, tokenizer: Path, *extra: str) -> tuple[str, ...]:
     src = _jsonl(tmp / "pairs.jsonl", _pairs(24))
     return (*TINY, "model.vocab_size=516", "objective=dpo", "objective.beta=0.5", "data=preference",
@@ -243,6 +278,62 @@ def test_refusals_name_the_key_and_the_fix(chat_tokenizer, tmp_path):
         validate(compose([*common, "data.path=null"]), depth=CONFIG)
     validate(compose([*common, "strategy=ddp", "cluster.devices=2", "trainer.micro_batch_size=2"]),
              depth=RUN)  # (sound)
+
+
+@pytest.mark.unit
+def test_keys_the_objective_or_the_data_does_not_read_are_refused(chat_tokenizer, tmp_path):
+    """objective.beta / label_smoothing under objective=lm, and data.train_on / messages_field /
+    field under data=preference, were accepted and did nothing (the audit: an SFT run with
+    label_smoothing=0.3 trained plain cross entropy). Away from their defaults each is one line
+    naming the key, its value, what reads it and the fix; at their defaults nothing is said."""
+    lm = (*TINY, "model.vocab_size=516", "data=synthetic")
+    dpo = _common(tmp_path, chat_tokenizer)
+    cases = {
+        (*lm, "objective.beta=5"): "objective.beta=5 applies to objective=dpo only; objective=lm does "
+                                   "not read it: remove it, or set objective=dpo",
+        (*lm, "objective.label_smoothing=0.3"): "objective.label_smoothing=0.3 applies to objective=dpo only",
+        (*dpo, "data.train_on=all"): "data.train_on=all applies to data=chat only; data=preference does "
+                                     "not read it",
+        (*dpo, "data.messages_field=conv"): "data.messages_field=conv applies to data=chat only",
+        (*dpo, "data.field=body"): "data.field=body applies to data=jsonl, parquet",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            validate(compose(list(overrides)), depth=CONFIG)
+        assert message in str(e.value), (overrides[-1], str(e.value))
+        assert len(e.value.problems) == 1, e.value.problems
+    validate(compose([*lm, "objective.beta=0.1", "objective.label_smoothing=0"]), depth=CONFIG)
+    validate(compose([*dpo, "data.train_on=assistant", "data.field=text"]), depth=CONFIG)
+
+
+@pytest.mark.unit
+def test_a_resume_names_a_changed_objective_and_train_on(chat_tokenizer, tmp_path):
+    """A resume with another objective.beta / label_smoothing (DPO) or data.train_on (chat SFT:
+    the audit's step 3 trained on 2016 targets, not 843) said nothing, while lora.alpha and lr
+    are named. The launch warns (and --dry-run notes) each, by its values in both runs, once;
+    the same values, and a key the run's objective or data does not read, say nothing."""
+    from launchers.dry_run import _resume
+    from tests.test_chat import _conversations
+    from tests.test_chat import _jsonl as _chats
+    from tests.test_checkpoint import _validated, _written
+
+    def notes(was: tuple[str, ...], *now: str) -> list[str]:
+        ckpt = _written(tmp_path / str(len(list(tmp_path.iterdir()))), *was)
+        job = _validated(*was, *now, f"trainer.resume_from={ckpt}")
+        return [line for line in _resume(job, job.cfg, False).splitlines()[1:] if "loss settings" in line]
+
+    dpo = tuple(o for o in _common(tmp_path, chat_tokenizer) if o not in TINY)
+    assert notes(dpo, "trainer.max_steps=4") == []
+    assert notes(dpo, "objective.beta=2.0", "objective.label_smoothing=0.3") == [
+        "note: resume: this run's loss settings differ from the checkpoint's run's and apply from step 4 "
+        "on: objective.beta 0.5 -> 2; objective.label_smoothing 0 -> 0.3; resume with the checkpoint's "
+        "values to continue it as it was"]
+    chat = ("model.vocab_size=516", "data=chat", f"data.path={_chats(tmp_path / 'chats.jsonl', _conversations())}",
+            f"data.tokenizer={chat_tokenizer}", "data.val_fraction=0", "trainer.max_steps=3")
+    said = notes(chat, "data.train_on=all")
+    assert len(said) == 1 and ("apply from step 4 on: data.train_on assistant -> all (the loss counts "
+                               "every target from here on, not the assistant turns alone)") in said[0], said
+    assert notes(chat, "trainer.max_steps=5") == []
 
 
 @pytest.mark.unit
