@@ -70,36 +70,53 @@ def training_function(args):
     optimizer = (torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = get_dataloader(args.batch_size, args.samples, own_generator=args.loader_generator)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 100) if args.sched else None
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norms, step = [], [], 0
-    if args.resume_at:  # as Accelerate's complete_nlp_example resumes: its state, then the batches left
-        accelerator.load_state(args.state_dir)
-        step = args.resume_at
-    for epoch in range(args.epochs):
-        model.train()
-        batches = accelerator.skip_first_batches(loader, step) if epoch == 0 and step else loader
+    if sched is not None:  # a decaying schedule, prepared in a call of its own (as many scripts do)
+        sched = accelerator.prepare(sched)
+    out = {"losses": [], "norms": [], "lrs": []}
+
+    def train(batches, step, rec):
         for x, y in batches:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
                 if args.clip and accelerator.sync_gradients:
-                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.clip)))
+                    rec["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), args.clip)))
                 optimizer.step()
+                if sched is not None:
+                    sched.step()
                 optimizer.zero_grad()
-            losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+            if sched is not None and accelerator.sync_gradients:
+                rec["lrs"].append(sched.get_last_lr()[0])
+            rec["losses"].append(accelerator.gather(loss.detach()[None]).mean().item())
             step += 1
-            if step == args.save_at:
+            if step == args.save_at and rec is out:
                 accelerator.save_state(args.state_dir)
+        return step
+
+    step = 0
+    if args.resume_at:  # as Accelerate's complete_nlp_example resumes: its state, then the batches left
+        accelerator.load_state(args.state_dir)
+        step = args.resume_at
+    for epoch in range(args.epochs):
+        model.train()
+        step = train(accelerator.skip_first_batches(loader, step) if epoch == 0 and step else loader, step, out)
     params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
+    if args.reload:  # the state saved at --save_at loaded into this run, then the batches after it again
+        accelerator.load_state(args.state_dir)
+        out["again"] = {"losses": [], "norms": [], "lrs": []}
+        train(accelerator.skip_first_batches(loader, args.save_at), args.save_at, out["again"])
+        out["again"]["params"] = {k: [v.float().sum().item(), v.float().norm().item()]
+                                  for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     ddp = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
     line = json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
                        "distributed_type": accelerator.distributed_type.name,
                        "model_type": type(model).__name__, "fsdp_units": units,
-                       "comm_hook": ddp.get("comm_hook"),
-                       "held_param_bytes": held, "total_param_bytes": total, "losses": losses, "norms": norms,
-                       "params": params})
+                       "comm_hook": ddp.get("comm_hook"), "sched_type": type(sched).__name__,
+                       "held_param_bytes": held, "total_param_bytes": total, **out, "params": params})
     for rank in range(accelerator.num_processes):  # in turn: two ranks' lines once ran together
         if rank == accelerator.process_index:
             print(line, flush=True)
@@ -126,6 +143,10 @@ def main():
                         help="load_state first, then skip this many batches (the saved run's)")
     parser.add_argument("--hook_clip", action="store_true", help="and the hook's grad_clip (DeepSpeed)")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout in each block")
+    parser.add_argument("--sched", action="store_true",
+                        help="a decaying LambdaLR, prepared in its own accelerator.prepare call after the model's")
+    parser.add_argument("--reload", action="store_true",
+                        help="at the end, load_state(--state_dir) and train the batches after --save_at again")
     parser.add_argument("--loader_generator", action="store_true",
                         help="the DataLoader's own generator (a resumed run's dropout then equals the straight run's)")
     training_function(parser.parse_args())

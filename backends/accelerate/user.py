@@ -45,6 +45,9 @@ Under ZeRO-3, a ``backward`` that fails on a parameter used outside any module's
 penalty added after ``model(x)``: autograd's "returned an invalid gradient at index 0 - got [0]")
 is re-raised with what it means and the fixes (backends/common/partitioned.py).
 
+Under ZeRO, an LR scheduler prepared in a call without the model (Accelerate's DeepSpeed path
+returns it bare) is wrapped and registered as on DDP (``prepare_scheduler``; user_loop.py).
+
 A script without this line (``Accelerator()``, with or without ``cpu=True``) runs none of our
 code. Under a CPU export it stops at ``Accelerator()``, which builds the plugin the launcher's
 variables name before it picks a device: an FSDP preset's ``fsdp_auto_wrap_policy`` and a ZeRO
@@ -67,6 +70,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from backends.accelerate.user_loop import AloneSchedules
 from core.errors import ConfigError
 
 PRECISIONS = {"no": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -198,7 +202,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
 
     from observers.memory import release_freed
 
-    class StratagemAccelerator(_Zero3Backward, Accelerator):
+    class StratagemAccelerator(_Zero3Backward, AloneSchedules, Accelerator):
         _repaired = False
 
         def prepare(self, *args: Any, **kw: Any) -> Any:
