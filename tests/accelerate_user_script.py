@@ -55,6 +55,39 @@ def full_params(accelerator, model):
     return accelerator.get_state_dict(model) or {}
 
 
+def eval_loader_and_set(features=16):
+    """10 held-out samples in batches of 4 (uneven across 2 ranks: ``gather_for_metrics`` drops
+    the padding), and the whole set. Its own generator: iterating it draws nothing from the
+    global RNG, so the training after an eval is the training without one."""
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(10, features, generator=g)
+    y = x.sum(-1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False, generator=torch.Generator()), (x, y)
+
+
+def evaluate(accelerator, model, loader, whole):
+    """The script's eval loop (per-sample MSE through ``gather_for_metrics``, as Accelerate's
+    examples score) without and inside ``accelerator.rank0_replica()``; this rank's own replica on
+    the whole set (no collective); whether each parameter is its own again, bit for bit."""
+    def score():
+        per = []
+        with torch.no_grad():
+            for x, y in loader:
+                per.append(accelerator.gather_for_metrics(((model(x) - y) ** 2).mean(-1)))
+        return torch.cat(per).mean().item()
+
+    model.eval()
+    own = [p.detach().clone() for p in model.parameters()]
+    mixed = score()
+    with accelerator.rank0_replica():
+        block = score()
+    restored = all(torch.equal(a, p) for a, p in zip(own, model.parameters()))
+    with torch.no_grad():
+        alone = ((accelerator.unwrap_model(model)(whole[0]) - whole[1]) ** 2).mean().item()
+    model.train()
+    return {"mixed": mixed, "block": block, "own": alone, "restored": restored}
+
+
 def training_function(args):
     acc = args.accumulation
     mine = {}  # the script's own Accelerator arguments, passed through the hook as they are
@@ -74,6 +107,9 @@ def training_function(args):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if sched is not None:  # a decaying schedule, prepared in a call of its own (as many scripts do)
         sched = accelerator.prepare(sched)
+    if args.eval_at:
+        eval_loader, whole = eval_loader_and_set()
+        eval_loader = accelerator.prepare(eval_loader)
     out = {"losses": [], "norms": [], "lrs": []}
 
     def train(batches, step, rec):
@@ -93,6 +129,8 @@ def training_function(args):
             step += 1
             if step == args.save_at and rec is out:
                 accelerator.save_state(args.state_dir)
+            if step == args.eval_at and rec is out:
+                rec["eval"] = evaluate(accelerator, model, eval_loader, whole)
         return step
 
     step = 0
@@ -145,6 +183,8 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout in each block")
     parser.add_argument("--sched", action="store_true",
                         help="a decaying LambdaLR, prepared in its own accelerator.prepare call after the model's")
+    parser.add_argument("--eval_at", type=int, default=0,
+                        help="after this many batches, the eval loop without and inside accelerator.rank0_replica()")
     parser.add_argument("--reload", action="store_true",
                         help="at the end, load_state(--state_dir) and train the batches after --save_at again")
     parser.add_argument("--loader_generator", action="store_true",

@@ -46,7 +46,9 @@ penalty added after ``model(x)``: autograd's "returned an invalid gradient at in
 is re-raised with what it means and the fixes (backends/common/partitioned.py).
 
 Under ZeRO, an LR scheduler prepared in a call without the model (Accelerate's DeepSpeed path
-returns it bare) is wrapped and registered as on DDP (``prepare_scheduler``; user_loop.py).
+returns it bare) is wrapped and registered as on DDP (``prepare_scheduler``). Under local_sgd and
+diloco, ``with accelerator.rank0_replica():`` scores rank 0's replica on every rank, and an eval's
+gather outside it while the replicas differ is told once (user_loop.py).
 
 A script without this line (``Accelerator()``, with or without ``cpu=True``) runs none of our
 code. Under a CPU export it stops at ``Accelerator()``, which builds the plugin the launcher's
@@ -70,7 +72,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from backends.accelerate.user_loop import AloneSchedules
+from backends.accelerate.user_loop import AloneSchedules, Rank0Replica
 from core.errors import ConfigError
 
 PRECISIONS = {"no": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -202,7 +204,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
 
     from observers.memory import release_freed
 
-    class StratagemAccelerator(_Zero3Backward, AloneSchedules, Accelerator):
+    class StratagemAccelerator(_Zero3Backward, AloneSchedules, Rank0Replica, Accelerator):
         _repaired = False
 
         def prepare(self, *args: Any, **kw: Any) -> Any:
@@ -269,7 +271,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                 opt = model.optimizer
             return builder.held_bytes(model, [opt] if opt is not None else [], what)
 
-    StratagemAccelerator.stratagem = (strategy, engine)
+    StratagemAccelerator.stratagem, StratagemAccelerator.stratagem_builder = (strategy, engine), builder
     StratagemAccelerator.zero3 = engine == "deepspeed" and getattr(builder.preset, "stage", 0) == 3
     return StratagemAccelerator
 
