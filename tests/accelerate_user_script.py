@@ -55,6 +55,39 @@ def full_params(accelerator, model):
     return accelerator.get_state_dict(model) or {}
 
 
+def eval_loader_and_set(features=16):
+    """10 held-out samples in batches of 4 (uneven across 2 ranks: ``gather_for_metrics`` drops
+    the padding), and the whole set. Its own generator: iterating it draws nothing from the
+    global RNG, so the training after an eval is the training without one."""
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(10, features, generator=g)
+    y = x.sum(-1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False, generator=torch.Generator()), (x, y)
+
+
+def evaluate(accelerator, model, loader, whole):
+    """The script's eval loop (per-sample MSE through ``gather_for_metrics``, as Accelerate's
+    examples score) without and inside ``accelerator.rank0_replica()``; this rank's own replica on
+    the whole set (no collective); whether each parameter is its own again, bit for bit."""
+    def score():
+        per = []
+        with torch.no_grad():
+            for x, y in loader:
+                per.append(accelerator.gather_for_metrics(((model(x) - y) ** 2).mean(-1)))
+        return torch.cat(per).mean().item()
+
+    model.eval()
+    own = [p.detach().clone() for p in model.parameters()]
+    mixed = score()
+    with accelerator.rank0_replica():
+        block = score()
+    restored = all(torch.equal(a, p) for a, p in zip(own, model.parameters()))
+    with torch.no_grad():
+        alone = ((accelerator.unwrap_model(model)(whole[0]) - whole[1]) ** 2).mean().item()
+    model.train()
+    return {"mixed": mixed, "block": block, "own": alone, "restored": restored}
+
+
 def training_function(args):
     acc = args.accumulation
     mine = {}  # the script's own Accelerator arguments, passed through the hook as they are
@@ -70,36 +103,58 @@ def training_function(args):
     optimizer = (torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = get_dataloader(args.batch_size, args.samples, own_generator=args.loader_generator)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 100) if args.sched else None
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norms, step = [], [], 0
-    if args.resume_at:  # as Accelerate's complete_nlp_example resumes: its state, then the batches left
-        accelerator.load_state(args.state_dir)
-        step = args.resume_at
-    for epoch in range(args.epochs):
-        model.train()
-        batches = accelerator.skip_first_batches(loader, step) if epoch == 0 and step else loader
+    if sched is not None:  # a decaying schedule, prepared in a call of its own (as many scripts do)
+        sched = accelerator.prepare(sched)
+    if args.eval_at:
+        eval_loader, whole = eval_loader_and_set()
+        eval_loader = accelerator.prepare(eval_loader)
+    out = {"losses": [], "norms": [], "lrs": []}
+
+    def train(batches, step, rec):
         for x, y in batches:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
                 if args.clip and accelerator.sync_gradients:
-                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.clip)))
+                    rec["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), args.clip)))
                 optimizer.step()
+                if sched is not None:
+                    sched.step()
                 optimizer.zero_grad()
-            losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+            if sched is not None and accelerator.sync_gradients:
+                rec["lrs"].append(sched.get_last_lr()[0])
+            rec["losses"].append(accelerator.gather(loss.detach()[None]).mean().item())
             step += 1
-            if step == args.save_at:
+            if step == args.save_at and rec is out:
                 accelerator.save_state(args.state_dir)
+            if step == args.eval_at and rec is out:
+                rec["eval"] = evaluate(accelerator, model, eval_loader, whole)
+        return step
+
+    step = 0
+    if args.resume_at:  # as Accelerate's complete_nlp_example resumes: its state, then the batches left
+        accelerator.load_state(args.state_dir)
+        step = args.resume_at
+    for epoch in range(args.epochs):
+        model.train()
+        step = train(accelerator.skip_first_batches(loader, step) if epoch == 0 and step else loader, step, out)
     params = {k: [v.float().sum().item(), v.float().norm().item()] for k, v in full_params(accelerator, model).items()}
+    if args.reload:  # the state saved at --save_at loaded into this run, then the batches after it again
+        accelerator.load_state(args.state_dir)
+        out["again"] = {"losses": [], "norms": [], "lrs": []}
+        train(accelerator.skip_first_batches(loader, args.save_at), args.save_at, out["again"])
+        out["again"]["params"] = {k: [v.float().sum().item(), v.float().norm().item()]
+                                  for k, v in full_params(accelerator, model).items()}
     held = accelerator.held_bytes(model, optimizer) if hasattr(accelerator, "held_bytes") else total
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     ddp = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
     line = json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
                        "distributed_type": accelerator.distributed_type.name,
                        "model_type": type(model).__name__, "fsdp_units": units,
-                       "comm_hook": ddp.get("comm_hook"),
-                       "held_param_bytes": held, "total_param_bytes": total, "losses": losses, "norms": norms,
-                       "params": params})
+                       "comm_hook": ddp.get("comm_hook"), "sched_type": type(sched).__name__,
+                       "held_param_bytes": held, "total_param_bytes": total, **out, "params": params})
     for rank in range(accelerator.num_processes):  # in turn: two ranks' lines once ran together
         if rank == accelerator.process_index:
             print(line, flush=True)
@@ -126,6 +181,12 @@ def main():
                         help="load_state first, then skip this many batches (the saved run's)")
     parser.add_argument("--hook_clip", action="store_true", help="and the hook's grad_clip (DeepSpeed)")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout in each block")
+    parser.add_argument("--sched", action="store_true",
+                        help="a decaying LambdaLR, prepared in its own accelerator.prepare call after the model's")
+    parser.add_argument("--eval_at", type=int, default=0,
+                        help="after this many batches, the eval loop without and inside accelerator.rank0_replica()")
+    parser.add_argument("--reload", action="store_true",
+                        help="at the end, load_state(--state_dir) and train the batches after --save_at again")
     parser.add_argument("--loader_generator", action="store_true",
                         help="the DataLoader's own generator (a resumed run's dropout then equals the straight run's)")
     training_function(parser.parse_args())

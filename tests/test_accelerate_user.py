@@ -43,8 +43,11 @@ def _launch(*args: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
-def _ranks(proc: subprocess.Popen, world: int = 2) -> list[dict]:
+def _ranks(proc: subprocess.Popen, world: int = 2, said: list[str] | None = None) -> list[dict]:
+    """Each rank's JSON line; ``said``: gets the launch's stderr."""
     out, err = proc.communicate(timeout=300)
+    if said is not None:
+        said.append(err)
     assert proc.returncode == 0, (out + err)[-4000:]
     decoder, starts = json.JSONDecoder(), [i for i in range(len(out)) if out.startswith('{"rank": ', i)]
     # (each rank's object wherever it starts: the launcher's pipe once joined two ranks' lines)
@@ -230,18 +233,31 @@ DROPOUT = ("--dropout", "0.1", "--loader_generator")
 """Dropout, and the DataLoader's own generator (README: without one the resumed masks differ)."""
 
 
-def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | None = None):
+def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | None = None, said=None):
     """The script under ``preset`` for 24 steps, ``accelerator.save_state`` after SAVE_AT (training
-    on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``.
-    local_sgd's script passes its own ``project_config`` through the hook (automatic checkpoint
-    naming: save_state and load_state find the directory themselves), with dropout; the others
-    name it."""
+    on), then again from that state (``load_state``, ``skip_first_batches``) under ``resume_as``;
+    a decaying LR schedule prepared in a call of its own (``--sched``). local_sgd's script passes
+    its own ``project_config`` through the hook (automatic checkpoint naming: save_state and
+    load_state find the directory themselves), with dropout, and after the save scores its eval
+    loop without and inside ``accelerator.rank0_replica()`` (``said``: that run's stderr); the
+    others name the directory."""
     yaml_path = _export(tmp_path, f"strategy={preset}", *export)
     where = (("--project_dir", str(tmp_path), *DROPOUT) if preset == "local_sgd"
              else ("--state_dir", str(tmp_path / "state")))
-    run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), *where)
-    straight = _ranks(_launch(*run, "--strategy", preset, "--save_at", str(SAVE_AT)))
+    run = ("--config_file", yaml_path, SCRIPT, "--samples", str(8 * 24), "--sched", *where)
+    scored = ("--eval_at", str(SAVE_AT)) if preset == "local_sgd" else ()
+    straight = _ranks(_launch(*run, "--strategy", preset, "--save_at", str(SAVE_AT), *scored), said=said)
     return straight, _launch(*run, "--strategy", resume_as or preset, "--resume_at", str(SAVE_AT))
+
+
+@pytest.fixture(scope="module")
+def local_sgd_runs(tmp_path_factory) -> tuple[list[dict], list[dict], str, object]:
+    """local_sgd's straight run (its eval loop at SAVE_AT, replicas apart), its resumed run, the
+    straight run's stderr and the directory: the resume test's, the eval test's, and the DDP
+    engine's LRs for the ZeRO schedule's test."""
+    tmp, said = tmp_path_factory.mktemp("local_sgd"), []
+    straight, resumed = _saved_and_resumed(tmp, "local_sgd", said=said)
+    return straight, _ranks(resumed), said[0], tmp
 
 
 @pytest.mark.multiprocess
@@ -249,26 +265,79 @@ def _saved_and_resumed(tmp_path, preset: str, *export: str, resume_as: str | Non
     pytest.param(p, e, marks=pytest.mark.slow) for p, e in (
         ("ddp_powersgd", ()), ("ddp_topk", ()), ("ddp_int8", ()), ("diloco", ()),
         ("fsdp2", ("export.wrap=ToyBlock",)), ("zero2", ()))])
-def test_a_users_save_state_resumes_exactly(preset, export, tmp_path):
+def test_a_users_save_state_resumes_exactly(preset, export, tmp_path, request):
     """A user's ``accelerator.save_state`` / ``load_state`` (as Accelerate's complete_nlp_example
-    checkpoints), AdamW: the resumed run's losses and every rank's parameters are the straight
+    checkpoints), AdamW: the resumed run's losses, LRs and every rank's parameters are the straight
     run's. The ddp family's own state on each rank (error feedback, PowerSGD's Q, local SGD's
     replicas and optimizers, DiLoCo's outer step) goes with it, one file a rank; local SGD's
     model was saved as one tensor of eight before (its averaged parameters shared one storage,
     and Accelerate's safetensors save drops all but one). local_sgd's model has dropout, and its
-    DataLoader its own generator, as README says (without it the resumed losses differ)."""
-    straight, resumed = _saved_and_resumed(tmp_path, preset, *export)
-    resumed = _ranks(resumed)
+    DataLoader its own generator, as README says (without it the resumed losses differ). The
+    schedule is prepared alone (ZeRO's was returned bare before: not saved, so restarted)."""
+    if preset == "local_sgd":
+        straight, resumed, _, tmp_path = request.getfixturevalue("local_sgd_runs")
+    else:
+        straight, resumed = _saved_and_resumed(tmp_path, preset, *export)
+        resumed = _ranks(resumed)
     if preset == "local_sgd":
         assert (tmp_path / "checkpoints" / "checkpoint_0" / "stratagem_rank_state" / "rank1.pt").is_file()
-    if preset == "local_sgd":
         assert straight[0]["params"] != straight[1]["params"]  # (replicas apart at the end: step 24)
     for a, b in zip(straight, resumed):
         assert len(b["losses"]) == 24 - SAVE_AT
         assert b["losses"] == pytest.approx(a["losses"][SAVE_AT:], rel=1e-6, abs=0)
+        assert b["lrs"] == a["lrs"][SAVE_AT:] and len(a["lrs"]) == 24
         assert b["params"].keys() == a["params"].keys()
         for k in a["params"]:
             assert b["params"][k] == pytest.approx(a["params"][k], rel=1e-6, abs=1e-7), (b["rank"], k)
+
+
+SAID = "with accelerator.rank0_replica():"
+"""What the hook's one warning gives as the fix, when an eval gathers each rank's own replica."""
+
+
+@pytest.mark.multiprocess
+def test_a_users_eval_under_local_sgd_scores_rank0s_replica_inside_the_block(local_sgd_runs):
+    """local_sgd between two averagings (SAVE_AT), the script's own eval loop (per-sample MSE
+    through ``gather_for_metrics``): without the block it reports a mix of the two ranks' replicas
+    (rank 0's on its batches, rank 1's on the others: no model's score), and rank 0 warns once;
+    inside ``accelerator.rank0_replica()`` both ranks report rank 0's replica's score on all the
+    samples, and each rank's own parameters are back bit for bit after it: the resumed run, which
+    loaded the state saved before the eval and scored nothing, trains as the straight run did."""
+    straight, resumed, err, _ = local_sgd_runs
+    own = [r["eval"]["own"] for r in straight]  # (each rank's replica on the whole eval set, alone)
+    assert own[0] != pytest.approx(own[1], rel=1e-3)  # (the replicas apart there)
+    for r in straight:
+        assert r["eval"]["block"] == pytest.approx(own[0], rel=1e-6)
+        assert r["eval"]["mixed"] != pytest.approx(own[0], rel=1e-3)
+        assert r["eval"]["restored"]
+    assert err.count(SAID) == 1, err[-3000:]
+    # (by the eval's gather: the training loop's accelerator.gather of its loss, in train mode while
+    # the replicas were apart, steps 12-14, said nothing)
+    assert "accelerator.gather_for_metrics() under strategy=local_sgd on 2 processes" in err, err[-3000:]
+    for a, b in zip(straight, resumed):
+        assert b["losses"] == a["losses"][SAVE_AT:] and b["params"] == a["params"], b["rank"]
+
+
+@pytest.mark.multiprocess
+def test_a_schedule_prepared_alone_steps_and_resumes_under_zero2_as_under_ddp(tmp_path, local_sgd_runs):
+    """zero2, 4 micro-batches a step, a decaying LambdaLR prepared in its own ``prepare`` call after
+    the model's (Accelerate's DeepSpeed path wraps a schedule only beside the model, so it came back
+    bare: stepped on every micro-batch, 0.08/0.06 where DDP's 0.09/0.08, and not saved): the hook
+    wraps and registers it as Accelerate does on DDP -- the LRs per optimizer step are the DDP
+    engine's (local_sgd's run: Accelerate's scheduler steps once a process per optimizer step,
+    none on an accumulating micro-batch) -- and the state saved after step 1, loaded into the same
+    run, trains the last two steps again as they went (losses, LRs, parameters)."""
+    state = str(tmp_path / "state")
+    rows = _ranks(_launch("--config_file", _export(tmp_path, "strategy=zero2"), SCRIPT, "--strategy", "zero2",
+                          "--sched", "--accumulation", "4", "--samples", str(8 * 12), "--save_at", "4",
+                          "--state_dir", state, "--reload"))
+    ddp = local_sgd_runs[0][0]["lrs"]
+    for r in rows:
+        assert r["sched_type"] == "AcceleratedScheduler"
+        assert r["lrs"] == ddp[:3]
+        again = r["again"]
+        assert again["lrs"] == r["lrs"][1:] and again["losses"] == r["losses"][4:]
+        assert again["params"] == r["params"]
 
 
 @pytest.mark.multiprocess

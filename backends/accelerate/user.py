@@ -45,6 +45,11 @@ Under ZeRO-3, a ``backward`` that fails on a parameter used outside any module's
 penalty added after ``model(x)``: autograd's "returned an invalid gradient at index 0 - got [0]")
 is re-raised with what it means and the fixes (backends/common/partitioned.py).
 
+Under ZeRO, an LR scheduler prepared in a call without the model (Accelerate's DeepSpeed path
+returns it bare) is wrapped and registered as on DDP (``prepare_scheduler``). Under local_sgd and
+diloco, ``with accelerator.rank0_replica():`` scores rank 0's replica on every rank, and an eval's
+gather outside it while the replicas differ is told once (user_loop.py).
+
 A script without this line (``Accelerator()``, with or without ``cpu=True``) runs none of our
 code. Under a CPU export it stops at ``Accelerator()``, which builds the plugin the launcher's
 variables name before it picks a device: an FSDP preset's ``fsdp_auto_wrap_policy`` and a ZeRO
@@ -67,6 +72,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from backends.accelerate.user_loop import AloneSchedules, Rank0Replica
 from core.errors import ConfigError
 
 PRECISIONS = {"no": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -198,7 +204,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
 
     from observers.memory import release_freed
 
-    class StratagemAccelerator(_Zero3Backward, Accelerator):
+    class StratagemAccelerator(_Zero3Backward, AloneSchedules, Rank0Replica, Accelerator):
         _repaired = False
 
         def prepare(self, *args: Any, **kw: Any) -> Any:
@@ -265,7 +271,7 @@ def _checked_class(strategy: str, engine: str, builder: Any, grad_clip: float = 
                 opt = model.optimizer
             return builder.held_bytes(model, [opt] if opt is not None else [], what)
 
-    StratagemAccelerator.stratagem = (strategy, engine)
+    StratagemAccelerator.stratagem, StratagemAccelerator.stratagem_builder = (strategy, engine), builder
     StratagemAccelerator.zero3 = engine == "deepspeed" and getattr(builder.preset, "stage", 0) == 3
     return StratagemAccelerator
 

@@ -10,7 +10,9 @@ so the training after a validation is the same as without one. Both backends wra
 validation (and the observers' ``validation_end``, so ``callbacks.samples`` completes with the
 same model) in ``rank0_replica``; it does nothing unless the preset's ``Synchronizer`` is active
 (world > 1 and ``strategy.sync`` other than every_step). Costs one copy of the trainable
-parameters on ranks other than 0 and one broadcast per parameter, per validation.
+parameters on ranks other than 0 and one broadcast per parameter, per validation. A user's own
+Accelerate loop gets it as ``accelerator.rank0_replica()`` (backends/accelerate/user_loop.py),
+which asks ``replicas_apart`` whether an eval outside it scored replicas that differ.
 """
 
 from __future__ import annotations
@@ -42,3 +44,21 @@ def rank0_replica(sync: Any, model: Any) -> Iterator[None]:
             with torch.no_grad():
                 for p, mine in zip(params, own):
                     p.copy_(mine)
+
+
+def replicas_apart(sync: Any) -> bool:
+    """Whether the ranks' replicas may differ now: an optimizer step past the warmup (where the
+    gradients are still all-reduced) since the last averaging of the whole world, as the preset's
+    averager counts (torch's periodic one: (step - warmup) % period; the hierarchical one: step %
+    its largest period; DiLoCo's outer step)."""
+    impl = getattr(sync, "_impl", None)
+    if impl is None or not sync.active:
+        return False
+    if hasattr(impl, "outer"):  # (DiLoCo: counts the step before it decides)
+        return impl.outer is not None and (impl.step - impl.start_step) % impl.sync_every != 0
+    last = impl.step - 1  # (torch's averagers: the count the last step decided by)
+    if last < impl.warmup_steps:
+        return False
+    if hasattr(impl, "period"):  # (PeriodicModelAverager)
+        return (last - impl.warmup_steps) % impl.period != 0
+    return last % max(impl._periods) != 0  # (HierarchicalModelAverager: the world at its largest)
