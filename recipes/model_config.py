@@ -249,6 +249,13 @@ class ModelConfig:
                 if value:
                     out.append(f"model.{key}={value} applies to model=hf only (this is the built-in "
                                f"{self.name}): remove it, or use model=hf model.path=...")
+        if not self.lora.rank:
+            default = LoraConfig()
+            out += [f"model.lora.{k}={getattr(self.lora, k)} does nothing with model.lora.rank=0 (no "
+                    "adapters: every parameter trains): set model.lora.rank (e.g. 16, model=hf) to "
+                    "fine-tune with LoRA, or remove it"
+                    for k in ("alpha", "dropout", "target_modules")
+                    if getattr(self.lora, k) != getattr(default, k)]
         bad = sorted(set(self.lora.target_modules) - set(LORA_TARGETS))
         if self.lora.rank and not self.lora.target_modules:
             out.append(f"model.lora.target_modules=[] with model.lora.rank={self.lora.rank}: no layer "

@@ -320,6 +320,20 @@ def test_an_empty_lora_target_list_is_refused(llama):
 
 
 @pytest.mark.unit
+def test_lora_settings_without_a_lora_rank_are_refused(llama):
+    """model.lora.alpha / dropout / target_modules set with model.lora.rank=0 (the default) were
+    accepted and did nothing: a full fine-tune ran. One line each, naming the key and the fix;
+    the same keys with a rank pass."""
+    hf = ("model=hf", f"model.path={llama}", "model.seq_len=32", "data.tokenizer=null")
+    msg = _hf_problems(*hf, "model.lora.alpha=32", "model.lora.target_modules=[q_proj]")
+    assert ("model.lora.alpha=32.0 does nothing with model.lora.rank=0 (no adapters: every parameter "
+            "trains): set model.lora.rank (e.g. 16, model=hf) to fine-tune with LoRA, or remove it") in msg, msg
+    assert "model.lora.target_modules=['q_proj'] does nothing" in msg and "dropout" not in msg, msg
+    validate(compose(["cluster.accelerator=cpu", *hf, "model.lora.rank=4", "model.lora.alpha=32",
+                      "model.lora.dropout=0.1"]), depth=RUN)
+
+
+@pytest.mark.unit
 def test_the_tokenizer_hints_of_a_model_path_name_what_works(tmp_path, llama):
     """data=chat with model.path set: the null tokenizer's line does not say the model has no
     model.path, nor does a model directory without a tokenizer suggest byte tokens (chat has
