@@ -204,14 +204,17 @@ def mixture_shared_files(sources: list[tuple[int, Any]]) -> list[str]:
 def _held_out_shared(i: int, src: Any, sources: list[tuple[int, Any]],
                      train: dict[int, Inputs | None]) -> list[str]:
     """Entry ``i``'s ``val_fraction`` holds out the last windows of its own files; another entry
-    whose ``path`` reads any of those files trains on them. One line per such entry."""
+    whose ``path`` reads any of those files trains on them (unless it is the same source, which
+    holds out the same windows). One line per such entry. (data=jsonl's own default val_fraction
+    is 0.01: two entries over one file with other tokenizers leak at their defaults.)"""
     if not getattr(src, "val_fraction", 0) or train[i] is None:
         return []
     mine = {f.resolve() for f in train[i].files}
     out = []
     for j, other in sources:
-        shared = [f for f in (train[j].files if j != i and train[j] is not None else ())
-                  if f.resolve() in mine]
+        if j == i or train[j] is None or other == src:  # (the same source twice: the same windows held out)
+            continue
+        shared = [f for f in train[j].files if f.resolve() in mine]
         if shared:
             named = ", ".join(map(str, shared[:3])) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
             out.append(f"data.mixture[{i}].val_fraction={src.val_fraction} holds out windows of "

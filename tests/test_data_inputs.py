@@ -158,11 +158,12 @@ def test_top_level_data_keys_beside_a_mixture_are_inherited_or_refused(hf_tokeni
     the tokenizer is inherited by the sources that read one and do not set their own; a key the
     mixture would ignore is refused, naming where it goes."""
     src = _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in _docs(10)])
-    own = tmp_path / "own"
+    src2 = _jsonl(tmp_path / "d2.jsonl", [{"text": d} for d in _docs(10)])  # (one file for both would
+    own = tmp_path / "own"  # leak: data=jsonl holds out 0.01 of each, tokenized two ways)
     own.mkdir()
     for f in Path(hf_tokenizer).iterdir():
         (own / f.name).write_bytes(f.read_bytes())
-    mixture = (f"data.mixture=[{{name:jsonl,path:{src},weight:0.5}},{{name:jsonl,path:{src},"
+    mixture = (f"data.mixture=[{{name:jsonl,path:{src},weight:0.5}},{{name:jsonl,path:{src2},"
                f"tokenizer:{own},weight:0.3}},{{name:synthetic,weight:0.2}}]")
     job = validate(compose(["model=gpt_nano", "cluster.accelerator=cpu", "model.vocab_size=512", mixture,
                             f"data.tokenizer={hf_tokenizer}"]), depth=CONFIG)
