@@ -261,7 +261,8 @@ def _hint(plans: list[Plan], cands: list[Candidate], checkpointed: Planned | Non
         return f"no preset fits; the planned-only layout {planned.strategy} would"
     live = [p for pool in (plans, *([checkpointed[0]] if checkpointed else [])) for p in pool
             if not p.blocking and not p.planned_only]  # (with checkpointing too, where planned)
-    if any(p.memory.total <= p.device_bytes for p in live if p.overflows):
+    # (on CPU the device is the host: checkpointing and micro batches change its need too)
+    if any(p.memory.total <= p.device_bytes for p in live if p.overflows and p.host_margin is None):
         return ("no preset fits: those with room on the device overflow the host or NVMe (more nodes "
                 "split offloaded state; activation checkpointing and micro batches do not change it)")
     return f"no preset fits: use {_fixes(live, su, tried=checkpointed is not None)}"

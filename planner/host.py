@@ -4,7 +4,8 @@ torch's optimizers). ``plans[].memory.host_items``: one integer per item, per de
 ``memory.host`` is their sum less ``process`` (what the run adds above the process before the
 model was built, as the memory observer measures it), and the node's host-memory check adds the
 process base back. Table and sources: docs/PLANNER.md, "Host memory of offload". Also the
-node's check of what its processes offload (``offload_problems``).
+node's check of its host memory (``node_host_need``, ``host_problems``: on CPU the device is
+the host).
 
 Page-locked (pinned) buffers exist only on CUDA: torch's caching host allocator rounds each one
 up to a power of two (``CachingHostAllocator``: ``c10::llvm::PowerOf2Ceil``) and keeps freed
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from planner.states import gb_apart
+from planner.states import gb, gb_apart
 from strategies.footprint import CPU, HOST_STATES, NVME, SHARDED
 
 GB = 10**9
@@ -165,14 +166,31 @@ def moved_states(fp: Any, n: Any) -> dict[str, int]:
     return {k: held[k] for k, place in fp.placement().items() if place == CPU}
 
 
-def offload_problems(mem: Any, su: Any) -> list[str]:
-    """Host memory and NVMe the node lacks for what every device moved off it (with each
-    offloading process's own base)."""
+def node_host_need(mem: Any, su: Any) -> tuple[int, int]:
+    """The node's host memory need (bytes) and each rank's share of it. On a GPU: what each
+    process offloads and its own base (``process``; nothing for a preset that offloads nothing).
+    On CPU there is one memory: ``cluster.device_memory_GB`` is a share of the host's RAM
+    (recipes/hardware.py ``local``), so each rank's device peak (``memory.total``) is host
+    memory too, beside what it offloads and its process base -- for every preset. The one place
+    that says so; the verdict (``host_problems``) and the spare it reports (``Plan.host_margin``)
+    both read it."""
+    cpu = su.cluster.accelerator != "gpu"
+    process = mem.host_items.get("process", PROCESS_BYTES["cpu"] if cpu else 0)
+    rank = mem.host + process + (mem.total if cpu else 0)
+    return rank * su.cluster.devices, rank
+
+
+def host_problems(mem: Any, su: Any) -> list[str]:
+    """Host memory and NVMe the node lacks for what its processes hold there
+    (``node_host_need``; on CPU each line says the device is the host)."""
     cl, out = su.cluster, []
-    host = (mem.host + mem.host_items.get("process", 0)) * cl.devices
+    host, rank = node_host_need(mem, su)
     if host > su.host_bytes:
         need, has = gb_apart(host, su.host_bytes)
-        out.append(f"host memory: needs {need} per node, has {su.host_has(has)}")
+        cpu = "" if cl.accelerator == "gpu" else (
+            f" (on CPU the device is the host: per rank {gb(mem.total)} device peak"
+            + (f" + {gb(mem.host)} offloaded" if mem.host else "") + f" + {gb(rank - mem.total - mem.host)} process)")
+        out.append(f"host memory: needs {need} per node{cpu}, has {su.host_has(has)}")
     if mem.nvme * cl.devices > su.nvme_bytes:
         out.append("NVMe: needs {} per node, has {}".format(*gb_apart(mem.nvme * cl.devices, su.nvme_bytes)))
     return out

@@ -15,7 +15,7 @@ from planner.activations import (activation_bytes, estimated_unit, loss_backward
 from planner.communication import Communication, communication, exposed_seconds
 from planner.inputs import Candidate, Setup, unit_params
 from planner.results import Memory, Plan, incomplete
-from planner.host import offload_problems
+from planner.host import host_problems, node_host_need
 from planner.startup import build_problems, reference_problems
 from planner.states import GB, float8_gather, state_bytes
 from planner.compute import bubble_fraction, flops_per_step, mfu, peak_flops, peak_source
@@ -297,8 +297,10 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 *([] if c.planned_only else loss_chunk_problems(su.trainer, tp=mesh.tp, pp=mesh.pp))]
     mem, act_full, act_ckpt, checkpointed = _memory(lo)
     device_bytes = cl.device_bytes()
-    notes = offload_problems(mem, su) + build_problems(c, su) + reference_problems(c, mem, su)
+    notes = host_problems(mem, su) + build_problems(c, su) + reference_problems(c, mem, su)
     memory_fits = mem.total <= device_bytes and not notes
+    # (on CPU the device is the host: what the node's memory leaves each rank bounds the spare)
+    host_margin = None if cl.accelerator == "gpu" else (su.host_bytes - node_host_need(mem, su)[0]) // cl.devices
     t = _seconds(lo)
     notes += c.config.notes(run) + c.footprint.notes(lo.sizes)
     if mesh.seq > 1:  # the sequence degree the plan was made at (Ulysses' is chosen by the planner)
@@ -320,7 +322,7 @@ def plan_candidate(c: Candidate, su: Setup) -> Plan:
                 engine_seconds=t.engine, floor_seconds=t.floor,
                 flops_per_step=flops_per_step(su, lo.recompute), peak_tflops=peak_flops(su) / 1e12,
                 peak_source=peak_source(su), mfu=mfu(su), cluster=cl.name,
-                world_size=mesh.size, device_bytes=device_bytes, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
+                world_size=mesh.size, device_bytes=device_bytes, host_margin=host_margin, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
                 shard=mesh.dp_shard, cp=mesh.cp, sp=mesh.sp, ep=mesh.ep, microbatches=lo.m,
                 activation_checkpointing=ckpt,
                 activations_full=act_full, activations_checkpointed=act_ckpt,

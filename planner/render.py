@@ -143,7 +143,7 @@ def _ranked(con: Any, r: Report) -> None:
         off = p.memory.host + p.memory.nvme
         planned = not p.blocking  # (a layout that cannot run here has no numbers to show)
         t.add_row(str(i), name, fits, runs, gb(p.memory.total) if planned else "-",
-                  gb(p.margin) if p.memory_fits and planned else "-",
+                  gb(p.spare) if p.memory_fits and planned else "-",
                   gb(p.memory.activations) if planned else "-", gb(off) if off and planned else "-",
                   gb(p.communication.bytes_per_step) if planned else "-",
                   _secs(p.step_seconds) if planned else "-",

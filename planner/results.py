@@ -76,6 +76,10 @@ class Plan:
     cluster: str = ""
     world_size: int = 1
     device_bytes: int = 0
+    host_margin: int | None = None
+    """On CPU, where the device is the host: the node's host memory left per rank once every
+    rank's device peak, offloaded items and process base are counted (planner/host.py
+    ``node_host_need``); None on a GPU."""
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -112,6 +116,12 @@ class Plan:
     def margin(self) -> int:
         """Free bytes per device (negative: short by that much)."""
         return self.device_bytes - self.memory.total
+
+    @property
+    def spare(self) -> int:
+        """Free bytes per device the verdict reports: the device's margin, and on CPU no more than
+        the host memory left per rank (``host_margin``: the same RAM)."""
+        return self.margin if self.host_margin is None else min(self.margin, self.host_margin)
 
     @property
     def runnable(self) -> bool:
@@ -171,7 +181,7 @@ class Plan:
             verdict = (f"fits but tight: {gb(self.margin)} free, under the {gb(self.reserve)} the "
                        "CUDA context, NCCL and fragmentation typically take")
         else:
-            verdict = f"fits with {gb(self.margin)} to spare"
+            verdict = f"fits with {gb(self.spare)} to spare"
         stalled = f" ({'; '.join(self.stalled)})" if self.stalled else ""
         need, has = gb_apart(self.memory.total, self.device_bytes)
         devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"

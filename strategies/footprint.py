@@ -27,8 +27,10 @@ from typing import Any
 # Where a state lives, and over how many ranks it is split.
 REPLICATED, SHARDED = "replicated", "sharded"
 DEVICE, CPU, NVME = "device", "cpu", "nvme"
-HOST_STATES = ("params_16bit", "fp32_master", "fp32_grads", "grads_16bit", "optimizer_moments")
-"""planner/host.py's host items that are model states (``predicted_vs_measured.state_bytes``);
+HOST_STATES = ("params_16bit", "fp32_master", "fp32_grads", "grads_16bit", "optimizer_moments", "accumulation")
+"""planner/host.py's host items that are model states (``predicted_vs_measured.state_bytes``),
+``accumulation`` among them: ZeRO-2 offload's accumulated gradients, which the memory observer
+counts as gradients (backends/common/deepspeed.py ``_GRAD_ATTRS``: ``accumulated_grads_in_cpu``);
 the rest are an engine's staging copies, temporaries, rounding and the process."""
 MiB = 2**20
 

@@ -108,12 +108,15 @@ LARGER = ("model.dim=768", "model.n_layers=4", "model.ffn_dim=2048", "model.n_he
 RUN = ("model=gpt_nano", "model.dropout=0", "cluster.accelerator=cpu", "trainer.precision=bf16-mixed",
        "callbacks.progress_bar=false", "trainer.warmup_steps=0", "planner.enforce=false",
        "trainer.max_steps=2", "trainer.micro_batch_size=2")  # (the first step is not measured)
-CASES = {  # name: (strategy, ranks, shape)
+CASES = {  # name: (strategy, ranks, shape[, accumulation])
     "zero3-1rank": ("zero3_offload", 1, SMALL),
     "zero2-1rank": ("zero2_offload", 1, SMALL),
     "zero2-2ranks": ("zero2_offload", 2, LARGER),
     "zero3-2ranks": ("zero3_offload", 2, LARGER),
     "zero2-1rank-larger": ("zero2_offload", 1, LARGER),
+    # ZeRO-2 offload accumulates each parameter's gradient in a host buffer of its own
+    # (state_bytes read 1.200 at gpt_small's default accumulation 2: the plan left it out)
+    "zero2-1rank-accumulation": ("zero2_offload", 1, SMALL, 2),
 }
 
 
@@ -131,14 +134,33 @@ def _tier(case: str):
 def test_host_rss_of_offload_runs_is_within_10_percent_of_the_plan(tmp_path, case):
     """On CPU the host is the device: the RSS a steady step reaches above the process before
     the model was built against the device plan plus the host plan (predicted_vs_measured.peak)."""
-    strategy, ranks, shape = CASES[case]
+    strategy, ranks, shape, accumulation = (*CASES[case], 1)[:4]
     run = run_cli("train.py", *RUN, *shape, f"strategy={strategy}", f"cluster.devices={ranks}",
-                  f"trainer.global_batch_size={2 * ranks}", out=tmp_path / case, timeout=400)
+                  f"trainer.global_batch_size={2 * ranks * accumulation}", out=tmp_path / case, timeout=400)
     peak = run.report["predicted_vs_measured"]["peak"]
     assert "memory.host" in peak["of"]
     assert peak["ratio"] == pytest.approx(1.0, abs=0.10), peak
     row = run.report["predicted_vs_measured"]["state_bytes"]
     assert row["ratio"] == pytest.approx(1.0, abs=0.02), row
+
+
+@pytest.mark.unit
+def test_state_bytes_counts_the_accumulation_buffer_the_run_counts_as_gradients():
+    """ZeRO-2 offload with accumulation keeps each parameter's accumulated gradient in a host
+    buffer of its own (stage_1_and_2.py ``accumulated_grads_in_cpu``), which the memory
+    observer counts as gradients (backends/common/deepspeed.py ``_GRAD_ATTRS``): the predicted
+    state bytes count it too (gpt_small's default accumulation 2 read 1.200 without it)."""
+    from observers.compare import predicted_state_bytes
+    from planner.render import plan_dict
+
+    cpu = ("model=gpt_nano", "cluster.accelerator=cpu", "cluster.devices=1", "strategy=zero2_offload",
+           "trainer.micro_batch_size=2", "callbacks=none")
+    one, two = (_plan(*cpu, f"trainer.global_batch_size={g}") for g in (2, 4))
+    assert "accumulation" not in one.memory.host_items
+    extra = two.memory.host_items["accumulation"]
+    assert extra == one.memory.host_items["fp32_grads"]  # (fp32: each parameter's share, once)
+    assert (predicted_state_bytes(plan_dict(two)["memory"])
+            == predicted_state_bytes(plan_dict(one)["memory"]) + extra)
 
 
 @pytest.mark.unit
@@ -163,3 +185,51 @@ def test_fsdp_cpu_offload_books_its_pinned_shards_and_the_host_step():
     assert items["fp32_grads"] == items["fp32_master"] and items["optimizer_moments"] == pytest.approx(8 * part, rel=1e-6)
     assert items["step_temporaries"] == pytest.approx(4 * part, rel=1e-6) and items["pinned_rounding"] > 0
     assert "engine_runtime" not in items and items["process"] == PROCESS_BYTES["gpu"]
+
+
+# ------------------------------------------------------------------ CPU: one memory
+SMALL_CPU = ("model=gpt_small", "cluster.accelerator=cpu", "cluster.devices=1", "callbacks=none")
+
+
+@pytest.mark.unit
+def test_on_cpu_the_host_check_counts_every_ranks_device_bytes():
+    """On CPU the device is the host: the node needs each rank's device peak, what it offloads
+    and its process base from one RAM. The check left the device bytes out (an offload plan read
+    "0.3 GB of 0.9 GB per device (fits with 0.7 GB to spare)" against 0.30 + 0.35 + 0.55 GB on
+    0.95; a run measured 1.04 GB), never checked the host for other presets (fsdp2 "fits" on
+    0.1 GB), and so recommended fsdp2 where the offload preset overflowed the host."""
+    off = _plan(*SMALL_CPU, "strategy=zero2_offload", "trainer.global_batch_size=8",
+                "cluster.host_memory_GB=0.95", "cluster.device_memory_GB=0.95")
+    m = off.memory
+    need = m.total + m.host + m.host_items["process"]
+    assert 1.1 * GB < need < 1.3 * GB and m.total < 0.95 * GB
+    assert not off.fits and not off.memory_fits
+    assert any(n.startswith(f"host memory: needs {need / GB:.1f} GB per node") for n in off.notes), off.notes
+    assert "does NOT fit: host memory: needs" in off.summary(), off.summary()
+    for strategy in ("fsdp2", "ddp"):  # no offload: the device bytes and the process base
+        p = _plan(*SMALL_CPU, f"strategy={strategy}", "cluster.host_memory_GB=0.1")
+        assert not p.fits and "host memory: needs" in p.summary(), p.summary()
+    short = _plan(*SMALL_CPU, "strategy=zero2_offload", "cluster.host_memory_GB=0.5")
+    assert not short.fits and "cheapest preset that fits" not in (short.hint or ""), short.hint
+    import planner  # strategy=auto reads the same verdict: it picks nothing the node cannot hold
+    from core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no runnable preset fits"):
+        planner.choose(typed(compose([*SMALL_CPU, "strategy=auto", "cluster.host_memory_GB=0.5"])))
+    # where it fits, what is spare is what the node's memory leaves each rank, not the device's share
+    roomy = _plan(*SMALL_CPU, "strategy=zero2_offload", "trainer.global_batch_size=8",
+                  "cluster.host_memory_GB=2", "cluster.device_memory_GB=2")
+    spare = 2 * GB - (roomy.memory.total + roomy.memory.host + roomy.memory.host_items["process"])
+    assert roomy.fits and f"fits with {spare / GB:.1f} GB to spare" in roomy.summary(), roomy.summary()
+
+
+@pytest.mark.unit
+def test_on_a_gpu_the_host_check_is_what_is_offloaded():
+    """On a GPU the device bytes are the GPU's own: a preset that offloads nothing plans no host
+    (unchanged), and an offload plan's host check counts the offloaded items and the process."""
+    gpu = ("model=gpt_small", "cluster.accelerator=gpu", "cluster.devices=1", "callbacks=none",
+           "cluster.device_memory_GB=80", "cluster.host_memory_GB=0.1")
+    assert _plan(*gpu, "strategy=fsdp2").fits
+    off = _plan(*gpu, "strategy=zero2_offload")
+    need = off.memory.host + off.memory.host_items["process"]
+    assert any(n.startswith(f"host memory: needs {need / GB:.1f} GB per node, has 0.1 GB") for n in off.notes)

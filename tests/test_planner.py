@@ -552,7 +552,9 @@ def test_deepspeed_offload_keeps_fp32_gradients_on_the_host():
 
     z2 = _plans(*BF16_1B, "strategy=zero2_offload")["zero2_offload"]
     n = z2.memory.params / 2
-    assert states(z2) == pytest.approx((4 + 4 + 8) * n / z2.shard, rel=1e-6)
+    # (accumulation 2: each parameter's bf16 gradient accumulated in a host buffer, 2 B/param)
+    assert z2.memory.host_items["accumulation"] == pytest.approx(2 * n / z2.shard, rel=1e-6)
+    assert states(z2) == pytest.approx((4 + 4 + 8 + 2) * n / z2.shard, rel=1e-6)
     z3 = _plans(*BF16_1B, "strategy=zero3_offload")["zero3_offload"]
     n = describe(_compose(BF16_1B).model).num_params()
     assert states(z3) == pytest.approx((2 + 4 + 2 + 4 + 8) * n / z3.shard, rel=1e-6)
