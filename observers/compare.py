@@ -6,8 +6,10 @@ pipeline's whole first schedule -- against the planner's busiest device), on a L
 ``step_growth`` (how far a step's RSS rises above what its update leaves -- activations, the loss
 backward, gathered units -- against the plan's ``memory.growth``; the largest rank; no ratio when
 the run measured its first step alone, whose update creates the optimizer state) and ``peak``
-(the step's RSS above the process before the model was built against ``memory.total``: the
-runtime's own memory is not planned); on CUDA ``peak`` is the allocator's peak against
+(the step's RSS above the process before the model was built against ``memory.total``, with
+offload ``+ memory.host`` at the busier phase -- the optimizer's step temporaries beside
+``memory.step``, not the activations: planner/host.py ``cpu_peak``; the runtime's own memory is
+not planned); on CUDA ``peak`` is the allocator's peak against
 ``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
 ``communication``
 (bytes the busiest rank sends per optimizer step on a ring: the planner's unit; offload's
@@ -123,7 +125,8 @@ class Comparison(Observer):
         """Each peak against what was planned for where it was measured (``of``): on CUDA the
         device's allocator peak against the device plan, and the host's RSS against the host
         plan (what offload moved there); on CPU the RSS against the device plan (the host is
-        the device). The host's RSS is never divided by a device figure."""
+        the device) and what offload moved, at the busier phase (``cpu_peak``). The host's RSS
+        is never divided by a device figure."""
         grown = [r for r in self.memory.ranks if r.get("peak_rss_growth") is not None]
         cuda = [max((p.get("allocated", 0) for p in r.get("cuda", {}).values()), default=0)
                 for r in self.memory.ranks]
@@ -138,10 +141,19 @@ class Comparison(Observer):
                                   "of": "device (the host): RSS above what a step's update leaves"}
             if getattr(self.memory, "first_step_only", False):
                 out["step_growth"] |= {"ratio": None, "no_ratio": "1 step", "of": FIRST_STEP}
-            # offload on a host: what it moved is in the same RSS, beside the "device"
-            out["peak"] = {**_row(mem["total"] + mem.get("host", 0), max(r["peak_rss_run"] for r in grown)),
-                           "of": "device (the host): RSS above the process before the model was built"
-                                 + (" against memory.total + memory.host" if mem.get("host") else "")}
+            # offload on a host: what it moved is in the same RSS, beside the "device", but the
+            # step's temporaries only once the activations are gone (planner/host.py cpu_peak)
+            from planner.host import STEP_ONLY, cpu_peak
+
+            items, host = mem.get("host_items") or {}, mem.get("host", 0)
+            against = "" if not host else (
+                " against the busier of backward (memory.total + memory.host less the step's "
+                "temporaries) and the step (memory.step + memory.host)"
+                if any(items.get(k) for k in STEP_ONLY) else " against memory.total + memory.host")
+            planned = cpu_peak(mem["total"], mem.get("step", 0), host, items)
+            out["peak"] = {**_row(planned, max(r["peak_rss_run"] for r in grown)),
+                           "of": "device (the host): RSS above the process before the model was "
+                                 f"built{against}"}
             if runtime := (mem.get("host_items") or {}).get("engine_runtime"):  # (offloaded DeepSpeed's)
                 out["peak"]["engine_runtime"] = runtime
         return out

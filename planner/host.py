@@ -38,6 +38,10 @@ tensor: the for-loop's ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds two a
 foreach's in-place ``_foreach_sqrt``/``_foreach_div_`` one, fused none); SGD: none."""
 
 
+STEP_ONLY = ("step_temporaries",)
+"""Host items made only in the optimizer's step, once the activations are gone (``cpu_peak``)."""
+
+
 def pow2(nbytes: float) -> int:
     """What torch's caching host allocator takes for a pinned block of ``nbytes``."""
     return 0 if nbytes <= 0 else 1 << math.ceil(math.log2(math.ceil(nbytes)))
@@ -166,18 +170,41 @@ def moved_states(fp: Any, n: Any) -> dict[str, int]:
     return {k: held[k] for k, place in fp.placement().items() if place == CPU}
 
 
+def cpu_peak(total: int, step: int, host: int, items: dict) -> int:
+    """On CPU, where the device is the host: a rank's peak above its process base, the busier of
+    its two phases -- forward/backward (``memory.total``, the activations live) beside every host
+    item but those the optimizer's step alone makes (``STEP_ONLY``), and the end of backward and
+    the step (``memory.step``, the activations gone) beside every host item. Equal to
+    ``total + host`` where nothing is step-only. The one place: the node's host check
+    (``node_host_need``) and the run's ``peak`` row (observers/compare.py) read it."""
+    only = sum(items.get(k, 0) for k in STEP_ONLY)
+    return max(total + host - only, step + host)
+
+
 def node_host_need(mem: Any, su: Any) -> tuple[int, int]:
     """The node's host memory need (bytes) and each rank's share of it. On a GPU: what each
     process offloads and its own base (``process``; nothing for a preset that offloads nothing).
     On CPU there is one memory: ``cluster.device_memory_GB`` is a share of the host's RAM
-    (recipes/hardware.py ``local``), so each rank's device peak (``memory.total``) is host
-    memory too, beside what it offloads and its process base -- for every preset. The one place
-    that says so; the verdict (``host_problems``) and the spare it reports (``Plan.host_margin``)
-    both read it."""
+    (recipes/hardware.py ``local``), so each rank's device bytes are host memory too, beside what
+    it offloads and its process base -- for every preset, at the busier phase (``cpu_peak``).
+    The one place that says so; the verdict (``host_problems``) and the spare it reports
+    (``Plan.host_margin``) both read it."""
     cpu = su.cluster.accelerator != "gpu"
     process = mem.host_items.get("process", PROCESS_BYTES["cpu"] if cpu else 0)
-    rank = mem.host + process + (mem.total if cpu else 0)
+    rank = (cpu_peak(mem.total, mem.step, mem.host, mem.host_items) if cpu else mem.host) + process
     return rank * su.cluster.devices, rank
+
+
+def _cpu_rank(mem: Any, rank: int) -> str:
+    """What a CPU rank's host need is made of, at its busier phase (``cpu_peak``)."""
+    only = sum(mem.host_items.get(k, 0) for k in STEP_ONLY)
+    process = f" + {gb(rank - cpu_peak(mem.total, mem.step, mem.host, mem.host_items))} process"
+    if only and mem.step + only > mem.total:  # the optimizer step is the busier phase
+        return (f"per rank {gb(mem.step)} device at the optimizer step + {gb(mem.host)} offloaded, "
+                f"its temporaries included (more than backward's peak){process}")
+    step = f" (the step's {gb(only)} temporaries come once the activations are gone)" if only else ""
+    offloaded = f" + {gb(mem.host - only)} offloaded{step}" if mem.host else ""
+    return f"per rank {gb(mem.total)} device peak{offloaded}{process}"
 
 
 def host_problems(mem: Any, su: Any) -> list[str]:
@@ -187,9 +214,7 @@ def host_problems(mem: Any, su: Any) -> list[str]:
     host, rank = node_host_need(mem, su)
     if host > su.host_bytes:
         need, has = gb_apart(host, su.host_bytes)
-        cpu = "" if cl.accelerator == "gpu" else (
-            f" (on CPU the device is the host: per rank {gb(mem.total)} device peak"
-            + (f" + {gb(mem.host)} offloaded" if mem.host else "") + f" + {gb(rank - mem.total - mem.host)} process)")
+        cpu = "" if cl.accelerator == "gpu" else f" (on CPU the device is the host: {_cpu_rank(mem, rank)})"
         out.append(f"host memory: needs {need} per node{cpu}, has {su.host_has(has)}")
     if mem.nvme * cl.devices > su.nvme_bytes:
         out.append("NVMe: needs {} per node, has {}".format(*gb_apart(mem.nvme * cl.devices, su.nvme_bytes)))
