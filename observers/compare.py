@@ -8,8 +8,8 @@ backward, gathered units -- against the plan's ``memory.growth``; the largest ra
 the run measured its first step alone, whose update creates the optimizer state) and ``peak``
 (the step's RSS above the process before the model was built against ``memory.total``, with
 offload ``+ memory.host`` at the busier phase -- the optimizer's step temporaries beside
-``memory.step``, not the activations: planner/host.py ``cpu_peak``; the runtime's own memory is
-not planned); on CUDA ``peak`` is the allocator's peak against
+``memory.step``, not the activations: strategies/footprint.py ``cpu_peak``; the runtime's own
+memory is not planned); on CUDA ``peak`` is the allocator's peak against
 ``memory.total`` and ``host`` the RSS against ``memory.host`` (each row's ``of`` says which),
 ``communication``
 (bytes the busiest rank sends per optimizer step on a ring: the planner's unit; offload's
@@ -142,8 +142,8 @@ class Comparison(Observer):
             if getattr(self.memory, "first_step_only", False):
                 out["step_growth"] |= {"ratio": None, "no_ratio": "1 step", "of": FIRST_STEP}
             # offload on a host: what it moved is in the same RSS, beside the "device", but the
-            # step's temporaries only once the activations are gone (planner/host.py cpu_peak)
-            from planner.host import STEP_ONLY, cpu_peak
+            # step's temporaries only once the activations are gone (the planner's own rule)
+            from strategies.footprint import STEP_ONLY, cpu_peak
 
             items, host = mem.get("host_items") or {}, mem.get("host", 0)
             against = "" if not host else (

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from planner.states import gb, gb_apart
-from strategies.footprint import CPU, HOST_STATES, NVME, SHARDED
+from strategies.footprint import CPU, HOST_STATES, NVME, SHARDED, STEP_ONLY, cpu_peak
 
 GB = 10**9
 PROCESS_BYTES = {"cpu": int(0.55 * GB), "gpu": int(3.0 * GB)}
@@ -36,10 +36,6 @@ STEP_TEMPORARIES = {"for-loop": 2, "foreach": 1, "fused": 0}
 """torch AdamW's fp32 temporaries per stepped element, in partitions (measured on a flat CPU
 tensor: the for-loop's ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds two at once,
 foreach's in-place ``_foreach_sqrt``/``_foreach_div_`` one, fused none); SGD: none."""
-
-
-STEP_ONLY = ("step_temporaries",)
-"""Host items made only in the optimizer's step, once the activations are gone (``cpu_peak``)."""
 
 
 def pow2(nbytes: float) -> int:
@@ -168,17 +164,6 @@ def moved_states(fp: Any, n: Any) -> dict[str, int]:
     """The states ``fp`` moves to the host, by name, at the bytes it holds there."""
     held = fp.held(n)
     return {k: held[k] for k, place in fp.placement().items() if place == CPU}
-
-
-def cpu_peak(total: int, step: int, host: int, items: dict) -> int:
-    """On CPU, where the device is the host: a rank's peak above its process base, the busier of
-    its two phases -- forward/backward (``memory.total``, the activations live) beside every host
-    item but those the optimizer's step alone makes (``STEP_ONLY``), and the end of backward and
-    the step (``memory.step``, the activations gone) beside every host item. Equal to
-    ``total + host`` where nothing is step-only. The one place: the node's host check
-    (``node_host_need``) and the run's ``peak`` row (observers/compare.py) read it."""
-    only = sum(items.get(k, 0) for k in STEP_ONLY)
-    return max(total + host - only, step + host)
 
 
 def node_host_need(mem: Any, su: Any) -> tuple[int, int]:

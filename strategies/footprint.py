@@ -32,6 +32,9 @@ HOST_STATES = ("params_16bit", "fp32_master", "fp32_grads", "grads_16bit", "opti
 ``accumulation`` among them: ZeRO-2 offload's accumulated gradients, which the memory observer
 counts as gradients (backends/common/deepspeed.py ``_GRAD_ATTRS``: ``accumulated_grads_in_cpu``);
 the rest are an engine's staging copies, temporaries, rounding and the process."""
+STEP_ONLY = ("step_temporaries",)
+"""planner/host.py's host items made only in the optimizer's step, once the activations are gone
+(``cpu_peak``)."""
 MiB = 2**20
 
 
@@ -401,7 +404,18 @@ def moe_features(shape: Any) -> dict[str, float]:
 
 
 __all__ = ["CPU", "DEVICE", "FSDPFootprint", "Footprint", "HOST_STATES", "MiB", "NVME", "REPLICATED", "SHARDED",
-           "Sizes", "StateBytes", "States", "Traffic", "moe_features"]
+           "STEP_ONLY", "Sizes", "StateBytes", "States", "Traffic", "cpu_peak", "moe_features"]
+
+
+def cpu_peak(total: int, step: int, host: int, items: dict) -> int:
+    """On CPU, where the device is the host: a rank's peak above its process base, the busier of
+    its two phases -- forward/backward (``memory.total``, the activations live) beside every host
+    item but those the optimizer's step alone makes (``STEP_ONLY``), and the end of backward and
+    the step (``memory.step``, the activations gone) beside every host item. Equal to
+    ``total + host`` where nothing is step-only. The one place: the node's host check
+    (planner/host.py ``node_host_need``) and the run's ``peak`` row (observers/compare.py) read it."""
+    only = sum(items.get(k, 0) for k in STEP_ONLY)
+    return max(total + host - only, step + host)
 
 
 def reduction_copies(fp: Any, n: Sizes) -> float:

@@ -200,7 +200,7 @@ def test_on_cpu_the_host_check_counts_every_ranks_device_bytes():
     0.1 GB), and so recommended fsdp2 where the offload preset overflowed the host."""
     off = _plan(*SMALL_CPU, "strategy=zero2_offload", "trainer.global_batch_size=8",
                 "cluster.host_memory_GB=0.95", "cluster.device_memory_GB=0.95")
-    from planner.host import cpu_peak
+    from strategies.footprint import cpu_peak
 
     def need(m) -> int:  # (the busier phase: the step's temporaries are not beside the activations)
         return cpu_peak(m.total, m.step, m.host, m.host_items) + m.host_items["process"]
