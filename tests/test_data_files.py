@@ -92,6 +92,13 @@ def test_a_val_path_file_inside_the_training_inputs_is_refused(hf_tokenizer, tmp
                       f"data.val_path={val}"]), depth=CONFIG)
 
 
+def _two_sources(first: str, path: Path | str) -> str:
+    """data.mixture of two jsonl entries at weight 0.5: ``first``'s keys, and one training on
+    ``path`` that holds out nothing."""
+    return (f"data.mixture=[{{name:jsonl,{first},weight:0.5}},"
+            f"{{name:jsonl,path:{path},val_fraction:0,weight:0.5}}]")
+
+
 @pytest.mark.unit
 def test_a_mixture_entrys_val_path_inside_another_entrys_path_is_refused(hf_tokenizer, tmp_path):
     """data.mixture: entry 0 validating on val.jsonl, entry 1 training on the directory that holds
@@ -105,8 +112,7 @@ def test_a_mixture_entrys_val_path_inside_another_entrys_path_is_refused(hf_toke
     tok = (f"data.tokenizer={hf_tokenizer}", "model.vocab_size=512")
 
     def mixture(path: Path | str) -> str:
-        return (f"data.mixture=[{{name:jsonl,path:{train},val_path:{val},weight:0.5}},"
-                f"{{name:jsonl,path:{path},val_fraction:0,weight:0.5}}]")
+        return _two_sources(f"path:{train},val_path:{val}", path)
 
     said = _problems(*tok, mixture(tv))
     assert said == [f"data.mixture[0].val_path={val}: its file {val} is also one of "
@@ -132,8 +138,7 @@ def test_a_mixture_entrys_held_out_windows_in_another_entrys_path_are_refused(hf
     tok = (f"data.tokenizer={hf_tokenizer}", "model.vocab_size=512")
 
     def mixture(path: Path | str, fraction: float = 0.2) -> str:
-        return (f"data.mixture=[{{name:jsonl,path:{train},val_fraction:{fraction},weight:0.5}},"
-                f"{{name:jsonl,path:{path},val_fraction:0,weight:0.5}}]")
+        return _two_sources(f"path:{train},val_fraction:{fraction}", path)
 
     said = _problems(*tok, mixture(tv))
     assert said == [f"data.mixture[0].val_fraction=0.2 holds out windows of data.mixture[0].path="
