@@ -66,15 +66,10 @@ def unread_problems(objective: Any, data: Any) -> list[str]:
     (they would do nothing): objective.beta / label_smoothing under objective=lm, data.field /
     messages_field / train_on under data=preference. One line each: the key, its value, what
     reads it, the fix."""
-    from recipes.trainer_config import DataConfig, ObjectiveConfig
+    from recipes.job_checks import unread_keys
+    from recipes.trainer_config import DataConfig
 
-    out = []
-    if objective is not None:
-        default = ObjectiveConfig()
-        out += [f"objective.{key}={getattr(objective, key):g} applies to objective={owner} only; "
-                f"objective={objective.name} does not read it: remove it, or set objective={owner}"
-                for key, owner in ObjectiveConfig.READ_BY.items()
-                if objective.name != owner and getattr(objective, key) != getattr(default, key)]
+    out = [] if objective is None else unread_keys(objective, "objective")
     if data is not None and data.name == "preference":
         default = DataConfig()
         out += [f"data.{key}={getattr(data, key)} applies to data={kinds} only; data=preference does not "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 from recipes.config import LoggerConfig
 from recipes.model_config import ModelConfig
@@ -41,14 +42,26 @@ def trainer_problems(t: TrainerConfig, strategy: StrategyConfig) -> list[str]:
     return out
 
 
+def unread_keys(cfg: Any, group: str) -> list[str]:
+    """``cfg``'s keys that one choice of its ``group`` alone reads (its class's ``READ_BY``: key ->
+    that choice), set away from their defaults under another choice: one line each, the key, its
+    value, what reads it and the fix (logger=csv with logger.project, objective=lm with
+    objective.beta)."""
+    default = type(cfg)()
+    return [f"{group}.{key}={_shown(getattr(cfg, key))} applies to {group}={owner} only; "
+            f"{group}={cfg.name} does not read it: remove it, or set {group}={owner}"
+            for key, owner in type(cfg).READ_BY.items()
+            if cfg.name != owner and getattr(cfg, key) != getattr(default, key)]
+
+
+def _shown(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def logger_problems(logger: LoggerConfig | None) -> list[str]:
     if logger is None:
         return []
-    default = LoggerConfig()
-    out = [f"logger.{key}={getattr(logger, key)} applies to logger={owner} only; logger={logger.name} "
-           f"does not read it: remove it, or set logger={owner}"
-           for key, owner in LoggerConfig.READ_BY.items()
-           if logger.name != owner and getattr(logger, key) != getattr(default, key)]
+    out = unread_keys(logger, "logger")
     if logger.name in LOGGER_PACKAGES:
         module, extra = LOGGER_PACKAGES[logger.name]
         if importlib.util.find_spec(module) is None:
