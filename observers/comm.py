@@ -64,7 +64,7 @@ from typing import Any
 
 from core.mesh import Axis
 from observers.base import Engine, Observer, Selection, observer
-from observers.comm_steps import STEADY, average, covered, summarize, totals
+from observers.comm_steps import STEADY, Recorded, summarize, totals
 
 log = logging.getLogger(__name__)
 
@@ -388,10 +388,9 @@ class CommunicationProfile(Observer):
         self.world_role = world_role
         self.warmup, self.warmup_key = warmup
         self.period, self.period_key = period
-        self.steps: list[dict[str, dict[str, dict[str, float]]]] = []
-        self.indices: list[int] = []
-        """Each recorded step's index (0-based, counted over the whole run: a resumed run's first
-        is its checkpoint's step), beside ``steps``."""
+        self.steps = Recorded(self.warmup, self.period)
+        """The recorded steps (0-based indices counted over the whole run: a resumed run's first
+        is its checkpoint's step), summed as they come (observers/comm_steps.py)."""
         self.ranks: list[Any] = []
         self._rec: Recorder | None = None
         self._index = 0
@@ -411,13 +410,13 @@ class CommunicationProfile(Observer):
         if self._rec is None:  # (this torch cannot be observed: nothing recorded)
             return
         # before the backend reduces the step's loss for the report: not training traffic
-        self.steps.append(summarize(self._rec.stop()))
-        self.indices.append(self._index)
+        self.steps.add(self._index, summarize(self._rec.stop()))
 
-    def averaged(self) -> tuple[list[dict[str, Any]], str]:
-        """The recorded steps the averages cover, and what they are (observers/comm_steps.py
-        ``covered``: the steady state, the warm-up's, or part of one sync period)."""
-        return covered(list(zip(self.indices, self.steps)), self.warmup, self.period)
+    def averaged(self) -> tuple[int, str]:
+        """How many recorded steps the averages cover, and what they are (observers/comm_steps.py
+        ``Recorded.covered``: the steady state, the warm-up's, or part of one sync period)."""
+        sums, what = self.steps.covered()
+        return sums.n, what
 
     def on_train_end(self, engine: Engine) -> None:
         from observers.memory import all_gather
@@ -428,7 +427,7 @@ class CommunicationProfile(Observer):
 
     def by_group(self) -> dict[str, dict[str, dict[str, float | None]]]:
         """group -> kind -> averages over the steps ``averaged`` names."""
-        return average(self.averaged()[0])
+        return self.steps.covered()[0].average()
 
     def per_step(self) -> dict[str, dict[str, float | None]]:
         return totals(self.by_group())
@@ -436,8 +435,8 @@ class CommunicationProfile(Observer):
     def report(self) -> dict[str, Any]:
         averaged, what = self.averaged()
         return {"communication": {"per_step": self.per_step(), "by_group": self.by_group(),
-                                  "ranks": self.ranks, "steps": len(self.steps),
-                                  "averaged_steps": len(averaged), "warmup_steps": self.warmup,
+                                  "ranks": self.ranks, "steps": self.steps.count,
+                                  "averaged_steps": averaged, "warmup_steps": self.warmup,
                                   **({"sync_every": self.period} if self.period > 1 else {}),
                                   "steady_state": what == STEADY, "averaged_of": what,
                                   "mechanism": MECHANISM,

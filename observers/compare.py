@@ -68,15 +68,15 @@ def _steady(comm: Any) -> dict[str, Any]:
     averaged, what = comm.averaged()
     warm = f"{comm.warmup_key}={comm.warmup}" if comm.warmup else ""
     after = f"after {warm} (the plain all-reduce warm-up)" if warm else "after the first step"
-    need = first_whole(comm.indices[0] if comm.indices else 0, comm.warmup, comm.period)
+    need = first_whole(comm.steps.first_index or 0, comm.warmup, comm.period)
     sync = f"{comm.period_key}={comm.period}"
     if what == STEADY:
-        whole = (f", {len(averaged) // comm.period} whole {sync} period(s) ending at the last step"
+        whole = (f", {averaged // comm.period} whole {sync} period(s) ending at the last step"
                  if comm.period > 1 else "")
-        return {"of": f"the {len(averaged)} step(s) measured {after}{whole}: the steady state the plan prices"}
+        return {"of": f"the {averaged} step(s) measured {after}{whole}: the steady state the plan prices"}
     if what == PARTIAL:
         return {"ratio": None, "steady_state": False, "no_ratio": "partial",
-                "of": f"the {len(averaged)} step(s) measured {after} are under one {sync} period, and the "
+                "of": f"the {averaged} step(s) measured {after} are under one {sync} period, and the "
                       f"plan spreads one parameter all-reduce over each period's {comm.period} steps: no "
                       f"ratio (trainer.max_steps={need} or more measures a whole period)"}
     return {"ratio": None, "steady_state": False, "no_ratio": "warm-up",
@@ -107,7 +107,7 @@ class Comparison(Observer):
                                        "block activation checkpointing recomputes in backward, which "
                                        "forward does not hold: no ratio"}
             out.update(self._peaks(mem))
-        if self.communication is not None and self.communication.steps:
+        if self.communication is not None and self.communication.steps.count:
             sent = sum(v["wire_bytes"] for v in self.communication.per_step().values())
             sent = max([sent, *(r["wire_bytes"] for r in self.communication.ranks or [])])
             out["communication"] = _row(predicted_wire_bytes(self.plan["communication"]), sent) \

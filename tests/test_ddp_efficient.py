@@ -235,6 +235,57 @@ def test_every_kind_carries_seconds_null_where_untimed():
 
 
 @pytest.mark.unit
+def test_the_profile_keeps_no_list_of_steps():
+    """The profile kept every step's summary to average at the end: ~1 KB a step a rank (a 3000-step
+    ddp run grew 0.135 MB/100 steps with it, 0.035 without). Sums as the steps come give the
+    averages the list gave -- every step but the first, from the warm-up's end on, the last whole
+    sync periods -- for any length, warm-up and period, and hold at most a period of steps."""
+    import random
+    from collections import defaultdict
+
+    from observers.comm_steps import Recorded
+
+    def listed(recorded, warmup, period):  # (the old profile: the list, then the averages)
+        later = recorded[1:] or recorded
+        after = [s for i, s in later if i >= warmup]
+        steps = (after[len(after) - len(after) // period * period:] or after) if after else [s for _, s in later]
+        acc = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, None]))
+        for s in steps:
+            for g, kinds in s.items():
+                for k, v in kinds.items():
+                    d = acc[g][k]
+                    d[0] += v["count"] / len(steps)
+                    d[1] += v["bytes"] / len(steps)
+                    if v["timed"]:
+                        d[2] = (d[2] or 0.0) + v["seconds"] / len(steps)
+        return len(steps), {g: {k: tuple(v) for k, v in kinds.items()} for g, kinds in acc.items()}
+
+    rng = random.Random(0)
+    for _ in range(300):
+        warmup, period, n, start = rng.randrange(0, 6), rng.randrange(1, 5), rng.randrange(1, 20), rng.randrange(0, 4)
+        recorded = []
+        for i in range(start, start + n):
+            kinds = {k: {"count": c, "bytes": 8 * c * (i + 1), "wire_bytes": 8.0 * c, "timed": c % 2,
+                         "seconds": 0.25 * c if c % 2 else 0.0}
+                     for k in rng.sample(["all_reduce", "broadcast", "all_gather"], rng.randrange(0, 3))
+                     if (c := rng.randrange(1, 4))}
+            recorded.append((i, {"data-replicate": kinds} if kinds else {}))
+        window = Recorded(warmup, period)
+        for i, s in recorded:
+            window.add(i, s)
+        sums, _ = window.covered()
+        got = {g: {k: (v["count"], v["bytes"], v["seconds"]) for k, v in kinds.items()}
+               for g, kinds in sums.average().items()}
+        count, want = listed(recorded, warmup, period)
+        assert (sums.n or 0) == (count if sums.n else 0) and got.keys() == want.keys(), (recorded, warmup, period)
+        for g in want:
+            assert got[g].keys() == want[g].keys(), (g, got, want)
+            for k in want[g]:
+                assert got[g][k] == pytest.approx(want[g][k]), (k, got, want, warmup, period)
+        assert len(window._head) < period
+
+
+@pytest.mark.unit
 def test_planner_prices_each_method():
     """Per rank and step at 2 ranks, fp32, 124M parameters: DDP's ring all-reduce sends
     2(N-1)/N x 4P; top-k 0.01 sends (N-1) x k x 8 = 2% of it; int8 one byte per element plus 8
