@@ -38,8 +38,9 @@ NO_LAUNCH_STEP = ("cluster={name} (cluster.launcher={launcher}) needs no launch 
 def main(argv: list[str]) -> None:
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
+        from recipes.key_help import option_keys
 
-        print(__doc__ + "\n" + groups_help(argv))
+        print("\n".join([__doc__, groups_help(argv), "", *option_keys(argv, "launch.py")]))
         return
     import planner
     from launchers import registry

@@ -342,6 +342,7 @@ class MemoryObserverConfig:
     snapshot: bool = False
     """GPU: record a CUDA memory snapshot of the first ``snapshot_steps`` steps per rank."""
     snapshot_steps: int = knob(3, min=1)
+    """How many first steps the snapshot records."""
 
 
 @dataclass

@@ -209,14 +209,16 @@ def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
 def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
           ) -> tuple[object, set[str], list[str]] | None:
     """The start of a script that queries the config instead of running a job (plan.py,
-    export.py): ``--help`` prints ``doc`` and the groups (None); a sweep is one line and exit 2
+    export.py): ``--help`` prints ``doc``, the groups and the keys of the options it chooses
+    (None); a sweep is one line and exit 2
     (``one_point``); otherwise the composed config (of ``argv`` and the overrides the script
     adds, ``implied``), the groups it chose rather than took by default (``compose_chosen``) and
     the normalized overrides, or the composition error and exit 2."""
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
+        from recipes.key_help import option_keys
 
-        print(doc + "\n" + groups_help(argv))
+        print("\n".join([doc, groups_help(argv), "", *option_keys(argv, script)]))
         return None
     if (sweep := one_point(argv, script)) is not None:
         print(sweep, file=sys.stderr)

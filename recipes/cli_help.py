@@ -101,8 +101,11 @@ def _key_defaults() -> dict[str, object]:
 
 def help_page(doc: str, argv: list[str] | tuple[str, ...] = ()) -> str:
     """``python train.py --help``: what the script does, the groups and their options (a config
-    directory of ``argv``'s too), the common keys with their defaults, examples, and where the rest
+    directory of ``argv``'s too), the common keys with their defaults, every key of each option
+    ``argv`` chooses (``--help strategy=fsdp2``: recipes/key_help.py), examples, and where the rest
     is written down."""
+    from recipes.key_help import option_keys
+
     defaults = _key_defaults()
     usage = doc.strip().splitlines()[0]
     def shown(value: object) -> str:
@@ -114,12 +117,14 @@ def help_page(doc: str, argv: list[str] | tuple[str, ...] = ()) -> str:
              usage, "", groups_help(argv), "",
              "common keys (key=value, shown with their default; any key of `python train.py --cfg job` works):"]
     lines += [f"  {k:<{width}}{what}" for k, (_, what) in zip(keys, COMMON_KEYS)]
+    lines += ["", *option_keys(argv)]
     lines += ["", "examples:"]
     width = max(len(cmd) for cmd, _ in EXAMPLES) + 2
     lines += [f"  {cmd:<{width}}# {what}" for cmd, what in EXAMPLES]
     readme = CONF_DIR.parent / "README.md"
-    lines += ["", f"more: README.md ({readme if readme.is_file() else 'in the repository'}): every group, "
-              "key and report field; docs/ARCHITECTURE.md; Hydra's own flags: --hydra-help"]
+    lines += ["", f"more: README.md ({readme if readme.is_file() else 'in the repository'}): the groups and "
+              "their main keys, the report's fields; docs/ARCHITECTURE.md; "
+              "Hydra's own flags: --hydra-help"]
     return "\n".join(lines)
 
 

@@ -21,11 +21,15 @@ class SlurmConfig:
     (launchers/slurm.py) hands these to hydra-submitit-launcher, with one task per device."""
 
     partition: str | None = free(None, "a partition name; checked against sinfo before submission")
+    """The Slurm partition the jobs go to (sbatch --partition); None: Slurm's default partition."""
     time_min: int = knob(60, min=1)
     """Time limit of each job, minutes (sbatch --time)."""
     account: str | None = free(None, "an account name, checked by Slurm")
+    """The account the jobs are charged to (sbatch --account); None: the user's default."""
     qos: str | None = free(None, "a QOS name, checked by Slurm")
+    """The quality of service the jobs ask for (sbatch --qos); None: the default."""
     constraint: str | None = free(None, "a feature expression, checked by Slurm")
+    """Node features the jobs need (sbatch --constraint, e.g. a100); None: any node."""
     cpus_per_task: int = knob(1, min=1)
     """CPUs per rank (sbatch --cpus-per-task)."""
     mem_gb: int | None = knob(None, min=0)
@@ -44,15 +48,21 @@ class SageMakerConfig:
     """``cluster.launcher=sagemaker``: the training job launch.py builds (the SageMaker SDK)."""
 
     instance_type: str = free("ml.p5.48xlarge", "a SageMaker training instance type")
+    """The instance every host of the job runs on (cluster.nodes of them)."""
     role: str | None = free(None, "an IAM role ARN; None: the SDK's default execution role")
+    """The IAM role the job runs as; None: the SDK's default execution role."""
     image_uri: str | None = free(None, "a training image; None: the SDK's PyTorch image")
+    """The container image the job runs; None: the SDK's PyTorch image (framework_version)."""
     framework_version: str = free("2.11.0", "a PyTorch image version the SDK knows, at least "
                                             "pyproject.toml's torch minimum (checked before submission)")
     """The SDK's PyTorch image (no image_uri); each host's ``pip install -e .`` keeps its torch
     only when it meets pyproject.toml's minimum (launchers/sagemaker.py ``image_problems``)."""
     py_version: str = free("py312", "the PyTorch image's Python")
+    """The Python of the SDK's PyTorch image (no image_uri)."""
     region: str | None = free(None, "an AWS region; None: the SDK's default")
+    """The AWS region the image is looked up in; None: the SDK's default."""
     output_path: str | None = free(None, "s3://bucket/prefix for the job's output")
+    """Where the job's output goes (/opt/ml/model, /opt/ml/output), s3://bucket/prefix."""
     checkpoint_s3_uri: str | None = free(None, "s3://bucket/prefix synced with /opt/ml/checkpoints")
     """Where checkpoints and the report go; None: <output_path>/checkpoints (one of the two must
     be set, or they vanish with the job)."""
@@ -64,6 +74,7 @@ class SageMakerConfig:
     volume_gb: int = knob(100, min=1)
     """EBS volume per instance, GB."""
     base_job_name: str = free("stratagem", "the job name's prefix")
+    """The training job's name prefix (the SDK makes each job's name unique from it)."""
 
 
 @dataclass
@@ -88,11 +99,13 @@ class K8sConfig:
                                           "pulled by the cluster")
     """The image every pod runs (the repository in ``workdir``, ``pip install -e .`` done)."""
     namespace: str = free("default", "a Kubernetes namespace, checked by the cluster")
+    """The Kubernetes namespace the PyTorchJob is created in."""
     job_name: str | None = free(None, "the PyTorchJob's name: lowercase letters, digits and '-' "
                                       "(checked before launch)")
     """None: a name new to each launch (stratagem-<UTC date>-<time>-<4 hex>), so every job gets a
     run directory of its own; name one to run (or resume) in <mount_path>/<job_name>."""
     workdir: str = free("/workspace/stratagem", "the repository's path inside the image")
+    """Where the repository is inside the image: each pod runs train.py there."""
     volume_claim: str | None = free(None, "a ReadWriteMany PersistentVolumeClaim's name")
     """Mounted at ``mount_path`` on every pod: the run directory (report, checkpoints) every node
     must see; None is refused (they would vanish with the pods)."""
@@ -113,10 +126,13 @@ class ClusterConfig:
     planner the hardware."""
 
     name: str = "local"
+    """The cluster's name: the YAML file's stem under conf/cluster/."""
     nodes: int = knob(1, min=1)
+    """Machines the job runs on (the launcher starts cluster.devices processes on each)."""
     devices: int = knob(1, min=1)
     """Processes per node (one per GPU; on CPU, per core at most unless oversubscribe)."""
     accelerator: str = knob("auto", choices=("auto", "cpu", "gpu"))
+    """auto (this machine's GPUs if it has any, found without torch, else CPU) | cpu | gpu."""
     device_memory_GB: float = knob(24.0, above=0.0)
     """Memory per device, GB = 1e9 bytes (for CPU: the host memory shared by its processes)."""
     peak_tflops: float = knob(0.2, above=0.0)
@@ -126,7 +142,10 @@ class ClusterConfig:
     inter_node_GBps: float = knob(0.0, min=0.0)
     """Per-device bandwidth to other nodes, GB/s (0: one node)."""
     host_memory_GB: float = knob(0.0, min=0.0)
+    """Host (CPU) memory per node, GB: what the planner checks CPU offload and each rank's
+    build against (a launcher's lower limit wins: cluster.k8s.memory_GB, cluster.slurm.mem_gb)."""
     nvme_GB: float = knob(0.0, min=0.0)
+    """NVMe space per node, GB, that the planner checks NVMe offload against."""
     oversubscribe: bool = False
     """Allow more CPU processes than cores (tests of 4-rank meshes on a 2-core machine)."""
     launcher: str = knob("local", choices=LAUNCHERS)

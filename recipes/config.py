@@ -61,6 +61,7 @@ CallbacksConfig = callbacks_schema(__name__)
 @dataclass
 class LoggerConfig:
     name: str = knob("csv", choices=LOGGERS)
+    """Where the metrics go besides report.json: csv | tensorboard | wandb (a file of conf/logger/)."""
     project: str = free("stratagem", "any wandb project name")
     """wandb: the project."""
     mode: str = knob("offline", choices=("online", "offline", "disabled"))
@@ -90,7 +91,10 @@ class PathsConfig:
     # (None: no run yet -- ``train.py --cfg job --resolve`` composes before Hydra names the run's
     # directory, and prints these as null)
     root_dir: str | None = MISSING
+    """The directory the command was started in (Hydra's runtime.cwd)."""
     output_dir: str | None = MISSING
+    """The run's directory (hydra.run.dir, outputs/<date>/<time> by default): its report.json,
+    logs and checkpoints."""
 
 
 @dataclass
@@ -98,6 +102,7 @@ class PlannerConfig:
     """plan.py and the pre-launch check of train.py."""
 
     format: str = knob("table", choices=("table", "json"))
+    """plan.py's output: table (for reading) | json (for scripts)."""
     accounting: str = knob("actual", choices=("actual", "mixed16", "mixed20"))
     """actual (what the preset allocates) | mixed16 (16 B/param) | mixed20 (20 B/param)."""
     params: float | None = knob(None, above=0.0)

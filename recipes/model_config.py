@@ -24,6 +24,7 @@ class LoraConfig:
     alpha: float = knob(16.0, above=0.0)
     """Scaling numerator: the update is (alpha / rank) x B A."""
     dropout: float = knob(0.0, min=0.0, below=1.0)
+    """Dropout on the adapters' input (peft's lora_dropout), in [0, 1)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Linear layers, by their name inside a decoder layer, that get adapters (LORA_TARGETS)."""
 
@@ -35,6 +36,7 @@ class ModelConfig:
     the exact parameter counts below."""
 
     name: str = MISSING
+    """The model's name: the YAML file's stem under conf/model/."""
     path: str | None = free(None, "a directory written by save_pretrained (config.json + "
                             "safetensors), or a model id in the local Hugging Face cache")
     """model=hf: where the model is. Its shape fields are read from its config.json."""
@@ -51,19 +53,26 @@ class ModelConfig:
     dim: int = knob(MISSING, min=1)
     """Hidden size."""
     n_layers: int = knob(MISSING, min=1)
+    """Transformer blocks."""
     n_heads: int = knob(MISSING, min=1)
+    """Attention (query) heads; dim / n_heads is the head size."""
     n_kv_heads: int = knob(MISSING, min=1)
     """Key/value heads; fewer than n_heads is grouped-query attention."""
     vocab_size: int = knob(MISSING, min=1)
+    """Token ids the embedding and the output layer cover."""
     seq_len: int = knob(MISSING, min=1)
     """Tokens per sample (and the RoPE table length)."""
     dropout: float = knob(0.0, min=0.0, below=1.0)
+    """Dropout in training (gpt: on the embeddings, the attention weights and each block's
+    outputs), in [0, 1); 0: none."""
     ffn_dim: int | None = knob(None, min=1)
     """SwiGLU hidden size; None: 8/3 x dim rounded up to a multiple of 64."""
     tie_embeddings: bool = False
     """Share the input embedding with the output projection."""
     norm_eps: float = knob(1e-5, above=0.0)
+    """The epsilon of RMSNorm's denominator."""
     rope_theta: float = knob(10000.0, above=0.0)
+    """The base of the rotary position embedding's frequencies."""
     n_experts: int = knob(0, min=0)
     """Mixture of experts: routed experts per MoE layer (recipes/gpt.py's MoE); 0: a dense MLP."""
     top_k: int = knob(2, min=1)

@@ -27,6 +27,7 @@ class ObjectiveConfig:
     - log ref(rejected)), loss = -(1 - ls) logsigmoid(beta z) - ls logsigmoid(-beta z)."""
 
     name: str = knob("lm", choices=OBJECTIVES)
+    """lm (next-token cross entropy) | dpo (on data=preference pairs)."""
     beta: float = knob(0.1, min=0.0)
     """objective=dpo: the KL penalty's inverse temperature (TRL's default 0.1)."""
     label_smoothing: float = knob(0.0, min=0.0, below=0.5)
@@ -74,6 +75,7 @@ class TrainerConfig:
     momentum: float = knob(0.0, min=0.0, below=1.0)
     """SGD momentum (0: plain SGD). Ignored by adamw."""
     weight_decay: float = knob(0.0, min=0.0)
+    """The optimizer's weight decay (AdamW's decoupled); 0: none."""
     no_decay: bool = True
     """Exempt norms, biases and embeddings from weight decay (every parameter with fewer than
     two dimensions, and every embedding table); false: decay every parameter."""
@@ -87,7 +89,11 @@ class TrainerConfig:
     decay_steps: int | None = knob(None, min=1)
     """The step at which the decay reaches lr x min_lr_ratio; None: trainer.max_steps."""
     precision: str = knob("32", choices=PRECISIONS)
+    """32 (fp32 throughout) | bf16-mixed | 16-mixed (mixed precision: matmuls in bf16 or fp16;
+    16-mixed on a GPU only)."""
     seed: int = knob(1234, min=0)
+    """Seeds the model's initial weights, the data order and each rank's dropout: a config and a
+    seed give the same run."""
     grad_clip: float = knob(0.0, min=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
     log_every: int = knob(1, min=1)
@@ -205,6 +211,7 @@ class DataConfig:
     num_samples: int = knob(4096, min=1)
     """Samples in the synthetic dataset."""
     num_workers: int = knob(0, min=0)
+    """DataLoader worker processes per rank; 0: the rank loads its batches itself."""
     packing: str = knob("concat", choices=PACKINGS)
     """How documents share the model's windows (recipes/packing.py): concat (windows cut the
     token stream; attention crosses documents) | document (the same windows, attention and

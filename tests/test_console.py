@@ -53,6 +53,79 @@ def test_every_common_key_of_the_help_is_a_key():
     assert missing == []
 
 
+def _schemas() -> dict[str, type]:
+    import strategies
+    from recipes.config import GROUP_SCHEMAS
+
+    return {**GROUP_SCHEMAS, **{f"strategy ({f})": cls for f, cls in strategies.families().items()}}
+
+
+@pytest.mark.unit
+def test_every_key_a_user_can_set_has_a_meaning():
+    """Audit docs F6: ~25 settable keys no doc named; ``--help group=option`` lists each key with
+    the first sentence of its attribute docstring, so a key without one (a new one) is refused here."""
+    from recipes.key_help import meaning, schema_keys
+
+    undocumented = {group: [key for key, doc in schema_keys(cls) if not meaning(doc)]
+                    for group, cls in _schemas().items()}
+    assert {g: keys for g, keys in undocumented.items() if keys} == {}
+
+
+def _listed(page: str, group: str, cls: type) -> list[str]:
+    """The keys of ``cls`` that ``page`` does not list as ``  group.key=<value>  <its meaning>``."""
+    from recipes.key_help import meaning, schema_keys
+
+    return [key for key, doc in schema_keys(cls)
+            if not re.search(rf"^  {re.escape(f'{group}.{key}=')}\S*\s+{re.escape(meaning(doc))}$", page, re.M)]
+
+
+@pytest.mark.unit
+def test_help_with_a_preset_of_each_family_lists_its_keys_and_their_meanings():
+    """``train.py --help strategy=<preset>``, one preset per family (a sweep's comma list: each
+    composed on its own): after the common keys, every key of the family with its value and
+    meaning. Before: the page named none of them (README said "per family")."""
+    import strategies
+    from recipes.cli_help import help_page
+    from strategies.presets import preset_family
+
+    one = {}
+    for name in strategies.names():
+        one.setdefault(preset_family(name), name)
+    page = help_page("doc", ["--help", "strategy=" + ",".join(one.values()), "strategy.ac_every=2"])
+    families = strategies.families()
+    for family, preset in one.items():
+        part = page.split(f"\nstrategy={preset} (family {family}):\n")[1].split("\n\n")[0] + "\n"
+        assert _listed(part, "strategy", families[family]) == [], (preset, part)
+    assert "strategy.ac_every=2 " in page  # (as the command line composes it)
+    assert "  strategy.reshard_after_forward=true" in page and "free gathered parameters after each" in page
+
+
+@pytest.mark.unit
+def test_help_lists_the_keys_of_each_group_chosen():
+    """``--help model=... cluster=... trainer=... data=...``: each group's keys, nested ones by
+    their dotted key (cluster.sagemaker.base_job_name); with none chosen, one line says how."""
+    from recipes.cli_help import help_page
+    from recipes.config import GROUP_SCHEMAS
+
+    page = help_page("doc", ["--help", "model=gpt_nano", "cluster=sagemaker_p5_2node", "trainer=default", "data=text",
+                             "cluster.sagemaker.base_job_name=mine"])
+    for group in ("model", "cluster", "trainer", "data"):
+        assert _listed(page, group, GROUP_SCHEMAS[group]) == [], group
+    assert re.search(r"^  cluster\.sagemaker\.base_job_name=mine\s+the training job's name prefix", page, re.M)
+    plain = help_page("doc", ["--help"])
+    assert "python train.py --help strategy=<preset>" in plain and "strategy.hybrid" not in plain
+    assert "every group, key" not in plain  # (README lists the groups, not every key)
+
+
+@pytest.mark.unit
+def test_plan_and_export_help_list_an_options_keys_too(capsys):
+    from recipes.cli import query
+
+    assert query(["--help", "strategy=ddp"], "plan.py: doc", "plan.py") is None
+    out = capsys.readouterr().out
+    assert re.search(r"^  strategy\.static_graph=\S+\s+\S", out, re.M), out
+
+
 # --------------------------------------------------------------------- did you mean
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, expected", [

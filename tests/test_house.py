@@ -114,7 +114,7 @@ def test_strategies_name_a_backend_only_for_lightnings_registry():
     ("plan.py", "model=llama_70b", "cluster=slurm_8x8_h100"),
     ("plan.py", "model=llama_7b", "cluster=node_8x_a100_80g", "strategy=zero3", "planner.format=json"),
     ("train.py", "--cfg", "job", "strategy=zero3", "model=llama_1b"),
-    ("train.py", "--help"),
+    ("train.py", "--help", "strategy=fsdp2"),  # (with an option: its keys, composed)
 ], ids=["plan-all", "plan-one", "cfg-job", "help"])
 def test_no_engine_is_imported_to_answer(argv, tmp_path):
     proc, loaded = engines_loaded(*argv, f"hydra.run.dir={tmp_path}")
