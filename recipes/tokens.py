@@ -297,7 +297,7 @@ def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str
                         why = "not a JSON object"
                     if not ok:
                         return f"{key}={f}: line {n} is {why}: fix or remove that line"
-    cause = error.__cause__ or error
+    cause = _cast_error(error) or error.__cause__ or error
     cast = hasattr(cause, "table_column_names")  # (datasets' CastError: a later file's other columns)
     if cast and (said := cast_problem(key, inputs, cause)):
         return said
@@ -307,6 +307,17 @@ def _unreadable(inputs: Inputs, error: Exception, key: str = "data.path") -> str
         why += f": {cause.details()}"  # (its first line is "Couldn't cast", the columns below it)
     return (f"{key}={inputs.files[0] if len(inputs.files) == 1 else inputs.files[0].parent}: "
             f"datasets cannot read it as {inputs.loader} ({why})")
+
+
+def _cast_error(error: BaseException) -> BaseException | None:
+    """datasets' CastError (a later file's other columns) in ``error``'s chain: its cause from
+    datasets 4.7 on, the context of the error it raised ``from None`` before that."""
+    seen = 0
+    while error is not None and seen < 8:
+        if hasattr(error, "table_column_names"):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
 
 
 def _tokenizer(tok_path: Path, kind: str) -> tuple[Any, int]:

@@ -47,7 +47,7 @@ def test_the_dockerfile_is_well_formed_and_installs_what_the_project_declares():
     assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in installs
     assert all("TORCH_INDEX=https://download.pytorch.org/whl/" in a for w, a in steps if w == "ENV" and "TORCH_INDEX" in a)
     # Ubuntu 24.04's python3 (3.12) satisfies requires-python
-    assert project["requires-python"] == ">=3.10"
+    assert project["requires-python"] == ">=3.11"
 
 
 @pytest.mark.unit
