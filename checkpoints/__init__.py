@@ -198,12 +198,12 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     int8, local SGD, DiLoCo), which resume from their own checkpoints on as many ranks. Where the
     optimizer state loads, what shapes it is the checkpoint's (resume_settings.py ``optimizer_refusal``).
     The model must be the checkpoint's (``model_refusal``: its keys, by name, before the shapes are compared)."""
-    from checkpoints.resume_settings import model_refusal, optimizer_refusal
+    from checkpoints.resume_settings import dpo_refusal, model_refusal, optimizer_refusal
 
     why = getattr(job.strategy, "resume_problem", lambda: None)()
     if why and not _holds_rank_state(ckpt, job):
         return why
-    if why := optimizer_refusal(ckpt, job) or _zero_ep_refusal(ckpt, job):
+    if why := dpo_refusal(ckpt, job) or optimizer_refusal(ckpt, job) or _zero_ep_refusal(ckpt, job):
         return why
     saved = (ckpt.meta.get("config") or {}).get("model")
     return model_refusal(saved, job.model) if isinstance(saved, dict) else None

@@ -222,6 +222,25 @@ def schedule_changes(saved: dict[str, Any], t: Any) -> list[str]:
                   "trainer.decay_steps is null)"]
 
 
+def dpo_refusal(ckpt: Any, job: Any) -> str | None:
+    """objective=dpo resuming a checkpoint of another objective (an SFT run's): DPO's reference is
+    its run's initial model (recipes/dpo.py), not the checkpoint, so the loss would pull the SFT
+    model toward the model it was trained from. Refused before launch with the way to DPO from it."""
+    was = (ckpt.meta.get("config") or {}).get("objective")
+    now = job.objective
+    if not isinstance(was, dict) or now is None or now.name != "dpo" or was.get("name") in (None, "dpo"):
+        return None
+    start = (f"model.path={job.model.path}'s weights" if job.model.is_hf else
+             f"model={job.model.name} as trainer.seed={job.trainer.seed} initialises it")
+    fix = (f"DPO from this model as a new run (python convert.py {ckpt.path} --to hf --out <dir>, then "
+           "model.path=<dir> in a new run directory)" if job.model.is_hf else
+           "DPO starts a new run from its initial model (a model=hf run's checkpoint can be its start: "
+           "convert.py --to hf, then model.path=)")
+    return (f"{ckpt.path} was trained with objective={was['name']}; objective=dpo measures the policy "
+            f"against its run's initial model ({start}), not against this checkpoint, so resuming it as "
+            f"DPO would train toward the wrong reference: {fix}, or resume with objective={was['name']}")
+
+
 def optimizer_refusal(ckpt: Any, job: Any) -> str | None:
     """Why ``job``'s optimizer cannot take the optimizer state of ``ckpt`` (where one is loaded:
     ``loads_optimizer``); None when it can. Its kind (``trainer.optimizer``: AdamW's moments are

@@ -337,6 +337,27 @@ def test_a_resume_names_a_changed_objective_and_train_on(chat_tokenizer, tmp_pat
 
 
 @pytest.mark.unit
+def test_dpo_resuming_an_sft_checkpoint_is_refused(chat_tokenizer, tmp_path):
+    """An objective=lm run resumed as objective=dpo trained against the run's initial model as the
+    reference, not the SFT checkpoint it continued: the loss pulled the model back toward the
+    model it was trained from, with only the loss note said. Refused before launch with the way
+    to DPO from it; a DPO checkpoint resumed as DPO, and an SFT one as SFT, are not."""
+    import checkpoints
+    from checkpoints import store
+    from tests.test_checkpoint import _validated, _written
+
+    dpo = tuple(o for o in _common(tmp_path, chat_tokenizer) if o not in TINY)
+    lm = ("model.vocab_size=516", "data=synthetic", "trainer.max_steps=3", "trainer.optimizer=sgd")
+    sft = _written(tmp_path / "sft", *lm)
+    why = checkpoints.refusal(store.read(sft), _validated(*dpo, "trainer.max_steps=5", f"trainer.resume_from={sft}"))
+    assert why and f"{sft} was trained with objective=lm; objective=dpo measures the policy against its run's " \
+        "initial model (model=gpt_nano as trainer.seed=1234 initialises it)" in why and "resume with objective=lm" in why, why
+    own = _written(tmp_path / "dpo", *dpo)
+    assert checkpoints.refusal(store.read(own), _validated(*dpo, "trainer.max_steps=5", f"trainer.resume_from={own}")) is None
+    assert checkpoints.refusal(store.read(sft), _validated(*lm, "trainer.max_steps=5", f"trainer.resume_from={sft}")) is None
+
+
+@pytest.mark.unit
 def test_the_planner_prices_two_rows_per_pair(chat_tokenizer, tmp_path):
     """objective=dpo's micro batch of m pairs is 2m rows: the plan's activations (and batch) are
     those of a next-token job with micro batch 2m (measured by train.py's predicted-vs-measured
