@@ -132,8 +132,11 @@ class ClusterTrainer:
     wins. A cluster derived from another keeps its parent's; None: implies nothing."""
 
     precision: str | None = free(None, CHECKED_AS)
+    """The trainer.precision this cluster implies (a GPU cluster: bf16-mixed); None: none."""
     micro_batch_size: int | None = free(None, CHECKED_AS)
+    """The trainer.micro_batch_size this cluster implies (a GPU cluster: 1); None: none."""
     global_batch_size: int | None = free(None, CHECKED_AS)
+    """The trainer.global_batch_size this cluster implies (one its world divides); None: none."""
 
 
 IMPLIED = "${implied:"
