@@ -35,8 +35,8 @@ from observers import callbacks_schema
 __all__ = [
     "ARCHITECTURES", "BACKENDS", "DATASETS", "GROUP_SCHEMAS", "LAUNCHERS", "LOGGERS", "LORA_TARGETS",
     "OPTIMIZERS", "PRECISIONS", "SCHEDULERS", "TOKEN_DTYPES", "TRAIN_ON", "BackendConfig",
-    "CallbacksConfig", "ClusterConfig", "ClusterTrainer", "DataConfig", "ExportConfig", "K8sConfig", "LoggerConfig",
-    "LoraConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
+    "CallbacksConfig", "ClusterConfig", "ClusterTrainer", "DataConfig", "ExportConfig", "K8sConfig",
+    "LoggerConfig", "LoraConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
     "SageMakerConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",  # noqa: F822
     "describe", "register", "run_name", "unreadable",  # noqa: F822  (these: _COMPOSE, PEP 562)
 ]
