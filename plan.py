@@ -41,6 +41,8 @@ def main(argv: list[str]) -> None:
     if job.auto:
         report.recommendation.reason = job.auto
     render(report, fmt, detailed=chosen)
+    for line in job.implied:  # (which of the batch and precision above the cluster set)
+        print(f"note: {line}", file=sys.stderr if fmt == "json" else sys.stdout)
     if job.auto and fmt != "json":
         print(job.chosen_by)
         # (the degrees and knobs it chose, spelled out: the command trains and plans the same)

@@ -44,7 +44,7 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     if job.auto:
         log.info("%s", job.chosen_by)
     result = startup.timed("plan", planner.check, job)  # (report.json's startup)
-    result.say(log, job.strategy.notes(job.run))  # (the summary and notes; warnings on stderr)
+    result.say(log, [*job.implied, *job.strategy.notes(job.run)])  # (summary, notes; warnings: stderr)
     predicted = planner.plan_dict(result) | ({"chosen_by": job.chosen_by} if job.auto else {})
     first = not launchers.launched() or os.environ.get("RANK", "0") == "0"
     job = dataclasses.replace(job, sweep=sweep, name=HydraConfig.get().job.override_dirname or None)

@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
             code = CONFIG_ERROR
             continue
         print(f"would start{f' job {i}' if multirun else ''}: {_launch(job, run_dir)}")
-        notes = [*job.strategy.notes(job.run), *held_out_notes(job.data, job.model)]
+        notes = [*job.implied, *job.strategy.notes(job.run), *held_out_notes(job.data, job.model)]
         print("".join(f"note: {line}\n" for line in notes), end="")
         if (resume := _resume(job, cfg, submitit)) is not None:
             print(resume)

@@ -15,8 +15,8 @@ from recipes.cli import normalize
 def groups_help(argv: list[str] | tuple[str, ...] = ()) -> str:
     """The config groups a user picks from and their options, as files of conf/ and of the config
     directories ``argv`` adds (``--config-dir``, ``hydra.searchpath``) (what ``--help`` lists): the
-    groups of the root schema, not the internal ones (``strategy_model``, ``cluster_trainer``:
-    applied by themselves). ``*`` marks conf/train.yaml's default."""
+    groups of the root schema, not the internal one (``strategy_model``: applied by itself). ``*``
+    marks conf/train.yaml's default."""
     from dataclasses import fields
 
     from recipes.compose import _default_choices, search_dirs
@@ -48,7 +48,7 @@ COMMON_KEYS: tuple[tuple[str, str], ...] = (
     ("trainer.global_batch_size", "samples per optimizer step (= micro x data-parallel x accumulation)"),
     ("trainer.micro_batch_size", "samples per forward pass, per rank (accumulation is derived)"),
     ("trainer.lr", "peak learning rate (trainer.optimizer=adamw | sgd, trainer.scheduler)"),
-    ("trainer.precision", "32 | bf16-mixed | 16-mixed"),
+    ("trainer.precision", "32 | bf16-mixed | 16-mixed; a GPU cluster implies its own (cluster.trainer)"),
     ("trainer.val_every", "validate every N steps (0: at the end), given a validation split"),
     ("trainer.checkpoint_every", "save a checkpoint every N steps (the last one is saved anyway)"),
     ("trainer.keep_best", "also keep the checkpoint of the lowest validation loss (val_every > 0)"),
@@ -83,6 +83,7 @@ def _key_defaults() -> dict[str, object]:
     composition, no torch: ``--help`` answers at once)."""
     from omegaconf import OmegaConf
 
+    from recipes.cluster_config import IMPLIED
     from recipes.compose import _default_choices
 
     choices, out = _default_choices(), {}
@@ -94,6 +95,8 @@ def _key_defaults() -> dict[str, object]:
         node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         for part in rest.split("."):
             node = node.get(part, "") if isinstance(node, dict) else ""
+        if isinstance(node, str) and node.startswith(IMPLIED):  # (the cluster's, else this default)
+            node = node[len(IMPLIED):-1].split(",", 1)[1].strip("'\"")
         if node != "" and not (isinstance(node, str) and "${" in node):
             out[key] = node
     return out

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.discover import package_folder, registered
 from core.knobs import free, knob
+
+CHECKED_AS = "checked as the trainer value it becomes (trainer.<key>), told as this key"
 
 LAUNCHERS = tuple(registered(package_folder("launchers"), "launcher"))
 """cluster.launcher's choices: the names launchers/ registers (``@launcher``), read from the modules'
@@ -121,6 +124,62 @@ class K8sConfig:
 
 
 @dataclass
+class ClusterTrainer:
+    """``cluster.trainer``: what the cluster implies for the trainer (a GPU cluster: bf16-mixed,
+    one sequence per micro-batch, a global batch that divides its world), taken where the trainer
+    option leaves conf/trainer/default.yaml's ``${implied:<key>,<its own default>}`` in place --
+    a value of the user's (the chosen trainer option's file, an experiment, the command line)
+    wins. A cluster derived from another keeps its parent's; None: implies nothing."""
+
+    precision: str | None = free(None, CHECKED_AS)
+    """The trainer.precision this cluster implies (a GPU cluster: bf16-mixed); None: none."""
+    micro_batch_size: int | None = free(None, CHECKED_AS)
+    """The trainer.micro_batch_size this cluster implies (a GPU cluster: 1); None: none."""
+    global_batch_size: int | None = free(None, CHECKED_AS)
+    """The trainer.global_batch_size this cluster implies (one its world divides); None: none."""
+
+
+IMPLIED = "${implied:"
+
+
+def implied(key: str, default: Any, *, _root_: Any) -> Any:
+    """The ``${implied:<key>,<default>}`` resolver (conf/trainer/default.yaml): what the composed
+    config's cluster implies for ``trainer.<key>`` (``cluster.trainer.<key>``), else ``default``."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(_root_, f"cluster.trainer.{key}", default=None)
+    return default if value is None else value
+
+
+def implied_keys(cfg: Any) -> list[str]:
+    """The trainer keys a composed config takes from its cluster: an ``${implied:...}`` no value of
+    the user's replaced, whose cluster implies something."""
+    from omegaconf import OmegaConf
+
+    trainer = cfg.get("trainer")
+    raw = OmegaConf.to_container(trainer, resolve=False) if trainer is not None else {}
+    return [key for key, value in raw.items() if isinstance(value, str) and value.startswith(IMPLIED)
+            and OmegaConf.select(cfg, f"cluster.trainer.{value[len(IMPLIED):].split(',')[0]}",
+                                 default=None) is not None]
+
+
+def implied_note(cfg: Any) -> str | None:
+    """The trainer values a composed config takes from its cluster, in a sentence; None: none."""
+    if not (keys := implied_keys(cfg)):
+        return None
+    taken = " ".join(f"trainer.{key}={cfg.trainer[key]}" for key in keys)
+    return (f"cluster={cfg.cluster.name} implies {taken} (its cluster.trainer; a value of yours -- "
+            "your trainer preset, an experiment, the command line -- wins)")
+
+
+def implied_problems(problems: list[str], cfg: Any) -> list[str]:
+    """The trainer's problems, a value the cluster implied told as the cluster's key: the one to fix."""
+    keys = implied_keys(cfg)
+    return [next((p.replace(f"trainer.{k}", f"cluster.trainer.{k}") for k in keys
+                  if p.startswith(f"trainer.{k}=")), p) for p in problems]
+
+
+@dataclass
 class ClusterConfig:
     """Hardware as data: the launcher reads nodes, devices, accelerator and the launch keys, the
     planner the hardware."""
@@ -163,6 +222,8 @@ class ClusterConfig:
     k8s: K8sConfig = field(default_factory=K8sConfig)
     collective_timeout: float = knob(1800.0, above=0.0)
     """Seconds a collective waits for a lost peer before the job fails (gloo and NCCL)."""
+    trainer: ClusterTrainer = field(default_factory=ClusterTrainer)
+    """What this cluster implies for the trainer unless a value of the user's is set."""
 
     @property
     def size(self) -> int:

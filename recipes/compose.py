@@ -82,6 +82,7 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from recipes.cluster_config import implied
     from recipes.config import ExportConfig, LoggerConfig, TrainConfig
     from recipes.hardware import instance, launched, local
     from recipes.hf_config import resolve, tokenizer_default
@@ -93,6 +94,7 @@ def register() -> None:
     for name, resolver, cached in (
             ("hf", resolve, False),  # model=hf: shape fields from the model's config.json
             ("hf_dir", tokenizer_default, False),  # conf/data/*.yaml: data.tokenizer from model.path
+            ("implied", implied, False),  # conf/trainer/default.yaml: what the cluster implies
             ("instance", instance, False),  # conf/cluster/sagemaker_*.yaml: an instance's numbers
             ("launched", launched, False),  # conf/cluster/local.yaml: torchrun's / srun's world
             ("local", local, False),  # conf/cluster/local.yaml: this machine's GPUs, no torch

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from recipes.cluster_config import (LAUNCHERS, ClusterConfig, K8sConfig, RayConfig, SageMakerConfig,
-                                    SlurmConfig)
+from recipes.cluster_config import (LAUNCHERS, ClusterConfig, ClusterTrainer, K8sConfig, RayConfig,
+                                    SageMakerConfig, SlurmConfig)
 from recipes.model_config import ARCHITECTURES, LORA_TARGETS, LoraConfig, ModelConfig
 from recipes.trainer_config import (DATASETS, OPTIMIZERS, PRECISIONS, SCHEDULERS, TOKEN_DTYPES, TRAIN_ON,
                                     DataConfig, ObjectiveConfig, TrainerConfig)
@@ -35,8 +35,8 @@ from observers import callbacks_schema
 __all__ = [
     "ARCHITECTURES", "BACKENDS", "DATASETS", "GROUP_SCHEMAS", "LAUNCHERS", "LOGGERS", "LORA_TARGETS",
     "OPTIMIZERS", "PRECISIONS", "SCHEDULERS", "TOKEN_DTYPES", "TRAIN_ON", "BackendConfig",
-    "CallbacksConfig", "ClusterConfig", "DataConfig", "ExportConfig", "K8sConfig", "LoggerConfig",
-    "LoraConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
+    "CallbacksConfig", "ClusterConfig", "ClusterTrainer", "DataConfig", "ExportConfig", "K8sConfig",
+    "LoggerConfig", "LoraConfig", "ModelConfig", "PathsConfig", "PlannerConfig", "RayConfig",
     "SageMakerConfig", "SlurmConfig", "TrainConfig", "TrainerConfig", "compose", "compose_chosen",  # noqa: F822
     "describe", "register", "run_name", "unreadable",  # noqa: F822  (these: _COMPOSE, PEP 562)
 ]

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from recipes import dpo_checks, float8_checks, mixture, packing, samples, stopping
-from recipes.cluster_config import ClusterConfig
+from recipes.cluster_config import ClusterConfig, implied_note, implied_problems
 from recipes.compose import register, unreadable
 from recipes.job_checks import (logger_problems, lora_problems, loss_chunk_problems, save_hf_problems,
                                 trainer_problems, wandb_online_problems)
@@ -81,6 +81,12 @@ class Job:
     def chosen_by(self) -> str | None:
         """``strategy=auto``'s choice in a sentence (logged, and the report's ``chosen_by``)."""
         return None if self.auto is None else f"strategy=auto chose {self.preset.name}: {self.auto}"
+
+    @property
+    def implied(self) -> list[str]:
+        """The trainer values the cluster implied (``cluster.trainer``), none of the user's set:
+        a note the plan and the dry run print ([] when none)."""
+        return [note] if (note := implied_note(self.cfg)) else []
 
     @property
     def mesh(self):
@@ -171,6 +177,7 @@ def _objects(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:
             obj = schema(**obj)
         objs[group] = obj
         problems[group] += knobs.problems(obj, group)
+    problems["trainer"] = implied_problems(problems.get("trainer", []), cfg)  # (the cluster's value)
     path = OmegaConf.select(cfg, "model.path", default=None)  # (the tokenizer's default: said once)
     if path and any("model.path=" in p for p in problems.get("model", [])):
         problems["data"] = [p for p in problems.get("data", []) if not p.startswith(f"data.tokenizer={path!r}")]
