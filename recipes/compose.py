@@ -182,15 +182,15 @@ def search_of(config: Any) -> list[str]:
 
 
 def search_dirs(argv: list[str] | tuple[str, ...]) -> list[Path]:
-    """The directories a command line's composition finds config groups in, in Hydra's order: the
-    ``--config-dir``, conf/, then each ``hydra.searchpath`` entry (``file://``, ``pkg://`` or a
+    """The directories a command line's composition finds config groups in, in Hydra's order:
+    conf/, the ``--config-dir``, then each ``hydra.searchpath`` entry (``file://``, ``pkg://`` or a
     path); an entry that names no directory is left out (Hydra warns of it)."""
     import importlib.util
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     search, _ = search_args(argv)
-    dirs = [Path(a.split("=", 1)[1]) for a in search if a.startswith("--config-dir=")] + [CONF_DIR]
+    dirs = [CONF_DIR] + [Path(a.split("=", 1)[1]) for a in search if a.startswith("--config-dir=")]
     for arg in (a for a in search if not a.startswith("-")):
         try:
             entries = OverridesParser.create().parse_overrides([arg.lstrip("+")])[0].value()

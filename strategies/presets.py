@@ -42,13 +42,16 @@ def hydra_context(config_dirs: Sequence[str] = ()) -> Iterator[None]:
     """Hydra initialized on ``conf/``, restoring whatever Hydra state existed before -- the job's
     name too (initializing sets it, "app", for every job a multirun launches after: a sweep's
     jobs logged to app.log, not train.log). ``config_dirs``: a user's ``--config-dir``, searched
-    before conf/ as Hydra's own flag is (recipes/compose.py's ``search_args`` reads it)."""
+    where Hydra's own flag puts it (recipes/compose.py's ``search_args`` reads it): after conf/,
+    before the schemas -- so a file of it named as a built-in option is not the one composed,
+    in train.py or here."""
     import os
 
     from hydra import initialize_config_dir
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.utils import JobRuntime
     from hydra.errors import SearchPathException
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
@@ -57,12 +60,13 @@ def hydra_context(config_dirs: Sequence[str] = ()) -> Iterator[None]:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
-            if config_dirs:  # (as Hydra's --config-dir: prepended, and a missing one refused)
+            if config_dirs:  # (as Hydra's --config-dir: before the schemas, and a missing one refused)
                 search = create_config_search_path(str(CONF_DIR))
-                for config_dir in reversed(config_dirs):
+                for config_dir in config_dirs:
                     if not os.path.isdir(config_dir):
                         raise SearchPathException(f"Additional config directory '{config_dir}' not found")
-                    search.prepend(provider="command-line", path=f"file://{config_dir}")
+                    search.prepend(provider="command-line", path=f"file://{config_dir}",
+                                   anchor=SearchPathQuery(provider="schema"))
                 GlobalHydra.instance().clear()
                 Hydra.create_main_hydra2(task_name="app", config_search_path=search)
             yield
