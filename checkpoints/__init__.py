@@ -185,7 +185,8 @@ def resume_line(ckpt: Checkpoint, job: Job) -> str:
     from checkpoints.resume_settings import model_only
 
     m = ckpt.meta
-    line = f"resume: {ckpt.path} (step {ckpt.step}, {m['strategy']} on {m['world_size']} rank(s))"
+    line = (f"resume: {ckpt.path} (step {ckpt.step}, {m.get('strategy_option') or m['strategy']} on "
+            f"{m['world_size']} rank(s))")
     why = model_only(m, job)
     return line if why is None else f"{line}; the model only: {why}; the optimizer state starts fresh"
 
@@ -200,7 +201,7 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     The model must be the checkpoint's (``model_refusal``: its keys, by name, before the shapes are compared)."""
     from checkpoints.resume_settings import model_refusal, optimizer_refusal
 
-    why = getattr(job.strategy, "resume_problem", lambda: None)()
+    why = getattr(job.strategy, "resume_problem", lambda _: None)(job.strategy_option)
     if why and not _holds_rank_state(ckpt, job):
         return why
     if why := optimizer_refusal(ckpt, job) or _zero_ep_refusal(ckpt, job):
@@ -474,7 +475,8 @@ def _meta(h: Handles, job: Job, step: int) -> dict[str, Any]:
     from recipes.tokens import input_fingerprints
 
     return {"step": step, "samples_seen": step * job.batch.global_size, "world_size": h.world_size,
-            "strategy": job.strategy.name, "family": job.strategy.family, "backend": job.backend,
+            "strategy": job.strategy.name, "strategy_option": job.strategy_option,
+            "family": job.strategy.family, "backend": job.backend,
             "payload": h.format, "prefix": h.prefix, "scheduler": state.scheduler_state(h),
             "shapes": shapes(job.model), "torch": torch.__version__, "config": job.meta()["config"],
             "inputs": input_fingerprints(job.data)}  # (checkpoints/data_stream.py ``input_changes``)

@@ -44,7 +44,7 @@ def hydra_context(config_dirs: Sequence[str] = ()) -> Iterator[None]:
     jobs logged to app.log, not train.log). ``config_dirs``: a user's ``--config-dir``, searched
     where Hydra's own flag puts it (recipes/compose.py's ``search_args`` reads it): after conf/,
     before the schemas -- so a file of it named as a built-in option is not the one composed,
-    in train.py or here."""
+    in train.py or here (recipes/origin.py says so)."""
     import os
 
     from hydra import initialize_config_dir
@@ -154,6 +154,22 @@ def overrides_of(preset: Any) -> tuple[str, list[str]]:
         return preset.name, against(preset.name)
     kin = [n for n in names() if _node(n).get("family") == preset.family] or names()
     return min(((n, against(n)) for n in kin), key=lambda pair: (len(pair[1]), pair[0]))
+
+
+def label(preset: Any, option: str) -> str:
+    """How the plan line, the log and the export name ``preset`` chosen as strategy ``option`` (a
+    file of conf/strategy/ or of the user's own config directory): the option alone where it is the
+    preset's name; a user's option over a built-in preset with the built-in and the keys it changes
+    (``my_fsdp (fsdp2 + reshard_after_forward=false)``: ``name`` is the built-in's, which its
+    name-keyed behaviour follows), the first three of them."""
+    if option == preset.name:
+        return option
+    if preset.name not in names():
+        return option if preset.name == "?" else f"{option} ({preset.name})"
+    base, changed = overrides_of(preset)
+    keys = [c.removeprefix("strategy.") for c in changed]
+    more = f", +{len(keys) - 3} more" if len(keys) > 3 else ""
+    return f"{option} ({base}{' + ' + ', '.join(keys[:3]) + more if keys else ''})"
 
 
 def _spelled(value: Any) -> str:
