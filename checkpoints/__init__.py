@@ -225,12 +225,17 @@ def _zero_ep_refusal(ckpt: Checkpoint, job: Job) -> str | None:
 
 
 def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:
-    """``ckpt`` holds every rank's own state for ``job``: written by the same preset on as many
-    ranks (checkpoints/store.py ``RANK_STATE``): a look at meta.json and the directory, no torch."""
+    """``ckpt`` holds every rank's own state for ``job``: written on as many ranks by a preset of its
+    family with the same keys that make that state (``rank_state``: the comm hook and its keys, the
+    sync settings -- not the name, which two user presets over ddp share; checkpoints/store.py
+    ``RANK_STATE``): a look at meta.json and the directory, no torch."""
     from checkpoints.store import RANK_STATE
 
-    m = ckpt.meta
-    return (m.get("strategy"), int(m.get("world_size", 0))) == (job.strategy.name, job.mesh.size) and all(
+    m, s = ckpt.meta, job.strategy
+    saved = (m.get("config") or {}).get("strategy") or {}
+    same = (m.get("family", s.family) == s.family and all(saved.get(k) == v for k, v in s.rank_state().items())
+            if saved else m.get("strategy") == s.name)  # (a meta.json without the config: by name)
+    return same and int(m.get("world_size", 0)) == job.mesh.size and all(
         (ckpt.path / RANK_STATE / f"rank{r}.pt").is_file() for r in range(job.mesh.size))
 
 

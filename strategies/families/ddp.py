@@ -78,6 +78,16 @@ class DDPConfig(StrategyConfig):
                                           "synchronizations", "diloco": "DiLoCo's outer parameters "
                                           "and momentum"}.get(self.sync)
 
+    def rank_state(self) -> dict[str, Any]:
+        """The keys that make what each rank keeps (``unsaved_state``), with their values: the comm
+        hook and its keys, the sync mode and its; a checkpoint holds this preset's per-rank state
+        only when its run had the same (checkpoints.refusal), whatever the presets are named."""
+        keys = {"powersgd": ("powersgd_rank", "powersgd_warmup_steps", "bucket_cap_mb"),
+                "topk": ("topk_ratio", "start_step"), "int8": ("start_step",)}.get(self.comm_hook, ())
+        keys += {"local_sgd": ("sync_every", "start_step"),
+                 "diloco": ("sync_every", "start_step", "outer_lr", "outer_momentum")}.get(self.sync, ())
+        return {k: getattr(self, k) for k in ("comm_hook", "sync", *keys)}
+
     def resume_problem(self, option: str | None = None) -> str | None:
         """Why a checkpoint not of this preset cannot be continued exactly (None: any can). Model
         and optimizer are rank 0's; PowerSGD's error feedback and warm-started factors, top-k's
