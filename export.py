@@ -47,7 +47,7 @@ def _problems(job) -> list[str]:
 
 def _default_name(job) -> str:
     kind = job.export.name
-    return f"{job.strategy.name}-{job.cluster.name}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}"
+    return f"{job.strategy_option}-{job.option('cluster')}.{kind}.{'yaml' if kind == 'accelerate' else 'json'}"
 
 
 def _out(job) -> Path:
@@ -74,12 +74,13 @@ def main(argv: list[str]) -> None:
         implied = ("backend=accelerate",)
     if (composed := cli.query(argv, __doc__, "export.py", implied)) is None:
         return
-    cfg, _, _ = composed
+    cfg, _, _, origin = composed
     from planner import choose
     from recipes.job import RUN, validate
 
     # strategy=auto: the preset the planner picks, as train.py strategy=auto would run it
-    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems, _out_problems], auto=choose))
+    job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems, _out_problems], auto=choose,
+                                       origin=origin))
     if job.auto:
         print(job.chosen_by, file=sys.stderr)
     from backends.accelerate.export import deepspeed_config

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
         return
     import planner
     from launchers import registry
-    from recipes.config import compose
+    from recipes.config import compose_chosen
     from recipes.job import RUN, validate
     from core.errors import ConfigError
     from core.knobs import paths_elsewhere
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
         print(sweep, file=sys.stderr)
         sys.exit(cli.CONFIG_ERROR)
     overrides = cli.normalize([a for a in argv if a != "--dry-run"])
-    cfg = cli.or_exit(lambda: compose(overrides), overrides)
+    cfg, _, origin = cli.or_exit(lambda: compose_chosen(overrides), overrides)
 
     def _problems(job) -> list[str]:
         chosen = registry.get(job.cluster.launcher)  # (launchers/registry.py: its submission step)
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> None:
         return any(c.elsewhere(path) for c in registry.every() if c.elsewhere is not None)
 
     with paths_elsewhere(_elsewhere):
-        job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=planner.choose))
+        job = cli.or_exit(lambda: validate(cfg, depth=RUN, extra=[_problems], auto=planner.choose, origin=origin))
     chosen = registry.get(job.cluster.launcher)
     if not dry:
         print(chosen.submit(job, overrides))

@@ -20,7 +20,7 @@ from recipes import cli
 def main(argv: list[str]) -> None:
     if (composed := cli.query(argv, __doc__, "plan.py")) is None:
         return
-    cfg, groups, argv = composed
+    cfg, groups, argv, origin = composed
     from planner import choose, plan_all, run_overrides, what_ifs
     from planner.machine import ensure
     from planner.render import render
@@ -30,7 +30,8 @@ def main(argv: list[str]) -> None:
     chosen = "strategy" in groups  # strategy=auto: chosen as train.py strategy=auto chooses
     try:
         with paths_elsewhere(lambda path: True):  # (the data, tokenizer, NVMe: the cluster's files)
-            job = cli.or_exit(lambda: validate(cfg, depth=CONFIG, auto=choose if chosen else None))
+            job = cli.or_exit(lambda: validate(cfg, depth=CONFIG, auto=choose if chosen else None,
+                                                      origin=origin))
         ensure(job)  # planner.calibrate=true: this machine measured once, in a subprocess (no torch here)
     except RuntimeError as e:
         sys.exit(f"{e}")
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> None:
               "   (what strategy=auto trains)")
     if chosen and (problems := report.plans[0].problems):  # a layout that cannot run here
         what = "cannot run on" if report.plans[0].blocking else "is incomplete for"
-        print(f"strategy={report.plans[0].strategy} {what} {report.cluster} "
+        print(f"strategy={job.strategy_option} {what} {report.cluster} "
               f"({len(problems)} problem(s)):", file=sys.stderr)
         for p in problems:
             print(f"  - {p}", file=sys.stderr)

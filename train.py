@@ -23,8 +23,7 @@ from omegaconf import DictConfig
 
 import backends
 import checkpoints
-import launchers
-import launchers.dry_run
+import launchers.dry_run  # (and launchers itself)
 import launchers.sweep
 from observers import report, startup
 from recipes import cli
@@ -40,7 +39,8 @@ def prepare(cfg: DictConfig, sweep: str | None, out: Path) -> tuple[Job, dict]:
     import planner
 
     launchers.refuse_elsewhere(cfg)  # (launch.py submits it: this machine's checks are not the run's)
-    job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check], auto=planner.choose)
+    job = startup.timed("config", validate, cfg, extra=[backends.check, launchers.check], auto=planner.choose,
+                        origin=cli.origin())  # (what Hydra recorded: the options chosen, your own directories)
     if job.auto:
         log.info("%s", job.chosen_by)
     result = startup.timed("plan", planner.check, job)  # (report.json's startup)

@@ -185,7 +185,8 @@ def resume_line(ckpt: Checkpoint, job: Job) -> str:
     from checkpoints.resume_settings import model_only
 
     m = ckpt.meta
-    line = f"resume: {ckpt.path} (step {ckpt.step}, {m['strategy']} on {m['world_size']} rank(s))"
+    line = (f"resume: {ckpt.path} (step {ckpt.step}, {m.get('strategy_option') or m['strategy']} on "
+            f"{m['world_size']} rank(s))")
     why = model_only(m, job)
     return line if why is None else f"{line}; the model only: {why}; the optimizer state starts fresh"
 
@@ -200,7 +201,7 @@ def refusal(ckpt: Checkpoint, job: Job) -> str | None:
     The model must be the checkpoint's (``model_refusal``: its keys, by name, before the shapes are compared)."""
     from checkpoints.resume_settings import dpo_refusal, model_refusal, optimizer_refusal
 
-    why = getattr(job.strategy, "resume_problem", lambda: None)()
+    why = getattr(job.strategy, "resume_problem", lambda _: None)(job.strategy_option)
     if why and not _holds_rank_state(ckpt, job):
         return why
     if why := dpo_refusal(ckpt, job) or optimizer_refusal(ckpt, job) or _zero_ep_refusal(ckpt, job):
@@ -224,12 +225,17 @@ def _zero_ep_refusal(ckpt: Checkpoint, job: Job) -> str | None:
 
 
 def _holds_rank_state(ckpt: Checkpoint, job: Job) -> bool:
-    """``ckpt`` holds every rank's own state for ``job``: written by the same preset on as many
-    ranks (checkpoints/store.py ``RANK_STATE``): a look at meta.json and the directory, no torch."""
+    """``ckpt`` holds every rank's own state for ``job``: written on as many ranks by a preset of its
+    family with the same keys that make that state (``rank_state``: the comm hook and its keys, the
+    sync settings -- not the name, which two user presets over ddp share; checkpoints/store.py
+    ``RANK_STATE``): a look at meta.json and the directory, no torch."""
     from checkpoints.store import RANK_STATE
 
-    m = ckpt.meta
-    return (m.get("strategy"), int(m.get("world_size", 0))) == (job.strategy.name, job.mesh.size) and all(
+    m, s = ckpt.meta, job.strategy
+    saved = (m.get("config") or {}).get("strategy") or {}
+    same = (m.get("family", s.family) == s.family and all(saved.get(k) == v for k, v in s.rank_state().items())
+            if saved else m.get("strategy") == s.name)  # (a meta.json without the config: by name)
+    return same and int(m.get("world_size", 0)) == job.mesh.size and all(
         (ckpt.path / RANK_STATE / f"rank{r}.pt").is_file() for r in range(job.mesh.size))
 
 
@@ -474,7 +480,8 @@ def _meta(h: Handles, job: Job, step: int) -> dict[str, Any]:
     from recipes.tokens import input_fingerprints
 
     return {"step": step, "samples_seen": step * job.batch.global_size, "world_size": h.world_size,
-            "strategy": job.strategy.name, "family": job.strategy.family, "backend": job.backend,
+            "strategy": job.strategy.name, "strategy_option": job.strategy_option,
+            "family": job.strategy.family, "backend": job.backend,
             "payload": h.format, "prefix": h.prefix, "scheduler": state.scheduler_state(h),
             "shapes": shapes(job.model), "torch": torch.__version__, "config": job.meta()["config"],
             "inputs": input_fingerprints(job.data)}  # (checkpoints/data_stream.py ``input_changes``)

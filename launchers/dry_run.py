@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     import planner
     from launchers import sweep
     from recipes.cli import CONFIG_ERROR
-    from recipes.compose import compose
+    from recipes.compose import compose_chosen
     from recipes.data_size import held_out_notes
     from recipes.job import validate
     from strategies import ConfigError
@@ -97,8 +97,8 @@ def main(argv: list[str]) -> int:
     run_dir = next((a.split("=", 1)[1] for a in hydra_own if a.startswith("hydra.run.dir=")), None)
     for i, overrides in enumerate(jobs):
         try:
-            cfg = compose([*search, *overrides])
-            job = validate(cfg, depth=sweep.depth(cfg, not submitit), auto=planner.choose,
+            cfg, _, origin = compose_chosen([*search, *overrides])
+            job = validate(cfg, depth=sweep.depth(cfg, not submitit), auto=planner.choose, origin=origin,
                            extra=[lambda j: _launcher_problems(j, submitit)])
         except ConfigError as e:
             print(f"cannot start {' '.join(overrides) or '(the base config)'}:\n{e}")

@@ -165,17 +165,17 @@ def check_point(overrides: Sequence[str], local: bool = False, search: Sequence[
     config directories (recipes/compose.py's ``search_args``), composed with as its jobs are."""
     import launchers
     import planner
-    from recipes.compose import compose
+    from recipes.compose import compose_chosen
     from recipes.job import LAUNCH, validate
     from strategies import ConfigError
 
     t0 = time.perf_counter()
     point = Point(list(overrides))
     try:
-        cfg = compose([*search, *point.overrides])
+        cfg, _, origin = compose_chosen([*search, *point.overrides])
         if local:  # (what train.py checks first: cluster=k8s or sagemaker is launch.py's)
             launchers.refuse_elsewhere(cfg)
-        job = validate(cfg, depth=(deep := depth(cfg, local)), auto=planner.choose,
+        job = validate(cfg, depth=(deep := depth(cfg, local)), auto=planner.choose, origin=origin,
                        extra=[launchers.check] if local else ())
         if deep == LAUNCH:
             checkpoints.checked(job)

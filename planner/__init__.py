@@ -48,6 +48,8 @@ def plan_all(job: Inputs, model: ModelDescription | None = None, *, chosen: bool
     su = Setup.of(job, model)
     cands = _candidates(su, job.preset, chosen)
     plans = [plan_candidate(c, su) for c in cands]
+    if chosen:  # (the job's own: named as the job names it, a user's option by its option)
+        plans[0].label = getattr(job, "label", "")
     rec = _recommend(plans) if not chosen else Recommendation(plans[0].strategy, "chosen")
     ckpt, pool, checkpointed = su, cands, None
     if not chosen and (with_su := _checkpointing(su)) is not None:

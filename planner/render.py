@@ -170,7 +170,7 @@ def _breakdown(con: Any, p: Plan, accounting: str = "actual") -> None:
     from rich.table import Table
 
     m = p.memory
-    t = Table(title=f"{p.strategy}: memory per device; {ACCOUNTING_VIEW[accounting]}", title_justify="left")
+    t = Table(title=f"{p.label or p.strategy}: memory per device; {ACCOUNTING_VIEW[accounting]}", title_justify="left")
     for col in ("category", "GB", "GiB", "where"):
         t.add_column(col, justify="left" if col in ("category", "where") else "right")
     ckpt = {"selective": "selectively checkpointed"}.get(

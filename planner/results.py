@@ -98,6 +98,9 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hint: str | None = None
+    label: str = ""
+    """How the job names its preset where that is not ``strategy`` (a user's option over a built-in
+    preset: ``my_fsdp (fsdp2 + reshard_after_forward=false)``, recipes.job.Job.label); "" : the name."""
     memory_fits: bool = True
     """The memory verdict alone (device, host, NVMe); ``fits`` also needs a layout that can run."""
     lossy: bool = False
@@ -170,7 +173,7 @@ class Plan:
     def summary(self) -> str:
         """One line: the preset, memory against capacity, communication and step time."""
         if self.blocking:
-            return (f"plan: {self.strategy} cannot run on {self.cluster} ({self.world_size} devices): "
+            return (f"plan: {self.label or self.strategy} cannot run on {self.cluster} ({self.world_size} devices): "
                     + "; ".join(self.blocking))
         if not self.fits and self.margin < 0:  # (and whatever else overflows: every shortfall)
             verdict = "; ".join([f"does NOT fit on the device, short {gb(-self.margin)}", *self.overflows])
@@ -185,7 +188,7 @@ class Plan:
         stalled = f" ({'; '.join(self.stalled)})" if self.stalled else ""
         need, has = gb_apart(self.memory.total, self.device_bytes)
         devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
-        return (f"plan: {self.strategy} on {self.cluster} ({devices}): "
+        return (f"plan: {self.label or self.strategy} on {self.cluster} ({devices}): "
                 f"{need} of {has} per device ({verdict}); "
                 f"comm {self._comm()}; "
                 f"step ~ {self.step_seconds:.3g} s{stalled}")

@@ -207,13 +207,14 @@ def or_exit(step: Callable[[], T], argv: list[str] | None = None) -> T:
 
 
 def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
-          ) -> tuple[object, set[str], list[str]] | None:
+          ) -> tuple[object, set[str], list[str], object] | None:
     """The start of a script that queries the config instead of running a job (plan.py,
     export.py): ``--help`` prints ``doc``, the groups and the keys of the options it chooses
     (None); a sweep is one line and exit 2
     (``one_point``); otherwise the composed config (of ``argv`` and the overrides the script
-    adds, ``implied``), the groups it chose rather than took by default (``compose_chosen``) and
-    the normalized overrides, or the composition error and exit 2."""
+    adds, ``implied``), the groups it chose rather than took by default (``compose_chosen``),
+    the normalized overrides and what Hydra recorded (``recipes.origin.Origin``, for ``validate``),
+    or the composition error and exit 2."""
     if {"-h", "--help"} & set(argv):
         from recipes.cli_help import groups_help
         from recipes.key_help import option_keys
@@ -226,8 +227,18 @@ def query(argv: list[str], doc: str, script: str, implied: tuple[str, ...] = ()
     from recipes.compose import compose_chosen
 
     argv = normalize([*argv, *implied])
-    cfg, chosen = or_exit(lambda: compose_chosen(argv), argv)
-    return cfg, chosen, argv
+    cfg, chosen, origin = or_exit(lambda: compose_chosen(argv), argv)
+    return cfg, chosen, argv, origin
+
+
+def origin() -> object:
+    """What Hydra recorded of the running app's composition (``recipes.origin.Origin``): train.py's
+    for ``validate``, as plan.py's comes from ``compose_chosen``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from recipes.origin import Origin
+
+    return Origin.of(HydraConfig.get())
 
 
 SWEEP_FLAGS = ("-m", "--multirun")

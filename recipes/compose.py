@@ -12,6 +12,7 @@ from core.conf import CONF_DIR
 
 if TYPE_CHECKING:
     from recipes.model_config import ModelConfig
+    from recipes.origin import Origin
 
 def run_name(nodes: Any, launcher: Any, endpoint: Any = None) -> str:
     """A run directory's name under outputs/: the same on every process of one job. Each process
@@ -174,25 +175,27 @@ def _flag(search: list[str], flag: str) -> str | None:
 
 def search_of(config: Any) -> list[str]:
     """``search_args``'s first half for a running app's config (a sweep driver's: its preflight
-    composes every point as its jobs will): Hydra's ``--config-dir`` and ``hydra.searchpath``."""
-    sources = config.hydra.runtime.get("config_sources") or []
+    composes every point as its jobs will), or for its Hydra node (``HydraConfig.get()``, a
+    composition's ``hydra``): Hydra's ``--config-dir`` and ``hydra.searchpath``."""
+    hydra = config.hydra if "hydra" in config else config
+    sources = hydra.runtime.get("config_sources") or []
     mine = [f"--config-dir={s.path.removeprefix('file://')}" for s in sources if s.provider == "command-line"]
-    name = config.hydra.job.get("config_name") or "train"
-    entries = list(config.hydra.get("searchpath") or [])
+    name = hydra.job.get("config_name") or "train"
+    entries = list(hydra.get("searchpath") or [])
     return (mine[-1:] + ([f"--config-name={name}"] if name != "train" else [])
             + ([f"{SEARCHPATH}=[{','.join(entries)}]"] if entries else []))
 
 
 def search_dirs(argv: list[str] | tuple[str, ...]) -> list[Path]:
-    """The directories a command line's composition finds config groups in, in Hydra's order: the
-    ``--config-dir``, conf/, then each ``hydra.searchpath`` entry (``file://``, ``pkg://`` or a
+    """The directories a command line's composition finds config groups in, in Hydra's order:
+    conf/, the ``--config-dir``, then each ``hydra.searchpath`` entry (``file://``, ``pkg://`` or a
     path); an entry that names no directory is left out (Hydra warns of it)."""
     import importlib.util
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     search, _ = search_args(argv)
-    dirs = [Path(a.split("=", 1)[1]) for a in search if a.startswith("--config-dir=")] + [CONF_DIR]
+    dirs = [CONF_DIR] + [Path(a.split("=", 1)[1]) for a in search if a.startswith("--config-dir=")]
     for arg in (a for a in search if not a.startswith("-")):
         try:
             entries = OverridesParser.create().parse_overrides([arg.lstrip("+")])[0].value()
@@ -210,18 +213,21 @@ def search_dirs(argv: list[str] | tuple[str, ...]) -> list[Path]:
     return dirs
 
 
-def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, set[str]]:
-    """``compose``, and the config groups the composition chose rather than took by default: an
-    override of the group (as Hydra parses it) or a choice that differs from conf/train.yaml's
-    default (an ``experiment=`` that sets it). A user's config directory and top config among the
-    overrides (``--config-dir``, ``--config-name``, ``hydra.searchpath``: ``search_args``) are
-    searched and composed as train.py's are."""
+def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, set[str], Origin]:
+    """``compose``, the config groups the composition chose rather than took by default (an
+    override of the group, as Hydra parses it, or a choice that differs from conf/train.yaml's
+    default: an ``experiment=`` that sets it), and what Hydra recorded of it (``Origin``: the
+    options chosen, the user's directories; ``recipes.job.validate(origin=...)`` reads it as
+    train.py's ``HydraConfig``). A user's config directory and top config among the overrides
+    (``--config-dir``, ``--config-name``, ``hydra.searchpath``: ``search_args``) are searched and
+    composed as train.py's are."""
     import hydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import open_dict
 
     import strategies  # noqa: F401  (family schemas)
     from recipes.cli import normalize
+    from recipes.origin import Origin
     from strategies.presets import hydra_context
 
     register()
@@ -235,9 +241,10 @@ def compose_chosen(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, se
     named = {o.key_or_group.split("@")[0] for o in OverridesParser.create().parse_overrides(overrides)}
     defaults = _default_choices()
     chosen = {g for g, c in choices.items() if g in named or (g in defaults and c != defaults[g])}
+    origin = Origin.of(cfg.hydra)
     with open_dict(cfg):
         del cfg["hydra"]
-    return cfg, chosen
+    return cfg, chosen, origin
 
 
 def _default_choices() -> dict[str, str]:

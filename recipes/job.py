@@ -28,6 +28,7 @@ from recipes.model_config import ModelConfig
 from recipes.trainer_config import DataConfig, ObjectiveConfig, TrainerConfig
 from core import knobs
 from strategies import ConfigError, Run, StrategyConfig, as_config
+from recipes.origin import Origin, identity_problems, named, warn
 from strategies.presets import AUTO
 from core.run import settle
 
@@ -76,6 +77,30 @@ class Job:
         default=None, repr=False, compare=False)
     """What the job asks of any preset beyond its own checks (LoRA, packing, DPO, samples): the
     planner asks it of every preset it ranks, so it never recommends one validation refuses."""
+    options: dict[str, str | None] = field(default_factory=dict)
+    """Group -> the option Hydra composed it from (``recipes.origin.Origin.choices``): a file of
+    conf/ or of the user's own config directory; empty where no composition recorded one."""
+
+    @property
+    def strategy_option(self) -> str:
+        """The strategy option that trains: the file chosen (``strategy=my_fsdp``, whose ``name`` is
+        the built-in ``fsdp2`` it derives from); ``strategy=auto``'s pick; the preset's name where
+        no composition recorded the choice."""
+        option = self.options.get("strategy")
+        return self.strategy.name if option in (None, AUTO) or self.auto is not None else option
+
+    @property
+    def label(self) -> str:
+        """The preset as the plan line and the log name it (``strategies.presets.label``)."""
+        from strategies.presets import label
+
+        return label(self.preset, self.strategy_option)
+
+    def option(self, group: str) -> str | None:
+        """The option ``group`` was composed from; without a record, the group's ``name``."""
+        if group in self.options:
+            return self.options[group]
+        return getattr(getattr(self, group, None), "name", None)
 
     @property
     def chosen_by(self) -> str | None:
@@ -102,7 +127,9 @@ class Job:
 
     def meta(self) -> dict[str, Any]:
         """The report's identifying keys."""
-        return {"strategy": self.strategy.name, "backend": self.backend, "world_size": self.mesh.size,
+        return {"strategy": self.strategy.name, "strategy_option": self.strategy_option,
+                "model_option": self.option("model"), "cluster_option": self.option("cluster"),
+                "experiment_option": self.option("experiment"), "backend": self.backend, "world_size": self.mesh.size,
                 "global_batch_size": self.batch.global_size, "micro_batch_size": self.batch.micro_size,
                 "accumulation": self.batch.accumulation, "config": self.config()}
 
@@ -284,38 +311,48 @@ def _strategy(cfg: DictConfig, bad: dict[str, list[str]]) -> StrategyConfig:
         raise ConfigError([p for group in bad.values() for p in group] + e.problems) from None
 
 
+def _root_problems(cfg: DictConfig, origin: Origin | None) -> list[str]:
+    """Keys the root schema does not have (``+key=value`` adds them), and a user's file that a
+    built-in option hides where that option is the one composed (``Origin.problems``; where it is
+    not, a warning, logged here)."""
+    known = [f.name for f in fields(TrainConfig)]
+    out = [f"{k}: not a config key (known: {', '.join(known)}); remove +{k}=..." for k in sorted(set(cfg) - set(known))]
+    warn(origin)
+    return out + (origin.problems() if origin is not None else [])
+
+
 Choose = Callable[[Job], "tuple[StrategyConfig, str]"]
 """``strategy=auto``'s step (``planner.choose``): the preset for a Job's typed groups, and why."""
 
 
-def _strategy_problems(cfg: DictConfig, strategy: StrategyConfig, model: Any, depth: int) -> list[str]:
+def _strategy_problems(cfg: DictConfig, strategy: StrategyConfig, model: Any, depth: int,
+                       origin: Origin | None) -> list[str]:
     """The strategy group's own problems: unknown keys, knob ranges, its values, its
     checkpointing against the model (when readable), an overridden family or name."""
     out = (_unknown_keys(cfg.strategy, type(strategy), "strategy")
            + knobs.problems(strategy, "strategy", launch=depth >= LAUNCH) + strategy.value_problems())
     if not out:
         out += strategy.checkpointing_problems(model)
-    return out + strategy.identity_problems()  # (the hooks' presets.load says the same)
+    return out + identity_problems(strategy, origin)  # (the hooks' presets.load says the same)
 
 
-def validate(cfg: DictConfig, *, depth: int = LAUNCH,
-             extra: Iterable[Callable[[Job], list[str]]] = (), auto: Choose | None = None) -> Job:
+def validate(cfg: DictConfig, *, depth: int = LAUNCH, extra: Iterable[Callable[[Job], list[str]]] = (),
+             auto: Choose | None = None, origin: Origin | None = None) -> Job:
     """Check everything that can be checked before a process starts; raise one ConfigError
     listing every problem. A check that divides by a field runs only when that field is valid
     (a zero n_heads is reported once, not again as a division by zero). ``extra``: more checks
     of the built Job (the chosen backend's, from train.py). ``auto``: how ``strategy=auto``
     chooses (``planner.choose``), a step over the typed groups: the chosen preset is then checked
     and derived as if the config had named it. Without it (or with a group the planner reads
-    unreadable) ``auto`` stays a placeholder preset."""
+    unreadable) ``auto`` stays a placeholder preset. ``origin``: what Hydra recorded of the
+    composition (``recipes.origin``), which the Job is named by and checks (``_root_problems``)."""
     cfg, aliased = stopping.gradient_checkpointing(cfg)  # (one switch: the strategy's key)
     objs, bad = _objects(cfg)
     bad["trainer"] = bad.get("trainer", []) + aliased
-    unknown = sorted(set(cfg) - {f.name for f in fields(TrainConfig)})
-    if unknown:  # ``+key=value`` adds keys the schema does not have
-        bad["root"] = [f"{k}: not a config key (known: {', '.join(f.name for f in fields(TrainConfig))}); "
-                       f"remove +{k}=..." for k in unknown]
-    strategy = _strategy(cfg, bad)
-    bad["strategy"] = _strategy_problems(cfg, strategy, None if bad.get("model") else objs.get("model"), depth)
+    bad["root"] = _root_problems(cfg, origin)
+    strategy = named(_strategy(cfg, bad), origin)
+    bad["strategy"] = _strategy_problems(cfg, strategy, None if bad.get("model") else objs.get("model"), depth,
+                                         origin)
     problems = [p for group in bad.values() for p in group]
     if any(g not in objs or objs[g] is None for g in ("model", "trainer", "cluster", "data")):
         raise ConfigError(problems)  # a group could not even be read
@@ -371,7 +408,8 @@ def validate(cfg: DictConfig, *, depth: int = LAUNCH,
     if not bad["trainer"] and not bad["strategy"] and preset.name != AUTO:
         problems += float8_checks.problems(t, strategy, run, None if bad["model"] else model,
                                            accelerator=c.accelerator, launch=depth >= LAUNCH)
-    job = replace(_job(cfg, objs, bad, preset, strategy, run), auto=why)
+    job = replace(_job(cfg, objs, bad, preset, strategy, run), auto=why,
+                  options=dict(origin.choices) if origin is not None else {})
     sound = world_ok and not bad["cluster"]  # (a launcher's checks read cluster.launcher: a known one)
     for check in [c for c in extra if not problems or (sound and getattr(c, "world_only", False))]:
         problems += check(job)  # (a backend's checks assume a sound job; a launcher's, a sound world)

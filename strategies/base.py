@@ -85,7 +85,9 @@ class StrategyConfig:
     """Keys every strategy preset has. Families subclass this and add their own."""
 
     name: str = "?"
-    """The preset's name: the YAML file's stem under conf/strategy/."""
+    """The preset's name: the YAML file's stem under conf/strategy/. A user's file over a built-in
+    preset (``defaults: [fsdp2, _self_]``) keeps the built-in's, which the name-keyed behaviour
+    follows; the option chosen names the run (``recipes.job.Job.strategy_option``)."""
     family: str = "?"
     """The plugin that builds this preset (set by the family's schema, not by users)."""
     activation_checkpointing: Any = knob(False, choices=AC_CHOICES, fix=(
@@ -175,13 +177,14 @@ class StrategyConfig:
         from anywhere)."""
         return []
 
-    def identity_problems(self, preset: str | None = None) -> list[str]:
+    def identity_problems(self, preset: str | None = None, option: str | None = None) -> list[str]:
         """``family`` and ``name`` set over what the preset's schema and file make them (train.py's
         command line, a hook's overrides): one line each. The plan line, the report and a hook's
-        call read ``name`` as the preset. ``preset``: the preset they were set on, where the caller
-        knows it (``presets.load``: the hooks); a composed config does not say which file it came
-        from, so there a name is refused when it is a built-in preset of another family (a ddp run
-        whose plan line said zero3)."""
+        call read ``name`` as the preset. ``preset``: the name its file gives it, where the caller
+        knows it (``presets.load``: the hooks; validation, from the option Hydra recorded, which
+        ``option`` names where it is a user's file over a built-in preset); a config composed
+        without that record refuses a name that is a built-in preset of another family (a ddp
+        run whose plan line said zero3)."""
         from strategies.presets import AUTO, preset_family
 
         out = []
@@ -190,7 +193,7 @@ class StrategyConfig:
                        "knob; remove the override")
         other = preset_family(self.name) if preset is None else None
         if preset is not None and self.name != preset:
-            why = f"strategy={preset}"
+            why = f"strategy={option or preset}"
         elif other is not None and other != self.FAMILY:
             why = (f"{AUTO} asks the planner to choose; this one is a {self.FAMILY} preset" if self.name == AUTO
                    else f"{self.name} is a preset of the {other} family, this one of {self.FAMILY}")

@@ -42,13 +42,16 @@ def hydra_context(config_dirs: Sequence[str] = ()) -> Iterator[None]:
     """Hydra initialized on ``conf/``, restoring whatever Hydra state existed before -- the job's
     name too (initializing sets it, "app", for every job a multirun launches after: a sweep's
     jobs logged to app.log, not train.log). ``config_dirs``: a user's ``--config-dir``, searched
-    before conf/ as Hydra's own flag is (recipes/compose.py's ``search_args`` reads it)."""
+    where Hydra's own flag puts it (recipes/compose.py's ``search_args`` reads it): after conf/,
+    before the schemas -- so a file of it named as a built-in option is not the one composed,
+    in train.py or here (recipes/origin.py says so)."""
     import os
 
     from hydra import initialize_config_dir
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.utils import JobRuntime
     from hydra.errors import SearchPathException
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
@@ -57,12 +60,13 @@ def hydra_context(config_dirs: Sequence[str] = ()) -> Iterator[None]:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
-            if config_dirs:  # (as Hydra's --config-dir: prepended, and a missing one refused)
+            if config_dirs:  # (as Hydra's --config-dir: before the schemas, and a missing one refused)
                 search = create_config_search_path(str(CONF_DIR))
-                for config_dir in reversed(config_dirs):
+                for config_dir in config_dirs:
                     if not os.path.isdir(config_dir):
                         raise SearchPathException(f"Additional config directory '{config_dir}' not found")
-                    search.prepend(provider="command-line", path=f"file://{config_dir}")
+                    search.prepend(provider="command-line", path=f"file://{config_dir}",
+                                   anchor=SearchPathQuery(provider="schema"))
                 GlobalHydra.instance().clear()
                 Hydra.create_main_hydra2(task_name="app", config_search_path=search)
             yield
@@ -150,6 +154,22 @@ def overrides_of(preset: Any) -> tuple[str, list[str]]:
         return preset.name, against(preset.name)
     kin = [n for n in names() if _node(n).get("family") == preset.family] or names()
     return min(((n, against(n)) for n in kin), key=lambda pair: (len(pair[1]), pair[0]))
+
+
+def label(preset: Any, option: str) -> str:
+    """How the plan line, the log and the export name ``preset`` chosen as strategy ``option`` (a
+    file of conf/strategy/ or of the user's own config directory): the option alone where it is the
+    preset's name; a user's option over a built-in preset with the built-in and the keys it changes
+    (``my_fsdp (fsdp2 + reshard_after_forward=false)``: ``name`` is the built-in's, which its
+    name-keyed behaviour follows), the first three of them."""
+    if option == preset.name:
+        return option
+    if preset.name not in names():
+        return option if preset.name == "?" else f"{option} ({preset.name})"
+    base, changed = overrides_of(preset)
+    keys = [c.removeprefix("strategy.") for c in changed]
+    more = f", +{len(keys) - 3} more" if len(keys) > 3 else ""
+    return f"{option} ({base}{' + ' + ', '.join(keys[:3]) + more if keys else ''})"
 
 
 def _spelled(value: Any) -> str:

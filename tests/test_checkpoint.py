@@ -1503,3 +1503,38 @@ def test_a_requeue_signal_during_start_up_is_held_until_the_first_step(tmp_path,
     assert proc.returncode == 128 + signal.SIGUSR1, log[-3000:]
     assert "stopped by SIGUSR1 after step 1" in log, log[-3000:]
     assert (out / "checkpoints" / "step1").is_dir() and "to resume:" in log
+
+
+@pytest.mark.unit
+def test_per_rank_state_is_matched_by_the_keys_that_make_it_not_by_the_presets_name(tmp_path):
+    """Userconf audit F3: two user presets over ddp (`defaults: [ddp, _self_]`, one `comm_hook:
+    topk`, the other `int8`) both carry the name `ddp`, so an int8 run resumed a top-k checkpoint
+    and started from its error-feedback residuals, where ddp_topk -> ddp_int8 is refused. What
+    makes the state (the comm hook and its keys, the sync settings) decides, not the name."""
+    from checkpoints import refusal
+    from checkpoints.store import RANK_STATE, Checkpoint
+    from recipes.compose import compose_chosen
+    from recipes.job import validate
+
+    mine = tmp_path / "mine" / "strategy"
+    mine.mkdir(parents=True)
+    for hook in ("topk", "int8"):
+        (mine / f"my_{hook}.yaml").write_text(f"defaults: [ddp, _self_]\ncomm_hook: {hook}\nstart_step: 1\n")
+
+    def job(*overrides: str):
+        cfg, _, origin = compose_chosen([*TINY, "--config-dir", str(tmp_path / "mine"), "cluster.devices=2", *overrides])
+        return validate(cfg, origin=origin)
+
+    topk, int8 = job("strategy=my_topk"), job("strategy=my_int8")
+    assert topk.strategy.name == int8.strategy.name == "ddp"
+    ckpt = tmp_path / "step2"
+    (ckpt / RANK_STATE).mkdir(parents=True)
+    for r in range(2):
+        (ckpt / RANK_STATE / f"rank{r}.pt").write_bytes(b"")
+    written = Checkpoint(ckpt, _meta_of(topk))
+    assert refusal(written, topk) is None
+    assert refusal(written, job("strategy=ddp_topk", "strategy.start_step=1")) is None  # (the same state)
+    why = refusal(written, int8)
+    assert why is not None and why.startswith("strategy=my_int8 keeps state of its own on each rank (int8's "
+                                              "error-feedback residuals)"), why
+    assert refusal(written, job("strategy=my_topk", "strategy.topk_ratio=0.1")) is not None

@@ -52,7 +52,7 @@ def test_compose_searches_the_users_config_dir_every_way_it_is_spelled(project):
     from recipes.cli import query
 
     for search in _spellings(project):
-        cfg, chosen, _ = query([*search, "strategy=my_zero3", "model=my_gpt", "cluster=my_cpu2"], "", "plan.py")
+        cfg, chosen, _, _ = query([*search, "strategy=my_zero3", "model=my_gpt", "cluster=my_cpu2"], "", "plan.py")
         assert (cfg.strategy.name, cfg.strategy.reduce_bucket_size, cfg.model.name, cfg.cluster.devices) == \
             ("my_zero3", 1000000, "my_gpt", 2), search
         assert {"strategy", "model", "cluster"} <= chosen
@@ -70,7 +70,7 @@ def test_a_users_top_config_is_composed_as_train_py_composes_it(project, name, c
 
     argv = ["--config-dir", str(project / "myconf"), *name, "strategy=ddp"]
     assert search_args(argv) == ([f"--config-dir={project / 'myconf'}", "--config-name=my_train"], ["strategy=ddp"])
-    cfg, chosen, _ = query(argv, "", "plan.py")
+    cfg, chosen, _, _ = query(argv, "", "plan.py")
     assert (cfg.model.name, cfg.cluster.devices, cfg.trainer.max_steps) == ("my_gpt", 2, 4)
     assert {"model", "cluster", "strategy"} <= chosen
     assert dry_run.main([*argv, "--dry-run"]) == 0
@@ -193,3 +193,149 @@ def test_launch_py_says_the_hosts_need_the_users_config_dir(project, monkeypatch
     assert "your own config directory as typed here (-cd myconf): it must be at that path there" in err, err
     launch.main([*base[:3], "strategy=zero3", "model=gpt_nano", "--dry-run"])
     assert "config directory" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------- the userconf audit: a user's options, named and found
+USER = {  # (written with `defaults: [<built-in>, _self_]` as the README shows, no `name:`; and one named as a built-in)
+    "mine/strategy/my_fsdp.yaml": "defaults: [fsdp2, _self_]\nreshard_after_forward: false\n",
+    "mine/strategy/my_topk.yaml": "defaults: [ddp, _self_]\ncomm_hook: topk\nstart_step: 1\n",
+    "mine/strategy/hand_fsdp2.yaml": "defaults: [/fsdp2_schema@_here_, _self_]\nreduce_fp32: false\n",
+    "coll/strategy/fsdp2.yaml": "defaults: [/fsdp2_schema@_here_, _self_]\nname: fsdp2\nreshard_after_forward: false\n",
+}
+NANO2 = ["model=gpt_nano", "cluster.devices=2", "cluster.accelerator=cpu"]
+
+
+@pytest.fixture
+def user(tmp_path) -> Path:
+    for name, text in USER.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def _job(argv: list[str], **kw):
+    """plan.py's composition and validation of ``argv``, with what Hydra recorded of it."""
+    from recipes.cli import query
+    from recipes.job import CONFIG, validate
+
+    cfg, _, _, origin = query(argv, "", "plan.py")
+    return validate(cfg, depth=kw.pop("depth", CONFIG), origin=origin, **kw)
+
+
+@pytest.mark.unit
+def test_a_users_file_named_as_a_built_in_loses_to_conf_in_every_composition_and_is_refused(user, caplog):
+    """F2: Hydra searches its --config-dir AFTER conf/, so train.py trained conf/'s fsdp2 while
+    plan.py, --dry-run, export.py and a sweep's preflight (which put the directory first) planned
+    the user's file (comm 0.1 MiB/step against the run's 0.2), without a word. Every composition
+    now takes conf/'s, and the user's file is refused by name where it is the option chosen, a
+    warning where it is not."""
+    from launchers import dry_run
+    from strategies import ConfigError
+
+    coll = user / "coll"
+    for search in (["--config-dir", str(coll)], [f"hydra.searchpath=[file://{coll}]"]):
+        from recipes.compose import compose
+
+        cfg = compose([*search, "strategy=fsdp2", *NANO2])
+        assert cfg.strategy.reshard_after_forward is True, search  # (conf/strategy/fsdp2.yaml's)
+        with pytest.raises(ConfigError) as e:
+            _job([*search, "strategy=fsdp2", *NANO2])
+        said = [p for p in e.value.problems if str(coll) in p]
+        assert said == [f"{coll}/strategy/fsdp2.yaml: strategy=fsdp2 is conf/strategy/fsdp2.yaml, a built-in "
+                        "option Hydra finds before your config directory, so this file is never composed; "
+                        "rename it (e.g. strategy/my_fsdp2.yaml starting `defaults: [fsdp2, _self_]`) and "
+                        "choose strategy=my_fsdp2"], e.value.problems
+    assert dry_run.main(["--config-dir", str(coll), "strategy=fsdp2", *NANO2, "--dry-run"]) == 2
+    caplog.clear()
+    job = _job(["--config-dir", str(coll), "strategy=ddp", *NANO2])  # (not chosen: a warning, the run goes on)
+    assert job.strategy.name == "ddp"
+    assert [r.getMessage() for r in caplog.records if str(coll) in r.getMessage()] == [
+        f"{coll}/strategy/fsdp2.yaml: strategy=fsdp2 is conf/strategy/fsdp2.yaml, a built-in option Hydra finds "
+        "before your config directory, so this file is never composed; rename it (e.g. strategy/my_fsdp2.yaml "
+        "starting `defaults: [fsdp2, _self_]`) and choose strategy=my_fsdp2"]
+
+
+@pytest.mark.unit
+def test_a_users_train_yaml_is_refused_as_the_top_config(tmp_path):
+    """F2: a copy of conf/train.yaml edited in the user's directory (model: gpt_nano): the dry run
+    planned gpt_nano, the run trained conf/train.yaml's gpt_small."""
+    from recipes.compose import compose
+    from strategies import ConfigError
+
+    (tmp_path / "top").mkdir()
+    (tmp_path / "top" / "train.yaml").write_text(
+        (ROOT / "conf" / "train.yaml").read_text().replace("model: gpt_small", "model: gpt_nano"))
+    assert compose(["--config-dir", str(tmp_path / "top")]).model.name == "gpt_small"  # (as train.py composes)
+    with pytest.raises(ConfigError) as e:
+        _job(["--config-dir", str(tmp_path / "top")])
+    assert [p for p in e.value.problems if "train.yaml" in p] == [
+        f"{tmp_path}/top/train.yaml: the top config train is conf/train.yaml, a built-in Hydra finds before "
+        "your config directory, so this file is never composed; rename it (e.g. my_train.yaml starting "
+        "`defaults: [train, _self_]`) and pass --config-name my_train"], e.value.problems
+
+
+@pytest.mark.subprocess
+def test_train_py_composes_what_the_dry_run_planned_and_refuses_the_shadowed_file(user, tmp_path):
+    """The one answer for every tool is train.py's: its composed config (``--cfg job``) is the
+    dry run's, and its run is refused before launch as the dry run is."""
+    import yaml
+
+    from recipes.compose import compose
+    from tests.conftest import run_cli
+
+    argv = ["--config-dir", str(user / "coll"), "strategy=fsdp2", *NANO2]
+    shown = run_cli("train.py", "--cfg", "job", *argv, out=tmp_path / "cfg", timeout=120)
+    assert yaml.safe_load(shown.proc.stdout)["strategy"] == dict(compose(argv).strategy)
+    run = run_cli("train.py", *argv, "trainer.max_steps=1", out=tmp_path / "run", check=False, timeout=120)
+    assert run.proc.returncode == 2, run.log
+    assert f"{user}/coll/strategy/fsdp2.yaml: strategy=fsdp2 is conf/strategy/fsdp2.yaml" in run.proc.stderr
+
+
+@pytest.mark.unit
+def test_a_users_preset_is_named_by_its_option(user):
+    """F1/F6: a user's preset over a built-in one (`defaults: [fsdp2, _self_]` + a key) was planned,
+    logged, reported and exported under the built-in's name (`plan: fsdp2 on local`,
+    `fsdp2-local.accelerate.yaml`, which a stock export overwrote), and one from a schema without
+    `name:` as `?`. The option names it; ``strategy.name`` stays the built-in it derives from."""
+    import planner
+    from export import _default_name
+    from recipes.job import RUN
+
+    mine = ["--config-dir", str(user / "mine")]
+    job = _job([*mine, "strategy=my_fsdp", *NANO2, "export=accelerate", "backend=accelerate"], depth=RUN)
+    assert (job.strategy.name, job.strategy_option) == ("fsdp2", "my_fsdp")
+    assert job.label == "my_fsdp (fsdp2 + reshard_after_forward=false)"
+    assert planner.preflight(job).summary().startswith(
+        "plan: my_fsdp (fsdp2 + reshard_after_forward=false) on local (2 devices): "), planner.preflight(job).summary()
+    meta = job.meta()
+    assert (meta["strategy"], meta["strategy_option"], meta["model_option"], meta["cluster_option"],
+            meta["experiment_option"]) == ("fsdp2", "my_fsdp", "gpt_nano", "local", None)
+    assert _default_name(job) == "my_fsdp-local.accelerate.yaml"
+    hand = _job([*mine, "strategy=hand_fsdp2", *NANO2, "export=accelerate", "backend=accelerate"], depth=RUN)
+    assert (hand.strategy.name, hand.label, _default_name(hand)) == (
+        "hand_fsdp2", "hand_fsdp2", "hand_fsdp2-local.accelerate.yaml")
+    assert planner.preflight(hand).summary().startswith("plan: hand_fsdp2 on local (2 devices): ")
+    stock = _job(["strategy=fsdp2", "strategy.reshard_after_forward=false", *NANO2])
+    assert (stock.label, stock.meta()["strategy_option"]) == ("fsdp2", "fsdp2")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, said", [
+    (["strategy=ddp", "strategy.name=ddp_powersgd"],
+     "strategy.name='ddp_powersgd': set by the preset's file (strategy=ddp), not a knob; remove the override"),
+    (["strategy=my_topk", "strategy.name=ddp_topk"],
+     "strategy.name='ddp_topk': set by the preset's file (strategy=my_topk), not a knob; remove the override"),
+    (["strategy=my_topk", "strategy.name=ddp"], None),  # (the file's own: nothing changes)
+], ids=["stock", "user", "the-files-own"])
+def test_strategy_name_set_to_another_preset_of_the_family_is_refused(user, argv, said):
+    """F4: `strategy=ddp strategy.name=ddp_powersgd` trained plain DDP under a plan line, log and
+    report saying ddp_powersgd; only a name of another family was refused."""
+    from strategies import ConfigError
+
+    full = ["--config-dir", str(user / "mine"), *argv, *NANO2]
+    if said is None:
+        assert _job(full).strategy.name == "ddp"
+        return
+    with pytest.raises(ConfigError) as e:
+        _job(full)
+    assert [p for p in e.value.problems if p.startswith("strategy.name=")] == [said]

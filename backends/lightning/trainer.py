@@ -91,7 +91,7 @@ def build(job: Job, out: Path, observers: Observers) -> Built:
     bridge = ObserverBridge(observers, validator)
     # (in this order: the bridge validates a step before Checkpointing acts on the validation)
     trainer = trainer_for(job, out, [bridge, Checkpointing(job, out, observers, validator)])
-    log.info("strategy: %s -> %s", job.strategy.name, type(trainer.strategy).__name__)
+    log.info("strategy: %s -> %s", job.label, type(trainer.strategy).__name__)
     module = CausalLM(job.model, t)
     module.share = CountedShare(train, global_batch=job.batch.global_size, seed=t.seed)
     module.objective = objective_for(job, train, out, observers.meta,

@@ -78,17 +78,29 @@ class DDPConfig(StrategyConfig):
                                           "synchronizations", "diloco": "DiLoCo's outer parameters "
                                           "and momentum"}.get(self.sync)
 
-    def resume_problem(self) -> str | None:
+    def rank_state(self) -> dict[str, Any]:
+        """The keys that make what each rank keeps (``unsaved_state``), with their values: the comm
+        hook and its keys, the sync mode and its; a checkpoint holds this preset's per-rank state
+        only when its run had the same (checkpoints.refusal), whatever the presets are named."""
+        keys = {"powersgd": ("powersgd_rank", "powersgd_warmup_steps", "bucket_cap_mb"),
+                "topk": ("topk_ratio", "start_step"), "int8": ("start_step",)}.get(self.comm_hook, ())
+        keys += {"local_sgd": ("sync_every", "start_step"),
+                 "diloco": ("sync_every", "start_step", "outer_lr", "outer_momentum")}.get(self.sync, ())
+        return {k: getattr(self, k) for k in ("comm_hook", "sync", *keys)}
+
+    def resume_problem(self, option: str | None = None) -> str | None:
         """Why a checkpoint not of this preset cannot be continued exactly (None: any can). Model
         and optimizer are rank 0's; PowerSGD's error feedback and warm-started factors, top-k's
         and int8's per-rank residuals, local SGD's diverged replicas and DiLoCo's outer
         parameters and momentum are each rank's own, which only this preset's checkpoints on as
-        many ranks hold (backends/common/ddp_comm.py ``RankState``; checkpoints.refusal)."""
+        many ranks hold (backends/common/ddp_comm.py ``RankState``; checkpoints.refusal).
+        ``option``: the strategy option chosen, where it is not the preset's name (a user's file)."""
         if (extra := self.unsaved_state()) is None:
             return None
-        return (f"strategy={self.name} keeps state of its own on each rank ({extra}), which only "
+        name = option or self.name
+        return (f"strategy={name} keeps state of its own on each rank ({extra}), which only "
                 "its own checkpoints on as many ranks hold, so it cannot resume this one exactly; "
-                f"resume from a strategy={self.name} checkpoint with the same cluster.devices x "
+                f"resume from a strategy={name} checkpoint with the same cluster.devices x "
                 "cluster.nodes, start the run again without trainer.resume_from, or resume with "
                 "strategy=ddp")
 
