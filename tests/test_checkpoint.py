@@ -1537,4 +1537,8 @@ def test_per_rank_state_is_matched_by_the_keys_that_make_it_not_by_the_presets_n
     why = refusal(written, int8)
     assert why is not None and why.startswith("strategy=my_int8 keeps state of its own on each rank (int8's "
                                               "error-feedback residuals)"), why
-    assert refusal(written, job("strategy=my_topk", "strategy.topk_ratio=0.1")) is not None
+    assert refusal(written, job("strategy=my_topk", "strategy.topk_ratio=0.1")) is None  # (residuals by parameter)
+    sgd = job("strategy=ddp_powersgd")
+    factors = Checkpoint(ckpt, _meta_of(sgd))
+    assert refusal(factors, job("strategy=ddp_powersgd", "strategy.powersgd_warmup_steps=5")) is None
+    assert refusal(factors, job("strategy=ddp_powersgd", "strategy.powersgd_rank=2")) is not None  # (P, Q shapes)

@@ -80,12 +80,13 @@ class DDPConfig(StrategyConfig):
 
     def rank_state(self) -> dict[str, Any]:
         """The keys that make what each rank keeps (``unsaved_state``), with their values: the comm
-        hook and its keys, the sync mode and its; a checkpoint holds this preset's per-rank state
-        only when its run had the same (checkpoints.refusal), whatever the presets are named."""
-        keys = {"powersgd": ("powersgd_rank", "powersgd_warmup_steps", "bucket_cap_mb"),
-                "topk": ("topk_ratio", "start_step"), "int8": ("start_step",)}.get(self.comm_hook, ())
-        keys += {"local_sgd": ("sync_every", "start_step"),
-                 "diloco": ("sync_every", "start_step", "outer_lr", "outer_momentum")}.get(self.sync, ())
+        hook, the sync mode, and PowerSGD's rank and buckets (its factors' shapes, its error
+        feedback by bucket); a checkpoint holds this preset's per-rank state only when its run had
+        the same (checkpoints.refusal), whatever the presets are named. The other keys (top-k's
+        ratio, start_step, sync_every, DiLoCo's outer lr and momentum) leave the state's layout as
+        it is -- residuals by parameter, replicas, an outer momentum of the parameters' shape --
+        and are a run's choice on resume, as the learning rate is."""
+        keys = ("powersgd_rank", "bucket_cap_mb") if self.comm_hook == "powersgd" else ()
         return {k: getattr(self, k) for k in ("comm_hook", "sync", *keys)}
 
     def resume_problem(self, option: str | None = None) -> str | None:
