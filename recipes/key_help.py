@@ -186,7 +186,7 @@ def _composed(point: tuple[str, ...]) -> tuple[dict, set[str]]:
 
     from recipes.compose import compose_chosen
 
-    cfg, chosen = compose_chosen(list(point))
+    cfg, chosen, _ = compose_chosen(list(point))
     return OmegaConf.to_container(cfg, resolve=False), chosen
 
 
